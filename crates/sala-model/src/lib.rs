@@ -1,0 +1,1 @@
+//! The MiniCPM-SALA forward pass.

@@ -1,0 +1,1 @@
+//! Tokenizer, chat template and streaming detokenization.
