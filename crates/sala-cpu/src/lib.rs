@@ -1,1 +1,322 @@
-//! CPU backend.
+//! CPU backend: f32 arithmetic on bf16-rounded values (rounded where the reference stores a
+//! bf16 tensor), rayon for threads, `gemm` for matrix products. Weights are widened to f32 once
+//! at load, which is exact for bf16/f16 checkpoints.
+
+pub mod attention;
+
+use attention::SparseCache;
+use rayon::prelude::*;
+use sala_checkpoint::SparseConfig;
+use sala_model::numerics::bf16_round;
+use sala_model::{AttnShape, BResult, Backend, BackendError, HostTensor, SparseMode};
+
+/// Activations `[rows, cols]` with room for `cap_rows` rows.
+#[derive(Debug, Clone)]
+pub struct CpuAct {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+    cap_rows: usize,
+}
+
+impl CpuAct {
+    pub fn from_rows(data: Vec<f32>, cols: usize) -> Self {
+        let rows = data.len() / cols;
+        Self {
+            data,
+            rows,
+            cols,
+            cap_rows: rows,
+        }
+    }
+}
+
+/// A weight matrix `[rows = out, cols = in]`.
+#[derive(Debug, Clone)]
+pub struct CpuMatrix {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+pub struct CpuBackend;
+
+fn check_shape(name: &str, t: &HostTensor<'_>, dims: usize) -> BResult<()> {
+    if t.shape.len() != dims {
+        return Err(BackendError(format!(
+            "weight {name}: expected {dims} dimensions, got shape {:?}",
+            t.shape
+        )));
+    }
+    Ok(())
+}
+
+/// `y[r, :] = x[r, :] Wᵀ` for every row, f32 accumulation, not rounded.
+pub fn matmul_f32(x: &[f32], rows: usize, w: &CpuMatrix, y: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    debug_assert_eq!(x.len(), rows * k);
+    debug_assert_eq!(y.len(), rows * n);
+    if rows == 1 {
+        // Matrix-vector: one dot product per output, split across threads.
+        y.par_chunks_mut(256).enumerate().for_each(|(ci, ys)| {
+            for (j, yj) in ys.iter_mut().enumerate() {
+                let r = ci * 256 + j;
+                *yj = attention::dot(x, &w.data[r * k..][..k]);
+            }
+        });
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 && rows * n * k > 1 << 16 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the pointers cover rows×k, n×k and rows×n f32 values with the strides given,
+    // and `y` does not alias `x` or `w`.
+    unsafe {
+        gemm::gemm(
+            rows,
+            n,
+            k,
+            y.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.data.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `round(round(x·rsqrt(mean(x²)+eps)) · w)` over one row.
+fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ms = x.iter().map(|&v| v * v).sum::<f32>() / x.len() as f32;
+    let r = 1.0 / (ms + eps).sqrt();
+    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = bf16_round(bf16_round(xi * r) * wi);
+    }
+}
+
+impl Backend for CpuBackend {
+    type Act = CpuAct;
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+    type LightningState = Vec<f32>;
+    type SparseCache = SparseCache;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<CpuMatrix> {
+        check_shape(name, &t, 2)?;
+        Ok(CpuMatrix {
+            data: t.to_f32(),
+            rows: t.shape[0],
+            cols: t.shape[1],
+        })
+    }
+
+    fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Vec<f32>> {
+        check_shape(name, &t, 1)?;
+        Ok(t.to_f32())
+    }
+
+    fn alloc(&self, max_rows: usize, cols: usize) -> BResult<CpuAct> {
+        Ok(CpuAct {
+            data: vec![0.0; max_rows * cols],
+            rows: max_rows,
+            cols,
+            cap_rows: max_rows,
+        })
+    }
+
+    fn set_rows(&self, a: &mut CpuAct, rows: usize) {
+        let rows = rows.min(a.cap_rows);
+        a.rows = rows;
+        a.data.resize(rows * a.cols, 0.0);
+    }
+
+    fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Vec<f32>> {
+        Ok(vec![0.0; heads * head_dim * head_dim])
+    }
+
+    fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<SparseCache> {
+        Ok(SparseCache::new(shape, cfg))
+    }
+
+    fn embed(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut CpuAct) -> BResult<()> {
+        let d = table.cols;
+        for (row, &id) in out.data.chunks_exact_mut(d).zip(ids) {
+            let src = table
+                .data
+                .get(id as usize * d..(id as usize + 1) * d)
+                .ok_or_else(|| {
+                    BackendError(format!("token id {id} is outside the embedding table"))
+                })?;
+            for (o, &e) in row.iter_mut().zip(src) {
+                *o = bf16_round(e * scale);
+            }
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) -> BResult<()> {
+        out.data
+            .par_chunks_mut(x.cols)
+            .zip(x.data.par_chunks(x.cols))
+            .for_each(|(o, xr)| rms_norm_row(xr, w, eps, o));
+        Ok(())
+    }
+
+    fn matmul(&self, x: &CpuAct, w: &CpuMatrix, out: &mut CpuAct) -> BResult<()> {
+        if x.cols != w.cols || out.cols != w.rows || out.rows != x.rows {
+            return Err(BackendError(format!(
+                "matmul shapes: x [{}, {}], w [{}, {}], out [{}, {}]",
+                x.rows, x.cols, w.rows, w.cols, out.rows, out.cols
+            )));
+        }
+        matmul_f32(&x.data, x.rows, w, &mut out.data);
+        out.data.par_iter_mut().for_each(|v| *v = bf16_round(*v));
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &mut CpuAct, up: &CpuAct) -> BResult<()> {
+        gate.data
+            .par_iter_mut()
+            .zip(up.data.par_iter())
+            .for_each(|(g, &u)| *g = bf16_round(bf16_round(silu(*g)) * u));
+        Ok(())
+    }
+
+    fn add_scaled(&self, h: &mut CpuAct, branch: &CpuAct, scale: f32) -> BResult<()> {
+        h.data
+            .par_iter_mut()
+            .zip(branch.data.par_iter())
+            .for_each(|(x, &b)| *x = bf16_round(*x + bf16_round(b * scale)));
+        Ok(())
+    }
+
+    fn sigmoid_gate(&self, x: &mut CpuAct, gate: &CpuAct) -> BResult<()> {
+        x.data
+            .par_iter_mut()
+            .zip(gate.data.par_iter())
+            .for_each(|(v, &z)| *v = bf16_round(*v * bf16_round(sigmoid(z))));
+        Ok(())
+    }
+
+    fn head_norm_rope(
+        &self,
+        x: &mut CpuAct,
+        head_dim: usize,
+        norm: Option<(&Vec<f32>, f32)>,
+        rope: Option<(&[f32], usize)>,
+    ) -> BResult<()> {
+        let cols = x.cols;
+        let half = head_dim / 2;
+        x.data
+            .par_chunks_mut(cols)
+            .enumerate()
+            .for_each(|(r, row)| {
+                let mut tmp = vec![0f32; head_dim];
+                let trig: Option<(Vec<f32>, Vec<f32>)> = rope.map(|(inv_freq, first)| {
+                    let pos = (first + r) as f32;
+                    inv_freq
+                        .iter()
+                        .map(|&f| ((pos * f).cos(), (pos * f).sin()))
+                        .unzip()
+                });
+                for head in row.chunks_exact_mut(head_dim) {
+                    if let Some((w, eps)) = norm {
+                        rms_norm_row(head, w, eps, &mut tmp);
+                        head.copy_from_slice(&tmp);
+                    }
+                    if let Some((cos, sin)) = &trig {
+                        for i in 0..half {
+                            let (a, b) = (head[i], head[i + half]);
+                            tmp[i] = bf16_round(a * cos[i] - b * sin[i]);
+                            tmp[i + half] = bf16_round(b * cos[i] + a * sin[i]);
+                        }
+                        head.copy_from_slice(&tmp);
+                    }
+                }
+            });
+        Ok(())
+    }
+
+    fn lightning(
+        &self,
+        shape: AttnShape,
+        slopes: &[f32],
+        q: &CpuAct,
+        k: &CpuAct,
+        v: &CpuAct,
+        state: &mut Vec<f32>,
+        out: &mut CpuAct,
+    ) -> BResult<()> {
+        let o = attention::lightning(shape, slopes, &q.data, &k.data, &v.data, state);
+        for (dst, x) in out.data.iter_mut().zip(o) {
+            *dst = bf16_round(x);
+        }
+        Ok(())
+    }
+
+    fn sparse_attention(
+        &self,
+        _shape: AttnShape,
+        _cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &CpuAct,
+        k: &CpuAct,
+        v: &CpuAct,
+        cache: &mut SparseCache,
+        out: &mut CpuAct,
+    ) -> BResult<()> {
+        cache.append(&k.data, &v.data);
+        let o = attention::sparse_layer_attention(cache, mode, &q.data);
+        for (dst, x) in out.data.iter_mut().zip(o) {
+            *dst = bf16_round(x);
+        }
+        Ok(())
+    }
+
+    fn logits(
+        &self,
+        h: &CpuAct,
+        rows: std::ops::Range<usize>,
+        lm_head: &CpuMatrix,
+        divisor: f32,
+    ) -> BResult<Vec<f32>> {
+        let x: Vec<f32> = h.data[rows.start * h.cols..rows.end * h.cols]
+            .iter()
+            .map(|&v| bf16_round(v / divisor))
+            .collect();
+        let mut y = vec![0f32; rows.len() * lm_head.rows];
+        matmul_f32(&x, rows.len(), lm_head, &mut y);
+        y.par_iter_mut().for_each(|v| *v = bf16_round(*v));
+        Ok(y)
+    }
+
+    fn to_host(&self, a: &CpuAct) -> BResult<Vec<f32>> {
+        Ok(a.data.clone())
+    }
+}

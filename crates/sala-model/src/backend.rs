@@ -1,0 +1,153 @@
+//! The narrow, model-specific interface the forward pass is written against. The CPU backend
+//! implements it now; a GPU backend implements the same ops on device buffers.
+//!
+//! Conventions: activations are row-major `[rows, cols]`, one row per token of the current
+//! chunk. Every op stores its result rounded to bf16, as the reference's bf16 tensors are,
+//! except where a method says otherwise. Linear weights are `[out, in]`, `y = x Wᵀ`.
+
+use crate::oracle::{AttnShape, SparseMode};
+use sala_checkpoint::SparseConfig;
+
+/// An error from a backend (a device failure, a buffer that does not fit).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BackendError(pub String);
+
+pub type BResult<T> = Result<T, BackendError>;
+
+/// Storage type of a host tensor handed to the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostDType {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// A weight as it lies on the host (e.g. memory-mapped from safetensors), little-endian.
+#[derive(Debug, Clone, Copy)]
+pub struct HostTensor<'a> {
+    pub dtype: HostDType,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+impl HostTensor<'_> {
+    /// The values widened to f32 (exact for all three dtypes).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.dtype {
+            HostDType::F32 => self
+                .bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            HostDType::Bf16 => self
+                .bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                .collect(),
+            HostDType::F16 => self
+                .bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                .collect(),
+        }
+    }
+}
+
+pub trait Backend {
+    /// Activations `[rows, cols]`, with capacity for the largest chunk.
+    type Act;
+    /// A linear weight `[out, in]` (also the embedding table `[vocab, hidden]`).
+    type Matrix;
+    /// A norm weight.
+    type Vector;
+    /// A lightning layer's fp32 state `[heads, d, d]` for one sequence.
+    type LightningState;
+    /// A sparse layer's cache for one sequence: K, V and the compressed key tiers.
+    type SparseCache;
+
+    fn name(&self) -> String;
+
+    fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Matrix>;
+    fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Vector>;
+
+    /// A buffer with room for `max_rows` rows of `cols`; its row count starts at `max_rows`.
+    fn alloc(&self, max_rows: usize, cols: usize) -> BResult<Self::Act>;
+    /// Sets the row count of `a` (at most its capacity) before an op writes it.
+    fn set_rows(&self, a: &mut Self::Act, rows: usize);
+
+    fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Self::LightningState>;
+    fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<Self::SparseCache>;
+
+    /// `out[i] = round(table[ids[i]] * scale)`.
+    fn embed(
+        &self,
+        table: &Self::Matrix,
+        ids: &[u32],
+        scale: f32,
+        out: &mut Self::Act,
+    ) -> BResult<()>;
+    /// RMSNorm of every row (SPEC §3): `round(round(x·rsqrt(mean(x²)+eps)) · w)`.
+    fn rms_norm(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Act,
+    ) -> BResult<()>;
+    /// `out = round(x Wᵀ)`, fp32 accumulation.
+    fn matmul(&self, x: &Self::Act, w: &Self::Matrix, out: &mut Self::Act) -> BResult<()>;
+    /// `gate = round(round(silu(gate)) · up)`.
+    fn silu_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> BResult<()>;
+    /// `h = round(h + round(branch · scale))`.
+    fn add_scaled(&self, h: &mut Self::Act, branch: &Self::Act, scale: f32) -> BResult<()>;
+    /// `x = round(x · round(sigmoid(gate)))`.
+    fn sigmoid_gate(&self, x: &mut Self::Act, gate: &Self::Act) -> BResult<()>;
+    /// Per head of `head_dim` features: optional RMSNorm with the shared weight `norm`, then
+    /// optional RoPE (rotate-half, positions `first_pos..`, inverse frequencies `inv_freq`).
+    fn head_norm_rope(
+        &self,
+        x: &mut Self::Act,
+        head_dim: usize,
+        norm: Option<(&Self::Vector, f32)>,
+        rope: Option<(&[f32], usize)>,
+    ) -> BResult<()>;
+    /// Lightning attention (Simple GLA, SPEC §4.2) of the chunk from `state`, which it
+    /// advances past the chunk; `out` gets `o` rounded to bf16.
+    fn lightning(
+        &self,
+        shape: AttnShape,
+        slopes: &[f32],
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        state: &mut Self::LightningState,
+        out: &mut Self::Act,
+    ) -> BResult<()>;
+    /// Appends the chunk's K and V to `cache`, then attends the chunk's queries (positions
+    /// continue the cache) with `mode` (SPEC §5); `out` gets the result rounded to bf16.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_attention(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        cache: &mut Self::SparseCache,
+        out: &mut Self::Act,
+    ) -> BResult<()>;
+    /// Logits of the rows `rows` of `h` (final-normed hidden states): `round(h / divisor)`
+    /// times `lm_head`ᵀ, rounded to bf16 as the reference's bf16 output, returned as f32
+    /// `[rows.len(), vocab]`.
+    fn logits(
+        &self,
+        h: &Self::Act,
+        rows: std::ops::Range<usize>,
+        lm_head: &Self::Matrix,
+        divisor: f32,
+    ) -> BResult<Vec<f32>>;
+    /// Copies an activation buffer to the host (tests and debugging).
+    fn to_host(&self, a: &Self::Act) -> BResult<Vec<f32>>;
+}

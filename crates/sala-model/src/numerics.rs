@@ -1,0 +1,98 @@
+//! Rounding and small math shared by every backend and the oracle.
+
+/// Rounds to the nearest bf16 value (ties to even), kept in an f32: the reference computes in
+/// bf16 tensors, so the CPU paths round where it stores one.
+#[inline]
+pub fn bf16_round(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
+
+/// Rounds every element of `xs` to bf16 in place.
+pub fn bf16_round_slice(xs: &mut [f32]) {
+    for x in xs {
+        *x = bf16_round(*x);
+    }
+}
+
+/// RoPE inverse frequencies `1 / theta^(2i/d)`, in f32 as the reference computes them.
+pub fn rope_inv_freq(head_dim: usize, theta: f64) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
+        .collect()
+}
+
+/// Element-wise closeness `|a-b| <= atol + rtol*|b|`; returns the worst offending index.
+pub fn first_mismatch(a: &[f32], b: &[f32], atol: f32, rtol: f32) -> Option<(usize, f32, f32)> {
+    if a.len() != b.len() {
+        return Some((usize::MAX, a.len() as f32, b.len() as f32));
+    }
+    a.iter()
+        .zip(b)
+        .enumerate()
+        .find(|(_, (&x, &y))| !((x - y).abs() <= atol + rtol * y.abs()))
+        .map(|(i, (&x, &y))| (i, x, y))
+}
+
+/// Relative L2 error `|a-b| / |b|`.
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| ((x - y) as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// A small seeded generator for tests and random weights (splitmix64 → xoshiro256**).
+#[derive(Clone)]
+pub struct TestRng {
+    s: [u64; 4],
+}
+
+impl TestRng {
+    pub fn new(seed: u64) -> Self {
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9E3779B97F4A7C15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
+            x ^ (x >> 31)
+        };
+        Self {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        r
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in [lo, hi), rounded to bf16.
+    pub fn bf16_uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        bf16_round(lo + (hi - lo) * self.uniform() as f32)
+    }
+
+    /// A vector of bf16-representable uniform values.
+    pub fn bf16_vec(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.bf16_uniform(lo, hi)).collect()
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.uniform() * n as f64) as usize % n.max(1)
+    }
+}
