@@ -3,6 +3,7 @@
 //! at load, which is exact for bf16/f16 checkpoints.
 
 pub mod attention;
+pub mod reference;
 
 use attention::SparseCache;
 use rayon::prelude::*;

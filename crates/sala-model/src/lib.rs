@@ -2,6 +2,7 @@
 //! plain implementations of both attention algorithms that every fast path is held to.
 
 pub mod backend;
+pub mod memory;
 pub mod model;
 pub mod numerics;
 pub mod oracle;

@@ -1,0 +1,149 @@
+//! A backend whose attention ops are the oracle itself (f64, per-query, no caching tricks) and
+//! whose matrix products are plain loops; everything else is the CPU backend's. Whole-model
+//! runs on it are the reference the fast backends are compared with.
+
+use crate::{CpuAct, CpuBackend, CpuMatrix};
+use sala_checkpoint::SparseConfig;
+use sala_model::numerics::bf16_round;
+use sala_model::oracle::{self, AttnShape, SparseMode};
+use sala_model::{BResult, Backend, HostTensor};
+
+pub struct ReferenceBackend;
+
+/// All K and V rows seen so far.
+#[derive(Debug, Clone, Default)]
+pub struct ReferenceKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    kv_width: usize,
+}
+
+fn naive_matmul(x: &[f32], rows: usize, w: &CpuMatrix) -> Vec<f32> {
+    let mut y = vec![0f32; rows * w.rows];
+    for r in 0..rows {
+        for o in 0..w.rows {
+            let acc: f64 = (0..w.cols)
+                .map(|i| x[r * w.cols + i] as f64 * w.data[o * w.cols + i] as f64)
+                .sum();
+            y[r * w.rows + o] = acc as f32;
+        }
+    }
+    y
+}
+
+impl Backend for ReferenceBackend {
+    type Act = CpuAct;
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+    type LightningState = Vec<f32>;
+    type SparseCache = ReferenceKv;
+
+    fn name(&self) -> String {
+        "reference (oracle)".into()
+    }
+    fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<CpuMatrix> {
+        CpuBackend.upload_matrix(name, t)
+    }
+    fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Vec<f32>> {
+        CpuBackend.upload_vector(name, t)
+    }
+    fn alloc(&self, max_rows: usize, cols: usize) -> BResult<CpuAct> {
+        CpuBackend.alloc(max_rows, cols)
+    }
+    fn set_rows(&self, a: &mut CpuAct, rows: usize) {
+        CpuBackend.set_rows(a, rows)
+    }
+    fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Vec<f32>> {
+        CpuBackend.new_lightning_state(heads, head_dim)
+    }
+    fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<ReferenceKv> {
+        Ok(ReferenceKv {
+            kv_width: shape.kv_width(),
+            ..Default::default()
+        })
+    }
+    fn embed(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut CpuAct) -> BResult<()> {
+        CpuBackend.embed(table, ids, scale, out)
+    }
+    fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) -> BResult<()> {
+        CpuBackend.rms_norm(x, w, eps, out)
+    }
+    fn matmul(&self, x: &CpuAct, w: &CpuMatrix, out: &mut CpuAct) -> BResult<()> {
+        out.data = naive_matmul(&x.data, x.rows, w)
+            .into_iter()
+            .map(bf16_round)
+            .collect();
+        Ok(())
+    }
+    fn silu_mul(&self, gate: &mut CpuAct, up: &CpuAct) -> BResult<()> {
+        CpuBackend.silu_mul(gate, up)
+    }
+    fn add_scaled(&self, h: &mut CpuAct, branch: &CpuAct, scale: f32) -> BResult<()> {
+        CpuBackend.add_scaled(h, branch, scale)
+    }
+    fn sigmoid_gate(&self, x: &mut CpuAct, gate: &CpuAct) -> BResult<()> {
+        CpuBackend.sigmoid_gate(x, gate)
+    }
+    fn head_norm_rope(
+        &self,
+        x: &mut CpuAct,
+        head_dim: usize,
+        norm: Option<(&Vec<f32>, f32)>,
+        rope: Option<(&[f32], usize)>,
+    ) -> BResult<()> {
+        CpuBackend.head_norm_rope(x, head_dim, norm, rope)
+    }
+    fn lightning(
+        &self,
+        shape: AttnShape,
+        slopes: &[f32],
+        q: &CpuAct,
+        k: &CpuAct,
+        v: &CpuAct,
+        state: &mut Vec<f32>,
+        out: &mut CpuAct,
+    ) -> BResult<()> {
+        let (o, s) = oracle::lightning(shape, slopes, &q.data, &k.data, &v.data, Some(state));
+        *state = s;
+        out.data = o.into_iter().map(bf16_round).collect();
+        Ok(())
+    }
+    fn sparse_attention(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &CpuAct,
+        k: &CpuAct,
+        v: &CpuAct,
+        cache: &mut ReferenceKv,
+        out: &mut CpuAct,
+    ) -> BResult<()> {
+        let first = cache.k.len() / cache.kv_width;
+        cache.k.extend_from_slice(&k.data);
+        cache.v.extend_from_slice(&v.data);
+        let o =
+            oracle::sparse_layer_attention(shape, cfg, mode, &q.data, first, &cache.k, &cache.v);
+        out.data = o.into_iter().map(bf16_round).collect();
+        Ok(())
+    }
+    fn logits(
+        &self,
+        h: &CpuAct,
+        rows: std::ops::Range<usize>,
+        lm_head: &CpuMatrix,
+        divisor: f32,
+    ) -> BResult<Vec<f32>> {
+        let x: Vec<f32> = h.data[rows.start * h.cols..rows.end * h.cols]
+            .iter()
+            .map(|&v| bf16_round(v / divisor))
+            .collect();
+        Ok(naive_matmul(&x, rows.len(), lm_head)
+            .into_iter()
+            .map(bf16_round)
+            .collect())
+    }
+    fn to_host(&self, a: &CpuAct) -> BResult<Vec<f32>> {
+        Ok(a.data.clone())
+    }
+}

@@ -1,0 +1,252 @@
+//! Whole-model checks on small random models: the fast CPU backend against the reference
+//! backend (the oracle's attention, plain matmuls), and the exactness of chunked prefill and
+//! of prefill-then-decode, across `dense_len`.
+
+use sala_checkpoint::{expected_tensors, ModelConfig};
+use sala_cpu::reference::ReferenceBackend;
+use sala_cpu::CpuBackend;
+use sala_model::numerics::{rel_l2, TestRng};
+use sala_model::{Backend, HostDType, HostTensor, LogitRows, Model, SparseMode, WeightSource};
+use std::collections::HashMap;
+
+/// Random bf16 weights for every tensor of a config, held in memory.
+struct RandomWeights {
+    tensors: HashMap<String, (Vec<usize>, Vec<u8>)>,
+}
+
+impl RandomWeights {
+    fn new(config: &ModelConfig, seed: u64) -> Self {
+        let mut rng = TestRng::new(seed);
+        let tensors = expected_tensors(config)
+            .into_iter()
+            .map(|spec| {
+                let n: usize = spec.shape.iter().product();
+                let (lo, hi) = if spec.shape.len() == 1 {
+                    (0.7, 1.3) // norm weights
+                } else if spec.name.contains("embed_tokens") {
+                    (-0.1, 0.1)
+                } else {
+                    let a = (3.0 / spec.shape[1] as f32).sqrt();
+                    (-a, a)
+                };
+                let bytes = rng
+                    .bf16_vec(n, lo, hi)
+                    .into_iter()
+                    .flat_map(|x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+                    .collect();
+                (spec.name, (spec.shape, bytes))
+            })
+            .collect();
+        Self { tensors }
+    }
+}
+
+impl WeightSource for RandomWeights {
+    fn tensor(&self, name: &str) -> Result<HostTensor<'_>, String> {
+        let (shape, bytes) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| format!("no tensor {name}"))?;
+        Ok(HostTensor {
+            dtype: HostDType::Bf16,
+            shape,
+            bytes,
+        })
+    }
+}
+
+/// The tiny test model: 4 layers (sparse, lightning, lightning, sparse), 16-token blocks,
+/// 6 selected blocks, sparse attention from `dense_len` tokens.
+fn tiny_config(dense_len: usize) -> ModelConfig {
+    let json = serde_json::json!({
+        "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 512,
+        "mixer_types": ["minicpm4", "lightning-attn", "lightning-attn", "minicpm4"],
+        "lightning_nkv": 4, "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 32,
+        "qk_norm": true, "use_output_norm": true, "use_output_gate": true,
+        "attn_use_output_gate": true, "lightning_use_rope": true, "attn_use_rope": false,
+        "eos_token_id": [2], "max_position_embeddings": 65536,
+        "sparse_config": {"kernel_size": 8, "kernel_stride": 4, "block_size": 16, "init_blocks": 1,
+                          "window_size": 32, "topk": 4, "use_nope": false, "dense_len": dense_len}
+    });
+    ModelConfig::from_json(json).unwrap()
+}
+
+fn load<B: Backend>(be: &B, config: &ModelConfig, seed: u64) -> Model<B> {
+    let src = RandomWeights::new(config, seed);
+    Model::load(be, config.clone(), &src, &mut |_, _| {}).unwrap()
+}
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = TestRng::new(seed);
+    (0..n).map(|_| rng.below(vocab) as u32).collect()
+}
+
+/// Runs `toks` in the given chunk lengths with the given modes, returning every row's logits.
+fn run<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    toks: &[u32],
+    chunks: &[(usize, SparseMode)],
+) -> Vec<f32> {
+    let max = chunks.iter().map(|c| c.0).max().unwrap();
+    let mut ws = model.workspace(be, max).unwrap();
+    let mut seq = model.new_sequence(be).unwrap();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &(len, mode) in chunks {
+        out.extend(
+            model
+                .forward(
+                    be,
+                    &mut ws,
+                    &mut seq,
+                    &toks[at..at + len],
+                    mode,
+                    LogitRows::All,
+                )
+                .unwrap(),
+        );
+        at += len;
+    }
+    assert_eq!(at, toks.len());
+    assert_eq!(seq.pos, toks.len());
+    out
+}
+
+/// Compares logits row by row. Sparse block selection ranks bf16-rounded scores, so a
+/// rounding difference far upstream can swap two near-tied blocks and move a row by a few
+/// percent, as it would in the reference; the check is therefore: every row within `MAX_ERR`,
+/// the median row within `MEDIAN_ERR`, and the same greedy token (or a tie within the error).
+fn assert_logits_close(what: &str, got: &[f32], want: &[f32], vocab: usize) {
+    const MAX_ERR: f64 = 5e-2;
+    const MEDIAN_ERR: f64 = 1e-2;
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut errs = Vec::new();
+    for (r, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let err = rel_l2(g, w);
+        assert!(err < MAX_ERR, "{what}: row {r}: relative L2 error {err}");
+        errs.push(err);
+        let arg = |x: &[f32]| {
+            (0..x.len())
+                .max_by(|&a, &b| x[a].total_cmp(&x[b]).then(b.cmp(&a)))
+                .unwrap()
+        };
+        let (ag, aw) = (arg(g), arg(w));
+        assert!(
+            ag == aw || (g[aw] - g[ag]).abs() <= 0.05 * g[ag].abs().max(1.0),
+            "{what}: row {r}: greedy token {ag} vs {aw}"
+        );
+    }
+    errs.sort_by(f64::total_cmp);
+    let median = errs[errs.len() / 2];
+    assert!(median < MEDIAN_ERR, "{what}: median row error {median}");
+}
+
+fn one_pass(n: usize, mode: SparseMode) -> Vec<(usize, SparseMode)> {
+    vec![(n, mode)]
+}
+
+#[test]
+fn fast_backend_matches_reference_dense_and_sparse() {
+    let config = tiny_config(96);
+    let fast = load(&CpuBackend, &config, 1);
+    let reference = load(&ReferenceBackend, &config, 1);
+    let v = config.vocab_size;
+    for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
+        let toks = tokens(n, v, n as u64);
+        let want = run(&ReferenceBackend, &reference, &toks, &one_pass(n, mode));
+        let got = run(&CpuBackend, &fast, &toks, &one_pass(n, mode));
+        assert_logits_close(&format!("{mode:?} N{n}"), &got, &want, v);
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    let config = tiny_config(96);
+    let model = load(&CpuBackend, &config, 2);
+    let v = config.vocab_size;
+    let n = 230;
+    let toks = tokens(n, v, 9);
+    for mode in [SparseMode::Dense, SparseMode::Sparse] {
+        let want = run(&CpuBackend, &model, &toks, &one_pass(n, mode));
+        for chunk in [1, 7, 64, 100] {
+            let chunks: Vec<_> = (0..n)
+                .step_by(chunk)
+                .map(|s| ((n - s).min(chunk), mode))
+                .collect();
+            let got = run(&CpuBackend, &model, &toks, &chunks);
+            assert_logits_close(&format!("{mode:?} chunk {chunk}"), &got, &want, v);
+        }
+    }
+}
+
+#[test]
+fn prefill_then_decode_equals_one_longer_prefill_across_dense_len() {
+    // With dense_len = 96 = selected blocks × block size, dense and sparse attention agree
+    // below dense_len, so a prompt prefilled densely and decoded past dense_len must give the
+    // logits of one sparse prefill of the whole sequence.
+    let config = tiny_config(96);
+    let model = load(&CpuBackend, &config, 3);
+    let v = config.vocab_size;
+    let n = 180;
+    let toks = tokens(n, v, 4);
+    let want = run(
+        &CpuBackend,
+        &model,
+        &toks,
+        &one_pass(n, model.sparse_mode(n)),
+    );
+
+    let mut ws = model.workspace(&CpuBackend, 64).unwrap();
+    let mut seq = model.new_sequence(&CpuBackend).unwrap();
+    let prompt = 60;
+    let last = model
+        .prefill(&CpuBackend, &mut ws, &mut seq, &toks[..prompt], &mut |_| {})
+        .unwrap();
+    let mut got = vec![0f32; (prompt - 1) * v]; // rows before the last prompt token: not compared
+    got.extend(last);
+    for &t in &toks[prompt..] {
+        got.extend(model.decode(&CpuBackend, &mut ws, &mut seq, t).unwrap());
+    }
+    assert_logits_close(
+        "prefill 60 + decode to 180",
+        &got[(prompt - 1) * v..],
+        &want[(prompt - 1) * v..],
+        v,
+    );
+}
+
+#[test]
+fn per_call_mode_follows_the_reference_when_dense_len_exceeds_the_selection() {
+    // dense_len 160 > 96: queries at 96..159 differ between dense and sparse attention, so
+    // the mode of each call matters. The fast backend must follow the reference exactly.
+    let config = tiny_config(160);
+    let fast = load(&CpuBackend, &config, 5);
+    let reference = load(&ReferenceBackend, &config, 5);
+    let v = config.vocab_size;
+    let n = 200;
+    let toks = tokens(n, v, 6);
+    // Prefill 120 (dense, total < 160), then decode: dense until position 158, sparse after.
+    let mut schedule = vec![(120, fast.sparse_mode(120))];
+    for p in 120..n {
+        schedule.push((1, fast.sparse_mode(p + 1)));
+    }
+    assert_eq!(schedule[1].1, SparseMode::Dense);
+    assert_eq!(schedule.last().unwrap().1, SparseMode::Sparse);
+    let want = run(&ReferenceBackend, &reference, &toks, &schedule);
+    let got = run(&CpuBackend, &fast, &toks, &schedule);
+    assert_logits_close("dense prefill, decode across dense_len", &got, &want, v);
+
+    // And the modes are not interchangeable here: one sparse prefill differs from it.
+    let sparse_all = run(&CpuBackend, &fast, &toks, &one_pass(n, SparseMode::Sparse));
+    let row = 150;
+    let err = rel_l2(
+        &sparse_all[row * v..(row + 1) * v],
+        &got[row * v..(row + 1) * v],
+    );
+    assert!(
+        err > 1e-3,
+        "dense and sparse attention agree at position {row} ({err})"
+    );
+}
