@@ -396,10 +396,13 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(field_err("head_dim", "must be even (RoPE rotates halves)"));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(field_err(
                 "num_key_value_heads",
                 format!(
@@ -408,7 +411,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.num_attention_heads % self.lightning_nkv != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.lightning_nkv) {
             return Err(field_err(
                 "lightning_nkv",
                 format!(
@@ -427,13 +430,13 @@ impl ModelConfig {
                 ),
             ));
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(field_err("rms_norm_eps", "must be positive"));
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return Err(field_err("rope_theta", "must be positive"));
         }
-        if !(self.dim_model_base > 0.0) {
+        if self.dim_model_base.is_nan() || self.dim_model_base <= 0.0 {
             return Err(field_err("dim_model_base", "must be positive"));
         }
         if self.max_position_embeddings == 0 {
@@ -443,7 +446,7 @@ impl ModelConfig {
         if s.use_nope {
             return Err(field_err("sparse_config.use_nope", "true is not supported"));
         }
-        if s.block_size % s.kernel_stride != 0 {
+        if !s.block_size.is_multiple_of(s.kernel_stride) {
             return Err(field_err(
                 "sparse_config.block_size",
                 format!(
@@ -461,12 +464,30 @@ impl ModelConfig {
                 ),
             ));
         }
-        if s.window_size % s.block_size != 0 {
+        if !s.window_size.is_multiple_of(s.block_size) {
             return Err(field_err(
                 "sparse_config.window_size",
                 format!(
                     "{} is not a multiple of block_size ({})",
                     s.window_size, s.block_size
+                ),
+            ));
+        }
+        // The selection rules assume every block outside the local window has all of its
+        // level-1 windows complete (SPEC §5.5); these two bounds guarantee it.
+        if s.window_size < s.block_size {
+            return Err(field_err(
+                "sparse_config.window_size",
+                format!("{} is smaller than block_size ({})", s.window_size, s.block_size),
+            ));
+        }
+        if s.kernel_size > s.block_size + s.kernel_stride {
+            return Err(field_err(
+                "sparse_config.kernel_size",
+                format!(
+                    "{} exceeds block_size + kernel_stride ({})",
+                    s.kernel_size,
+                    s.block_size + s.kernel_stride
                 ),
             ));
         }
@@ -667,6 +688,12 @@ mod tests {
         v["sparse_config"]["block_size"] = 50.into();
         let e = ModelConfig::from_json(v).unwrap_err().to_string();
         assert!(e.contains("sparse_config.block_size"), "{e}");
+        for (field, value) in [("window_size", 0), ("kernel_size", 100)] {
+            let mut v = released();
+            v["sparse_config"][field] = value.into();
+            let e = ModelConfig::from_json(v).unwrap_err().to_string();
+            assert!(e.contains(&format!("sparse_config.{field}")), "{e}");
+        }
     }
 
     #[test]

@@ -2,5 +2,17 @@
 //! sharded), and writing small checkpoints with seeded random weights.
 
 pub mod config;
+pub mod presets;
+pub mod weights;
+pub mod writer;
 
 pub use config::{alibi_slopes, ConfigError, MixerKind, ModelConfig, SparseConfig};
+pub use presets::{preset, preset_names, PresetError};
+pub use weights::{
+    bf16_bits_to_f32, expected_parameter_count, expected_tensors, f32_to_bf16_bits, Checkpoint,
+    CheckpointError, DType, Problem, TensorInfo, TensorSpec, TensorView, INDEX_FILE, SINGLE_FILE,
+};
+pub use writer::{
+    random_tensor_values, write_checkpoint_with, write_config_only, write_random_checkpoint,
+    write_safetensors_file, WriteOptions,
+};

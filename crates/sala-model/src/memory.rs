@@ -6,38 +6,6 @@ use sala_checkpoint::{MixerKind, ModelConfig};
 /// Bytes of one bf16 value.
 const BF16: usize = 2;
 
-/// Parameters of the model (every tensor [`crate::Model::load`] uploads).
-pub fn parameter_count(c: &ModelConfig) -> usize {
-    let (h, i, hd) = (
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_attention_heads * c.head_dim,
-    );
-    let embed = c.vocab_size * h * if c.tie_word_embeddings { 1 } else { 2 };
-    let layers: usize = c
-        .mixer_types
-        .iter()
-        .map(|k| {
-            let mixer = match k {
-                MixerKind::Lightning => {
-                    2 * hd * h
-                        + 2 * c.lightning_kv_dim() * h
-                        + if c.use_output_gate { hd * h } else { 0 }
-                        + if c.qk_norm { 2 * c.head_dim } else { 0 }
-                        + if c.use_output_norm { hd } else { 0 }
-                }
-                MixerKind::Sparse => {
-                    2 * hd * h
-                        + 2 * c.kv_dim() * h
-                        + if c.attn_use_output_gate { hd * h } else { 0 }
-                }
-            };
-            mixer + 3 * h * i + 2 * h
-        })
-        .sum();
-    embed + layers + h
-}
-
 /// Bytes of one sequence's cache at `context` tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheBytes {
@@ -77,7 +45,7 @@ pub fn cache_bytes(c: &ModelConfig, context: usize) -> CacheBytes {
 
 /// Bytes of the weights in bf16.
 pub fn weight_bytes(c: &ModelConfig) -> usize {
-    parameter_count(c) * BF16
+    sala_checkpoint::expected_parameter_count(c) as usize * BF16
 }
 
 #[cfg(test)]
@@ -95,7 +63,7 @@ mod tests {
     #[test]
     fn released_shape_matches_spec_figures() {
         let c = released();
-        assert_eq!(parameter_count(&c), 9_477_203_968); // SPEC §1
+        assert_eq!(weight_bytes(&c), 2 * 9_477_203_968); // SPEC §1
         let m = cache_bytes(&c, 1 << 20);
         assert_eq!(m.kv, 8 << 30); // 8 KiB per token (SPEC §5.7)
         assert_eq!(m.lightning_state, 48 << 20); // SPEC §4.4

@@ -1,0 +1,1518 @@
+//! Safetensors weights of a checkpoint directory (SPEC §8): one `model.safetensors` or shards
+//! listed in `model.safetensors.index.json`, memory-mapped and checked against the tensor set
+//! that `config.json` implies before anything reads them.
+
+use crate::config::{ConfigError, MixerKind, ModelConfig};
+use memmap2::Mmap;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Component, Path, PathBuf};
+
+/// File name of a single-file checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// File name of the shard index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// Problems listed in full in one validation error; the rest are counted.
+const MAX_LISTED_PROBLEMS: usize = 8;
+
+/// Element types the engine accepts for weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::Bf16 | Self::F16 => 2,
+            Self::F32 => 4,
+        }
+    }
+
+    /// The safetensors header spelling (`"BF16"`, `"F16"`, `"F32"`).
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "BF16",
+            Self::F16 => "F16",
+            Self::F32 => "F32",
+        }
+    }
+
+    /// Parses a safetensors dtype string; `None` for every type the engine does not accept.
+    pub fn from_safetensors_name(name: &str) -> Option<Self> {
+        match name {
+            "BF16" => Some(Self::Bf16),
+            "F16" => Some(Self::F16),
+            "F32" => Some(Self::F32),
+            _ => None,
+        }
+    }
+
+    /// The `torch_dtype` spelling of `config.json` (`"bfloat16"`, `"float16"`, `"float32"`).
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bfloat16",
+            Self::F16 => "float16",
+            Self::F32 => "float32",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.safetensors_name())
+    }
+}
+
+/// A tensor the config requires: its name and shape (row-major, `[out, in]` for linears).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    fn new(name: impl Into<String>, shape: &[usize]) -> Self {
+        Self {
+            name: name.into(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The tensors a checkpoint for `config` holds, in model order: embedding, layers 0.., final
+/// norm, `lm_head` (absent when `tie_word_embeddings`).
+pub fn expected_tensors(config: &ModelConfig) -> Vec<TensorSpec> {
+    let h = config.hidden_size;
+    let d = config.head_dim;
+    let q = config.num_attention_heads * d;
+    let i = config.intermediate_size;
+    let mut out = vec![TensorSpec::new(
+        "model.embed_tokens.weight",
+        &[config.vocab_size, h],
+    )];
+    for (n, kind) in config.mixer_types.iter().enumerate() {
+        let p = format!("model.layers.{n}");
+        let a = format!("{p}.self_attn");
+        out.push(TensorSpec::new(format!("{p}.input_layernorm.weight"), &[h]));
+        match kind {
+            MixerKind::Sparse => {
+                let kv = config.kv_dim();
+                out.push(TensorSpec::new(format!("{a}.q_proj.weight"), &[q, h]));
+                out.push(TensorSpec::new(format!("{a}.k_proj.weight"), &[kv, h]));
+                out.push(TensorSpec::new(format!("{a}.v_proj.weight"), &[kv, h]));
+                out.push(TensorSpec::new(format!("{a}.o_proj.weight"), &[h, q]));
+                if config.attn_use_output_gate {
+                    out.push(TensorSpec::new(format!("{a}.o_gate.weight"), &[q, h]));
+                }
+            }
+            MixerKind::Lightning => {
+                let kv = config.lightning_kv_dim();
+                out.push(TensorSpec::new(format!("{a}.q_proj.weight"), &[q, h]));
+                out.push(TensorSpec::new(format!("{a}.k_proj.weight"), &[kv, h]));
+                out.push(TensorSpec::new(format!("{a}.v_proj.weight"), &[kv, h]));
+                out.push(TensorSpec::new(format!("{a}.o_proj.weight"), &[h, q]));
+                if config.use_output_gate {
+                    out.push(TensorSpec::new(format!("{a}.z_proj.weight"), &[q, h]));
+                }
+                if config.qk_norm {
+                    out.push(TensorSpec::new(format!("{a}.q_norm.weight"), &[d]));
+                    out.push(TensorSpec::new(format!("{a}.k_norm.weight"), &[d]));
+                }
+                if config.use_output_norm {
+                    out.push(TensorSpec::new(format!("{a}.o_norm.weight"), &[q]));
+                }
+            }
+        }
+        out.push(TensorSpec::new(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[h],
+        ));
+        out.push(TensorSpec::new(
+            format!("{p}.mlp.gate_proj.weight"),
+            &[i, h],
+        ));
+        out.push(TensorSpec::new(format!("{p}.mlp.up_proj.weight"), &[i, h]));
+        out.push(TensorSpec::new(
+            format!("{p}.mlp.down_proj.weight"),
+            &[h, i],
+        ));
+    }
+    out.push(TensorSpec::new("model.norm.weight", &[h]));
+    if !config.tie_word_embeddings {
+        out.push(TensorSpec::new("lm_head.weight", &[config.vocab_size, h]));
+    }
+    out
+}
+
+/// Parameters of a checkpoint for `config` (sum over [`expected_tensors`]).
+pub fn expected_parameter_count(config: &ModelConfig) -> u64 {
+    expected_tensors(config)
+        .iter()
+        .map(|t| t.numel() as u64)
+        .sum()
+}
+
+/// Tensors that may appear in a checkpoint without being expected (non-persistent buffers
+/// some exporters save anyway).
+fn is_ignored_extra(name: &str) -> bool {
+    name.ends_with("rotary_emb.inv_freq")
+}
+
+/// Everything that can go wrong opening or reading a checkpoint; each names the file and,
+/// where there is one, the tensor or field.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {what} not found")]
+    NotFound { path: PathBuf, what: &'static str },
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Config { path: PathBuf, source: ConfigError },
+    #[error("no weights in {dir}: looked for {looked_for}")]
+    NoWeights { dir: PathBuf, looked_for: String },
+    /// A file that is not what it should be (corrupt header, bad index).
+    #[error("{file}: {msg}")]
+    File { file: PathBuf, msg: String },
+    /// A tensor entry that is unusable (dtype, byte range, index disagreement).
+    #[error("{file}: tensor `{tensor}`: {msg}")]
+    Tensor {
+        file: PathBuf,
+        tensor: String,
+        msg: String,
+    },
+    /// The weights do not match the tensor set `config.json` implies.
+    #[error(
+        "checkpoint {dir} does not match its config.json: {}",
+        list_problems(problems)
+    )]
+    Mismatch {
+        dir: PathBuf,
+        problems: Vec<Problem>,
+    },
+    #[error("checkpoint {dir} has no tensor `{tensor}`")]
+    UnknownTensor { dir: PathBuf, tensor: String },
+    #[error("{file}: tensor `{tensor}`: {count} non-finite values, the first {value} at flat index {index}")]
+    NonFinite {
+        file: PathBuf,
+        tensor: String,
+        count: usize,
+        index: usize,
+        value: f32,
+    },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// One disagreement between the weights and the config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    /// An expected tensor is in no weight file (`looked_in`: the file or the index).
+    Missing {
+        tensor: String,
+        shape: Vec<usize>,
+        looked_in: PathBuf,
+    },
+    /// A tensor the config does not call for.
+    Unexpected {
+        tensor: String,
+        shape: Vec<usize>,
+        file: PathBuf,
+    },
+    /// A tensor of the wrong shape.
+    Shape {
+        tensor: String,
+        file: PathBuf,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Missing {
+                tensor,
+                shape,
+                looked_in,
+            } => write!(
+                f,
+                "tensor `{tensor}` (expected shape {shape:?}) is missing from {}",
+                looked_in.display()
+            ),
+            Self::Unexpected {
+                tensor,
+                shape,
+                file,
+            } => write!(
+                f,
+                "{}: unexpected tensor `{tensor}` (shape {shape:?}) that the config does not call for",
+                file.display()
+            ),
+            Self::Shape {
+                tensor,
+                file,
+                expected,
+                found,
+            } => write!(
+                f,
+                "{}: tensor `{tensor}` has shape {found:?}, expected {expected:?}",
+                file.display()
+            ),
+        }
+    }
+}
+
+fn list_problems(problems: &[Problem]) -> String {
+    let mut s = format!("{} problem(s): ", problems.len());
+    for (i, p) in problems.iter().take(MAX_LISTED_PROBLEMS).enumerate() {
+        if i > 0 {
+            s.push_str("; ");
+        }
+        s.push_str(&p.to_string());
+    }
+    if problems.len() > MAX_LISTED_PROBLEMS {
+        s.push_str(&format!(
+            "; and {} more",
+            problems.len() - MAX_LISTED_PROBLEMS
+        ));
+    }
+    s
+}
+
+fn file_err(file: &Path, msg: impl Into<String>) -> CheckpointError {
+    CheckpointError::File {
+        file: file.to_path_buf(),
+        msg: msg.into(),
+    }
+}
+
+fn tensor_err(file: &Path, tensor: &str, msg: impl Into<String>) -> CheckpointError {
+    CheckpointError::Tensor {
+        file: file.to_path_buf(),
+        tensor: tensor.to_string(),
+        msg: msg.into(),
+    }
+}
+
+/// Where one tensor lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    /// The shard file holding it.
+    pub file: PathBuf,
+    /// Byte range in that file (header included in the offsets).
+    pub byte_range: Range<usize>,
+    shard: usize,
+}
+
+impl TensorInfo {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn byte_len(&self) -> usize {
+        self.byte_range.len()
+    }
+}
+
+/// A borrowed tensor: its raw little-endian bytes in the memory map.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    pub name: &'a str,
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+    pub file: &'a Path,
+}
+
+impl TensorView<'_> {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The values widened to f32 (exact for all three dtypes).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.dtype {
+            DType::F32 => self
+                .bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::Bf16 => self.u16s().map(bf16_bits_to_f32).collect(),
+            DType::F16 => self
+                .u16s()
+                .map(|b| half::f16::from_bits(b).to_f32())
+                .collect(),
+        }
+    }
+
+    /// The values as bf16 bit patterns, rounded to nearest even from f32/f16.
+    pub fn to_bf16_bits(&self) -> Vec<u16> {
+        match self.dtype {
+            DType::Bf16 => self.u16s().collect(),
+            DType::F16 => self
+                .u16s()
+                .map(|b| f32_to_bf16_bits(half::f16::from_bits(b).to_f32()))
+                .collect(),
+            DType::F32 => self
+                .bytes
+                .chunks_exact(4)
+                .map(|b| f32_to_bf16_bits(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                .collect(),
+        }
+    }
+
+    fn u16s(&self) -> impl Iterator<Item = u16> + '_ {
+        self.bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    }
+}
+
+/// bf16 bits → f32 (exact: bf16 is the top half of an f32).
+pub fn bf16_bits_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// f32 → bf16 bits, round to nearest, ties to even; NaN stays NaN.
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// One memory-mapped safetensors file.
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+}
+
+/// An opened, validated checkpoint directory.
+pub struct Checkpoint {
+    dir: PathBuf,
+    config: ModelConfig,
+    shards: Vec<Shard>,
+    /// In [`expected_tensors`] order.
+    tensors: Vec<TensorInfo>,
+    by_name: HashMap<String, usize>,
+}
+
+impl fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("files", &self.files())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl Checkpoint {
+    /// Opens `dir`: reads `config.json`, maps the weight files and checks every tensor's dtype,
+    /// byte range and shape against the config. `model.safetensors` is used when present,
+    /// else `model.safetensors.index.json` and its shards. Values are not read.
+    pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        if !dir.is_dir() {
+            return Err(CheckpointError::NotFound {
+                path: dir.to_path_buf(),
+                what: "checkpoint directory",
+            });
+        }
+        let config_path = dir.join("config.json");
+        let config = ModelConfig::from_file(&config_path).map_err(|e| match e {
+            ConfigError::Io { source, .. } => CheckpointError::Io {
+                path: config_path.clone(),
+                source,
+            },
+            other => CheckpointError::Config {
+                path: config_path.clone(),
+                source: other,
+            },
+        })?;
+
+        let single = dir.join(SINGLE_FILE);
+        let index = dir.join(INDEX_FILE);
+        let (shards, found, looked_in) = if single.is_file() {
+            let shard = map_file(&single)?;
+            let entries = parse_header(&shard.path, &shard.map)?;
+            let found: Vec<TensorInfo> = entries
+                .into_iter()
+                .map(|e| e.into_info(&shard.path, 0))
+                .collect();
+            (vec![shard], found, single)
+        } else if index.is_file() {
+            let (shards, found) = open_sharded(dir, &index)?;
+            (shards, found, index)
+        } else {
+            return Err(CheckpointError::NoWeights {
+                dir: dir.to_path_buf(),
+                looked_for: format!("{SINGLE_FILE} or {INDEX_FILE}"),
+            });
+        };
+
+        let tensors =
+            validate(&config, found, &looked_in).map_err(|problems| CheckpointError::Mismatch {
+                dir: dir.to_path_buf(),
+                problems,
+            })?;
+        let by_name = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            shards,
+            tensors,
+            by_name,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The weight files, in the order they were opened.
+    pub fn files(&self) -> Vec<&Path> {
+        self.shards.iter().map(|s| s.path.as_path()).collect()
+    }
+
+    /// Every tensor, in model order (embedding, layers, final norm, `lm_head`).
+    pub fn tensors(&self) -> impl ExactSizeIterator<Item = &TensorInfo> + '_ {
+        self.tensors.iter()
+    }
+
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.by_name.get(name).map(|&i| &self.tensors[i])
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// The raw bytes of tensor `name`.
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, CheckpointError> {
+        let info = self
+            .info(name)
+            .ok_or_else(|| CheckpointError::UnknownTensor {
+                dir: self.dir.clone(),
+                tensor: name.to_string(),
+            })?;
+        Ok(self.view(info))
+    }
+
+    fn view<'a>(&'a self, info: &'a TensorInfo) -> TensorView<'a> {
+        // In range: checked against the file length when the header was parsed.
+        let bytes = &self.shards[info.shard].map[info.byte_range.clone()];
+        TensorView {
+            name: &info.name,
+            dtype: info.dtype,
+            shape: &info.shape,
+            bytes,
+            file: &info.file,
+        }
+    }
+
+    /// Tensor `name` widened to f32 (exact).
+    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
+        Ok(self.tensor(name)?.to_f32())
+    }
+
+    /// Tensor `name` as bf16 bits (f32/f16 rounded to nearest even).
+    pub fn read_bf16_bits(&self, name: &str) -> Result<Vec<u16>, CheckpointError> {
+        Ok(self.tensor(name)?.to_bf16_bits())
+    }
+
+    /// Errors if tensor `name` holds a NaN or an infinity (weights are not scanned on open).
+    pub fn check_finite(&self, name: &str) -> Result<(), CheckpointError> {
+        let view = self.tensor(name)?;
+        let values = view.to_f32();
+        let mut bad = values.iter().enumerate().filter(|(_, v)| !v.is_finite());
+        if let Some((index, &value)) = bad.next() {
+            return Err(CheckpointError::NonFinite {
+                file: view.file.to_path_buf(),
+                tensor: name.to_string(),
+                count: 1 + bad.count(),
+                index,
+                value,
+            });
+        }
+        Ok(())
+    }
+
+    /// Bytes of tensor data over all files.
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.byte_len() as u64).sum()
+    }
+
+    /// Number of weight values over all tensors.
+    pub fn parameter_count(&self) -> u64 {
+        self.tensors.iter().map(|t| t.numel() as u64).sum()
+    }
+}
+
+fn map_file(path: &Path) -> Result<Shard, CheckpointError> {
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    if len < 8 {
+        return Err(file_err(
+            path,
+            format!("{len} bytes is too short for a safetensors file (8-byte header length first)"),
+        ));
+    }
+    // SAFETY: the map is read-only; like every memory-mapped loader we rely on nobody
+    // truncating or rewriting the file while it is open.
+    let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+    Ok(Shard {
+        path: path.to_path_buf(),
+        map,
+    })
+}
+
+/// A tensor entry of a safetensors header, before it is placed in a shard list.
+struct Entry {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    range: Range<usize>,
+}
+
+impl Entry {
+    fn into_info(self, file: &Path, shard: usize) -> TensorInfo {
+        TensorInfo {
+            name: self.name,
+            dtype: self.dtype,
+            shape: self.shape,
+            file: file.to_path_buf(),
+            byte_range: self.range,
+            shard,
+        }
+    }
+}
+
+/// Parses and checks a safetensors header: every tensor of an accepted dtype, its byte range
+/// inside the file, its length equal to dtype size × shape, no two ranges overlapping.
+fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, CheckpointError> {
+    let file_len = bytes.len();
+    if file_len < 8 {
+        return Err(file_err(
+            path,
+            format!("{file_len} bytes is too short for a safetensors file"),
+        ));
+    }
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&bytes[..8]);
+    let header_len = u64::from_le_bytes(len8);
+    let data_start = usize::try_from(header_len)
+        .ok()
+        .and_then(|n| n.checked_add(8))
+        .filter(|&end| end <= file_len)
+        .ok_or_else(|| {
+            file_err(
+                path,
+                format!(
+                    "header length {header_len} runs past the end of the file ({file_len} bytes): truncated or not a safetensors file"
+                ),
+            )
+        })?;
+    let data_len = file_len - data_start;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..data_start])
+        .map_err(|e| file_err(path, format!("header is not valid JSON: {e}")))?;
+    let obj = header
+        .as_object()
+        .ok_or_else(|| file_err(path, "header is not a JSON object"))?;
+
+    let mut entries = Vec::with_capacity(obj.len());
+    for (name, v) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        let t = v
+            .as_object()
+            .ok_or_else(|| tensor_err(path, name, format!("header entry is not an object: {v}")))?;
+        let dtype_str = t
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .ok_or_else(|| tensor_err(path, name, "header entry has no string `dtype`"))?;
+        let dtype = DType::from_safetensors_name(dtype_str).ok_or_else(|| {
+            tensor_err(
+                path,
+                name,
+                format!("dtype {dtype_str} is not supported (expected BF16, F16 or F32)"),
+            )
+        })?;
+        let shape = t
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| {
+                a.iter()
+                    .map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
+                    .collect::<Option<Vec<usize>>>()
+            })
+            .ok_or_else(|| {
+                tensor_err(
+                    path,
+                    name,
+                    "header entry has no `shape` list of non-negative integers",
+                )
+            })?;
+        let offsets = t
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .filter(|a| a.len() == 2)
+            .and_then(|a| {
+                let b = usize::try_from(a[0].as_u64()?).ok()?;
+                let e = usize::try_from(a[1].as_u64()?).ok()?;
+                Some((b, e))
+            })
+            .ok_or_else(|| {
+                tensor_err(
+                    path,
+                    name,
+                    "header entry has no `data_offsets` [begin, end] pair",
+                )
+            })?;
+        let (begin, end) = offsets;
+        if begin > end {
+            return Err(tensor_err(
+                path,
+                name,
+                format!("data_offsets [{begin}, {end}] end before they begin"),
+            ));
+        }
+        if end > data_len {
+            return Err(tensor_err(
+                path,
+                name,
+                format!(
+                    "data_offsets [{begin}, {end}] reach past the end of the data ({data_len} bytes after the header): file truncated or corrupt"
+                ),
+            ));
+        }
+        let want = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| tensor_err(path, name, format!("shape {shape:?} overflows")))?;
+        if end - begin != want {
+            return Err(tensor_err(
+                path,
+                name,
+                format!(
+                    "holds {} bytes but dtype {dtype} x shape {shape:?} needs {want}",
+                    end - begin
+                ),
+            ));
+        }
+        entries.push(Entry {
+            name: name.clone(),
+            dtype,
+            shape,
+            range: data_start + begin..data_start + end,
+        });
+    }
+
+    let mut by_start: Vec<&Entry> = entries.iter().filter(|e| !e.range.is_empty()).collect();
+    by_start.sort_by_key(|e| e.range.start);
+    for w in by_start.windows(2) {
+        if w[1].range.start < w[0].range.end {
+            return Err(tensor_err(
+                path,
+                &w[1].name,
+                format!("bytes overlap those of tensor `{}`", w[0].name),
+            ));
+        }
+    }
+    Ok(entries)
+}
+
+/// A shard name of the index must be a plain relative path inside the checkpoint directory.
+fn safe_relative(name: &str) -> bool {
+    let p = Path::new(name);
+    !name.is_empty() && p.components().all(|c| matches!(c, Component::Normal(_)))
+}
+
+/// Reads `model.safetensors.index.json`, maps every shard it names and checks that the index
+/// and the shard headers agree tensor by tensor.
+fn open_sharded(
+    dir: &Path,
+    index: &Path,
+) -> Result<(Vec<Shard>, Vec<TensorInfo>), CheckpointError> {
+    let text = std::fs::read(index).map_err(|source| CheckpointError::Io {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    let json: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| file_err(index, format!("not valid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| file_err(index, "has no `weight_map` object"))?;
+
+    // Shard names sorted (model-00001-of-… first); tensor name -> shard name.
+    let mut wanted_names: BTreeMap<String, String> = BTreeMap::new();
+    for (tensor, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            file_err(
+                index,
+                format!("weight_map entry for `{tensor}` is not a file name: {file}"),
+            )
+        })?;
+        if !safe_relative(file) {
+            return Err(file_err(
+                index,
+                format!("weight_map entry for `{tensor}` names {file:?}, not a file inside the checkpoint directory"),
+            ));
+        }
+        wanted_names.insert(tensor.clone(), file.to_string());
+    }
+    let mut shard_names: Vec<String> = wanted_names.values().cloned().collect();
+    shard_names.sort();
+    shard_names.dedup();
+    let wanted: BTreeMap<String, usize> = wanted_names
+        .into_iter()
+        .map(|(t, f)| {
+            let pos = shard_names.binary_search(&f).expect("listed shard");
+            (t, pos)
+        })
+        .collect();
+    if shard_names.is_empty() {
+        return Err(file_err(index, "weight_map is empty"));
+    }
+
+    let mut shards = Vec::with_capacity(shard_names.len());
+    for (pos, name) in shard_names.iter().enumerate() {
+        let path = dir.join(name);
+        if !path.is_file() {
+            let tensor = wanted
+                .iter()
+                .find(|(_, &p)| p == pos)
+                .map(|(t, _)| t.as_str())
+                .unwrap_or("?");
+            return Err(file_err(
+                index,
+                format!(
+                    "lists shard {name} (for tensor `{tensor}` and others) but {} does not exist",
+                    path.display()
+                ),
+            ));
+        }
+        shards.push(map_file(&path)?);
+    }
+
+    let mut found = Vec::with_capacity(wanted.len());
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (pos, shard) in shards.iter().enumerate() {
+        for entry in parse_header(&shard.path, &shard.map)? {
+            match wanted.get(&entry.name) {
+                Some(&p) if p == pos => {}
+                Some(&p) => {
+                    return Err(tensor_err(
+                        &shard.path,
+                        &entry.name,
+                        format!(
+                            "is in this shard but {} maps it to {}",
+                            index.display(),
+                            shard_names[p]
+                        ),
+                    ))
+                }
+                None if is_ignored_extra(&entry.name) => continue,
+                None => {
+                    return Err(tensor_err(
+                        &shard.path,
+                        &entry.name,
+                        format!("is in this shard but not listed in {}", index.display()),
+                    ))
+                }
+            }
+            seen.insert(entry.name.clone(), pos);
+            found.push(entry.into_info(&shard.path, pos));
+        }
+    }
+    for (tensor, &pos) in &wanted {
+        if !seen.contains_key(tensor) {
+            return Err(tensor_err(
+                &shards[pos].path,
+                tensor,
+                format!(
+                    "is listed in {} for this shard but the shard does not hold it",
+                    index.display()
+                ),
+            ));
+        }
+    }
+    Ok((shards, found))
+}
+
+/// Orders the found tensors like [`expected_tensors`], or lists every missing, unexpected
+/// and misshapen tensor.
+fn validate(
+    config: &ModelConfig,
+    found: Vec<TensorInfo>,
+    looked_in: &Path,
+) -> Result<Vec<TensorInfo>, Vec<Problem>> {
+    let mut by_name: HashMap<String, TensorInfo> =
+        found.into_iter().map(|t| (t.name.clone(), t)).collect();
+    let mut problems = Vec::new();
+    let mut ordered = Vec::with_capacity(by_name.len());
+    for spec in expected_tensors(config) {
+        match by_name.remove(&spec.name) {
+            None => problems.push(Problem::Missing {
+                tensor: spec.name,
+                shape: spec.shape,
+                looked_in: looked_in.to_path_buf(),
+            }),
+            Some(t) if t.shape != spec.shape => problems.push(Problem::Shape {
+                tensor: spec.name,
+                file: t.file,
+                expected: spec.shape,
+                found: t.shape,
+            }),
+            Some(t) => ordered.push(t),
+        }
+    }
+    let mut extras: Vec<TensorInfo> = by_name
+        .into_values()
+        .filter(|t| !is_ignored_extra(&t.name))
+        .collect();
+    extras.sort_by(|a, b| a.name.cmp(&b.name));
+    problems.extend(extras.into_iter().map(|t| Problem::Unexpected {
+        tensor: t.name,
+        shape: t.shape,
+        file: t.file,
+    }));
+    if problems.is_empty() {
+        Ok(ordered)
+    } else {
+        Err(problems)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::preset;
+    use crate::writer::{write_checkpoint_with, write_random_checkpoint, WriteOptions};
+    use serde_json::{json, Value};
+    use std::fs;
+
+    fn tiny() -> ModelConfig {
+        preset("tiny").unwrap()
+    }
+
+    fn write_tiny(dir: &Path, dtype: DType, max_shard_bytes: usize) {
+        let opts = WriteOptions {
+            seed: 7,
+            dtype,
+            max_shard_bytes,
+        };
+        write_random_checkpoint(dir, &tiny(), &opts).unwrap();
+    }
+
+    /// A single-file bf16 tiny checkpoint in a fresh directory.
+    fn single() -> (tempfile::TempDir, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        write_tiny(tmp.path(), DType::Bf16, usize::MAX);
+        let file = tmp.path().join(SINGLE_FILE);
+        (tmp, file)
+    }
+
+    fn read_st(path: &Path) -> (Value, Vec<u8>) {
+        let bytes = fs::read(path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        (header, bytes[8 + n..].to_vec())
+    }
+
+    fn write_st(path: &Path, header: &Value, data: &[u8]) {
+        let h = serde_json::to_vec(header).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        out.extend_from_slice(data);
+        fs::write(path, out).unwrap();
+    }
+
+    fn edit_header(path: &Path, edit: impl FnOnce(&mut Value, &mut Vec<u8>)) {
+        let (mut header, mut data) = read_st(path);
+        edit(&mut header, &mut data);
+        write_st(path, &header, &data);
+    }
+
+    fn open_err(dir: &Path) -> CheckpointError {
+        Checkpoint::open(dir).unwrap_err()
+    }
+
+    /// Asserts the message names every one of `parts`.
+    fn assert_names(e: &CheckpointError, parts: &[&str]) {
+        let msg = e.to_string();
+        for p in parts {
+            assert!(msg.contains(p), "`{p}` not in: {msg}");
+        }
+    }
+
+    const Q0: &str = "model.layers.0.self_attn.q_proj.weight";
+
+    #[test]
+    fn opens_a_written_checkpoint_in_model_order() {
+        let (tmp, _) = single();
+        let ck = Checkpoint::open(tmp.path()).unwrap();
+        let names: Vec<&str> = ck.tensors().map(|t| t.name.as_str()).collect();
+        let want: Vec<String> = expected_tensors(&tiny())
+            .into_iter()
+            .map(|t| t.name)
+            .collect();
+        assert_eq!(names, want);
+        assert_eq!(names[0], "model.embed_tokens.weight");
+        assert_eq!(*names.last().unwrap(), "lm_head.weight");
+        let params = expected_parameter_count(&tiny());
+        assert_eq!(ck.parameter_count(), params);
+        assert_eq!(ck.total_bytes(), 2 * params);
+        let v = ck.tensor(Q0).unwrap();
+        assert_eq!((v.dtype, v.shape), (DType::Bf16, &[128usize, 128][..]));
+        assert_eq!(v.bytes.len(), 128 * 128 * 2);
+        assert_eq!(ck.files(), vec![tmp.path().join(SINGLE_FILE).as_path()]);
+    }
+
+    #[test]
+    fn expected_tensors_follow_the_config_flags() {
+        let c = tiny();
+        let specs = expected_tensors(&c);
+        let shape = |n: &str| specs.iter().find(|t| t.name == n).map(|t| t.shape.clone());
+        // Layer 0 sparse (kv 2 heads x 32), layer 1 lightning (kv 4 heads x 32).
+        assert_eq!(
+            shape("model.layers.0.self_attn.k_proj.weight"),
+            Some(vec![64, 128])
+        );
+        assert_eq!(
+            shape("model.layers.1.self_attn.k_proj.weight"),
+            Some(vec![128, 128])
+        );
+        assert_eq!(
+            shape("model.layers.0.self_attn.o_gate.weight"),
+            Some(vec![128, 128])
+        );
+        assert_eq!(shape("model.layers.0.self_attn.z_proj.weight"), None);
+        assert_eq!(
+            shape("model.layers.1.self_attn.q_norm.weight"),
+            Some(vec![32])
+        );
+        assert_eq!(
+            shape("model.layers.1.self_attn.o_norm.weight"),
+            Some(vec![128])
+        );
+        assert_eq!(
+            shape("model.layers.3.mlp.down_proj.weight"),
+            Some(vec![128, 256])
+        );
+        // 3 globals + 5 per layer + 4 (sparse) or 8 (lightning) attention tensors.
+        assert_eq!(specs.len(), 3 + 4 * 5 + 2 * 5 + 2 * 8);
+
+        let mut v = c.to_json();
+        for flag in [
+            "tie_word_embeddings",
+            "attn_use_output_gate",
+            "use_output_gate",
+            "qk_norm",
+            "use_output_norm",
+        ] {
+            let on = flag == "tie_word_embeddings";
+            v[flag] = on.into();
+        }
+        let bare = ModelConfig::from_json(v).unwrap();
+        let names: Vec<String> = expected_tensors(&bare)
+            .into_iter()
+            .map(|t| t.name)
+            .collect();
+        assert_eq!(names.len(), 2 + 4 * 9);
+        for gone in ["lm_head", "o_gate", "z_proj", "q_norm", "k_norm", "o_norm"] {
+            assert!(!names.iter().any(|n| n.contains(gone)), "{gone}");
+        }
+    }
+
+    #[test]
+    fn dtypes_load_to_the_same_values() {
+        // k/64 with |k| <= 30 is exact in bf16, f16 and f32.
+        let exact = |spec: &TensorSpec, out: &mut [f32]| {
+            let salt = spec.name.len();
+            for (i, v) in out.iter_mut().enumerate() {
+                *v = (((i + salt) % 61) as f32 - 30.0) / 64.0;
+            }
+        };
+        let mut loaded = Vec::new();
+        for dtype in [DType::Bf16, DType::F16, DType::F32] {
+            let tmp = tempfile::tempdir().unwrap();
+            write_checkpoint_with(tmp.path(), &tiny(), dtype, usize::MAX, exact).unwrap();
+            let ck = Checkpoint::open(tmp.path()).unwrap();
+            assert_eq!(ck.total_bytes(), ck.parameter_count() * dtype.size() as u64);
+            let all: Vec<Vec<f32>> = ck
+                .tensors()
+                .map(|t| ck.read_f32(&t.name).unwrap())
+                .collect();
+            let bits: Vec<Vec<u16>> = ck
+                .tensors()
+                .map(|t| ck.read_bf16_bits(&t.name).unwrap())
+                .collect();
+            assert!(ck.tensors().all(|t| t.dtype == dtype));
+            loaded.push((all, bits));
+        }
+        assert_eq!(loaded[0], loaded[1]);
+        assert_eq!(loaded[0], loaded[2]);
+        assert_eq!(
+            loaded[0].0[0][..3],
+            [-30.0 / 64.0 + 25.0 / 64.0, -4.0 / 64.0, -3.0 / 64.0]
+        );
+    }
+
+    #[test]
+    fn random_weights_agree_across_dtypes_up_to_rounding() {
+        let mut cks = Vec::new();
+        let mut dirs = Vec::new();
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
+            let tmp = tempfile::tempdir().unwrap();
+            write_tiny(tmp.path(), dtype, usize::MAX);
+            cks.push(Checkpoint::open(tmp.path()).unwrap());
+            dirs.push(tmp);
+        }
+        for t in cks[0].tensors() {
+            let f32s = cks[0].read_f32(&t.name).unwrap();
+            let bf = cks[1].read_f32(&t.name).unwrap();
+            let hf = cks[2].read_f32(&t.name).unwrap();
+            let bits = cks[0].read_bf16_bits(&t.name).unwrap();
+            for i in 0..f32s.len() {
+                assert_eq!(bf[i], half::bf16::from_f32(f32s[i]).to_f32(), "{}", t.name);
+                assert_eq!(hf[i], half::f16::from_f32(f32s[i]).to_f32(), "{}", t.name);
+                assert_eq!(bf16_bits_to_f32(bits[i]), bf[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_is_to_nearest_even() {
+        let one = 1.0f32;
+        let ulp = 2f32.powi(-7); // bf16 spacing at 1.0
+        let values = [
+            one + ulp / 2.0,                     // tie, 1.0 is even -> 1.0
+            one + 3.0 * ulp / 2.0,               // tie, 1+2ulp is even -> up
+            -(one + ulp / 2.0 + 2f32.powi(-20)), // past the tie -> away from zero
+            one + ulp / 2.0 - 2f32.powi(-20),    // below the tie -> down
+            f32::INFINITY,
+            f32::NAN,
+        ];
+        let want = [0x3f80u16, 0x3f82, 0xbf81, 0x3f80, 0x7f80];
+        let tmp = tempfile::tempdir().unwrap();
+        let n = tiny().hidden_size;
+        write_checkpoint_with(tmp.path(), &tiny(), DType::F32, usize::MAX, |s, out| {
+            if s.name == "model.norm.weight" {
+                out[..values.len()].copy_from_slice(&values);
+                out[values.len()..].fill(1.0);
+            } else {
+                out.fill(0.5);
+            }
+        })
+        .unwrap();
+        let ck = Checkpoint::open(tmp.path()).unwrap();
+        let bits = ck.read_bf16_bits("model.norm.weight").unwrap();
+        assert_eq!(bits.len(), n);
+        assert_eq!(bits[..5], want);
+        assert!(bf16_bits_to_f32(bits[5]).is_nan());
+        assert_eq!(f32_to_bf16_bits(0.5), 0x3f00);
+        // NaN and Inf are allowed on open and found by check_finite.
+        let e = ck.check_finite("model.norm.weight").unwrap_err();
+        assert_names(
+            &e,
+            &["model.norm.weight", SINGLE_FILE, "2 non-finite", "index 4"],
+        );
+        ck.check_finite(Q0).unwrap();
+        assert_names(
+            &ck.check_finite("model.nope").unwrap_err(),
+            &["model.nope", &tmp.path().display().to_string()],
+        );
+    }
+
+    #[test]
+    fn files_are_readable_by_the_safetensors_crate() {
+        let (tmp, file) = single();
+        let ck = Checkpoint::open(tmp.path()).unwrap();
+        let bytes = fs::read(&file).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.len(), ck.tensors().len());
+        for t in ck.tensors() {
+            let theirs = st.tensor(&t.name).unwrap();
+            assert_eq!(theirs.shape(), t.shape.as_slice());
+            assert_eq!(theirs.dtype(), safetensors::Dtype::BF16);
+            assert_eq!(theirs.data(), ck.tensor(&t.name).unwrap().bytes);
+        }
+    }
+
+    #[test]
+    fn missing_directory_config_and_weights_are_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let gone = tmp.path().join("nowhere");
+        assert_names(&open_err(&gone), &["nowhere", "checkpoint directory"]);
+
+        let (tmp, file) = single();
+        fs::remove_file(tmp.path().join("config.json")).unwrap();
+        let e = open_err(tmp.path());
+        assert!(matches!(e, CheckpointError::Io { .. }), "{e}");
+        assert_names(&e, &["config.json"]);
+
+        fs::write(tmp.path().join("config.json"), "{\"hidden_size\": 12").unwrap();
+        assert_names(&open_err(tmp.path()), &["config.json", "not valid JSON"]);
+        fs::write(tmp.path().join("config.json"), "{\"hidden_size\": 128}").unwrap();
+        assert_names(&open_err(tmp.path()), &["config.json", "num_hidden_layers"]);
+
+        write_tiny(tmp.path(), DType::Bf16, usize::MAX);
+        fs::remove_file(&file).unwrap();
+        let e = open_err(tmp.path());
+        assert!(matches!(e, CheckpointError::NoWeights { .. }), "{e}");
+        assert_names(&e, &[SINGLE_FILE, INDEX_FILE]);
+    }
+
+    #[test]
+    fn truncated_data_names_a_tensor_past_the_end() {
+        let (tmp, file) = single();
+        let (header, data) = read_st(&file);
+        let full = fs::metadata(&file).unwrap().len();
+        let cut = data.len() / 2;
+        let f = fs::OpenOptions::new().write(true).open(&file).unwrap();
+        f.set_len(full - (data.len() - cut) as u64).unwrap();
+        drop(f);
+        match open_err(tmp.path()) {
+            CheckpointError::Tensor {
+                file: f,
+                tensor,
+                msg,
+            } => {
+                assert_eq!(f, file);
+                let end = header[&tensor]["data_offsets"][1].as_u64().unwrap() as usize;
+                assert!(
+                    end > cut,
+                    "{tensor} ends at {end}, inside the kept {cut} bytes"
+                );
+                assert!(msg.contains("past the end"), "{msg}");
+            }
+            e => panic!("wrong error: {e}"),
+        }
+    }
+
+    #[test]
+    fn truncated_or_oversized_header_is_a_file_error() {
+        let (tmp, file) = single();
+        let bytes = fs::read(&file).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+
+        fs::write(&file, &bytes[..8 + n / 2]).unwrap();
+        let e = open_err(tmp.path());
+        assert!(matches!(e, CheckpointError::File { .. }), "{e}");
+        assert_names(
+            &e,
+            &[&file.display().to_string(), "header length", "runs past"],
+        );
+
+        for bad_len in [u64::MAX, bytes.len() as u64, (bytes.len() - 7) as u64] {
+            let mut b = bytes.clone();
+            b[..8].copy_from_slice(&bad_len.to_le_bytes());
+            fs::write(&file, &b).unwrap();
+            assert_names(&open_err(tmp.path()), &[SINGLE_FILE, "runs past"]);
+        }
+
+        fs::write(&file, [1u8, 0, 0]).unwrap();
+        assert_names(&open_err(tmp.path()), &[SINGLE_FILE, "too short"]);
+    }
+
+    #[test]
+    fn garbage_header_is_a_file_error() {
+        let (tmp, file) = single();
+        let clean = fs::read(&file).unwrap();
+        let mut bytes = clean.clone();
+        bytes[8..20].copy_from_slice(b"{not json!!!");
+        fs::write(&file, &bytes).unwrap();
+        assert_names(&open_err(tmp.path()), &[SINGLE_FILE, "not valid JSON"]);
+
+        fs::write(&file, &clean).unwrap();
+        edit_header(&file, |h, _| *h = json!([1, 2, 3]));
+        assert_names(&open_err(tmp.path()), &[SINGLE_FILE, "not a JSON object"]);
+    }
+
+    #[test]
+    fn bad_entries_name_the_tensor() {
+        let (tmp, file) = single();
+        let (h0, d0) = read_st(&file);
+        let data_len = d0.len() as u64;
+        let len = |h: &Value| {
+            let o = &h[Q0]["data_offsets"];
+            o[1].as_u64().unwrap() - o[0].as_u64().unwrap()
+        };
+        let q_len = len(&h0);
+        type Edit = Box<dyn Fn(&mut Value)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                Box::new(|h| h[Q0]["dtype"] = "I32".into()),
+                "dtype I32 is not supported",
+            ),
+            (Box::new(|h| h[Q0]["dtype"] = "F64".into()), "dtype F64"),
+            (Box::new(|h| h[Q0]["dtype"] = json!(3)), "dtype"),
+            (Box::new(|h| h[Q0]["dtype"] = "F32".into()), "needs 65536"),
+            (
+                Box::new(move |h| h[Q0]["data_offsets"] = json!([data_len, data_len + q_len])),
+                "past the end",
+            ),
+            (
+                Box::new(move |h| h[Q0]["data_offsets"] = json!([data_len - 2, data_len + q_len])),
+                "past the end",
+            ),
+            (
+                Box::new(|h| h[Q0]["data_offsets"] = json!([10, 2])),
+                "end before",
+            ),
+            (
+                Box::new(|h| h[Q0]["data_offsets"] = json!([0])),
+                "data_offsets",
+            ),
+            (Box::new(|h| h[Q0]["shape"] = json!([128, -1])), "shape"),
+            (
+                Box::new(|h| h[Q0]["shape"] = json!([u64::MAX, u64::MAX])),
+                "overflows",
+            ),
+            (Box::new(|h| h[Q0] = json!("x")), "not an object"),
+        ];
+        for (edit, expect) in cases {
+            let mut h = h0.clone();
+            edit(&mut h);
+            write_st(&file, &h, &d0);
+            let e = open_err(tmp.path());
+            assert!(matches!(e, CheckpointError::Tensor { .. }), "{e}");
+            assert_names(&e, &[SINGLE_FILE, Q0, expect]);
+        }
+    }
+
+    #[test]
+    fn overlapping_tensors_are_rejected() {
+        let (tmp, file) = single();
+        edit_header(&file, |h, _| {
+            let k = "model.layers.0.self_attn.o_gate.weight";
+            h[k]["data_offsets"] = h[Q0]["data_offsets"].clone();
+        });
+        assert_names(
+            &open_err(tmp.path()),
+            &[SINGLE_FILE, "overlap", Q0, "o_gate"],
+        );
+    }
+
+    #[test]
+    fn wrong_shape_missing_and_extra_tensors_are_listed_together() {
+        let (tmp, file) = single();
+        edit_header(&file, |h, data| {
+            // Same bytes, transposed shape.
+            h["model.layers.0.mlp.down_proj.weight"]["shape"] = json!([256, 128]);
+            let o = h.as_object_mut().unwrap();
+            o.remove("model.layers.2.self_attn.z_proj.weight");
+            o.remove("lm_head.weight");
+            // An extra tensor, and an ignorable rotary buffer.
+            let n = data.len();
+            data.extend_from_slice(&[0u8; 64 + 32]);
+            o.insert(
+                "model.layers.0.self_attn.q_norm.weight".into(),
+                json!({"dtype": "BF16", "shape": [32], "data_offsets": [n, n + 64]}),
+            );
+            o.insert(
+                "model.layers.1.self_attn.rotary_emb.inv_freq".into(),
+                json!({"dtype": "F32", "shape": [8], "data_offsets": [n + 64, n + 96]}),
+            );
+        });
+        let e = open_err(tmp.path());
+        let CheckpointError::Mismatch { problems, .. } = &e else {
+            panic!("wrong error: {e}");
+        };
+        assert_eq!(problems.len(), 4, "{e}");
+        assert_names(
+            &e,
+            &[
+                "4 problem(s)",
+                "`model.layers.0.mlp.down_proj.weight` has shape [256, 128], expected [128, 256]",
+                "`model.layers.2.self_attn.z_proj.weight` (expected shape [128, 128]) is missing",
+                "`lm_head.weight`",
+                "unexpected tensor `model.layers.0.self_attn.q_norm.weight`",
+                SINGLE_FILE,
+            ],
+        );
+        assert!(!e.to_string().contains("inv_freq"), "{e}");
+    }
+
+    #[test]
+    fn an_ignored_rotary_buffer_alone_is_fine() {
+        let (tmp, file) = single();
+        edit_header(&file, |h, data| {
+            let n = data.len();
+            data.extend_from_slice(&[0u8; 32]);
+            h["model.layers.1.self_attn.rotary_emb.inv_freq"] =
+                json!({"dtype": "F32", "shape": [8], "data_offsets": [n, n + 32]});
+        });
+        let ck = Checkpoint::open(tmp.path()).unwrap();
+        assert!(!ck.contains("model.layers.1.self_attn.rotary_emb.inv_freq"));
+    }
+
+    #[test]
+    fn many_problems_are_cut_short() {
+        let (tmp, file) = single();
+        edit_header(&file, |h, _| {
+            let o = h.as_object_mut().unwrap();
+            o.retain(|k, _| k == "__metadata__" || k.contains("embed"));
+        });
+        let e = open_err(tmp.path()).to_string();
+        let total = expected_tensors(&tiny()).len() - 1;
+        assert!(e.contains(&format!("{total} problem(s)")), "{e}");
+        assert!(
+            e.contains(&format!("and {} more", total - MAX_LISTED_PROBLEMS)),
+            "{e}"
+        );
+    }
+
+    fn sharded() -> (tempfile::TempDir, Vec<PathBuf>) {
+        let tmp = tempfile::tempdir().unwrap();
+        write_tiny(tmp.path(), DType::Bf16, 200_000);
+        let index: Value =
+            serde_json::from_slice(&fs::read(tmp.path().join(INDEX_FILE)).unwrap()).unwrap();
+        let mut shards: Vec<String> = index["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+        shards.sort();
+        shards.dedup();
+        let paths = shards.iter().map(|s| tmp.path().join(s)).collect();
+        (tmp, paths)
+    }
+
+    fn edit_index(dir: &Path, edit: impl FnOnce(&mut Value)) {
+        let path = dir.join(INDEX_FILE);
+        let mut index: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        edit(&mut index);
+        fs::write(&path, serde_json::to_vec(&index).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn sharded_checkpoint_opens() {
+        let (tmp, shards) = sharded();
+        assert!(shards.len() >= 3, "{shards:?}");
+        let ck = Checkpoint::open(tmp.path()).unwrap();
+        assert_eq!(
+            ck.files(),
+            shards.iter().map(|p| p.as_path()).collect::<Vec<_>>()
+        );
+        assert_eq!(ck.parameter_count(), expected_parameter_count(&tiny()));
+        let ln = ck.info("lm_head.weight").unwrap();
+        assert_eq!(ln.file, *shards.last().unwrap());
+    }
+
+    #[test]
+    fn index_naming_a_missing_shard() {
+        let (tmp, shards) = sharded();
+        fs::remove_file(&shards[1]).unwrap();
+        let name = shards[1].file_name().unwrap().to_str().unwrap();
+        let e = open_err(tmp.path());
+        assert_names(&e, &[INDEX_FILE, name, "does not exist", "model.layers."]);
+    }
+
+    #[test]
+    fn index_and_shards_disagreeing() {
+        let (tmp, shards) = sharded();
+        let index: Value =
+            serde_json::from_slice(&fs::read(tmp.path().join(INDEX_FILE)).unwrap()).unwrap();
+        let norm = "model.norm.weight";
+        let home = index["weight_map"][norm].as_str().unwrap().to_string();
+        let other = shards[0].file_name().unwrap().to_str().unwrap().to_string();
+        assert_ne!(home, other);
+        let last = home.clone();
+
+        // Mapped to the wrong shard: both files named.
+        edit_index(tmp.path(), |i| i["weight_map"][norm] = other.clone().into());
+        assert_names(
+            &open_err(tmp.path()),
+            &[norm, &home, &other, INDEX_FILE, "maps it to"],
+        );
+        edit_index(tmp.path(), |i| i["weight_map"][norm] = home.clone().into());
+        Checkpoint::open(tmp.path()).unwrap();
+
+        // Listed but absent from its shard.
+        edit_index(tmp.path(), |i| {
+            i["weight_map"]["model.extra.weight"] = last.clone().into()
+        });
+        assert_names(
+            &open_err(tmp.path()),
+            &["model.extra.weight", &last, INDEX_FILE, "does not hold it"],
+        );
+
+        // In a shard but not in the index.
+        edit_index(tmp.path(), |i| {
+            let m = i["weight_map"].as_object_mut().unwrap();
+            m.remove("model.extra.weight");
+            m.remove(norm);
+        });
+        assert_names(
+            &open_err(tmp.path()),
+            &[norm, &last, "not listed in", INDEX_FILE],
+        );
+
+        edit_index(tmp.path(), |i| {
+            i["weight_map"]["lm_head.weight"] = "../x.safetensors".into()
+        });
+        assert_names(
+            &open_err(tmp.path()),
+            &[INDEX_FILE, "lm_head.weight", "../x"],
+        );
+        edit_index(tmp.path(), |i| *i = json!({"metadata": {}}));
+        assert_names(&open_err(tmp.path()), &[INDEX_FILE, "weight_map"]);
+        fs::write(tmp.path().join(INDEX_FILE), "{oops").unwrap();
+        assert_names(&open_err(tmp.path()), &[INDEX_FILE, "not valid JSON"]);
+    }
+
+    #[test]
+    fn corrupt_shard_is_named() {
+        let (tmp, shards) = sharded();
+        let f = fs::OpenOptions::new().write(true).open(&shards[1]).unwrap();
+        let len = f.metadata().unwrap().len();
+        f.set_len(len - 10).unwrap();
+        drop(f);
+        let e = open_err(tmp.path());
+        assert!(matches!(e, CheckpointError::Tensor { .. }), "{e}");
+        assert_names(&e, &[shards[1].to_str().unwrap(), "past the end"]);
+    }
+
+    #[test]
+    fn unknown_tensor_lookup_is_an_error() {
+        let (tmp, _) = single();
+        let ck = Checkpoint::open(tmp.path()).unwrap();
+        let e = ck
+            .read_f32("model.layers.9.mlp.up_proj.weight")
+            .unwrap_err();
+        assert_names(&e, &["model.layers.9.mlp.up_proj.weight", "has no tensor"]);
+        assert!(ck.tensor("lm_head.weight").is_ok());
+    }
+}
