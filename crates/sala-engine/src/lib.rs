@@ -1,1 +1,5 @@
-//! Generation: sampling, stop conditions, requests.
+//! Loading a model onto a backend and generating text: sampling, stop strings, the loop.
+
+pub mod generate;
+pub mod sampling;
+pub mod stop;

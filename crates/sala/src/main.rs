@@ -1,1 +1,459 @@
-fn main() {}
+//! `sala`: run MiniCPM-SALA checkpoints.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use sala_checkpoint::{preset, Checkpoint, DType, MixerKind, ModelConfig, WriteOptions};
+use sala_cpu::CpuBackend;
+use sala_engine::generate::{Engine, GenerateOptions};
+use sala_engine::sampling::SamplingParams;
+use sala_model::memory::{cache_bytes, weight_bytes};
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+
+#[derive(Parser)]
+#[command(
+    name = "sala",
+    version,
+    about = "Inference engine for MiniCPM-SALA (sparse + linear attention)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt (argument or standard input).
+    Generate(GenerateArgs),
+    /// Describe a checkpoint: config, parameters, memory for weights and context.
+    Inspect {
+        /// Checkpoint directory (config.json, safetensors, tokenizer files).
+        model: PathBuf,
+    },
+    /// Write a complete HF-format checkpoint with seeded random weights.
+    Init(InitArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum WeightDType {
+    Bf16,
+    F16,
+    F32,
+}
+
+#[derive(Args)]
+struct InitArgs {
+    /// Directory to create.
+    dir: PathBuf,
+    /// Named configuration (tiny, small, minicpm-sala-9b).
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: WeightDType,
+    /// Largest shard in MiB; bigger checkpoints are split with an index file.
+    #[arg(long, default_value_t = 4096)]
+    shard_mib: usize,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory; without it, a built-in tiny model with random weights.
+    #[arg(long, short)]
+    model: Option<PathBuf>,
+    /// The prompt; read from standard input when absent.
+    prompt: Option<String>,
+    /// Treat the prompt as a user message and apply the chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (with --chat).
+    #[arg(long)]
+    system: Option<String>,
+    /// Ask the chat template to skip the thinking block (enable_thinking=false).
+    #[arg(long)]
+    no_think: bool,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Most tokens the sequence may hold, prompt included [default: the model's
+    /// max_position_embeddings].
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// 0 samples greedily.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text appears (repeatable); it is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Keep generating past EOS tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Where to run: auto, cpu, or cuda[:N].
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Prompt tokens per prefill chunk.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// CPU threads [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Inspect { model } => inspect(&model),
+        Command::Init(args) => init(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn dtype_of(d: WeightDType) -> DType {
+    match d {
+        WeightDType::Bf16 => DType::Bf16,
+        WeightDType::F16 => DType::F16,
+        WeightDType::F32 => DType::F32,
+    }
+}
+
+/// Writes a checkpoint of `config` with its tokenizer files into `dir`.
+fn write_checkpoint(
+    dir: &Path,
+    config: &ModelConfig,
+    seed: u64,
+    dtype: DType,
+    shard_bytes: usize,
+) -> Result<()> {
+    let opts = WriteOptions {
+        seed,
+        dtype,
+        max_shard_bytes: shard_bytes,
+    };
+    sala_checkpoint::write_random_checkpoint(dir, config, &opts)
+        .with_context(|| format!("writing weights to {}", dir.display()))?;
+    sala_tokenizer::write_test_tokenizer(dir, config.vocab_size)
+        .with_context(|| format!("writing tokenizer files to {}", dir.display()))?;
+    Ok(())
+}
+
+fn init(args: InitArgs) -> Result<()> {
+    let config = preset(&args.preset)?;
+    if args.dir.join("config.json").exists() {
+        bail!(
+            "{} already holds a checkpoint (config.json); choose a new directory",
+            args.dir.display()
+        );
+    }
+    write_checkpoint(
+        &args.dir,
+        &config,
+        args.seed,
+        dtype_of(args.dtype),
+        args.shard_mib << 20,
+    )?;
+    eprintln!(
+        "wrote preset {:?} ({} parameters, random weights, seed {}) to {}",
+        args.preset,
+        human_count(sala_checkpoint::expected_parameter_count(&config) as f64),
+        args.seed,
+        args.dir.display()
+    );
+    Ok(())
+}
+
+/// The built-in tiny model: written once into the user's cache directory.
+fn builtin_model() -> Result<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("sala");
+    let dir = base.join(format!("builtin-tiny-{}", env!("CARGO_PKG_VERSION")));
+    if dir.join("config.json").exists() {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
+    // Written beside, then renamed, so concurrent runs never see half a checkpoint.
+    let tmp = base.join(format!(".builtin-tiny-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    write_checkpoint(&tmp, &preset("tiny")?, 0, DType::Bf16, usize::MAX)?;
+    if std::fs::rename(&tmp, &dir).is_err() && !dir.join("config.json").exists() {
+        bail!("could not create the built-in model in {}", dir.display());
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(dir)
+}
+
+fn progress_bar(len: usize, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    match args.device.as_str() {
+        "auto" | "cpu" => {}
+        d if d == "cuda" || d.starts_with("cuda:") => {
+            bail!("--device {d}: this build has no CUDA backend yet; use --device cpu")
+        }
+        d => bail!("--device {d}: expected auto, cpu or cuda[:N]"),
+    }
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("--threads")?;
+    }
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    let dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => {
+            eprintln!("note: no --model given: using the built-in tiny model; its weights are random, so its output is random text");
+            builtin_model()?
+        }
+    };
+    let prompt = match &args.prompt {
+        Some(p) => p.clone(),
+        None => {
+            if std::io::stdin().is_terminal() {
+                eprintln!("(reading the prompt from standard input; end it with Ctrl-D)");
+            }
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .context("reading the prompt from standard input")?;
+            s
+        }
+    };
+
+    let bar = progress_bar(0, "loading weights");
+    let mut engine = Engine::load(CpuBackend, &dir, args.prefill_chunk, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .with_context(|| format!("loading {}", dir.display()))?;
+    bar.finish_and_clear();
+
+    let ids = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(sala_tokenizer::ChatMessage::new("system", s));
+        }
+        messages.push(sala_tokenizer::ChatMessage::new("user", &prompt));
+        let mut extra = serde_json::Map::new();
+        if args.no_think {
+            extra.insert("enable_thinking".into(), false.into());
+        }
+        let opts = sala_tokenizer::ChatOptions {
+            add_generation_prompt: true,
+            tools: None,
+            kwargs: extra,
+        };
+        let text = engine
+            .tokenizer
+            .chat_template()
+            .and_then(|t| t.render(&messages, &opts))
+            .context("applying the chat template")?;
+        engine.tokenizer.encode(&text, true)?
+    } else {
+        engine.tokenizer.encode(&prompt, true)?
+    };
+
+    let opts = GenerateOptions {
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            repetition_penalty: args.repetition_penalty,
+            presence_penalty: args.presence_penalty,
+            frequency_penalty: args.frequency_penalty,
+            seed: args.seed,
+        },
+        max_tokens: args.max_tokens,
+        max_context: args
+            .max_context
+            .unwrap_or(engine.model.config.max_position_embeddings),
+        stop: args.stop.clone(),
+        eos_ids: if args.ignore_eos {
+            Vec::new()
+        } else {
+            engine.eos_ids()
+        },
+    };
+    opts.sampling.validate()?;
+
+    let prefill_bar = progress_bar(ids.len(), "prefill");
+    if ids.len() <= args.prefill_chunk {
+        prefill_bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut stdout = std::io::stdout().lock();
+    let mut write_err = None;
+    let gen = engine.generate(
+        &ids,
+        &opts,
+        &mut |text| {
+            if write_err.is_none() {
+                if let Err(e) = stdout
+                    .write_all(text.as_bytes())
+                    .and_then(|_| stdout.flush())
+                {
+                    write_err = Some(e);
+                }
+            }
+        },
+        &mut |n| {
+            prefill_bar.inc(n as u64);
+            if prefill_bar.position() as usize >= ids.len() {
+                prefill_bar.finish_and_clear();
+            }
+        },
+    )?;
+    if let Some(e) = write_err {
+        return Err(e).context("writing to standard output");
+    }
+    writeln!(stdout)?;
+    eprintln!(
+        "[{}] prompt {} tokens, prefill {:.1} tok/s; generated {} tokens, decode {:.1} tok/s; finish: {}",
+        engine.backend_name(),
+        gen.prompt_tokens,
+        gen.prefill_tokens_per_sec(),
+        gen.tokens.len(),
+        gen.decode_tokens_per_sec(),
+        gen.finish.as_str()
+    );
+    Ok(())
+}
+
+fn human_count(n: f64) -> String {
+    match n {
+        n if n >= 1e9 => format!("{:.2} B", n / 1e9),
+        n if n >= 1e6 => format!("{:.1} M", n / 1e6),
+        n if n >= 1e3 => format!("{:.1} K", n / 1e3),
+        n => format!("{n}"),
+    }
+}
+
+fn human_bytes(n: usize) -> String {
+    let n = n as f64;
+    match n {
+        n if n >= (1u64 << 30) as f64 => format!("{:.2} GiB", n / (1u64 << 30) as f64),
+        n if n >= (1u64 << 20) as f64 => format!("{:.1} MiB", n / (1u64 << 20) as f64),
+        n if n >= 1024.0 => format!("{:.1} KiB", n / 1024.0),
+        n => format!("{n} B"),
+    }
+}
+
+fn inspect(dir: &Path) -> Result<()> {
+    let ckpt = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    let c = ckpt.config();
+    let pattern: String = c
+        .mixer_types
+        .iter()
+        .map(|k| match k {
+            MixerKind::Sparse => 'S',
+            MixerKind::Lightning => 'L',
+        })
+        .collect();
+    let sparse_layers: Vec<usize> = (0..c.num_hidden_layers)
+        .filter(|&i| c.mixer_types[i] == MixerKind::Sparse)
+        .collect();
+    println!("checkpoint      {}", dir.display());
+    println!("files           {}", ckpt.files().len());
+    println!(
+        "shape           hidden {}, {} layers, {} heads x {} (kv heads: sparse {}, lightning {}), MLP {}, vocab {}",
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.head_dim,
+        c.num_key_value_heads,
+        c.lightning_nkv,
+        c.intermediate_size,
+        c.vocab_size
+    );
+    println!(
+        "layers          {pattern}  (S = sparse InfLLM-v2 at {sparse_layers:?}, L = lightning)"
+    );
+    let s = &c.sparse;
+    println!(
+        "sparse          blocks of {}, top-{} + {} local = {} selected, compression {}/{} and {}/{}, dense below {} tokens",
+        s.block_size,
+        s.topk,
+        s.local_blocks(),
+        s.selected_blocks(),
+        s.k1_window(),
+        s.k1_stride(),
+        s.k2_window(),
+        s.k2_stride(),
+        s.dense_len
+    );
+    println!(
+        "scales          embedding x{}, residual x{:.6}, logits /{}",
+        c.scale_emb,
+        c.residual_scale(),
+        c.logit_divisor()
+    );
+    let params = ckpt.parameter_count();
+    println!(
+        "parameters      {} ({params}); stored {}; {} in bf16",
+        human_count(params as f64),
+        human_bytes(ckpt.total_bytes() as usize),
+        human_bytes(weight_bytes(c))
+    );
+    println!("context memory per sequence (bf16 K/V and compressed keys, fp32 lightning state):");
+    println!(
+        "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
+        "context", "K/V", "compressed", "state", "total", "+ weights"
+    );
+    for (label, n) in [("8K", 8 << 10), ("128K", 128 << 10), ("1M", 1 << 20)] {
+        let m = cache_bytes(c, n);
+        println!(
+            "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
+            label,
+            human_bytes(m.kv),
+            human_bytes(m.compressed),
+            human_bytes(m.lightning_state),
+            human_bytes(m.total()),
+            human_bytes(m.total() + weight_bytes(c))
+        );
+    }
+    match sala_tokenizer::Tokenizer::from_dir(dir) {
+        Ok(t) => println!(
+            "tokenizer       {} tokens, chat template: {}",
+            t.vocab_size(),
+            if t.chat_template_source().is_some() {
+                "yes"
+            } else {
+                "none (ChatML fallback)"
+            }
+        ),
+        Err(e) => println!("tokenizer       unusable: {e}"),
+    }
+    Ok(())
+}

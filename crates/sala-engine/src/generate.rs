@@ -1,0 +1,235 @@
+//! Loading a checkpoint onto a backend, and generating text for one prompt: prefill in
+//! chunks, then decode with sampling until EOS, a stop string, or the token budget.
+
+use crate::sampling::{SampledToken, Sampler, SamplingError, SamplingParams};
+use crate::stop::{StopError, StopMatcher};
+use sala_checkpoint::{Checkpoint, CheckpointError, DType};
+use sala_model::{Backend, BackendError, HostDType, HostTensor, Model, WeightSource, Workspace};
+use sala_tokenizer::{Detokenizer, Tokenizer, TokenizerError};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Stop(#[from] StopError),
+    #[error("{dir}: the tokenizer has {tokenizer} tokens but the model's vocab_size is {model}")]
+    VocabMismatch {
+        dir: PathBuf,
+        tokenizer: usize,
+        model: usize,
+    },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error(
+        "the prompt has {prompt} tokens, which leaves no room in the context budget of {budget} \
+         tokens (raise --max-context, or shorten the prompt)"
+    )]
+    PromptTooLong { prompt: usize, budget: usize },
+}
+
+/// Serves a [`Checkpoint`]'s tensors to [`Model::load`].
+struct CheckpointSource<'a>(&'a Checkpoint);
+
+impl WeightSource for CheckpointSource<'_> {
+    fn tensor(&self, name: &str) -> Result<HostTensor<'_>, String> {
+        let view = self.0.tensor(name).map_err(|e| e.to_string())?;
+        Ok(HostTensor {
+            dtype: match view.dtype {
+                DType::Bf16 => HostDType::Bf16,
+                DType::F16 => HostDType::F16,
+                DType::F32 => HostDType::F32,
+            },
+            shape: view.shape,
+            bytes: view.bytes,
+        })
+    }
+}
+
+/// A model loaded on a backend, with its tokenizer and one sequence's workspace.
+pub struct Engine<B: Backend> {
+    pub backend: B,
+    pub model: Model<B>,
+    pub tokenizer: Tokenizer,
+    pub dir: PathBuf,
+    workspace: Workspace<B>,
+}
+
+/// Everything about one generation except the prompt.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Most tokens a sequence may hold (prompt and output together).
+    pub max_context: usize,
+    pub stop: Vec<String>,
+    /// Token ids that end generation (not shown in the text).
+    pub eos_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS token or a stop string.
+    Stop,
+    /// `max_tokens` or the context budget.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// The outcome of [`Engine::generate`].
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub text: String,
+    pub tokens: Vec<SampledToken>,
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    pub prefill_time: Duration,
+    /// Time of the decode steps (every generated token after the first).
+    pub decode_time: Duration,
+}
+
+impl Generation {
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_time.as_secs_f64().max(1e-9)
+    }
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        self.tokens.len().saturating_sub(1) as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Opens and checks the checkpoint in `dir`, loads its tokenizer, and uploads the weights;
+    /// `progress(done, total)` counts tensors. `chunk` is the prefill chunk length.
+    pub fn load(
+        backend: B,
+        dir: &Path,
+        chunk: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self, EngineError> {
+        let checkpoint = Checkpoint::open(dir)?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let config = checkpoint.config().clone();
+        if tokenizer.vocab_size() > config.vocab_size {
+            return Err(EngineError::VocabMismatch {
+                dir: dir.to_path_buf(),
+                tokenizer: tokenizer.vocab_size(),
+                model: config.vocab_size,
+            });
+        }
+        let model = Model::load(&backend, config, &CheckpointSource(&checkpoint), progress)?;
+        let workspace = model.workspace(&backend, chunk.max(1))?;
+        Ok(Self {
+            backend,
+            model,
+            tokenizer,
+            dir: dir.to_path_buf(),
+            workspace,
+        })
+    }
+
+    pub fn backend_name(&self) -> String {
+        self.backend.name()
+    }
+
+    /// EOS ids of the config and the tokenizer, deduplicated.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        let mut ids = self.model.config.eos_token_ids.clone();
+        ids.extend(self.tokenizer.eos_ids());
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Generates from `prompt` (token ids), calling `on_text` with each piece of text as it
+    /// becomes final and `on_prefill(done)` as prompt chunks complete.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_text: &mut dyn FnMut(&str),
+        on_prefill: &mut dyn FnMut(usize),
+    ) -> Result<Generation, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() >= opts.max_context {
+            return Err(EngineError::PromptTooLong {
+                prompt: prompt.len(),
+                budget: opts.max_context,
+            });
+        }
+        let vocab = self.model.config.vocab_size;
+        let mut sampler = Sampler::new(opts.sampling.clone(), vocab)?;
+        sampler.add_prompt(prompt)?;
+        let mut stop = StopMatcher::new(opts.stop.clone())?;
+        let mut detok = Detokenizer::new(&self.tokenizer, true);
+        let budget = opts.max_tokens.min(opts.max_context - prompt.len());
+
+        let (be, model, ws) = (&self.backend, &self.model, &mut self.workspace);
+        let start = Instant::now();
+        let mut seq = model.new_sequence(be)?;
+        let mut logits = model.prefill(be, ws, &mut seq, prompt, on_prefill)?;
+        let prefill_time = start.elapsed();
+
+        let decode_start = Instant::now();
+        let mut text = String::new();
+        let mut tokens = Vec::new();
+        let mut finish = FinishReason::Length;
+        while tokens.len() < budget {
+            let tok = sampler.sample(&logits)?;
+            sampler.record_output(tok.id)?;
+            tokens.push(tok);
+            if opts.eos_ids.contains(&tok.id) {
+                finish = FinishReason::Stop;
+                break;
+            }
+            let piece = detok.push(tok.id)?.unwrap_or_default();
+            let step = stop.push(&piece);
+            on_text(&step.text);
+            text.push_str(&step.text);
+            if step.stopped() {
+                finish = FinishReason::Stop;
+                break;
+            }
+            if tokens.len() < budget {
+                logits = model.decode(be, ws, &mut seq, tok.id)?;
+            }
+        }
+        if !stop.is_stopped() {
+            let step = stop.push(&detok.finish()?);
+            let stopped = step.stopped();
+            let mut rest = step.text;
+            if stopped {
+                finish = FinishReason::Stop;
+            } else {
+                rest.push_str(&stop.finish());
+            }
+            on_text(&rest);
+            text.push_str(&rest);
+        }
+        Ok(Generation {
+            text,
+            tokens,
+            finish,
+            prompt_tokens: prompt.len(),
+            prefill_time,
+            decode_time: decode_start.elapsed(),
+        })
+    }
+}
