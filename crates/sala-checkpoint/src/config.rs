@@ -478,7 +478,10 @@ impl ModelConfig {
         if s.window_size < s.block_size {
             return Err(field_err(
                 "sparse_config.window_size",
-                format!("{} is smaller than block_size ({})", s.window_size, s.block_size),
+                format!(
+                    "{} is smaller than block_size ({})",
+                    s.window_size, s.block_size
+                ),
             ));
         }
         if s.kernel_size > s.block_size + s.kernel_stride {

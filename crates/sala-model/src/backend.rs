@@ -114,6 +114,7 @@ pub trait Backend {
     ) -> BResult<()>;
     /// Lightning attention (Simple GLA, SPEC §4.2) of the chunk from `state`, which it
     /// advances past the chunk; `out` gets `o` rounded to bf16.
+    #[allow(clippy::too_many_arguments)]
     fn lightning(
         &self,
         shape: AttnShape,

@@ -29,7 +29,10 @@ pub fn first_mismatch(a: &[f32], b: &[f32], atol: f32, rtol: f32) -> Option<(usi
     a.iter()
         .zip(b)
         .enumerate()
-        .find(|(_, (&x, &y))| !((x - y).abs() <= atol + rtol * y.abs()))
+        .find(|(_, (&x, &y))| {
+            let diff = (x - y).abs();
+            diff.is_nan() || diff > atol + rtol * y.abs()
+        })
         .map(|(i, (&x, &y))| (i, x, y))
 }
 
