@@ -13,6 +13,6 @@ pub use weights::{
     CheckpointError, DType, Problem, TensorInfo, TensorSpec, TensorView, INDEX_FILE, SINGLE_FILE,
 };
 pub use writer::{
-    random_tensor_values, write_checkpoint_with, write_config_only, write_random_checkpoint,
-    write_safetensors_file, WriteOptions,
+    init_scale, random_tensor_values, write_checkpoint_with, write_config_only,
+    write_random_checkpoint, write_safetensors_file, WriteOptions,
 };

@@ -91,7 +91,7 @@ fn fill_random(seed: u64, config: &ModelConfig, spec: &TensorSpec, out: &mut [f3
 }
 
 /// (mean, standard deviation) of the random init of one tensor.
-fn init_scale(config: &ModelConfig, spec: &TensorSpec) -> (f64, f64) {
+pub fn init_scale(config: &ModelConfig, spec: &TensorSpec) -> (f64, f64) {
     let hidden = config.hidden_size as f64;
     if spec.shape.len() == 1 {
         (1.0, 0.1)

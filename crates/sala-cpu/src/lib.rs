@@ -8,7 +8,7 @@ pub mod reference;
 use attention::SparseCache;
 use rayon::prelude::*;
 use sala_checkpoint::SparseConfig;
-use sala_model::numerics::bf16_round;
+use sala_model::numerics::{bf16_round, random_normal};
 use sala_model::{AttnShape, BResult, Backend, BackendError, HostTensor, SparseMode};
 
 /// Activations `[rows, cols]` with room for `cap_rows` rows.
@@ -100,6 +100,36 @@ pub fn matmul_f32(x: &[f32], rows: usize, w: &CpuMatrix, y: &mut [f32]) {
     }
 }
 
+/// Stacks matrices with the same input width.
+pub fn concat_rows(parts: Vec<CpuMatrix>) -> BResult<CpuMatrix> {
+    let cols = parts.first().map_or(0, |p| p.cols);
+    if parts.iter().any(|p| p.cols != cols) {
+        return Err(BackendError(
+            "concat_rows: the matrices have different input widths".into(),
+        ));
+    }
+    let rows = parts.iter().map(|p| p.rows).sum();
+    let mut data = Vec::with_capacity(rows * cols);
+    for p in parts {
+        data.extend(p.data);
+    }
+    Ok(CpuMatrix { data, rows, cols })
+}
+
+/// Copies the columns of `y` (`[rows, total]`) into `outs` in order, rounded to bf16.
+pub fn split_columns(y: &[f32], total: usize, outs: &mut [&mut CpuAct]) {
+    let mut off = 0;
+    for o in outs.iter_mut() {
+        let w = o.cols;
+        for (dst, src) in o.data.chunks_exact_mut(w).zip(y.chunks_exact(total)) {
+            for (d, &s) in dst.iter_mut().zip(&src[off..off + w]) {
+                *d = bf16_round(s);
+            }
+        }
+        off += w;
+    }
+}
+
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
@@ -123,6 +153,7 @@ impl Backend for CpuBackend {
     type Vector = Vec<f32>;
     type LightningState = Vec<f32>;
     type SparseCache = SparseCache;
+    type Table = Vec<f32>;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -140,6 +171,32 @@ impl Backend for CpuBackend {
     fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Vec<f32>> {
         check_shape(name, &t, 1)?;
         Ok(t.to_f32())
+    }
+
+    fn upload_table(&self, data: &[f32]) -> BResult<Vec<f32>> {
+        Ok(data.to_vec())
+    }
+
+    fn random_matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<CpuMatrix> {
+        Ok(CpuMatrix {
+            data: self.random_vector(rows * cols, seed, mean, std)?,
+            rows,
+            cols,
+        })
+    }
+
+    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<Vec<f32>> {
+        Ok((0..len as u64)
+            .into_par_iter()
+            .map(|i| random_normal(i, seed, mean, std))
+            .collect())
     }
 
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<CpuAct> {
@@ -201,6 +258,37 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn concat_rows(&self, parts: Vec<CpuMatrix>) -> BResult<CpuMatrix> {
+        concat_rows(parts)
+    }
+
+    fn matmul_split(&self, x: &CpuAct, w: &CpuMatrix, outs: &mut [&mut CpuAct]) -> BResult<()> {
+        let total: usize = outs.iter().map(|o| o.cols).sum();
+        if total != w.rows || x.cols != w.cols {
+            return Err(BackendError(format!(
+                "matmul_split: outputs of {total} columns for a [{}, {}] matrix and {} inputs",
+                w.rows, w.cols, x.cols
+            )));
+        }
+        let mut y = vec![0f32; x.rows * total];
+        matmul_f32(&x.data, x.rows, w, &mut y);
+        split_columns(&y, total, outs);
+        Ok(())
+    }
+
+    fn silu_mul_halves(&self, gu: &CpuAct, out: &mut CpuAct) -> BResult<()> {
+        let inter = out.cols;
+        out.data
+            .par_chunks_mut(inter)
+            .zip(gu.data.par_chunks(2 * inter))
+            .for_each(|(o, row)| {
+                for (i, oi) in o.iter_mut().enumerate() {
+                    *oi = bf16_round(bf16_round(silu(row[i])) * row[inter + i]);
+                }
+            });
+        Ok(())
+    }
+
     fn silu_mul(&self, gate: &mut CpuAct, up: &CpuAct) -> BResult<()> {
         gate.data
             .par_iter_mut()
@@ -230,7 +318,7 @@ impl Backend for CpuBackend {
         x: &mut CpuAct,
         head_dim: usize,
         norm: Option<(&Vec<f32>, f32)>,
-        rope: Option<(&[f32], usize)>,
+        rope: Option<(&Vec<f32>, usize)>,
     ) -> BResult<()> {
         let cols = x.cols;
         let half = head_dim / 2;
@@ -267,7 +355,7 @@ impl Backend for CpuBackend {
     fn lightning(
         &self,
         shape: AttnShape,
-        slopes: &[f32],
+        slopes: &Vec<f32>,
         q: &CpuAct,
         k: &CpuAct,
         v: &CpuAct,

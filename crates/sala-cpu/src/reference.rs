@@ -37,6 +37,7 @@ impl Backend for ReferenceBackend {
     type Vector = Vec<f32>;
     type LightningState = Vec<f32>;
     type SparseCache = ReferenceKv;
+    type Table = Vec<f32>;
 
     fn name(&self) -> String {
         "reference (oracle)".into()
@@ -46,6 +47,22 @@ impl Backend for ReferenceBackend {
     }
     fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Vec<f32>> {
         CpuBackend.upload_vector(name, t)
+    }
+    fn upload_table(&self, data: &[f32]) -> BResult<Vec<f32>> {
+        Ok(data.to_vec())
+    }
+    fn random_matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<CpuMatrix> {
+        CpuBackend.random_matrix(rows, cols, seed, mean, std)
+    }
+    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<Vec<f32>> {
+        CpuBackend.random_vector(len, seed, mean, std)
     }
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<CpuAct> {
         CpuBackend.alloc(max_rows, cols)
@@ -75,6 +92,17 @@ impl Backend for ReferenceBackend {
             .collect();
         Ok(())
     }
+    fn concat_rows(&self, parts: Vec<CpuMatrix>) -> BResult<CpuMatrix> {
+        crate::concat_rows(parts)
+    }
+    fn matmul_split(&self, x: &CpuAct, w: &CpuMatrix, outs: &mut [&mut CpuAct]) -> BResult<()> {
+        let total: usize = outs.iter().map(|o| o.cols).sum();
+        crate::split_columns(&naive_matmul(&x.data, x.rows, w), total, outs);
+        Ok(())
+    }
+    fn silu_mul_halves(&self, gu: &CpuAct, out: &mut CpuAct) -> BResult<()> {
+        CpuBackend.silu_mul_halves(gu, out)
+    }
     fn silu_mul(&self, gate: &mut CpuAct, up: &CpuAct) -> BResult<()> {
         CpuBackend.silu_mul(gate, up)
     }
@@ -89,14 +117,14 @@ impl Backend for ReferenceBackend {
         x: &mut CpuAct,
         head_dim: usize,
         norm: Option<(&Vec<f32>, f32)>,
-        rope: Option<(&[f32], usize)>,
+        rope: Option<(&Vec<f32>, usize)>,
     ) -> BResult<()> {
         CpuBackend.head_norm_rope(x, head_dim, norm, rope)
     }
     fn lightning(
         &self,
         shape: AttnShape,
-        slopes: &[f32],
+        slopes: &Vec<f32>,
         q: &CpuAct,
         k: &CpuAct,
         v: &CpuAct,

@@ -65,11 +65,25 @@ pub trait Backend {
     type LightningState;
     /// A sparse layer's cache for one sequence: K, V and the compressed key tiers.
     type SparseCache;
+    /// A small constant f32 table (decay slopes, RoPE frequencies), uploaded once.
+    type Table;
 
     fn name(&self) -> String;
 
     fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Matrix>;
     fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Vector>;
+    fn upload_table(&self, data: &[f32]) -> BResult<Self::Table>;
+    /// A `[rows, cols]` matrix of seeded normal values `mean + std·z` rounded to bf16, with
+    /// `|z|` kept away from 0 so that no weight is zero (benchmarks without a checkpoint).
+    fn random_matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<Self::Matrix>;
+    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<Self::Vector>;
 
     /// A buffer with room for `max_rows` rows of `cols`; its row count starts at `max_rows`.
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<Self::Act>;
@@ -97,8 +111,21 @@ pub trait Backend {
     ) -> BResult<()>;
     /// `out = round(x Wᵀ)`, fp32 accumulation.
     fn matmul(&self, x: &Self::Act, w: &Self::Matrix, out: &mut Self::Act) -> BResult<()>;
+    /// Stacks the rows of matrices with the same input width into one, so that one product
+    /// computes all of them ([`Backend::matmul_split`]).
+    fn concat_rows(&self, parts: Vec<Self::Matrix>) -> BResult<Self::Matrix>;
+    /// `x Wᵀ` for a stacked matrix, its columns split into `outs` in order (their widths
+    /// must add up to the matrix's rows).
+    fn matmul_split(
+        &self,
+        x: &Self::Act,
+        w: &Self::Matrix,
+        outs: &mut [&mut Self::Act],
+    ) -> BResult<()>;
     /// `gate = round(round(silu(gate)) · up)`.
     fn silu_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> BResult<()>;
+    /// The same for `gu = [gate | up]` (`[rows, 2·I]`), into `out` (`[rows, I]`).
+    fn silu_mul_halves(&self, gu: &Self::Act, out: &mut Self::Act) -> BResult<()>;
     /// `h = round(h + round(branch · scale))`.
     fn add_scaled(&self, h: &mut Self::Act, branch: &Self::Act, scale: f32) -> BResult<()>;
     /// `x = round(x · round(sigmoid(gate)))`.
@@ -110,7 +137,7 @@ pub trait Backend {
         x: &mut Self::Act,
         head_dim: usize,
         norm: Option<(&Self::Vector, f32)>,
-        rope: Option<(&[f32], usize)>,
+        rope: Option<(&Self::Table, usize)>,
     ) -> BResult<()>;
     /// Lightning attention (Simple GLA, SPEC §4.2) of the chunk from `state`, which it
     /// advances past the chunk; `out` gets `o` rounded to bf16.
@@ -118,7 +145,7 @@ pub trait Backend {
     fn lightning(
         &self,
         shape: AttnShape,
-        slopes: &[f32],
+        slopes: &Self::Table,
         q: &Self::Act,
         k: &Self::Act,
         v: &Self::Act,

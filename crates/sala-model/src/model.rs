@@ -3,7 +3,8 @@
 use crate::backend::{BResult, Backend, BackendError, HostTensor};
 use crate::numerics::rope_inv_freq;
 use crate::oracle::{AttnShape, SparseMode};
-use sala_checkpoint::{MixerKind, ModelConfig};
+use sala_checkpoint::{expected_tensors, init_scale, MixerKind, ModelConfig, TensorSpec};
+use std::collections::HashMap;
 
 /// Where weights come from: the tensor of a given name, already checked by the loader.
 pub trait WeightSource {
@@ -12,21 +13,19 @@ pub trait WeightSource {
 
 enum Mixer<B: Backend> {
     Lightning {
-        q: B::Matrix,
-        k: B::Matrix,
-        v: B::Matrix,
+        /// q, k, v and (with the output gate) z projections, stacked.
+        qkvz: B::Matrix,
         o: B::Matrix,
-        z: Option<B::Matrix>,
+        gated: bool,
         q_norm: Option<B::Vector>,
         k_norm: Option<B::Vector>,
         o_norm: Option<B::Vector>,
     },
     Sparse {
-        q: B::Matrix,
-        k: B::Matrix,
-        v: B::Matrix,
+        /// q, k, v and (with the output gate) o_gate projections, stacked.
+        qkvg: B::Matrix,
         o: B::Matrix,
-        gate: Option<B::Matrix>,
+        gated: bool,
     },
 }
 
@@ -34,8 +33,8 @@ struct Layer<B: Backend> {
     input_norm: B::Vector,
     post_norm: B::Vector,
     mixer: Mixer<B>,
-    gate_proj: B::Matrix,
-    up_proj: B::Matrix,
+    /// gate_proj and up_proj, stacked.
+    gate_up: B::Matrix,
     down_proj: B::Matrix,
 }
 
@@ -47,8 +46,8 @@ pub struct Model<B: Backend> {
     /// `None` when the embeddings are tied.
     lm_head: Option<B::Matrix>,
     layers: Vec<Layer<B>>,
-    slopes: Vec<f32>,
-    inv_freq: Vec<f32>,
+    slopes: B::Table,
+    inv_freq: B::Table,
 }
 
 /// The per-sequence state: how many tokens it holds, and each layer's cache or state.
@@ -75,8 +74,8 @@ pub struct Workspace<B: Backend> {
     vs: B::Act,
     kl: B::Act,
     vl: B::Act,
-    gate: B::Act,
-    up: B::Act,
+    gate_up: B::Act,
+    act: B::Act,
 }
 
 /// Which rows of a chunk get logits.
@@ -100,35 +99,94 @@ pub fn tensor_count(c: &ModelConfig) -> usize {
     2 + !c.tie_word_embeddings as usize + c.mixer_types.iter().map(per_layer).sum::<usize>()
 }
 
-/// Uploads weights one by one, reporting progress.
+/// Where [`Loader`] takes weights from.
+enum Source<'a> {
+    Weights(&'a dyn WeightSource),
+    /// Seeded random values made by the backend, with the checkpoint writer's init scales.
+    Random {
+        seed: u64,
+        specs: HashMap<String, TensorSpec>,
+        config: &'a ModelConfig,
+    },
+}
+
+/// Uploads (or generates) weights one by one, reporting progress.
 struct Loader<'a, B: Backend> {
     be: &'a B,
-    src: &'a dyn WeightSource,
+    src: Source<'a>,
     done: usize,
     total: usize,
     progress: &'a mut dyn FnMut(usize, usize),
 }
 
+/// Shape, seed and scale of one random tensor.
+struct RandomSpec {
+    shape: Vec<usize>,
+    seed: u64,
+    mean: f32,
+    std: f32,
+}
+
+/// FNV-1a of a tensor name, mixed with the seed: each tensor's random values depend only on
+/// (seed, name).
+fn tensor_seed(seed: u64, name: &str) -> u64 {
+    let mut h = 0xcbf29ce484222325u64;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+    }
+    h ^ seed.wrapping_mul(0x9E3779B97F4A7C15)
+}
+
 impl<B: Backend> Loader<'_, B> {
-    fn fetch(&mut self, name: &str) -> BResult<HostTensor<'_>> {
+    fn step(&mut self) {
         self.done += 1;
         (self.progress)(self.done, self.total);
-        self.src
-            .tensor(name)
-            .map_err(|e| BackendError(format!("weight {name}: {e}")))
+    }
+    fn fetch(&self, name: &str) -> BResult<HostTensor<'_>> {
+        match &self.src {
+            Source::Weights(w) => w
+                .tensor(name)
+                .map_err(|e| BackendError(format!("weight {name}: {e}"))),
+            Source::Random { .. } => Err(BackendError(format!("weight {name}: no checkpoint"))),
+        }
+    }
+    /// How to make a random tensor, or `None` when weights come from a checkpoint.
+    fn random_spec(&self, name: &str) -> BResult<Option<RandomSpec>> {
+        match &self.src {
+            Source::Weights(_) => Ok(None),
+            Source::Random {
+                seed,
+                specs,
+                config,
+            } => {
+                let spec = specs.get(name).ok_or_else(|| {
+                    BackendError(format!("weight {name}: not in the config's tensor list"))
+                })?;
+                let (mean, std) = init_scale(config, spec);
+                Ok(Some(RandomSpec {
+                    shape: spec.shape.clone(),
+                    seed: tensor_seed(*seed, name),
+                    mean: mean as f32,
+                    std: std as f32,
+                }))
+            }
+        }
     }
     fn mat(&mut self, name: &str) -> BResult<B::Matrix> {
+        self.step();
         let be = self.be;
-        let t = self.fetch(name)?;
-        be.upload_matrix(name, t)
+        match self.random_spec(name)? {
+            Some(r) => be.random_matrix(r.shape[0], r.shape[1], r.seed, r.mean, r.std),
+            None => be.upload_matrix(name, self.fetch(name)?),
+        }
     }
     fn vec(&mut self, name: &str) -> BResult<B::Vector> {
+        self.step();
         let be = self.be;
-        let t = self.fetch(name)?;
-        be.upload_vector(name, t)
-    }
-    fn mat_if(&mut self, present: bool, name: &str) -> BResult<Option<B::Matrix>> {
-        present.then(|| self.mat(name)).transpose()
+        match self.random_spec(name)? {
+            Some(r) => be.random_vector(r.shape[0], r.seed, r.mean, r.std),
+            None => be.upload_vector(name, self.fetch(name)?),
+        }
     }
     fn vec_if(&mut self, present: bool, name: &str) -> BResult<Option<B::Vector>> {
         present.then(|| self.vec(name)).transpose()
@@ -141,6 +199,40 @@ impl<B: Backend> Model<B> {
         be: &B,
         config: ModelConfig,
         src: &dyn WeightSource,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> BResult<Self> {
+        Self::build(be, config, Source::Weights(src), progress)
+    }
+
+    /// A model of `config` with seeded random weights generated by the backend itself (on a
+    /// GPU, on the device): what benchmarks of the real shape run without a checkpoint.
+    pub fn random(
+        be: &B,
+        config: ModelConfig,
+        seed: u64,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> BResult<Self> {
+        let specs = expected_tensors(&config)
+            .into_iter()
+            .map(|s| (s.name.clone(), s))
+            .collect();
+        let cfg = config.clone();
+        Self::build(
+            be,
+            config,
+            Source::Random {
+                seed,
+                specs,
+                config: &cfg,
+            },
+            progress,
+        )
+    }
+
+    fn build(
+        be: &B,
+        config: ModelConfig,
+        src: Source<'_>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> BResult<Self> {
         let c = &config;
@@ -161,37 +253,58 @@ impl<B: Backend> Model<B> {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, kind) in c.mixer_types.iter().enumerate() {
             let n = |rest: &str| format!("model.layers.{i}.{rest}");
+            let mut stacked = |names: &[&str], gate: Option<&str>| -> BResult<B::Matrix> {
+                let mut parts = names
+                    .iter()
+                    .map(|p| ld.mat(&n(p)))
+                    .collect::<BResult<Vec<_>>>()?;
+                if let Some(g) = gate {
+                    parts.push(ld.mat(&n(g))?);
+                }
+                be.concat_rows(parts)
+            };
+            let qkv = [
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+            ];
             let mixer = match kind {
                 MixerKind::Lightning => Mixer::Lightning {
-                    q: ld.mat(&n("self_attn.q_proj.weight"))?,
-                    k: ld.mat(&n("self_attn.k_proj.weight"))?,
-                    v: ld.mat(&n("self_attn.v_proj.weight"))?,
+                    qkvz: stacked(&qkv, c.use_output_gate.then_some("self_attn.z_proj.weight"))?,
+                    gated: c.use_output_gate,
                     o: ld.mat(&n("self_attn.o_proj.weight"))?,
-                    z: ld.mat_if(c.use_output_gate, &n("self_attn.z_proj.weight"))?,
                     q_norm: ld.vec_if(c.qk_norm, &n("self_attn.q_norm.weight"))?,
                     k_norm: ld.vec_if(c.qk_norm, &n("self_attn.k_norm.weight"))?,
                     o_norm: ld.vec_if(c.use_output_norm, &n("self_attn.o_norm.weight"))?,
                 },
                 MixerKind::Sparse => Mixer::Sparse {
-                    q: ld.mat(&n("self_attn.q_proj.weight"))?,
-                    k: ld.mat(&n("self_attn.k_proj.weight"))?,
-                    v: ld.mat(&n("self_attn.v_proj.weight"))?,
+                    qkvg: stacked(
+                        &qkv,
+                        c.attn_use_output_gate.then_some("self_attn.o_gate.weight"),
+                    )?,
+                    gated: c.attn_use_output_gate,
                     o: ld.mat(&n("self_attn.o_proj.weight"))?,
-                    gate: ld.mat_if(c.attn_use_output_gate, &n("self_attn.o_gate.weight"))?,
                 },
             };
+            let mut stacked = |names: &[&str]| -> BResult<B::Matrix> {
+                let parts = names
+                    .iter()
+                    .map(|p| ld.mat(&n(p)))
+                    .collect::<BResult<Vec<_>>>()?;
+                be.concat_rows(parts)
+            };
+            let gate_up = stacked(&["mlp.gate_proj.weight", "mlp.up_proj.weight"])?;
             layers.push(Layer {
                 input_norm: ld.vec(&n("input_layernorm.weight"))?,
                 post_norm: ld.vec(&n("post_attention_layernorm.weight"))?,
                 mixer,
-                gate_proj: ld.mat(&n("mlp.gate_proj.weight"))?,
-                up_proj: ld.mat(&n("mlp.up_proj.weight"))?,
+                gate_up,
                 down_proj: ld.mat(&n("mlp.down_proj.weight"))?,
             });
         }
         Ok(Self {
-            slopes: c.lightning_slopes(),
-            inv_freq: rope_inv_freq(c.head_dim, c.rope_theta),
+            slopes: be.upload_table(&c.lightning_slopes())?,
+            inv_freq: be.upload_table(&rope_inv_freq(c.head_dim, c.rope_theta))?,
             config,
             embed,
             final_norm,
@@ -253,8 +366,8 @@ impl<B: Backend> Model<B> {
             vs: be.alloc(max_rows, c.kv_dim())?,
             kl: be.alloc(max_rows, c.lightning_kv_dim())?,
             vl: be.alloc(max_rows, c.lightning_kv_dim())?,
-            gate: be.alloc(max_rows, c.intermediate_size)?,
-            up: be.alloc(max_rows, c.intermediate_size)?,
+            gate_up: be.alloc(max_rows, 2 * c.intermediate_size)?,
+            act: be.alloc(max_rows, c.intermediate_size)?,
         })
     }
 
@@ -305,8 +418,8 @@ impl<B: Backend> Model<B> {
             &mut ws.vs,
             &mut ws.kl,
             &mut ws.vl,
-            &mut ws.gate,
-            &mut ws.up,
+            &mut ws.gate_up,
+            &mut ws.act,
         ] {
             be.set_rows(buf, n);
         }
@@ -318,23 +431,25 @@ impl<B: Backend> Model<B> {
             match (&layer.mixer, state) {
                 (
                     Mixer::Lightning {
-                        q,
-                        k,
-                        v,
+                        qkvz,
                         o,
-                        z,
+                        gated,
                         q_norm,
                         k_norm,
                         o_norm,
                     },
                     LayerState::Lightning(st),
                 ) => {
-                    be.matmul(&ws.a, q, &mut ws.q)?;
-                    be.matmul(&ws.a, k, &mut ws.kl)?;
-                    be.matmul(&ws.a, v, &mut ws.vl)?;
-                    let rope = c
-                        .lightning_use_rope
-                        .then_some((self.inv_freq.as_slice(), seq.pos));
+                    if *gated {
+                        be.matmul_split(
+                            &ws.a,
+                            qkvz,
+                            &mut [&mut ws.q, &mut ws.kl, &mut ws.vl, &mut ws.z],
+                        )?;
+                    } else {
+                        be.matmul_split(&ws.a, qkvz, &mut [&mut ws.q, &mut ws.kl, &mut ws.vl])?;
+                    }
+                    let rope = c.lightning_use_rope.then_some((&self.inv_freq, seq.pos));
                     be.head_norm_rope(
                         &mut ws.q,
                         c.head_dim,
@@ -356,22 +471,27 @@ impl<B: Backend> Model<B> {
                         st,
                         &mut ws.o,
                     )?;
-                    let gated = if let Some(w) = o_norm {
+                    let normed = if let Some(w) = o_norm {
                         be.rms_norm(&ws.o, w, eps, &mut ws.q)?;
                         &mut ws.q
                     } else {
                         &mut ws.o
                     };
-                    if let Some(zw) = z {
-                        be.matmul(&ws.a, zw, &mut ws.z)?;
-                        be.sigmoid_gate(gated, &ws.z)?;
+                    if *gated {
+                        be.sigmoid_gate(normed, &ws.z)?;
                     }
-                    be.matmul(gated, o, &mut ws.branch)?;
+                    be.matmul(normed, o, &mut ws.branch)?;
                 }
-                (Mixer::Sparse { q, k, v, o, gate }, LayerState::Sparse(cache)) => {
-                    be.matmul(&ws.a, q, &mut ws.q)?;
-                    be.matmul(&ws.a, k, &mut ws.ks)?;
-                    be.matmul(&ws.a, v, &mut ws.vs)?;
+                (Mixer::Sparse { qkvg, o, gated }, LayerState::Sparse(cache)) => {
+                    if *gated {
+                        be.matmul_split(
+                            &ws.a,
+                            qkvg,
+                            &mut [&mut ws.q, &mut ws.ks, &mut ws.vs, &mut ws.z],
+                        )?;
+                    } else {
+                        be.matmul_split(&ws.a, qkvg, &mut [&mut ws.q, &mut ws.ks, &mut ws.vs])?;
+                    }
                     be.sparse_attention(
                         self.sparse_shape(),
                         &c.sparse,
@@ -382,8 +502,7 @@ impl<B: Backend> Model<B> {
                         cache,
                         &mut ws.o,
                     )?;
-                    if let Some(gw) = gate {
-                        be.matmul(&ws.a, gw, &mut ws.z)?;
+                    if *gated {
                         be.sigmoid_gate(&mut ws.o, &ws.z)?;
                     }
                     be.matmul(&ws.o, o, &mut ws.branch)?;
@@ -396,10 +515,9 @@ impl<B: Backend> Model<B> {
             }
             be.add_scaled(&mut ws.h, &ws.branch, res)?;
             be.rms_norm(&ws.h, &layer.post_norm, eps, &mut ws.a)?;
-            be.matmul(&ws.a, &layer.gate_proj, &mut ws.gate)?;
-            be.matmul(&ws.a, &layer.up_proj, &mut ws.up)?;
-            be.silu_mul(&mut ws.gate, &ws.up)?;
-            be.matmul(&ws.gate, &layer.down_proj, &mut ws.branch)?;
+            be.matmul(&ws.a, &layer.gate_up, &mut ws.gate_up)?;
+            be.silu_mul_halves(&ws.gate_up, &mut ws.act)?;
+            be.matmul(&ws.act, &layer.down_proj, &mut ws.branch)?;
             be.add_scaled(&mut ws.h, &ws.branch, res)?;
         }
         seq.pos += n;

@@ -99,3 +99,22 @@ impl TestRng {
         (self.uniform() * n as f64) as usize % n.max(1)
     }
 }
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E3779B97F4A7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+    z ^ (z >> 31)
+}
+
+/// Element `i` of the seeded normal sequence `mean + std·z` rounded to bf16, with `|z|` kept
+/// in [0.001, 6] so no value is zero. The CUDA kernel `fill_random` computes the same
+/// formula on the device.
+pub fn random_normal(i: u64, seed: u64, mean: f32, std: f32) -> f32 {
+    let r = splitmix64(seed ^ splitmix64(i));
+    let u1 = ((r >> 40) as f32 + 1.0) / 16777217.0;
+    let u2 = ((r & 0xffffff) as f32 + 0.5) / 16777216.0;
+    let z = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::PI * 2.0 * u2).cos();
+    let a = z.abs().clamp(0.001, 6.0);
+    bf16_round(mean + std * a.copysign(z))
+}

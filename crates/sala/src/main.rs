@@ -1,13 +1,17 @@
 //! `sala`: run MiniCPM-SALA checkpoints.
 
+mod bench;
+mod device;
+
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use device::{Device, Opened};
 use indicatif::{ProgressBar, ProgressStyle};
 use sala_checkpoint::{preset, Checkpoint, DType, MixerKind, ModelConfig, WriteOptions};
-use sala_cpu::CpuBackend;
 use sala_engine::generate::{Engine, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
 use sala_model::memory::{cache_bytes, weight_bytes};
+use sala_model::Backend;
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -33,6 +37,8 @@ enum Command {
     },
     /// Write a complete HF-format checkpoint with seeded random weights.
     Init(InitArgs),
+    /// Measure TTFT, prefill and decode speed and peak memory at given context lengths.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -120,6 +126,7 @@ fn main() {
         Command::Generate(args) => generate(args),
         Command::Inspect { model } => inspect(&model),
         Command::Init(args) => init(args),
+        Command::Bench(args) => bench::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -215,13 +222,7 @@ fn progress_bar(len: usize, what: &str) -> ProgressBar {
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    match args.device.as_str() {
-        "auto" | "cpu" => {}
-        d if d == "cuda" || d.starts_with("cuda:") => {
-            bail!("--device {d}: this build has no CUDA backend yet; use --device cpu")
-        }
-        d => bail!("--device {d}: expected auto, cpu or cuda[:N]"),
-    }
+    let device = Device::parse(&args.device)?;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -252,8 +253,20 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
     };
 
+    match device.open()? {
+        Opened::Cpu(be) => generate_on(be, &args, &dir, &prompt),
+        Opened::Cuda(be) => generate_on(*be, &args, &dir, &prompt),
+    }
+}
+
+fn generate_on<B: Backend>(
+    backend: B,
+    args: &GenerateArgs,
+    dir: &Path,
+    prompt: &str,
+) -> Result<()> {
     let bar = progress_bar(0, "loading weights");
-    let mut engine = Engine::load(CpuBackend, &dir, args.prefill_chunk, &mut |done, total| {
+    let mut engine = Engine::load(backend, dir, args.prefill_chunk, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     })
@@ -265,7 +278,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         if let Some(s) = &args.system {
             messages.push(sala_tokenizer::ChatMessage::new("system", s));
         }
-        messages.push(sala_tokenizer::ChatMessage::new("user", &prompt));
+        messages.push(sala_tokenizer::ChatMessage::new("user", prompt));
         let mut extra = serde_json::Map::new();
         if args.no_think {
             extra.insert("enable_thinking".into(), false.into());
@@ -282,7 +295,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             .context("applying the chat template")?;
         engine.tokenizer.encode(&text, true)?
     } else {
-        engine.tokenizer.encode(&prompt, true)?
+        engine.tokenizer.encode(prompt, true)?
     };
 
     let opts = GenerateOptions {

@@ -1,0 +1,121 @@
+// Embedding, norms, RoPE, gates and residuals: bf16 in and out, fp32 arithmetic, rounding to
+// bf16 wherever the reference stores a bf16 tensor (see sala-model's Backend docs).
+
+// launch: grid = rows, block = 256
+extern "C" __global__ void embed(const bf16* table, const u32* ids, float scale, bf16* out, int dim) {
+    const bf16* src = table + (u64)ids[blockIdx.x] * dim;
+    bf16* dst = out + (u64)blockIdx.x * dim;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) dst[c] = f2bf(bf2f(src[c]) * scale);
+}
+
+// launch: grid = rows, block = 256 (multiple of 32)
+extern "C" __global__ void rms_norm(const bf16* x, const bf16* w, float eps, bf16* out, int dim) {
+    __shared__ float scratch[32];
+    const bf16* xr = x + (u64)blockIdx.x * dim;
+    bf16* yr = out + (u64)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        float v = bf2f(xr[c]);
+        ss += v * v;
+    }
+    float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) yr[c] = f2bf(round_bf(bf2f(xr[c]) * r) * bf2f(w[c]));
+}
+
+// launch: grid = ceil(n / 256), block = 256
+extern "C" __global__ void silu_mul(bf16* gate, const bf16* up, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = bf2f(gate[i]);
+    gate[i] = f2bf(round_bf(g / (1.0f + expf(-g))) * bf2f(up[i]));
+}
+
+// launch: grid = ceil(n / 256), block = 256
+extern "C" __global__ void add_scaled(bf16* h, const bf16* branch, float scale, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    h[i] = f2bf(bf2f(h[i]) + round_bf(bf2f(branch[i]) * scale));
+}
+
+// launch: grid = ceil(n / 256), block = 256
+extern "C" __global__ void sigmoid_gate(bf16* x, const bf16* gate, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    x[i] = f2bf(bf2f(x[i]) * round_bf(1.0f / (1.0f + expf(-bf2f(gate[i])))));
+}
+
+// Per head of `head_dim` (≤ 256, even): optional RMSNorm with the shared weight `norm_w`, then
+// optional RoPE (rotate-half) at position first_pos + row, frequencies `inv_freq`.
+// launch: grid = rows * (cols / head_dim) / 4, block = 128 (one warp per head)
+extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim, const bf16* norm_w, float eps,
+                                          const float* inv_freq, int first_pos, int heads_per_row) {
+    int hid = blockIdx.x * 4 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (hid >= total_heads) return;
+    bf16* p = x + (u64)hid * head_dim;
+    int row = hid / heads_per_row;
+    float v[8];  // lane l rotates elements l, l+32, ... (at most 8)
+    int half = head_dim / 2;
+    // The head is staged in shared memory: rotation pairs element e with e ± half.
+    __shared__ float buf[4][256];
+    float* hb = buf[threadIdx.x >> 5];
+    for (int e = lane; e < head_dim; e += 32) hb[e] = bf2f(p[e]);
+    __syncwarp();
+    if (norm_w) {
+        float ss = 0.0f;
+        for (int e = lane; e < head_dim; e += 32) ss += hb[e] * hb[e];
+        float r = rsqrtf(warp_sum(ss) / head_dim + eps);
+        __syncwarp();
+        for (int e = lane; e < head_dim; e += 32) hb[e] = round_bf(round_bf(hb[e] * r) * bf2f(norm_w[e]));
+        __syncwarp();
+    }
+    if (inv_freq) {
+        float pos = (float)(first_pos + row);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int e = lane + 32 * i;
+            if (e >= head_dim) break;
+            int fi = e < half ? e : e - half;
+            float s, c;
+            sincosf(pos * inv_freq[fi], &s, &c);
+            float other = e < half ? -hb[e + half] : hb[e - half];
+            v[i] = round_bf(hb[e] * c + other * s);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            if (lane + 32 * i >= head_dim) break;
+            hb[lane + 32 * i] = v[i];
+        }
+        __syncwarp();
+    }
+    for (int e = lane; e < head_dim; e += 32) p[e] = f2bf(hb[e]);
+}
+
+// out = round(x / divisor), the lm_head input.
+// launch: grid = ceil(n / 256), block = 256
+extern "C" __global__ void scale_round(const bf16* x, bf16* out, float divisor, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f2bf(bf2f(x[i]) / divisor);
+}
+
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Seeded normal values mean + std·z (Box–Muller on a counter-based hash), |z| kept in
+// [0.001, 6] so that no value is zero.
+// launch: grid = ceil(n / 256), block = 256
+extern "C" __global__ void fill_random(bf16* out, u64 n, u64 seed, float mean, float std) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u64 r = splitmix64(seed ^ splitmix64(i));
+    float u1 = ((r >> 40) + 1.0f) / 16777217.0f;  // (0, 1]
+    float u2 = ((r & 0xffffffull) + 0.5f) / 16777216.0f;
+    float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    float a = fminf(fmaxf(fabsf(z), 0.001f), 6.0f);
+    out[i] = f2bf(mean + std * copysignf(a, z));
+}

@@ -1,0 +1,940 @@
+//! CUDA backend: bf16 storage, fp32 accumulation. Kernels are compiled by NVRTC at start-up
+//! (cached on disk, see [`registry`]); projections and MLPs go through cuBLASLt ([`gemm`]).
+//! The CUDA libraries are opened at run time ([`libs`]), so the same binary runs without them.
+
+pub mod gemm;
+pub mod libs;
+pub mod registry;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use registry::{Kernels, K};
+use sala_checkpoint::SparseConfig;
+use sala_model::{AttnShape, BResult, Backend, BackendError, HostDType, HostTensor, SparseMode};
+use std::cell::RefCell;
+use std::sync::Arc;
+
+fn be_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
+    BackendError(format!("CUDA {what}: {e:?}"))
+}
+
+/// Activations `[rows, cols]` in bf16, with room for `cap_rows` rows.
+pub struct DevAct {
+    pub buf: CudaSlice<u16>,
+    pub rows: usize,
+    pub cols: usize,
+    cap_rows: usize,
+}
+
+/// A bf16 matrix `[rows = out, cols = in]`.
+pub struct DevMatrix {
+    pub buf: CudaSlice<u16>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// One sparse layer's cache for one sequence: K, V and both compressed-key tiers, grown by
+/// doubling as tokens arrive.
+pub struct DevSparseCache {
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    k1: CudaSlice<u16>,
+    k2: CudaSlice<u16>,
+    len: usize,
+    n1: usize,
+    n2: usize,
+    cap: usize,
+    kv_width: usize,
+}
+
+/// Scratch shared by all sparse layers: stage-1 scores and the selected blocks.
+#[derive(Default)]
+struct Scratch {
+    p: Option<CudaSlice<f32>>,
+    blocks: Option<CudaSlice<i32>>,
+    ids: Option<CudaSlice<u32>>,
+    logits_in: Option<CudaSlice<u16>>,
+    logits_out: Option<CudaSlice<u16>>,
+    stacked: Option<CudaSlice<u16>>,
+    attn_part: Option<CudaSlice<f32>>,
+    lse: Option<CudaSlice<f32>>,
+}
+
+/// Makes `slot` hold at least `n` elements (grow-only, so steady decoding allocates nothing).
+fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    slot: &mut Option<CudaSlice<T>>,
+    n: usize,
+) -> BResult<()> {
+    if slot.as_ref().is_none_or(|b| b.len() < n) {
+        *slot = Some(
+            stream
+                .alloc_zeros::<T>(n.max(1))
+                .map_err(|e| be_err("scratch", e))?,
+        );
+    }
+    Ok(())
+}
+
+/// One kernel argument.
+enum Arg {
+    P(u64),
+    I(i32),
+    F(f32),
+    U(u64),
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    gemm: RefCell<gemm::Gemm>,
+    scratch: RefCell<Scratch>,
+    device_name: String,
+    target: String,
+    /// Time the host has spent waiting for the device in downloads (profiling aid).
+    waited: std::cell::Cell<std::time::Duration>,
+}
+
+/// Output rows per block of the `gemv` kernel (8 warps of 2 rows), and the largest inner
+/// size its shared-memory copy of the input row takes without raising the 48 KB limit.
+const GEMV_ROWS_PER_BLOCK: usize = 16;
+const GEMV_MAX_K: usize = 24 * 1024;
+
+/// From this many (query, KV group) pairs on, block selection runs as one kernel.
+const SELECT_ONE_KERNEL_PAIRS: usize = 264;
+
+fn windows(n: usize, window: usize, stride: usize) -> usize {
+    if n >= window {
+        (n - window) / stride + 1
+    } else {
+        0
+    }
+}
+
+fn grid1(n: usize, block: usize) -> u32 {
+    n.div_ceil(block).max(1) as u32
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles (or loads from the cache) the kernels, and creates the
+    /// cuBLASLt handle. Every failure is an error naming what is missing.
+    pub fn new(ordinal: usize) -> Result<Self, String> {
+        libs::ensure_loaded()?;
+        let count = CudaContext::device_count().map_err(|e| format!("CUDA driver: {e:?}"))?;
+        if count <= 0 {
+            return Err("CUDA is installed but no GPU is visible".into());
+        }
+        if ordinal >= count as usize {
+            return Err(format!(
+                "cuda:{ordinal} does not exist: {count} GPU(s) visible"
+            ));
+        }
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| format!("opening cuda:{ordinal}: {e:?}"))?;
+        // One stream, so cudarc's cross-stream events are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| format!("compute capability: {e:?}"))?;
+        if major < 8 {
+            return Err(format!(
+                "cuda:{ordinal} has compute capability {major}.{minor}; bf16 kernels need 8.0 or later"
+            ));
+        }
+        let target = registry::target_for(major, minor);
+        let kernels = Kernels::load(&ctx, &target)?;
+        let stream = ctx.default_stream();
+        let gemm = gemm::Gemm::new(stream.clone())?;
+        let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        Ok(Self {
+            ctx,
+            stream,
+            kernels,
+            gemm: RefCell::new(gemm),
+            scratch: RefCell::new(Scratch::default()),
+            device_name,
+            target,
+            waited: Default::default(),
+        })
+    }
+
+    /// Total time the host has waited for the device to finish work before a download: with
+    /// the host issuing faster than the device runs, this is the device's lead.
+    pub fn host_wait(&self) -> std::time::Duration {
+        self.waited.get()
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> BResult<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| be_err("synchronize", e))
+    }
+
+    /// (bytes in use on the device by every process, total bytes).
+    pub fn memory(&self) -> BResult<(usize, usize)> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| be_err("memory info", e))?;
+        Ok((total - free, total))
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    fn launch(
+        &self,
+        k: K,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> BResult<()> {
+        let f = self.kernels.get(k);
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::P(p) | Arg::U(p) => b.arg(p),
+                Arg::I(i) => b.arg(i),
+                Arg::F(x) => b.arg(x),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        unsafe { b.launch(cfg) }.map_err(|e| be_err(&format!("launching {:?}", k), e))?;
+        Ok(())
+    }
+
+    fn alloc_u16(&self, n: usize) -> BResult<CudaSlice<u16>> {
+        self.stream
+            .alloc_zeros::<u16>(n.max(1))
+            .map_err(|e| be_err(&format!("allocating {} MiB", (2 * n) >> 20), e))
+    }
+
+    fn upload_bf16(&self, name: &str, t: &HostTensor<'_>) -> BResult<CudaSlice<u16>> {
+        let bits: Vec<u16> = match t.dtype {
+            HostDType::Bf16 => t
+                .bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+            _ => t
+                .to_f32()
+                .into_iter()
+                .map(|x| half::bf16::from_f32(x).to_bits())
+                .collect(),
+        };
+        self.stream
+            .clone_htod(&bits)
+            .map_err(|e| be_err(&format!("uploading {name}"), e))
+    }
+
+    /// Fills `n` bf16 values with seeded normal values (never zero).
+    pub fn random_bf16(&self, n: usize, seed: u64, mean: f32, std: f32) -> BResult<CudaSlice<u16>> {
+        let buf = self.alloc_u16(n)?;
+        self.launch(
+            K::FillRandom,
+            (grid1(n, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(self.ptr(&buf)),
+                Arg::U(n as u64),
+                Arg::U(seed),
+                Arg::F(mean),
+                Arg::F(std),
+            ],
+        )?;
+        Ok(buf)
+    }
+
+    /// Activations `[rows, cols]` from host values (rounded to bf16).
+    pub fn act_from_host(&self, data: &[f32], cols: usize) -> BResult<DevAct> {
+        let bits: Vec<u16> = data
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let rows = data.len() / cols;
+        Ok(DevAct {
+            buf: self
+                .stream
+                .clone_htod(&bits)
+                .map_err(|e| be_err("upload", e))?,
+            rows,
+            cols,
+            cap_rows: rows,
+        })
+    }
+
+    /// An f32 buffer (a lightning state) from the host.
+    pub fn f32_from_host(&self, data: &[f32]) -> BResult<CudaSlice<f32>> {
+        self.stream
+            .clone_htod(data)
+            .map_err(|e| be_err("upload", e))
+    }
+
+    /// An f32 buffer (a lightning state) to the host.
+    pub fn f32_to_host(&self, buf: &CudaSlice<f32>) -> BResult<Vec<f32>> {
+        self.stream
+            .clone_dtoh(buf)
+            .map_err(|e| be_err("download", e))
+    }
+
+    /// Copies device bf16 values to the host as f32.
+    pub fn download(&self, buf: &CudaSlice<u16>, n: usize) -> BResult<Vec<f32>> {
+        let mut bits = vec![0u16; buf.len()];
+        let start = std::time::Instant::now();
+        self.synchronize()?;
+        self.waited.set(self.waited.get() + start.elapsed());
+        self.stream
+            .memcpy_dtoh(buf, &mut bits)
+            .map_err(|e| be_err("download", e))?;
+        Ok(bits[..n]
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect())
+    }
+
+    /// Copies `bytes` from `src + src_off` to `dst + dst_off` (offsets in elements of T).
+    fn copy<T>(
+        &self,
+        dst: &CudaSlice<T>,
+        dst_off: usize,
+        src: &CudaSlice<T>,
+        src_off: usize,
+        n: usize,
+    ) -> BResult<()> {
+        let sz = std::mem::size_of::<T>();
+        if n == 0 {
+            return Ok(());
+        }
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                self.ptr(dst) + (dst_off * sz) as u64,
+                self.ptr(src) + (src_off * sz) as u64,
+                n * sz,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| be_err("device copy", e))
+    }
+
+    /// Grows the cache to hold at least `needed` tokens, keeping its contents.
+    fn reserve(&self, c: &mut DevSparseCache, needed: usize, cfg: &SparseConfig) -> BResult<()> {
+        if needed <= c.cap {
+            return Ok(());
+        }
+        let cap = needed.max(2 * c.cap).max(256);
+        let kw = c.kv_width;
+        let grow =
+            |old: &CudaSlice<u16>, old_rows: usize, rows: usize| -> BResult<CudaSlice<u16>> {
+                let new = self.alloc_u16(rows * kw)?;
+                self.copy(&new, 0, old, 0, old_rows * kw)?;
+                Ok(new)
+            };
+        c.k = grow(&c.k, c.len, cap)?;
+        c.v = grow(&c.v, c.len, cap)?;
+        c.k1 = grow(
+            &c.k1,
+            c.n1,
+            windows(cap, cfg.k1_window(), cfg.k1_stride()) + 1,
+        )?;
+        c.k2 = grow(
+            &c.k2,
+            c.n2,
+            windows(cap, cfg.k2_window(), cfg.k2_stride()) + 1,
+        )?;
+        c.cap = cap;
+        Ok(())
+    }
+
+    fn scratch_ptr<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        pick: impl FnOnce(&mut Scratch) -> &mut Option<CudaSlice<T>>,
+        n: usize,
+    ) -> BResult<u64> {
+        let mut s = self.scratch.borrow_mut();
+        let slot = pick(&mut s);
+        grow(&self.stream, slot, n)?;
+        Ok(slot.as_ref().map_or(0, |b| self.ptr(b)))
+    }
+
+    /// `y = x wᵀ` into the buffer at `y`: the GEMV kernel for one row (decode), cuBLASLt
+    /// otherwise.
+    fn product(
+        &self,
+        x: &CudaSlice<u16>,
+        x_off: usize,
+        w: &DevMatrix,
+        y: u64,
+        rows: usize,
+    ) -> BResult<()> {
+        if rows == 1 && w.cols.is_multiple_of(8) && w.cols <= GEMV_MAX_K {
+            return self.launch(
+                K::Gemv,
+                (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
+                256,
+                (w.cols * 2) as u32,
+                &[
+                    Arg::P(self.ptr(x) + (x_off * 2) as u64),
+                    Arg::P(self.ptr(&w.buf)),
+                    Arg::P(y),
+                    Arg::I(w.rows as i32),
+                    Arg::I(w.cols as i32),
+                ],
+            );
+        }
+        self.gemm
+            .borrow_mut()
+            .run_ptrs(
+                self.ptr(x) + (x_off * 2) as u64,
+                self.ptr(&w.buf),
+                y,
+                rows,
+                w.rows,
+                w.cols,
+            )
+            .map_err(BackendError)
+    }
+
+    fn elementwise(&self, k: K, a: &DevAct, b: &DevAct, extra: Option<f32>) -> BResult<()> {
+        let n = a.rows * a.cols;
+        let mut args = vec![Arg::P(self.ptr(&a.buf)), Arg::P(self.ptr(&b.buf))];
+        if let Some(x) = extra {
+            args.push(Arg::F(x));
+        }
+        args.push(Arg::U(n as u64));
+        self.launch(k, (grid1(n, 256), 1, 1), 256, 0, &args)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = DevAct;
+    type Matrix = DevMatrix;
+    type Vector = CudaSlice<u16>;
+    type LightningState = CudaSlice<f32>;
+    type SparseCache = DevSparseCache;
+    type Table = CudaSlice<f32>;
+
+    fn name(&self) -> String {
+        format!("cuda ({}, {})", self.device_name, self.target)
+    }
+
+    fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<DevMatrix> {
+        if t.shape.len() != 2 {
+            return Err(BackendError(format!(
+                "weight {name}: expected 2 dimensions, got {:?}",
+                t.shape
+            )));
+        }
+        Ok(DevMatrix {
+            buf: self.upload_bf16(name, &t)?,
+            rows: t.shape[0],
+            cols: t.shape[1],
+        })
+    }
+
+    fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<CudaSlice<u16>> {
+        if t.shape.len() != 1 {
+            return Err(BackendError(format!(
+                "weight {name}: expected 1 dimension, got {:?}",
+                t.shape
+            )));
+        }
+        self.upload_bf16(name, &t)
+    }
+
+    fn upload_table(&self, data: &[f32]) -> BResult<CudaSlice<f32>> {
+        self.stream
+            .clone_htod(data)
+            .map_err(|e| be_err("table upload", e))
+    }
+
+    fn random_matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<DevMatrix> {
+        Ok(DevMatrix {
+            buf: self.random_bf16(rows * cols, seed, mean, std)?,
+            rows,
+            cols,
+        })
+    }
+
+    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<CudaSlice<u16>> {
+        self.random_bf16(len, seed, mean, std)
+    }
+
+    fn alloc(&self, max_rows: usize, cols: usize) -> BResult<DevAct> {
+        Ok(DevAct {
+            buf: self.alloc_u16(max_rows * cols)?,
+            rows: max_rows,
+            cols,
+            cap_rows: max_rows,
+        })
+    }
+
+    fn set_rows(&self, a: &mut DevAct, rows: usize) {
+        a.rows = rows.min(a.cap_rows);
+    }
+
+    fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<CudaSlice<f32>> {
+        self.stream
+            .alloc_zeros::<f32>(heads * head_dim * head_dim)
+            .map_err(|e| be_err("lightning state", e))
+    }
+
+    fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<DevSparseCache> {
+        Ok(DevSparseCache {
+            k: self.alloc_u16(1)?,
+            v: self.alloc_u16(1)?,
+            k1: self.alloc_u16(1)?,
+            k2: self.alloc_u16(1)?,
+            len: 0,
+            n1: 0,
+            n2: 0,
+            cap: 0,
+            kv_width: shape.kv_width(),
+        })
+    }
+
+    fn embed(&self, table: &DevMatrix, ids: &[u32], scale: f32, out: &mut DevAct) -> BResult<()> {
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
+            return Err(BackendError(format!(
+                "token id {bad} is outside the embedding table"
+            )));
+        }
+        let ids_ptr = {
+            let mut s = self.scratch.borrow_mut();
+            grow(&self.stream, &mut s.ids, ids.len())?;
+            let buf = s.ids.as_mut().expect("grown");
+            self.stream
+                .memcpy_htod(ids, buf)
+                .map_err(|e| be_err("token ids", e))?;
+            self.ptr(buf)
+        };
+        self.launch(
+            K::Embed,
+            (ids.len() as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(self.ptr(&table.buf)),
+                Arg::P(ids_ptr),
+                Arg::F(scale),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::I(table.cols as i32),
+            ],
+        )
+    }
+
+    fn rms_norm(&self, x: &DevAct, w: &CudaSlice<u16>, eps: f32, out: &mut DevAct) -> BResult<()> {
+        self.launch(
+            K::RmsNorm,
+            (x.rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(self.ptr(&x.buf)),
+                Arg::P(self.ptr(w)),
+                Arg::F(eps),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::I(x.cols as i32),
+            ],
+        )
+    }
+
+    fn matmul(&self, x: &DevAct, w: &DevMatrix, out: &mut DevAct) -> BResult<()> {
+        if x.cols != w.cols || out.cols != w.rows || out.rows != x.rows {
+            return Err(BackendError(format!(
+                "matmul shapes: x [{}, {}], w [{}, {}], out [{}, {}]",
+                x.rows, x.cols, w.rows, w.cols, out.rows, out.cols
+            )));
+        }
+        self.product(&x.buf, 0, w, self.ptr(&out.buf), x.rows)
+    }
+
+    fn concat_rows(&self, parts: Vec<DevMatrix>) -> BResult<DevMatrix> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(BackendError(
+                "concat_rows: the matrices have different input widths".into(),
+            ));
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let buf = self.alloc_u16(rows * cols)?;
+        let mut off = 0;
+        for p in &parts {
+            self.copy(&buf, off, &p.buf, 0, p.rows * cols)?;
+            off += p.rows * cols;
+        }
+        Ok(DevMatrix { buf, rows, cols })
+    }
+
+    fn matmul_split(&self, x: &DevAct, w: &DevMatrix, outs: &mut [&mut DevAct]) -> BResult<()> {
+        let total: usize = outs.iter().map(|o| o.cols).sum();
+        if total != w.rows || x.cols != w.cols || outs.len() > 4 {
+            return Err(BackendError(format!(
+                "matmul_split: {} outputs of {total} columns for a [{}, {}] matrix and {} inputs",
+                outs.len(),
+                w.rows,
+                w.cols,
+                x.cols
+            )));
+        }
+        let rows = x.rows;
+        let y = self.scratch_ptr(|s| &mut s.stacked, rows * total)?;
+        self.product(&x.buf, 0, w, y, rows)?;
+        let mut args = vec![Arg::P(y), Arg::I(rows as i32), Arg::I(total as i32)];
+        for i in 0..4 {
+            match outs.get(i) {
+                Some(o) => {
+                    args.push(Arg::P(self.ptr(&o.buf)));
+                    args.push(Arg::I(o.cols as i32));
+                }
+                None => {
+                    args.push(Arg::P(0));
+                    args.push(Arg::I(0));
+                }
+            }
+        }
+        self.launch(
+            K::SplitCols,
+            (grid1(rows * total, 256), 1, 1),
+            256,
+            0,
+            &args,
+        )
+    }
+
+    fn silu_mul_halves(&self, gu: &DevAct, out: &mut DevAct) -> BResult<()> {
+        let n = out.rows * out.cols;
+        self.launch(
+            K::SiluMulHalves,
+            (grid1(n, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(self.ptr(&gu.buf)),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::I(out.rows as i32),
+                Arg::I(out.cols as i32),
+            ],
+        )
+    }
+
+    fn silu_mul(&self, gate: &mut DevAct, up: &DevAct) -> BResult<()> {
+        self.elementwise(K::SiluMul, gate, up, None)
+    }
+
+    fn add_scaled(&self, h: &mut DevAct, branch: &DevAct, scale: f32) -> BResult<()> {
+        self.elementwise(K::AddScaled, h, branch, Some(scale))
+    }
+
+    fn sigmoid_gate(&self, x: &mut DevAct, gate: &DevAct) -> BResult<()> {
+        self.elementwise(K::SigmoidGate, x, gate, None)
+    }
+
+    fn head_norm_rope(
+        &self,
+        x: &mut DevAct,
+        head_dim: usize,
+        norm: Option<(&CudaSlice<u16>, f32)>,
+        rope: Option<(&CudaSlice<f32>, usize)>,
+    ) -> BResult<()> {
+        if head_dim > 256 || !head_dim.is_multiple_of(2) {
+            return Err(BackendError(format!(
+                "head_dim {head_dim}: the CUDA kernels take even sizes up to 256"
+            )));
+        }
+        let heads_per_row = x.cols / head_dim;
+        let total = x.rows * heads_per_row;
+        self.launch(
+            K::HeadNormRope,
+            (grid1(total, 4), 1, 1),
+            128,
+            0,
+            &[
+                Arg::P(self.ptr(&x.buf)),
+                Arg::I(total as i32),
+                Arg::I(head_dim as i32),
+                Arg::P(norm.map_or(0, |(w, _)| self.ptr(w))),
+                Arg::F(norm.map_or(0.0, |(_, e)| e)),
+                Arg::P(rope.map_or(0, |(f, _)| self.ptr(f))),
+                Arg::I(rope.map_or(0, |(_, p)| p) as i32),
+                Arg::I(heads_per_row as i32),
+            ],
+        )
+    }
+
+    fn lightning(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        state: &mut CudaSlice<f32>,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let (grid, block, smem) = lightning_launch(shape.heads, shape.head_dim);
+        self.launch(
+            K::LightningChunked,
+            grid,
+            block,
+            smem,
+            &[
+                Arg::P(self.ptr(&q.buf)),
+                Arg::P(self.ptr(&k.buf)),
+                Arg::P(self.ptr(&v.buf)),
+                Arg::P(self.ptr(state)),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::P(self.ptr(slopes)),
+                Arg::I(q.rows as i32),
+                Arg::I(shape.heads as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(shape.head_dim as i32),
+                Arg::F(shape.scale() as f32),
+            ],
+        )
+    }
+
+    fn sparse_attention(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        cache: &mut DevSparseCache,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let t = q.rows;
+        let kw = cache.kv_width;
+        let first = cache.len;
+        self.reserve(cache, first + t, cfg)?;
+        self.copy(&cache.k, first * kw, &k.buf, 0, t * kw)?;
+        self.copy(&cache.v, first * kw, &v.buf, 0, t * kw)?;
+        cache.len += t;
+        for (level, window, stride) in [
+            (1, cfg.k1_window(), cfg.k1_stride()),
+            (2, cfg.k2_window(), cfg.k2_stride()),
+        ] {
+            let (old, tier) = if level == 1 {
+                (cache.n1, &cache.k1)
+            } else {
+                (cache.n2, &cache.k2)
+            };
+            let new = windows(cache.len, window, stride);
+            if new > old {
+                self.launch(
+                    K::CompressKeys,
+                    compress_launch(new - old, kw).0,
+                    compress_launch(new - old, kw).1,
+                    0,
+                    &[
+                        Arg::P(self.ptr(&cache.k)),
+                        Arg::P(self.ptr(tier)),
+                        Arg::I(old as i32),
+                        Arg::I((new - old) as i32),
+                        Arg::I(kw as i32),
+                        Arg::I(window as i32),
+                        Arg::I(stride as i32),
+                    ],
+                )?;
+            }
+            if level == 1 {
+                cache.n1 = new;
+            } else {
+                cache.n2 = new;
+            }
+        }
+        let k_sel = cfg.selected_blocks();
+        let blocks = match mode {
+            SparseMode::Dense => 0,
+            SparseMode::Sparse => {
+                let pairs = t * shape.kv_heads;
+                let p_stride = cache.n1.max(1);
+                let p = self.scratch_ptr(|s| &mut s.p, pairs * p_stride)?;
+                let blocks = self.scratch_ptr(|s| &mut s.blocks, pairs * k_sel)?;
+                let (block, smem) = select_launch(shape);
+                let mut args = vec![
+                    Arg::P(self.ptr(&q.buf)),
+                    Arg::P(self.ptr(&cache.k1)),
+                    Arg::P(self.ptr(&cache.k2)),
+                    Arg::I(cache.n1 as i32),
+                    Arg::I(cache.n2 as i32),
+                    Arg::I(t as i32),
+                    Arg::I(first as i32),
+                    Arg::I(shape.heads as i32),
+                    Arg::I(shape.kv_heads as i32),
+                    Arg::I(shape.head_dim as i32),
+                    Arg::F(shape.scale() as f32),
+                    Arg::I(cfg.block_size as i32),
+                    Arg::I(cfg.k1_window() as i32),
+                    Arg::I(cfg.k1_stride() as i32),
+                    Arg::I(cfg.k2_window() as i32),
+                    Arg::I(cfg.k2_stride() as i32),
+                    Arg::I(cfg.init_blocks as i32),
+                    Arg::I(cfg.local_blocks() as i32),
+                    Arg::I(k_sel as i32),
+                    Arg::P(p),
+                    Arg::I(p_stride as i32),
+                    Arg::P(blocks),
+                ];
+                if pairs >= SELECT_ONE_KERNEL_PAIRS {
+                    // Many queries (prefill): one block per (query, group) fills the GPU.
+                    self.launch(K::SparseSelect, (pairs as u32, 1, 1), block, smem, &args)?;
+                } else {
+                    // Few queries (decode): spread normaliser, scores and top-k over many blocks.
+                    args.push(Arg::P(self.scratch_ptr(|s| &mut s.lse, t * shape.heads)?));
+                    let one_head = ((shape.head_dim + 3) * 4) as u32;
+                    self.launch(
+                        K::SelectLse,
+                        (pairs as u32, shape.group() as u32, 1),
+                        256,
+                        one_head,
+                        &args,
+                    )?;
+                    self.launch(
+                        K::SelectScores,
+                        (pairs as u32, cache.n1.div_ceil(256).max(1) as u32, 1),
+                        256,
+                        smem,
+                        &args,
+                    )?;
+                    self.launch(K::SelectTopk, (pairs as u32, 1, 1), 256, 0, &args)?;
+                }
+                blocks
+            }
+        };
+        let (grid, block, smem) = attention_launch(t, shape);
+        let common = |out: u64| {
+            vec![
+                Arg::P(self.ptr(&q.buf)),
+                Arg::P(self.ptr(&cache.k)),
+                Arg::P(self.ptr(&cache.v)),
+                Arg::P(out),
+                Arg::I(t as i32),
+                Arg::I(first as i32),
+                Arg::I(shape.heads as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(shape.head_dim as i32),
+                Arg::F(shape.scale() as f32),
+                Arg::P(blocks),
+                Arg::I(k_sel as i32),
+                Arg::I(cfg.block_size as i32),
+            ]
+        };
+        // Few query rows (decode): split the keys across more blocks, then merge.
+        let blocks_launched = (grid.0 * grid.1) as usize;
+        let chunks = match mode {
+            SparseMode::Dense => cache.len.div_ceil(64),
+            SparseMode::Sparse => k_sel * cfg.block_size.div_ceil(64),
+        };
+        let n_split = (2 * 132usize).div_ceil(blocks_launched).min(chunks).max(1);
+        if n_split == 1 {
+            return self.launch(K::Attention, grid, block, smem, &common(self.ptr(&out.buf)));
+        }
+        let part = self.scratch_ptr(
+            |s| &mut s.attn_part,
+            n_split * t * shape.heads * (shape.head_dim + 2),
+        )?;
+        let mut args = common(part);
+        args.push(Arg::I(n_split as i32));
+        self.launch(
+            K::AttentionSplit,
+            (grid.0, grid.1, n_split as u32),
+            block,
+            smem,
+            &args,
+        )?;
+        self.launch(
+            K::AttentionMerge,
+            ((t * shape.heads) as u32, 1, 1),
+            shape.head_dim as u32,
+            0,
+            &[
+                Arg::P(part),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::I(t as i32),
+                Arg::I(shape.heads as i32),
+                Arg::I(shape.head_dim as i32),
+                Arg::I(n_split as i32),
+            ],
+        )
+    }
+
+    fn logits(
+        &self,
+        h: &DevAct,
+        rows: std::ops::Range<usize>,
+        lm_head: &DevMatrix,
+        divisor: f32,
+    ) -> BResult<Vec<f32>> {
+        let (n, cols, vocab) = (rows.len(), h.cols, lm_head.rows);
+        let mut s = self.scratch.borrow_mut();
+        grow(&self.stream, &mut s.logits_in, n * cols)?;
+        grow(&self.stream, &mut s.logits_out, n * vocab)?;
+        let (x, y) = (
+            s.logits_in.as_ref().expect("grown"),
+            s.logits_out.as_ref().expect("grown"),
+        );
+        self.launch(
+            K::ScaleRound,
+            (grid1(n * cols, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(self.ptr(&h.buf) + (rows.start * cols * 2) as u64),
+                Arg::P(self.ptr(x)),
+                Arg::F(divisor),
+                Arg::U((n * cols) as u64),
+            ],
+        )?;
+        self.product(x, 0, lm_head, self.ptr(y), n)?;
+        self.download(y, n * vocab)
+    }
+
+    fn to_host(&self, a: &DevAct) -> BResult<Vec<f32>> {
+        self.download(&a.buf, a.rows * a.cols)
+    }
+}
+
+/// Launch shape of `lightning_chunked`: a block per (head, 32 value columns).
+fn lightning_launch(heads: usize, head_dim: usize) -> ((u32, u32, u32), u32, u32) {
+    ((heads as u32, head_dim.div_ceil(32) as u32, 1), 256, 0)
+}
+
+/// Launch shape of `compress_keys`: a thread per output element.
+fn compress_launch(n_windows: usize, kv_width: usize) -> ((u32, u32, u32), u32) {
+    ((grid1(n_windows * kv_width, 256), 1, 1), 256)
+}
+
+/// Block size and dynamic shared memory of `sparse_select` (a block per query and KV group).
+fn select_launch(shape: AttnShape) -> (u32, u32) {
+    (256, (shape.group() * (shape.head_dim + 3) * 4) as u32)
+}
+
+/// Launch shape of `attention`: 64 (query, head) rows of one KV group per block.
+fn attention_launch(t: usize, shape: AttnShape) -> ((u32, u32, u32), u32, u32) {
+    (
+        (grid1(t * shape.group(), 64), shape.kv_heads as u32, 1),
+        128,
+        0,
+    )
+}

@@ -1,0 +1,183 @@
+//! The kernel registry: every kernel source compiled once by NVRTC into one module, cached on
+//! disk by (source, target, NVRTC version), and its functions looked up once at start-up.
+//!
+//! NVRTC rather than an ahead-of-time fatbin: the one `sala` binary then builds for whatever
+//! GPU it finds (sm_90a on Hopper, the plain target elsewhere) with no CUDA toolkit at build
+//! time, and the on-disk cache keeps later start-ups fast.
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The kernel sources, in compile order (common definitions first).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
+    ("gemv.cu", include_str!("../kernels/gemv.cu")),
+    ("lightning.cu", include_str!("../kernels/lightning.cu")),
+    ("sparse.cu", include_str!("../kernels/sparse.cu")),
+];
+
+/// Every kernel the backend launches; `K::X as usize` indexes [`KERNELS`].
+#[derive(Debug, Clone, Copy)]
+pub enum K {
+    Embed,
+    RmsNorm,
+    SiluMul,
+    AddScaled,
+    SigmoidGate,
+    HeadNormRope,
+    ScaleRound,
+    FillRandom,
+    LightningChunked,
+    CompressKeys,
+    SparseSelect,
+    Attention,
+    Gemv,
+    SplitCols,
+    SiluMulHalves,
+    AttentionSplit,
+    AttentionMerge,
+    SelectLse,
+    SelectScores,
+    SelectTopk,
+}
+
+/// The kernels' names in the source, in the order of [`K`].
+pub const KERNELS: &[&str] = &[
+    "embed",
+    "rms_norm",
+    "silu_mul",
+    "add_scaled",
+    "sigmoid_gate",
+    "head_norm_rope",
+    "scale_round",
+    "fill_random",
+    "lightning_chunked",
+    "compress_keys",
+    "sparse_select",
+    "attention",
+    "gemv",
+    "split_cols",
+    "silu_mul_halves",
+    "attention_split",
+    "attention_merge",
+    "select_lse",
+    "select_scores",
+    "select_topk",
+];
+
+/// The whole program as one translation unit.
+pub fn program_source() -> String {
+    let mut s = String::new();
+    for (name, text) in SOURCES {
+        s.push_str(&format!("// ---- {name}\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
+    s
+}
+
+/// The virtual architecture to compile for: `compute_90a` on Hopper (wgmma, TMA), else the
+/// device's own `compute_XY`.
+pub fn target_for(major: i32, minor: i32) -> String {
+    if major == 9 && minor == 0 {
+        "compute_90a".into()
+    } else {
+        format!("compute_{major}{minor}")
+    }
+}
+
+/// Compiles the program to PTX for `target` (e.g. `compute_90a`).
+pub fn compile(target: &str) -> Result<String, String> {
+    let arch: &'static str = Box::leak(target.to_string().into_boxed_str());
+    let opts = CompileOptions {
+        arch: Some(arch),
+        options: vec!["--std=c++17".into()],
+        name: Some("sala_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(program_source(), opts).map_err(|e| match e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                format!(
+                    "NVRTC failed to compile the kernels for {target}:\n{}",
+                    log.to_string_lossy()
+                )
+            }
+            other => format!("NVRTC failed for {target}: {other:?}"),
+        })?;
+    Ok(ptx.to_src())
+}
+
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (major, minor)
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("sala")
+        .join("kernels")
+}
+
+/// PTX for `target`, from the disk cache or freshly compiled (and then cached).
+pub fn ptx_for(target: &str) -> Result<String, String> {
+    let mut h = DefaultHasher::new();
+    program_source().hash(&mut h);
+    target.hash(&mut h);
+    nvrtc_version().hash(&mut h);
+    let path = cache_dir().join(format!("{target}-{:016x}.ptx", h.finish()));
+    if let Ok(ptx) = std::fs::read_to_string(&path) {
+        return Ok(ptx);
+    }
+    let ptx = compile(target)?;
+    // The cache is an optimisation: failing to write it is not an error.
+    if std::fs::create_dir_all(cache_dir()).is_ok() {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &ptx).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(ptx)
+}
+
+/// The loaded module and its functions.
+pub struct Kernels {
+    _module: Arc<CudaModule>,
+    functions: Vec<CudaFunction>,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>, target: &str) -> Result<Self, String> {
+        let ptx = ptx_for(target)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| format!("loading the kernel module: {e:?}"))?;
+        let functions = KERNELS
+            .iter()
+            .map(|name| {
+                module
+                    .load_function(name)
+                    .map_err(|e| format!("kernel {name}: {e:?}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            _module: module,
+            functions,
+        })
+    }
+
+    pub fn get(&self, k: K) -> &CudaFunction {
+        &self.functions[k as usize]
+    }
+}
