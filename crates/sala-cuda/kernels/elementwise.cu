@@ -8,11 +8,51 @@ extern "C" __global__ void embed(const bf16* table, const u32* ids, float scale,
     for (int c = threadIdx.x; c < dim; c += blockDim.x) dst[c] = f2bf(bf2f(src[c]) * scale);
 }
 
-// launch: grid = rows, block = 256 (multiple of 32)
-extern "C" __global__ void rms_norm(const bf16* x, const bf16* w, float eps, bf16* out, int dim) {
+// One row per block. Rows whose width is a multiple of 8 and at most 8 * 2 * blockDim.x are
+// read once, 16 bytes per load, and kept in registers; others take the plain loop.
+// launch: grid = rows, block = 512
+#define RMS_PACKS 2
+extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const bf16* w, float eps, bf16* out, int dim) {
     __shared__ float scratch[32];
     const bf16* xr = x + (u64)blockIdx.x * dim;
     bf16* yr = out + (u64)blockIdx.x * dim;
+    if (dim % 8 == 0 && dim <= 8 * RMS_PACKS * (int)blockDim.x) {
+        float v[RMS_PACKS][8];
+        float ss = 0.0f;
+#pragma unroll
+        for (int p = 0; p < RMS_PACKS; p++) {
+            int pk = threadIdx.x + p * blockDim.x;
+            if (pk * 8 < dim) {
+                uint4 raw = ((const uint4*)xr)[pk];
+                u32 wd[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    v[p][2 * i] = __uint_as_float(wd[i] << 16);
+                    v[p][2 * i + 1] = __uint_as_float(wd[i] & 0xffff0000u);
+                }
+#pragma unroll
+                for (int e = 0; e < 8; e++) ss += v[p][e] * v[p][e];
+            }
+        }
+        float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
+#pragma unroll
+        for (int p = 0; p < RMS_PACKS; p++) {
+            int pk = threadIdx.x + p * blockDim.x;
+            if (pk * 8 < dim) {
+                uint4 wraw = ((const uint4*)w)[pk];
+                u32 ww[4] = {wraw.x, wraw.y, wraw.z, wraw.w};
+                u32 o[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float lo = round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16);
+                    float hi = round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u);
+                    o[i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                }
+                ((uint4*)yr)[pk] = make_uint4(o[0], o[1], o[2], o[3]);
+            }
+        }
+        return;
+    }
     float ss = 0.0f;
     for (int c = threadIdx.x; c < dim; c += blockDim.x) {
         float v = bf2f(xr[c]);

@@ -987,8 +987,10 @@ attention_merge(const float* part, bf16* out, int T, int heads, int d, int n_spl
     const size_t zstride = (size_t)T * heads * (d + 2);
     const float* p = part + (size_t)row * (d + 2);
     float M = -__int_as_float(0x7f800000);
+#pragma unroll 8
     for (int z = 0; z < n_split; z++) M = fmaxf(M, p[z * zstride + d]);
     float L = 0.0f, o = 0.0f;
+#pragma unroll 8
     for (int z = 0; z < n_split; z++) {
         const float* pz = p + z * zstride;
         const float mz = pz[d];

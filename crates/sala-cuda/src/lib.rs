@@ -100,6 +100,9 @@ pub struct CudaBackend {
 const GEMV_ROWS_PER_BLOCK: usize = 16;
 const GEMV_MAX_K: usize = 24 * 1024;
 
+/// Most key splits of one decode attention (the merge reads every split's partial state).
+const MAX_ATTENTION_SPLIT: usize = 32;
+
 /// From this many (query, KV group) pairs on, block selection runs as one kernel.
 const SELECT_ONE_KERNEL_PAIRS: usize = 264;
 
@@ -545,7 +548,7 @@ impl Backend for CudaBackend {
         self.launch(
             K::RmsNorm,
             (x.rows as u32, 1, 1),
-            256,
+            512,
             0,
             &[
                 Arg::P(self.ptr(&x.buf)),
@@ -644,6 +647,36 @@ impl Backend for CudaBackend {
         self.elementwise(K::AddScaled, h, branch, Some(scale))
     }
 
+    fn add_scaled_norm(
+        &self,
+        h: &mut DevAct,
+        branch: &DevAct,
+        scale: f32,
+        w: &CudaSlice<u16>,
+        eps: f32,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        if !h.cols.is_multiple_of(8) || h.cols > 8 * 2 * 512 {
+            self.add_scaled(h, branch, scale)?;
+            return self.rms_norm(h, w, eps, out);
+        }
+        self.launch(
+            K::AddRmsNorm,
+            (h.rows as u32, 1, 1),
+            512,
+            0,
+            &[
+                Arg::P(self.ptr(&h.buf)),
+                Arg::P(self.ptr(&branch.buf)),
+                Arg::F(scale),
+                Arg::P(self.ptr(w)),
+                Arg::F(eps),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::I(h.cols as i32),
+            ],
+        )
+    }
+
     fn sigmoid_gate(&self, x: &mut DevAct, gate: &DevAct) -> BResult<()> {
         self.elementwise(K::SigmoidGate, x, gate, None)
     }
@@ -690,6 +723,26 @@ impl Backend for CudaBackend {
         state: &mut CudaSlice<f32>,
         out: &mut DevAct,
     ) -> BResult<()> {
+        if q.rows == 1 && shape.head_dim <= 256 {
+            return self.launch(
+                K::LightningDecode,
+                (shape.heads as u32, shape.head_dim.div_ceil(32) as u32, 1),
+                256,
+                0,
+                &[
+                    Arg::P(self.ptr(&q.buf)),
+                    Arg::P(self.ptr(&k.buf)),
+                    Arg::P(self.ptr(&v.buf)),
+                    Arg::P(self.ptr(state)),
+                    Arg::P(self.ptr(&out.buf)),
+                    Arg::P(self.ptr(slopes)),
+                    Arg::I(shape.heads as i32),
+                    Arg::I(shape.kv_heads as i32),
+                    Arg::I(shape.head_dim as i32),
+                    Arg::F(shape.scale() as f32),
+                ],
+            );
+        }
         let (grid, block, smem) = lightning_launch(shape.heads, shape.head_dim);
         self.launch(
             K::LightningChunked,
@@ -846,7 +899,7 @@ impl Backend for CudaBackend {
             SparseMode::Dense => cache.len.div_ceil(64),
             SparseMode::Sparse => k_sel * cfg.block_size.div_ceil(64),
         };
-        let n_split = (2 * 132usize).div_ceil(blocks_launched).min(chunks).max(1);
+        let n_split = (2 * 132usize).div_ceil(blocks_launched).min(chunks).min(MAX_ATTENTION_SPLIT).max(1);
         if n_split == 1 {
             return self.launch(K::Attention, grid, block, smem, &common(self.ptr(&out.buf)));
         }

@@ -17,6 +17,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
+    ("decode.cu", include_str!("../kernels/decode.cu")),
     ("lightning.cu", include_str!("../kernels/lightning.cu")),
     ("sparse.cu", include_str!("../kernels/sparse.cu")),
 ];
@@ -44,6 +45,8 @@ pub enum K {
     SelectLse,
     SelectScores,
     SelectTopk,
+    LightningDecode,
+    AddRmsNorm,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -68,6 +71,8 @@ pub const KERNELS: &[&str] = &[
     "select_lse",
     "select_scores",
     "select_topk",
+    "lightning_decode",
+    "add_rms_norm",
 ];
 
 /// The whole program as one translation unit.

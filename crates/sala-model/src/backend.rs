@@ -128,6 +128,20 @@ pub trait Backend {
     fn silu_mul_halves(&self, gu: &Self::Act, out: &mut Self::Act) -> BResult<()>;
     /// `h = round(h + round(branch · scale))`.
     fn add_scaled(&self, h: &mut Self::Act, branch: &Self::Act, scale: f32) -> BResult<()>;
+    /// `h = round(h + round(branch · scale))`, then `out = rms_norm(h, w)`: the residual add
+    /// and the norm after it (one pass where the backend fuses them).
+    fn add_scaled_norm(
+        &self,
+        h: &mut Self::Act,
+        branch: &Self::Act,
+        scale: f32,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        self.add_scaled(h, branch, scale)?;
+        self.rms_norm(h, w, eps, out)
+    }
     /// `x = round(x · round(sigmoid(gate)))`.
     fn sigmoid_gate(&self, x: &mut Self::Act, gate: &Self::Act) -> BResult<()>;
     /// Per head of `head_dim` features: optional RMSNorm with the shared weight `norm`, then

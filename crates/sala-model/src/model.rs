@@ -426,8 +426,11 @@ impl<B: Backend> Model<B> {
         let eps = c.rms_norm_eps as f32;
         let res = c.residual_scale() as f32;
         be.embed(&self.embed, tokens, c.scale_emb as f32, &mut ws.h)?;
-        for (layer, state) in self.layers.iter().zip(seq.layers.iter_mut()) {
-            be.rms_norm(&ws.h, &layer.input_norm, eps, &mut ws.a)?;
+        if let Some(first) = self.layers.first() {
+            be.rms_norm(&ws.h, &first.input_norm, eps, &mut ws.a)?;
+        }
+        for (i, (layer, state)) in self.layers.iter().zip(seq.layers.iter_mut()).enumerate() {
+            // `ws.a` holds this layer's input norm, made by the previous layer's last add.
             match (&layer.mixer, state) {
                 (
                     Mixer::Lightning {
@@ -513,12 +516,12 @@ impl<B: Backend> Model<B> {
                     ))
                 }
             }
-            be.add_scaled(&mut ws.h, &ws.branch, res)?;
-            be.rms_norm(&ws.h, &layer.post_norm, eps, &mut ws.a)?;
+            be.add_scaled_norm(&mut ws.h, &ws.branch, res, &layer.post_norm, eps, &mut ws.a)?;
             be.matmul(&ws.a, &layer.gate_up, &mut ws.gate_up)?;
             be.silu_mul_halves(&ws.gate_up, &mut ws.act)?;
             be.matmul(&ws.act, &layer.down_proj, &mut ws.branch)?;
-            be.add_scaled(&mut ws.h, &ws.branch, res)?;
+            let next_norm = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
+            be.add_scaled_norm(&mut ws.h, &ws.branch, res, next_norm, eps, &mut ws.a)?;
         }
         seq.pos += n;
         let range = match rows {
@@ -526,7 +529,7 @@ impl<B: Backend> Model<B> {
             LogitRows::Last => n - 1..n,
             LogitRows::All => 0..n,
         };
-        be.rms_norm(&ws.h, &self.final_norm, eps, &mut ws.a)?;
+        // `ws.a` holds the final norm of the last layer's output.
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         be.logits(&ws.a, range, head, c.logit_divisor() as f32)
     }
