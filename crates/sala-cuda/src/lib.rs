@@ -95,10 +95,10 @@ pub struct CudaBackend {
     waited: std::cell::Cell<std::time::Duration>,
 }
 
-/// Output rows per block of the `gemv` kernel (8 warps of 2 rows), and the largest inner
-/// size its shared-memory copy of the input row takes without raising the 48 KB limit.
+/// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
+/// it is used for.
 const GEMV_ROWS_PER_BLOCK: usize = 16;
-const GEMV_MAX_K: usize = 24 * 1024;
+const GEMV_MAX_K: usize = 1 << 20;
 
 /// Most key splits of one decode attention (the merge reads every split's partial state).
 const MAX_ATTENTION_SPLIT: usize = 32;
@@ -385,8 +385,8 @@ impl CudaBackend {
             return self.launch(
                 K::Gemv,
                 (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
-                256,
-                (w.cols * 2) as u32,
+                128,
+                0,
                 &[
                     Arg::P(self.ptr(x) + (x_off * 2) as u64),
                     Arg::P(self.ptr(&w.buf)),

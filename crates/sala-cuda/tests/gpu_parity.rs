@@ -128,6 +128,8 @@ fn embed_matmul_head_norm_rope_match_cpu() {
     // matmul at ragged shapes, decode (1 row) included.
     for (rows, inner, out) in [
         (1, 256, 384),
+        (1, 4096, 1000),
+        (1, 16392, 515),
         (5, 4096, 256),
         (64, 512, 1000),
         (131, 768, 2048),
