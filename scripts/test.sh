@@ -3,7 +3,7 @@
 # kernels are compiled in CI without a GPU), then runs the whole test suite in release mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=target/cuda-venv
+venv="$PWD/target/cuda-venv"
 if [ ! -x "$venv/bin/pip" ]; then
   python3 -m venv "$venv"
 fi

@@ -1,6 +1,6 @@
 //! The CUDA backend held to the CPU backend and the oracle, on the GPU, on fresh random inputs
 //! at ragged shapes; then whole models. These need a GPU and are ignored by `cargo test`;
-//! `scripts/gpu-test.sh` builds them here and runs them on the GPU machine with `--ignored`.
+//! `scripts/gpu-build.sh` builds them here and `scripts/gpu-run.sh` runs them on the GPU machine.
 
 use sala_checkpoint::{
     preset, write_random_checkpoint, Checkpoint, DType, ModelConfig, SparseConfig, WriteOptions,
@@ -38,7 +38,7 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu-test.sh"]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn elementwise_ops_match_cpu() {
     let g = gpu();
     let mut rng = TestRng::new(1);
@@ -121,7 +121,7 @@ fn elementwise_ops_match_cpu() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu-test.sh"]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn embed_matmul_head_norm_rope_match_cpu() {
     let g = gpu();
     let mut rng = TestRng::new(2);
@@ -212,7 +212,7 @@ fn embed_matmul_head_norm_rope_match_cpu() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu-test.sh"]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn lightning_matches_oracle() {
     let g = gpu();
     let mut rng = TestRng::new(3);
@@ -275,7 +275,7 @@ fn small_sparse() -> SparseConfig {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu-test.sh"]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn sparse_and_dense_attention_match_cpu_in_chunks() {
     let g = gpu();
     let released = SparseConfig::default();
@@ -448,7 +448,7 @@ fn check_model(config: ModelConfig, n: usize, prompt: usize, chunk: usize) {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu-test.sh"]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn tiny_model_matches_cpu_across_dense_len() {
     // dense_len 96: the prompt is dense, decoding crosses into sparse attention.
     check_model(preset("tiny").unwrap(), 200, 60, 32);
@@ -456,7 +456,7 @@ fn tiny_model_matches_cpu_across_dense_len() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu-test.sh"]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn small_model_matches_cpu() {
     check_model(preset("small").unwrap(), 300, 270, 128);
 }
