@@ -66,6 +66,66 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv(const bf16* x
     }
 }
 
+// The first version, kept for comparison (SALA_GEMV=staged): the input row staged in shared
+// memory, 8 warps of 2 rows. k is a multiple of 8 and at most 24576.
+#define STAGED_ROWS 2
+#define STAGED_WARPS 8
+// launch: grid = ceil(n / (STAGED_WARPS * STAGED_ROWS)), block = 32 * STAGED_WARPS, dynamic smem = k * 2 bytes
+extern "C" __global__ void __launch_bounds__(256) gemv_staged(const bf16* x, const bf16* w, bf16* y, int n, int k) {
+    extern __shared__ uint4 xs[];  // k / 8 packs of 8 bf16
+    const uint4* xg = (const uint4*)x;
+    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) xs[i] = xg[i];
+    __syncthreads();
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int row0 = (blockIdx.x * STAGED_WARPS + warp) * STAGED_ROWS;
+    float acc[STAGED_ROWS];
+    const uint4* wr[STAGED_ROWS];
+#pragma unroll
+    for (int r = 0; r < STAGED_ROWS; r++) {
+        acc[r] = 0.0f;
+        int row = min(row0 + r, n - 1);
+        wr[r] = (const uint4*)(w + (u64)row * k);
+    }
+    int packs = k / 8;
+    int i = lane;
+    // Main loop: 4 packs per row per step keeps 4 * STAGED_ROWS 16-byte loads in flight.
+    for (; i + 96 < packs; i += 128) {
+        uint4 p[STAGED_ROWS][4];
+#pragma unroll
+        for (int r = 0; r < STAGED_ROWS; r++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) p[r][u] = __ldg(wr[r] + i + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            float xf[8];
+            bf16x8_to_f32(xs[i + 32 * u], xf);
+#pragma unroll
+            for (int r = 0; r < STAGED_ROWS; r++) {
+                float wf[8];
+                bf16x8_to_f32(p[r][u], wf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[r] += xf[e] * wf[e];
+            }
+        }
+    }
+    for (; i < packs; i += 32) {
+        float xf[8];
+        bf16x8_to_f32(xs[i], xf);
+#pragma unroll
+        for (int r = 0; r < STAGED_ROWS; r++) {
+            float wf[8];
+            bf16x8_to_f32(__ldg(wr[r] + i), wf);
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[r] += xf[e] * wf[e];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < STAGED_ROWS; r++) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < n) y[row0 + r] = f2bf(s);
+    }
+}
+
 // Splits the columns of src [rows, total] into up to four outputs of widths w0..w3 (in
 // order; a width of 0 ends the list).
 // launch: grid = ceil(rows * total / 256), block = 256

@@ -77,13 +77,32 @@ fn elementwise_ops_match_cpu() {
         // the residual add fused with the next norm
         let mut ch = cpu_act(&x, cols);
         let mut cn = cpu_act(&vec![0.0; n], cols);
-        CpuBackend.add_scaled_norm(&mut ch, &cpu_act(&y, cols), 0.247, &w, 1e-6, &mut cn).unwrap();
+        CpuBackend
+            .add_scaled_norm(&mut ch, &cpu_act(&y, cols), 0.247, &w, 1e-6, &mut cn)
+            .unwrap();
         let mut gh = g.act_from_host(&x, cols).unwrap();
         let mut gn = g.act_from_host(&vec![0.0; n], cols).unwrap();
-        g.add_scaled_norm(&mut gh, &g.act_from_host(&y, cols).unwrap(), 0.247, &gv, 1e-6, &mut gn)
-            .unwrap();
-        close(&format!("add_scaled_norm h {ctx}"), &g.to_host(&gh).unwrap(), &ch.data, 5e-3);
-        close(&format!("add_scaled_norm out {ctx}"), &g.to_host(&gn).unwrap(), &cn.data, 5e-3);
+        g.add_scaled_norm(
+            &mut gh,
+            &g.act_from_host(&y, cols).unwrap(),
+            0.247,
+            &gv,
+            1e-6,
+            &mut gn,
+        )
+        .unwrap();
+        close(
+            &format!("add_scaled_norm h {ctx}"),
+            &g.to_host(&gh).unwrap(),
+            &ch.data,
+            5e-3,
+        );
+        close(
+            &format!("add_scaled_norm out {ctx}"),
+            &g.to_host(&gn).unwrap(),
+            &cn.data,
+            5e-3,
+        );
 
         // silu_mul, add_scaled, sigmoid_gate
         type CpuOp = fn(&mut CpuAct, &CpuAct);

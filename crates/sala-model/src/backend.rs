@@ -153,6 +153,34 @@ pub trait Backend {
         norm: Option<(&Self::Vector, f32)>,
         rope: Option<(&Self::Table, usize)>,
     ) -> BResult<()>;
+    /// [`Backend::head_norm_rope`] on the queries and the keys of one layer (one launch where
+    /// the backend fuses them).
+    fn head_norm_rope_qk(
+        &self,
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+        head_dim: usize,
+        norms: Option<(&Self::Vector, &Self::Vector, f32)>,
+        rope: Option<(&Self::Table, usize)>,
+    ) -> BResult<()> {
+        self.head_norm_rope(q, head_dim, norms.map(|(w, _, e)| (w, e)), rope)?;
+        self.head_norm_rope(k, head_dim, norms.map(|(_, w, e)| (w, e)), rope)
+    }
+    /// `out = rms_norm(x, w)`, then, with a gate, `out = round(out · round(sigmoid(gate)))`.
+    fn rms_norm_gate(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        gate: Option<&Self::Act>,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        self.rms_norm(x, w, eps, out)?;
+        match gate {
+            Some(g) => self.sigmoid_gate(out, g),
+            None => Ok(()),
+        }
+    }
     /// Lightning attention (Simple GLA, SPEC §4.2) of the chunk from `state`, which it
     /// advances past the chunk; `out` gets `o` rounded to bf16.
     #[allow(clippy::too_many_arguments)]

@@ -453,18 +453,11 @@ impl<B: Backend> Model<B> {
                         be.matmul_split(&ws.a, qkvz, &mut [&mut ws.q, &mut ws.kl, &mut ws.vl])?;
                     }
                     let rope = c.lightning_use_rope.then_some((&self.inv_freq, seq.pos));
-                    be.head_norm_rope(
-                        &mut ws.q,
-                        c.head_dim,
-                        q_norm.as_ref().map(|w| (w, eps)),
-                        rope,
-                    )?;
-                    be.head_norm_rope(
-                        &mut ws.kl,
-                        c.head_dim,
-                        k_norm.as_ref().map(|w| (w, eps)),
-                        rope,
-                    )?;
+                    let norms = q_norm
+                        .as_ref()
+                        .zip(k_norm.as_ref())
+                        .map(|(qw, kw)| (qw, kw, eps));
+                    be.head_norm_rope_qk(&mut ws.q, &mut ws.kl, c.head_dim, norms, rope)?;
                     be.lightning(
                         self.lightning_shape(),
                         &self.slopes,
@@ -475,14 +468,14 @@ impl<B: Backend> Model<B> {
                         &mut ws.o,
                     )?;
                     let normed = if let Some(w) = o_norm {
-                        be.rms_norm(&ws.o, w, eps, &mut ws.q)?;
-                        &mut ws.q
+                        be.rms_norm_gate(&ws.o, w, eps, gated.then_some(&ws.z), &mut ws.q)?;
+                        &ws.q
                     } else {
-                        &mut ws.o
+                        if *gated {
+                            be.sigmoid_gate(&mut ws.o, &ws.z)?;
+                        }
+                        &ws.o
                     };
-                    if *gated {
-                        be.sigmoid_gate(normed, &ws.z)?;
-                    }
                     be.matmul(normed, o, &mut ws.branch)?;
                 }
                 (Mixer::Sparse { qkvg, o, gated }, LayerState::Sparse(cache)) => {
@@ -520,7 +513,10 @@ impl<B: Backend> Model<B> {
             be.matmul(&ws.a, &layer.gate_up, &mut ws.gate_up)?;
             be.silu_mul_halves(&ws.gate_up, &mut ws.act)?;
             be.matmul(&ws.act, &layer.down_proj, &mut ws.branch)?;
-            let next_norm = self.layers.get(i + 1).map_or(&self.final_norm, |l| &l.input_norm);
+            let next_norm = self
+                .layers
+                .get(i + 1)
+                .map_or(&self.final_norm, |l| &l.input_norm);
             be.add_scaled_norm(&mut ws.h, &ws.branch, res, next_norm, eps, &mut ws.a)?;
         }
         seq.pos += n;
