@@ -75,6 +75,9 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(())
 }
 
+/// Per-head norm weights of a first and an optional second buffer, and epsilon.
+type HeadNorms<'a> = (&'a CudaSlice<u16>, Option<&'a CudaSlice<u16>>, f32);
+
 /// One kernel argument.
 enum Arg {
     P(u64),
@@ -434,7 +437,7 @@ impl CudaBackend {
         x: &mut DevAct,
         x2: Option<&mut DevAct>,
         head_dim: usize,
-        norm: Option<(&CudaSlice<u16>, Option<&CudaSlice<u16>>, f32)>,
+        norm: Option<HeadNorms<'_>>,
         rope: Option<(&CudaSlice<f32>, usize)>,
     ) -> BResult<()> {
         if head_dim > 256 || !head_dim.is_multiple_of(2) {
@@ -986,9 +989,7 @@ impl Backend for CudaBackend {
         };
         let n_split = (2 * 132usize)
             .div_ceil(blocks_launched)
-            .min(chunks)
-            .min(MAX_ATTENTION_SPLIT)
-            .max(1);
+            .clamp(1, chunks.clamp(1, MAX_ATTENTION_SPLIT));
         if n_split == 1 {
             return self.launch(K::Attention, grid, block, smem, &common(self.ptr(&out.buf)));
         }
