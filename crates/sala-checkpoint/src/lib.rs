@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod presets;
+pub mod rng;
 pub mod weights;
 pub mod writer;
 

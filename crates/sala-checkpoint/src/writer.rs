@@ -17,6 +17,7 @@
 //! f16) and no norm weight is near zero.
 
 use crate::config::ModelConfig;
+use crate::rng::{splitmix64, Rng};
 use crate::weights::{
     expected_tensors, f32_to_bf16_bits, CheckpointError, DType, TensorSpec, INDEX_FILE, SINGLE_FILE,
 };
@@ -77,7 +78,7 @@ pub fn random_tensor_values(seed: u64, config: &ModelConfig, spec: &TensorSpec) 
 }
 
 fn fill_random(seed: u64, config: &ModelConfig, spec: &TensorSpec, out: &mut [f32]) {
-    let mut rng = Rng::for_tensor(seed, &spec.name);
+    let mut rng = TensorRng::for_tensor(seed, &spec.name);
     let (mean, std) = init_scale(config, spec);
     let mut i = 0;
     while i < out.len() {
@@ -110,20 +111,10 @@ pub fn init_scale(config: &ModelConfig, spec: &TensorSpec) -> (f64, f64) {
     }
 }
 
-/// xoshiro256** seeded through splitmix64 from (seed, FNV-1a hash of the tensor name).
-struct Rng {
-    s: [u64; 4],
-}
+/// The generator for one tensor, seeded from (seed, FNV-1a hash of the tensor name).
+struct TensorRng(Rng);
 
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl Rng {
+impl TensorRng {
     fn for_tensor(seed: u64, name: &str) -> Self {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for &b in name.as_bytes() {
@@ -132,27 +123,11 @@ impl Rng {
         let mut state = seed ^ h.rotate_left(17);
         // Mixing the seed in through one splitmix step keeps (seed, name) pairs apart.
         state = splitmix64(&mut state) ^ h;
-        Self {
-            s: [
-                splitmix64(&mut state),
-                splitmix64(&mut state),
-                splitmix64(&mut state),
-                splitmix64(&mut state),
-            ],
-        }
+        Self(Rng::from_splitmix(state))
     }
 
     fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        result
+        self.0.next_u64()
     }
 
     /// Uniform in [-1, 1).
@@ -482,7 +457,7 @@ mod tests {
 
     #[test]
     fn normal_draws_look_normal() {
-        let mut rng = Rng::for_tensor(1, "x");
+        let mut rng = TensorRng::for_tensor(1, "x");
         let n = 200_000;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n / 2 {

@@ -129,66 +129,21 @@ pub struct SampledToken {
     pub logprob: f32,
 }
 
-/// xoshiro256** generator seeded through splitmix64.
-#[derive(Debug, Clone)]
-pub struct Rng {
-    s: [u64; 4],
-}
+/// The generator (xoshiro256**), shared with the rest of the project.
+pub use sala_checkpoint::rng::Rng;
 
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl Rng {
-    /// Deterministic generator for `seed`.
-    pub fn seed_from_u64(seed: u64) -> Self {
-        let mut sm = seed;
-        // splitmix64 is a bijection of a counter, so the four words are never
-        // all zero (the one state xoshiro cannot leave).
-        let s = [
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-            splitmix64(&mut sm),
-        ];
-        Self { s }
-    }
-
-    /// Generator seeded from the clock, a process-wide counter and the random
-    /// keys std draws for `RandomState`. Not for cryptography.
-    pub fn from_entropy() -> Self {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        h.write_u128(nanos);
-        h.write_u64(COUNTER.fetch_add(1, AtomicOrdering::Relaxed));
-        Self::seed_from_u64(h.finish())
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        result
-    }
-
-    /// Uniform in `[0, 1)` with 53 random bits.
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
+/// A generator seeded from the clock, a process-wide counter and the random keys std draws
+/// for `RandomState`. Not for cryptography.
+pub fn rng_from_entropy() -> Rng {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    h.write_u128(nanos);
+    h.write_u64(COUNTER.fetch_add(1, AtomicOrdering::Relaxed));
+    Rng::seed_from_u64(h.finish())
 }
 
 /// NaN → `-inf`, `+inf` → `f32::MAX`; everything else unchanged.
@@ -362,7 +317,7 @@ impl Sampler {
         }
         let rng = match params.seed {
             Some(seed) => Rng::seed_from_u64(seed),
-            None => Rng::from_entropy(),
+            None => rng_from_entropy(),
         };
         let seen_bits = if params.uses_repetition_penalty() {
             vec![0; vocab_size.div_ceil(64)]
@@ -796,14 +751,6 @@ mod tests {
         order.retain(|&i| w[i as usize] >= p.min_p);
         order.sort_unstable();
         order
-    }
-
-    #[test]
-    fn xoshiro_matches_reference_outputs() {
-        // Reference sequence of xoshiro256** from state [1, 2, 3, 4].
-        let mut rng = Rng { s: [1, 2, 3, 4] };
-        let got: Vec<u64> = (0..4).map(|_| rng.next_u64()).collect();
-        assert_eq!(got, [11520, 0, 1509978240, 1215971899390074240]);
     }
 
     #[test]

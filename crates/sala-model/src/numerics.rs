@@ -47,37 +47,17 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-/// A small seeded generator for tests and random weights (splitmix64 → xoshiro256**).
+/// A small seeded generator for tests (the project's xoshiro256**).
 #[derive(Clone)]
-pub struct TestRng {
-    s: [u64; 4],
-}
+pub struct TestRng(sala_checkpoint::rng::Rng);
 
 impl TestRng {
     pub fn new(seed: u64) -> Self {
-        let mut z = seed;
-        let mut next = || {
-            z = z.wrapping_add(0x9E3779B97F4A7C15);
-            let mut x = z;
-            x = (x ^ (x >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
-            x ^ (x >> 31)
-        };
-        Self {
-            s: [next(), next(), next(), next()],
-        }
+        Self(sala_checkpoint::rng::Rng::seed_from_u64(seed))
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = self.s[1] << 17;
-        self.s[2] ^= self.s[0];
-        self.s[3] ^= self.s[1];
-        self.s[1] ^= self.s[2];
-        self.s[0] ^= self.s[3];
-        self.s[2] ^= t;
-        self.s[3] = self.s[3].rotate_left(45);
-        r
+        self.0.next_u64()
     }
 
     /// Uniform in [0, 1).
@@ -100,11 +80,9 @@ impl TestRng {
     }
 }
 
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E3779B97F4A7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-    z ^ (z >> 31)
+fn splitmix64(z: u64) -> u64 {
+    let mut state = z;
+    sala_checkpoint::rng::splitmix64(&mut state)
 }
 
 /// Element `i` of the seeded normal sequence `mean + std·z` rounded to bf16, with `|z|` kept
