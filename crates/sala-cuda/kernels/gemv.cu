@@ -2,8 +2,8 @@
 // weights once. Each warp owns GEMV_ROWS output rows and streams them with 16-byte loads,
 // several in flight; the activation row sits in shared memory.
 
-#define GEMV_ROWS 4
-#define GEMV_WARPS 4
+#define GEMV_ROWS 2
+#define GEMV_WARPS 8
 
 __device__ __forceinline__ void bf16x8_to_f32(uint4 p, float* f) {
     u32 w[4] = {p.x, p.y, p.z, p.w};
@@ -14,85 +14,30 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 p, float* f) {
     }
 }
 
-__device__ __forceinline__ void gemv_pack(uint4 xp, const uint4* wp, float* acc) {
-    float xf[8];
-    bf16x8_to_f32(xp, xf);
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        float wf[8];
-        bf16x8_to_f32(wp[r], wf);
-#pragma unroll
-        for (int e = 0; e < 8; e++) acc[r] += xf[e] * wf[e];
-    }
-}
-
-// y[o] = round(Σ_i x[i]·w[o, i]) for o < n; k is a multiple of 8. Each warp streams GEMV_ROWS
-// rows with 16-byte loads, 4 packs per row in flight; x is read through the L1 cache.
-// launch: grid = ceil(n / (GEMV_WARPS * GEMV_ROWS)), block = 32 * GEMV_WARPS, dynamic smem = 0
+// y[o] = round(Σ_i x[i]·w[o, i]) for o < n; k is a multiple of 8 and at most 32768.
+// launch: grid = ceil(n / (GEMV_WARPS * GEMV_ROWS)), block = 32 * GEMV_WARPS, dynamic smem = k * 2 bytes
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv(const bf16* x, const bf16* w, bf16* y, int n, int k) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int row0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
-    const uint4* xg = (const uint4*)x;
-    float acc[GEMV_ROWS];
-    const uint4* wr[GEMV_ROWS];
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        acc[r] = 0.0f;
-        wr[r] = (const uint4*)(w + (u64)min(row0 + r, n - 1) * k);
-    }
-    int packs = k / 8;
-    int i = lane;
-    for (; i + 96 < packs; i += 128) {
-        uint4 p[4][GEMV_ROWS], xp[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            xp[u] = __ldg(xg + i + 32 * u);
-#pragma unroll
-            for (int r = 0; r < GEMV_ROWS; r++) p[u][r] = __ldg(wr[r] + i + 32 * u);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) gemv_pack(xp[u], p[u], acc);
-    }
-    for (; i < packs; i += 32) {
-        uint4 p[GEMV_ROWS];
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) p[r] = __ldg(wr[r] + i);
-        gemv_pack(__ldg(xg + i), p, acc);
-    }
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        float s = warp_sum(acc[r]);
-        if (lane == 0 && row0 + r < n) y[row0 + r] = f2bf(s);
-    }
-}
-
-// The first version, kept for comparison (SALA_GEMV=staged): the input row staged in shared
-// memory, 8 warps of 2 rows. k is a multiple of 8 and at most 24576.
-#define STAGED_ROWS 2
-#define STAGED_WARPS 8
-// launch: grid = ceil(n / (STAGED_WARPS * STAGED_ROWS)), block = 32 * STAGED_WARPS, dynamic smem = k * 2 bytes
-extern "C" __global__ void __launch_bounds__(256) gemv_staged(const bf16* x, const bf16* w, bf16* y, int n, int k) {
     extern __shared__ uint4 xs[];  // k / 8 packs of 8 bf16
     const uint4* xg = (const uint4*)x;
     for (int i = threadIdx.x; i < k / 8; i += blockDim.x) xs[i] = xg[i];
     __syncthreads();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int row0 = (blockIdx.x * STAGED_WARPS + warp) * STAGED_ROWS;
-    float acc[STAGED_ROWS];
-    const uint4* wr[STAGED_ROWS];
+    int row0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
+    float acc[GEMV_ROWS];
+    const uint4* wr[GEMV_ROWS];
 #pragma unroll
-    for (int r = 0; r < STAGED_ROWS; r++) {
+    for (int r = 0; r < GEMV_ROWS; r++) {
         acc[r] = 0.0f;
         int row = min(row0 + r, n - 1);
         wr[r] = (const uint4*)(w + (u64)row * k);
     }
     int packs = k / 8;
     int i = lane;
-    // Main loop: 4 packs per row per step keeps 4 * STAGED_ROWS 16-byte loads in flight.
+    // Main loop: 4 packs per row per step keeps 4 * GEMV_ROWS 16-byte loads in flight.
     for (; i + 96 < packs; i += 128) {
-        uint4 p[STAGED_ROWS][4];
+        uint4 p[GEMV_ROWS][4];
 #pragma unroll
-        for (int r = 0; r < STAGED_ROWS; r++)
+        for (int r = 0; r < GEMV_ROWS; r++)
 #pragma unroll
             for (int u = 0; u < 4; u++) p[r][u] = __ldg(wr[r] + i + 32 * u);
 #pragma unroll
@@ -100,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_staged(const bf16* x, con
             float xf[8];
             bf16x8_to_f32(xs[i + 32 * u], xf);
 #pragma unroll
-            for (int r = 0; r < STAGED_ROWS; r++) {
+            for (int r = 0; r < GEMV_ROWS; r++) {
                 float wf[8];
                 bf16x8_to_f32(p[r][u], wf);
 #pragma unroll
@@ -112,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_staged(const bf16* x, con
         float xf[8];
         bf16x8_to_f32(xs[i], xf);
 #pragma unroll
-        for (int r = 0; r < STAGED_ROWS; r++) {
+        for (int r = 0; r < GEMV_ROWS; r++) {
             float wf[8];
             bf16x8_to_f32(__ldg(wr[r] + i), wf);
 #pragma unroll
@@ -120,7 +65,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_staged(const bf16* x, con
         }
     }
 #pragma unroll
-    for (int r = 0; r < STAGED_ROWS; r++) {
+    for (int r = 0; r < GEMV_ROWS; r++) {
         float s = warp_sum(acc[r]);
         if (lane == 0 && row0 + r < n) y[row0 + r] = f2bf(s);
     }

@@ -75,9 +75,6 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(())
 }
 
-/// Per-head norm weights of a first and an optional second buffer, and epsilon.
-type HeadNorms<'a> = (&'a CudaSlice<u16>, Option<&'a CudaSlice<u16>>, f32);
-
 /// One kernel argument.
 enum Arg {
     P(u64),
@@ -94,16 +91,14 @@ pub struct CudaBackend {
     scratch: RefCell<Scratch>,
     device_name: String,
     target: String,
-    /// `SALA_GEMV=staged` selects the first GEMV kernel (for comparisons).
-    staged_gemv: bool,
     /// Time the host has spent waiting for the device in downloads (profiling aid).
     waited: std::cell::Cell<std::time::Duration>,
 }
 
-/// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
-/// it is used for.
+/// Output rows per block of the `gemv` kernel (8 warps of 2 rows), and the largest inner
+/// size its shared-memory copy of the input row takes without raising the 48 KB limit.
 const GEMV_ROWS_PER_BLOCK: usize = 16;
-const GEMV_MAX_K: usize = 1 << 20;
+const GEMV_MAX_K: usize = 24 * 1024;
 
 /// Most key splits of one decode attention (the merge reads every split's partial state).
 const MAX_ATTENTION_SPLIT: usize = 32;
@@ -163,7 +158,6 @@ impl CudaBackend {
             device_name,
             target,
             waited: Default::default(),
-            staged_gemv: std::env::var("SALA_GEMV").is_ok_and(|v| v == "staged"),
         })
     }
 
@@ -387,27 +381,12 @@ impl CudaBackend {
         y: u64,
         rows: usize,
     ) -> BResult<()> {
-        if rows == 1 && w.cols.is_multiple_of(8) && self.staged_gemv && w.cols <= 24 * 1024 {
-            return self.launch(
-                K::GemvStaged,
-                (grid1(w.rows, 16), 1, 1),
-                256,
-                (w.cols * 2) as u32,
-                &[
-                    Arg::P(self.ptr(x) + (x_off * 2) as u64),
-                    Arg::P(self.ptr(&w.buf)),
-                    Arg::P(y),
-                    Arg::I(w.rows as i32),
-                    Arg::I(w.cols as i32),
-                ],
-            );
-        }
         if rows == 1 && w.cols.is_multiple_of(8) && w.cols <= GEMV_MAX_K {
             return self.launch(
                 K::Gemv,
                 (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
-                128,
-                0,
+                256,
+                (w.cols * 2) as u32,
                 &[
                     Arg::P(self.ptr(x) + (x_off * 2) as u64),
                     Arg::P(self.ptr(&w.buf)),
@@ -428,53 +407,6 @@ impl CudaBackend {
                 w.cols,
             )
             .map_err(BackendError)
-    }
-
-    /// Per-head norm and RoPE of `x` and, in the same launch, of `x2` (with the second norm
-    /// weight).
-    fn norm_rope(
-        &self,
-        x: &mut DevAct,
-        x2: Option<&mut DevAct>,
-        head_dim: usize,
-        norm: Option<HeadNorms<'_>>,
-        rope: Option<(&CudaSlice<f32>, usize)>,
-    ) -> BResult<()> {
-        if head_dim > 256 || !head_dim.is_multiple_of(2) {
-            return Err(BackendError(format!(
-                "head_dim {head_dim}: the CUDA kernels take even sizes up to 256"
-            )));
-        }
-        let hpr = x.cols / head_dim;
-        let total = x.rows * hpr;
-        let (x2_ptr, total2, hpr2) = match &x2 {
-            Some(b) => (
-                self.ptr(&b.buf),
-                b.rows * (b.cols / head_dim),
-                b.cols / head_dim,
-            ),
-            None => (0, 0, 1),
-        };
-        self.launch(
-            K::HeadNormRope,
-            (grid1(total + total2, 4), 1, 1),
-            128,
-            0,
-            &[
-                Arg::P(self.ptr(&x.buf)),
-                Arg::I(total as i32),
-                Arg::I(head_dim as i32),
-                Arg::P(norm.map_or(0, |(w, _, _)| self.ptr(w))),
-                Arg::F(norm.map_or(0.0, |(_, _, e)| e)),
-                Arg::P(rope.map_or(0, |(f, _)| self.ptr(f))),
-                Arg::I(rope.map_or(0, |(_, p)| p) as i32),
-                Arg::I(hpr as i32),
-                Arg::P(x2_ptr),
-                Arg::I(total2 as i32),
-                Arg::P(norm.and_then(|(_, w2, _)| w2).map_or(0, |w| self.ptr(w))),
-                Arg::I(hpr2.max(1) as i32),
-            ],
-        )
     }
 
     fn elementwise(&self, k: K, a: &DevAct, b: &DevAct, extra: Option<f32>) -> BResult<()> {
@@ -624,7 +556,6 @@ impl Backend for CudaBackend {
                 Arg::F(eps),
                 Arg::P(self.ptr(&out.buf)),
                 Arg::I(x.cols as i32),
-                Arg::P(0),
             ],
         )
     }
@@ -757,46 +688,27 @@ impl Backend for CudaBackend {
         norm: Option<(&CudaSlice<u16>, f32)>,
         rope: Option<(&CudaSlice<f32>, usize)>,
     ) -> BResult<()> {
-        self.norm_rope(x, None, head_dim, norm.map(|(w, e)| (w, None, e)), rope)
-    }
-
-    fn head_norm_rope_qk(
-        &self,
-        q: &mut DevAct,
-        k: &mut DevAct,
-        head_dim: usize,
-        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
-        rope: Option<(&CudaSlice<f32>, usize)>,
-    ) -> BResult<()> {
-        self.norm_rope(
-            q,
-            Some(k),
-            head_dim,
-            norms.map(|(a, b, e)| (a, Some(b), e)),
-            rope,
-        )
-    }
-
-    fn rms_norm_gate(
-        &self,
-        x: &DevAct,
-        w: &CudaSlice<u16>,
-        eps: f32,
-        gate: Option<&DevAct>,
-        out: &mut DevAct,
-    ) -> BResult<()> {
+        if head_dim > 256 || !head_dim.is_multiple_of(2) {
+            return Err(BackendError(format!(
+                "head_dim {head_dim}: the CUDA kernels take even sizes up to 256"
+            )));
+        }
+        let heads_per_row = x.cols / head_dim;
+        let total = x.rows * heads_per_row;
         self.launch(
-            K::RmsNorm,
-            (x.rows as u32, 1, 1),
-            512,
+            K::HeadNormRope,
+            (grid1(total, 4), 1, 1),
+            128,
             0,
             &[
                 Arg::P(self.ptr(&x.buf)),
-                Arg::P(self.ptr(w)),
-                Arg::F(eps),
-                Arg::P(self.ptr(&out.buf)),
-                Arg::I(x.cols as i32),
-                Arg::P(gate.map_or(0, |g| self.ptr(&g.buf))),
+                Arg::I(total as i32),
+                Arg::I(head_dim as i32),
+                Arg::P(norm.map_or(0, |(w, _)| self.ptr(w))),
+                Arg::F(norm.map_or(0.0, |(_, e)| e)),
+                Arg::P(rope.map_or(0, |(f, _)| self.ptr(f))),
+                Arg::I(rope.map_or(0, |(_, p)| p) as i32),
+                Arg::I(heads_per_row as i32),
             ],
         )
     }
@@ -989,7 +901,8 @@ impl Backend for CudaBackend {
         };
         let n_split = (2 * 132usize)
             .div_ceil(blocks_launched)
-            .clamp(1, chunks.clamp(1, MAX_ATTENTION_SPLIT));
+            .min(chunks)
+            .clamp(1, MAX_ATTENTION_SPLIT);
         if n_split == 1 {
             return self.launch(K::Attention, grid, block, smem, &common(self.ptr(&out.buf)));
         }

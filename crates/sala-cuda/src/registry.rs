@@ -47,7 +47,6 @@ pub enum K {
     SelectTopk,
     LightningDecode,
     AddRmsNorm,
-    GemvStaged,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -74,7 +73,6 @@ pub const KERNELS: &[&str] = &[
     "select_topk",
     "lightning_decode",
     "add_rms_norm",
-    "gemv_staged",
 ];
 
 /// The whole program as one translation unit.
