@@ -81,6 +81,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context budget.
     Length,
+    /// The caller asked to stop (see [`Engine::generate_cancellable`]).
+    Cancelled,
 }
 
 impl FinishReason {
@@ -88,6 +90,7 @@ impl FinishReason {
         match self {
             Self::Stop => "stop",
             Self::Length => "length",
+            Self::Cancelled => "cancelled",
         }
     }
 }
@@ -165,6 +168,26 @@ impl<B: Backend> Engine<B> {
         on_text: &mut dyn FnMut(&str),
         on_prefill: &mut dyn FnMut(usize),
     ) -> Result<Generation, EngineError> {
+        self.generate_cancellable(
+            prompt,
+            opts,
+            &mut |text| {
+                on_text(text);
+                true
+            },
+            on_prefill,
+        )
+    }
+
+    /// Like [`Engine::generate`], but `on_text` returns whether to go on: when it returns
+    /// `false`, generation ends at once with [`FinishReason::Cancelled`].
+    pub fn generate_cancellable(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_text: &mut dyn FnMut(&str) -> bool,
+        on_prefill: &mut dyn FnMut(usize),
+    ) -> Result<Generation, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -201,8 +224,12 @@ impl<B: Backend> Engine<B> {
             }
             let piece = detok.push(tok.id)?.unwrap_or_default();
             let step = stop.push(&piece);
-            on_text(&step.text);
+            let go_on = on_text(&step.text);
             text.push_str(&step.text);
+            if !go_on {
+                finish = FinishReason::Cancelled;
+                break;
+            }
             if step.stopped() {
                 finish = FinishReason::Stop;
                 break;
@@ -211,7 +238,7 @@ impl<B: Backend> Engine<B> {
                 logits = model.decode(be, ws, &mut seq, tok.id)?;
             }
         }
-        if !stop.is_stopped() {
+        if finish != FinishReason::Cancelled && !stop.is_stopped() {
             let step = stop.push(&detok.finish()?);
             let stopped = step.stopped();
             let mut rest = step.text;

@@ -39,6 +39,32 @@ enum Command {
     Init(InitArgs),
     /// Measure TTFT, prefill and decode speed and peak memory at given context lengths.
     Bench(bench::BenchArgs),
+    /// Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models).
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Checkpoint directory; without it, a built-in tiny model with random weights.
+    #[arg(long, short)]
+    model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Where to run: auto, cpu, or cuda[:N].
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Most tokens a sequence may hold, prompt included [default: the model's
+    /// max_position_embeddings].
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Requests that may wait for the engine; more get HTTP 429.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Prompt tokens per prefill chunk.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -127,6 +153,7 @@ fn main() {
         Command::Inspect { model } => inspect(&model),
         Command::Init(args) => init(args),
         Command::Bench(args) => bench::run(args),
+        Command::Serve(args) => serve(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -469,4 +496,60 @@ fn inspect(dir: &Path) -> Result<()> {
         Err(e) => println!("tokenizer       unusable: {e}"),
     }
     Ok(())
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let device = Device::parse(&args.device)?;
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    if args.max_context == Some(0) {
+        bail!("--max-context must be at least 1");
+    }
+    let (dir, id) = match &args.model {
+        Some(dir) => {
+            let id = std::fs::canonicalize(dir)
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| dir.display().to_string());
+            (dir.clone(), id)
+        }
+        None => {
+            eprintln!("note: no --model given: serving the built-in tiny model; its weights are random, so its output is random text");
+            (builtin_model()?, "sala-builtin-tiny".to_string())
+        }
+    };
+    let chunk = args.prefill_chunk;
+    let load_dir = dir.clone();
+    eprintln!("loading {} ...", dir.display());
+    let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
+        fn load<B: Backend>(be: B, dir: &Path, chunk: usize) -> Result<Engine<B>, String> {
+            Engine::load(be, dir, chunk, &mut |_, _| {})
+                .map_err(|e| format!("loading {}: {e}", dir.display()))
+        }
+        match device.open().map_err(|e| format!("{e:#}"))? {
+            Opened::Cpu(be) => runner.run(load(be, &load_dir, chunk)?),
+            Opened::Cuda(be) => runner.run(load(*be, &load_dir, chunk)?),
+        }
+        Ok(())
+    })
+    .map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        eprintln!(
+            "serving `{}` on {} ({}; context budget {} tokens): http://{}/v1",
+            engine.info.id,
+            engine.info.backend,
+            dir.display(),
+            engine.info.max_context,
+            listener.local_addr()?
+        );
+        sala_server::serve(listener, engine, &sala_server::ServerOptions::default())
+            .await
+            .context("serving")
+    })
 }

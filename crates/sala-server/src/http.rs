@@ -1,0 +1,514 @@
+//! Routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`.
+
+use crate::api::{
+    parse_body, parse_json, ApiError, ChatBody, CommonParams, CompletionBody, PromptField,
+    StopField,
+};
+use crate::engine::{EngineHandle, Event, Prompt, Request};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream};
+use sala_engine::generate::FinishReason;
+use sala_engine::sampling::SamplingParams;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+
+/// HTTP settings.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Largest request body in bytes; larger ones get 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 4 << 20,
+        }
+    }
+}
+
+struct AppState {
+    engine: EngineHandle,
+    started: u64,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    fn new_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:x}{n:06x}", self.started)
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The application's routes over a running engine.
+pub fn router(engine: EngineHandle, opts: &ServerOptions) -> Router {
+    let state = Arc::new(AppState {
+        engine,
+        started: now(),
+        next_id: AtomicU64::new(0),
+    });
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(opts.max_body_bytes))
+        .with_state(state)
+}
+
+/// Serves `router(engine, opts)` on `listener` until the process ends.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    engine: EngineHandle,
+    opts: &ServerOptions,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(engine, opts)).await
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "no such route; this server has POST /v1/chat/completions, POST /v1/completions, \
+         GET /v1/models and GET /health",
+    )
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    if st.engine.is_alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "the engine has stopped",
+        )
+        .into_response()
+    }
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let info = &st.engine.info;
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": info.id,
+            "object": "model",
+            "created": st.started,
+            "owned_by": "sala",
+            "max_model_len": info.max_context,
+        }]
+    }))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// A request checked and ready to queue.
+struct Checked {
+    request: Request,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| {
+        let status = r.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "the request body is too large".to_string()
+        } else {
+            format!("reading the request body: {}", r.body_text())
+        };
+        ApiError::new(status, "invalid_request_error", message)
+    })
+}
+
+/// Checks the shared parameters against the model and maps them to a [`Request`].
+fn check_common(st: &AppState, p: CommonParams, prompt: Prompt) -> Result<Checked, ApiError> {
+    let info = &st.engine.info;
+    if let Some(model) = &p.model {
+        if *model != info.id {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!(
+                    "the model `{model}` does not exist; this server serves `{}`",
+                    info.id
+                ),
+            )
+            .param("model")
+            .code("model_not_found"));
+        }
+    }
+    if let Some(n) = p.n {
+        if n != 1 {
+            return Err(
+                ApiError::invalid(format!("n is {n}, but only n = 1 is supported")).param("n"),
+            );
+        }
+    }
+    let (max_name, max) = match (p.max_completion_tokens, p.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    let max_tokens = match max {
+        None => info.max_context,
+        Some(0) => {
+            return Err(ApiError::invalid(format!("{max_name} must be at least 1")).param(max_name))
+        }
+        Some(m) if m > info.max_context as u64 => {
+            return Err(ApiError::invalid(format!(
+                "{max_name} is {m}, more than the context budget of {} tokens",
+                info.max_context
+            ))
+            .param(max_name))
+        }
+        Some(m) => m as usize,
+    };
+    let top_k = match p.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid(format!(
+                "top_k is {k}; it must be positive, or 0 or -1 to disable it"
+            ))
+            .param("top_k"))
+        }
+    };
+    let sampling = SamplingParams {
+        temperature: p.temperature.unwrap_or(1.0),
+        top_k,
+        top_p: p.top_p.unwrap_or(1.0),
+        min_p: p.min_p.unwrap_or(0.0),
+        repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: p.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
+        seed: p.seed,
+    };
+    sampling.validate().map_err(|e| {
+        let err = ApiError::invalid(e.to_string());
+        match e {
+            sala_engine::sampling::SamplingError::InvalidParam { param, .. } => err.param(param),
+            _ => err,
+        }
+    })?;
+    let stop = match p.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s],
+        Some(StopField::Many(v)) => v,
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop strings must not be empty").param("stop"));
+    }
+    Ok(Checked {
+        request: Request {
+            prompt,
+            sampling,
+            max_tokens,
+            stop,
+            ignore_eos: p.ignore_eos.unwrap_or(false),
+        },
+        stream: p.stream.unwrap_or(false),
+        include_usage: p.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
+    let common: CommonParams = parse_body(value)?;
+    let body: ChatBody = parse_body(value)?;
+    if body.messages.is_empty() {
+        return Err(ApiError::invalid("messages must not be empty").param("messages"));
+    }
+    for (i, m) in body.messages.iter().enumerate() {
+        m.text().map_err(|e| {
+            ApiError::invalid(format!("messages[{i}]: {e}")).param(format!("messages[{i}]"))
+        })?;
+    }
+    let prompt = Prompt::Chat {
+        messages: body.messages,
+        kwargs: body.chat_template_kwargs.unwrap_or_default(),
+    };
+    check_common(st, common, prompt)
+}
+
+fn check_completion(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
+    let common: CommonParams = parse_body(value)?;
+    let body: CompletionBody = parse_body(value)?;
+    let prompt = match body.prompt {
+        PromptField::One(s) => s,
+        PromptField::Many(mut v) if v.len() == 1 => v.pop().unwrap_or_default(),
+        PromptField::Many(v) => {
+            return Err(ApiError::invalid(format!(
+                "prompt is a list of {} strings; only one prompt per request is supported",
+                v.len()
+            ))
+            .param("prompt"))
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
+    }
+    check_common(st, common, Prompt::Text(prompt))
+}
+
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(st, body, Kind::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(st, body, Kind::Completion)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Length => "length",
+        FinishReason::Stop | FinishReason::Cancelled => "stop",
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    })
+}
+
+async fn handle(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let bytes = body_bytes(body)?;
+    let value = parse_json(&bytes)?;
+    let checked = match kind {
+        Kind::Chat => check_chat(&st, &value)?,
+        Kind::Completion => check_completion(&st, &value)?,
+    };
+    let mut events = st.engine.submit(checked.request)?;
+    match events.recv().await {
+        Some(Event::Started { .. }) => {}
+        Some(Event::Error(e)) => return Err(e),
+        _ => return Err(ApiError::internal("the engine stopped before answering")),
+    }
+    let id = st.new_id(match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Completion => "cmpl",
+    });
+    let meta = Meta {
+        id,
+        created: now(),
+        model: st.engine.info.id.clone(),
+        kind,
+    };
+    if checked.stream {
+        return Ok(stream_response(meta, events, checked.include_usage).into_response());
+    }
+    let mut text = String::new();
+    loop {
+        match events.recv().await {
+            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
+                let choice = match kind {
+                    Kind::Chat => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": null,
+                        "finish_reason": finish_str(finish),
+                    }),
+                    Kind::Completion => json!({
+                        "index": 0,
+                        "text": text,
+                        "logprobs": null,
+                        "finish_reason": finish_str(finish),
+                    }),
+                };
+                return Ok(Json(json!({
+                    "id": meta.id,
+                    "object": match kind {
+                        Kind::Chat => "chat.completion",
+                        Kind::Completion => "text_completion",
+                    },
+                    "created": meta.created,
+                    "model": meta.model,
+                    "choices": [choice],
+                    "usage": usage(prompt_tokens, completion_tokens),
+                }))
+                .into_response());
+            }
+            Some(Event::Error(e)) => return Err(e),
+            Some(Event::Started { .. }) => {}
+            None => return Err(ApiError::internal("the engine stopped mid-generation")),
+        }
+    }
+}
+
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+impl Meta {
+    /// One chunk with `delta` (chat) or `text` (completion) and a finish reason.
+    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text.unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": match self.kind {
+                Kind::Chat => "chat.completion.chunk",
+                Kind::Completion => "text_completion",
+            },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+}
+
+enum Phase {
+    Role,
+    Body,
+    Usage(Value),
+    DoneMarker,
+    End,
+}
+
+struct StreamState {
+    meta: Meta,
+    events: mpsc::Receiver<Event>,
+    include_usage: bool,
+    phase: Phase,
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// The SSE stream of one request; dropping it (the client left) closes the event channel,
+/// which stops the generation.
+fn stream_response(
+    meta: Meta,
+    events: mpsc::Receiver<Event>,
+    include_usage: bool,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let state = StreamState {
+        phase: if meta.kind == Kind::Chat {
+            Phase::Role
+        } else {
+            Phase::Body
+        },
+        meta,
+        events,
+        include_usage,
+    };
+    Sse::new(stream::unfold(state, |mut st| async move {
+        loop {
+            let phase = std::mem::replace(&mut st.phase, Phase::End);
+            let event = match phase {
+                Phase::Role => {
+                    st.phase = Phase::Body;
+                    data(&st.meta.chunk(Some(""), true, None))
+                }
+                Phase::Body => match st.events.recv().await {
+                    Some(Event::Text(t)) => {
+                        st.phase = Phase::Body;
+                        data(&st.meta.chunk(Some(&t), false, None))
+                    }
+                    Some(Event::Started { .. }) => {
+                        st.phase = Phase::Body;
+                        continue;
+                    }
+                    Some(Event::Done {
+                        finish,
+                        prompt_tokens,
+                        completion_tokens,
+                    }) => {
+                        st.phase = if st.include_usage {
+                            Phase::Usage(usage(prompt_tokens, completion_tokens))
+                        } else {
+                            Phase::DoneMarker
+                        };
+                        let text = match st.meta.kind {
+                            Kind::Chat => None,
+                            Kind::Completion => Some(""),
+                        };
+                        data(&st.meta.chunk(text, false, Some(finish_str(finish))))
+                    }
+                    Some(Event::Error(e)) => {
+                        st.phase = Phase::DoneMarker;
+                        data(&e.body())
+                    }
+                    None => {
+                        st.phase = Phase::DoneMarker;
+                        data(&ApiError::internal("the engine stopped mid-generation").body())
+                    }
+                },
+                Phase::Usage(u) => {
+                    st.phase = Phase::DoneMarker;
+                    let mut chunk = st.meta.chunk(None, false, None);
+                    chunk["choices"] = json!([]);
+                    chunk["usage"] = u;
+                    data(&chunk)
+                }
+                Phase::DoneMarker => SseEvent::default().data("[DONE]"),
+                Phase::End => return None,
+            };
+            return Some((Ok(event), st));
+        }
+    }))
+}
