@@ -30,6 +30,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt (argument or standard input).
     Generate(GenerateArgs),
+    /// Chat in the terminal: one message per line (`/reset`, `/exit`).
+    Chat(GenerateArgs),
     /// Describe a checkpoint: config, parameters, memory for weights and context.
     Inspect {
         /// Checkpoint directory (config.json, safetensors, tokenizer files).
@@ -92,6 +94,9 @@ struct InitArgs {
 
 #[derive(Args)]
 struct GenerateArgs {
+    /// Set by `sala chat`: read one message per line and keep the conversation.
+    #[arg(skip)]
+    repl: bool,
     /// Checkpoint directory; without it, a built-in tiny model with random weights.
     #[arg(long, short)]
     model: Option<PathBuf>,
@@ -150,6 +155,11 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate(args),
+        Command::Chat(mut args) => {
+            args.repl = true;
+            args.chat = true;
+            generate(args)
+        }
         Command::Inspect { model } => inspect(&model),
         Command::Init(args) => init(args),
         Command::Bench(args) => bench::run(args),
@@ -268,6 +278,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
     let prompt = match &args.prompt {
         Some(p) => p.clone(),
+        None if args.repl => String::new(),
         None => {
             if std::io::stdin().is_terminal() {
                 eprintln!("(reading the prompt from standard input; end it with Ctrl-D)");
@@ -292,39 +303,50 @@ fn generate_on<B: Backend>(
     dir: &Path,
     prompt: &str,
 ) -> Result<()> {
-    let bar = progress_bar(0, "loading weights");
-    let mut engine = Engine::load(backend, dir, args.prefill_chunk, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })
-    .with_context(|| format!("loading {}", dir.display()))?;
-    bar.finish_and_clear();
-
+    let mut engine = load_engine(backend, args, dir)?;
+    let opts = generate_options(args, &engine)?;
+    if args.repl {
+        return chat_loop(&mut engine, args, &opts, prompt);
+    }
     let ids = if args.chat {
         let mut messages = Vec::new();
         if let Some(s) = &args.system {
             messages.push(sala_tokenizer::ChatMessage::new("system", s));
         }
         messages.push(sala_tokenizer::ChatMessage::new("user", prompt));
-        let mut extra = serde_json::Map::new();
-        if args.no_think {
-            extra.insert("enable_thinking".into(), false.into());
-        }
-        let opts = sala_tokenizer::ChatOptions {
-            add_generation_prompt: true,
-            tools: None,
-            kwargs: extra,
-        };
-        let text = engine
-            .tokenizer
-            .chat_template()
-            .and_then(|t| t.render(&messages, &opts))
-            .context("applying the chat template")?;
-        engine.tokenizer.encode(&text, true)?
+        chat_ids(&engine, &messages, args)?
     } else {
         engine.tokenizer.encode(prompt, true)?
     };
+    let gen = stream_generation(&mut engine, &ids, &opts, args.prefill_chunk)?;
+    println!();
+    eprintln!(
+        "[{}] prompt {} tokens, prefill {:.1} tok/s; generated {} tokens, decode {:.1} tok/s; finish: {}",
+        engine.backend_name(),
+        gen.prompt_tokens,
+        gen.prefill_tokens_per_sec(),
+        gen.tokens.len(),
+        gen.decode_tokens_per_sec(),
+        gen.finish.as_str()
+    );
+    Ok(())
+}
 
+fn load_engine<B: Backend>(backend: B, args: &GenerateArgs, dir: &Path) -> Result<Engine<B>> {
+    let bar = progress_bar(0, "loading weights");
+    let engine = Engine::load(backend, dir, args.prefill_chunk, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .with_context(|| format!("loading {}", dir.display()))?;
+    bar.finish_and_clear();
+    Ok(engine)
+}
+
+fn generate_options<B: Backend>(
+    args: &GenerateArgs,
+    engine: &Engine<B>,
+) -> Result<GenerateOptions> {
     let opts = GenerateOptions {
         sampling: SamplingParams {
             temperature: args.temperature,
@@ -348,16 +370,48 @@ fn generate_on<B: Backend>(
         },
     };
     opts.sampling.validate()?;
+    Ok(opts)
+}
 
+/// The token ids of `messages` through the checkpoint's chat template, ready for the reply.
+fn chat_ids<B: Backend>(
+    engine: &Engine<B>,
+    messages: &[sala_tokenizer::ChatMessage],
+    args: &GenerateArgs,
+) -> Result<Vec<u32>> {
+    let mut kwargs = serde_json::Map::new();
+    if args.no_think {
+        kwargs.insert("enable_thinking".into(), false.into());
+    }
+    let opts = sala_tokenizer::ChatOptions {
+        add_generation_prompt: true,
+        tools: None,
+        kwargs,
+    };
+    let text = engine
+        .tokenizer
+        .chat_template()
+        .and_then(|t| t.render(messages, &opts))
+        .context("applying the chat template")?;
+    Ok(engine.tokenizer.encode(&text, true)?)
+}
+
+/// Generates from `ids`, streaming the text to standard output.
+fn stream_generation<B: Backend>(
+    engine: &mut Engine<B>,
+    ids: &[u32],
+    opts: &GenerateOptions,
+    chunk: usize,
+) -> Result<sala_engine::generate::Generation> {
     let prefill_bar = progress_bar(ids.len(), "prefill");
-    if ids.len() <= args.prefill_chunk {
+    if ids.len() <= chunk {
         prefill_bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
     let gen = engine.generate(
-        &ids,
-        &opts,
+        ids,
+        opts,
         &mut |text| {
             if write_err.is_none() {
                 if let Err(e) = stdout
@@ -378,16 +432,69 @@ fn generate_on<B: Backend>(
     if let Some(e) = write_err {
         return Err(e).context("writing to standard output");
     }
-    writeln!(stdout)?;
-    eprintln!(
-        "[{}] prompt {} tokens, prefill {:.1} tok/s; generated {} tokens, decode {:.1} tok/s; finish: {}",
-        engine.backend_name(),
-        gen.prompt_tokens,
-        gen.prefill_tokens_per_sec(),
-        gen.tokens.len(),
-        gen.decode_tokens_per_sec(),
-        gen.finish.as_str()
-    );
+    Ok(gen)
+}
+
+/// `sala chat`: one user message per line of standard input; `/reset` forgets the
+/// conversation, `/exit` (or end of input) quits. Each turn runs the whole conversation.
+fn chat_loop<B: Backend>(
+    engine: &mut Engine<B>,
+    args: &GenerateArgs,
+    opts: &GenerateOptions,
+    first: &str,
+) -> Result<()> {
+    let interactive = std::io::stdin().is_terminal();
+    let start = || {
+        let mut m = Vec::new();
+        if let Some(s) = &args.system {
+            m.push(sala_tokenizer::ChatMessage::new("system", s));
+        }
+        m
+    };
+    let mut messages = start();
+    let mut pending: Option<String> = (!first.trim().is_empty()).then(|| first.to_string());
+    let mut lines = std::io::stdin().lines();
+    loop {
+        let line = match pending.take() {
+            Some(l) => l,
+            None => {
+                if interactive {
+                    eprint!("> ");
+                }
+                match lines.next() {
+                    Some(l) => l.context("reading standard input")?,
+                    None => break,
+                }
+            }
+        };
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages = start();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(sala_tokenizer::ChatMessage::new("user", line.trim()));
+        let ids = chat_ids(engine, &messages, args)?;
+        match stream_generation(engine, &ids, opts, args.prefill_chunk) {
+            Ok(gen) => {
+                println!();
+                messages.push(sala_tokenizer::ChatMessage::new(
+                    "assistant",
+                    gen.text.trim(),
+                ));
+            }
+            Err(e) => {
+                // A turn that cannot run (e.g. the conversation outgrew the context) is reported
+                // and dropped; the session goes on.
+                messages.pop();
+                eprintln!("error: {e:#}");
+            }
+        }
+    }
     Ok(())
 }
 

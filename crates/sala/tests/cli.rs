@@ -227,3 +227,42 @@ fn bad_inputs_get_clear_errors() {
         &["tokenizer.json"],
     );
 }
+
+#[test]
+fn chat_keeps_going_after_a_turn_that_does_not_fit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), "tiny", &[]);
+    let long = "word ".repeat(200);
+    let input = format!("Hello there\n{long}\n/reset\nAnother question\n");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sala"))
+        .args([
+            "chat",
+            "-m",
+            dir.to_str().unwrap(),
+            "--max-tokens",
+            "6",
+            "--max-context",
+            "96",
+            "--ignore-eos",
+        ])
+        .env("XDG_CACHE_HOME", tmp.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    ok(&o);
+    let e = stderr(&o);
+    assert!(e.contains("context budget of 96"), "{e}");
+    assert!(e.contains("conversation cleared"), "{e}");
+    // Two answered turns, each ended by a newline (a reply may hold newlines itself).
+    assert!(stdout(&o).lines().count() >= 2, "{}", stdout(&o));
+}
