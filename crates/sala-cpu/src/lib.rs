@@ -100,6 +100,15 @@ pub fn matmul_f32(x: &[f32], rows: usize, w: &CpuMatrix, y: &mut [f32]) {
     }
 }
 
+/// The rows `rows` of the final hidden states divided by `divisor` and rounded: what the
+/// reference feeds `lm_head`.
+pub fn lm_head_input(h: &CpuAct, rows: std::ops::Range<usize>, divisor: f32) -> Vec<f32> {
+    h.data[rows.start * h.cols..rows.end * h.cols]
+        .iter()
+        .map(|&v| bf16_round(v / divisor))
+        .collect()
+}
+
 /// Stacks matrices with the same input width.
 pub fn concat_rows(parts: Vec<CpuMatrix>) -> BResult<CpuMatrix> {
     let cols = parts.first().map_or(0, |p| p.cols);
@@ -395,10 +404,7 @@ impl Backend for CpuBackend {
         lm_head: &CpuMatrix,
         divisor: f32,
     ) -> BResult<Vec<f32>> {
-        let x: Vec<f32> = h.data[rows.start * h.cols..rows.end * h.cols]
-            .iter()
-            .map(|&v| bf16_round(v / divisor))
-            .collect();
+        let x = lm_head_input(h, rows.clone(), divisor);
         let mut y = vec![0f32; rows.len() * lm_head.rows];
         matmul_f32(&x, rows.len(), lm_head, &mut y);
         y.par_iter_mut().for_each(|v| *v = bf16_round(*v));

@@ -162,10 +162,7 @@ impl Backend for ReferenceBackend {
         lm_head: &CpuMatrix,
         divisor: f32,
     ) -> BResult<Vec<f32>> {
-        let x: Vec<f32> = h.data[rows.start * h.cols..rows.end * h.cols]
-            .iter()
-            .map(|&v| bf16_round(v / divisor))
-            .collect();
+        let x = crate::lm_head_input(h, rows.clone(), divisor);
         Ok(naive_matmul(&x, rows.len(), lm_head)
             .into_iter()
             .map(bf16_round)

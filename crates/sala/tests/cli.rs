@@ -11,6 +11,26 @@ fn sala(args: &[&str], cache: &Path) -> Output {
         .expect("run sala")
 }
 
+/// Runs `sala` with `input` on its standard input.
+fn sala_with_stdin(args: &[&str], input: &[u8], cache: &Path) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sala"))
+        .args(args)
+        .env("XDG_CACHE_HOME", cache)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run sala");
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(input)
+        .expect("write stdin");
+    child.wait_with_output().expect("wait for sala")
+}
+
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
@@ -113,8 +133,8 @@ fn init_inspect_generate_round_trip() {
     assert_ne!(s1, run(&["--temperature", "1", "--seed", "6"]));
 
     // Chat mode through the checkpoint's template, prompt from standard input.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sala"))
-        .args([
+    let o = sala_with_stdin(
+        &[
             "generate",
             "--model",
             d,
@@ -122,21 +142,11 @@ fn init_inspect_generate_round_trip() {
             "--no-think",
             "--max-tokens",
             "4",
-        ])
-        .env("XDG_CACHE_HOME", tmp.path())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"What is 2+2?")
-        .unwrap();
-    ok(&child.wait_with_output().unwrap());
+        ],
+        b"What is 2+2?",
+        tmp.path(),
+    );
+    ok(&o);
 }
 
 #[test]
@@ -234,31 +244,17 @@ fn chat_keeps_going_after_a_turn_that_does_not_fit() {
     let dir = tiny_checkpoint(tmp.path(), "tiny", &[]);
     let long = "word ".repeat(200);
     let input = format!("Hello there\n{long}\n/reset\nAnother question\n");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sala"))
-        .args([
-            "chat",
-            "-m",
-            dir.to_str().unwrap(),
-            "--max-tokens",
-            "6",
-            "--max-context",
-            "96",
-            "--ignore-eos",
-        ])
-        .env("XDG_CACHE_HOME", tmp.path())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let o = child.wait_with_output().unwrap();
+    let args = [
+        "chat",
+        "-m",
+        dir.to_str().unwrap(),
+        "--max-tokens",
+        "6",
+        "--max-context",
+        "96",
+        "--ignore-eos",
+    ];
+    let o = sala_with_stdin(&args, input.as_bytes(), tmp.path());
     ok(&o);
     let e = stderr(&o);
     assert!(e.contains("context budget of 96"), "{e}");
