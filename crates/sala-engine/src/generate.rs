@@ -1,7 +1,9 @@
 //! Loading a checkpoint onto a backend, and generating text for one prompt: prefill in
 //! chunks, then decode with sampling until EOS, a stop string, or the token budget.
 
-use crate::sampling::{SampledToken, Sampler, SamplingError, SamplingParams};
+use crate::sampling::{
+    token_logprobs, SampledToken, Sampler, SamplingError, SamplingParams, TokenLogprobs,
+};
 use crate::stop::{StopError, StopMatcher};
 use sala_checkpoint::{Checkpoint, CheckpointError, DType};
 use sala_model::{Backend, BackendError, HostDType, HostTensor, Model, WeightSource, Workspace};
@@ -93,6 +95,25 @@ impl FinishReason {
             Self::Cancelled => "cancelled",
         }
     }
+}
+
+/// One generated token, as [`Engine::generate_steps`] reports it.
+#[derive(Debug, Clone)]
+pub struct TokenStep {
+    pub id: u32,
+    /// An EOS token: it ends generation and adds no text.
+    pub eos: bool,
+    /// The token's raw log-probability and the most likely alternatives, when asked for.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// What [`Engine::generate_steps`] reports: a generated token with the text that became
+/// final with it (often empty: text is held back while it could still change), or, with
+/// `token: None`, the text flushed at the end.
+#[derive(Debug, Clone, Copy)]
+pub struct Step<'a> {
+    pub token: Option<&'a TokenStep>,
+    pub text: &'a str,
 }
 
 /// The outcome of [`Engine::generate`].
@@ -188,6 +209,30 @@ impl<B: Backend> Engine<B> {
         on_text: &mut dyn FnMut(&str) -> bool,
         on_prefill: &mut dyn FnMut(usize),
     ) -> Result<Generation, EngineError> {
+        self.generate_steps(
+            prompt,
+            opts,
+            None,
+            &mut |step| match step.token {
+                Some(t) if t.eos => true,
+                _ => on_text(step.text),
+            },
+            on_prefill,
+        )
+    }
+
+    /// The generation loop. `on_step` is called once per generated token (EOS included),
+    /// then once with the final text (`token: None`); a token step that returns `false` ends
+    /// generation at once with [`FinishReason::Cancelled`]. With `logprobs: Some(n)`, each
+    /// token carries its raw log-probability and the `n` most likely tokens of its step.
+    pub fn generate_steps(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        logprobs: Option<usize>,
+        on_step: &mut dyn FnMut(Step<'_>) -> bool,
+        on_prefill: &mut dyn FnMut(usize),
+    ) -> Result<Generation, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -218,19 +263,32 @@ impl<B: Backend> Engine<B> {
             let tok = sampler.sample(&logits)?;
             sampler.record_output(tok.id)?;
             tokens.push(tok);
-            if opts.eos_ids.contains(&tok.id) {
+            let step = TokenStep {
+                id: tok.id,
+                eos: opts.eos_ids.contains(&tok.id),
+                // The raw logits, before the sampler's penalties and temperature.
+                logprobs: logprobs.and_then(|n| token_logprobs(&logits, tok.id, n)),
+            };
+            if step.eos {
+                on_step(Step {
+                    token: Some(&step),
+                    text: "",
+                });
                 finish = FinishReason::Stop;
                 break;
             }
             let piece = detok.push(tok.id)?.unwrap_or_default();
-            let step = stop.push(&piece);
-            let go_on = on_text(&step.text);
-            text.push_str(&step.text);
+            let stopped = stop.push(&piece);
+            let go_on = on_step(Step {
+                token: Some(&step),
+                text: &stopped.text,
+            });
+            text.push_str(&stopped.text);
             if !go_on {
                 finish = FinishReason::Cancelled;
                 break;
             }
-            if step.stopped() {
+            if stopped.stopped() {
                 finish = FinishReason::Stop;
                 break;
             }
@@ -247,7 +305,10 @@ impl<B: Backend> Engine<B> {
             } else {
                 rest.push_str(&stop.finish());
             }
-            on_text(&rest);
+            on_step(Step {
+                token: None,
+                text: &rest,
+            });
             text.push_str(&rest);
         }
         Ok(Generation {

@@ -232,33 +232,87 @@ fn by_value_desc(values: &[f32], a: u32, b: u32) -> Ordering {
         .then(a.cmp(&b))
 }
 
+/// The maximum of the sanitised logits and `ln(sum(exp(x - max)))`, the log-normaliser of the
+/// raw log-softmax; `None` when every logit is `-inf` or NaN. The exponentials are the
+/// vectorised f32 ones (inputs `<= 0`), summed in f64.
+fn log_normalizer(logits: &[f32]) -> Option<(f32, f64)> {
+    let max = logits
+        .iter()
+        .map(|&x| sanitize(x))
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return None;
+    }
+    let mut buf = [0.0f32; 256];
+    let mut sum = 0.0f64;
+    for chunk in logits.chunks(buf.len()) {
+        let buf = &mut buf[..chunk.len()];
+        for (b, &x) in buf.iter_mut().zip(chunk) {
+            *b = exp_nonpositive(sanitize(x) - max);
+        }
+        sum += sum_at_least(buf, 0.0);
+    }
+    Some((max, sum.ln()))
+}
+
+/// The `n` largest sanitised logits as `(id, logit)`, largest first, ties to the lower id;
+/// `-inf` (and NaN) entries are left out. One pass, no allocation beyond the `n` entries.
+fn top_n_logits(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n == 0 {
+        return top;
+    }
+    for (i, &x) in logits.iter().enumerate() {
+        let v = sanitize(x);
+        // Ids arrive in increasing order, so an equal value never displaces an earlier id.
+        if v == f32::NEG_INFINITY || (top.len() == n && v <= top[n - 1].1) {
+            continue;
+        }
+        let at = top.partition_point(|&(_, t)| t >= v);
+        top.insert(at, (i as u32, v));
+        top.truncate(n);
+    }
+    top
+}
+
 /// The `n` most likely tokens under the raw log-softmax of `logits`, most
 /// likely first (ties: lower id first). NaN counts as `-inf`; tokens with
 /// `-inf` logits are left out, so fewer than `n` may come back.
 pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let values: Vec<f32> = logits.iter().map(|&x| sanitize(x)).collect();
-    let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if n == 0 || max == f32::NEG_INFINITY {
+    let Some((max, log_z)) = log_normalizer(logits) else {
         return Vec::new();
-    }
-    let sum: f64 = values.iter().map(|&x| (x as f64 - max as f64).exp()).sum();
-    let log_z = sum.ln();
-    let mut idx: Vec<u32> = (0..values.len())
-        .filter(|&i| values[i] > f32::NEG_INFINITY)
-        .map(|i| i as u32)
-        .collect();
-    let cmp = |a: &u32, b: &u32| by_value_desc(&values, *a, *b);
-    if n < idx.len() {
-        idx.select_nth_unstable_by(n - 1, cmp);
-        idx.truncate(n);
-    }
-    idx.sort_unstable_by(cmp);
-    idx.into_iter()
-        .map(|i| {
-            let lp = values[i as usize] as f64 - max as f64 - log_z;
-            (i, lp as f32)
-        })
+    };
+    top_n_logits(logits, n)
+        .into_iter()
+        .map(|(i, v)| (i, (v as f64 - max as f64 - log_z) as f32))
         .collect()
+}
+
+/// A generated token's log-probability and the most likely alternatives at its step, under
+/// the raw log-softmax of the model's logits (before penalties, temperature and truncation),
+/// which is what OpenAI's `logprobs` report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub id: u32,
+    pub logprob: f32,
+    /// The most likely tokens, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`TokenLogprobs`] of token `id` with the `n` most likely tokens, from one step's logits.
+/// `None` when `id` is outside `logits` or every logit is `-inf` or NaN.
+pub fn token_logprobs(logits: &[f32], id: u32, n: usize) -> Option<TokenLogprobs> {
+    let x = sanitize(*logits.get(id as usize)?);
+    let (max, log_z) = log_normalizer(logits)?;
+    let top = top_n_logits(logits, n)
+        .into_iter()
+        .map(|(i, v)| (i, (v as f64 - max as f64 - log_z) as f32))
+        .collect();
+    Some(TokenLogprobs {
+        id,
+        logprob: (x as f64 - max as f64 - log_z) as f32,
+        top,
+    })
 }
 
 /// Which tokens survive truncation, and their total weight.
@@ -1295,5 +1349,48 @@ mod tests {
         assert_eq!(all, [1, 4, 2, 0]);
         assert!(top_logprobs(&logits, 0).is_empty());
         assert!(top_logprobs(&[f32::NAN; 4], 2).is_empty());
+    }
+
+    #[test]
+    fn token_logprobs_match_an_f64_log_softmax() {
+        let mut rng = Rng::seed_from_u64(5);
+        for vocab in [1usize, 7, 255, 256, 257, 1000, 4099] {
+            let mut logits: Vec<f32> = (0..vocab)
+                .map(|_| (rng.next_f64() as f32 - 0.5) * 40.0)
+                .collect();
+            if vocab > 10 {
+                logits[3] = f32::NEG_INFINITY;
+                logits[5] = f32::NAN;
+                logits[8] = logits[9]; // a tie: the lower id comes first
+            }
+            let nan_free: Vec<f32> = logits.iter().map(|&x| sanitize(x)).collect();
+            let lp = log_softmax(&nan_free);
+            for n in [0usize, 1, 5, 20] {
+                let id = (vocab / 2) as u32;
+                let t = token_logprobs(&logits, id, n).unwrap();
+                assert_eq!(t.id, id);
+                assert!(
+                    (t.logprob as f64 - lp[id as usize]).abs() < 1e-5,
+                    "{vocab} {n}"
+                );
+                // The reference order: finite entries by value, then id.
+                let mut order: Vec<u32> = (0..vocab as u32)
+                    .filter(|&i| lp[i as usize] > f64::NEG_INFINITY)
+                    .collect();
+                order.sort_by(|&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
+                let ids: Vec<u32> = t.top.iter().map(|e| e.0).collect();
+                assert_eq!(ids, order[..n.min(order.len())], "{vocab} {n}");
+                for (i, l) in &t.top {
+                    assert!((*l as f64 - lp[*i as usize]).abs() < 1e-5);
+                }
+                assert_eq!(top_logprobs(&logits, n), t.top);
+            }
+        }
+        // Huge and +inf logits give finite values (+inf counts as f32::MAX).
+        let t = token_logprobs(&[3.0e38, 3.0e38 - 1.0e32, f32::INFINITY], 0, 2).unwrap();
+        assert_eq!(t.top[0].0, 2);
+        assert!(t.logprob.is_finite());
+        assert!(token_logprobs(&[1.0, 2.0], 2, 1).is_none());
+        assert!(token_logprobs(&[f32::NAN, f32::NEG_INFINITY], 0, 1).is_none());
     }
 }

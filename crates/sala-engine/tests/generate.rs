@@ -117,3 +117,153 @@ fn seeded_sampling_repeats_and_greedy_is_stable() {
         run(&mut e, &prompt, &opts(20)).0.text
     );
 }
+
+/// The raw log-softmax of `logits`, in f64.
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    logits.iter().map(|&x| x as f64 - max - z.ln()).collect()
+}
+
+#[test]
+fn steps_carry_raw_logprobs_and_the_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let prompt = e.tokenizer.encode("The sea was calm", true).unwrap();
+    let mut o = opts(12);
+    // Penalties and temperature change what is sampled, not the reported logprobs.
+    o.sampling = SamplingParams {
+        temperature: 0.7,
+        presence_penalty: 1.5,
+        frequency_penalty: 0.5,
+        seed: Some(3),
+        ..Default::default()
+    };
+    let mut steps = Vec::new();
+    let mut texts = String::new();
+    let g = e
+        .generate_steps(
+            &prompt,
+            &o,
+            Some(4),
+            &mut |s| {
+                texts.push_str(s.text);
+                if let Some(t) = s.token {
+                    steps.push(t.clone());
+                }
+                true
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(texts, g.text);
+    let ids: Vec<u32> = g.tokens.iter().map(|t| t.id).collect();
+    assert_eq!(steps.iter().map(|s| s.id).collect::<Vec<_>>(), ids);
+
+    // Replay the same tokens through the model and compare with an f64 log-softmax.
+    let (be, model) = (&e.backend, &e.model);
+    let mut ws = model.workspace(be, 16).unwrap();
+    let mut seq = model.new_sequence(be).unwrap();
+    let mut logits = model
+        .prefill(be, &mut ws, &mut seq, &prompt, &mut |_| {})
+        .unwrap();
+    for (i, step) in steps.iter().enumerate() {
+        let lp = log_softmax(&logits);
+        let got = step.logprobs.as_ref().expect("logprobs were asked for");
+        assert_eq!(got.id, step.id);
+        assert!(
+            (got.logprob as f64 - lp[step.id as usize]).abs() < 1e-4,
+            "step {i}"
+        );
+        assert_eq!(got.top.len(), 4);
+        let mut order: Vec<usize> = (0..lp.len()).collect();
+        order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
+        for (k, (id, l)) in got.top.iter().enumerate() {
+            assert!((*l as f64 - lp[*id as usize]).abs() < 1e-4, "step {i}");
+            assert!(
+                (lp[*id as usize] - lp[order[k]]).abs() < 1e-6,
+                "step {i} rank {k}"
+            );
+        }
+        logits = model.decode(be, &mut ws, &mut seq, step.id).unwrap();
+    }
+
+    // Greedy: the chosen token is the most likely one; no logprobs unless asked.
+    let mut greedy = Vec::new();
+    e.generate_steps(
+        &prompt,
+        &opts(6),
+        Some(1),
+        &mut |s| {
+            greedy.extend(s.token.cloned());
+            true
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    for s in &greedy {
+        let lp = s.logprobs.as_ref().unwrap();
+        assert_eq!(lp.top[0].0, s.id);
+        assert_eq!(lp.top[0].1, lp.logprob);
+    }
+    let mut none = 0;
+    e.generate_steps(
+        &prompt,
+        &opts(3),
+        None,
+        &mut |s| {
+            none += s.token.map_or(0, |t| t.logprobs.is_some() as usize);
+            true
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(none, 0);
+}
+
+#[test]
+fn an_eos_step_is_reported_and_a_false_step_cancels() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let prompt = e.tokenizer.encode("Hello there", true).unwrap();
+    let (g, _) = run(&mut e, &prompt, &opts(10));
+    let mut o = opts(10);
+    o.eos_ids = vec![g.tokens[4].id];
+    let first = g.tokens.iter().position(|t| t.id == o.eos_ids[0]).unwrap();
+    let mut eos_steps = Vec::new();
+    let ge = e
+        .generate_steps(
+            &prompt,
+            &o,
+            None,
+            &mut |s| {
+                if let Some(t) = s.token {
+                    eos_steps.push(t.eos);
+                }
+                true
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(ge.finish, FinishReason::Stop);
+    assert_eq!(eos_steps.len(), first + 1);
+    assert_eq!(eos_steps.iter().filter(|&&x| x).count(), 1);
+    assert!(eos_steps[first]);
+
+    let mut calls = 0;
+    let gc = e
+        .generate_steps(
+            &prompt,
+            &opts(10),
+            None,
+            &mut |s| {
+                calls += 1;
+                assert!(s.token.is_some(), "no final flush after a cancel");
+                calls < 2
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(gc.finish, FinishReason::Cancelled);
+    assert_eq!(gc.tokens.len(), 2);
+}
