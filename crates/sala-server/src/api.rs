@@ -71,6 +71,23 @@ pub enum StopField {
     Many(Vec<String>),
 }
 
+/// `seed`: any 64-bit integer; a negative one is taken modulo 2^64.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(untagged)]
+pub enum SeedField {
+    Unsigned(u64),
+    Signed(i64),
+}
+
+impl SeedField {
+    pub fn value(self) -> u64 {
+        match self {
+            SeedField::Unsigned(s) => s,
+            SeedField::Signed(s) => s as u64,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
     #[serde(default)]
@@ -89,12 +106,14 @@ pub struct CommonParams {
     /// `0` or `-1` disable it.
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
-    pub seed: Option<u64>,
+    pub seed: Option<SeedField>,
     pub stop: Option<StopField>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub n: Option<u64>,
+    /// Not supported: an error unless absent or empty.
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// Keep generating past EOS tokens (vLLM's extension).
     pub ignore_eos: Option<bool>,
     pub stream: Option<bool>,
@@ -106,6 +125,10 @@ pub struct ChatBody {
     pub messages: Vec<sala_tokenizer::ChatMessage>,
     /// Extra chat template variables (vLLM's extension), e.g. `enable_thinking`.
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// Return each output token's logprob.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: how many most likely tokens to list per position (0..=20).
+    pub top_logprobs: Option<u64>,
 }
 
 /// `prompt`: a string, or a list holding exactly one string.
@@ -119,7 +142,18 @@ pub enum PromptField {
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionBody {
     pub prompt: PromptField,
+    /// Return each output token's logprob with this many most likely tokens (0..=20).
+    pub logprobs: Option<u64>,
+    /// Not supported: an error when true.
+    pub echo: Option<bool>,
+    /// Not supported: an error above 1.
+    pub best_of: Option<u64>,
+    /// Not supported: an error unless absent or empty.
+    pub suffix: Option<String>,
 }
+
+/// Most alternatives `top_logprobs` (chat) or `logprobs` (completions) may ask for.
+pub const MAX_TOP_LOGPROBS: u64 = 20;
 
 /// Parses a request body: JSON, an object, then `T` with the failing field named.
 pub fn parse_body<T: serde::de::DeserializeOwned>(value: &Value) -> Result<T, ApiError> {

@@ -1,12 +1,15 @@
 //! The engine thread: owns the model and runs queued requests one at a time.
 
 use crate::api::ApiError;
+use crate::metrics::{Metrics, Outcome};
 use axum::http::StatusCode;
 use sala_engine::generate::{Engine, EngineError, FinishReason, GenerateOptions};
-use sala_engine::sampling::SamplingParams;
+use sala_engine::sampling::{SamplingParams, TokenLogprobs};
 use sala_model::Backend;
-use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate};
+use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::mpsc;
 
 /// What the HTTP side knows of the loaded model.
@@ -37,6 +40,57 @@ pub struct Request {
     pub max_tokens: usize,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// Report each token's logprob with this many alternatives (`None`: no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+/// A token as text: its bytes (one byte for a byte-fallback piece such as `<0xE4>`, else the
+/// piece with `▁` as a space) and those bytes as a string, lossily.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenText {
+    pub text: String,
+    pub bytes: Vec<u8>,
+}
+
+impl TokenText {
+    pub fn of(tokenizer: &Tokenizer, id: u32) -> Self {
+        let piece = tokenizer.id_to_token(id).unwrap_or_default();
+        let byte = piece
+            .strip_prefix("<0x")
+            .and_then(|p| p.strip_suffix('>'))
+            .filter(|hex| hex.len() == 2)
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        let bytes = match byte {
+            Some(b) => vec![b],
+            None => piece.replace('\u{2581}', " ").into_bytes(),
+        };
+        Self {
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+        }
+    }
+}
+
+/// One generated token's logprob and its step's most likely tokens (raw log-softmax).
+#[derive(Debug, Clone)]
+pub struct LogprobEntry {
+    pub token: TokenText,
+    pub logprob: f32,
+    pub top: Vec<(TokenText, f32)>,
+}
+
+impl LogprobEntry {
+    fn new(tokenizer: &Tokenizer, lp: &TokenLogprobs) -> Self {
+        Self {
+            token: TokenText::of(tokenizer, lp.id),
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .iter()
+                .map(|&(id, l)| (TokenText::of(tokenizer, id), l))
+                .collect(),
+        }
+    }
 }
 
 /// What the engine reports about a request, in order: `Started` or `Error`; then `Text`s;
@@ -46,7 +100,13 @@ pub enum Event {
     Started {
         prompt_tokens: usize,
     },
-    Text(String),
+    /// Text that became final, with the logprobs of the tokens generated since the last
+    /// `Text` (when asked for; EOS tokens are left out). The text may be empty when only
+    /// logprobs are left at the end.
+    Text {
+        text: String,
+        logprobs: Vec<LogprobEntry>,
+    },
     Done {
         finish: FinishReason,
         prompt_tokens: usize,
@@ -58,6 +118,8 @@ pub enum Event {
 struct Job {
     request: Request,
     events: mpsc::Sender<Event>,
+    /// When the request was queued: the start of its time to first token.
+    queued: Instant,
 }
 
 /// Handed to the factory of [`spawn_engine`] on the engine thread; [`EngineRunner::run`]
@@ -67,6 +129,7 @@ pub struct EngineRunner {
     ready: std::sync::mpsc::Sender<Result<ModelInfo, String>>,
     model_id: String,
     max_context: Option<usize>,
+    metrics: Arc<Metrics>,
 }
 
 /// The HTTP side's end of the queue.
@@ -74,6 +137,8 @@ pub struct EngineRunner {
 pub struct EngineHandle {
     jobs: mpsc::Sender<Job>,
     pub info: ModelInfo,
+    /// Shared with the engine thread.
+    pub metrics: Arc<Metrics>,
 }
 
 /// Events buffered per request before the engine waits for the client.
@@ -94,11 +159,13 @@ where
     let (jobs_tx, jobs_rx) = mpsc::channel(queue.max(1));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let failed = ready_tx.clone();
+    let metrics = Arc::new(Metrics::new());
     let runner = EngineRunner {
         jobs: jobs_rx,
         ready: ready_tx,
         model_id,
         max_context,
+        metrics: metrics.clone(),
     };
     std::thread::Builder::new()
         .name("sala-engine".into())
@@ -112,6 +179,7 @@ where
         Ok(Ok(info)) => Ok(EngineHandle {
             jobs: jobs_tx,
             info,
+            metrics,
         }),
         Ok(Err(e)) => Err(e),
         Err(_) => Err("the engine thread ended before loading a model".into()),
@@ -125,6 +193,7 @@ impl EngineHandle {
         match self.jobs.try_send(Job {
             request,
             events: tx,
+            queued: Instant::now(),
         }) {
             Ok(()) => Ok(rx),
             Err(mpsc::error::TrySendError::Full(_)) => Err(ApiError::new(
@@ -144,6 +213,16 @@ impl EngineHandle {
     /// False once the engine thread has ended.
     pub fn is_alive(&self) -> bool {
         !self.jobs.is_closed()
+    }
+
+    /// Requests waiting in the queue.
+    pub fn queue_depth(&self) -> usize {
+        self.jobs.max_capacity() - self.jobs.capacity()
+    }
+
+    /// Most requests that may wait.
+    pub fn queue_capacity(&self) -> usize {
+        self.jobs.max_capacity()
     }
 }
 
@@ -166,9 +245,18 @@ impl EngineRunner {
         let eos = engine.eos_ids();
         while let Some(job) = self.jobs.blocking_recv() {
             if job.events.is_closed() {
-                continue; // the client left while the request waited
+                // The client left while the request waited.
+                self.metrics.request_done(Outcome::Cancelled);
+                continue;
             }
-            run_job(&mut engine, &template, &eos, max_context, job);
+            run_job(
+                &mut engine,
+                &template,
+                &eos,
+                max_context,
+                &self.metrics,
+                job,
+            );
         }
     }
 }
@@ -217,32 +305,36 @@ fn run_job<B: Backend>(
     template: &Result<ChatTemplate, String>,
     eos: &[u32],
     max_context: usize,
+    metrics: &Metrics,
     job: Job,
 ) {
-    let Job { request, events } = job;
+    let Job {
+        request,
+        events,
+        queued,
+    } = job;
+    // Outcomes are counted before the client hears of them, so that a client reading
+    // `/metrics` after its answer finds its request there.
+    let fail = |e: ApiError| {
+        metrics.request_done(Outcome::of_status(e.status.as_u16()));
+        let _ = events.blocking_send(Event::Error(e));
+    };
     let ids = match tokenize(engine, template, &request.prompt) {
         Ok(ids) => ids,
-        Err(e) => {
-            let _ = events.blocking_send(Event::Error(e));
-            return;
-        }
+        Err(e) => return fail(e),
     };
     if ids.is_empty() {
-        let _ = events.blocking_send(Event::Error(
-            ApiError::invalid("the prompt is empty").param("prompt"),
-        ));
-        return;
+        return fail(ApiError::invalid("the prompt is empty").param("prompt"));
     }
     if ids.len() >= max_context {
-        let _ = events.blocking_send(Event::Error(
+        return fail(
             ApiError::invalid(format!(
                 "the prompt has {} tokens, which leaves no room in the context budget of \
                  {max_context} tokens",
                 ids.len()
             ))
             .code("context_length_exceeded"),
-        ));
-        return;
+        );
     }
     if events
         .blocking_send(Event::Started {
@@ -250,6 +342,7 @@ fn run_job<B: Backend>(
         })
         .is_err()
     {
+        metrics.request_done(Outcome::Cancelled);
         return;
     }
     let opts = GenerateOptions {
@@ -263,28 +356,67 @@ fn run_job<B: Backend>(
             eos.to_vec()
         },
     };
+    let config = engine.model.config.clone();
+    let tokenizer = engine.tokenizer.clone();
+    let cache_bytes = |len: usize| sala_model::memory::cache_bytes(&config, len).total();
+    let mut held = cache_bytes(ids.len());
+    metrics.sequence_started(ids.len(), held);
+    let mut last_token: Option<Instant> = None;
+    let mut len = ids.len();
+    let mut pending: Vec<LogprobEntry> = Vec::new();
     let result = catch_unwind(AssertUnwindSafe(|| {
-        engine.generate_cancellable(
+        engine.generate_steps(
             &ids,
             &opts,
-            &mut |text| {
-                if text.is_empty() {
+            request.logprobs,
+            &mut |step| {
+                if let Some(t) = step.token {
+                    let now = Instant::now();
+                    metrics.token(now, last_token.unwrap_or(queued), last_token.is_none());
+                    last_token = Some(now);
+                    len += 1;
+                    let bytes = cache_bytes(len);
+                    metrics.cache_changed(bytes as i64 - held as i64);
+                    held = bytes;
+                    if let (false, Some(lp)) = (t.eos, &t.logprobs) {
+                        pending.push(LogprobEntry::new(&tokenizer, lp));
+                    }
+                }
+                if step.text.is_empty() {
                     !events.is_closed()
                 } else {
-                    events.blocking_send(Event::Text(text.to_string())).is_ok()
+                    let text = Event::Text {
+                        text: step.text.to_string(),
+                        logprobs: std::mem::take(&mut pending),
+                    };
+                    events.blocking_send(text).is_ok()
                 }
             },
             &mut |_| {},
         )
     }));
+    metrics.sequence_ended(held);
     let last = match result {
-        Ok(Ok(g)) => Event::Done {
-            finish: g.finish,
-            prompt_tokens: g.prompt_tokens,
-            completion_tokens: g.tokens.len(),
-        },
-        Ok(Err(e)) => Event::Error(engine_error(e)),
-        Err(_) => Event::Error(ApiError::internal("the engine panicked on this request")),
+        Ok(Ok(g)) => {
+            if !pending.is_empty() {
+                let _ = events.blocking_send(Event::Text {
+                    text: String::new(),
+                    logprobs: pending,
+                });
+            }
+            metrics.request_done(match g.finish {
+                FinishReason::Stop => Outcome::Stop,
+                FinishReason::Length => Outcome::Length,
+                FinishReason::Cancelled => Outcome::Cancelled,
+            });
+            Event::Done {
+                finish: g.finish,
+                prompt_tokens: g.prompt_tokens,
+                completion_tokens: g.tokens.len(),
+            }
+        }
+        Ok(Err(e)) => return fail(engine_error(e)),
+        Err(_) => return fail(ApiError::internal("the engine panicked on this request")),
     };
     let _ = events.blocking_send(last);
 }

@@ -1,14 +1,15 @@
-//! Routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`.
+//! Routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`.
 
 use crate::api::{
     parse_body, parse_json, ApiError, ChatBody, CommonParams, CompletionBody, PromptField,
-    StopField,
+    StopField, MAX_TOP_LOGPROBS,
 };
-use crate::engine::{EngineHandle, Event, Prompt, Request};
+use crate::engine::{EngineHandle, Event, LogprobEntry, Prompt, Request};
+use crate::metrics::Outcome;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -70,6 +71,7 @@ pub fn router(engine: EngineHandle, opts: &ServerOptions) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(opts.max_body_bytes))
         .with_state(state)
@@ -89,7 +91,7 @@ async fn not_found() -> ApiError {
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         "no such route; this server has POST /v1/chat/completions, POST /v1/completions, \
-         GET /v1/models and GET /health",
+         GET /v1/models, GET /health and GET /metrics",
     )
 }
 
@@ -104,6 +106,19 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         )
         .into_response()
     }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let e = &st.engine;
+    let text = e.metrics.render(e.queue_depth(), e.queue_capacity());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
@@ -145,8 +160,14 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
-/// Checks the shared parameters against the model and maps them to a [`Request`].
-fn check_common(st: &AppState, p: CommonParams, prompt: Prompt) -> Result<Checked, ApiError> {
+/// Checks the shared parameters against the model and maps them to a [`Request`];
+/// `logprobs` comes checked from the endpoint's own fields.
+fn check_common(
+    st: &AppState,
+    p: CommonParams,
+    prompt: Prompt,
+    logprobs: Option<usize>,
+) -> Result<Checked, ApiError> {
     let info = &st.engine.info;
     if let Some(model) = &p.model {
         if *model != info.id {
@@ -197,6 +218,19 @@ fn check_common(st: &AppState, p: CommonParams, prompt: Prompt) -> Result<Checke
             .param("top_k"))
         }
     };
+    for (name, value) in [
+        ("presence_penalty", p.presence_penalty),
+        ("frequency_penalty", p.frequency_penalty),
+    ] {
+        if let Some(v) = value.filter(|v| !(-2.0..=2.0).contains(v)) {
+            return Err(
+                ApiError::invalid(format!("{name} is {v}; it must be in [-2, 2]")).param(name),
+            );
+        }
+    }
+    if p.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(ApiError::invalid("logit_bias is not supported").param("logit_bias"));
+    }
     let sampling = SamplingParams {
         temperature: p.temperature.unwrap_or(1.0),
         top_k,
@@ -205,7 +239,7 @@ fn check_common(st: &AppState, p: CommonParams, prompt: Prompt) -> Result<Checke
         repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
         presence_penalty: p.presence_penalty.unwrap_or(0.0),
         frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
-        seed: p.seed,
+        seed: p.seed.map(|s| s.value()),
     };
     sampling.validate().map_err(|e| {
         let err = ApiError::invalid(e.to_string());
@@ -229,6 +263,7 @@ fn check_common(st: &AppState, p: CommonParams, prompt: Prompt) -> Result<Checke
             max_tokens,
             stop,
             ignore_eos: p.ignore_eos.unwrap_or(false),
+            logprobs,
         },
         stream: p.stream.unwrap_or(false),
         include_usage: p.stream_options.is_some_and(|o| o.include_usage),
@@ -246,11 +281,26 @@ fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
             ApiError::invalid(format!("messages[{i}]: {e}")).param(format!("messages[{i}]"))
         })?;
     }
+    let logprobs = match (body.logprobs.unwrap_or(false), body.top_logprobs) {
+        (_, Some(n)) if n > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::invalid(format!(
+                "top_logprobs is {n}; it must be in 0..={MAX_TOP_LOGPROBS}"
+            ))
+            .param("top_logprobs"))
+        }
+        (false, Some(n)) if n > 0 => {
+            return Err(
+                ApiError::invalid("top_logprobs needs logprobs to be true").param("top_logprobs")
+            )
+        }
+        (true, n) => Some(n.unwrap_or(0) as usize),
+        (false, _) => None,
+    };
     let prompt = Prompt::Chat {
         messages: body.messages,
         kwargs: body.chat_template_kwargs.unwrap_or_default(),
     };
-    check_common(st, common, prompt)
+    check_common(st, common, prompt, logprobs)
 }
 
 fn check_completion(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
@@ -270,7 +320,25 @@ fn check_completion(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
     }
-    check_common(st, common, Prompt::Text(prompt))
+    if body.echo == Some(true) {
+        return Err(ApiError::invalid("echo is not supported").param("echo"));
+    }
+    if body.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid("only best_of = 1 is supported").param("best_of"));
+    }
+    if body.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix is not supported").param("suffix"));
+    }
+    let logprobs = match body.logprobs {
+        Some(n) if n > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::invalid(format!(
+                "logprobs is {n}; it must be in 0..={MAX_TOP_LOGPROBS}"
+            ))
+            .param("logprobs"))
+        }
+        n => n.map(|n| n as usize),
+    };
+    check_common(st, common, Prompt::Text(prompt), logprobs)
 }
 
 async fn chat_completions(
@@ -306,22 +374,117 @@ fn usage(prompt: usize, completion: usize) -> Value {
     })
 }
 
+/// A logprob as JSON; a non-finite one (a token the model rules out) is -9999, OpenAI's
+/// value for very unlikely tokens.
+fn logprob_value(x: f32) -> Value {
+    if x.is_finite() {
+        json!(x)
+    } else {
+        json!(-9999.0)
+    }
+}
+
+/// The chat shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let top: Vec<Value> = e
+                .top
+                .iter()
+                .map(|(t, l)| json!({"token": t.text, "logprob": logprob_value(*l), "bytes": t.bytes}))
+                .collect();
+            json!({
+                "token": e.token.text,
+                "logprob": logprob_value(e.logprob),
+                "bytes": e.token.bytes,
+                "top_logprobs": top,
+            })
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// The legacy completions shape: `tokens`, `token_logprobs`, `top_logprobs` (the most likely
+/// tokens plus the sampled one, by text) and `text_offset` (characters from the start of the
+/// completion; `offset` carries it across stream chunks).
+fn completion_logprobs(entries: &[LogprobEntry], offset: &mut usize) -> Value {
+    let mut tokens = Vec::with_capacity(entries.len());
+    let mut token_logprobs = Vec::with_capacity(entries.len());
+    let mut top_logprobs = Vec::with_capacity(entries.len());
+    let mut text_offset = Vec::with_capacity(entries.len());
+    for e in entries {
+        tokens.push(json!(e.token.text));
+        token_logprobs.push(logprob_value(e.logprob));
+        let mut top = serde_json::Map::new();
+        let sampled = (&e.token, e.logprob);
+        for (t, l) in e.top.iter().map(|(t, l)| (t, *l)).chain([sampled]) {
+            top.entry(t.text.clone())
+                .or_insert_with(|| logprob_value(l));
+        }
+        top_logprobs.push(Value::Object(top));
+        text_offset.push(json!(*offset));
+        *offset += e.token.text.chars().count();
+    }
+    json!({
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    })
+}
+
+/// A request that passed the checks and is queued.
+struct Admitted {
+    events: mpsc::Receiver<Event>,
+    stream: bool,
+    include_usage: bool,
+    logprobs: bool,
+}
+
+fn admit(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Result<Admitted, ApiError> {
+    let bytes = body_bytes(body)?;
+    let value = parse_json(&bytes)?;
+    let checked = match kind {
+        Kind::Chat => check_chat(st, &value)?,
+        Kind::Completion => check_completion(st, &value)?,
+    };
+    let logprobs = checked.request.logprobs.is_some();
+    let events = st.engine.submit(checked.request)?;
+    Ok(Admitted {
+        events,
+        stream: checked.stream,
+        include_usage: checked.include_usage,
+        logprobs,
+    })
+}
+
 async fn handle(
     st: Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
 ) -> Result<Response, ApiError> {
-    let bytes = body_bytes(body)?;
-    let value = parse_json(&bytes)?;
-    let checked = match kind {
-        Kind::Chat => check_chat(&st, &value)?,
-        Kind::Completion => check_completion(&st, &value)?,
+    // Errors from the engine thread are counted there; these are counted here.
+    let counted = |e: ApiError| {
+        st.engine
+            .metrics
+            .request_done(Outcome::of_status(e.status.as_u16()));
+        e
     };
-    let mut events = st.engine.submit(checked.request)?;
+    let admitted = admit(&st, body, kind).map_err(counted)?;
+    let mut events = admitted.events;
     match events.recv().await {
         Some(Event::Started { .. }) => {}
         Some(Event::Error(e)) => return Err(e),
-        _ => return Err(ApiError::internal("the engine stopped before answering")),
+        _ => {
+            return Err(counted(ApiError::internal(
+                "the engine stopped before answering",
+            )))
+        }
     }
     let id = st.new_id(match kind {
         Kind::Chat => "chatcmpl",
@@ -332,30 +495,41 @@ async fn handle(
         created: now(),
         model: st.engine.info.id.clone(),
         kind,
+        logprobs: admitted.logprobs,
     };
-    if checked.stream {
-        return Ok(stream_response(meta, events, checked.include_usage).into_response());
+    if admitted.stream {
+        let stream = stream_response(meta, events, admitted.include_usage);
+        return Ok(stream.into_response());
     }
     let mut text = String::new();
+    let mut entries = Vec::new();
     loop {
         match events.recv().await {
-            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Text { text: t, logprobs }) => {
+                text.push_str(&t);
+                entries.extend(logprobs);
+            }
             Some(Event::Done {
                 finish,
                 prompt_tokens,
                 completion_tokens,
             }) => {
+                let logprobs = match (meta.logprobs, kind) {
+                    (false, _) => Value::Null,
+                    (true, Kind::Chat) => chat_logprobs(&entries),
+                    (true, Kind::Completion) => completion_logprobs(&entries, &mut 0),
+                };
                 let choice = match kind {
                     Kind::Chat => json!({
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": null,
+                        "logprobs": logprobs,
                         "finish_reason": finish_str(finish),
                     }),
                     Kind::Completion => json!({
                         "index": 0,
                         "text": text,
-                        "logprobs": null,
+                        "logprobs": logprobs,
                         "finish_reason": finish_str(finish),
                     }),
                 };
@@ -374,7 +548,11 @@ async fn handle(
             }
             Some(Event::Error(e)) => return Err(e),
             Some(Event::Started { .. }) => {}
-            None => return Err(ApiError::internal("the engine stopped mid-generation")),
+            None => {
+                return Err(counted(ApiError::internal(
+                    "the engine stopped mid-generation",
+                )))
+            }
         }
     }
 }
@@ -384,11 +562,20 @@ struct Meta {
     created: u64,
     model: String,
     kind: Kind,
+    /// Whether the request asked for logprobs.
+    logprobs: bool,
 }
 
 impl Meta {
-    /// One chunk with `delta` (chat) or `text` (completion) and a finish reason.
-    fn chunk(&self, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+    /// One chunk with `delta` (chat) or `text` (completion), the chunk's logprobs (or null)
+    /// and a finish reason.
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        role: bool,
+        logprobs: Value,
+        finish: Option<&str>,
+    ) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -398,12 +585,12 @@ impl Meta {
                 if let Some(t) = text {
                     delta.insert("content".into(), t.into());
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Completion => json!({
                 "index": 0,
                 "text": text.unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
         };
@@ -433,6 +620,8 @@ struct StreamState {
     events: mpsc::Receiver<Event>,
     include_usage: bool,
     phase: Phase,
+    /// Characters of completion text so far (`text_offset` of the legacy logprobs).
+    offset: usize,
 }
 
 fn data(v: &Value) -> SseEvent {
@@ -455,6 +644,7 @@ fn stream_response(
         meta,
         events,
         include_usage,
+        offset: 0,
     };
     Sse::new(stream::unfold(state, |mut st| async move {
         loop {
@@ -462,12 +652,22 @@ fn stream_response(
             let event = match phase {
                 Phase::Role => {
                     st.phase = Phase::Body;
-                    data(&st.meta.chunk(Some(""), true, None))
+                    data(&st.meta.chunk(Some(""), true, Value::Null, None))
                 }
                 Phase::Body => match st.events.recv().await {
-                    Some(Event::Text(t)) => {
+                    Some(Event::Text { text, logprobs }) => {
                         st.phase = Phase::Body;
-                        data(&st.meta.chunk(Some(&t), false, None))
+                        if text.is_empty() && logprobs.is_empty() {
+                            continue;
+                        }
+                        let lp = match (st.meta.logprobs, st.meta.kind) {
+                            (false, _) => Value::Null,
+                            (true, Kind::Chat) => chat_logprobs(&logprobs),
+                            (true, Kind::Completion) => {
+                                completion_logprobs(&logprobs, &mut st.offset)
+                            }
+                        };
+                        data(&st.meta.chunk(Some(&text), false, lp, None))
                     }
                     Some(Event::Started { .. }) => {
                         st.phase = Phase::Body;
@@ -487,7 +687,8 @@ fn stream_response(
                             Kind::Chat => None,
                             Kind::Completion => Some(""),
                         };
-                        data(&st.meta.chunk(text, false, Some(finish_str(finish))))
+                        let finish = Some(finish_str(finish));
+                        data(&st.meta.chunk(text, false, Value::Null, finish))
                     }
                     Some(Event::Error(e)) => {
                         st.phase = Phase::DoneMarker;
@@ -500,7 +701,7 @@ fn stream_response(
                 },
                 Phase::Usage(u) => {
                     st.phase = Phase::DoneMarker;
-                    let mut chunk = st.meta.chunk(None, false, None);
+                    let mut chunk = st.meta.chunk(None, false, Value::Null, None);
                     chunk["choices"] = json!([]);
                     chunk["usage"] = u;
                     data(&chunk)
