@@ -1,134 +1,19 @@
 //! The real server on 127.0.0.1 with the tiny random model on the CPU, driven by a small
-//! HTTP/1.1 client over `TcpStream`.
+//! HTTP/1.1 client over `TcpStream` (and, in `openai_client`, by the official Python client).
 
-use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
-use sala_cpu::CpuBackend;
-use sala_engine::generate::{Engine, FinishReason, GenerateOptions};
+mod common;
+mod load;
+mod logprobs;
+mod metrics;
+mod openai_client;
+
+use common::*;
+use sala_engine::generate::{FinishReason, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::net::TcpStream;
 use std::time::Duration;
-
-const MODEL_ID: &str = "test-model";
-const MAX_CONTEXT: usize = 256;
-const BODY_LIMIT: usize = 64 << 10;
-
-fn model_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap().keep();
-        let config = preset("tiny").unwrap();
-        write_random_checkpoint(&dir, &config, &WriteOptions::default()).unwrap();
-        sala_tokenizer::write_test_tokenizer(&dir, config.vocab_size).unwrap();
-        dir
-    })
-}
-
-fn spawn_engine(queue: usize) -> sala_server::EngineHandle {
-    let dir = model_dir().to_path_buf();
-    sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), queue, move |runner| {
-        let engine =
-            Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
-        runner.run(engine);
-        Ok(())
-    })
-    .unwrap()
-}
-
-fn server() -> SocketAddr {
-    static ADDR: OnceLock<SocketAddr> = OnceLock::new();
-    *ADDR.get_or_init(|| {
-        let engine = spawn_engine(64);
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                tx.send(listener.local_addr().unwrap()).unwrap();
-                let opts = sala_server::ServerOptions {
-                    max_body_bytes: BODY_LIMIT,
-                };
-                sala_server::serve(listener, engine, &opts).await.unwrap();
-            });
-        });
-        rx.recv().unwrap()
-    })
-}
-
-/// Undoes `Transfer-Encoding: chunked`.
-fn dechunk(mut body: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let Some(eol) = body.windows(2).position(|w| w == b"\r\n") else {
-            return out;
-        };
-        let size_text = std::str::from_utf8(&body[..eol]).unwrap();
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
-        if size == 0 {
-            return out;
-        }
-        let start = eol + 2;
-        out.extend_from_slice(&body[start..start + size]);
-        body = &body[start + size + 2..];
-    }
-}
-
-/// Sends one request (`Connection: close`) and returns the status and the decoded body.
-fn request(method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    let mut s = TcpStream::connect(server()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    let _ = s.write_all(body); // the server may answer (413) before reading it all
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("a complete response head");
-    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let mut body = raw[split + 4..].to_vec();
-    if head.contains("transfer-encoding: chunked") {
-        body = dechunk(&body);
-    }
-    (status, String::from_utf8(body).unwrap())
-}
-
-fn post(path: &str, body: &Value) -> (u16, Value) {
-    let (status, text) = request("POST", path, body.to_string().as_bytes());
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
-    )
-}
-
-/// The `data:` payloads of an SSE body.
-fn sse_data(body: &str) -> Vec<String> {
-    body.lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(|d| d.trim_start().to_string())
-        .collect()
-}
-
-fn check_usage(v: &Value) -> (u64, u64) {
-    let u = &v["usage"];
-    let (p, c, t) = (
-        u["prompt_tokens"].as_u64().unwrap(),
-        u["completion_tokens"].as_u64().unwrap(),
-        u["total_tokens"].as_u64().unwrap(),
-    );
-    assert!(p > 0);
-    assert_eq!(p + c, t, "{u}");
-    (p, c)
-}
 
 fn chat_body(stream: bool) -> Value {
     json!({
@@ -237,25 +122,6 @@ fn models_and_health() {
     assert_eq!(v["data"][0]["object"], "model");
     let (status, _) = request("GET", "/health", b"");
     assert_eq!(status, 200);
-}
-
-fn assert_error(status: u16, body: &str, want: u16, param: Option<&str>, what: &str) {
-    assert_eq!(status, want, "{what}: {body}");
-    let v: Value =
-        serde_json::from_str(body).unwrap_or_else(|e| panic!("{what}: {e}: body {body}"));
-    let err = &v["error"];
-    assert!(
-        !err["message"].as_str().unwrap_or("").is_empty(),
-        "{what}: {body}"
-    );
-    assert!(err["type"].is_string(), "{what}: {body}");
-    assert!(
-        err.get("param").is_some() && err.get("code").is_some(),
-        "{what}: {body}"
-    );
-    if let Some(p) = param {
-        assert_eq!(err["param"], p, "{what}: {body}");
-    }
 }
 
 #[test]
@@ -392,6 +258,204 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
             Some("prompt"),
         ),
         (
+            "unknown model on completions",
+            comp,
+            json!({"model": "gpt-17", "prompt": "hi"}).to_string().into_bytes(),
+            404,
+            Some("model"),
+        ),
+        (
+            "max_tokens 0",
+            comp,
+            json!({"prompt": "hi", "max_tokens": 0}).to_string().into_bytes(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "max_tokens of the wrong type",
+            comp,
+            json!({"prompt": "hi", "max_tokens": "10"}).to_string().into_bytes(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "top_p above 1",
+            chat,
+            json!({"messages": msgs, "top_p": 1.5}).to_string().into_bytes(),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "top_k below -1",
+            comp,
+            json!({"prompt": "hi", "top_k": -2}).to_string().into_bytes(),
+            400,
+            Some("top_k"),
+        ),
+        (
+            "top_k of the wrong type",
+            comp,
+            json!({"prompt": "hi", "top_k": "x"}).to_string().into_bytes(),
+            400,
+            Some("top_k"),
+        ),
+        (
+            "seed of the wrong type",
+            comp,
+            json!({"prompt": "hi", "seed": "x"}).to_string().into_bytes(),
+            400,
+            Some("seed"),
+        ),
+        (
+            "fractional seed",
+            chat,
+            json!({"messages": msgs, "seed": 1.5}).to_string().into_bytes(),
+            400,
+            Some("seed"),
+        ),
+        (
+            "presence_penalty above 2",
+            chat,
+            json!({"messages": msgs, "presence_penalty": 3}).to_string().into_bytes(),
+            400,
+            Some("presence_penalty"),
+        ),
+        (
+            "frequency_penalty below -2",
+            comp,
+            json!({"prompt": "hi", "frequency_penalty": -2.5}).to_string().into_bytes(),
+            400,
+            Some("frequency_penalty"),
+        ),
+        (
+            "presence_penalty of the wrong type",
+            comp,
+            json!({"prompt": "hi", "presence_penalty": [1]}).to_string().into_bytes(),
+            400,
+            Some("presence_penalty"),
+        ),
+        (
+            "repetition_penalty 0",
+            comp,
+            json!({"prompt": "hi", "repetition_penalty": 0}).to_string().into_bytes(),
+            400,
+            Some("repetition_penalty"),
+        ),
+        (
+            "n = 0",
+            chat,
+            json!({"messages": msgs, "n": 0}).to_string().into_bytes(),
+            400,
+            Some("n"),
+        ),
+        (
+            "n = 4 on chat",
+            chat,
+            json!({"messages": msgs, "n": 4}).to_string().into_bytes(),
+            400,
+            Some("n"),
+        ),
+        (
+            "stream of the wrong type",
+            chat,
+            json!({"messages": msgs, "stream": "yes"}).to_string().into_bytes(),
+            400,
+            Some("stream"),
+        ),
+        (
+            "a message without a role",
+            chat,
+            json!({"messages": [{"content": "hi"}]}).to_string().into_bytes(),
+            400,
+            None,
+        ),
+        (
+            "an image content part",
+            chat,
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+                .to_string()
+                .into_bytes(),
+            400,
+            Some("messages[0]"),
+        ),
+        (
+            "chat logprobs of the wrong type",
+            chat,
+            json!({"messages": msgs, "logprobs": "yes"}).to_string().into_bytes(),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "top_logprobs above 20",
+            chat,
+            json!({"messages": msgs, "logprobs": true, "top_logprobs": 21}).to_string().into_bytes(),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            "top_logprobs without logprobs",
+            chat,
+            json!({"messages": msgs, "top_logprobs": 2}).to_string().into_bytes(),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            "negative top_logprobs",
+            chat,
+            json!({"messages": msgs, "logprobs": true, "top_logprobs": -1}).to_string().into_bytes(),
+            400,
+            Some("top_logprobs"),
+        ),
+        (
+            "completion logprobs above 20",
+            comp,
+            json!({"prompt": "hi", "logprobs": 21}).to_string().into_bytes(),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "completion logprobs of the wrong type",
+            comp,
+            json!({"prompt": "hi", "logprobs": true}).to_string().into_bytes(),
+            400,
+            Some("logprobs"),
+        ),
+        (
+            "echo",
+            comp,
+            json!({"prompt": "hi", "echo": true}).to_string().into_bytes(),
+            400,
+            Some("echo"),
+        ),
+        (
+            "best_of 3",
+            comp,
+            json!({"prompt": "hi", "best_of": 3}).to_string().into_bytes(),
+            400,
+            Some("best_of"),
+        ),
+        (
+            "logit_bias",
+            chat,
+            json!({"messages": msgs, "logit_bias": {"5": 10}}).to_string().into_bytes(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "two prompts",
+            comp,
+            json!({"prompt": ["a", "b"]}).to_string().into_bytes(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "prompt of the wrong type",
+            comp,
+            json!({"prompt": 17}).to_string().into_bytes(),
+            400,
+            Some("prompt"),
+        ),
+        (
             "body over the size limit",
             comp,
             json!({"prompt": "x".repeat(BODY_LIMIT * 2)}).to_string().into_bytes(),
@@ -463,7 +527,7 @@ fn a_client_leaving_mid_stream_leaves_the_server_working() {
 
 #[test]
 fn generation_stops_when_on_text_says_so() {
-    let mut engine = Engine::load(CpuBackend, model_dir(), 64, &mut |_, _| {}).unwrap();
+    let mut engine = load_engine();
     let prompt = engine.tokenizer.encode("hello there", true).unwrap();
     let opts = GenerateOptions {
         sampling: SamplingParams::default(),
@@ -499,6 +563,7 @@ fn a_full_queue_is_429_and_abandoned_requests_are_dropped() {
         max_tokens,
         stop: Vec::new(),
         ignore_eos: true,
+        logprobs: None,
     };
     // A keeps the engine busy: nobody reads its events, so the engine waits once they fill.
     let mut a = engine.submit(req(200)).unwrap();
@@ -538,4 +603,62 @@ fn a_full_queue_is_429_and_abandoned_requests_are_dropped() {
         }
     }
     assert!(texts >= 1);
+}
+
+#[test]
+fn every_parameter_is_accepted_and_applied() {
+    let text_of = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    let base = json!({"prompt": "The lighthouse keeper", "max_tokens": 10, "ignore_eos": true});
+    let with = |extra: Value| {
+        let mut b = base.clone();
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let (status, v) = post("/v1/completions", &b);
+        assert_eq!(status, 200, "{b}: {v}");
+        v
+    };
+    let greedy = with(json!({"temperature": 0}));
+    assert_eq!(check_usage(&greedy).1, 10, "max_tokens with ignore_eos");
+    assert_eq!(greedy["choices"][0]["finish_reason"], "length");
+    // Truncation to one token makes any temperature greedy.
+    for extra in [
+        json!({"temperature": 1.5, "top_k": 1, "seed": 1}),
+        json!({"temperature": 1.5, "min_p": 1.0, "seed": 2}),
+        json!({"temperature": 1.5, "top_p": 1e-6, "seed": 3}),
+    ] {
+        assert_eq!(text_of(&with(extra.clone())), text_of(&greedy), "{extra}");
+    }
+    // A seed repeats a sampled answer, a negative one included.
+    for seed in [json!(7), json!(-7), json!(u64::MAX)] {
+        let params = json!({"temperature": 1.0, "top_p": 0.95, "top_k": 50, "seed": seed});
+        assert_eq!(text_of(&with(params.clone())), text_of(&with(params)));
+    }
+    // Everything at once, on both endpoints.
+    let all = json!({
+        "model": MODEL_ID, "max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "top_k": 40,
+        "min_p": 0.01, "seed": 11, "stop": ["\n\n", "zzz"], "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.1, "n": 1, "user": "someone",
+        "logit_bias": {}, "stream": false,
+    });
+    let mut comp = all.clone();
+    comp["prompt"] = json!("hello");
+    comp["logprobs"] = json!(2);
+    comp["echo"] = json!(false);
+    comp["best_of"] = json!(1);
+    let (status, v) = post("/v1/completions", &comp);
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["logprobs"]["tokens"].is_array(), "{v}");
+    let mut chat = all;
+    chat["messages"] = json!([{"role": "user", "content": [{"type": "text", "text": "hello"}]}]);
+    chat["logprobs"] = json!(true);
+    chat["top_logprobs"] = json!(3);
+    chat["max_completion_tokens"] = json!(5);
+    let (status, v) = post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        check_usage(&v).1 <= 5,
+        "max_completion_tokens wins over max_tokens"
+    );
+    assert!(v["choices"][0]["logprobs"]["content"].is_array(), "{v}");
 }

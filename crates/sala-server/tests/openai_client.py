@@ -1,0 +1,130 @@
+"""Drives a sala server with the official `openai` client; prints what it got as JSON.
+
+Usage: python openai_client.py BASE_URL MODEL_ID (the Rust test `openai_client` runs it).
+"""
+
+import json
+import sys
+
+import openai
+
+base_url, model = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+out = {"version": openai.__version__}
+messages = [{"role": "user", "content": "Tell me about the sea."}]
+fixed = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def usage(u):
+    return [u.prompt_tokens, u.completion_tokens, u.total_tokens]
+
+
+def chat_logprobs(content):
+    return [
+        {
+            "token": t.token,
+            "logprob": t.logprob,
+            "bytes": t.bytes,
+            "top": [[a.token, a.logprob] for a in t.top_logprobs],
+        }
+        for t in content
+    ]
+
+
+r = client.chat.completions.create(
+    model=model, messages=messages, logprobs=True, top_logprobs=2, **fixed
+)
+choice = r.choices[0]
+out["chat"] = {
+    "id": r.id,
+    "object": r.object,
+    "model": r.model,
+    "role": choice.message.role,
+    "content": choice.message.content,
+    "finish": choice.finish_reason,
+    "usage": usage(r.usage),
+    "logprobs": chat_logprobs(choice.logprobs.content),
+}
+
+text, finish, final_usage, logprobs, roles = "", [], None, [], []
+stream = client.chat.completions.create(
+    model=model,
+    messages=messages,
+    stream=True,
+    stream_options={"include_usage": True},
+    logprobs=True,
+    top_logprobs=2,
+    **fixed,
+)
+for chunk in stream:
+    assert chunk.object == "chat.completion.chunk", chunk
+    if chunk.usage is not None:
+        final_usage = usage(chunk.usage)
+    for c in chunk.choices:
+        if c.delta.role:
+            roles.append(c.delta.role)
+        if c.delta.content:
+            text += c.delta.content
+        if c.finish_reason:
+            finish.append(c.finish_reason)
+        if c.logprobs and c.logprobs.content:
+            logprobs += chat_logprobs(c.logprobs.content)
+out["chat_stream"] = {
+    "content": text,
+    "roles": roles,
+    "finish": finish,
+    "usage": final_usage,
+    "logprobs": logprobs,
+}
+
+c = client.completions.create(model=model, prompt="Once upon a time", logprobs=2, **fixed)
+lp = c.choices[0].logprobs
+out["completion"] = {
+    "object": c.object,
+    "text": c.choices[0].text,
+    "finish": c.choices[0].finish_reason,
+    "usage": usage(c.usage),
+    "tokens": lp.tokens,
+    "token_logprobs": lp.token_logprobs,
+    "text_offset": lp.text_offset,
+}
+
+text, finish = "", []
+for chunk in client.completions.create(
+    model=model, prompt="Once upon a time", stream=True, **fixed
+):
+    for ch in chunk.choices:
+        text += ch.text
+        if ch.finish_reason:
+            finish.append(ch.finish_reason)
+out["completion_stream"] = {"text": text, "finish": finish}
+
+out["models"] = [m.id for m in client.models.list().data]
+
+
+def error(call):
+    try:
+        call()
+    except openai.APIStatusError as e:
+        return {
+            "class": type(e).__name__,
+            "status": e.status_code,
+            "message": e.message,
+            "param": e.param,
+            "code": e.code,
+            "type": e.type,
+        }
+    return None
+
+
+out["unknown_model"] = error(
+    lambda: client.chat.completions.create(model="no-such-model", messages=messages)
+)
+out["n2"] = error(
+    lambda: client.chat.completions.create(model=model, messages=messages, n=2)
+)
+out["empty_messages"] = error(
+    lambda: client.chat.completions.create(model=model, messages=[])
+)
+
+print(json.dumps(out))

@@ -1,0 +1,102 @@
+//! A bounded load test: 64 concurrent streams against a server of its own.
+
+use crate::common::*;
+use serde_json::json;
+
+const STREAMS: usize = 64;
+const MAX_TOKENS: u64 = 6;
+
+/// Checks one streamed answer: chunks of the right object, no error, one finish reason (the
+/// last choice chunk), a usage chunk, `[DONE]`. Returns (prompt, completion) tokens.
+fn check_stream(i: usize, raw: &str, chat: bool) -> (u64, u64) {
+    let chunks = sse_chunks(raw);
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let mut finishes = Vec::new();
+    let mut usage = None;
+    for (k, c) in chunks.iter().enumerate() {
+        assert!(c.get("error").is_none(), "stream {i}: {c}");
+        assert_eq!(c["object"], object, "stream {i}: {c}");
+        if c["usage"].is_object() {
+            assert_eq!(k, chunks.len() - 1, "stream {i}: usage comes last");
+            usage = Some(check_usage(c));
+            continue;
+        }
+        if let Some(f) = c["choices"][0]["finish_reason"].as_str() {
+            assert!(f == "stop" || f == "length", "stream {i}: {f}");
+            finishes.push(k);
+        }
+    }
+    assert_eq!(
+        finishes,
+        [chunks.len() - 2],
+        "stream {i}: one finish, last: {raw}"
+    );
+    let (p, c) = usage.unwrap_or_else(|| panic!("stream {i}: no usage: {raw}"));
+    assert!((1..=MAX_TOKENS).contains(&c), "stream {i}: {c} tokens");
+    (p, c)
+}
+
+#[test]
+fn sixty_four_concurrent_streams_all_complete() {
+    // The queue holds every stream, so none is refused.
+    let addr = serve(spawn_engine(STREAMS));
+    let threads: Vec<_> = (0..STREAMS)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let chat = i % 2 == 0;
+                let mut body = json!({
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.7,
+                    "seed": i,
+                    "stream": true,
+                    "stream_options": {"include_usage": true},
+                });
+                let path = if chat {
+                    body["messages"] = json!([{"role": "user", "content": format!("stream {i}")}]);
+                    "/v1/chat/completions"
+                } else {
+                    body["prompt"] = json!(format!("stream number {i}"));
+                    "/v1/completions"
+                };
+                let (status, raw) = request_to(addr, "POST", path, body.to_string().as_bytes());
+                assert_eq!(status, 200, "stream {i}: {raw}");
+                check_stream(i, &raw, chat)
+            })
+        })
+        .collect();
+    let mut prompt = 0;
+    let mut completion = 0;
+    let mut failures = Vec::new();
+    for (i, t) in threads.into_iter().enumerate() {
+        match t.join() {
+            Ok((p, c)) => {
+                prompt += p;
+                completion += c;
+            }
+            Err(_) => failures.push(i),
+        }
+    }
+    assert!(failures.is_empty(), "streams that failed: {failures:?}");
+
+    let m = metrics(addr);
+    let outcome = |o: &str| m[&format!("sala_requests_total{{outcome=\"{o}\"}}")];
+    assert_eq!(outcome("stop") + outcome("length"), STREAMS as f64);
+    for o in ["cancelled", "rejected", "client_error", "server_error"] {
+        assert_eq!(outcome(o), 0.0, "{o}");
+    }
+    assert_eq!(m["sala_prompt_tokens_total"], prompt as f64);
+    assert_eq!(m["sala_generation_tokens_total"], completion as f64);
+    assert_eq!(
+        histogram_count(&m, "sala_time_to_first_token_seconds"),
+        STREAMS as f64
+    );
+    assert_eq!(
+        histogram_count(&m, "sala_inter_token_latency_seconds"),
+        (completion - STREAMS as u64) as f64
+    );
+    assert_eq!(m["sala_queue_depth"], 0.0);
+}
