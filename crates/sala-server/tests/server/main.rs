@@ -662,3 +662,35 @@ fn every_parameter_is_accepted_and_applied() {
     );
     assert!(v["choices"][0]["logprobs"]["content"].is_array(), "{v}");
 }
+
+#[test]
+fn an_oversized_chunked_body_is_413() {
+    // No Content-Length: the limit applies while the body streams in.
+    let mut s = TcpStream::connect(server()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n\
+                Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\
+                Connection: close\r\n\r\n";
+    s.write_all(head.as_bytes()).unwrap();
+    let body = json!({"prompt": "y".repeat(BODY_LIMIT * 2)}).to_string();
+    for part in body.as_bytes().chunks(8192) {
+        if write!(s, "{:x}\r\n", part.len())
+            .and_then(|_| s.write_all(part))
+            .and_then(|_| s.write_all(b"\r\n"))
+            .is_err()
+        {
+            break; // the server answered and closed early
+        }
+    }
+    let _ = s.write_all(b"0\r\n\r\n");
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw);
+    assert!(raw.starts_with("HTTP/1.1 413"), "{raw}");
+    let body = &raw[raw.find("\r\n\r\n").unwrap() + 4..];
+    let json_start = body.find('{').unwrap();
+    let json_end = body.rfind('}').unwrap();
+    assert_error(413, &body[json_start..=json_end], 413, None, "chunked body");
+    let (status, _) = request("GET", "/health", b"");
+    assert_eq!(status, 200);
+}
