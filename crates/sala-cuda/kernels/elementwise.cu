@@ -12,7 +12,15 @@ extern "C" __global__ void embed(const bf16* table, const u32* ids, float scale,
 // read once, 16 bytes per load, and kept in registers; others take the plain loop.
 // launch: grid = rows, block = 512
 #define RMS_PACKS 2
-extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const bf16* w, float eps, bf16* out, int dim) {
+// With `gate` non-null, the result is then multiplied by round(sigmoid(gate)) (the lightning
+// output gate after o_norm).
+__device__ __forceinline__ float gated(float normed, const bf16* gate, u64 i) {
+    if (!gate) return normed;
+    return round_bf(normed) * round_bf(1.0f / (1.0f + expf(-bf2f(gate[i]))));
+}
+
+extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const bf16* w, float eps, bf16* out, int dim,
+                                                           const bf16* gate) {
     __shared__ float scratch[32];
     const bf16* xr = x + (u64)blockIdx.x * dim;
     bf16* yr = out + (u64)blockIdx.x * dim;
@@ -44,8 +52,9 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
                 u32 o[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    float lo = round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16);
-                    float hi = round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u);
+                    u64 at = (u64)blockIdx.x * dim + pk * 8 + 2 * i;
+                    float lo = gated(round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16), gate, at);
+                    float hi = gated(round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u), gate, at + 1);
                     o[i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
                 }
                 ((uint4*)yr)[pk] = make_uint4(o[0], o[1], o[2], o[3]);
@@ -59,7 +68,8 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
         ss += v * v;
     }
     float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) yr[c] = f2bf(round_bf(bf2f(xr[c]) * r) * bf2f(w[c]));
+    for (int c = threadIdx.x; c < dim; c += blockDim.x)
+        yr[c] = f2bf(gated(round_bf(bf2f(xr[c]) * r) * bf2f(w[c]), gate, (u64)blockIdx.x * dim + c));
 }
 
 // launch: grid = ceil(n / 256), block = 256
@@ -86,13 +96,23 @@ extern "C" __global__ void sigmoid_gate(bf16* x, const bf16* gate, u64 n) {
 
 // Per head of `head_dim` (≤ 256, even): optional RMSNorm with the shared weight `norm_w`, then
 // optional RoPE (rotate-half) at position first_pos + row, frequencies `inv_freq`.
-// launch: grid = rows * (cols / head_dim) / 4, block = 128 (one warp per head)
+// A second buffer (x2, its heads after the first's; may be empty) is done in the same launch
+// with its own norm weight: the queries and keys of a layer.
+// launch: grid = ceil((total_heads + total_heads2) / 4), block = 128 (one warp per head)
 extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim, const bf16* norm_w, float eps,
-                                          const float* inv_freq, int first_pos, int heads_per_row) {
+                                          const float* inv_freq, int first_pos, int heads_per_row, bf16* x2,
+                                          int total_heads2, const bf16* norm_w2, int heads_per_row2) {
     int hid = blockIdx.x * 4 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
-    if (hid >= total_heads) return;
-    bf16* p = x + (u64)hid * head_dim;
+    bf16* base = x;
+    if (hid >= total_heads) {
+        hid -= total_heads;
+        if (hid >= total_heads2) return;
+        base = x2;
+        norm_w = norm_w2;
+        heads_per_row = heads_per_row2;
+    }
+    bf16* p = base + (u64)hid * head_dim;
     int row = hid / heads_per_row;
     float v[8];  // lane l rotates elements l, l+32, ... (at most 8)
     int half = head_dim / 2;

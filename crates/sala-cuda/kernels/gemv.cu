@@ -2,8 +2,8 @@
 // weights once. Each warp owns GEMV_ROWS output rows and streams them with 16-byte loads,
 // several in flight; the activation row sits in shared memory.
 
-#define GEMV_ROWS 2
-#define GEMV_WARPS 8
+#define GEMV_ROWS 4
+#define GEMV_WARPS 4
 
 __device__ __forceinline__ void bf16x8_to_f32(uint4 p, float* f) {
     u32 w[4] = {p.x, p.y, p.z, p.w};
@@ -14,60 +14,107 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 p, float* f) {
     }
 }
 
-// y[o] = round(Σ_i x[i]·w[o, i]) for o < n; k is a multiple of 8 and at most 32768.
-// launch: grid = ceil(n / (GEMV_WARPS * GEMV_ROWS)), block = 32 * GEMV_WARPS, dynamic smem = k * 2 bytes
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv(const bf16* x, const bf16* w, bf16* y, int n, int k) {
-    extern __shared__ uint4 xs[];  // k / 8 packs of 8 bf16
-    const uint4* xg = (const uint4*)x;
-    for (int i = threadIdx.x; i < k / 8; i += blockDim.x) xs[i] = xg[i];
-    __syncthreads();
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int row0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
-    float acc[GEMV_ROWS];
-    const uint4* wr[GEMV_ROWS];
+__device__ __forceinline__ void gemv_pack(uint4 xp, const uint4* wp, float* acc) {
+    float xf[8];
+    bf16x8_to_f32(xp, xf);
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
-        acc[r] = 0.0f;
-        int row = min(row0 + r, n - 1);
-        wr[r] = (const uint4*)(w + (u64)row * k);
+        float wf[8];
+        bf16x8_to_f32(wp[r], wf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[r] += xf[e] * wf[e];
     }
-    int packs = k / 8;
+}
+
+// acc[r] = Σ_i x[i]·w[row_r, i] for GEMV_ROWS weight rows (one warp; every lane gets its
+// partial sums, reduce with warp_sum). k is a multiple of 8; x is read through the L1 cache.
+__device__ __forceinline__ void gemv_rows(const bf16* x, const uint4* const (&wr)[GEMV_ROWS], int k,
+                                          float (&acc)[GEMV_ROWS]) {
+    const int lane = threadIdx.x & 31;
+    const uint4* xg = (const uint4*)x;
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = 0.0f;
+    const int packs = k / 8;
     int i = lane;
-    // Main loop: 4 packs per row per step keeps 4 * GEMV_ROWS 16-byte loads in flight.
     for (; i + 96 < packs; i += 128) {
-        uint4 p[GEMV_ROWS][4];
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++)
-#pragma unroll
-            for (int u = 0; u < 4; u++) p[r][u] = __ldg(wr[r] + i + 32 * u);
+        uint4 p[4][GEMV_ROWS], xp[4];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            float xf[8];
-            bf16x8_to_f32(xs[i + 32 * u], xf);
+            xp[u] = __ldg(xg + i + 32 * u);
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; r++) {
-                float wf[8];
-                bf16x8_to_f32(p[r][u], wf);
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[r] += xf[e] * wf[e];
-            }
+            for (int r = 0; r < GEMV_ROWS; r++) p[u][r] = __ldg(wr[r] + i + 32 * u);
         }
+#pragma unroll
+        for (int u = 0; u < 4; u++) gemv_pack(xp[u], p[u], acc);
     }
     for (; i < packs; i += 32) {
-        float xf[8];
-        bf16x8_to_f32(xs[i], xf);
+        uint4 p[GEMV_ROWS];
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            float wf[8];
-            bf16x8_to_f32(__ldg(wr[r] + i), wf);
-#pragma unroll
-            for (int e = 0; e < 8; e++) acc[r] += xf[e] * wf[e];
-        }
+        for (int r = 0; r < GEMV_ROWS; r++) p[r] = __ldg(wr[r] + i);
+        gemv_pack(__ldg(xg + i), p, acc);
     }
+}
+
+// y[o] = round(Σ_i x[i]·w[o, i]) for o < n, written to up to four outputs in turn: o < n0 goes
+// to y0[o], then n1 values to y1, n2 to y2, the rest to y3 (one product of stacked weights,
+// split as `split_cols` would). k is a multiple of 8. Each warp streams GEMV_ROWS rows with
+// 16-byte loads, 4 packs per row in flight.
+// launch: grid = ceil(n / (GEMV_WARPS * GEMV_ROWS)), block = 32 * GEMV_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+gemv(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
+    const uint4* wr[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) wr[r] = (const uint4*)(w + (u64)min(row0 + r, n - 1) * k);
+    float acc[GEMV_ROWS];
+    gemv_rows(x, wr, k, acc);
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
-        float s = warp_sum(acc[r]);
-        if (lane == 0 && row0 + r < n) y[row0 + r] = f2bf(s);
+        const float s = warp_sum(acc[r]);
+        int o = row0 + r;
+        if (lane == 0 && o < n) {
+            bf16* y = y0;
+            if (o >= n0) {
+                o -= n0;
+                y = y1;
+                if (o >= n1) {
+                    o -= n1;
+                    y = y2;
+                    if (o >= n2) {
+                        o -= n2;
+                        y = y3;
+                    }
+                }
+            }
+            y[o] = f2bf(s);
+        }
+    }
+}
+
+// The MLP's first half for one row: with w = [gate; up] ([2·inter, k]),
+// y[j] = round(round(silu(g_j)) · u_j), g_j = round(x·w[j]), u_j = round(x·w[inter + j])
+// (gemv, then silu_mul_halves, in one pass). Each warp owns GEMV_ROWS / 2 outputs.
+// launch: grid = ceil(inter / (GEMV_WARPS * GEMV_ROWS / 2)), block = 32 * GEMV_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
+    constexpr int HALF = GEMV_ROWS / 2;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j0 = (blockIdx.x * GEMV_WARPS + warp) * HALF;
+    const uint4* wr[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < HALF; r++) {
+        const int j = min(j0 + r, inter - 1);
+        wr[r] = (const uint4*)(w + (u64)j * k);
+        wr[HALF + r] = (const uint4*)(w + (u64)(inter + j) * k);
+    }
+    float acc[GEMV_ROWS];
+    gemv_rows(x, wr, k, acc);
+#pragma unroll
+    for (int r = 0; r < HALF; r++) {
+        const float g = bf2f(f2bf(warp_sum(acc[r])));
+        const float u = bf2f(f2bf(warp_sum(acc[HALF + r])));
+        if (lane == 0 && j0 + r < inter) y[j0 + r] = f2bf(round_bf(g / (1.0f + expf(-g))) * u);
     }
 }
 

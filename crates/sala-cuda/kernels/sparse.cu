@@ -216,9 +216,10 @@ __device__ __noinline__ void sp_scores_phase(const float* qs, int G, const bf16*
 
 // Block selection (block-wide; every thread calls), from P [n1v] (global, already visible to
 // the block): writes the k_sel ascending block ids (−1 padded) of a query at block qb ≥ k_sel.
+// With `bscores` (block scores indexed by block), keys come from it instead of P.
 __device__ __noinline__ void sp_topk_phase(const float* P, int n1v, int qb, int block_size, int k1_stride,
                                               int init_blocks, int local_blocks, int k_sel, int* outb,
-                                              float* buf) {
+                                              float* buf, const float* bscores) {
     __shared__ int ss_hist[256];
     __shared__ int ss_scan[9];
     __shared__ int ss_sel[2];
@@ -239,10 +240,12 @@ __device__ __noinline__ void sp_topk_phase(const float* P, int n1v, int qb, int 
     const bool cached = n_cand <= SS_BUF;
     u32* keys = (u32*)buf;
     if (cached) {
-        for (int x = tid; x < n_cand; x += SS_THREADS) keys[x] = sp_block_key(P, cand_lo + x, w, n1v);
+        for (int x = tid; x < n_cand; x += SS_THREADS)
+            keys[x] = bscores ? sp_order_key(bscores[cand_lo + x]) : sp_block_key(P, cand_lo + x, w, n1v);
         __syncthreads();
     }
-#define SS_KEY(b) (cached ? keys[(b) - cand_lo] : sp_block_key(P, (b), w, n1v))
+#define SS_KEY(b) \
+    (cached ? keys[(b) - cand_lo] : bscores ? sp_order_key(bscores[b]) : sp_block_key(P, (b), w, n1v))
 
     // The take-th largest key (radix select, 8 bits a pass) and how many of the candidates equal
     // to it are taken (r_eq, lowest block index first); all candidates with a larger key are taken.
@@ -378,7 +381,7 @@ sparse_select(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int
         sp_scores_phase(qs, G, k1 + (size_t)g * d, kvw, 0, n1v, d, scale, sm_lse, P);
     }
     __syncthreads();  // P (global, written by this block) visible to the whole block
-    sp_topk_phase(P, n1v, qb, block_size, k1_stride, init_blocks, local_blocks, k_sel, outb, ss_buf);
+    sp_topk_phase(P, n1v, qb, block_size, k1_stride, init_blocks, local_blocks, k_sel, outb, ss_buf, 0);
 }
 
 // Multi-block twin of sparse_select, step 1 of 3: LSE of every (query i, head h) that needs one,
@@ -454,7 +457,7 @@ select_topk(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T
     }
     const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
     sp_topk_phase(p_scratch + (size_t)pair * p_stride, n1v, qb, block_size, k1_stride, init_blocks,
-                  local_blocks, k_sel, outb, ss_buf);
+                  local_blocks, k_sel, outb, ss_buf, 0);
 }
 
 // ============================================================================================
@@ -1000,4 +1003,217 @@ attention_merge(const float* part, bf16* out, int T, int heads, int d, int n_spl
         o += pz[e] * f;
     }
     out[(size_t)row * d + e] = f2bf(o / L);
+}
+
+// ============================================================================================
+// 4. Stage 1 on tensor cores (prefill): block scores of every candidate block, then top-k
+// ============================================================================================
+//
+// The same scores as sparse_select up to float rounding (bf16 MMAs with fp32 accumulation, exp2
+// instead of correctly rounded exp), so a near-tie may select a different block of (almost) the
+// same score; sparse_select stays the bit-exact twin of the CPU. A warp owns one query token: its
+// 16 MMA rows are the token's query heads of one KV group (rows ≥ heads/kv_heads are padding).
+// The block's SQ_WARPS consecutive tokens share every compressed-key tile staged in shared memory.
+
+#define SQ_WARPS 8
+#define SQ_KC 64  // compressed keys per staged tile
+
+// Stages keys [c0, c0 + n) of KV group g of a compressed tier (rows ≥ n zero-filled), cp.async.
+__device__ __forceinline__ void sq_issue(const bf16* src, size_t kvw, int g, int d, bf16* dst, int ld, int c0,
+                                         int n) {
+    const int segs = d / 8;
+    for (int x = threadIdx.x; x < SQ_KC * segs; x += SQ_WARPS * 32) {
+        const int row = x / segs, sg = x % segs;
+        const bool in = row < n;
+        const bf16* s = in ? src + (size_t)(c0 + row) * kvw + (size_t)g * d + sg * 8 : src;
+        sp_cp_async16(sp_smem_addr(dst + row * ld + sg * 8), s, in ? 16 : 0);
+    }
+    sp_cp_commit();
+}
+
+// S = Q Kᵀ for the warp's 16 rows and the SQ_KC staged keys (8 n-tiles of 8 keys).
+__device__ __forceinline__ void sq_qk(float (&S)[SQ_KC / 8][4], const u32 (&qa)[8][4], const bf16* Ks, int ld,
+                                      int d) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < SQ_KC / 8; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) S[nt][x] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+        if (kk * 16 < d) {
+#pragma unroll
+            for (int nt = 0; nt < SQ_KC / 8; nt++) {
+                const bf16* kr = Ks + (nt * 8 + gq) * ld + kk * 16 + 2 * tq;
+                sp_mma(S[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const u32*)kr, *(const u32*)(kr + 8));
+            }
+        }
+    }
+}
+
+// For query i = blockIdx.x·SQ_WARPS + warp (position t = first_pos + i, block qb = t / block_size)
+// and KV group g = blockIdx.y, with qb ≥ k_sel: the score of every candidate block b ∈
+// [init_blocks, qb − local_blocks), max of P over its level-1 windows [w·b − 1, w·b + w − 1]
+// (w = block_size / k1_stride), into bs[(i·kv_heads + g)·bs_stride + b]. P is the stage-1
+// probability (SPEC §5.4): Σ over the group's heads of exp(s·q·K1 − LSE₂), rounded to bf16.
+// Needs heads / kv_heads ≤ 16, d a multiple of 16 and ≤ 128, 64 a multiple of w.
+// launch: grid = ((T + SQ_WARPS − 1) / SQ_WARPS, kv_heads), block = 32·SQ_WARPS, dynamic smem = 0 bytes
+//   (static shared memory 2·64·136·2 + 8·65·4 = 36,896 bytes)
+extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
+select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
+                  int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
+                  int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
+    __shared__ __align__(16) bf16 sq_kv[2 * SQ_KC * AT_MAXLD];
+    __shared__ float sq_p[SQ_WARPS][SQ_KC + 1];
+    const int G = heads / kv_heads, g = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
+    const int w = block_size / k1_stride;
+    const size_t kvw = (size_t)kv_heads * d;
+    const int ld = d + 8;
+    const float NEG = -__int_as_float(0x7f800000);
+
+    // This warp's token, and the block's last (the loop bounds grow with t).
+    const int i = blockIdx.x * SQ_WARPS + warp;
+    const int t = first_pos + min(i, T - 1);
+    const int t_last = first_pos + min((int)(blockIdx.x + 1) * SQ_WARPS, T) - 1;
+    const int qb = t / block_size, qb_last = t_last / block_size;
+    const bool active = i < T && qb >= k_sel;
+    const int cand_hi = active ? max(qb - local_blocks, 0) : 0;
+    const int n2v = min(sp_visible(t, k2_window, k2_stride), n2);
+    const int n2_all = min(sp_visible(t_last, k2_window, k2_stride), n2);
+    const int n1_all = (qb_last >= k_sel) ? min(w * max(qb_last - local_blocks, 0), n1) : 0;
+    if (n1_all == 0 || n2_all == 0) return;  // block-uniform
+
+    u32 qa[8][4];
+    bool row_ok[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) row_ok[r] = active && gq + 8 * r < G;
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = x & 1, c8 = (x >> 1) * 8;
+            u32 v = 0;
+            if (kk * 16 < d && row_ok[r])
+                v = *(const u32*)(q + (size_t)(t - first_pos) * heads * d + (size_t)(g * G + gq + 8 * r) * d +
+                                  kk * 16 + c8 + 2 * tq);
+            qa[kk][x] = v;
+        }
+    const float sl2 = scale * 1.4426950408889634f;
+    float S[SQ_KC / 8][4];
+
+    // Pass 1: LSE₂ of each row over the visible level-2 keys (online, log2 units).
+    float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f};
+    int buf = 0;
+    sq_issue(k2, kvw, g, d, sq_kv, ld, 0, min(SQ_KC, n2_all));
+    for (int c0 = 0; c0 < n2_all; c0 += SQ_KC) {
+        const int nxt = c0 + SQ_KC;
+        if (nxt < n2_all) sq_issue(k2, kvw, g, d, sq_kv + (buf ^ 1) * SQ_KC * ld, ld, nxt, min(SQ_KC, n2_all - nxt));
+        else sp_cp_commit();
+        sp_cp_wait1();
+        __syncthreads();
+        if (active && c0 < n2v) {
+            sq_qk(S, qa, sq_kv + buf * SQ_KC * ld, ld, d);
+            float mx[2] = {NEG, NEG};
+#pragma unroll
+            for (int nt = 0; nt < SQ_KC / 8; nt++)
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int col = c0 + nt * 8 + 2 * tq + (x & 1);
+                    const float s = (col < n2v) ? S[nt][x] * sl2 : NEG;
+                    S[nt][x] = s;
+                    mx[x >> 1] = fmaxf(mx[x >> 1], s);
+                }
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float mn = fmaxf(m[r], mx[r]);
+                l[r] *= exp2f(m[r] - mn);  // m = −inf only before the first tile, when l = 0
+                m[r] = mn;
+            }
+#pragma unroll
+            for (int nt = 0; nt < SQ_KC / 8; nt++)
+#pragma unroll
+                for (int x = 0; x < 4; x++) l[x >> 1] += exp2f(S[nt][x] - m[x >> 1]);
+        }
+        __syncthreads();  // buffer `buf` free
+        buf ^= 1;
+    }
+    sp_cp_wait0();
+    float lse[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        // Padding rows get +inf, so their probabilities are 0.
+        lse[r] = row_ok[r] ? m[r] + __log2f(l[r]) : __int_as_float(0x7f800000);
+    }
+
+    // Pass 2: P of each level-1 window (sum over the rows), max-pooled into block scores.
+    float* pw = sq_p[warp];  // pw[0]: the previous tile's last window; pw[1 + x]: window c0 + x
+    if (lane == 0) pw[0] = NEG;
+    float* bsp = bs + ((size_t)(t - first_pos) * kv_heads + g) * bs_stride;
+    buf = 0;
+    __syncthreads();
+    sq_issue(k1, kvw, g, d, sq_kv, ld, 0, min(SQ_KC, n1_all));
+    for (int c0 = 0; c0 < n1_all; c0 += SQ_KC) {
+        const int nxt = c0 + SQ_KC;
+        if (nxt < n1_all) sq_issue(k1, kvw, g, d, sq_kv + (buf ^ 1) * SQ_KC * ld, ld, nxt, min(SQ_KC, n1_all - nxt));
+        else sp_cp_commit();
+        sp_cp_wait1();
+        __syncthreads();
+        if (active && c0 < w * cand_hi) {
+            sq_qk(S, qa, sq_kv + buf * SQ_KC * ld, ld, d);
+#pragma unroll
+            for (int nt = 0; nt < SQ_KC / 8; nt++) {
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    float v = exp2f(S[nt][c] * sl2 - lse[0]) + exp2f(S[nt][2 + c] * sl2 - lse[1]);
+                    v += __shfl_xor_sync(0xffffffffu, v, 4);
+                    v += __shfl_xor_sync(0xffffffffu, v, 8);
+                    v += __shfl_xor_sync(0xffffffffu, v, 16);
+                    const float r = round_bf(v);
+                    if (gq == 0) pw[1 + nt * 8 + 2 * tq + c] = (r != r) ? 0.0f : r;
+                }
+            }
+            __syncwarp();
+            const int b0 = c0 / w;
+            for (int bl = lane; bl < SQ_KC / w; bl += 32) {
+                const int b = b0 + bl;
+                if (b >= init_blocks && b < cand_hi) {
+                    float mx = NEG;
+                    for (int x = w * bl; x <= w * bl + w; x++) mx = fmaxf(mx, pw[x]);
+                    bsp[b] = mx;
+                }
+            }
+            __syncwarp();
+            if (lane == 0) pw[0] = pw[SQ_KC];
+            __syncwarp();
+        }
+        __syncthreads();
+        buf ^= 1;
+    }
+    sp_cp_wait0();
+}
+
+// Block selection from the scores of select_scores_mma: for pair (query i, KV group g) =
+// (blockIdx.x / kv_heads, blockIdx.x % kv_heads), the k_sel ascending block ids (−1 padded) into
+// blocks_out[blockIdx.x·k_sel ..], by the rule of sparse_select (forced blocks, then the best
+// others by score, ties to the lower index).
+// launch: grid = (T * kv_heads), block = 256, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SS_THREADS)
+select_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int k1_stride,
+                   int init_blocks, int local_blocks, int k_sel, int* blocks_out) {
+    __shared__ __align__(16) float ss_buf[SS_BUF];
+    const int pair = blockIdx.x;
+    const int t = first_pos + pair / kv_heads;
+    const int qb = t / block_size;
+    int* outb = blocks_out + (size_t)pair * k_sel;
+    if (qb < k_sel) {
+        for (int s = threadIdx.x; s < k_sel; s += SS_THREADS) outb[s] = (s <= qb) ? s : -1;
+        return;
+    }
+    sp_topk_phase(0, 0, qb, block_size, k1_stride, init_blocks, local_blocks, k_sel, outb, ss_buf,
+                  bs + (size_t)pair * bs_stride);
 }

@@ -4,6 +4,7 @@
 
 pub mod gemm;
 pub mod libs;
+pub mod profile;
 pub mod registry;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
@@ -75,6 +76,9 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(())
 }
 
+/// Per-head norm weights of a first and an optional second buffer, and epsilon.
+type HeadNorms<'a> = (&'a CudaSlice<u16>, Option<&'a CudaSlice<u16>>, f32);
+
 /// One kernel argument.
 enum Arg {
     P(u64),
@@ -93,15 +97,35 @@ pub struct CudaBackend {
     target: String,
     /// Time the host has spent waiting for the device in downloads (profiling aid).
     waited: std::cell::Cell<std::time::Duration>,
+    /// Per-kernel timing, with `SALA_PROFILE=1`.
+    profiler: Option<profile::Profiler>,
+    /// Prefill block selection with the bit-exact CUDA-core kernel instead of tensor cores.
+    exact_select: std::cell::Cell<bool>,
 }
 
-/// Output rows per block of the `gemv` kernel (8 warps of 2 rows), and the largest inner
-/// size its shared-memory copy of the input row takes without raising the 48 KB limit.
+/// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
+/// it is used for.
 const GEMV_ROWS_PER_BLOCK: usize = 16;
-const GEMV_MAX_K: usize = 24 * 1024;
+const GEMV_MAX_K: usize = 1 << 20;
 
 /// Most key splits of one decode attention (the merge reads every split's partial state).
 const MAX_ATTENTION_SPLIT: usize = 32;
+
+/// Shapes the tensor-core block selection handles: at most 16 query heads per KV group,
+/// head_dim a multiple of 16 up to 128, whole level-1 windows per 64-window tile.
+fn fast_select_fits(shape: AttnShape, cfg: &SparseConfig) -> bool {
+    let w = cfg.windows_per_block();
+    shape.group() <= 16
+        && shape.head_dim.is_multiple_of(16)
+        && shape.head_dim <= 128
+        && w >= 1
+        && 64 % w == 0
+        && cfg.block_size == w * cfg.k1_stride()
+}
+
+/// Most bytes of block scores the tensor-core selection keeps at once (queries are taken in
+/// groups that fit).
+const SELECT_SCORES_BYTES: usize = 128 << 20;
 
 /// From this many (query, KV group) pairs on, block selection runs as one kernel.
 const SELECT_ONE_KERNEL_PAIRS: usize = 264;
@@ -149,6 +173,7 @@ impl CudaBackend {
         let stream = ctx.default_stream();
         let gemm = gemm::Gemm::new(stream.clone())?;
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let profiler = profile::Profiler::from_env(&ctx);
         Ok(Self {
             ctx,
             stream,
@@ -158,6 +183,10 @@ impl CudaBackend {
             device_name,
             target,
             waited: Default::default(),
+            profiler,
+            exact_select: std::cell::Cell::new(
+                std::env::var("SALA_EXACT_SELECT").is_ok_and(|v| v != "0"),
+            ),
         })
     }
 
@@ -165,6 +194,107 @@ impl CudaBackend {
     /// the host issuing faster than the device runs, this is the device's lead.
     pub fn host_wait(&self) -> std::time::Duration {
         self.waited.get()
+    }
+
+    /// Selects prefill blocks with the bit-exact CUDA-core kernel (as the CPU) instead of the
+    /// tensor-core one (same scores up to rounding; a near-tie may pick another block).
+    pub fn set_exact_selection(&self, exact: bool) {
+        self.exact_select.set(exact);
+    }
+
+    /// The block lists of the last sparse selection: `rows · kv_heads · k_sel` ids (tests).
+    pub fn last_selection(&self, n: usize) -> BResult<Vec<i32>> {
+        self.synchronize()?;
+        let s = self.scratch.borrow();
+        let buf = s
+            .blocks
+            .as_ref()
+            .ok_or_else(|| BackendError("no selection has run".into()))?;
+        let mut all = self
+            .stream
+            .clone_dtoh(buf)
+            .map_err(|e| be_err("download", e))?;
+        all.truncate(n);
+        Ok(all)
+    }
+
+    /// Tensor-core block selection for the `q.rows` queries at positions `first..` into the
+    /// block lists at `blocks`, in groups of queries whose block scores fit the scratch.
+    fn select_fast(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        q: &DevAct,
+        cache: &DevSparseCache,
+        first: usize,
+        blocks: u64,
+    ) -> BResult<()> {
+        const WARPS: usize = 8;
+        let t = q.rows;
+        let kvh = shape.kv_heads;
+        let k_sel = cfg.selected_blocks();
+        let stride = cache.len.div_ceil(cfg.block_size).max(1);
+        let per_query = kvh * stride * 4;
+        let group = (SELECT_SCORES_BYTES / per_query).max(WARPS) / WARPS * WARPS;
+        let bs = self.scratch_ptr(|s| &mut s.p, group.min(t) * kvh * stride)?;
+        let mut a = 0;
+        while a < t {
+            let n = group.min(t - a);
+            let pos = first + a;
+            self.launch(
+                K::SelectScoresMma,
+                (n.div_ceil(WARPS) as u32, kvh as u32, 1),
+                (32 * WARPS) as u32,
+                0,
+                &[
+                    Arg::P(self.ptr(&q.buf) + (a * q.cols * 2) as u64),
+                    Arg::P(self.ptr(&cache.k1)),
+                    Arg::P(self.ptr(&cache.k2)),
+                    Arg::I(cache.n1 as i32),
+                    Arg::I(cache.n2 as i32),
+                    Arg::I(n as i32),
+                    Arg::I(pos as i32),
+                    Arg::I(shape.heads as i32),
+                    Arg::I(kvh as i32),
+                    Arg::I(shape.head_dim as i32),
+                    Arg::F(shape.scale() as f32),
+                    Arg::I(cfg.block_size as i32),
+                    Arg::I(cfg.k1_stride() as i32),
+                    Arg::I(cfg.k2_window() as i32),
+                    Arg::I(cfg.k2_stride() as i32),
+                    Arg::I(cfg.init_blocks as i32),
+                    Arg::I(cfg.local_blocks() as i32),
+                    Arg::I(k_sel as i32),
+                    Arg::P(bs),
+                    Arg::I(stride as i32),
+                ],
+            )?;
+            self.launch(
+                K::SelectTopkScores,
+                ((n * kvh) as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::P(bs),
+                    Arg::I(stride as i32),
+                    Arg::I(pos as i32),
+                    Arg::I(kvh as i32),
+                    Arg::I(cfg.block_size as i32),
+                    Arg::I(cfg.k1_stride() as i32),
+                    Arg::I(cfg.init_blocks as i32),
+                    Arg::I(cfg.local_blocks() as i32),
+                    Arg::I(k_sel as i32),
+                    Arg::P(blocks + (a * kvh * k_sel * 4) as u64),
+                ],
+            )?;
+            a += n;
+        }
+        Ok(())
+    }
+
+    /// With `SALA_PROFILE=1`: device milliseconds and launches per kernel since the last call.
+    pub fn profile_report(&self) -> Option<Vec<(String, f64, usize)>> {
+        self.profiler.as_ref().map(|p| p.report())
     }
 
     pub fn device_name(&self) -> &str {
@@ -213,7 +343,11 @@ impl CudaBackend {
             block_dim: (block, 1, 1),
             shared_mem_bytes: smem,
         };
+        let t0 = self.profiler.as_ref().and_then(|p| p.start(&self.stream));
         unsafe { b.launch(cfg) }.map_err(|e| be_err(&format!("launching {:?}", k), e))?;
+        if let Some(p) = &self.profiler {
+            p.end(format!("{k:?}"), t0, &self.stream);
+        }
         Ok(())
     }
 
@@ -371,6 +505,42 @@ impl CudaBackend {
         Ok(slot.as_ref().map_or(0, |b| self.ptr(b)))
     }
 
+    /// Whether a product of `rows` rows with `w` runs as a GEMV (one row: decode).
+    fn gemv_fits(rows: usize, w: &DevMatrix) -> bool {
+        rows == 1 && w.cols.is_multiple_of(8) && w.cols <= GEMV_MAX_K
+    }
+
+    /// One row times `w`ᵀ, its `w.rows` outputs written in turn to the (pointer, count) parts
+    /// of `outs` (at most four; the counts add up to `w.rows`).
+    fn gemv(
+        &self,
+        x: &CudaSlice<u16>,
+        x_off: usize,
+        w: &DevMatrix,
+        outs: &[(u64, usize)],
+    ) -> BResult<()> {
+        let mut args = vec![
+            Arg::P(self.ptr(x) + (x_off * 2) as u64),
+            Arg::P(self.ptr(&w.buf)),
+            Arg::I(w.rows as i32),
+            Arg::I(w.cols as i32),
+        ];
+        for i in 0..4 {
+            let (p, n) = outs.get(i).copied().unwrap_or((0, 0));
+            args.push(Arg::P(p));
+            if i < 3 {
+                args.push(Arg::I(n as i32));
+            }
+        }
+        self.launch(
+            K::Gemv,
+            (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
+            128,
+            0,
+            &args,
+        )
+    }
+
     /// `y = x wᵀ` into the buffer at `y`: the GEMV kernel for one row (decode), cuBLASLt
     /// otherwise.
     fn product(
@@ -381,21 +551,10 @@ impl CudaBackend {
         y: u64,
         rows: usize,
     ) -> BResult<()> {
-        if rows == 1 && w.cols.is_multiple_of(8) && w.cols <= GEMV_MAX_K {
-            return self.launch(
-                K::Gemv,
-                (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
-                256,
-                (w.cols * 2) as u32,
-                &[
-                    Arg::P(self.ptr(x) + (x_off * 2) as u64),
-                    Arg::P(self.ptr(&w.buf)),
-                    Arg::P(y),
-                    Arg::I(w.rows as i32),
-                    Arg::I(w.cols as i32),
-                ],
-            );
+        if Self::gemv_fits(rows, w) {
+            return self.gemv(x, x_off, w, &[(y, w.rows)]);
         }
+        let t0 = self.profiler.as_ref().and_then(|p| p.start(&self.stream));
         self.gemm
             .borrow_mut()
             .run_ptrs(
@@ -406,7 +565,58 @@ impl CudaBackend {
                 w.rows,
                 w.cols,
             )
-            .map_err(BackendError)
+            .map_err(BackendError)?;
+        if let Some(p) = &self.profiler {
+            p.end(format!("gemm {}x{}", w.rows, w.cols), t0, &self.stream);
+        }
+        Ok(())
+    }
+
+    /// Per-head norm and RoPE of `x` and, in the same launch, of `x2` (with the second norm
+    /// weight).
+    fn norm_rope(
+        &self,
+        x: &mut DevAct,
+        x2: Option<&mut DevAct>,
+        head_dim: usize,
+        norm: Option<HeadNorms<'_>>,
+        rope: Option<(&CudaSlice<f32>, usize)>,
+    ) -> BResult<()> {
+        if head_dim > 256 || !head_dim.is_multiple_of(2) {
+            return Err(BackendError(format!(
+                "head_dim {head_dim}: the CUDA kernels take even sizes up to 256"
+            )));
+        }
+        let hpr = x.cols / head_dim;
+        let total = x.rows * hpr;
+        let (x2_ptr, total2, hpr2) = match &x2 {
+            Some(b) => (
+                self.ptr(&b.buf),
+                b.rows * (b.cols / head_dim),
+                b.cols / head_dim,
+            ),
+            None => (0, 0, 1),
+        };
+        self.launch(
+            K::HeadNormRope,
+            (grid1(total + total2, 4), 1, 1),
+            128,
+            0,
+            &[
+                Arg::P(self.ptr(&x.buf)),
+                Arg::I(total as i32),
+                Arg::I(head_dim as i32),
+                Arg::P(norm.map_or(0, |(w, _, _)| self.ptr(w))),
+                Arg::F(norm.map_or(0.0, |(_, _, e)| e)),
+                Arg::P(rope.map_or(0, |(f, _)| self.ptr(f))),
+                Arg::I(rope.map_or(0, |(_, p)| p) as i32),
+                Arg::I(hpr as i32),
+                Arg::P(x2_ptr),
+                Arg::I(total2 as i32),
+                Arg::P(norm.and_then(|(_, w2, _)| w2).map_or(0, |w| self.ptr(w))),
+                Arg::I(hpr2.max(1) as i32),
+            ],
+        )
     }
 
     fn elementwise(&self, k: K, a: &DevAct, b: &DevAct, extra: Option<f32>) -> BResult<()> {
@@ -556,6 +766,7 @@ impl Backend for CudaBackend {
                 Arg::F(eps),
                 Arg::P(self.ptr(&out.buf)),
                 Arg::I(x.cols as i32),
+                Arg::P(0),
             ],
         )
     }
@@ -599,6 +810,10 @@ impl Backend for CudaBackend {
             )));
         }
         let rows = x.rows;
+        if Self::gemv_fits(rows, w) {
+            let parts: Vec<_> = outs.iter().map(|o| (self.ptr(&o.buf), o.cols)).collect();
+            return self.gemv(&x.buf, 0, w, &parts);
+        }
         let y = self.scratch_ptr(|s| &mut s.stacked, rows * total)?;
         self.product(&x.buf, 0, w, y, rows)?;
         let mut args = vec![Arg::P(y), Arg::I(rows as i32), Arg::I(total as i32)];
@@ -620,6 +835,33 @@ impl Backend for CudaBackend {
             256,
             0,
             &args,
+        )
+    }
+
+    fn matmul_silu(
+        &self,
+        x: &DevAct,
+        w: &DevMatrix,
+        gu: &mut DevAct,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let inter = out.cols;
+        if !Self::gemv_fits(x.rows, w) || w.rows != 2 * inter || x.cols != w.cols {
+            self.matmul(x, w, gu)?;
+            return self.silu_mul_halves(gu, out);
+        }
+        self.launch(
+            K::GemvSilu,
+            (grid1(inter, GEMV_ROWS_PER_BLOCK / 2), 1, 1),
+            128,
+            0,
+            &[
+                Arg::P(self.ptr(&x.buf)),
+                Arg::P(self.ptr(&w.buf)),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::I(inter as i32),
+                Arg::I(w.cols as i32),
+            ],
         )
     }
 
@@ -688,27 +930,46 @@ impl Backend for CudaBackend {
         norm: Option<(&CudaSlice<u16>, f32)>,
         rope: Option<(&CudaSlice<f32>, usize)>,
     ) -> BResult<()> {
-        if head_dim > 256 || !head_dim.is_multiple_of(2) {
-            return Err(BackendError(format!(
-                "head_dim {head_dim}: the CUDA kernels take even sizes up to 256"
-            )));
-        }
-        let heads_per_row = x.cols / head_dim;
-        let total = x.rows * heads_per_row;
+        self.norm_rope(x, None, head_dim, norm.map(|(w, e)| (w, None, e)), rope)
+    }
+
+    fn head_norm_rope_qk(
+        &self,
+        q: &mut DevAct,
+        k: &mut DevAct,
+        head_dim: usize,
+        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
+        rope: Option<(&CudaSlice<f32>, usize)>,
+    ) -> BResult<()> {
+        self.norm_rope(
+            q,
+            Some(k),
+            head_dim,
+            norms.map(|(a, b, e)| (a, Some(b), e)),
+            rope,
+        )
+    }
+
+    fn rms_norm_gate(
+        &self,
+        x: &DevAct,
+        w: &CudaSlice<u16>,
+        eps: f32,
+        gate: Option<&DevAct>,
+        out: &mut DevAct,
+    ) -> BResult<()> {
         self.launch(
-            K::HeadNormRope,
-            (grid1(total, 4), 1, 1),
-            128,
+            K::RmsNorm,
+            (x.rows as u32, 1, 1),
+            512,
             0,
             &[
                 Arg::P(self.ptr(&x.buf)),
-                Arg::I(total as i32),
-                Arg::I(head_dim as i32),
-                Arg::P(norm.map_or(0, |(w, _)| self.ptr(w))),
-                Arg::F(norm.map_or(0.0, |(_, e)| e)),
-                Arg::P(rope.map_or(0, |(f, _)| self.ptr(f))),
-                Arg::I(rope.map_or(0, |(_, p)| p) as i32),
-                Arg::I(heads_per_row as i32),
+                Arg::P(self.ptr(w)),
+                Arg::F(eps),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::I(x.cols as i32),
+                Arg::P(gate.map_or(0, |g| self.ptr(&g.buf))),
             ],
         )
     }
@@ -821,9 +1082,17 @@ impl Backend for CudaBackend {
             SparseMode::Dense => 0,
             SparseMode::Sparse => {
                 let pairs = t * shape.kv_heads;
-                let p_stride = cache.n1.max(1);
-                let p = self.scratch_ptr(|s| &mut s.p, pairs * p_stride)?;
                 let blocks = self.scratch_ptr(|s| &mut s.blocks, pairs * k_sel)?;
+                let fast = pairs >= SELECT_ONE_KERNEL_PAIRS
+                    && !self.exact_select.get()
+                    && fast_select_fits(shape, cfg);
+                let p_stride = cache.n1.max(1);
+                // The exact kernels keep every query's P (the fast one only block scores).
+                let p = if fast {
+                    0
+                } else {
+                    self.scratch_ptr(|s| &mut s.p, pairs * p_stride)?
+                };
                 let (block, smem) = select_launch(shape);
                 let mut args = vec![
                     Arg::P(self.ptr(&q.buf)),
@@ -849,7 +1118,9 @@ impl Backend for CudaBackend {
                     Arg::I(p_stride as i32),
                     Arg::P(blocks),
                 ];
-                if pairs >= SELECT_ONE_KERNEL_PAIRS {
+                if fast {
+                    self.select_fast(shape, cfg, q, cache, first, blocks)?;
+                } else if pairs >= SELECT_ONE_KERNEL_PAIRS {
                     // Many queries (prefill): one block per (query, group) fills the GPU.
                     self.launch(K::SparseSelect, (pairs as u32, 1, 1), block, smem, &args)?;
                 } else {
@@ -901,8 +1172,7 @@ impl Backend for CudaBackend {
         };
         let n_split = (2 * 132usize)
             .div_ceil(blocks_launched)
-            .min(chunks)
-            .clamp(1, MAX_ATTENTION_SPLIT);
+            .clamp(1, chunks.clamp(1, MAX_ATTENTION_SPLIT));
         if n_split == 1 {
             return self.launch(K::Attention, grid, block, smem, &common(self.ptr(&out.buf)));
         }

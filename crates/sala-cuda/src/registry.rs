@@ -47,6 +47,9 @@ pub enum K {
     SelectTopk,
     LightningDecode,
     AddRmsNorm,
+    GemvSilu,
+    SelectScoresMma,
+    SelectTopkScores,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -73,6 +76,9 @@ pub const KERNELS: &[&str] = &[
     "select_topk",
     "lightning_decode",
     "add_rms_norm",
+    "gemv_silu",
+    "select_scores_mma",
+    "select_topk_scores",
 ];
 
 /// The whole program as one translation unit.

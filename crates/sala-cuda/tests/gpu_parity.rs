@@ -12,8 +12,11 @@ use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
 use sala_model::oracle::{self, AttnShape, SparseMode};
 use sala_model::{Backend, HostDType, HostTensor, Model, WeightSource};
 
+/// The backend with the bit-exact block selection, so whole outputs compare with the CPU's.
 fn gpu() -> CudaBackend {
-    CudaBackend::new(0).expect("these tests need a CUDA GPU")
+    let g = CudaBackend::new(0).expect("these tests need a CUDA GPU");
+    g.set_exact_selection(true);
+    g
 }
 
 fn cpu_act(data: &[f32], cols: usize) -> CpuAct {
@@ -175,6 +178,55 @@ fn embed_matmul_head_norm_rope_match_cpu() {
             &co.data,
             5e-3,
         );
+
+        // The same weight as stacked [gate; up] (the MLP's first half) and as three stacked
+        // projections split into their own outputs.
+        if out % 2 == 0 {
+            let half = out / 2;
+            let mut cgu = cpu_act(&vec![0.0; rows * out], out);
+            let mut cm = cpu_act(&vec![0.0; rows * half], half);
+            CpuBackend
+                .matmul_silu(&cpu_act(&x, inner), &cw, &mut cgu, &mut cm)
+                .unwrap();
+            let mut ggu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            let mut gm = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
+            g.matmul_silu(&g.act_from_host(&x, inner).unwrap(), &gw, &mut ggu, &mut gm)
+                .unwrap();
+            close(
+                &format!("matmul_silu {rows}x{inner} by {out}"),
+                &g.to_host(&gm).unwrap(),
+                &cm.data,
+                5e-3,
+            );
+        }
+        let widths = [out / 3, out / 3, out - 2 * (out / 3)];
+        let mut cparts: Vec<_> = widths
+            .iter()
+            .map(|&w| cpu_act(&vec![0.0; rows * w], w))
+            .collect();
+        let [c0, c1, c2] = &mut cparts[..] else {
+            unreachable!()
+        };
+        CpuBackend
+            .matmul_split(&cpu_act(&x, inner), &cw, &mut [c0, c1, c2])
+            .unwrap();
+        let mut gparts: Vec<_> = widths
+            .iter()
+            .map(|&w| g.act_from_host(&vec![0.0; rows * w], w).unwrap())
+            .collect();
+        let [g0, g1, g2] = &mut gparts[..] else {
+            unreachable!()
+        };
+        g.matmul_split(&g.act_from_host(&x, inner).unwrap(), &gw, &mut [g0, g1, g2])
+            .unwrap();
+        for (i, (gp, cp)) in gparts.iter().zip(&cparts).enumerate() {
+            close(
+                &format!("matmul_split {rows}x{inner} by {out}, part {i}"),
+                &g.to_host(gp).unwrap(),
+                &cp.data,
+                5e-3,
+            );
+        }
 
         // embed from the same table
         let ids: Vec<u32> = (0..rows).map(|_| rng.below(out) as u32).collect();
@@ -370,6 +422,130 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 at += c;
             }
         }
+    }
+}
+
+/// The tensor-core block selection (prefill) against the oracle's block scores: every list
+/// holds the forced blocks, and no block left out scores above a chosen one by more than the
+/// rounding of the two computations (so a differing pick is a near-tie, never a wrong block).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn fast_block_selection_matches_oracle_scores() {
+    let g = CudaBackend::new(0).expect("these tests need a CUDA GPU");
+    let released = SparseConfig::default();
+    let cases = [
+        (
+            AttnShape {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 32,
+            },
+            small_sparse(),
+            vec![150, 300],
+        ),
+        (
+            AttnShape {
+                heads: 32,
+                kv_heads: 2,
+                head_dim: 128,
+            },
+            released.clone(),
+            vec![5000, 4100],
+        ),
+    ];
+    for (seed, (shape, cfg, chunks)) in cases.into_iter().enumerate() {
+        let n: usize = chunks.iter().sum();
+        let mut rng = TestRng::new(40 + seed as u64);
+        let q = rng.bf16_vec(n * shape.q_width(), -1.5, 1.5);
+        let k = rng.bf16_vec(n * shape.kv_width(), -1.5, 1.5);
+        let v = rng.bf16_vec(n * shape.kv_width(), -1.0, 1.0);
+        let mut cc = SparseCache::new(shape, &cfg);
+        let mut gc = g.new_sparse_cache(shape, &cfg).unwrap();
+        let k_sel = cfg.selected_blocks();
+        let kvh = shape.kv_heads;
+        let mut at = 0;
+        let (mut checked, mut differing) = (0, 0);
+        for &c in &chunks {
+            let (qa, qb) = (at * shape.q_width(), (at + c) * shape.q_width());
+            let (ka, kb) = (at * shape.kv_width(), (at + c) * shape.kv_width());
+            cc.append(&k[ka..kb], &v[ka..kb]);
+            let mut out = g
+                .act_from_host(&vec![0.0; c * shape.q_width()], shape.q_width())
+                .unwrap();
+            g.sparse_attention(
+                shape,
+                &cfg,
+                SparseMode::Sparse,
+                &g.act_from_host(&q[qa..qb], shape.q_width()).unwrap(),
+                &g.act_from_host(&k[ka..kb], shape.kv_width()).unwrap(),
+                &g.act_from_host(&v[ka..kb], shape.kv_width()).unwrap(),
+                &mut gc,
+                &mut out,
+            )
+            .unwrap();
+            let sel = g.last_selection(c * kvh * k_sel).unwrap();
+            // Every 7th query and the chunk's last.
+            for i in (0..c).step_by(7).chain([c - 1]) {
+                let t = at + i;
+                let qb = t / cfg.block_size;
+                let q_row = &q[(at + i) * shape.q_width()..][..shape.q_width()];
+                let p = if qb >= k_sel {
+                    oracle::stage1_scores(shape, &cfg, q_row, t, &cc.k1, &cc.k2)
+                } else {
+                    vec![Vec::new(); kvh]
+                };
+                for (gi, pg) in p.iter().enumerate() {
+                    let ctx = format!("{shape:?} query {t} group {gi}");
+                    let list = &sel[(i * kvh + gi) * k_sel..][..k_sel];
+                    let got: Vec<usize> = list
+                        .iter()
+                        .filter(|&&b| b >= 0)
+                        .map(|&b| b as usize)
+                        .collect();
+                    assert!(
+                        list[got.len()..].iter().all(|&b| b == -1),
+                        "{ctx}: -1 padding {list:?}"
+                    );
+                    assert!(
+                        got.windows(2).all(|w| w[0] < w[1]),
+                        "{ctx}: not ascending {got:?}"
+                    );
+                    assert!(
+                        got.iter().all(|&b| b <= qb),
+                        "{ctx}: a future block {got:?}"
+                    );
+                    assert_eq!(got.len(), k_sel.min(qb + 1), "{ctx}: list length");
+                    if qb < k_sel {
+                        continue;
+                    }
+                    let scores = oracle::block_scores(&cfg, pg, qb);
+                    let want = oracle::select_blocks(&scores, k_sel);
+                    checked += 1;
+                    differing += (got != want) as usize;
+                    let chosen = |b: usize| got.binary_search(&b).is_ok();
+                    let min_in = got.iter().map(|&b| scores[b]).fold(f32::INFINITY, f32::min);
+                    let max_out = (0..=qb)
+                        .filter(|&b| !chosen(b))
+                        .map(|b| scores[b])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    assert!(max_out < f32::INFINITY, "{ctx}: a forced block left out");
+                    let tol = 0.03 * min_in.abs() + 1e-6;
+                    assert!(
+                        max_out <= min_in + tol,
+                        "{ctx}: left out a block scoring {max_out}, chose one scoring {min_in}"
+                    );
+                }
+            }
+            at += c;
+        }
+        eprintln!(
+            "{shape:?}: {checked} lists checked, {differing} differ from the oracle's (near-ties)"
+        );
+        assert!(checked > 0, "{shape:?}: no sparse query was checked");
+        assert!(
+            differing * 4 <= checked,
+            "{shape:?}: {differing} of {checked} lists differ from the oracle's"
+        );
     }
 }
 

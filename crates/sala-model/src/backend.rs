@@ -126,6 +126,18 @@ pub trait Backend {
     fn silu_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> BResult<()>;
     /// The same for `gu = [gate | up]` (`[rows, 2·I]`), into `out` (`[rows, I]`).
     fn silu_mul_halves(&self, gu: &Self::Act, out: &mut Self::Act) -> BResult<()>;
+    /// The MLP's first half: `gu = x Wᵀ` for the stacked `W = [gate; up]`, then
+    /// `out = silu_mul_halves(gu)`; `gu` is scratch (one pass where the backend fuses them).
+    fn matmul_silu(
+        &self,
+        x: &Self::Act,
+        w: &Self::Matrix,
+        gu: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        self.matmul(x, w, gu)?;
+        self.silu_mul_halves(gu, out)
+    }
     /// `h = round(h + round(branch · scale))`.
     fn add_scaled(&self, h: &mut Self::Act, branch: &Self::Act, scale: f32) -> BResult<()>;
     /// `h = round(h + round(branch · scale))`, then `out = rms_norm(h, w)`: the residual add

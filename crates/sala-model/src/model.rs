@@ -510,8 +510,7 @@ impl<B: Backend> Model<B> {
                 }
             }
             be.add_scaled_norm(&mut ws.h, &ws.branch, res, &layer.post_norm, eps, &mut ws.a)?;
-            be.matmul(&ws.a, &layer.gate_up, &mut ws.gate_up)?;
-            be.silu_mul_halves(&ws.gate_up, &mut ws.act)?;
+            be.matmul_silu(&ws.a, &layer.gate_up, &mut ws.gate_up, &mut ws.act)?;
             be.matmul(&ws.act, &layer.down_proj, &mut ws.branch)?;
             let next_norm = self
                 .layers

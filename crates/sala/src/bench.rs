@@ -168,6 +168,7 @@ fn bench_on<B: Backend + DeviceStats>(
         model.prefill(be, &mut ws, &mut seq, &tokens[..warm], &mut |_| {})?;
         model.decode(be, &mut ws, &mut seq, tokens[warm])?;
     }
+    be.profile();
     eprintln!(
         "weights made and warmed up in {:.1} s",
         load_start.elapsed().as_secs_f64()
@@ -187,6 +188,7 @@ fn bench_on<B: Backend + DeviceStats>(
         let mut next = argmax(&logits);
         let ttft = start.elapsed().as_secs_f64();
         peak = peak.max(be.memory_in_use());
+        print_profile(be, &format!("prefill of {len}"));
         let waited_before = be.host_wait();
         let start = Instant::now();
         for _ in 0..args.decode_tokens {
@@ -203,6 +205,7 @@ fn bench_on<B: Backend + DeviceStats>(
             );
         }
         peak = peak.max(be.memory_in_use());
+        print_profile(be, &format!("{} decode steps at {len}", args.decode_tokens));
         rows.push(Row {
             context: len,
             ttft_s: ttft,
@@ -249,6 +252,19 @@ fn bench_on<B: Backend + DeviceStats>(
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Prints the per-kernel device time since the last call (with `SALA_PROFILE=1`).
+fn print_profile<B: DeviceStats>(be: &B, what: &str) {
+    let Some(rows) = be.profile() else { return };
+    let total: f64 = rows.iter().map(|r| r.1).sum();
+    eprintln!("profile, {what}: {total:.1} ms of kernel time");
+    for (name, ms, n) in rows.iter().take(24) {
+        eprintln!(
+            "{ms:>10.2} ms {:>5.1}% {n:>7}x  {name}",
+            100.0 * ms / total.max(1e-9)
+        );
+    }
 }
 
 #[cfg(test)]

@@ -58,6 +58,10 @@ pub trait DeviceStats {
     fn total_memory(&self) -> Option<usize>;
     /// Time the host spent waiting for the device so far.
     fn host_wait(&self) -> Option<std::time::Duration>;
+    /// Per-kernel (name, device ms, launches) since the last call, when profiling is on.
+    fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
+        None
+    }
 }
 
 impl DeviceStats for CpuBackend {
@@ -81,5 +85,8 @@ impl DeviceStats for CudaBackend {
     }
     fn host_wait(&self) -> Option<std::time::Duration> {
         Some(CudaBackend::host_wait(self))
+    }
+    fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
+        self.profile_report()
     }
 }
