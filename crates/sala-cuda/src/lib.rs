@@ -466,11 +466,22 @@ impl CudaBackend {
     }
 
     /// Grows the cache to hold at least `needed` tokens, keeping its contents.
-    fn reserve(&self, c: &mut DevSparseCache, needed: usize, cfg: &SparseConfig) -> BResult<()> {
+    /// Grows `c` to hold `needed` tokens: to exactly that with `exact`, else at least doubling.
+    fn reserve(
+        &self,
+        c: &mut DevSparseCache,
+        needed: usize,
+        cfg: &SparseConfig,
+        exact: bool,
+    ) -> BResult<()> {
         if needed <= c.cap {
             return Ok(());
         }
-        let cap = needed.max(2 * c.cap).max(256);
+        let cap = if exact {
+            needed
+        } else {
+            needed.max(2 * c.cap).max(256)
+        };
         let kw = c.kv_width;
         let grow =
             |old: &CudaSlice<u16>, old_rows: usize, rows: usize| -> BResult<CudaSlice<u16>> {
@@ -708,6 +719,15 @@ impl Backend for CudaBackend {
         self.stream
             .alloc_zeros::<f32>(heads * head_dim * head_dim)
             .map_err(|e| be_err("lightning state", e))
+    }
+
+    fn reserve_sparse_cache(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+    ) -> BResult<()> {
+        self.reserve(cache, tokens, cfg, true)
     }
 
     fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<DevSparseCache> {
@@ -1040,7 +1060,7 @@ impl Backend for CudaBackend {
         let t = q.rows;
         let kw = cache.kv_width;
         let first = cache.len;
-        self.reserve(cache, first + t, cfg)?;
+        self.reserve(cache, first + t, cfg, false)?;
         self.copy(&cache.k, first * kw, &k.buf, 0, t * kw)?;
         self.copy(&cache.v, first * kw, &v.buf, 0, t * kw)?;
         cache.len += t;

@@ -92,6 +92,16 @@ pub trait Backend {
 
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Self::LightningState>;
     fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<Self::SparseCache>;
+    /// Makes room in `cache` for `tokens` tokens in all (K, V and the compressed tiers), so that
+    /// a sequence of known length allocates once, up front. Growing past it still works.
+    fn reserve_sparse_cache(
+        &self,
+        _cache: &mut Self::SparseCache,
+        _cfg: &SparseConfig,
+        _tokens: usize,
+    ) -> BResult<()> {
+        Ok(())
+    }
 
     /// `out[i] = round(table[ids[i]] * scale)`.
     fn embed(

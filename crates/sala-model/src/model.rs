@@ -350,6 +350,17 @@ impl<B: Backend> Model<B> {
         Ok(SeqState { pos: 0, layers })
     }
 
+    /// Allocates `seq`'s caches for `total_tokens` tokens now (prompt plus generated), so the
+    /// memory a request needs is taken before any work and never grows by copying.
+    pub fn reserve(&self, be: &B, seq: &mut SeqState<B>, total_tokens: usize) -> BResult<()> {
+        for state in &mut seq.layers {
+            if let LayerState::Sparse(cache) = state {
+                be.reserve_sparse_cache(cache, &self.config.sparse, total_tokens)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Scratch buffers for chunks of up to `max_rows` tokens.
     pub fn workspace(&self, be: &B, max_rows: usize) -> BResult<Workspace<B>> {
         let c = &self.config;
