@@ -5,7 +5,9 @@ use crate::sampling::{
     token_logprobs, SampledToken, Sampler, SamplingError, SamplingParams, TokenLogprobs,
 };
 use crate::stop::{StopError, StopMatcher};
+use sala_checkpoint::ModelConfig;
 use sala_checkpoint::{Checkpoint, CheckpointError, DType};
+use sala_model::memory::{MemoryLimit, MemoryPlan, OverBudget, Target};
 use sala_model::{Backend, BackendError, HostDType, HostTensor, Model, WeightSource, Workspace};
 use sala_tokenizer::{Detokenizer, Tokenizer, TokenizerError};
 use std::path::{Path, PathBuf};
@@ -36,6 +38,9 @@ pub enum EngineError {
          tokens (raise --max-context, or shorten the prompt)"
     )]
     PromptTooLong { prompt: usize, budget: usize },
+    /// The request's memory plan exceeds the memory limit.
+    #[error(transparent)]
+    OverBudget(#[from] OverBudget),
 }
 
 /// Serves a [`Checkpoint`]'s tensors to [`Model::load`].
@@ -63,6 +68,8 @@ pub struct Engine<B: Backend> {
     pub tokenizer: Tokenizer,
     pub dir: PathBuf,
     workspace: Workspace<B>,
+    /// The limit every request's memory plan is checked against, and the plan's target.
+    memory_limit: Option<(MemoryLimit, Target)>,
 }
 
 /// Everything about one generation except the prompt.
@@ -137,6 +144,30 @@ impl Generation {
     }
 }
 
+/// EOS ids of the config and the tokenizer, deduplicated.
+pub fn eos_ids(config: &ModelConfig, tokenizer: &Tokenizer) -> Vec<u32> {
+    let mut ids = config.eos_token_ids.clone();
+    ids.extend(tokenizer.eos_ids());
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// How many tokens a request's sequence may reach: the prompt plus `max_tokens`, capped by
+/// the context budget; an error when the prompt is empty or leaves no room.
+pub fn request_tokens(prompt: usize, opts: &GenerateOptions) -> Result<usize, EngineError> {
+    if prompt == 0 {
+        return Err(EngineError::EmptyPrompt);
+    }
+    if prompt >= opts.max_context {
+        return Err(EngineError::PromptTooLong {
+            prompt,
+            budget: opts.max_context,
+        });
+    }
+    Ok(prompt + opts.max_tokens.min(opts.max_context - prompt))
+}
+
 impl<B: Backend> Engine<B> {
     /// Opens and checks the checkpoint in `dir`, loads its tokenizer, and uploads the weights;
     /// `progress(done, total)` counts tensors. `chunk` is the prefill chunk length.
@@ -148,6 +179,30 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Self, EngineError> {
         let checkpoint = Checkpoint::open(dir)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
+        Self::load_with(backend, dir, checkpoint, tokenizer, chunk, progress)
+    }
+
+    /// [`Engine::load`] with the tokenizer already loaded (e.g. to size a request before
+    /// uploading any weight).
+    pub fn load_with_tokenizer(
+        backend: B,
+        dir: &Path,
+        tokenizer: Tokenizer,
+        chunk: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self, EngineError> {
+        let checkpoint = Checkpoint::open(dir)?;
+        Self::load_with(backend, dir, checkpoint, tokenizer, chunk, progress)
+    }
+
+    fn load_with(
+        backend: B,
+        dir: &Path,
+        checkpoint: Checkpoint,
+        tokenizer: Tokenizer,
+        chunk: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self, EngineError> {
         let config = checkpoint.config().clone();
         if tokenizer.vocab_size() > config.vocab_size {
             return Err(EngineError::VocabMismatch {
@@ -164,7 +219,37 @@ impl<B: Backend> Engine<B> {
             tokenizer,
             dir: dir.to_path_buf(),
             workspace,
+            memory_limit: None,
         })
+    }
+
+    /// Rows of the prefill workspace.
+    pub fn prefill_chunk(&self) -> usize {
+        self.workspace.max_rows
+    }
+
+    /// From now on, every request's [`MemoryPlan`] for `target` must fit `limit` (`None`
+    /// lifts it).
+    pub fn set_memory_limit(&mut self, limit: Option<MemoryLimit>, target: Target) {
+        self.memory_limit = limit.map(|l| (l, target));
+    }
+
+    /// The plan of a sequence of `total_tokens` tokens on this engine's workspace.
+    pub fn memory_plan(&self, total_tokens: usize, target: Target) -> MemoryPlan {
+        MemoryPlan::new(
+            &self.model.config,
+            total_tokens,
+            self.workspace.max_rows,
+            target,
+        )
+    }
+
+    /// Whether a sequence of `total_tokens` tokens fits the memory limit (always, without one).
+    pub fn check_memory(&self, total_tokens: usize) -> Result<(), EngineError> {
+        match &self.memory_limit {
+            Some((limit, target)) => Ok(self.memory_plan(total_tokens, *target).check(limit)?),
+            None => Ok(()),
+        }
     }
 
     pub fn backend_name(&self) -> String {
@@ -173,11 +258,7 @@ impl<B: Backend> Engine<B> {
 
     /// EOS ids of the config and the tokenizer, deduplicated.
     pub fn eos_ids(&self) -> Vec<u32> {
-        let mut ids = self.model.config.eos_token_ids.clone();
-        ids.extend(self.tokenizer.eos_ids());
-        ids.sort_unstable();
-        ids.dedup();
-        ids
+        eos_ids(&self.model.config, &self.tokenizer)
     }
 
     /// Generates from `prompt` (token ids), calling `on_text` with each piece of text as it
@@ -233,25 +314,19 @@ impl<B: Backend> Engine<B> {
         on_step: &mut dyn FnMut(Step<'_>) -> bool,
         on_prefill: &mut dyn FnMut(usize),
     ) -> Result<Generation, EngineError> {
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if prompt.len() >= opts.max_context {
-            return Err(EngineError::PromptTooLong {
-                prompt: prompt.len(),
-                budget: opts.max_context,
-            });
-        }
+        let total = request_tokens(prompt.len(), opts)?;
+        self.check_memory(total)?;
         let vocab = self.model.config.vocab_size;
         let mut sampler = Sampler::new(opts.sampling.clone(), vocab)?;
         sampler.add_prompt(prompt)?;
         let mut stop = StopMatcher::new(opts.stop.clone())?;
         let mut detok = Detokenizer::new(&self.tokenizer, true);
-        let budget = opts.max_tokens.min(opts.max_context - prompt.len());
+        let budget = total - prompt.len();
 
         let (be, model, ws) = (&self.backend, &self.model, &mut self.workspace);
         let start = Instant::now();
         let mut seq = model.new_sequence(be)?;
+        model.reserve(be, &mut seq, total)?;
         let mut logits = model.prefill(be, ws, &mut seq, prompt, on_prefill)?;
         let prefill_time = start.elapsed();
 

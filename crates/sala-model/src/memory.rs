@@ -1,13 +1,31 @@
 //! What a model needs in memory: weights, and per sequence the sparse layers' K/V with their
-//! compressed tiers plus the lightning layers' fixed-size states (SPEC §4.4, §5.7).
+//! compressed tiers plus the lightning layers' fixed-size states (SPEC §4.4, §5.7); and a
+//! [`MemoryPlan`] adding the chunk workspace and the backend's own allowances, which a request
+//! is checked against before any work.
 
 use sala_checkpoint::{MixerKind, ModelConfig};
 
 /// Bytes of one bf16 value.
 const BF16: usize = 2;
+/// Bytes of one f32 value.
+const F32: usize = 4;
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The CUDA backend's own scratch, allowed for on top of the model's buffers: the stacked
+/// product of `matmul_split` (chunk rows × the widest stacked projection: 256 MiB at 8192
+/// rows of the released shape), block-selection scratch (block scores capped at 128 MiB,
+/// selected block lists, LSE, split-attention partials) and the 32 MiB cuBLASLt workspace.
+/// For larger chunks the plan grows it by the stacked product's excess (see [`MemoryPlan`]).
+pub const CUDA_SCRATCH_BYTES: usize = 512 << 20;
+/// Fixed device memory of a CUDA context: the context itself, the loaded kernel modules and
+/// the cuBLAS/cuBLASLt handles (it is counted in the device's used memory, not by us).
+pub const CUDA_CONTEXT_BYTES: usize = 600 << 20;
+/// The part of [`CUDA_SCRATCH_BYTES`] that is not the stacked product (selection scratch,
+/// cuBLASLt workspace and the rest).
+const CUDA_OTHER_SCRATCH: usize = 256 << 20;
 
 /// Bytes of one sequence's cache at `context` tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct CacheBytes {
     /// Full K and V of every sparse layer.
     pub kv: usize,
@@ -23,7 +41,13 @@ impl CacheBytes {
     }
 }
 
+/// Cache bytes with K, V and compressed keys in bf16 (as on the GPU).
 pub fn cache_bytes(c: &ModelConfig, context: usize) -> CacheBytes {
+    cache_bytes_with(c, context, BF16)
+}
+
+/// Cache bytes with K, V and compressed keys stored in `value_bytes` each.
+fn cache_bytes_with(c: &ModelConfig, context: usize, value_bytes: usize) -> CacheBytes {
     let sparse = c.layer_count(MixerKind::Sparse);
     let lightning = c.layer_count(MixerKind::Lightning);
     let s = &c.sparse;
@@ -37,15 +61,214 @@ pub fn cache_bytes(c: &ModelConfig, context: usize) -> CacheBytes {
     let n1 = windows(s.k1_window(), s.k1_stride());
     let n2 = windows(s.k2_window(), s.k2_stride());
     CacheBytes {
-        kv: sparse * 2 * context * c.kv_dim() * BF16,
-        compressed: sparse * (n1 + n2) * c.kv_dim() * BF16,
-        lightning_state: lightning * c.num_attention_heads * c.head_dim * c.head_dim * 4,
+        kv: sparse * 2 * context * c.kv_dim() * value_bytes,
+        compressed: sparse * (n1 + n2) * c.kv_dim() * value_bytes,
+        lightning_state: lightning * c.num_attention_heads * c.head_dim * c.head_dim * F32,
     }
 }
 
 /// Bytes of the weights in bf16.
 pub fn weight_bytes(c: &ModelConfig) -> usize {
     sala_checkpoint::expected_parameter_count(c) as usize * BF16
+}
+
+/// How many scratch buffers a [`crate::Workspace`] holds.
+pub const WORKSPACE_BUFFERS: usize = 12;
+
+/// The buffers of [`crate::Model::workspace`], in its order, as (name, columns); each holds
+/// one row per token of a chunk. `Model::workspace` allocates exactly these, so the plan and
+/// the model cannot disagree.
+pub fn workspace_columns(c: &ModelConfig) -> [(&'static str, usize); WORKSPACE_BUFFERS] {
+    let hd = c.num_attention_heads * c.head_dim;
+    [
+        ("h", c.hidden_size),
+        ("a", c.hidden_size),
+        ("branch", c.hidden_size),
+        ("q", hd),
+        ("o", hd),
+        ("z", hd),
+        ("ks", c.kv_dim()),
+        ("vs", c.kv_dim()),
+        ("kl", c.lightning_kv_dim()),
+        ("vl", c.lightning_kv_dim()),
+        ("gate_up", 2 * c.intermediate_size),
+        ("act", c.intermediate_size),
+    ]
+}
+
+/// Which backend a plan is for: how wide its stored values are and what it holds itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// bf16 weights, activations and K/V; [`CUDA_SCRATCH_BYTES`] and [`CUDA_CONTEXT_BYTES`].
+    Cuda,
+    /// The CPU backend widens weights, activations and K/V to f32; its temporaries (a few
+    /// rows per thread) are not counted.
+    Cpu,
+}
+
+impl Target {
+    fn value_bytes(self) -> usize {
+        match self {
+            Self::Cuda => BF16,
+            Self::Cpu => F32,
+        }
+    }
+}
+
+/// Memory one sequence of `context` tokens needs on a backend, prefilled in chunks of
+/// `chunk` rows: the model's weights, the sequence's caches, the chunk workspace, and the
+/// backend's scratch and runtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryPlan {
+    /// Tokens the sequence holds at most (prompt and generated).
+    pub context: usize,
+    /// Rows of the chunk workspace.
+    pub chunk: usize,
+    pub weights: usize,
+    pub cache: CacheBytes,
+    pub workspace: usize,
+    /// The backend's own scratch (CUDA: [`CUDA_SCRATCH_BYTES`], more for chunks whose
+    /// stacked product outgrows it).
+    pub scratch: usize,
+    /// Fixed runtime cost (CUDA: [`CUDA_CONTEXT_BYTES`]).
+    pub runtime: usize,
+}
+
+impl MemoryPlan {
+    pub fn new(c: &ModelConfig, context: usize, chunk: usize, target: Target) -> Self {
+        let vb = target.value_bytes();
+        let row: usize = workspace_columns(c).iter().map(|(_, cols)| cols).sum();
+        let (scratch, runtime) = match target {
+            Target::Cuda => {
+                let stacked = chunk * widest_stacked_projection(c) * BF16;
+                (
+                    CUDA_SCRATCH_BYTES.max(stacked + CUDA_OTHER_SCRATCH),
+                    CUDA_CONTEXT_BYTES,
+                )
+            }
+            Target::Cpu => (0, 0),
+        };
+        Self {
+            context,
+            chunk,
+            weights: sala_checkpoint::expected_parameter_count(c) as usize * vb,
+            cache: cache_bytes_with(c, context, vb),
+            workspace: chunk * row * vb,
+            scratch,
+            runtime,
+        }
+    }
+
+    pub fn total(&self) -> usize {
+        self.weights + self.cache.total() + self.workspace + self.scratch + self.runtime
+    }
+
+    /// Checks the plan against `limit`: an error naming both sizes and the main terms.
+    pub fn check(&self, limit: &MemoryLimit) -> Result<(), OverBudget> {
+        if self.total() <= limit.bytes {
+            Ok(())
+        } else {
+            Err(OverBudget {
+                plan: *self,
+                limit: limit.clone(),
+            })
+        }
+    }
+
+    /// The terms in GiB, for messages: "weights 17.65 GiB, K/V 8.00 GiB, ...".
+    pub fn describe(&self) -> String {
+        let g = |b: usize| format!("{:.2} GiB", b as f64 / GIB);
+        let mut s = format!(
+            "weights {}, K/V cache {}, compressed keys {}, lightning states {}, workspace {} \
+             ({} rows)",
+            g(self.weights),
+            g(self.cache.kv),
+            g(self.cache.compressed),
+            g(self.cache.lightning_state),
+            g(self.workspace),
+            self.chunk
+        );
+        if self.scratch + self.runtime > 0 {
+            s += &format!(
+                ", backend scratch {}, runtime {}",
+                g(self.scratch),
+                g(self.runtime)
+            );
+        }
+        s
+    }
+}
+
+/// Columns of the widest stacked projection `matmul_split` computes into scratch.
+fn widest_stacked_projection(c: &ModelConfig) -> usize {
+    let hd = c.num_attention_heads * c.head_dim;
+    let lightning = hd + 2 * c.lightning_kv_dim() + hd * c.use_output_gate as usize;
+    let sparse = hd + 2 * c.kv_dim() + hd * c.attn_use_output_gate as usize;
+    let has = |k| c.layer_count(k) > 0;
+    (has(MixerKind::Lightning) as usize * lightning).max(has(MixerKind::Sparse) as usize * sparse)
+}
+
+/// A cap on the memory one plan may use, and what set it (for messages).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryLimit {
+    pub bytes: usize,
+    /// E.g. "--max-memory 30G" or "the device's total memory".
+    pub source: String,
+}
+
+impl MemoryLimit {
+    /// The tighter of two optional limits.
+    pub fn tighter(a: Option<Self>, b: Option<Self>) -> Option<Self> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(if b.bytes < a.bytes { b } else { a }),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// A plan that does not fit its limit.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "{} tokens need {:.2} GiB of memory but {:.2} GiB are allowed ({}): {}",
+    plan.context,
+    plan.total() as f64 / GIB,
+    limit.bytes as f64 / GIB,
+    limit.source,
+    plan.describe()
+)]
+pub struct OverBudget {
+    pub plan: MemoryPlan,
+    pub limit: MemoryLimit,
+}
+
+/// Parses a size such as `30G`, `30GiB`, `28000M`, `1.5T` or `4096` (bytes). Units are powers
+/// of 1024 whatever their spelling (K, KB, KiB; M; G; T), case-insensitive.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t
+        .find(|ch: char| !(ch.is_ascii_digit() || ch == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => {
+            return Err(format!(
+                "{s:?}: unknown unit {unit:?}; expected a size such as 30G, 30GiB or 28000M"
+            ))
+        }
+    };
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a size such as 30G, 30GiB or 28000M"))?;
+    let bytes = value * (1u64 << shift) as f64;
+    if bytes.is_nan() || bytes < 1.0 || bytes >= usize::MAX as f64 {
+        return Err(format!("{s:?}: must be at least 1 byte and a sane size"));
+    }
+    Ok(bytes as usize)
 }
 
 #[cfg(test)]
@@ -60,6 +283,8 @@ mod tests {
         ModelConfig::from_file(std::path::Path::new(path)).unwrap()
     }
 
+    const MIB: usize = 1 << 20;
+
     #[test]
     fn released_shape_matches_spec_figures() {
         let c = released();
@@ -69,5 +294,101 @@ mod tests {
         assert_eq!(m.lightning_state, 48 << 20); // SPEC §4.4
         let ratio = m.compressed as f64 / (m.kv as f64 / 2.0);
         assert!((ratio - (1.0 / 16.0 + 1.0 / 64.0)).abs() < 1e-3, "{ratio}");
+    }
+
+    #[test]
+    fn plan_at_1m_tokens_matches_perf_md() {
+        let c = released();
+        let p = MemoryPlan::new(&c, 1 << 20, 8192, Target::Cuda);
+        let gib = |b: usize| b as f64 / GIB;
+        // PERF.md: weights 17.65 GiB, K/V 8 GiB, lightning state 48 MiB.
+        assert!((gib(p.weights) - 17.65).abs() < 0.005, "{}", gib(p.weights));
+        assert_eq!(p.cache.kv, 8 << 30);
+        assert_eq!(p.cache.lightning_state, 48 * MIB);
+        // PERF.md's memory line says "~0.6 GiB" of compressed keys; its decode line, "~335
+        // MB": both tiers of keys, one bf16 K row per window, are the latter.
+        assert!(gib(p.cache.compressed) < 0.6, "{}", gib(p.cache.compressed));
+        assert!(
+            (p.cache.compressed as f64 / 1e6 - 335.0).abs() < 2.0,
+            "{}",
+            p.cache.compressed
+        );
+        // 12 buffers of 8192 bf16 rows: 3 x 4096 + 3 x 4096 + 2 x 256 + 2 x 4096 + 32768 + 16384.
+        assert_eq!(p.workspace, 8192 * 82_432 * 2);
+        assert_eq!((p.scratch, p.runtime), (512 * MIB, 600 * MIB));
+        let terms = p.weights
+            + p.cache.kv
+            + p.cache.compressed
+            + p.cache.lightning_state
+            + p.workspace
+            + p.scratch
+            + p.runtime;
+        assert_eq!(p.total(), terms);
+        // PERF.md's goal: a 1M-token context in under 30 GiB.
+        assert!(gib(p.total()) < 30.0, "{}", gib(p.total()));
+        assert!(gib(p.total()) > 28.0, "{}", gib(p.total()));
+    }
+
+    #[test]
+    fn plan_grows_with_context_and_chunk() {
+        let c = released();
+        let p = |ctx, chunk| MemoryPlan::new(&c, ctx, chunk, Target::Cuda);
+        assert!(p(4096, 8192).total() < p(8192, 8192).total());
+        assert_eq!(p(4096, 1024).workspace * 8, p(4096, 8192).workspace);
+        // A 16K-row chunk's stacked product (4 x 4096 columns, bf16) outgrows the constant.
+        assert_eq!(p(4096, 16384).scratch, 16384 * 16384 * 2 + 256 * MIB);
+        // The CPU holds f32 values and no CUDA allowances.
+        let cpu = MemoryPlan::new(&c, 4096, 8192, Target::Cpu);
+        let gpu = p(4096, 8192);
+        assert_eq!(cpu.weights, 2 * gpu.weights);
+        assert_eq!(cpu.cache.kv, 2 * gpu.cache.kv);
+        assert_eq!(cpu.cache.lightning_state, gpu.cache.lightning_state);
+        assert_eq!(cpu.workspace, 2 * gpu.workspace);
+        assert_eq!((cpu.scratch, cpu.runtime), (0, 0));
+    }
+
+    #[test]
+    fn check_names_needed_and_allowed() {
+        let c = released();
+        let p = MemoryPlan::new(&c, 1 << 20, 8192, Target::Cuda);
+        let limit = |gib: usize| MemoryLimit {
+            bytes: gib << 30,
+            source: "--max-memory test".into(),
+        };
+        assert!(p.check(&limit(30)).is_ok());
+        let e = p.check(&limit(20)).unwrap_err().to_string();
+        let need = format!("{:.2} GiB", p.total() as f64 / GIB);
+        for needle in [
+            need.as_str(),
+            "20.00 GiB",
+            "--max-memory test",
+            "1048576 tokens",
+            "weights 17.65 GiB",
+            "K/V cache 8.00 GiB",
+            "workspace",
+        ] {
+            assert!(e.contains(needle), "{needle:?} not in {e}");
+        }
+        let t = MemoryLimit::tighter(Some(limit(30)), Some(limit(20))).unwrap();
+        assert_eq!(t.bytes, 20 << 30);
+        assert_eq!(
+            MemoryLimit::tighter(None, Some(limit(5))).unwrap().bytes,
+            5 << 30
+        );
+        assert_eq!(MemoryLimit::tighter(None, None), None);
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("30G").unwrap(), 30 << 30);
+        assert_eq!(parse_size("30GiB").unwrap(), 30 << 30);
+        assert_eq!(parse_size("30gb").unwrap(), 30 << 30);
+        assert_eq!(parse_size("28000M").unwrap(), 28000 << 20);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("1M").unwrap(), 1 << 20);
+        for bad in ["", "G", "30X", "-1G", "0", "1.2.3G", "30 G B", "abc"] {
+            assert!(parse_size(bad).is_err(), "{bad:?} parsed");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The MiniCPM-SALA forward pass (SPEC §3–§7), written once over [`Backend`].
 
 use crate::backend::{BResult, Backend, BackendError, HostTensor};
+use crate::memory::{workspace_columns, WORKSPACE_BUFFERS};
 use crate::numerics::rope_inv_freq;
 use crate::oracle::{AttnShape, SparseMode};
 use sala_checkpoint::{expected_tensors, init_scale, MixerKind, ModelConfig, TensorSpec};
@@ -61,7 +62,8 @@ enum LayerState<B: Backend> {
     Sparse(B::SparseCache),
 }
 
-/// Scratch buffers for one chunk of up to `max_rows` tokens, allocated once.
+/// Scratch buffers for one chunk of up to `max_rows` tokens, allocated once: one per entry of
+/// [`workspace_columns`], in its order.
 pub struct Workspace<B: Backend> {
     pub max_rows: usize,
     h: B::Act,
@@ -76,6 +78,27 @@ pub struct Workspace<B: Backend> {
     vl: B::Act,
     gate_up: B::Act,
     act: B::Act,
+}
+
+impl<B: Backend> Workspace<B> {
+    /// Every buffer, in the order of [`workspace_columns`] (the forward pass sets the row
+    /// count of each through this; tests compare them with the memory plan).
+    pub fn buffers_mut(&mut self) -> [&mut B::Act; WORKSPACE_BUFFERS] {
+        [
+            &mut self.h,
+            &mut self.a,
+            &mut self.branch,
+            &mut self.q,
+            &mut self.o,
+            &mut self.z,
+            &mut self.ks,
+            &mut self.vs,
+            &mut self.kl,
+            &mut self.vl,
+            &mut self.gate_up,
+            &mut self.act,
+        ]
+    }
 }
 
 /// Which rows of a chunk get logits.
@@ -361,24 +384,32 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// Scratch buffers for chunks of up to `max_rows` tokens.
+    /// Scratch buffers for chunks of up to `max_rows` tokens: exactly those of
+    /// [`workspace_columns`], which the memory plan counts.
     pub fn workspace(&self, be: &B, max_rows: usize) -> BResult<Workspace<B>> {
-        let c = &self.config;
-        let hd = c.num_attention_heads * c.head_dim;
+        let bufs = workspace_columns(&self.config)
+            .iter()
+            .map(|&(_, cols)| be.alloc(max_rows, cols))
+            .collect::<BResult<Vec<_>>>()?;
+        let Ok([h, a, branch, q, o, z, ks, vs, kl, vl, gate_up, act]) =
+            <[B::Act; WORKSPACE_BUFFERS]>::try_from(bufs)
+        else {
+            return Err(BackendError("workspace: wrong buffer count".into()));
+        };
         Ok(Workspace {
             max_rows,
-            h: be.alloc(max_rows, c.hidden_size)?,
-            a: be.alloc(max_rows, c.hidden_size)?,
-            branch: be.alloc(max_rows, c.hidden_size)?,
-            q: be.alloc(max_rows, hd)?,
-            o: be.alloc(max_rows, hd)?,
-            z: be.alloc(max_rows, hd)?,
-            ks: be.alloc(max_rows, c.kv_dim())?,
-            vs: be.alloc(max_rows, c.kv_dim())?,
-            kl: be.alloc(max_rows, c.lightning_kv_dim())?,
-            vl: be.alloc(max_rows, c.lightning_kv_dim())?,
-            gate_up: be.alloc(max_rows, 2 * c.intermediate_size)?,
-            act: be.alloc(max_rows, c.intermediate_size)?,
+            h,
+            a,
+            branch,
+            q,
+            o,
+            z,
+            ks,
+            vs,
+            kl,
+            vl,
+            gate_up,
+            act,
         })
     }
 
@@ -418,20 +449,7 @@ impl<B: Backend> Model<B> {
                 c.vocab_size
             )));
         }
-        for buf in [
-            &mut ws.h,
-            &mut ws.a,
-            &mut ws.branch,
-            &mut ws.q,
-            &mut ws.o,
-            &mut ws.z,
-            &mut ws.ks,
-            &mut ws.vs,
-            &mut ws.kl,
-            &mut ws.vl,
-            &mut ws.gate_up,
-            &mut ws.act,
-        ] {
+        for buf in ws.buffers_mut() {
             be.set_rows(buf, n);
         }
         let eps = c.rms_norm_eps as f32;
