@@ -5,6 +5,7 @@ use crate::metrics::{Metrics, Outcome};
 use axum::http::StatusCode;
 use sala_engine::generate::{Engine, EngineError, FinishReason, GenerateOptions};
 use sala_engine::sampling::{SamplingParams, TokenLogprobs};
+use sala_model::memory::{MemoryLimit, Target};
 use sala_model::Backend;
 use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -130,6 +131,8 @@ pub struct EngineRunner {
     model_id: String,
     max_context: Option<usize>,
     metrics: Arc<Metrics>,
+    /// The cap on each request's memory plan, and the backend the plan is for.
+    memory: Option<(MemoryLimit, Target)>,
 }
 
 /// The HTTP side's end of the queue.
@@ -166,6 +169,7 @@ where
         model_id,
         max_context,
         metrics: metrics.clone(),
+        memory: None,
     };
     std::thread::Builder::new()
         .name("sala-engine".into())
@@ -227,12 +231,29 @@ impl EngineHandle {
 }
 
 impl EngineRunner {
-    /// Serves queued requests with `engine` until every [`EngineHandle`] is dropped.
+    /// Caps the memory plan of every request (prompt + max_tokens within the context budget,
+    /// on the engine's workspace, for `target`); `None` leaves requests uncapped.
+    pub fn memory_limit(mut self, limit: Option<MemoryLimit>, target: Target) -> Self {
+        self.memory = limit.map(|l| (l, target));
+        self
+    }
+
+    /// Serves queued requests with `engine` until every [`EngineHandle`] is dropped. With a
+    /// memory limit that not even a two-token request fits, it reports that instead.
     pub fn run<B: Backend>(mut self, mut engine: Engine<B>) {
         let max_context = self
             .max_context
             .unwrap_or(engine.model.config.max_position_embeddings)
             .max(1);
+        if let Some((limit, target)) = self.memory.take() {
+            if let Err(e) = engine.memory_plan(2, target).check(&limit) {
+                let _ = self
+                    .ready
+                    .send(Err(format!("no request can fit the memory limit: {e}")));
+                return;
+            }
+            engine.set_memory_limit(Some(limit), target);
+        }
         let info = ModelInfo {
             id: self.model_id.clone(),
             max_context,
@@ -293,7 +314,7 @@ fn engine_error(e: EngineError) -> ApiError {
         EngineError::Sampling(e) => ApiError::invalid(e.to_string()),
         EngineError::Stop(e) => ApiError::invalid(e.to_string()).param("stop"),
         EngineError::EmptyPrompt => ApiError::invalid(e.to_string()),
-        EngineError::PromptTooLong { .. } => {
+        EngineError::PromptTooLong { .. } | EngineError::OverBudget(_) => {
             ApiError::invalid(e.to_string()).code("context_length_exceeded")
         }
         e => ApiError::internal(format!("generation failed: {e}")),
@@ -335,6 +356,15 @@ fn run_job<B: Backend>(
             ))
             .code("context_length_exceeded"),
         );
+    }
+    // Admission: the whole sequence this request may reach (prompt + max_tokens within the
+    // context budget) must fit the memory limit before any work. Requests run one at a time,
+    // so this plan is the total over live sequences. A 400 `context_length_exceeded`, not a
+    // 503: nothing else holds memory while it would run, so the same request can never fit
+    // and a retry would not help; a shorter prompt or a smaller max_tokens would.
+    let total = ids.len() + request.max_tokens.min(max_context - ids.len());
+    if let Err(e) = engine.check_memory(total) {
+        return fail(engine_error(e));
     }
     if events
         .blocking_send(Event::Started {

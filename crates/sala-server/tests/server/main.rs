@@ -4,6 +4,7 @@
 mod common;
 mod load;
 mod logprobs;
+mod memory;
 mod metrics;
 mod openai_client;
 

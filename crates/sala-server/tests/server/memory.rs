@@ -1,0 +1,89 @@
+//! A server with a memory limit: a request whose plan (prompt + max_tokens) does not fit is a
+//! 400 `context_length_exceeded` at admission, streaming or not; smaller ones are served.
+
+use crate::common::*;
+use sala_checkpoint::preset;
+use sala_cpu::CpuBackend;
+use sala_engine::generate::Engine;
+use sala_model::memory::{MemoryLimit, MemoryPlan, Target};
+use serde_json::json;
+
+/// The CPU plan of a `tokens`-token sequence on the test servers' 64-row workspace.
+fn plan(tokens: usize) -> MemoryPlan {
+    MemoryPlan::new(&preset("tiny").unwrap(), tokens, 64, Target::Cpu)
+}
+
+fn spawn_limited(bytes: usize) -> Result<sala_server::EngineHandle, String> {
+    let dir = model_dir().to_path_buf();
+    sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), 8, move |runner| {
+        let engine =
+            Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        let limit = MemoryLimit {
+            bytes,
+            source: "--max-memory test".into(),
+        };
+        runner.memory_limit(Some(limit), Target::Cpu).run(engine);
+        Ok(())
+    })
+}
+
+#[test]
+fn requests_over_the_memory_limit_are_refused_at_admission() {
+    let allowed = plan(100).total();
+    let addr = serve(spawn_limited(allowed).unwrap());
+    let body = |max_tokens: usize, stream: bool| {
+        json!({"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": stream,
+               "temperature": 0})
+    };
+    for stream in [false, true] {
+        let (status, text) = request_to(
+            addr,
+            "POST",
+            "/v1/completions",
+            body(200, stream).to_string().as_bytes(),
+        );
+        assert_error(status, &text, 400, None, "over the memory limit");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{text}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        let allowed_gib = format!(
+            "{:.2} GiB are allowed",
+            allowed as f64 / (1u64 << 30) as f64
+        );
+        assert!(msg.contains(&allowed_gib), "{msg}");
+        assert!(
+            msg.contains("--max-memory test") && msg.contains("weights"),
+            "{msg}"
+        );
+    }
+    // A request that fits is served, streaming or not.
+    let (status, v) = post_to(addr, "/v1/completions", &body(20, false));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 20);
+    let (status, text) = request_to(
+        addr,
+        "POST",
+        "/v1/completions",
+        body(20, true).to_string().as_bytes(),
+    );
+    assert_eq!(status, 200, "{text}");
+    assert!(!sse_chunks(&text).is_empty());
+    // Without max_tokens, the request may fill the context budget (256): over the limit.
+    let (status, text) = request_to(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}]})
+            .to_string()
+            .as_bytes(),
+    );
+    assert_error(status, &text, 400, None, "default max_tokens");
+}
+
+#[test]
+fn a_limit_no_request_fits_stops_the_server_from_starting() {
+    let e = spawn_limited(plan(1).total())
+        .err()
+        .expect("must not start");
+    assert!(e.contains("no request can fit") && e.contains("GiB"), "{e}");
+}
