@@ -1217,3 +1217,369 @@ select_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, 
     sp_topk_phase(0, 0, qb, block_size, k1_stride, init_blocks, local_blocks, k_sel, outb, ss_buf,
                   bs + (size_t)pair * bs_stride);
 }
+
+// ============================================================================================
+// 5. attention_prefill: causal attention of many queries over 64-key blocks, tensor cores
+// ============================================================================================
+//
+// A block owns AP_WARPS consecutive queries of one KV group; warp w owns query i0 + w, its MMA
+// rows being that query's heads of the group (rows ≥ heads / kv_heads are padding). The block
+// walks, in ascending order, the union of its queries' selected blocks (dense: every block up to
+// the last query's), staging each block's K and V once for all warps; a warp whose query did not
+// select the block skips it. S = Q Kᵀ and O += P V on bf16 tensor cores with fp32 accumulation,
+// online softmax in fp32 (P rounded to bf16 for the P·V product, as flash attention does). K of
+// the next block loads during this block's P·V, V of the next block during the next Q·Kᵀ.
+
+#define AP_WARPS 8
+#define AP_UNION (AP_WARPS * 128)  // most blocks in a union (k_sel ≤ 128)
+
+// O += P V for the warp's 16 rows over the 64 staged keys; P (bf16-rounded) from the S
+// accumulators of sp_attn_qk. O's dims are laid out as sp_o_dim says.
+__device__ __forceinline__ void ap_pv(const float (&S)[8][4], float (&O)[16][4], const bf16* Vs, int ld, int d) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) {
+        const u32 a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+        const u32 a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+        const u32 a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+        const u32 a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+        const bf16* v0 = Vs + (ks * 16 + 2 * tq) * ld + 2 * gq;
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            if (m * 16 < d) {
+                const bf16* vp = v0 + 16 * m;
+                const u32 x0 = *(const u32*)vp, x1 = *(const u32*)(vp + ld);
+                const u32 y0 = *(const u32*)(vp + 8 * ld), y1 = *(const u32*)(vp + 9 * ld);
+                sp_mma(O[2 * m], a0, a1, a2, a3, __byte_perm(x0, x1, 0x5410), __byte_perm(y0, y1, 0x5410));
+                sp_mma(O[2 * m + 1], a0, a1, a2, a3, __byte_perm(x0, x1, 0x7632), __byte_perm(y0, y1, 0x7632));
+            }
+        }
+    }
+}
+
+// Causal softmax attention of the T queries (positions first_pos + i, keys already cached):
+// blocks == NULL → every key j ≤ t; else query i of KV group g attends to the keys j ≤ t of its
+// selected 64-key blocks blocks[(i·kv_heads + g)·k_sel + s] ≥ 0 (ascending). out [T, heads·d] bf16.
+// Needs heads / kv_heads ≤ 16, d a multiple of 16 and ≤ 128, k_sel ≤ 128.
+// launch: grid = ((T + AP_WARPS − 1) / AP_WARPS, kv_heads), block = 32·AP_WARPS,
+//         dynamic smem = 4·⌈nb / 32⌉ bytes, nb = ⌈(first_pos + T) / 64⌉ (a bitmap of blocks)
+//   (static shared memory 2·64·136·2 + 4·1024 + 40 = 38,952 bytes)
+extern "C" __global__ void __launch_bounds__(AP_WARPS * 32, 1)
+attention_prefill(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
+                  int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel) {
+    extern __shared__ u32 ap_bits[];
+    __shared__ __align__(16) bf16 ap_k[64 * AT_MAXLD];
+    __shared__ __align__(16) bf16 ap_v[64 * AT_MAXLD];
+    __shared__ int ap_union[AP_UNION];
+    __shared__ int ap_scan[9];
+    const int G = heads / kv_heads, g = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tq = lane & 3;
+    const int ld = d + 8;
+    const size_t kvw = (size_t)kv_heads * d, qw = (size_t)heads * d;
+    const int i0 = blockIdx.x * AP_WARPS;
+    const int ntok = min(AP_WARPS, T - i0);
+    const int t_last = first_pos + i0 + ntok - 1;
+    const int n_keys = first_pos + T;  // keys in the cache
+    const bool sparse = blocks != 0;
+
+    // The walk: sparse → the sorted union of the block's lists; dense → blocks 0 .. t_last / 64.
+    int nu = t_last / 64 + 1;
+    if (sparse) {
+        const int words = (nu + 31) / 32;
+        for (int x = tid; x < words; x += AP_WARPS * 32) ap_bits[x] = 0u;
+        __syncthreads();
+        for (int x = tid; x < ntok * k_sel; x += AP_WARPS * 32) {
+            const int b = blocks[((size_t)(i0 + x / k_sel) * kv_heads + g) * k_sel + x % k_sel];
+            if (b >= 0 && b < nu) atomicOr(&ap_bits[b >> 5], 1u << (b & 31));
+        }
+        __syncthreads();
+        const int per = (words + AP_WARPS * 32 - 1) / (AP_WARPS * 32);
+        int cnt = 0;
+        for (int x = tid * per; x < min(words, tid * per + per); x++) cnt += __popc(ap_bits[x]);
+        int total;
+        int pos = sp_scan256(cnt, ap_scan, &total);
+        for (int x = tid * per; x < min(words, tid * per + per); x++) {
+            u32 w = ap_bits[x];
+            while (w) {
+                const int bit = __ffs(w) - 1;
+                w &= w - 1;
+                if (pos < AP_UNION) ap_union[pos] = 32 * x + bit;
+                pos++;
+            }
+        }
+        nu = min(total, AP_UNION);
+        __syncthreads();
+    }
+
+    // This warp's query, rows and Q fragments.
+    const int i = i0 + warp;
+    const bool active = warp < ntok;
+    const int t = first_pos + (active ? i : i0);
+    SpRows rs;
+    const float NEG = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const bool ok = active && gq + 8 * r < G;
+        rs.t[r] = ok ? t : -1;
+        rs.m[r] = NEG;
+        rs.l[r] = 0.0f;
+        rs.sel[r] = ok;
+    }
+    u32 qa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = x & 1, c8 = (x >> 1) * 8;
+            u32 v = 0;
+            if (kk * 16 < d && rs.t[r] >= 0)
+                v = *(const u32*)(q + (size_t)i * qw + (size_t)(g * G + gq + 8 * r) * d + kk * 16 + c8 + 2 * tq);
+            qa[kk][x] = v;
+        }
+    float O[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) O[nt][x] = 0.0f;
+    // Sparse: the next block of this warp's list (INT_MAX when exhausted).
+    const int* my = blocks + ((size_t)i * kv_heads + g) * k_sel;
+    int ptr = 0, next_sel = AT_INF;
+    if (sparse && active) {
+        const int b = my[0];
+        next_sel = b < 0 ? AT_INF : b;
+    }
+
+    const int segs = d / 8;
+    auto issue = [&](const bf16* src, bf16* dst, int j) {
+        if (j < nu) {
+            const int k0 = 64 * (sparse ? ap_union[j] : j);
+            const int klen = min(64, n_keys - k0);
+            for (int x = tid; x < 64 * segs; x += AP_WARPS * 32) {
+                const int row = x / segs, sg = x % segs;
+                const bool in = row < klen;
+                const bf16* s = in ? src + (size_t)(k0 + row) * kvw + (size_t)g * d + sg * 8 : src;
+                sp_cp_async16(sp_smem_addr(dst + row * ld + sg * 8), s, in ? 16 : 0);
+            }
+        }
+        sp_cp_commit();
+    };
+    const float sl2 = scale * 1.4426950408889634f;
+    float S[8][4];
+    issue(kcache, ap_k, 0);
+    issue(vcache, ap_v, 0);
+    for (int j = 0; j < nu; j++) {
+        const int b = sparse ? ap_union[j] : j;
+        const int k0 = 64 * b;
+        const bool sel = active && (sparse ? next_sel == b : k0 <= t);
+        sp_cp_wait1();  // K of block j
+        __syncthreads();
+        if (sel) sp_attn_qk<64>(S, qa, O, rs, ap_k, ld, d, 0, k0, min(64, n_keys - k0), sl2);
+        __syncthreads();  // K buffer free
+        issue(kcache, ap_k, j + 1);
+        sp_cp_wait1();  // V of block j
+        __syncthreads();
+        if (sel) ap_pv(S, O, ap_v, ld, d);
+        __syncthreads();  // V buffer free
+        issue(vcache, ap_v, j + 1);
+        if (sparse && sel) {
+            ptr++;
+            const int nb = ptr < k_sel ? my[ptr] : -1;
+            next_sel = nb < 0 ? AT_INF : nb;
+        }
+    }
+    sp_cp_wait0();
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        rs.l[r] += __shfl_xor_sync(0xffffffffu, rs.l[r], 1);
+        rs.l[r] += __shfl_xor_sync(0xffffffffu, rs.l[r], 2);
+        if (rs.t[r] < 0) continue;
+        const float inv = 1.0f / rs.l[r];
+        bf16* op = out + (size_t)i * qw + (size_t)(g * G + gq + 8 * r) * d + 4 * tq;
+#pragma unroll
+        for (int m = 0; m < 8; m++)
+            if (m * 16 < d) {
+                uint2 w;
+                w.x = (u32)f2bf(O[2 * m][2 * r] * inv) | ((u32)f2bf(O[2 * m + 1][2 * r] * inv) << 16);
+                w.y = (u32)f2bf(O[2 * m][2 * r + 1] * inv) | ((u32)f2bf(O[2 * m + 1][2 * r + 1] * inv) << 16);
+                *(uint2*)(op + 16 * m) = w;
+            }
+    }
+}
+
+// ============================================================================================
+// 6. attention_gather: sparse attention of many queries, one warp per (query, KV group)
+// ============================================================================================
+//
+// Neighbouring queries may select different blocks (with random weights, mostly different), so
+// staging a block once for several queries saves little; here every warp walks its own list,
+// reading K and V straight from global memory (L2) with 16-byte loads and no block-wide
+// synchronisation. The warp's 16 MMA rows are the query's heads of the group.
+// Fragment layouts (d a multiple of 64): for Q·Kᵀ, k-step 2p + h covers dims 32p + 8tq + 4h + {0..3}
+// (a permutation of the 16 dims of a k-step, applied to Q and K alike), so one 16-byte load of
+// K[key][32p + 8tq ..] feeds two k-steps. For P·V, output n-tile 8u + e, column n is dim
+// 64u + 8n + e, so one 16-byte load of V[key][64u + 8gq ..] feeds eight n-tiles.
+
+#define AG_WARPS 4
+
+// launch: grid = ((T·kv_heads + AG_WARPS − 1) / AG_WARPS), block = 32·AG_WARPS, dynamic smem = 0 bytes.
+// Same arguments and result as attention_prefill with blocks != NULL (64-key blocks); needs
+// heads / kv_heads ≤ 16 and d ∈ {64, 128}.
+extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
+attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
+                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+    const int pair = blockIdx.x * AG_WARPS + (threadIdx.x >> 5);
+    if (pair >= T * kv_heads) return;  // warp-uniform
+    const int i = pair / kv_heads, g = pair % kv_heads;
+    const int G = heads / kv_heads;
+    const int t = first_pos + i, n_keys = first_pos + T;
+    const size_t kvw = (size_t)kv_heads * d, qw = (size_t)heads * d;
+    const bf16* kg = kcache + (size_t)g * d;
+    const bf16* vg = vcache + (size_t)g * d;
+    const float NEG = -__int_as_float(0x7f800000);
+    const bool row_ok[2] = {gq < G, gq + 8 < G};
+
+    // Q fragments, k-steps permuted as described above.
+    u32 qa[8][4];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        uint4 v[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            if (32 * p < d && row_ok[r])
+                v[r] = *(const uint4*)(q + (size_t)i * qw + (size_t)(g * G + gq + 8 * r) * d + 32 * p + 8 * tq);
+        qa[2 * p][0] = v[0].x;
+        qa[2 * p][1] = v[1].x;
+        qa[2 * p][2] = v[0].y;
+        qa[2 * p][3] = v[1].y;
+        qa[2 * p + 1][0] = v[0].z;
+        qa[2 * p + 1][1] = v[1].z;
+        qa[2 * p + 1][2] = v[0].w;
+        qa[2 * p + 1][3] = v[1].w;
+    }
+    float O[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) O[nt][x] = 0.0f;
+    float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f};
+    const float sl2 = scale * 1.4426950408889634f;
+    const int* my = blocks + (size_t)pair * k_sel;
+
+    for (int s = 0; s < k_sel; s++) {
+        const int b = my[s];
+        if (b < 0) break;  // lists are −1 padded at the end
+        const int k0 = 64 * b;
+        // S = Q Kᵀ over the block's 64 keys.
+        float S[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const int key = min(k0 + 8 * nt + gq, n_keys - 1);
+            S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                if (32 * p < d) {
+                    const uint4 kv = *(const uint4*)(kg + (size_t)key * kvw + 32 * p + 8 * tq);
+                    sp_mma(S[nt], qa[2 * p][0], qa[2 * p][1], qa[2 * p][2], qa[2 * p][3], kv.x, kv.y);
+                    sp_mma(S[nt], qa[2 * p + 1][0], qa[2 * p + 1][1], qa[2 * p + 1][2], qa[2 * p + 1][3], kv.z,
+                           kv.w);
+                }
+            }
+        }
+        // Mask (keys ≤ t, padding rows), online softmax in log2 units.
+        float mx[2] = {NEG, NEG};
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int r = x >> 1;
+                const bool ok = row_ok[r] && k0 + 8 * nt + 2 * tq + (x & 1) <= t;
+                S[nt][x] = ok ? S[nt][x] * sl2 : NEG;
+                mx[r] = fmaxf(mx[r], S[nt][x]);
+            }
+        float alpha[2], mu[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float mn = fmaxf(m[r], mx[r]);
+            mu[r] = (mn == NEG) ? 0.0f : mn;
+            alpha[r] = exp2f(m[r] - mu[r]);
+            m[r] = mn;
+        }
+        float rsum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const float e = exp2f(S[nt][x] - mu[x >> 1]);
+                S[nt][x] = e;
+                rsum[x >> 1] += e;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; r++) l[r] = l[r] * alpha[r] + rsum[r];
+#pragma unroll
+        for (int nt = 0; nt < 16; nt++) {
+            O[nt][0] *= alpha[0];
+            O[nt][1] *= alpha[0];
+            O[nt][2] *= alpha[1];
+            O[nt][3] *= alpha[1];
+        }
+        // O += P V.
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) {
+            const u32 a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+            const u32 a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+            const u32 a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+            const u32 a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+            const int kb = k0 + 16 * ks + 2 * tq;
+            const int keys[4] = {min(kb, n_keys - 1), min(kb + 1, n_keys - 1), min(kb + 8, n_keys - 1),
+                                 min(kb + 9, n_keys - 1)};
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                if (64 * u < d) {
+                    uint4 v[4];
+#pragma unroll
+                    for (int y = 0; y < 4; y++)
+                        v[y] = *(const uint4*)(vg + (size_t)keys[y] * kvw + 64 * u + 8 * gq);
+                    const u32 w0[4] = {v[0].x, v[0].y, v[0].z, v[0].w}, w1[4] = {v[1].x, v[1].y, v[1].z, v[1].w};
+                    const u32 w2[4] = {v[2].x, v[2].y, v[2].z, v[2].w}, w3[4] = {v[3].x, v[3].y, v[3].z, v[3].w};
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        sp_mma(O[8 * u + 2 * c], a0, a1, a2, a3, __byte_perm(w0[c], w1[c], 0x5410),
+                               __byte_perm(w2[c], w3[c], 0x5410));
+                        sp_mma(O[8 * u + 2 * c + 1], a0, a1, a2, a3, __byte_perm(w0[c], w1[c], 0x7632),
+                               __byte_perm(w2[c], w3[c], 0x7632));
+                    }
+                }
+            }
+        }
+    }
+
+    // Normalise and write: thread (gq, tq) holds, per u, dims 64u + 16tq + {0..7} (x = 0, 1 of
+    // n-tiles 8u + e) and 64u + 16tq + 8 + {0..7} (x = 1, 3).
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        if (!row_ok[r]) continue;
+        const float inv = 1.0f / l[r];
+        bf16* op = out + (size_t)i * qw + (size_t)(g * G + gq + 8 * r) * d;
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (64 * u < d) {
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    uint4 w;
+                    u32* wp = (u32*)&w;
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        wp[c] = (u32)f2bf(O[8 * u + 2 * c][2 * r + half] * inv) |
+                                ((u32)f2bf(O[8 * u + 2 * c + 1][2 * r + half] * inv) << 16);
+                    *(uint4*)(op + 64 * u + 16 * tq + 8 * half) = w;
+                }
+            }
+        }
+    }
+}

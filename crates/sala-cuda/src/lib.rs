@@ -123,6 +123,31 @@ fn fast_select_fits(shape: AttnShape, cfg: &SparseConfig) -> bool {
         && cfg.block_size == w * cfg.k1_stride()
 }
 
+/// From this many query rows on, attention runs as `attention_prefill`.
+const PREFILL_ATTENTION_ROWS: usize = 64;
+
+/// Shapes `attention_prefill` handles: at most 16 query heads per KV group, head_dim a multiple
+/// of 16 up to 128; sparse: 64-token blocks, at most 128 of them per query, and a block bitmap
+/// (4 bytes per 32 blocks of the sequence) within 9 KiB of shared memory.
+fn prefill_attention_fits(
+    shape: AttnShape,
+    cfg: &SparseConfig,
+    mode: SparseMode,
+    total: usize,
+) -> bool {
+    let heads_ok =
+        shape.group() <= 16 && shape.head_dim.is_multiple_of(16) && shape.head_dim <= 128;
+    heads_ok
+        && match mode {
+            SparseMode::Dense => true,
+            SparseMode::Sparse => {
+                cfg.block_size == 64
+                    && cfg.selected_blocks() <= 128
+                    && 4 * total.div_ceil(64).div_ceil(32) <= 9 * 1024
+            }
+        }
+}
+
 /// Most bytes of block scores the tensor-core selection keeps at once (queries are taken in
 /// groups that fit).
 const SELECT_SCORES_BYTES: usize = 128 << 20;
@@ -1166,6 +1191,60 @@ impl Backend for CudaBackend {
                 blocks
             }
         };
+        let gather = mode == SparseMode::Sparse
+            && t * shape.kv_heads >= SELECT_ONE_KERNEL_PAIRS
+            && shape.group() <= 16
+            && matches!(shape.head_dim, 64 | 128)
+            && cfg.block_size == 64
+            && std::env::var("SALA_ATTENTION").map_or(true, |v| v != "staged");
+        if gather {
+            return self.launch(
+                K::AttentionGather,
+                ((t * shape.kv_heads).div_ceil(4) as u32, 1, 1),
+                128,
+                0,
+                &[
+                    Arg::P(self.ptr(&q.buf)),
+                    Arg::P(self.ptr(&cache.k)),
+                    Arg::P(self.ptr(&cache.v)),
+                    Arg::P(self.ptr(&out.buf)),
+                    Arg::I(t as i32),
+                    Arg::I(first as i32),
+                    Arg::I(shape.heads as i32),
+                    Arg::I(shape.kv_heads as i32),
+                    Arg::I(shape.head_dim as i32),
+                    Arg::F(shape.scale() as f32),
+                    Arg::P(blocks),
+                    Arg::I(k_sel as i32),
+                ],
+            );
+        }
+        if t >= PREFILL_ATTENTION_ROWS && prefill_attention_fits(shape, cfg, mode, first + t) {
+            let bitmap = match mode {
+                SparseMode::Dense => 0,
+                SparseMode::Sparse => 4 * (first + t).div_ceil(64).div_ceil(32),
+            };
+            return self.launch(
+                K::AttentionPrefill,
+                (t.div_ceil(8) as u32, shape.kv_heads as u32, 1),
+                256,
+                bitmap as u32,
+                &[
+                    Arg::P(self.ptr(&q.buf)),
+                    Arg::P(self.ptr(&cache.k)),
+                    Arg::P(self.ptr(&cache.v)),
+                    Arg::P(self.ptr(&out.buf)),
+                    Arg::I(t as i32),
+                    Arg::I(first as i32),
+                    Arg::I(shape.heads as i32),
+                    Arg::I(shape.kv_heads as i32),
+                    Arg::I(shape.head_dim as i32),
+                    Arg::F(shape.scale() as f32),
+                    Arg::P(blocks),
+                    Arg::I(k_sel as i32),
+                ],
+            );
+        }
         let (grid, block, smem) = attention_launch(t, shape);
         let common = |out: u64| {
             vec![

@@ -50,6 +50,8 @@ pub enum K {
     GemvSilu,
     SelectScoresMma,
     SelectTopkScores,
+    AttentionPrefill,
+    AttentionGather,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -79,6 +81,8 @@ pub const KERNELS: &[&str] = &[
     "gemv_silu",
     "select_scores_mma",
     "select_topk_scores",
+    "attention_prefill",
+    "attention_gather",
 ];
 
 /// The whole program as one translation unit.

@@ -373,6 +373,21 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
         ),
         (
             AttnShape {
+                heads: 8,
+                kv_heads: 1,
+                head_dim: 64,
+            },
+            SparseConfig {
+                window_size: 128,
+                topk: 4,
+                dense_len: 0,
+                ..released.clone()
+            },
+            1500,
+            vec![700, 1, 799],
+        ),
+        (
+            AttnShape {
                 heads: 32,
                 kv_heads: 2,
                 head_dim: 128,
