@@ -179,23 +179,12 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Self, EngineError> {
         let checkpoint = Checkpoint::open(dir)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
-        Self::load_with(backend, dir, checkpoint, tokenizer, chunk, progress)
+        Self::from_parts(backend, dir, checkpoint, tokenizer, chunk, progress)
     }
 
-    /// [`Engine::load`] with the tokenizer already loaded (e.g. to size a request before
-    /// uploading any weight).
-    pub fn load_with_tokenizer(
-        backend: B,
-        dir: &Path,
-        tokenizer: Tokenizer,
-        chunk: usize,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Self, EngineError> {
-        let checkpoint = Checkpoint::open(dir)?;
-        Self::load_with(backend, dir, checkpoint, tokenizer, chunk, progress)
-    }
-
-    fn load_with(
+    /// [`Engine::load`] from an opened checkpoint and its tokenizer (e.g. to size a request
+    /// before uploading any weight).
+    pub fn from_parts(
         backend: B,
         dir: &Path,
         checkpoint: Checkpoint,

@@ -229,11 +229,13 @@ impl MemoryLimit {
 /// A plan that does not fit its limit.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error(
-    "{} tokens need {:.2} GiB of memory but {:.2} GiB are allowed ({}): {}",
+    "{} tokens need {:.2} GiB of memory but {:.2} GiB are allowed ({}; {} > {} bytes): {}",
     plan.context,
     plan.total() as f64 / GIB,
     limit.bytes as f64 / GIB,
     limit.source,
+    plan.total(),
+    limit.bytes,
     plan.describe()
 )]
 pub struct OverBudget {
@@ -357,10 +359,12 @@ mod tests {
         };
         assert!(p.check(&limit(30)).is_ok());
         let e = p.check(&limit(20)).unwrap_err().to_string();
-        let need = format!("{:.2} GiB", p.total() as f64 / GIB);
+        let need = format!("need {:.2} GiB", p.total() as f64 / GIB);
+        let bytes = format!("{} > {} bytes", p.total(), 20usize << 30);
         for needle in [
             need.as_str(),
-            "20.00 GiB",
+            bytes.as_str(),
+            "20.00 GiB are allowed",
             "--max-memory test",
             "1048576 tokens",
             "weights 17.65 GiB",
