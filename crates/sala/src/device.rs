@@ -1,8 +1,10 @@
 //! `--device auto|cpu|cuda[:N]`.
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use sala_cpu::CpuBackend;
 use sala_cuda::CudaBackend;
+use sala_model::memory::{parse_size, MemoryLimit, Target};
+use sala_model::Backend;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -51,11 +53,15 @@ impl Device {
     }
 }
 
-/// What the benchmark needs to know of a backend beyond the model ops.
+/// What the benchmark and the memory checks need to know of a backend beyond the model ops.
 pub trait DeviceStats {
-    /// Bytes of device memory in use now (all processes), when the device reports it.
+    /// Bytes of memory in use now, when known: on a GPU the device's (all processes), on the
+    /// CPU this process's resident memory.
     fn memory_in_use(&self) -> Option<usize>;
+    /// The device's total memory (GPUs only: a plan larger than it is refused).
     fn total_memory(&self) -> Option<usize>;
+    /// What a memory plan for this backend counts.
+    fn target(&self) -> Target;
     /// Time the host spent waiting for the device so far.
     fn host_wait(&self) -> Option<std::time::Duration>;
     /// Per-kernel (name, device ms, launches) since the last call, when profiling is on.
@@ -66,7 +72,10 @@ pub trait DeviceStats {
 
 impl DeviceStats for CpuBackend {
     fn memory_in_use(&self) -> Option<usize> {
-        None
+        resident_bytes()
+    }
+    fn target(&self) -> Target {
+        Target::Cpu
     }
     fn total_memory(&self) -> Option<usize> {
         None
@@ -83,10 +92,45 @@ impl DeviceStats for CudaBackend {
     fn total_memory(&self) -> Option<usize> {
         self.memory().ok().map(|m| m.1)
     }
+    fn target(&self) -> Target {
+        Target::Cuda
+    }
     fn host_wait(&self) -> Option<std::time::Duration> {
         Some(CudaBackend::host_wait(self))
     }
     fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
         self.profile_report()
     }
+}
+
+/// This process's resident memory (`VmRSS` of /proc/self/status), where there is one.
+fn resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
+/// `--max-memory SIZE` as a limit (an error naming the flag for junk).
+pub fn user_memory_limit(arg: Option<&str>) -> Result<Option<MemoryLimit>> {
+    arg.map(|s| {
+        let bytes = parse_size(s).map_err(|e| anyhow!("--max-memory {e}"))?;
+        Ok(MemoryLimit {
+            bytes,
+            source: format!("--max-memory {s}"),
+        })
+    })
+    .transpose()
+}
+
+/// The limit a plan on `be` must fit: `user`'s, and on a GPU its total memory too.
+pub fn memory_limit<B: Backend + DeviceStats>(
+    be: &B,
+    user: Option<MemoryLimit>,
+) -> Option<MemoryLimit> {
+    let device = be.total_memory().map(|bytes| MemoryLimit {
+        bytes,
+        source: format!("the total memory of {}", be.name()),
+    });
+    MemoryLimit::tighter(user, device)
 }

@@ -5,13 +5,14 @@ mod device;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use device::{Device, Opened};
+use device::{memory_limit, user_memory_limit, Device, DeviceStats, Opened};
 use indicatif::{ProgressBar, ProgressStyle};
 use sala_checkpoint::{preset, Checkpoint, DType, MixerKind, ModelConfig, WriteOptions};
-use sala_engine::generate::{Engine, GenerateOptions};
+use sala_engine::generate::{request_tokens, Engine, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
-use sala_model::memory::{cache_bytes, weight_bytes};
+use sala_model::memory::{cache_bytes, weight_bytes, MemoryLimit, MemoryPlan};
 use sala_model::Backend;
+use sala_tokenizer::Tokenizer;
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -67,6 +68,10 @@ struct ServeArgs {
     /// Prompt tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
+    /// Refuse (HTTP 400) a request whose memory plan exceeds SIZE (e.g. 30G, 30GiB, 28000M;
+    /// powers of 1024). On a GPU its total memory is a limit anyway.
+    #[arg(long, value_name = "SIZE")]
+    max_memory: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -149,6 +154,11 @@ struct GenerateArgs {
     /// CPU threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
+    /// Refuse a request whose memory plan (weights, the caches of prompt + max_tokens, the
+    /// workspace, the backend's allowances) exceeds SIZE: e.g. 30G, 30GiB, 28000M (powers of
+    /// 1024). On a GPU its total memory is a limit anyway.
+    #[arg(long, value_name = "SIZE")]
+    max_memory: Option<String>,
 }
 
 fn main() {
@@ -260,6 +270,7 @@ fn progress_bar(len: usize, what: &str) -> ProgressBar {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let device = Device::parse(&args.device)?;
+    let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -292,31 +303,48 @@ fn generate(args: GenerateArgs) -> Result<()> {
     };
 
     match device.open()? {
-        Opened::Cpu(be) => generate_on(be, &args, &dir, &prompt),
-        Opened::Cuda(be) => generate_on(*be, &args, &dir, &prompt),
+        Opened::Cpu(be) => generate_on(be, &args, &dir, &prompt, user_limit),
+        Opened::Cuda(be) => generate_on(*be, &args, &dir, &prompt, user_limit),
     }
 }
 
-fn generate_on<B: Backend>(
+fn generate_on<B: Backend + DeviceStats>(
     backend: B,
     args: &GenerateArgs,
     dir: &Path,
     prompt: &str,
+    user_limit: Option<MemoryLimit>,
 ) -> Result<()> {
-    let mut engine = load_engine(backend, args, dir)?;
-    let opts = generate_options(args, &engine)?;
-    if args.repl {
-        return chat_loop(&mut engine, args, &opts, prompt);
-    }
-    let ids = if args.chat {
+    let limit = memory_limit(&backend, user_limit);
+    let target = backend.target();
+    // The checkpoint and the tokenizer first: the request is sized, and checked against the
+    // memory limit, before any weight is uploaded.
+    let checkpoint = Checkpoint::open(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let tokenizer =
+        Tokenizer::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let config = checkpoint.config().clone();
+    let opts = generate_options(args, &config, &tokenizer)?;
+    let ids = if args.repl {
+        None
+    } else if args.chat {
         let mut messages = Vec::new();
         if let Some(s) = &args.system {
             messages.push(sala_tokenizer::ChatMessage::new("system", s));
         }
         messages.push(sala_tokenizer::ChatMessage::new("user", prompt));
-        chat_ids(&engine, &messages, args)?
+        Some(chat_ids(&tokenizer, &messages, args)?)
     } else {
-        engine.tokenizer.encode(prompt, true)?
+        Some(tokenizer.encode(prompt, true)?)
+    };
+    if let Some(limit) = &limit {
+        // A chat turn holds at least one prompt token; each turn is checked again.
+        let tokens = request_tokens(ids.as_ref().map_or(1, Vec::len), &opts)?;
+        MemoryPlan::new(&config, tokens, args.prefill_chunk, target).check(limit)?;
+    }
+    let mut engine = load_engine(backend, args, dir, checkpoint, tokenizer)?;
+    engine.set_memory_limit(limit, target);
+    let Some(ids) = ids else {
+        return chat_loop(&mut engine, args, &opts, prompt);
     };
     let gen = stream_generation(&mut engine, &ids, &opts, args.prefill_chunk)?;
     println!();
@@ -332,20 +360,34 @@ fn generate_on<B: Backend>(
     Ok(())
 }
 
-fn load_engine<B: Backend>(backend: B, args: &GenerateArgs, dir: &Path) -> Result<Engine<B>> {
+fn load_engine<B: Backend>(
+    backend: B,
+    args: &GenerateArgs,
+    dir: &Path,
+    checkpoint: Checkpoint,
+    tokenizer: Tokenizer,
+) -> Result<Engine<B>> {
     let bar = progress_bar(0, "loading weights");
-    let engine = Engine::load(backend, dir, args.prefill_chunk, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })
+    let engine = Engine::from_parts(
+        backend,
+        dir,
+        checkpoint,
+        tokenizer,
+        args.prefill_chunk,
+        &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        },
+    )
     .with_context(|| format!("loading {}", dir.display()))?;
     bar.finish_and_clear();
     Ok(engine)
 }
 
-fn generate_options<B: Backend>(
+fn generate_options(
     args: &GenerateArgs,
-    engine: &Engine<B>,
+    config: &ModelConfig,
+    tokenizer: &Tokenizer,
 ) -> Result<GenerateOptions> {
     let opts = GenerateOptions {
         sampling: SamplingParams {
@@ -359,14 +401,12 @@ fn generate_options<B: Backend>(
             seed: args.seed,
         },
         max_tokens: args.max_tokens,
-        max_context: args
-            .max_context
-            .unwrap_or(engine.model.config.max_position_embeddings),
+        max_context: args.max_context.unwrap_or(config.max_position_embeddings),
         stop: args.stop.clone(),
         eos_ids: if args.ignore_eos {
             Vec::new()
         } else {
-            engine.eos_ids()
+            sala_engine::generate::eos_ids(config, tokenizer)
         },
     };
     opts.sampling.validate()?;
@@ -374,8 +414,8 @@ fn generate_options<B: Backend>(
 }
 
 /// The token ids of `messages` through the checkpoint's chat template, ready for the reply.
-fn chat_ids<B: Backend>(
-    engine: &Engine<B>,
+fn chat_ids(
+    tokenizer: &Tokenizer,
     messages: &[sala_tokenizer::ChatMessage],
     args: &GenerateArgs,
 ) -> Result<Vec<u32>> {
@@ -388,12 +428,11 @@ fn chat_ids<B: Backend>(
         tools: None,
         kwargs,
     };
-    let text = engine
-        .tokenizer
+    let text = tokenizer
         .chat_template()
         .and_then(|t| t.render(messages, &opts))
         .context("applying the chat template")?;
-    Ok(engine.tokenizer.encode(&text, true)?)
+    Ok(tokenizer.encode(&text, true)?)
 }
 
 /// Generates from `ids`, streaming the text to standard output.
@@ -478,7 +517,7 @@ fn chat_loop<B: Backend>(
             _ => {}
         }
         messages.push(sala_tokenizer::ChatMessage::new("user", line.trim()));
-        let ids = chat_ids(engine, &messages, args)?;
+        let ids = chat_ids(&engine.tokenizer, &messages, args)?;
         match stream_generation(engine, &ids, opts, args.prefill_chunk) {
             Ok(gen) => {
                 println!();
@@ -613,6 +652,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     if args.max_context == Some(0) {
         bail!("--max-context must be at least 1");
     }
+    let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     let (dir, id) = match &args.model {
         Some(dir) => {
             let id = std::fs::canonicalize(dir)
@@ -630,15 +670,33 @@ fn serve(args: ServeArgs) -> Result<()> {
     let load_dir = dir.clone();
     eprintln!("loading {} ...", dir.display());
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
-        fn load<B: Backend>(be: B, dir: &Path, chunk: usize) -> Result<Engine<B>, String> {
-            Engine::load(be, dir, chunk, &mut |_, _| {})
-                .map_err(|e| format!("loading {}: {e}", dir.display()))
+        /// Loads the model (unless no request could fit the memory limit) and serves it.
+        fn start<B: Backend + DeviceStats>(
+            runner: sala_server::EngineRunner,
+            be: B,
+            dir: &Path,
+            chunk: usize,
+            user_limit: Option<MemoryLimit>,
+        ) -> Result<(), String> {
+            let limit = memory_limit(&be, user_limit);
+            let target = be.target();
+            if let Some(limit) = &limit {
+                let config = ModelConfig::from_file(&dir.join("config.json"))
+                    .map_err(|e| format!("loading {}: {e}", dir.display()))?;
+                // The smallest request: one prompt token and one generated.
+                MemoryPlan::new(&config, 2, chunk, target)
+                    .check(limit)
+                    .map_err(|e| format!("no request can fit the memory limit: {e}"))?;
+            }
+            let engine = Engine::load(be, dir, chunk, &mut |_, _| {})
+                .map_err(|e| format!("loading {}: {e}", dir.display()))?;
+            runner.memory_limit(limit, target).run(engine);
+            Ok(())
         }
         match device.open().map_err(|e| format!("{e:#}"))? {
-            Opened::Cpu(be) => runner.run(load(be, &load_dir, chunk)?),
-            Opened::Cuda(be) => runner.run(load(*be, &load_dir, chunk)?),
+            Opened::Cpu(be) => start(runner, be, &load_dir, chunk, user_limit),
+            Opened::Cuda(be) => start(runner, *be, &load_dir, chunk, user_limit),
         }
-        Ok(())
     })
     .map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
