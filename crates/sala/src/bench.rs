@@ -1,14 +1,16 @@
 //! `sala bench`: time-to-first-token, prefill and decode speed, and peak device memory at
-//! given context lengths, each with its ratio to the hardware floor (PERF.md), as a table and
-//! as JSON.
+//! given context lengths, each with its ratio to the hardware floor (PERF.md), next to the
+//! memory plan, as a table and as JSON; optionally the same on the all-dense variant of the
+//! same size, with the TTFT ratio.
 
-use crate::device::{Device, DeviceStats, Opened};
+use crate::device::{memory_limit, user_memory_limit, Device, DeviceStats, Opened};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use sala_checkpoint::{preset, MixerKind, ModelConfig};
-use sala_model::memory::cache_bytes;
+use sala_checkpoint::{expected_parameter_count, preset, MixerKind, ModelConfig};
+use sala_model::memory::{cache_bytes, MemoryLimit, MemoryPlan};
 use sala_model::numerics::TestRng;
 use sala_model::{Backend, Model};
+use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -42,6 +44,17 @@ pub struct BenchArgs {
     /// Memory bandwidth for the decode floor, TB/s (H200 device copy, measured: 4.3).
     #[arg(long, default_value_t = 4.3)]
     bandwidth_tbs: f64,
+    /// Refuse to run when a context's memory plan exceeds SIZE (e.g. 30G, 30GiB, 28000M;
+    /// powers of 1024). On a GPU its total memory is a limit anyway.
+    #[arg(long, value_name = "SIZE")]
+    max_memory: Option<String>,
+    /// Bench the all-dense variant of the config instead: every layer softmax attention.
+    #[arg(long)]
+    all_dense: bool,
+    /// After the run, run the same contexts on the all-dense variant and print the TTFT
+    /// ratio dense/SALA (contexts whose dense plan does not fit are reported, not run).
+    #[arg(long)]
+    compare_dense: bool,
 }
 
 fn parse_len(s: &str) -> Result<usize> {
@@ -60,8 +73,20 @@ fn parse_len(s: &str) -> Result<usize> {
     Ok(n * mul)
 }
 
+/// The all-dense variant of `c`, the baseline of the same size: every layer a sparse-attention
+/// (`minicpm4`) layer with `dense_len` past `longest` tokens, so every layer attends densely.
+/// Its parameter count differs (sparse-layer projections instead of lightning ones).
+pub fn all_dense(c: &ModelConfig, longest: usize) -> Result<ModelConfig> {
+    let mut d = c.clone();
+    d.mixer_types = vec![MixerKind::Sparse; c.num_hidden_layers];
+    d.sparse.dense_len = longest + 1;
+    d.validate().context("the all-dense variant")?;
+    Ok(d)
+}
+
 /// FLOPs of a prefill of `len` tokens from an empty sequence: matrix products of every layer
-/// for every token, the LM head for the last, and attention.
+/// for every token, the LM head for the last, and attention (dense below `dense_len`, so
+/// every layer of the all-dense variant is counted dense).
 pub fn prefill_flops(c: &ModelConfig, len: usize) -> f64 {
     let per_token_params = (sala_checkpoint::expected_parameter_count(c) as f64)
         - (c.vocab_size * c.hidden_size) as f64 * if c.tie_word_embeddings { 1.0 } else { 2.0 };
@@ -120,6 +145,9 @@ struct Row {
     decode_tok_s: f64,
     decode_floor_tok_s: f64,
     peak_memory_bytes: Option<usize>,
+    plan_total_bytes: usize,
+    /// The memory plan of `context + decode_tokens` tokens.
+    plan: MemoryPlan,
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -135,10 +163,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
-    match Device::parse(&args.device)?.open()? {
-        Opened::Cpu(be) => bench_on(&be, &args, config, &contexts),
-        Opened::Cuda(be) => bench_on(be.as_ref(), &args, config, &contexts),
+    if args.all_dense && args.compare_dense {
+        bail!("--all-dense with --compare-dense would compare the all-dense model with itself");
     }
+    let user_limit = user_memory_limit(args.max_memory.as_deref())?;
+    match Device::parse(&args.device)?.open()? {
+        Opened::Cpu(be) => bench_on(&be, &args, config, &contexts, user_limit),
+        Opened::Cuda(be) => bench_on(be.as_ref(), &args, config, &contexts, user_limit),
+    }
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 fn bench_on<B: Backend + DeviceStats>(
@@ -146,17 +182,161 @@ fn bench_on<B: Backend + DeviceStats>(
     args: &BenchArgs,
     config: ModelConfig,
     contexts: &[usize],
+    user_limit: Option<MemoryLimit>,
 ) -> Result<()> {
     let name = args
         .config
         .as_ref()
         .map(|p| p.display().to_string())
         .unwrap_or_else(|| args.preset.clone());
-    eprintln!("bench: {name} with random weights on {}", be.name());
+    let max_ctx = contexts.iter().copied().max().unwrap_or(1);
+    let chunk = args.prefill_chunk.min(max_ctx);
+    let longest = max_ctx + args.decode_tokens;
+    let limit = memory_limit(be, user_limit);
+    let plan = |c: &ModelConfig, len: usize| {
+        MemoryPlan::new(c, len + args.decode_tokens, chunk, be.target())
+    };
+    let (config, name) = if args.all_dense {
+        (
+            all_dense(&config, longest)?,
+            format!("{name}, all-dense variant"),
+        )
+    } else {
+        (config, name)
+    };
+    // Every context must fit before any work.
+    if let Some(limit) = &limit {
+        for &len in contexts {
+            plan(&config, len).check(limit)?;
+        }
+    }
+    let params = expected_parameter_count(&config);
+    let dense = if args.compare_dense {
+        Some(all_dense(&config, longest)?)
+    } else {
+        None
+    };
+    eprintln!(
+        "bench: {name} ({} parameters{}) with random weights on {}",
+        crate::human_count(params as f64),
+        dense.as_ref().map_or(String::new(), |d| format!(
+            "; all-dense variant: {}",
+            crate::human_count(expected_parameter_count(d) as f64)
+        )),
+        be.name()
+    );
+    let rows = measure(be, args, &config, contexts, chunk, &plan)?;
+    if dense.is_some() {
+        println!("{name}:");
+    }
+    print_rows(&rows);
+
+    let mut results: Vec<Value> = rows
+        .iter()
+        .map(serde_json::to_value)
+        .collect::<Result<_, _>>()?;
+    let mut dense_doc = Value::Null;
+    if let Some(dense) = &dense {
+        // The SALA model is dropped by now (`measure` owned it), so its memory is free.
+        let misfit = |len: usize| limit.as_ref().and_then(|l| plan(dense, len).check(l).err());
+        let fitting: Vec<usize> = contexts
+            .iter()
+            .copied()
+            .filter(|&len| misfit(len).is_none())
+            .collect();
+        let dense_rows = if fitting.is_empty() {
+            Vec::new()
+        } else {
+            eprintln!("bench: the all-dense variant");
+            measure(be, args, dense, &fitting, chunk, &plan)?
+        };
+        if !dense_rows.is_empty() {
+            println!("all-dense variant:");
+            print_rows(&dense_rows);
+        }
+        println!(
+            "{:>9} {:>14} {:>14} {:>11}",
+            "context", "TTFT s, dense", "TTFT s, SALA", "dense/SALA"
+        );
+        let mut dense_results = Vec::new();
+        for (r, doc) in rows.iter().zip(results.iter_mut()) {
+            match dense_rows.iter().find(|d| d.context == r.context) {
+                Some(d) => {
+                    let ratio = d.ttft_s / r.ttft_s;
+                    println!(
+                        "{:>9} {:>14.3} {:>14.3} {:>10.2}x",
+                        r.context, d.ttft_s, r.ttft_s, ratio
+                    );
+                    doc["dense_ttft_s"] = json!(d.ttft_s);
+                    doc["ttft_ratio_dense_over_sala"] = json!(ratio);
+                    let mut v = serde_json::to_value(d)?;
+                    v["fits"] = json!(true);
+                    dense_results.push(v);
+                }
+                None => {
+                    let e = misfit(r.context)
+                        .context("a dense context neither ran nor failed its plan")?;
+                    println!(
+                        "{:>9} does not fit: needs {:.2} GiB, {:.2} GiB allowed ({}; {} > {} bytes)",
+                        r.context,
+                        gib(e.plan.total()),
+                        gib(e.limit.bytes),
+                        e.limit.source,
+                        e.plan.total(),
+                        e.limit.bytes
+                    );
+                    doc["dense_ttft_s"] = Value::Null;
+                    doc["ttft_ratio_dense_over_sala"] = Value::Null;
+                    dense_results.push(json!({
+                        "context": r.context,
+                        "fits": false,
+                        "plan_total_bytes": e.plan.total(),
+                        "plan": e.plan,
+                    }));
+                }
+            }
+        }
+        dense_doc = json!({
+            "parameters": expected_parameter_count(dense),
+            "results": dense_results,
+        });
+    }
+    if let Some(path) = &args.json {
+        let mut doc = json!({
+            "model": name,
+            "device": be.name(),
+            "parameters": params,
+            "total_memory_bytes": be.total_memory(),
+            "memory_limit_bytes": limit.as_ref().map(|l| l.bytes),
+            "decode_tokens": args.decode_tokens,
+            "prefill_chunk": args.prefill_chunk,
+            "gemm_tflops_ceiling": args.gemm_tflops,
+            "bandwidth_tbs_ceiling": args.bandwidth_tbs,
+            "results": results,
+        });
+        if !dense_doc.is_null() {
+            doc["dense"] = dense_doc;
+        }
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Makes a model of `config` with random weights, warms it up, and measures each context;
+/// the model is dropped on return.
+fn measure<B: Backend + DeviceStats>(
+    be: &B,
+    args: &BenchArgs,
+    config: &ModelConfig,
+    contexts: &[usize],
+    chunk: usize,
+    plan: &dyn Fn(&ModelConfig, usize) -> MemoryPlan,
+) -> Result<Vec<Row>> {
     let load_start = Instant::now();
     let model = Model::random(be, config.clone(), args.seed, &mut |_, _| {})?;
     let max_ctx = contexts.iter().copied().max().unwrap_or(1);
-    let mut ws = model.workspace(be, args.prefill_chunk.min(max_ctx))?;
+    let mut ws = model.workspace(be, chunk)?;
     let mut rng = TestRng::new(args.seed ^ 0x5eed);
     let tokens: Vec<u32> = (0..max_ctx + args.decode_tokens)
         .map(|_| rng.below(config.vocab_size) as u32)
@@ -164,7 +344,8 @@ fn bench_on<B: Backend + DeviceStats>(
     // Warm-up: kernel loading and GEMM plans for the chunk shapes used below.
     {
         let mut seq = model.new_sequence(be)?;
-        let warm = args.prefill_chunk.min(max_ctx);
+        let warm = chunk.min(max_ctx);
+        model.reserve(be, &mut seq, warm + 1)?;
         model.prefill(be, &mut ws, &mut seq, &tokens[..warm], &mut |_| {})?;
         model.decode(be, &mut ws, &mut seq, tokens[warm])?;
     }
@@ -181,13 +362,17 @@ fn bench_on<B: Backend + DeviceStats>(
     };
     let mut rows = Vec::new();
     for &len in contexts {
-        let mut seq = model.new_sequence(be)?;
-        let mut peak = be.memory_in_use();
+        // TTFT includes taking the sequence's caches, once, for all its tokens.
         let start = Instant::now();
-        let mut logits = model.prefill(be, &mut ws, &mut seq, &tokens[..len], &mut |_| {})?;
+        let mut seq = model.new_sequence(be)?;
+        model.reserve(be, &mut seq, len + args.decode_tokens)?;
+        // Sampled after every prefill chunk and after decode: the peak of the whole run.
+        let mut peak = be.memory_in_use();
+        let mut logits = model.prefill(be, &mut ws, &mut seq, &tokens[..len], &mut |_| {
+            peak = peak.max(be.memory_in_use());
+        })?;
         let mut next = argmax(&logits);
         let ttft = start.elapsed().as_secs_f64();
-        peak = peak.max(be.memory_in_use());
         print_profile(be, &format!("prefill of {len}"));
         let waited_before = be.host_wait();
         let start = Instant::now();
@@ -206,52 +391,70 @@ fn bench_on<B: Backend + DeviceStats>(
         }
         peak = peak.max(be.memory_in_use());
         print_profile(be, &format!("{} decode steps at {len}", args.decode_tokens));
+        let plan = plan(config, len);
         rows.push(Row {
             context: len,
             ttft_s: ttft,
             prefill_tok_s: len as f64 / ttft,
             prefill_floor_tok_s: len as f64
-                / (prefill_flops(&config, len) / (args.gemm_tflops * 1e12)),
+                / (prefill_flops(config, len) / (args.gemm_tflops * 1e12)),
             decode_tok_s: args.decode_tokens as f64 / decode,
-            decode_floor_tok_s: args.bandwidth_tbs * 1e12 / decode_bytes(&config, len),
+            decode_floor_tok_s: args.bandwidth_tbs * 1e12 / decode_bytes(config, len),
             peak_memory_bytes: peak,
+            plan_total_bytes: plan.total(),
+            plan,
         });
     }
+    Ok(rows)
+}
 
+/// The speed table, with the plan's total beside the measured peak, then the plan's terms.
+fn print_rows(rows: &[Row]) {
+    let peak = |r: &Row| {
+        r.peak_memory_bytes
+            .map_or("n/a".into(), |b| format!("{:.2}", gib(b)))
+    };
     println!(
-        "{:>9} {:>9} {:>13} {:>8} {:>12} {:>8} {:>10}",
-        "context", "TTFT s", "prefill tok/s", "of floor", "decode tok/s", "of floor", "peak GiB"
+        "{:>9} {:>9} {:>13} {:>8} {:>12} {:>8} {:>10} {:>10}",
+        "context",
+        "TTFT s",
+        "prefill tok/s",
+        "of floor",
+        "decode tok/s",
+        "of floor",
+        "peak GiB",
+        "plan GiB"
     );
-    for r in &rows {
+    for r in rows {
         println!(
-            "{:>9} {:>9.3} {:>13.0} {:>7.0}% {:>12.1} {:>7.0}% {:>10}",
+            "{:>9} {:>9.3} {:>13.0} {:>7.0}% {:>12.1} {:>7.0}% {:>10} {:>10.2}",
             r.context,
             r.ttft_s,
             r.prefill_tok_s,
             100.0 * r.prefill_tok_s / r.prefill_floor_tok_s,
             r.decode_tok_s,
             100.0 * r.decode_tok_s / r.decode_floor_tok_s,
-            r.peak_memory_bytes.map_or("n/a".into(), |b| format!(
-                "{:.2}",
-                b as f64 / (1u64 << 30) as f64
-            ))
+            peak(r),
+            gib(r.plan.total())
         );
     }
-    if let Some(path) = &args.json {
-        let doc = serde_json::json!({
-            "model": name,
-            "device": be.name(),
-            "total_memory_bytes": be.total_memory(),
-            "decode_tokens": args.decode_tokens,
-            "prefill_chunk": args.prefill_chunk,
-            "gemm_tflops_ceiling": args.gemm_tflops,
-            "bandwidth_tbs_ceiling": args.bandwidth_tbs,
-            "results": rows,
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+    println!(
+        "{:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}   (memory plan, GiB)",
+        "context", "weights", "caches", "workspace", "backend", "total", "peak"
+    );
+    for r in rows {
+        let p = &r.plan;
+        println!(
+            "{:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>10}",
+            r.context,
+            gib(p.weights),
+            gib(p.cache.total()),
+            gib(p.workspace),
+            gib(p.scratch + p.runtime),
+            gib(p.total()),
+            peak(r)
+        );
     }
-    Ok(())
 }
 
 /// Prints the per-kernel device time since the last call (with `SALA_PROFILE=1`).
@@ -284,5 +487,37 @@ mod tests {
         assert_eq!(parse_len("32K").unwrap(), 32768);
         assert_eq!(parse_len("1M").unwrap(), 1 << 20);
         assert!(parse_len("abc").is_err() && parse_len("0").is_err());
+    }
+
+    #[test]
+    fn the_all_dense_variant_and_its_floors() {
+        let c = preset("minicpm-sala-9b").unwrap();
+        let d = all_dense(&c, 1 << 20).unwrap();
+        assert_eq!(d.layer_count(MixerKind::Sparse), 32);
+        assert!(d.sparse.dense_len > 1 << 20);
+        // 24 lightning layers (q, k, v, z, o of 4096² and norms of 128, 128, 4096) become
+        // sparse ones (q, o_gate, o of 4096², k, v of 256 x 4096).
+        let lightning = 5 * 4096 * 4096 + 128 + 128 + 4096;
+        let sparse = 3 * 4096 * 4096 + 2 * 256 * 4096;
+        assert_eq!(
+            expected_parameter_count(&d),
+            9_477_203_968 - 24 * (lightning - sparse)
+        );
+        // Prefill: every layer attends to every earlier key: 4·d·heads FLOPs per key.
+        let len = 3000u64;
+        let embed = (d.vocab_size * d.hidden_size) as u64;
+        let matmul = 2 * (expected_parameter_count(&d) - 2 * embed) * len + 2 * embed;
+        let attn = 32 * 4 * 128 * 32 * len * (len + 1) / 2;
+        let want = (matmul + attn) as f64;
+        let got = prefill_flops(&d, len as usize);
+        assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
+        // Sparse attention caps SALA's attention; dense keeps growing.
+        let long = 256 << 10;
+        assert!(prefill_flops(&d, long) > 3.0 * prefill_flops(&c, long));
+        // Decode reads the whole K/V of all 32 layers.
+        let ctx = 100_000;
+        let weights = 2.0 * (expected_parameter_count(&d) - embed) as f64;
+        let kv = (32 * 2 * ctx * 256 * 2) as f64;
+        assert_eq!(decode_bytes(&d, ctx), weights + kv);
     }
 }

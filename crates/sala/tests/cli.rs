@@ -262,3 +262,275 @@ fn chat_keeps_going_after_a_turn_that_does_not_fit() {
     // Two answered turns, each ended by a newline (a reply may hold newlines itself).
     assert!(stdout(&o).lines().count() >= 2, "{}", stdout(&o));
 }
+
+fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn positive(v: &serde_json::Value, field: &str, what: &str) -> f64 {
+    let x = v[field]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{what}: no number {field}: {v}"));
+    assert!(x > 0.0 && x.is_finite(), "{what}: {field} = {x}");
+    x
+}
+
+/// Checks a measured row of `sala bench --json` and its memory plan; returns its TTFT.
+fn check_bench_row(r: &serde_json::Value, context: u64, decode: u64, what: &str) -> f64 {
+    assert_eq!(r["context"], context, "{what}: {r}");
+    for f in [
+        "prefill_tok_s",
+        "prefill_floor_tok_s",
+        "decode_tok_s",
+        "decode_floor_tok_s",
+        "peak_memory_bytes",
+    ] {
+        positive(r, f, what);
+    }
+    let p = &r["plan"];
+    assert_eq!(p["context"], context + decode, "{what}: {p}");
+    let terms: u64 = ["weights", "workspace", "scratch", "runtime"]
+        .iter()
+        .map(|k| p[k].as_u64().unwrap())
+        .chain(
+            ["kv", "compressed", "lightning_state"]
+                .iter()
+                .map(|k| p["cache"][k].as_u64().unwrap()),
+        )
+        .sum();
+    assert_eq!(r["plan_total_bytes"], terms, "{what}: {r}");
+    for k in ["weights", "workspace"] {
+        positive(p, k, what);
+    }
+    positive(&p["cache"], "kv", what);
+    positive(r, "ttft_s", what)
+}
+
+fn bench(args: &[&str], json: &Path, cache: &Path) -> Output {
+    let mut all = vec![
+        "bench",
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--decode-tokens",
+        "4",
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    sala(&all, cache)
+}
+
+#[test]
+fn bench_on_the_cpu_compares_with_the_all_dense_variant() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let o = bench(
+        &["--context", "256,600", "--compare-dense"],
+        &json,
+        tmp.path(),
+    );
+    ok(&o);
+    let out = stdout(&o);
+    for needle in [
+        "peak GiB",
+        "plan GiB",
+        "memory plan",
+        "dense/SALA",
+        "all-dense",
+    ] {
+        assert!(out.contains(needle), "{needle:?} not in {out}");
+    }
+    let v = read_json(&json);
+    let sala_params = v["parameters"].as_u64().unwrap();
+    let dense_params = v["dense"]["parameters"].as_u64().unwrap();
+    assert!(sala_params > 0 && dense_params > 0);
+    assert_ne!(sala_params, dense_params, "lightning vs sparse projections");
+    let e = stderr(&o);
+    assert!(
+        e.contains("951.8 K parameters") && e.contains("all-dense variant: "),
+        "{e}"
+    );
+
+    let rows = v["results"].as_array().unwrap();
+    let dense = v["dense"]["results"].as_array().unwrap();
+    assert_eq!((rows.len(), dense.len()), (2, 2), "{v}");
+    for (i, context) in [256u64, 600].into_iter().enumerate() {
+        let ttft = check_bench_row(&rows[i], context, 4, "SALA");
+        assert_eq!(dense[i]["fits"], true);
+        let dense_ttft = check_bench_row(&dense[i], context, 4, "dense");
+        assert_eq!(rows[i]["dense_ttft_s"].as_f64(), Some(dense_ttft));
+        let ratio = positive(&rows[i], "ttft_ratio_dense_over_sala", "SALA");
+        assert!((ratio - dense_ttft / ttft).abs() < 1e-9 * ratio);
+        // The variant's plan: different weights, twice the sparse layers' K/V.
+        let (p, d) = (&rows[i]["plan"], &dense[i]["plan"]);
+        assert_ne!(p["weights"], d["weights"]);
+        assert_eq!(
+            2 * p["cache"]["kv"].as_u64().unwrap(),
+            d["cache"]["kv"].as_u64().unwrap()
+        );
+        assert_eq!(d["cache"]["lightning_state"], 0);
+    }
+
+    // A limit that holds SALA at 600 tokens and dense at 256 but not dense at 600: the dense
+    // 600 is reported from its plan, not run.
+    let plan = |r: &serde_json::Value| r["plan_total_bytes"].as_u64().unwrap();
+    let limit = plan(&rows[1]);
+    assert!(plan(&dense[1]) > limit && plan(&dense[0]) <= limit, "{v}");
+    let limit = limit.to_string();
+    let o = bench(
+        &[
+            "--context",
+            "256,600",
+            "--compare-dense",
+            "--max-memory",
+            &limit,
+        ],
+        &json,
+        tmp.path(),
+    );
+    ok(&o);
+    assert!(stdout(&o).contains("does not fit"), "{}", stdout(&o));
+    let v = read_json(&json);
+    let (rows, dense) = (&v["results"], &v["dense"]["results"]);
+    assert_eq!(dense[0]["fits"], true);
+    assert_eq!(dense[1]["fits"], false);
+    assert!(dense[1]["plan_total_bytes"].as_u64().unwrap() > limit.parse().unwrap());
+    assert!(dense[1].get("ttft_s").is_none(), "{v}");
+    positive(&rows[0], "ttft_ratio_dense_over_sala", "SALA");
+    assert!(rows[1]["ttft_ratio_dense_over_sala"].is_null(), "{v}");
+    check_bench_row(&rows[1], 600, 4, "SALA under the limit");
+}
+
+#[test]
+fn bench_refuses_a_plan_over_the_memory_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let o = bench(
+        &["--context", "256", "--max-memory", "1M"],
+        &json,
+        tmp.path(),
+    );
+    fails_with(
+        &o,
+        &[
+            "260 tokens need",
+            "GiB are allowed",
+            "--max-memory 1M",
+            "weights",
+        ],
+    );
+    assert!(!json.exists(), "no work, no results");
+    fails_with(
+        &bench(&["--max-memory", "30X"], &json, tmp.path()),
+        &["--max-memory", "30X"],
+    );
+    fails_with(
+        &bench(&["--all-dense", "--compare-dense"], &json, tmp.path()),
+        &["--all-dense"],
+    );
+    // --all-dense alone runs the variant.
+    let o = bench(&["--context", "200", "--all-dense"], &json, tmp.path());
+    ok(&o);
+    let v = read_json(&json);
+    check_bench_row(&v["results"][0], 200, 4, "all-dense");
+    assert_eq!(v["results"][0]["plan"]["cache"]["lightning_state"], 0);
+}
+
+#[test]
+fn generate_chat_and_serve_honour_max_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path();
+    let dir = tiny_checkpoint(cache, "tiny", &[]);
+    let d = dir.to_str().unwrap();
+    let gen = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--device",
+            "cpu",
+            "--model",
+            d,
+            "The cat sat",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+        ];
+        args.extend_from_slice(extra);
+        sala(&args, cache)
+    };
+    let o = gen(&["--max-memory", "1M"]);
+    fails_with(
+        &o,
+        &[
+            "tokens need",
+            "GiB are allowed",
+            "--max-memory 1M",
+            "weights",
+        ],
+    );
+    assert!(stdout(&o).is_empty(), "no work: {}", stdout(&o));
+    ok(&gen(&["--max-memory", "30G"]));
+    ok(&gen(&["--max-memory", "30GiB"]));
+    fails_with(&gen(&["--max-memory", "lots"]), &["--max-memory", "lots"]);
+    fails_with(&gen(&["--max-memory", "0"]), &["--max-memory"]);
+
+    // Chat: a turn over the limit is refused and the session goes on.
+    let config = sala_checkpoint::preset("tiny").unwrap();
+    let cpu = sala_model::memory::Target::Cpu;
+    let limit = sala_model::memory::MemoryPlan::new(&config, 120, 256, cpu).total();
+    let limit = limit.to_string();
+    let long = "word ".repeat(200);
+    let input = format!("Hello there\n{long}\nAnother question\n");
+    let args = [
+        "chat",
+        "--device",
+        "cpu",
+        "-m",
+        d,
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--max-memory",
+        &limit,
+    ];
+    let o = sala_with_stdin(&args, input.as_bytes(), cache);
+    ok(&o);
+    let e = stderr(&o);
+    assert!(
+        e.contains("GiB are allowed") && e.contains("--max-memory"),
+        "{e}"
+    );
+    assert_eq!(e.matches("error:").count(), 1, "{e}");
+    assert!(stdout(&o).lines().count() >= 2, "{}", stdout(&o));
+    fails_with(
+        &sala(
+            &["chat", "--device", "cpu", "-m", d, "--max-memory", "1K"],
+            cache,
+        ),
+        &["GiB are allowed", "--max-memory 1K"],
+    );
+
+    // Serve: a limit no request fits stops it before it listens.
+    fails_with(
+        &sala(
+            &[
+                "serve",
+                "--device",
+                "cpu",
+                "-m",
+                d,
+                "--port",
+                "0",
+                "--max-memory",
+                "1M",
+            ],
+            cache,
+        ),
+        &["no request can fit", "--max-memory 1M"],
+    );
+    fails_with(
+        &sala(&["serve", "--device", "cpu", "--max-memory", "9Q"], cache),
+        &["--max-memory", "9Q"],
+    );
+}
