@@ -31,8 +31,4 @@ fi
 
 echo "== bench ($contexts)"
 .gpu/sala bench --device cuda --context "$contexts" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -12
-if [ -n "${GEMV_AB:-}" ]; then
-  echo "== bench with SALA_GEMV=staged"
-  SALA_GEMV=staged .gpu/sala bench --device cuda --context "$contexts" 2>&1 | tail -4
-fi
 exit $status

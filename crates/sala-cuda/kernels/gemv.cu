@@ -57,7 +57,7 @@ __device__ __forceinline__ void gemv_rows(const bf16* x, const uint4* const (&wr
 
 // y[o] = round(Σ_i x[i]·w[o, i]) for o < n, written to up to four outputs in turn: o < n0 goes
 // to y0[o], then n1 values to y1, n2 to y2, the rest to y3 (one product of stacked weights,
-// split as `split_cols` would). k is a multiple of 8. Each warp streams GEMV_ROWS rows with
+// as separate products would). k is a multiple of 8. Each warp streams GEMV_ROWS rows with
 // 16-byte loads, 4 packs per row in flight.
 // launch: grid = ceil(n / (GEMV_WARPS * GEMV_ROWS)), block = 32 * GEMV_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
@@ -116,24 +116,6 @@ gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
         const float u = bf2f(f2bf(warp_sum(acc[HALF + r])));
         if (lane == 0 && j0 + r < inter) y[j0 + r] = f2bf(round_bf(g / (1.0f + expf(-g))) * u);
     }
-}
-
-// Splits the columns of src [rows, total] into up to four outputs of widths w0..w3 (in
-// order; a width of 0 ends the list).
-// launch: grid = ceil(rows * total / 256), block = 256
-extern "C" __global__ void split_cols(const bf16* src, int rows, int total, bf16* d0, int w0, bf16* d1, int w1,
-                                      bf16* d2, int w2, bf16* d3, int w3) {
-    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (u64)rows * total) return;
-    int r = idx / total, c = idx % total;
-    bf16 v = src[idx];
-    if (c < w0) { d0[(u64)r * w0 + c] = v; return; }
-    c -= w0;
-    if (c < w1) { d1[(u64)r * w1 + c] = v; return; }
-    c -= w1;
-    if (c < w2) { d2[(u64)r * w2 + c] = v; return; }
-    c -= w2;
-    if (c < w3) d3[(u64)r * w3 + c] = v;
 }
 
 // out[r, i] = round(round(silu(gu[r, i])) · gu[r, inter + i]) for gu = [rows, 2·inter].

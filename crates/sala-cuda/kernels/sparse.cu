@@ -1031,79 +1031,128 @@ __device__ __forceinline__ void sq_issue(const bf16* src, size_t kvw, int g, int
     sp_cp_commit();
 }
 
-// S = Q Kᵀ for the warp's 16 rows and the SQ_KC staged keys (8 n-tiles of 8 keys).
-__device__ __forceinline__ void sq_qk(float (&S)[SQ_KC / 8][4], const u32 (&qa)[8][4], const bf16* Ks, int ld,
-                                      int d) {
+#define SQ_TW 2  // query tokens per warp (MMA row tiles)
+
+// S[m] = Q_m Kᵀ for the warp's SQ_TW row tiles and the 32 staged keys [32·half, 32·half + 32)
+// (4 n-tiles); each B fragment is loaded once for both row tiles.
+__device__ __forceinline__ void sq_qk(float (&S)[SQ_TW][4][4], const u32 (&qa)[SQ_TW][8][4], const bf16* Ks,
+                                      int ld, int d, int half) {
     const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < SQ_KC / 8; nt++)
+    for (int m = 0; m < SQ_TW; m++)
 #pragma unroll
-        for (int x = 0; x < 4; x++) S[nt][x] = 0.0f;
+        for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-    for (int kk = 0; kk < 8; kk++) {
-        if (kk * 16 < d) {
+            for (int x = 0; x < 4; x++) S[m][nt][x] = 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < SQ_KC / 8; nt++) {
-                const bf16* kr = Ks + (nt * 8 + gq) * ld + kk * 16 + 2 * tq;
-                sp_mma(S[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], *(const u32*)kr, *(const u32*)(kr + 8));
+    for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            if (kk * 16 < d) {
+                const bf16* kr = Ks + (32 * half + nt * 8 + gq) * ld + kk * 16 + 2 * tq;
+                const u32 b0 = *(const u32*)kr, b1 = *(const u32*)(kr + 8);
+#pragma unroll
+                for (int m = 0; m < SQ_TW; m++)
+                    sp_mma(S[m][nt], qa[m][kk][0], qa[m][kk][1], qa[m][kk][2], qa[m][kk][3], b0, b1);
             }
         }
     }
 }
 
-// For query i = blockIdx.x·SQ_WARPS + warp (position t = first_pos + i, block qb = t / block_size)
-// and KV group g = blockIdx.y, with qb ≥ k_sel: the score of every candidate block b ∈
-// [init_blocks, qb − local_blocks), max of P over its level-1 windows [w·b − 1, w·b + w − 1]
-// (w = block_size / k1_stride), into bs[(i·kv_heads + g)·bs_stride + b]. P is the stage-1
-// probability (SPEC §5.4): Σ over the group's heads of exp(s·q·K1 − LSE₂), rounded to bf16.
-// Needs heads / kv_heads ≤ 16, d a multiple of 16 and ≤ 128, 64 a multiple of w.
-// launch: grid = ((T + SQ_WARPS − 1) / SQ_WARPS, kv_heads), block = 32·SQ_WARPS, dynamic smem = 0 bytes
-//   (static shared memory 2·64·136·2 + 8·65·4 = 36,896 bytes)
+// Sum over the warp's 16 rows of v[j] (j = 2·nt + c: column 8nt + 2tq + c, each thread holding
+// rows gq and gq + 8 already added), as a butterfly over the lane bits of gq: 7 shuffles. The
+// lane ends with the total of column 8·(gq >> 1) + 2tq + (gq & 1).
+__device__ __forceinline__ float sq_row_sum(float (&v)[8]) {
+    const int gq = (threadIdx.x & 31) >> 2;
+    const bool b2 = gq & 4, b1 = gq & 2, b0 = gq & 1;
+    float u[4], w[2];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float send = b2 ? v[j] : v[j + 4];
+        u[j] = (b2 ? v[j + 4] : v[j]) + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const float send = b1 ? u[j] : u[j + 2];
+        w[j] = (b1 ? u[j + 2] : u[j]) + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+    const float send = b0 ? w[0] : w[1];
+    return (b0 ? w[1] : w[0]) + __shfl_xor_sync(0xffffffffu, send, 4);
+}
+
+// For query i = blockIdx.x·SQ_WARPS·SQ_TW + SQ_TW·warp + m (m < SQ_TW; position t = first_pos + i,
+// block qb = t / block_size) and KV group g = blockIdx.y, with qb ≥ k_sel: the score of every
+// candidate block b ∈ [init_blocks, qb − local_blocks), max of P over its level-1 windows
+// [w·b − 1, w·b + w − 1] (w = block_size / k1_stride), into bs[(i·kv_heads + g)·bs_stride + b].
+// P is the stage-1 probability (SPEC §5.4): Σ over the group's heads of exp(s·q·K1 − LSE₂),
+// rounded to bf16. Needs heads / kv_heads ≤ 16, d a multiple of 16 and ≤ 128, 64 a multiple of w.
+// launch: grid = ((T + 15) / 16, kv_heads), block = 32·SQ_WARPS, dynamic smem = 0 bytes
+//   (static shared memory 2·64·136·2 + 16·65·4 = 38,976 bytes)
 extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
 select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
                   int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
                   int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
     __shared__ __align__(16) bf16 sq_kv[2 * SQ_KC * AT_MAXLD];
-    __shared__ float sq_p[SQ_WARPS][SQ_KC + 1];
+    __shared__ float sq_p[SQ_WARPS * SQ_TW][SQ_KC + 1];
     const int G = heads / kv_heads, g = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
     const int w = block_size / k1_stride;
     const size_t kvw = (size_t)kv_heads * d;
     const int ld = d + 8;
     const float NEG = -__int_as_float(0x7f800000);
+    const int per_block = SQ_WARPS * SQ_TW;
 
-    // This warp's token, and the block's last (the loop bounds grow with t).
-    const int i = blockIdx.x * SQ_WARPS + warp;
-    const int t = first_pos + min(i, T - 1);
-    const int t_last = first_pos + min((int)(blockIdx.x + 1) * SQ_WARPS, T) - 1;
-    const int qb = t / block_size, qb_last = t_last / block_size;
-    const bool active = i < T && qb >= k_sel;
-    const int cand_hi = active ? max(qb - local_blocks, 0) : 0;
-    const int n2v = min(sp_visible(t, k2_window, k2_stride), n2);
+    // The warp's tokens, and the block's last (the loop bounds grow with t).
+    int ii[SQ_TW], tt[SQ_TW], cand_hi[SQ_TW], n2v[SQ_TW];
+    bool act[SQ_TW];
+    bool any = false;
+#pragma unroll
+    for (int m = 0; m < SQ_TW; m++) {
+        ii[m] = blockIdx.x * per_block + SQ_TW * warp + m;
+        tt[m] = first_pos + min(ii[m], T - 1);
+        const int qb = tt[m] / block_size;
+        act[m] = ii[m] < T && qb >= k_sel;
+        any |= act[m];
+        cand_hi[m] = act[m] ? max(qb - local_blocks, 0) : 0;
+        n2v[m] = min(sp_visible(tt[m], k2_window, k2_stride), n2);
+    }
+    const int t_last = first_pos + min((int)(blockIdx.x + 1) * per_block, T) - 1;
+    const int qb_last = t_last / block_size;
     const int n2_all = min(sp_visible(t_last, k2_window, k2_stride), n2);
     const int n1_all = (qb_last >= k_sel) ? min(w * max(qb_last - local_blocks, 0), n1) : 0;
     if (n1_all == 0 || n2_all == 0) return;  // block-uniform
 
-    u32 qa[8][4];
-    bool row_ok[2];
+    u32 qa[SQ_TW][8][4];
+    bool row_ok[SQ_TW][2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) row_ok[r] = active && gq + 8 * r < G;
+    for (int m = 0; m < SQ_TW; m++)
 #pragma unroll
-    for (int kk = 0; kk < 8; kk++)
+        for (int r = 0; r < 2; r++) row_ok[m][r] = act[m] && gq + 8 * r < G;
 #pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int r = x & 1, c8 = (x >> 1) * 8;
-            u32 v = 0;
-            if (kk * 16 < d && row_ok[r])
-                v = *(const u32*)(q + (size_t)(t - first_pos) * heads * d + (size_t)(g * G + gq + 8 * r) * d +
-                                  kk * 16 + c8 + 2 * tq);
-            qa[kk][x] = v;
-        }
+    for (int m = 0; m < SQ_TW; m++)
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int r = x & 1, c8 = (x >> 1) * 8;
+                u32 v = 0;
+                if (kk * 16 < d && row_ok[m][r])
+                    v = *(const u32*)(q + (size_t)(tt[m] - first_pos) * heads * d +
+                                      (size_t)(g * G + gq + 8 * r) * d + kk * 16 + c8 + 2 * tq);
+                qa[m][kk][x] = v;
+            }
     const float sl2 = scale * 1.4426950408889634f;
-    float S[SQ_KC / 8][4];
+    float S[SQ_TW][4][4];
 
     // Pass 1: LSE₂ of each row over the visible level-2 keys (online, log2 units).
-    float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f};
+    float mrow[SQ_TW][2], lrow[SQ_TW][2];
+#pragma unroll
+    for (int m = 0; m < SQ_TW; m++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mrow[m][r] = NEG;
+            lrow[m][r] = 0.0f;
+        }
     int buf = 0;
     sq_issue(k2, kvw, g, d, sq_kv, ld, 0, min(SQ_KC, n2_all));
     for (int c0 = 0; c0 < n2_all; c0 += SQ_KC) {
@@ -1112,48 +1161,61 @@ select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2,
         else sp_cp_commit();
         sp_cp_wait1();
         __syncthreads();
-        if (active && c0 < n2v) {
-            sq_qk(S, qa, sq_kv + buf * SQ_KC * ld, ld, d);
-            float mx[2] = {NEG, NEG};
 #pragma unroll
-            for (int nt = 0; nt < SQ_KC / 8; nt++)
+        for (int half = 0; half < 2; half++) {
+            if (any && c0 + 32 * half < n2v[SQ_TW - 1]) {
+                sq_qk(S, qa, sq_kv + buf * SQ_KC * ld, ld, d, half);
 #pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const int col = c0 + nt * 8 + 2 * tq + (x & 1);
-                    const float s = (col < n2v) ? S[nt][x] * sl2 : NEG;
-                    S[nt][x] = s;
-                    mx[x >> 1] = fmaxf(mx[x >> 1], s);
+                for (int m = 0; m < SQ_TW; m++) {
+                    float mx[2] = {NEG, NEG};
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                        for (int x = 0; x < 4; x++) {
+                            const int col = c0 + 32 * half + nt * 8 + 2 * tq + (x & 1);
+                            const float sv = (col < n2v[m]) ? S[m][nt][x] * sl2 : NEG;
+                            S[m][nt][x] = sv;
+                            mx[x >> 1] = fmaxf(mx[x >> 1], sv);
+                        }
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
+                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                        const float mn = fmaxf(mrow[m][r], mx[r]);
+                        const float mu = (mn == NEG) ? 0.0f : mn;
+                        lrow[m][r] *= exp2f(mrow[m][r] - mu);
+                        mrow[m][r] = mn;
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                        for (int x = 0; x < 4; x++) {
+                            const float mu = (mrow[m][x >> 1] == NEG) ? 0.0f : mrow[m][x >> 1];
+                            lrow[m][x >> 1] += exp2f(S[m][nt][x] - mu);
+                        }
                 }
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float mn = fmaxf(m[r], mx[r]);
-                l[r] *= exp2f(m[r] - mn);  // m = −inf only before the first tile, when l = 0
-                m[r] = mn;
             }
-#pragma unroll
-            for (int nt = 0; nt < SQ_KC / 8; nt++)
-#pragma unroll
-                for (int x = 0; x < 4; x++) l[x >> 1] += exp2f(S[nt][x] - m[x >> 1]);
         }
         __syncthreads();  // buffer `buf` free
         buf ^= 1;
     }
     sp_cp_wait0();
-    float lse[2];
+    float lse[SQ_TW][2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        // Padding rows get +inf, so their probabilities are 0.
-        lse[r] = row_ok[r] ? m[r] + __log2f(l[r]) : __int_as_float(0x7f800000);
-    }
+    for (int m = 0; m < SQ_TW; m++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float l = lrow[m][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            // Padding rows and inactive tokens get +inf, so their probabilities are 0.
+            lse[m][r] = row_ok[m][r] ? mrow[m][r] + __log2f(l) : __int_as_float(0x7f800000);
+        }
 
     // Pass 2: P of each level-1 window (sum over the rows), max-pooled into block scores.
-    float* pw = sq_p[warp];  // pw[0]: the previous tile's last window; pw[1 + x]: window c0 + x
-    if (lane == 0) pw[0] = NEG;
-    float* bsp = bs + ((size_t)(t - first_pos) * kv_heads + g) * bs_stride;
+    // pw[m][0]: the previous tile's last window; pw[m][1 + x]: window c0 + x.
+    float* pw0 = sq_p[SQ_TW * warp];
+    if (lane < SQ_TW) pw0[lane * (SQ_KC + 1)] = NEG;
     buf = 0;
     __syncthreads();
     sq_issue(k1, kvw, g, d, sq_kv, ld, 0, min(SQ_KC, n1_all));
@@ -1163,32 +1225,43 @@ select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2,
         else sp_cp_commit();
         sp_cp_wait1();
         __syncthreads();
-        if (active && c0 < w * cand_hi) {
-            sq_qk(S, qa, sq_kv + buf * SQ_KC * ld, ld, d);
+        if (any && c0 < w * cand_hi[SQ_TW - 1]) {
 #pragma unroll
-            for (int nt = 0; nt < SQ_KC / 8; nt++) {
+            for (int half = 0; half < 2; half++) {
+                sq_qk(S, qa, sq_kv + buf * SQ_KC * ld, ld, d, half);
 #pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    float v = exp2f(S[nt][c] * sl2 - lse[0]) + exp2f(S[nt][2 + c] * sl2 - lse[1]);
-                    v += __shfl_xor_sync(0xffffffffu, v, 4);
-                    v += __shfl_xor_sync(0xffffffffu, v, 8);
-                    v += __shfl_xor_sync(0xffffffffu, v, 16);
-                    const float r = round_bf(v);
-                    if (gq == 0) pw[1 + nt * 8 + 2 * tq + c] = (r != r) ? 0.0f : r;
+                for (int m = 0; m < SQ_TW; m++) {
+                    float v[8];
+#pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                        for (int c = 0; c < 2; c++)
+                            v[2 * nt + c] = exp2f(S[m][nt][c] * sl2 - lse[m][0]) +
+                                            exp2f(S[m][nt][2 + c] * sl2 - lse[m][1]);
+                    const float r = round_bf(sq_row_sum(v));
+                    const int col = 8 * (gq >> 1) + 2 * tq + (gq & 1);
+                    pw0[m * (SQ_KC + 1) + 1 + 32 * half + col] = (r != r) ? 0.0f : r;
                 }
             }
             __syncwarp();
-            const int b0 = c0 / w;
-            for (int bl = lane; bl < SQ_KC / w; bl += 32) {
+            const int b0 = c0 / w, nbt = SQ_KC / w;
+            for (int x = lane; x < SQ_TW * nbt; x += 32) {
+                const int m = x / nbt, bl = x % nbt;
                 const int b = b0 + bl;
-                if (b >= init_blocks && b < cand_hi) {
+                int ch = cand_hi[0];
+#pragma unroll
+                for (int mm = 1; mm < SQ_TW; mm++)
+                    if (mm == m) ch = cand_hi[mm];
+                if (b >= init_blocks && b < ch) {
+                    const float* pm = pw0 + m * (SQ_KC + 1);
                     float mx = NEG;
-                    for (int x = w * bl; x <= w * bl + w; x++) mx = fmaxf(mx, pw[x]);
-                    bsp[b] = mx;
+                    for (int y = w * bl; y <= w * bl + w; y++) mx = fmaxf(mx, pm[y]);
+                    const int i = blockIdx.x * per_block + SQ_TW * warp + m;
+                    bs[((size_t)i * kv_heads + g) * bs_stride + b] = mx;
                 }
             }
             __syncwarp();
-            if (lane == 0) pw[0] = pw[SQ_KC];
+            if (lane < SQ_TW) pw0[lane * (SQ_KC + 1)] = pw0[lane * (SQ_KC + 1) + SQ_KC];
             __syncwarp();
         }
         __syncthreads();
@@ -1581,5 +1654,260 @@ attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* ou
                 }
             }
         }
+    }
+}
+
+// ============================================================================================
+// 7. Lightning chunked prefill on tensor cores (the math of lightning.cu's lightning_chunked)
+// ============================================================================================
+//
+// Three kernels over a range of n whole 64-token chunks (the last may be partial), chunk c
+// holding tokens [64c, 64c + len_c) of the call, decay γ = exp(g), g = −slopes[h]:
+//   1. lightning_chunk_state: ΔS_c = Σ_j γ^{len_c−1−j} k_jᵀ v_j        (all chunks in parallel)
+//   2. lightning_chunk_scan:  S_c = state before chunk c; state ← γ^{len_c} S_c + ΔS_c (in order)
+//   3. lightning_chunk_out:   o_i = scale·(γ^{i+1} q_i S_c + Σ_{j≤i} γ^{i−j} (q_i·k_j) v_j)
+// Products run on bf16 tensor cores with fp32 accumulation; an fp32 operand (decayed keys, the
+// state, decayed scores) is split into bf16 hi + lo parts and multiplied twice, so products keep
+// ~16 mantissa bits and the result stays fp32-accurate. Powers γ^n as in lightning.cu.
+// The scratch `ds` holds n·heads·d·d fp32: ΔS from kernel 1, overwritten by kernel 2 with the
+// states S_c as packed bf16 (hi | lo << 16). Needs d a multiple of 16, at most 128.
+
+#define LC_C 64
+
+__device__ __forceinline__ float lc_pow(float g, int n) { return (float)exp((double)__fmul_rn(g, (float)n)); }
+
+// The hi + lo bf16 pair of (x0, x1) packs, for an A fragment register.
+__device__ __forceinline__ void lc_split(float x0, float x1, u32& hi, u32& lo) { sp_split2(x0, x1, hi, lo); }
+
+// launch: grid = (n, heads), block = 256, dynamic smem = 0 bytes (static 17,664 bytes)
+extern "C" __global__ void __launch_bounds__(256)
+lightning_chunk_state(const bf16* k, const bf16* v, float* ds, const float* slopes, int T, int heads, int kv_heads,
+                      int d) {
+    __shared__ __align__(16) bf16 ks[LC_C * AT_MAXLD];
+    __shared__ float dec[LC_C];
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int kvh = h / (heads / kv_heads);
+    const int j0 = c * LC_C, len = min(LC_C, T - j0);
+    const size_t kvw = (size_t)kv_heads * d;
+    const int segs = d / 8;
+    for (int x = threadIdx.x; x < LC_C * segs; x += 256) {
+        const int j = x / segs, p = x % segs;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (j < len) val = *(const uint4*)(k + (size_t)(j0 + j) * kvw + (size_t)kvh * d + 8 * p);
+        *(uint4*)(ks + j * AT_MAXLD + 8 * p) = val;
+    }
+    const float g = -slopes[h];
+    if (threadIdx.x < LC_C) dec[threadIdx.x] = (threadIdx.x < len) ? lc_pow(g, len - 1 - threadIdx.x) : 0.0f;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
+    const int a0 = 16 * warp;  // this warp's key-dimension rows of ΔS
+    if (a0 >= d) return;
+    float acc[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) acc[nt][x] = 0.0f;
+    const bf16* vh = v + (size_t)kvh * d;
+#pragma unroll
+    for (int s4 = 0; s4 < 4; s4++) {
+        // A = (decayed K)ᵀ: rows a0 + gq (+8), columns (tokens) 16·s4 + 2tq + {0, 1} (+8).
+        float av[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+#pragma unroll
+            for (int y = 0; y < 4; y++) {
+                const int j = 16 * s4 + 2 * tq + (y & 1) + 8 * (y >> 1);
+                av[r][y] = bf2f(ks[j * AT_MAXLD + a0 + gq + 8 * r]) * dec[j];
+            }
+        u32 h0, h1, h2, h3, l0, l1, l2, l3;
+        lc_split(av[0][0], av[0][1], h0, l0);
+        lc_split(av[1][0], av[1][1], h1, l1);
+        lc_split(av[0][2], av[0][3], h2, l2);
+        lc_split(av[1][2], av[1][3], h3, l3);
+        // B = V rows (tokens) 16·s4 + 2tq, +1, +8, +9; dims permuted as sp_o_dim.
+        const int jr[4] = {16 * s4 + 2 * tq, 16 * s4 + 2 * tq + 1, 16 * s4 + 2 * tq + 8, 16 * s4 + 2 * tq + 9};
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            if (m * 16 < d) {
+                u32 w[4];
+#pragma unroll
+                for (int y = 0; y < 4; y++)
+                    w[y] = (jr[y] < len) ? *(const u32*)(vh + (size_t)(j0 + jr[y]) * kvw + 16 * m + 2 * gq) : 0u;
+                const u32 be0 = __byte_perm(w[0], w[1], 0x5410), bo0 = __byte_perm(w[0], w[1], 0x7632);
+                const u32 be1 = __byte_perm(w[2], w[3], 0x5410), bo1 = __byte_perm(w[2], w[3], 0x7632);
+                sp_mma(acc[2 * m], h0, h1, h2, h3, be0, be1);
+                sp_mma(acc[2 * m], l0, l1, l2, l3, be0, be1);
+                sp_mma(acc[2 * m + 1], h0, h1, h2, h3, bo0, bo1);
+                sp_mma(acc[2 * m + 1], l0, l1, l2, l3, bo0, bo1);
+            }
+        }
+    }
+    float* out = ds + ((size_t)c * heads + h) * d * d;
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+        if (nt * 8 < d)
+#pragma unroll
+            for (int x = 0; x < 4; x++) out[(size_t)(a0 + gq + 8 * (x >> 1)) * d + sp_o_dim(nt, x, tq)] = acc[nt][x];
+}
+
+// launch: grid = (⌈heads·d·d / 256⌉), block = 256
+extern "C" __global__ void __launch_bounds__(256)
+lightning_chunk_scan(float* state, float* ds, const float* slopes, int n, int last_len, int heads, int d) {
+    const size_t dd = (size_t)d * d, total = (size_t)heads * dd;
+    const size_t idx = (size_t)blockIdx.x * 256 + threadIdx.x;
+    if (idx >= total) return;
+    const float g = -slopes[idx / dd];
+    const float full = lc_pow(g, LC_C), last = lc_pow(g, last_len);
+    float s = state[idx];
+    // Eight chunks at a time: their loads are issued together, then the sequential updates.
+    for (int c0 = 0; c0 < n; c0 += 8) {
+        float delta[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) delta[u] = (c0 + u < n) ? ds[(size_t)(c0 + u) * total + idx] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int c = c0 + u;
+            if (c < n) {
+                const u32 hi = f2bf(s);
+                const u32 lo = f2bf(s - bf2f((bf16)hi));
+                *(u32*)(ds + (size_t)c * total + idx) = hi | (lo << 16);
+                s = __fadd_rn(__fmul_rn(c == n - 1 ? last : full, s), delta[u]);
+            }
+        }
+    }
+    state[idx] = s;
+}
+
+// launch: grid = (n, heads), block = 128 (4 warps × 16 tokens), dynamic smem = 0 bytes
+// (ds as kernel 2 left it; out [T, heads·d] bf16 for the range's tokens)
+extern "C" __global__ void __launch_bounds__(128)
+lightning_chunk_out(const bf16* q, const bf16* k, const bf16* v, const float* ds, bf16* out, const float* slopes,
+                    int T, int heads, int kv_heads, int d, float scale) {
+    __shared__ float pw[LC_C + 1];  // γ^n, n = 0..64
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int kvh = h / (heads / kv_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
+    const int j0 = c * LC_C, len = min(LC_C, T - j0);
+    const size_t kvw = (size_t)kv_heads * d, qw = (size_t)heads * d;
+    for (int x = threadIdx.x; x <= LC_C; x += 128) pw[x] = lc_pow(-slopes[h], x);
+    __syncthreads();
+    int ir[2];
+    bool ok[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        ir[r] = 16 * warp + gq + 8 * r;
+        ok[r] = ir[r] < len;
+    }
+    u32 qa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = x & 1, c8 = (x >> 1) * 8;
+            qa[kk][x] = (kk * 16 < d && ok[r])
+                            ? *(const u32*)(q + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + kk * 16 + c8 + 2 * tq)
+                            : 0u;
+        }
+    float O[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) O[nt][x] = 0.0f;
+
+    // Inter-chunk: O = Q S_c, S_c from the packed hi | lo state (rows a = key dims).
+    const u32* sp = (const u32*)(ds + ((size_t)c * heads + h) * d * d);
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+        if (kk * 16 < d) {
+            const int ar[4] = {16 * kk + 2 * tq, 16 * kk + 2 * tq + 1, 16 * kk + 2 * tq + 8, 16 * kk + 2 * tq + 9};
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                if (m * 16 < d) {
+                    uint2 w[4];
+#pragma unroll
+                    for (int y = 0; y < 4; y++) w[y] = *(const uint2*)(sp + (size_t)ar[y] * d + 16 * m + 2 * gq);
+                    // Even dims (tile 2m): elements .x; odd dims (tile 2m+1): .y; hi = low half.
+                    sp_mma(O[2 * m], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], __byte_perm(w[0].x, w[1].x, 0x5410),
+                           __byte_perm(w[2].x, w[3].x, 0x5410));
+                    sp_mma(O[2 * m], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], __byte_perm(w[0].x, w[1].x, 0x7632),
+                           __byte_perm(w[2].x, w[3].x, 0x7632));
+                    sp_mma(O[2 * m + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
+                           __byte_perm(w[0].y, w[1].y, 0x5410), __byte_perm(w[2].y, w[3].y, 0x5410));
+                    sp_mma(O[2 * m + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
+                           __byte_perm(w[0].y, w[1].y, 0x7632), __byte_perm(w[2].y, w[3].y, 0x7632));
+                }
+            }
+        }
+    }
+    const float di[2] = {pw[min(ir[0] + 1, LC_C)], pw[min(ir[1] + 1, LC_C)]};
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) O[nt][x] *= di[x >> 1];
+
+    // Intra-chunk: A = (Q Kᵀ) ⊙ γ^{i−j} for j ≤ i, then O += A V.
+    float S[8][4];
+    const bf16* kh = k + (size_t)kvh * d;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
+        const int j = 8 * nt + gq;
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            if (kk * 16 < d) {
+                u32 b0 = 0u, b1 = 0u;
+                if (j < len) {
+                    const bf16* kr = kh + (size_t)(j0 + j) * kvw + kk * 16 + 2 * tq;
+                    b0 = *(const u32*)kr;
+                    b1 = *(const u32*)(kr + 8);
+                }
+                sp_mma(S[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int i = ir[x >> 1], j = 8 * nt + 2 * tq + (x & 1);
+            S[nt][x] = (ok[x >> 1] && j <= i) ? S[nt][x] * pw[i - j] : 0.0f;
+        }
+    const bf16* vh = v + (size_t)kvh * d;
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) {
+        u32 h0, h1, h2, h3, l0, l1, l2, l3;
+        lc_split(S[2 * ks][0], S[2 * ks][1], h0, l0);
+        lc_split(S[2 * ks][2], S[2 * ks][3], h1, l1);
+        lc_split(S[2 * ks + 1][0], S[2 * ks + 1][1], h2, l2);
+        lc_split(S[2 * ks + 1][2], S[2 * ks + 1][3], h3, l3);
+        const int jr[4] = {16 * ks + 2 * tq, 16 * ks + 2 * tq + 1, 16 * ks + 2 * tq + 8, 16 * ks + 2 * tq + 9};
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            if (m * 16 < d) {
+                u32 w[4];
+#pragma unroll
+                for (int y = 0; y < 4; y++)
+                    w[y] = (jr[y] < len) ? *(const u32*)(vh + (size_t)(j0 + jr[y]) * kvw + 16 * m + 2 * gq) : 0u;
+                const u32 be0 = __byte_perm(w[0], w[1], 0x5410), bo0 = __byte_perm(w[0], w[1], 0x7632);
+                const u32 be1 = __byte_perm(w[2], w[3], 0x5410), bo1 = __byte_perm(w[2], w[3], 0x7632);
+                sp_mma(O[2 * m], h0, h1, h2, h3, be0, be1);
+                sp_mma(O[2 * m], l0, l1, l2, l3, be0, be1);
+                sp_mma(O[2 * m + 1], h0, h1, h2, h3, bo0, bo1);
+                sp_mma(O[2 * m + 1], l0, l1, l2, l3, bo0, bo1);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (!ok[r]) continue;
+        bf16* op = out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + 4 * tq;
+#pragma unroll
+        for (int m = 0; m < 8; m++)
+            if (m * 16 < d) {
+                uint2 w;
+                w.x = (u32)f2bf(O[2 * m][2 * r] * scale) | ((u32)f2bf(O[2 * m + 1][2 * r] * scale) << 16);
+                w.y = (u32)f2bf(O[2 * m][2 * r + 1] * scale) | ((u32)f2bf(O[2 * m + 1][2 * r + 1] * scale) << 16);
+                *(uint2*)(op + 16 * m) = w;
+            }
     }
 }

@@ -55,7 +55,7 @@ struct Scratch {
     ids: Option<CudaSlice<u32>>,
     logits_in: Option<CudaSlice<u16>>,
     logits_out: Option<CudaSlice<u16>>,
-    stacked: Option<CudaSlice<u16>>,
+    lightning: Option<CudaSlice<f32>>,
     attn_part: Option<CudaSlice<f32>>,
     lse: Option<CudaSlice<f32>>,
 }
@@ -80,6 +80,7 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 type HeadNorms<'a> = (&'a CudaSlice<u16>, Option<&'a CudaSlice<u16>>, f32);
 
 /// One kernel argument.
+#[derive(Clone, Copy)]
 enum Arg {
     P(u64),
     I(i32),
@@ -101,6 +102,7 @@ pub struct CudaBackend {
     profiler: Option<profile::Profiler>,
     /// Prefill block selection with the bit-exact CUDA-core kernel instead of tensor cores.
     exact_select: std::cell::Cell<bool>,
+    fallback: Fallback,
 }
 
 /// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
@@ -121,6 +123,32 @@ fn fast_select_fits(shape: AttnShape, cfg: &SparseConfig) -> bool {
         && w >= 1
         && 64 % w == 0
         && cfg.block_size == w * cfg.k1_stride()
+}
+
+/// From this many rows on, lightning layers run on tensor cores (`lightning_mma`).
+const LIGHTNING_MMA_ROWS: usize = 64;
+
+/// Most bytes of per-chunk lightning states `lightning_mma` keeps at once.
+const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
+
+/// Kernels to use instead of the default ones, for comparisons (`SALA_FALLBACK`, a comma list
+/// of `attention` (staged prefill attention for sparse layers) and `lightning` (fp32 chunked
+/// lightning)).
+#[derive(Default, Clone, Copy)]
+struct Fallback {
+    attention: bool,
+    lightning: bool,
+}
+
+impl Fallback {
+    fn from_env() -> Self {
+        let v = std::env::var("SALA_FALLBACK").unwrap_or_default();
+        let has = |name: &str| v.split(',').any(|x| x.trim() == name);
+        Self {
+            attention: has("attention"),
+            lightning: has("lightning"),
+        }
+    }
 }
 
 /// From this many query rows on, attention runs as `attention_prefill`.
@@ -199,6 +227,11 @@ impl CudaBackend {
         let gemm = gemm::Gemm::new(stream.clone())?;
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let profiler = profile::Profiler::from_env(&ctx);
+        if profiler.is_some() {
+            for line in kernels.describe() {
+                eprintln!("kernel {line}");
+            }
+        }
         Ok(Self {
             ctx,
             stream,
@@ -209,6 +242,7 @@ impl CudaBackend {
             target,
             waited: Default::default(),
             profiler,
+            fallback: Fallback::from_env(),
             exact_select: std::cell::Cell::new(
                 std::env::var("SALA_EXACT_SELECT").is_ok_and(|v| v != "0"),
             ),
@@ -254,13 +288,15 @@ impl CudaBackend {
         first: usize,
         blocks: u64,
     ) -> BResult<()> {
-        const WARPS: usize = 8;
+        // Queries per block of select_scores_mma (8 warps of 2).
+        const QUERIES_PER_BLOCK: usize = 16;
         let t = q.rows;
         let kvh = shape.kv_heads;
         let k_sel = cfg.selected_blocks();
         let stride = cache.len.div_ceil(cfg.block_size).max(1);
         let per_query = kvh * stride * 4;
-        let group = (SELECT_SCORES_BYTES / per_query).max(WARPS) / WARPS * WARPS;
+        let group = (SELECT_SCORES_BYTES / per_query).max(QUERIES_PER_BLOCK) / QUERIES_PER_BLOCK
+            * QUERIES_PER_BLOCK;
         let bs = self.scratch_ptr(|s| &mut s.p, group.min(t) * kvh * stride)?;
         let mut a = 0;
         while a < t {
@@ -268,8 +304,8 @@ impl CudaBackend {
             let pos = first + a;
             self.launch(
                 K::SelectScoresMma,
-                (n.div_ceil(WARPS) as u32, kvh as u32, 1),
-                (32 * WARPS) as u32,
+                (n.div_ceil(QUERIES_PER_BLOCK) as u32, kvh as u32, 1),
+                256,
                 0,
                 &[
                     Arg::P(self.ptr(&q.buf) + (a * q.cols * 2) as u64),
@@ -313,6 +349,92 @@ impl CudaBackend {
                 ],
             )?;
             a += n;
+        }
+        Ok(())
+    }
+
+    /// Lightning prefill on tensor cores: chunk states, their scan, then the outputs, over
+    /// ranges of chunks whose states fit the scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn lightning_mma(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        state: &mut CudaSlice<f32>,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        const CHUNK: usize = 64;
+        let (heads, d) = (shape.heads, shape.head_dim);
+        let per_chunk = heads * d * d;
+        let range = (LIGHTNING_SCRATCH_BYTES / (4 * per_chunk)).max(1) * CHUNK;
+        let t = q.rows;
+        let ds = self.scratch_ptr(
+            |s| &mut s.lightning,
+            per_chunk * t.min(range).div_ceil(CHUNK),
+        )?;
+        let (qw, kw) = (shape.q_width(), shape.kv_width());
+        let mut a = 0;
+        while a < t {
+            let n_tok = range.min(t - a);
+            let n = n_tok.div_ceil(CHUNK);
+            let last_len = n_tok - (n - 1) * CHUNK;
+            let (qp, kp, vp, op) = (
+                self.ptr(&q.buf) + (a * qw * 2) as u64,
+                self.ptr(&k.buf) + (a * kw * 2) as u64,
+                self.ptr(&v.buf) + (a * kw * 2) as u64,
+                self.ptr(&out.buf) + (a * qw * 2) as u64,
+            );
+            let dims = [
+                Arg::I(n_tok as i32),
+                Arg::I(heads as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(d as i32),
+            ];
+            let mut args = vec![Arg::P(kp), Arg::P(vp), Arg::P(ds), Arg::P(self.ptr(slopes))];
+            args.extend_from_slice(&dims);
+            self.launch(
+                K::LightningChunkState,
+                (n as u32, heads as u32, 1),
+                256,
+                0,
+                &args,
+            )?;
+            self.launch(
+                K::LightningChunkScan,
+                (grid1(per_chunk, 256), 1, 1),
+                256,
+                0,
+                &[
+                    Arg::P(self.ptr(state)),
+                    Arg::P(ds),
+                    Arg::P(self.ptr(slopes)),
+                    Arg::I(n as i32),
+                    Arg::I(last_len as i32),
+                    Arg::I(heads as i32),
+                    Arg::I(d as i32),
+                ],
+            )?;
+            let mut args = vec![
+                Arg::P(qp),
+                Arg::P(kp),
+                Arg::P(vp),
+                Arg::P(ds),
+                Arg::P(op),
+                Arg::P(self.ptr(slopes)),
+            ];
+            args.extend_from_slice(&dims);
+            args.push(Arg::F(shape.scale() as f32));
+            self.launch(
+                K::LightningChunkOut,
+                (n as u32, heads as u32, 1),
+                128,
+                0,
+                &args,
+            )?;
+            a += n_tok;
         }
         Ok(())
     }
@@ -590,20 +712,33 @@ impl CudaBackend {
         if Self::gemv_fits(rows, w) {
             return self.gemv(x, x_off, w, &[(y, w.rows)]);
         }
+        self.gemm_rows(self.ptr(x) + (x_off * 2) as u64, w, 0, w.rows, y, rows)
+    }
+
+    /// cuBLASLt: `y = x W[r0 .. r0 + n]ᵀ` (`rows` rows of x at `xp`, weight rows r0.. of `w`).
+    fn gemm_rows(
+        &self,
+        xp: u64,
+        w: &DevMatrix,
+        r0: usize,
+        n: usize,
+        y: u64,
+        rows: usize,
+    ) -> BResult<()> {
         let t0 = self.profiler.as_ref().and_then(|p| p.start(&self.stream));
         self.gemm
             .borrow_mut()
             .run_ptrs(
-                self.ptr(x) + (x_off * 2) as u64,
-                self.ptr(&w.buf),
+                xp,
+                self.ptr(&w.buf) + (r0 * w.cols * 2) as u64,
                 y,
                 rows,
-                w.rows,
+                n,
                 w.cols,
             )
             .map_err(BackendError)?;
         if let Some(p) = &self.profiler {
-            p.end(format!("gemm {}x{}", w.rows, w.cols), t0, &self.stream);
+            p.end(format!("gemm {}x{}", n, w.cols), t0, &self.stream);
         }
         Ok(())
     }
@@ -859,28 +994,13 @@ impl Backend for CudaBackend {
             let parts: Vec<_> = outs.iter().map(|o| (self.ptr(&o.buf), o.cols)).collect();
             return self.gemv(&x.buf, 0, w, &parts);
         }
-        let y = self.scratch_ptr(|s| &mut s.stacked, rows * total)?;
-        self.product(&x.buf, 0, w, y, rows)?;
-        let mut args = vec![Arg::P(y), Arg::I(rows as i32), Arg::I(total as i32)];
-        for i in 0..4 {
-            match outs.get(i) {
-                Some(o) => {
-                    args.push(Arg::P(self.ptr(&o.buf)));
-                    args.push(Arg::I(o.cols as i32));
-                }
-                None => {
-                    args.push(Arg::P(0));
-                    args.push(Arg::I(0));
-                }
-            }
+        // Several rows: one product per output, straight into it (no split copy).
+        let mut r0 = 0;
+        for o in outs.iter() {
+            self.gemm_rows(self.ptr(&x.buf), w, r0, o.cols, self.ptr(&o.buf), rows)?;
+            r0 += o.cols;
         }
-        self.launch(
-            K::SplitCols,
-            (grid1(rows * total, 256), 1, 1),
-            256,
-            0,
-            &args,
-        )
+        Ok(())
     }
 
     fn matmul_silu(
@@ -1049,6 +1169,13 @@ impl Backend for CudaBackend {
                 ],
             );
         }
+        if q.rows >= LIGHTNING_MMA_ROWS
+            && shape.head_dim.is_multiple_of(16)
+            && shape.head_dim <= 128
+            && !self.fallback.lightning
+        {
+            return self.lightning_mma(shape, slopes, q, k, v, state, out);
+        }
         let (grid, block, smem) = lightning_launch(shape.heads, shape.head_dim);
         self.launch(
             K::LightningChunked,
@@ -1196,7 +1323,7 @@ impl Backend for CudaBackend {
             && shape.group() <= 16
             && matches!(shape.head_dim, 64 | 128)
             && cfg.block_size == 64
-            && std::env::var("SALA_ATTENTION").map_or(true, |v| v != "staged");
+            && !self.fallback.attention;
         if gather {
             return self.launch(
                 K::AttentionGather,

@@ -38,7 +38,6 @@ pub enum K {
     SparseSelect,
     Attention,
     Gemv,
-    SplitCols,
     SiluMulHalves,
     AttentionSplit,
     AttentionMerge,
@@ -52,6 +51,9 @@ pub enum K {
     SelectTopkScores,
     AttentionPrefill,
     AttentionGather,
+    LightningChunkState,
+    LightningChunkScan,
+    LightningChunkOut,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -69,7 +71,6 @@ pub const KERNELS: &[&str] = &[
     "sparse_select",
     "attention",
     "gemv",
-    "split_cols",
     "silu_mul_halves",
     "attention_split",
     "attention_merge",
@@ -83,6 +84,9 @@ pub const KERNELS: &[&str] = &[
     "select_topk_scores",
     "attention_prefill",
     "attention_gather",
+    "lightning_chunk_state",
+    "lightning_chunk_scan",
+    "lightning_chunk_out",
 ];
 
 /// The whole program as one translation unit.
@@ -194,5 +198,24 @@ impl Kernels {
 
     pub fn get(&self, k: K) -> &CudaFunction {
         &self.functions[k as usize]
+    }
+
+    /// Per kernel: registers per thread, static shared memory and local (spill) bytes per
+    /// thread, as the driver compiled them (profiling aid).
+    pub fn describe(&self) -> Vec<String> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        KERNELS
+            .iter()
+            .zip(&self.functions)
+            .map(|(name, f)| {
+                let get = |a| f.get_attribute(a).unwrap_or(-1);
+                format!(
+                    "{name}: {} registers, {} B static shared, {} B local",
+                    get(A::CU_FUNC_ATTRIBUTE_NUM_REGS),
+                    get(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+                    get(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+                )
+            })
+            .collect()
     }
 }
