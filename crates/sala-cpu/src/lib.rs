@@ -52,17 +52,22 @@ fn check_shape(name: &str, t: &HostTensor<'_>, dims: usize) -> BResult<()> {
     Ok(())
 }
 
+/// Up to this many rows (a batched decode step), products are one dot product per output,
+/// computed the same way whatever the row count, so a row's result does not depend on the
+/// other rows of the batch.
+pub const PER_ROW_PRODUCT_ROWS: usize = 64;
+
 /// `y[r, :] = x[r, :] Wᵀ` for every row, f32 accumulation, not rounded.
 pub fn matmul_f32(x: &[f32], rows: usize, w: &CpuMatrix, y: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), rows * k);
     debug_assert_eq!(y.len(), rows * n);
-    if rows == 1 {
-        // Matrix-vector: one dot product per output, split across threads.
+    if rows <= PER_ROW_PRODUCT_ROWS {
+        // Matrix-vector per row: one dot product per output, split across threads.
         y.par_chunks_mut(256).enumerate().for_each(|(ci, ys)| {
             for (j, yj) in ys.iter_mut().enumerate() {
-                let r = ci * 256 + j;
-                *yj = attention::dot(x, &w.data[r * k..][..k]);
+                let (row, out) = ((ci * 256 + j) / n, (ci * 256 + j) % n);
+                *yj = attention::dot(&x[row * k..][..k], &w.data[out * k..][..k]);
             }
         });
         return;
@@ -221,6 +226,26 @@ impl Backend for CpuBackend {
         let rows = rows.min(a.cap_rows);
         a.rows = rows;
         a.data.resize(rows * a.cols, 0.0);
+    }
+
+    fn copy_rows(
+        &self,
+        src: &CpuAct,
+        src_row: usize,
+        dst: &mut CpuAct,
+        dst_row: usize,
+        n: usize,
+    ) -> BResult<()> {
+        if src.cols != dst.cols || src_row + n > src.rows || dst_row + n > dst.rows {
+            return Err(BackendError(format!(
+                "copy_rows: rows {src_row}..+{n} of [{}, {}] to rows {dst_row}.. of [{}, {}]",
+                src.rows, src.cols, dst.rows, dst.cols
+            )));
+        }
+        let w = src.cols;
+        dst.data[dst_row * w..(dst_row + n) * w]
+            .copy_from_slice(&src.data[src_row * w..(src_row + n) * w]);
+        Ok(())
     }
 
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Vec<f32>> {

@@ -70,6 +70,16 @@ impl Backend for ReferenceBackend {
     fn set_rows(&self, a: &mut CpuAct, rows: usize) {
         CpuBackend.set_rows(a, rows)
     }
+    fn copy_rows(
+        &self,
+        src: &CpuAct,
+        src_row: usize,
+        dst: &mut CpuAct,
+        dst_row: usize,
+        n: usize,
+    ) -> BResult<()> {
+        CpuBackend.copy_rows(src, src_row, dst, dst_row, n)
+    }
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Vec<f32>> {
         CpuBackend.new_lightning_state(heads, head_dim)
     }

@@ -250,3 +250,70 @@ fn per_call_mode_follows_the_reference_when_dense_len_exceeds_the_selection() {
         "dense and sparse attention agree at position {row} ({err})"
     );
 }
+
+/// A batched decode step gives every sequence exactly (bit for bit) the logits it gets when
+/// decoded alone, with sequences at different lengths, on both sides of `dense_len` and
+/// past the sparse threshold, for the fast and the reference backend.
+#[test]
+fn batched_decode_equals_decoding_alone() {
+    fn check<B: Backend>(be: &B, name: &str) {
+        let config = tiny_config(150);
+        let model = load(be, &config, 21);
+        let v = config.vocab_size;
+        // Prompt lengths: short, around dense_len, past it, and long enough for block choice.
+        let lens = [3usize, 40, 149, 150, 260, 7];
+        let prompts: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| tokens(n, v, 100 + i as u64))
+            .collect();
+        let steps = 5;
+        let feeds: Vec<Vec<u32>> = (0..lens.len())
+            .map(|i| tokens(steps, v, 200 + i as u64))
+            .collect();
+        let mut ws = model.workspace(be, 64).unwrap();
+        let prefill = |ws: &mut _, p: &[u32]| {
+            let mut seq = model.new_sequence(be).unwrap();
+            model.prefill(be, ws, &mut seq, p, &mut |_| {}).unwrap();
+            seq
+        };
+        // Alone: each sequence decoded by itself.
+        let mut alone = Vec::new();
+        for (p, f) in prompts.iter().zip(&feeds) {
+            let mut seq = prefill(&mut ws, p);
+            let mut rows = Vec::new();
+            for &t in f {
+                rows.push(model.decode(be, &mut ws, &mut seq, t).unwrap());
+            }
+            alone.push(rows);
+        }
+        // Together: one batched step per token for all sequences.
+        let mut seqs: Vec<_> = prompts.iter().map(|p| prefill(&mut ws, p)).collect();
+        for step in 0..steps {
+            let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
+            let mut refs: Vec<_> = seqs.iter_mut().collect();
+            let logits = model.decode_batch(be, &mut ws, &mut refs, &toks).unwrap();
+            assert_eq!(logits.len(), lens.len() * v, "{name}: logits shape");
+            for (i, row) in logits.chunks(v).enumerate() {
+                assert!(
+                    row == alone[i][step].as_slice(),
+                    "{name}: sequence {i} (prompt {}) step {step}: batched logits differ from \
+                     decoding alone (max diff {})",
+                    lens[i],
+                    row.iter()
+                        .zip(&alone[i][step])
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max)
+                );
+            }
+        }
+        for (s, &n) in seqs.iter().zip(&lens) {
+            assert_eq!(s.pos, n + steps, "{name}: positions advance by one a step");
+        }
+        // Mismatched inputs are errors, not panics.
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        assert!(model.decode_batch(be, &mut ws, &mut refs, &[1]).is_err());
+    }
+    check(&CpuBackend, "cpu");
+    check(&ReferenceBackend, "reference");
+}

@@ -110,6 +110,11 @@ pub struct CudaBackend {
 const GEMV_ROWS_PER_BLOCK: usize = 16;
 const GEMV_MAX_K: usize = 1 << 20;
 
+/// Up to this many rows (a batched decode step), products run as one GEMV per row, so that a
+/// row's result does not depend on the rest of the batch (a kernel reading the weights once
+/// for all rows, with the same per-row order, is the next step).
+const GEMV_BATCH_ROWS: usize = 64;
+
 /// Most key splits of one decode attention (the merge reads every split's partial state).
 const MAX_ATTENTION_SPLIT: usize = 32;
 
@@ -663,40 +668,46 @@ impl CudaBackend {
         Ok(slot.as_ref().map_or(0, |b| self.ptr(b)))
     }
 
-    /// Whether a product of `rows` rows with `w` runs as a GEMV (one row: decode).
+    /// Whether a product of `rows` rows with `w` runs as GEMVs, one per row (decode, batched
+    /// decode): each row's result is then the same whatever the batch.
     fn gemv_fits(rows: usize, w: &DevMatrix) -> bool {
-        rows == 1 && w.cols.is_multiple_of(8) && w.cols <= GEMV_MAX_K
+        rows <= GEMV_BATCH_ROWS && w.cols.is_multiple_of(8) && w.cols <= GEMV_MAX_K
     }
 
-    /// One row times `w`ᵀ, its `w.rows` outputs written in turn to the (pointer, count) parts
-    /// of `outs` (at most four; the counts add up to `w.rows`).
+    /// `rows` rows (from row `x_off / w.cols` of x) times `w`ᵀ, one GEMV each; each row's
+    /// `w.rows` outputs are written in turn to the (pointer, count) parts of `outs` (at most
+    /// four; the counts add up to `w.rows`), at that row.
     fn gemv(
         &self,
         x: &CudaSlice<u16>,
         x_off: usize,
         w: &DevMatrix,
         outs: &[(u64, usize)],
+        rows: usize,
     ) -> BResult<()> {
-        let mut args = vec![
-            Arg::P(self.ptr(x) + (x_off * 2) as u64),
-            Arg::P(self.ptr(&w.buf)),
-            Arg::I(w.rows as i32),
-            Arg::I(w.cols as i32),
-        ];
-        for i in 0..4 {
-            let (p, n) = outs.get(i).copied().unwrap_or((0, 0));
-            args.push(Arg::P(p));
-            if i < 3 {
-                args.push(Arg::I(n as i32));
+        for r in 0..rows {
+            let mut args = vec![
+                Arg::P(self.ptr(x) + ((x_off + r * w.cols) * 2) as u64),
+                Arg::P(self.ptr(&w.buf)),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
+            ];
+            for i in 0..4 {
+                let (p, n) = outs.get(i).copied().unwrap_or((0, 0));
+                args.push(Arg::P(if p == 0 { 0 } else { p + (r * n * 2) as u64 }));
+                if i < 3 {
+                    args.push(Arg::I(n as i32));
+                }
             }
+            self.launch(
+                K::Gemv,
+                (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
+                128,
+                0,
+                &args,
+            )?;
         }
-        self.launch(
-            K::Gemv,
-            (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
-            128,
-            0,
-            &args,
-        )
+        Ok(())
     }
 
     /// `y = x wᵀ` into the buffer at `y`: the GEMV kernel for one row (decode), cuBLASLt
@@ -710,7 +721,7 @@ impl CudaBackend {
         rows: usize,
     ) -> BResult<()> {
         if Self::gemv_fits(rows, w) {
-            return self.gemv(x, x_off, w, &[(y, w.rows)]);
+            return self.gemv(x, x_off, w, &[(y, w.rows)], rows);
         }
         self.gemm_rows(self.ptr(x) + (x_off * 2) as u64, w, 0, w.rows, y, rows)
     }
@@ -875,6 +886,24 @@ impl Backend for CudaBackend {
         a.rows = rows.min(a.cap_rows);
     }
 
+    fn copy_rows(
+        &self,
+        src: &DevAct,
+        src_row: usize,
+        dst: &mut DevAct,
+        dst_row: usize,
+        n: usize,
+    ) -> BResult<()> {
+        if src.cols != dst.cols || src_row + n > src.rows || dst_row + n > dst.rows {
+            return Err(BackendError(format!(
+                "copy_rows: rows {src_row}..+{n} of [{}, {}] to rows {dst_row}.. of [{}, {}]",
+                src.rows, src.cols, dst.rows, dst.cols
+            )));
+        }
+        let w = src.cols;
+        self.copy(&dst.buf, dst_row * w, &src.buf, src_row * w, n * w)
+    }
+
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<CudaSlice<f32>> {
         self.stream
             .alloc_zeros::<f32>(heads * head_dim * head_dim)
@@ -992,7 +1021,7 @@ impl Backend for CudaBackend {
         let rows = x.rows;
         if Self::gemv_fits(rows, w) {
             let parts: Vec<_> = outs.iter().map(|o| (self.ptr(&o.buf), o.cols)).collect();
-            return self.gemv(&x.buf, 0, w, &parts);
+            return self.gemv(&x.buf, 0, w, &parts, rows);
         }
         // Several rows: one product per output, straight into it (no split copy).
         let mut r0 = 0;
@@ -1015,19 +1044,22 @@ impl Backend for CudaBackend {
             self.matmul(x, w, gu)?;
             return self.silu_mul_halves(gu, out);
         }
-        self.launch(
-            K::GemvSilu,
-            (grid1(inter, GEMV_ROWS_PER_BLOCK / 2), 1, 1),
-            128,
-            0,
-            &[
-                Arg::P(self.ptr(&x.buf)),
-                Arg::P(self.ptr(&w.buf)),
-                Arg::P(self.ptr(&out.buf)),
-                Arg::I(inter as i32),
-                Arg::I(w.cols as i32),
-            ],
-        )
+        for r in 0..x.rows {
+            self.launch(
+                K::GemvSilu,
+                (grid1(inter, GEMV_ROWS_PER_BLOCK / 2), 1, 1),
+                128,
+                0,
+                &[
+                    Arg::P(self.ptr(&x.buf) + (r * x.cols * 2) as u64),
+                    Arg::P(self.ptr(&w.buf)),
+                    Arg::P(self.ptr(&out.buf) + (r * inter * 2) as u64),
+                    Arg::I(inter as i32),
+                    Arg::I(w.cols as i32),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     fn silu_mul_halves(&self, gu: &DevAct, out: &mut DevAct) -> BResult<()> {

@@ -684,3 +684,61 @@ fn tiny_model_matches_cpu_across_dense_len() {
 fn small_model_matches_cpu() {
     check_model(preset("small").unwrap(), 300, 270, 128);
 }
+
+/// A batched decode step on the GPU gives every sequence the logits it gets decoded alone,
+/// bit for bit (products of up to 64 rows run one GEMV per row).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn batched_decode_equals_decoding_alone_on_the_gpu() {
+    let g = gpu();
+    let mut config = preset("tiny").unwrap();
+    config.sparse.dense_len = 100;
+    let v = config.vocab_size;
+    let model = Model::random(&g, config, 5, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(77);
+    let lens = [5usize, 99, 100, 180, 33];
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
+        .collect();
+    let steps = 4;
+    let feeds: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|_| (0..steps).map(|_| rng.below(v) as u32).collect())
+        .collect();
+    let mut ws = model.workspace(&g, 64).unwrap();
+    let mut alone = Vec::new();
+    for (p, f) in prompts.iter().zip(&feeds) {
+        let mut seq = model.new_sequence(&g).unwrap();
+        model
+            .prefill(&g, &mut ws, &mut seq, p, &mut |_| {})
+            .unwrap();
+        let rows: Vec<Vec<f32>> = f
+            .iter()
+            .map(|&t| model.decode(&g, &mut ws, &mut seq, t).unwrap())
+            .collect();
+        alone.push(rows);
+    }
+    let mut seqs: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut seq = model.new_sequence(&g).unwrap();
+            model
+                .prefill(&g, &mut ws, &mut seq, p, &mut |_| {})
+                .unwrap();
+            seq
+        })
+        .collect();
+    for step in 0..steps {
+        let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        let logits = model.decode_batch(&g, &mut ws, &mut refs, &toks).unwrap();
+        for (i, row) in logits.chunks(v).enumerate() {
+            assert!(
+                row == alone[i][step].as_slice(),
+                "sequence {i} (prompt {}) step {step}: batched logits differ",
+                lens[i]
+            );
+        }
+    }
+}

@@ -89,6 +89,16 @@ pub trait Backend {
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<Self::Act>;
     /// Sets the row count of `a` (at most its capacity) before an op writes it.
     fn set_rows(&self, a: &mut Self::Act, rows: usize);
+    /// Copies rows `src_row..src_row + n` of `src` over rows `dst_row..` of `dst` (same
+    /// width; `dst`'s row count is unchanged).
+    fn copy_rows(
+        &self,
+        src: &Self::Act,
+        src_row: usize,
+        dst: &mut Self::Act,
+        dst_row: usize,
+        n: usize,
+    ) -> BResult<()>;
 
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Self::LightningState>;
     fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<Self::SparseCache>;

@@ -78,6 +78,19 @@ pub struct Workspace<B: Backend> {
     vl: B::Act,
     gate_up: B::Act,
     act: B::Act,
+    /// One row of q, k, v and o for each width, where a batched decode runs each sequence's
+    /// attention on its own row (a few KB, outside the memory plan's buffer list).
+    row: RowScratch<B>,
+}
+
+/// One-row buffers for per-sequence attention inside a batched decode step.
+struct RowScratch<B: Backend> {
+    q: B::Act,
+    o: B::Act,
+    kl: B::Act,
+    vl: B::Act,
+    ks: B::Act,
+    vs: B::Act,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -396,6 +409,16 @@ impl<B: Backend> Model<B> {
         else {
             return Err(BackendError("workspace: wrong buffer count".into()));
         };
+        let c = &self.config;
+        let hd = c.num_attention_heads * c.head_dim;
+        let row = RowScratch {
+            q: be.alloc(1, hd)?,
+            o: be.alloc(1, hd)?,
+            kl: be.alloc(1, c.lightning_kv_dim())?,
+            vl: be.alloc(1, c.lightning_kv_dim())?,
+            ks: be.alloc(1, c.kv_dim())?,
+            vs: be.alloc(1, c.kv_dim())?,
+        };
         Ok(Workspace {
             max_rows,
             h,
@@ -410,6 +433,7 @@ impl<B: Backend> Model<B> {
             vl,
             gate_up,
             act,
+            row,
         })
     }
 
@@ -435,12 +459,56 @@ impl<B: Backend> Model<B> {
         mode: SparseMode,
         rows: LogitRows,
     ) -> BResult<Vec<f32>> {
+        self.run(be, ws, &mut [seq], tokens, &[mode], rows)
+    }
+
+    /// One decode step of several sequences at once: `tokens[i]` is fed to `seqs[i]`. The
+    /// matrix products and norms run on all rows together, each sequence's attention on its
+    /// own row; every op treats rows independently, so a sequence's logits do not depend on
+    /// the others in the batch. Returns the logits `[seqs.len(), vocab]`.
+    pub fn decode_batch(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        seqs: &mut [&mut SeqState<B>],
+        tokens: &[u32],
+    ) -> BResult<Vec<f32>> {
+        if seqs.len() != tokens.len() {
+            return Err(BackendError(format!(
+                "decode_batch: {} sequences but {} tokens",
+                seqs.len(),
+                tokens.len()
+            )));
+        }
+        let modes: Vec<SparseMode> = seqs.iter().map(|s| self.sparse_mode(s.pos + 1)).collect();
+        self.run(be, ws, seqs, tokens, &modes, LogitRows::All)
+    }
+
+    /// The forward pass over `tokens`: with one sequence, all of them are its next tokens
+    /// (`modes[0]` for its sparse layers); with several, one token each (`modes[i]`).
+    fn run(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        seqs: &mut [&mut SeqState<B>],
+        tokens: &[u32],
+        modes: &[SparseMode],
+        rows: LogitRows,
+    ) -> BResult<Vec<f32>> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 || n > ws.max_rows {
             return Err(BackendError(format!(
                 "a forward chunk must hold 1..={} tokens, got {n}",
                 ws.max_rows
+            )));
+        }
+        let batched = seqs.len() > 1;
+        if modes.len() != seqs.len() || (batched && seqs.len() != n) || seqs.is_empty() {
+            return Err(BackendError(format!(
+                "a forward pass over {n} tokens for {} sequences and {} modes",
+                seqs.len(),
+                modes.len()
             )));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
@@ -458,86 +526,86 @@ impl<B: Backend> Model<B> {
         if let Some(first) = self.layers.first() {
             be.rms_norm(&ws.h, &first.input_norm, eps, &mut ws.a)?;
         }
-        for (i, (layer, state)) in self.layers.iter().zip(seq.layers.iter_mut()).enumerate() {
+        for (i, layer) in self.layers.iter().enumerate() {
             // `ws.a` holds this layer's input norm, made by the previous layer's last add.
-            match (&layer.mixer, state) {
-                (
-                    Mixer::Lightning {
-                        qkvz,
-                        o,
-                        gated,
-                        q_norm,
-                        k_norm,
-                        o_norm,
-                    },
-                    LayerState::Lightning(st),
-                ) => {
-                    if *gated {
-                        be.matmul_split(
-                            &ws.a,
-                            qkvz,
-                            &mut [&mut ws.q, &mut ws.kl, &mut ws.vl, &mut ws.z],
-                        )?;
-                    } else {
-                        be.matmul_split(&ws.a, qkvz, &mut [&mut ws.q, &mut ws.kl, &mut ws.vl])?;
-                    }
-                    let rope = c.lightning_use_rope.then_some((&self.inv_freq, seq.pos));
-                    let norms = q_norm
-                        .as_ref()
-                        .zip(k_norm.as_ref())
-                        .map(|(qw, kw)| (qw, kw, eps));
-                    be.head_norm_rope_qk(&mut ws.q, &mut ws.kl, c.head_dim, norms, rope)?;
-                    be.lightning(
-                        self.lightning_shape(),
-                        &self.slopes,
-                        &ws.q,
-                        &ws.kl,
-                        &ws.vl,
-                        st,
-                        &mut ws.o,
-                    )?;
-                    let normed = if let Some(w) = o_norm {
-                        be.rms_norm_gate(&ws.o, w, eps, gated.then_some(&ws.z), &mut ws.q)?;
-                        &ws.q
-                    } else {
-                        if *gated {
-                            be.sigmoid_gate(&mut ws.o, &ws.z)?;
-                        }
-                        &ws.o
-                    };
-                    be.matmul(normed, o, &mut ws.branch)?;
-                }
-                (Mixer::Sparse { qkvg, o, gated }, LayerState::Sparse(cache)) => {
-                    if *gated {
-                        be.matmul_split(
-                            &ws.a,
-                            qkvg,
-                            &mut [&mut ws.q, &mut ws.ks, &mut ws.vs, &mut ws.z],
-                        )?;
-                    } else {
-                        be.matmul_split(&ws.a, qkvg, &mut [&mut ws.q, &mut ws.ks, &mut ws.vs])?;
-                    }
-                    be.sparse_attention(
-                        self.sparse_shape(),
-                        &c.sparse,
-                        mode,
-                        &ws.q,
-                        &ws.ks,
-                        &ws.vs,
-                        cache,
-                        &mut ws.o,
-                    )?;
-                    if *gated {
-                        be.sigmoid_gate(&mut ws.o, &ws.z)?;
-                    }
-                    be.matmul(&ws.o, o, &mut ws.branch)?;
-                }
-                _ => {
-                    return Err(BackendError(
-                        "layer state does not match the layer kind".into(),
-                    ))
+            let (stacked, o_proj, gated) = match &layer.mixer {
+                Mixer::Lightning { qkvz, o, gated, .. } => (qkvz, o, *gated),
+                Mixer::Sparse { qkvg, o, gated } => (qkvg, o, *gated),
+            };
+            let lightning = matches!(layer.mixer, Mixer::Lightning { .. });
+            {
+                let (k, v) = if lightning {
+                    (&mut ws.kl, &mut ws.vl)
+                } else {
+                    (&mut ws.ks, &mut ws.vs)
+                };
+                if gated {
+                    be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v, &mut ws.z])?;
+                } else {
+                    be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v])?;
                 }
             }
+            if !batched {
+                let seq = &mut *seqs[0];
+                let (k, v) = if lightning {
+                    (&mut ws.kl, &ws.vl)
+                } else {
+                    (&mut ws.ks, &ws.vs)
+                };
+                let state = &mut seq.layers[i];
+                self.attend(
+                    be,
+                    &layer.mixer,
+                    state,
+                    seq.pos,
+                    modes[0],
+                    &mut ws.q,
+                    k,
+                    v,
+                    &mut ws.o,
+                )?;
+            } else {
+                let row = &mut ws.row;
+                for (r, seq) in seqs.iter_mut().enumerate() {
+                    let (k, v, rk, rv) = if lightning {
+                        (&ws.kl, &ws.vl, &mut row.kl, &mut row.vl)
+                    } else {
+                        (&ws.ks, &ws.vs, &mut row.ks, &mut row.vs)
+                    };
+                    be.copy_rows(&ws.q, r, &mut row.q, 0, 1)?;
+                    be.copy_rows(k, r, rk, 0, 1)?;
+                    be.copy_rows(v, r, rv, 0, 1)?;
+                    let pos = seq.pos;
+                    let state = &mut seq.layers[i];
+                    self.attend(
+                        be,
+                        &layer.mixer,
+                        state,
+                        pos,
+                        modes[r],
+                        &mut row.q,
+                        rk,
+                        rv,
+                        &mut row.o,
+                    )?;
+                    be.copy_rows(&row.o, 0, &mut ws.o, r, 1)?;
+                }
+            }
+            let normed = match &layer.mixer {
+                Mixer::Lightning {
+                    o_norm: Some(w), ..
+                } => {
+                    be.rms_norm_gate(&ws.o, w, eps, gated.then_some(&ws.z), &mut ws.q)?;
+                    &ws.q
+                }
+                _ => {
+                    if gated {
+                        be.sigmoid_gate(&mut ws.o, &ws.z)?;
+                    }
+                    &ws.o
+                }
+            };
+            be.matmul(normed, o_proj, &mut ws.branch)?;
             be.add_scaled_norm(&mut ws.h, &ws.branch, res, &layer.post_norm, eps, &mut ws.a)?;
             be.matmul_silu(&ws.a, &layer.gate_up, &mut ws.gate_up, &mut ws.act)?;
             be.matmul(&ws.act, &layer.down_proj, &mut ws.branch)?;
@@ -547,7 +615,9 @@ impl<B: Backend> Model<B> {
                 .map_or(&self.final_norm, |l| &l.input_norm);
             be.add_scaled_norm(&mut ws.h, &ws.branch, res, next_norm, eps, &mut ws.a)?;
         }
-        seq.pos += n;
+        for seq in seqs.iter_mut() {
+            seq.pos += if batched { 1 } else { n };
+        }
         let range = match rows {
             LogitRows::None => return Ok(Vec::new()),
             LogitRows::Last => n - 1..n,
@@ -556,6 +626,42 @@ impl<B: Backend> Model<B> {
         // `ws.a` holds the final norm of the last layer's output.
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         be.logits(&ws.a, range, head, c.logit_divisor() as f32)
+    }
+
+    /// One sequence's attention in layer `mixer` for the rows of `q`, `k`, `v` (its tokens at
+    /// positions `pos..`): lightning (q/k norm, RoPE, then the scan from its state) or sparse
+    /// attention over its cache with `mode`; the result goes to `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        be: &B,
+        mixer: &Mixer<B>,
+        state: &mut LayerState<B>,
+        pos: usize,
+        mode: SparseMode,
+        q: &mut B::Act,
+        k: &mut B::Act,
+        v: &B::Act,
+        out: &mut B::Act,
+    ) -> BResult<()> {
+        let c = &self.config;
+        match (mixer, state) {
+            (Mixer::Lightning { q_norm, k_norm, .. }, LayerState::Lightning(st)) => {
+                let rope = c.lightning_use_rope.then_some((&self.inv_freq, pos));
+                let norms = q_norm
+                    .as_ref()
+                    .zip(k_norm.as_ref())
+                    .map(|(qw, kw)| (qw, kw, c.rms_norm_eps as f32));
+                be.head_norm_rope_qk(q, k, c.head_dim, norms, rope)?;
+                be.lightning(self.lightning_shape(), &self.slopes, q, k, v, st, out)
+            }
+            (Mixer::Sparse { .. }, LayerState::Sparse(cache)) => {
+                be.sparse_attention(self.sparse_shape(), &c.sparse, mode, q, k, v, cache, out)
+            }
+            _ => Err(BackendError(
+                "layer state does not match the layer kind".into(),
+            )),
+        }
     }
 
     /// Prefills `tokens` in chunks of at most `ws.max_rows`, with the sparse mode of the whole
