@@ -67,7 +67,7 @@ pub struct Engine<B: Backend> {
     pub model: Model<B>,
     pub tokenizer: Tokenizer,
     pub dir: PathBuf,
-    workspace: Workspace<B>,
+    pub(crate) workspace: Workspace<B>,
     /// The limit every request's memory plan is checked against, and the plan's target.
     memory_limit: Option<(MemoryLimit, Target)>,
 }
@@ -223,6 +223,11 @@ impl<B: Backend> Engine<B> {
         self.memory_limit = limit.map(|l| (l, target));
     }
 
+    /// The memory limit requests are checked against, if any, and the plan's target.
+    pub fn memory_limit(&self) -> Option<(MemoryLimit, Target)> {
+        self.memory_limit.clone()
+    }
+
     /// The plan of a sequence of `total_tokens` tokens on this engine's workspace.
     pub fn memory_plan(&self, total_tokens: usize, target: Target) -> MemoryPlan {
         MemoryPlan::new(
@@ -305,13 +310,14 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Generation, EngineError> {
         let total = request_tokens(prompt.len(), opts)?;
         self.check_memory(total)?;
-        let vocab = self.model.config.vocab_size;
-        let mut sampler = Sampler::new(opts.sampling.clone(), vocab)?;
-        sampler.add_prompt(prompt)?;
-        let mut stop = StopMatcher::new(opts.stop.clone())?;
-        let mut detok = Detokenizer::new(&self.tokenizer, true);
-        let budget = total - prompt.len();
-
+        let mut stream = TokenStream::new(
+            &self.tokenizer,
+            self.model.config.vocab_size,
+            prompt,
+            opts,
+            total - prompt.len(),
+            logprobs,
+        )?;
         let (be, model, ws) = (&self.backend, &self.model, &mut self.workspace);
         let start = Instant::now();
         let mut seq = model.new_sequence(be)?;
@@ -320,68 +326,133 @@ impl<B: Backend> Engine<B> {
         let prefill_time = start.elapsed();
 
         let decode_start = Instant::now();
-        let mut text = String::new();
-        let mut tokens = Vec::new();
-        let mut finish = FinishReason::Length;
-        while tokens.len() < budget {
-            let tok = sampler.sample(&logits)?;
-            sampler.record_output(tok.id)?;
-            tokens.push(tok);
-            let step = TokenStep {
-                id: tok.id,
-                eos: opts.eos_ids.contains(&tok.id),
-                // The raw logits, before the sampler's penalties and temperature.
-                logprobs: logprobs.and_then(|n| token_logprobs(&logits, tok.id, n)),
-            };
-            if step.eos {
-                on_step(Step {
-                    token: Some(&step),
-                    text: "",
-                });
-                finish = FinishReason::Stop;
-                break;
-            }
-            let piece = detok.push(tok.id)?.unwrap_or_default();
-            let stopped = stop.push(&piece);
-            let go_on = on_step(Step {
-                token: Some(&step),
-                text: &stopped.text,
-            });
-            text.push_str(&stopped.text);
-            if !go_on {
-                finish = FinishReason::Cancelled;
-                break;
-            }
-            if stopped.stopped() {
-                finish = FinishReason::Stop;
-                break;
-            }
-            if tokens.len() < budget {
-                logits = model.decode(be, ws, &mut seq, tok.id)?;
-            }
+        while let Some(next) = stream.accept(&logits, on_step)? {
+            logits = model.decode(be, ws, &mut seq, next)?;
         }
-        if finish != FinishReason::Cancelled && !stop.is_stopped() {
-            let step = stop.push(&detok.finish()?);
-            let stopped = step.stopped();
-            let mut rest = step.text;
-            if stopped {
-                finish = FinishReason::Stop;
-            } else {
-                rest.push_str(&stop.finish());
-            }
-            on_step(Step {
-                token: None,
-                text: &rest,
-            });
-            text.push_str(&rest);
-        }
+        let finish = stream.finish(on_step)?;
         Ok(Generation {
-            text,
-            tokens,
+            text: stream.text,
+            tokens: stream.tokens,
             finish,
             prompt_tokens: prompt.len(),
             prefill_time,
             decode_time: decode_start.elapsed(),
         })
+    }
+}
+
+/// The per-token half of one generation: sampling from each step's logits, EOS ids, stop
+/// strings, detokenization and the token budget. [`Engine::generate_steps`] drives one;
+/// a [`crate::batch::Batch`] drives one per request.
+pub struct TokenStream {
+    sampler: Sampler,
+    stop: StopMatcher,
+    detok: Detokenizer,
+    eos_ids: Vec<u32>,
+    logprobs: Option<usize>,
+    budget: usize,
+    pub tokens: Vec<SampledToken>,
+    pub text: String,
+    finish: Option<FinishReason>,
+}
+
+impl TokenStream {
+    /// A stream for `prompt` that may generate `budget` tokens.
+    pub fn new(
+        tokenizer: &Tokenizer,
+        vocab: usize,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        budget: usize,
+        logprobs: Option<usize>,
+    ) -> Result<Self, EngineError> {
+        let mut sampler = Sampler::new(opts.sampling.clone(), vocab)?;
+        sampler.add_prompt(prompt)?;
+        Ok(Self {
+            sampler,
+            stop: StopMatcher::new(opts.stop.clone())?,
+            detok: Detokenizer::new(tokenizer, true),
+            eos_ids: opts.eos_ids.clone(),
+            logprobs,
+            budget,
+            tokens: Vec::new(),
+            text: String::new(),
+            finish: (budget == 0).then_some(FinishReason::Length),
+        })
+    }
+
+    /// Samples the next token from `logits` and reports it through `on_step` (see
+    /// [`Engine::generate_steps`]). Returns the token to feed the model next, or `None` once
+    /// generation has ended (EOS, a stop string, the budget, or `on_step` returning false).
+    pub fn accept(
+        &mut self,
+        logits: &[f32],
+        on_step: &mut dyn FnMut(Step<'_>) -> bool,
+    ) -> Result<Option<u32>, EngineError> {
+        if self.finish.is_some() {
+            return Ok(None);
+        }
+        let tok = self.sampler.sample(logits)?;
+        self.sampler.record_output(tok.id)?;
+        self.tokens.push(tok);
+        let step = TokenStep {
+            id: tok.id,
+            eos: self.eos_ids.contains(&tok.id),
+            // The raw logits, before the sampler's penalties and temperature.
+            logprobs: self
+                .logprobs
+                .and_then(|n| token_logprobs(logits, tok.id, n)),
+        };
+        if step.eos {
+            on_step(Step {
+                token: Some(&step),
+                text: "",
+            });
+            self.finish = Some(FinishReason::Stop);
+            return Ok(None);
+        }
+        let piece = self.detok.push(tok.id)?.unwrap_or_default();
+        let stopped = self.stop.push(&piece);
+        let go_on = on_step(Step {
+            token: Some(&step),
+            text: &stopped.text,
+        });
+        self.text.push_str(&stopped.text);
+        self.finish = if !go_on {
+            Some(FinishReason::Cancelled)
+        } else if stopped.stopped() {
+            Some(FinishReason::Stop)
+        } else if self.tokens.len() >= self.budget {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        Ok(self.finish.is_none().then_some(tok.id))
+    }
+
+    /// Ends the stream: unless cancelled, the text held back is flushed through `on_step`
+    /// (`token: None`). Returns why generation ended.
+    pub fn finish(
+        &mut self,
+        on_step: &mut dyn FnMut(Step<'_>) -> bool,
+    ) -> Result<FinishReason, EngineError> {
+        let mut finish = self.finish.unwrap_or(FinishReason::Cancelled);
+        if finish != FinishReason::Cancelled && !self.stop.is_stopped() {
+            let step = self.stop.push(&self.detok.finish()?);
+            let stopped = step.stopped();
+            let mut rest = step.text;
+            if stopped {
+                finish = FinishReason::Stop;
+            } else {
+                rest.push_str(&self.stop.finish());
+            }
+            on_step(Step {
+                token: None,
+                text: &rest,
+            });
+            self.text.push_str(&rest);
+        }
+        self.finish = Some(finish);
+        Ok(finish)
     }
 }
