@@ -159,10 +159,13 @@ impl<B: Backend> Engine<B> {
 
     /// One scheduler step (see the module docs). `on_event(id, event)` hears of every
     /// request's progress; returning `false` from a token step cancels that request.
-    /// Requests that end leave the batch before this returns.
+    /// A request for which `ready(id)` is false (e.g. its client is not reading) generates
+    /// nothing this step and keeps its place. Requests that end leave the batch before this
+    /// returns.
     pub fn step(
         &mut self,
         batch: &mut Batch<B>,
+        ready: &dyn Fn(RequestId) -> bool,
         on_event: &mut dyn FnMut(RequestId, BatchEvent<'_>) -> bool,
     ) {
         let (be, model) = (&self.backend, &self.model);
@@ -196,6 +199,9 @@ impl<B: Backend> Engine<B> {
         }
         // 2. A token for every request whose logits are ready.
         for m in batch.members.iter_mut().filter(|m| m.done.is_none()) {
+            if m.logits.is_none() || !ready(m.id) {
+                continue;
+            }
             let Some(logits) = m.logits.take() else {
                 continue;
             };

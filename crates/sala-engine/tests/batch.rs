@@ -89,7 +89,7 @@ fn batched(
         if batch.is_empty() && join.iter().all(|&j| j < step) {
             break;
         }
-        e.step(&mut batch, &mut |id, ev| {
+        e.step(&mut batch, &|_| true, &mut |id, ev| {
             let i = ids[&id];
             match ev {
                 BatchEvent::Step(s) => {
@@ -162,7 +162,7 @@ fn a_cancelled_request_leaves_and_the_rest_go_on() {
     while !batch.is_empty() {
         // Request 1 stops after its third token (its client "disconnects"); request 2 is
         // dropped from outside the step after the fifth step.
-        e.step(&mut batch, &mut |id, ev| match ev {
+        e.step(&mut batch, &|_| true, &mut |id, ev| match ev {
             BatchEvent::Step(s) => {
                 if let Some(t) = s.token {
                     tokens.entry(id).or_default().push(t.id);

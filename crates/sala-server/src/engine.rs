@@ -1,13 +1,15 @@
-//! The engine thread: owns the model and runs queued requests one at a time.
+//! The engine thread: owns the model and serves queued requests as one continuous batch.
 
 use crate::api::ApiError;
 use crate::metrics::{Metrics, Outcome};
 use axum::http::StatusCode;
+use sala_engine::batch::{Batch, BatchEvent, RequestId};
 use sala_engine::generate::{Engine, EngineError, FinishReason, GenerateOptions};
 use sala_engine::sampling::{SamplingParams, TokenLogprobs};
 use sala_model::memory::{MemoryLimit, Target};
 use sala_model::Backend;
 use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
+use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
@@ -133,6 +135,8 @@ pub struct EngineRunner {
     metrics: Arc<Metrics>,
     /// The cap on each request's memory plan, and the backend the plan is for.
     memory: Option<(MemoryLimit, Target)>,
+    /// Most requests decoded together (`None`: as many as the engine's workspace allows).
+    max_batch: Option<usize>,
 }
 
 /// The HTTP side's end of the queue.
@@ -170,6 +174,7 @@ where
         max_context,
         metrics: metrics.clone(),
         memory: None,
+        max_batch: None,
     };
     std::thread::Builder::new()
         .name("sala-engine".into())
@@ -238,6 +243,13 @@ impl EngineRunner {
         self
     }
 
+    /// Decodes at most `n` requests together (at least 1; never more than the engine's
+    /// workspace allows).
+    pub fn max_batch(mut self, n: usize) -> Self {
+        self.max_batch = Some(n.max(1));
+        self
+    }
+
     /// Serves queued requests with `engine` until every [`EngineHandle`] is dropped. With a
     /// memory limit that not even a two-token request fits, it reports that instead.
     pub fn run<B: Backend>(mut self, mut engine: Engine<B>) {
@@ -264,20 +276,186 @@ impl EngineRunner {
         }
         let template = engine.tokenizer.chat_template().map_err(|e| e.to_string());
         let eos = engine.eos_ids();
-        while let Some(job) = self.jobs.blocking_recv() {
-            if job.events.is_closed() {
-                // The client left while the request waited.
-                self.metrics.request_done(Outcome::Cancelled);
+        let mut batch = Batch::new(
+            self.max_batch
+                .map_or(engine.max_batch(), |n| n.min(engine.max_batch())),
+        );
+        let mut live: HashMap<RequestId, Live> = HashMap::new();
+        let mut open = true;
+        while open || !batch.is_empty() {
+            // Admit waiting requests while the batch has room; wait for one when idle.
+            while open && batch.has_room() {
+                let job = if batch.is_empty() {
+                    match self.jobs.blocking_recv() {
+                        Some(job) => job,
+                        None => {
+                            open = false;
+                            break;
+                        }
+                    }
+                } else {
+                    match self.jobs.try_recv() {
+                        Ok(job) => job,
+                        Err(mpsc::error::TryRecvError::Empty) => break,
+                        Err(mpsc::error::TryRecvError::Disconnected) => {
+                            open = false;
+                            break;
+                        }
+                    }
+                };
+                if let Some((id, state)) = admit(
+                    &mut engine,
+                    &mut batch,
+                    &template,
+                    &eos,
+                    max_context,
+                    &self.metrics,
+                    job,
+                ) {
+                    live.insert(id, state);
+                }
+            }
+            // A client that has left frees its request at once.
+            for id in batch.cancel_where(|id| live.get(&id).is_none_or(|l| l.events.is_closed())) {
+                if let Some(state) = live.remove(&id) {
+                    self.metrics.sequence_ended(state.held);
+                    self.metrics.request_done(Outcome::Cancelled);
+                }
+            }
+            if batch.is_empty() {
                 continue;
             }
-            run_job(
-                &mut engine,
-                &template,
-                &eos,
-                max_context,
-                &self.metrics,
-                job,
-            );
+            let metrics = &self.metrics;
+            let tokenizer = engine.tokenizer.clone();
+            // A client that is not reading pauses only its own request.
+            let ready: HashMap<RequestId, bool> = live
+                .iter()
+                .map(|(&id, l)| (id, l.can_take_events()))
+                .collect();
+            if !ready.values().any(|&r| r) && batch.len() == live.len() {
+                // Everyone is paused: wait a little for a client to read, or a new request.
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let stepped = catch_unwind(AssertUnwindSafe(|| {
+                let ready = |id| ready.get(&id).copied().unwrap_or(false);
+                engine.step(&mut batch, &ready, &mut |id, ev| match live.get_mut(&id) {
+                    Some(state) => {
+                        let go_on = state.on_event(&tokenizer, metrics, ev);
+                        if state.ended {
+                            live.remove(&id);
+                        }
+                        go_on
+                    }
+                    None => false,
+                })
+            }));
+            if stepped.is_err() {
+                // A panic leaves the batch in an unknown state: every request in it fails.
+                batch.cancel_where(|_| true);
+                for (_, state) in live.drain() {
+                    self.metrics.sequence_ended(state.held);
+                    state.fail(
+                        metrics,
+                        ApiError::internal("the engine panicked on this request"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A request in the batch: where its events go, and what its metrics need.
+struct Live {
+    events: mpsc::Sender<Event>,
+    queued: Instant,
+    last_token: Option<Instant>,
+    /// Tokens the sequence holds, and the cache bytes counted for it.
+    len: usize,
+    held: usize,
+    cache_bytes: Box<dyn Fn(usize) -> usize>,
+    pending: Vec<LogprobEntry>,
+    ended: bool,
+}
+
+impl Live {
+    /// Whether the client has room for a step's events (a token's text, then the end).
+    fn can_take_events(&self) -> bool {
+        self.events.capacity() >= 4
+    }
+
+    /// Sends an event; false when the client has left.
+    fn send(&self, ev: Event) -> bool {
+        match self.events.try_send(ev) {
+            Ok(()) => true,
+            // Paused requests do not generate, so this is rare: wait for the client.
+            Err(mpsc::error::TrySendError::Full(ev)) => self.events.blocking_send(ev).is_ok(),
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+
+    fn fail(&self, metrics: &Metrics, e: ApiError) {
+        metrics.request_done(Outcome::of_status(e.status.as_u16()));
+        let _ = self.send(Event::Error(e));
+    }
+
+    /// Handles one event of the batch; `false` cancels the request (its client left).
+    fn on_event(&mut self, tokenizer: &Tokenizer, metrics: &Metrics, ev: BatchEvent<'_>) -> bool {
+        match ev {
+            BatchEvent::Prefilled { .. } => !self.events.is_closed(),
+            BatchEvent::Step(step) => {
+                if let Some(t) = step.token {
+                    let now = Instant::now();
+                    metrics.token(
+                        now,
+                        self.last_token.unwrap_or(self.queued),
+                        self.last_token.is_none(),
+                    );
+                    self.last_token = Some(now);
+                    self.len += 1;
+                    let bytes = (self.cache_bytes)(self.len);
+                    metrics.cache_changed(bytes as i64 - self.held as i64);
+                    self.held = bytes;
+                    if let (false, Some(lp)) = (t.eos, &t.logprobs) {
+                        self.pending.push(LogprobEntry::new(tokenizer, lp));
+                    }
+                }
+                if step.text.is_empty() {
+                    !self.events.is_closed()
+                } else {
+                    let text = Event::Text {
+                        text: step.text.to_string(),
+                        logprobs: std::mem::take(&mut self.pending),
+                    };
+                    self.send(text)
+                }
+            }
+            BatchEvent::Done(result) => {
+                self.ended = true;
+                metrics.sequence_ended(self.held);
+                match result {
+                    Ok(done) => {
+                        if !self.pending.is_empty() {
+                            let logprobs = std::mem::take(&mut self.pending);
+                            let _ = self.send(Event::Text {
+                                text: String::new(),
+                                logprobs,
+                            });
+                        }
+                        metrics.request_done(match done.finish {
+                            FinishReason::Stop => Outcome::Stop,
+                            FinishReason::Length => Outcome::Length,
+                            FinishReason::Cancelled => Outcome::Cancelled,
+                        });
+                        let _ = self.send(Event::Done {
+                            finish: done.finish,
+                            prompt_tokens: done.prompt_tokens,
+                            completion_tokens: done.completion_tokens,
+                        });
+                    }
+                    Err(e) => self.fail(metrics, engine_error(e)),
+                }
+                true
+            }
         }
     }
 }
@@ -321,24 +499,33 @@ fn engine_error(e: EngineError) -> ApiError {
     }
 }
 
-fn run_job<B: Backend>(
+/// Checks a job and admits it into the batch; a job that fails its checks gets its error
+/// and is not admitted.
+fn admit<B: Backend>(
     engine: &mut Engine<B>,
+    batch: &mut Batch<B>,
     template: &Result<ChatTemplate, String>,
     eos: &[u32],
     max_context: usize,
     metrics: &Metrics,
     job: Job,
-) {
+) -> Option<(RequestId, Live)> {
     let Job {
         request,
         events,
         queued,
     } = job;
+    if events.is_closed() {
+        // The client left while the request waited.
+        metrics.request_done(Outcome::Cancelled);
+        return None;
+    }
     // Outcomes are counted before the client hears of them, so that a client reading
     // `/metrics` after its answer finds its request there.
     let fail = |e: ApiError| {
         metrics.request_done(Outcome::of_status(e.status.as_u16()));
         let _ = events.blocking_send(Event::Error(e));
+        None
     };
     let ids = match tokenize(engine, template, &request.prompt) {
         Ok(ids) => ids,
@@ -357,24 +544,7 @@ fn run_job<B: Backend>(
             .code("context_length_exceeded"),
         );
     }
-    // Admission: the whole sequence this request may reach (prompt + max_tokens within the
-    // context budget) must fit the memory limit before any work. Requests run one at a time,
-    // so this plan is the total over live sequences. A 400 `context_length_exceeded`, not a
-    // 503: nothing else holds memory while it would run, so the same request can never fit
-    // and a retry would not help; a shorter prompt or a smaller max_tokens would.
-    let total = ids.len() + request.max_tokens.min(max_context - ids.len());
-    if let Err(e) = engine.check_memory(total) {
-        return fail(engine_error(e));
-    }
-    if events
-        .blocking_send(Event::Started {
-            prompt_tokens: ids.len(),
-        })
-        .is_err()
-    {
-        metrics.request_done(Outcome::Cancelled);
-        return;
-    }
+    let prompt_tokens = ids.len();
     let opts = GenerateOptions {
         sampling: request.sampling,
         max_tokens: request.max_tokens,
@@ -386,67 +556,51 @@ fn run_job<B: Backend>(
             eos.to_vec()
         },
     };
-    let config = engine.model.config.clone();
-    let tokenizer = engine.tokenizer.clone();
-    let cache_bytes = |len: usize| sala_model::memory::cache_bytes(&config, len).total();
-    let mut held = cache_bytes(ids.len());
-    metrics.sequence_started(ids.len(), held);
-    let mut last_token: Option<Instant> = None;
-    let mut len = ids.len();
-    let mut pending: Vec<LogprobEntry> = Vec::new();
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        engine.generate_steps(
-            &ids,
-            &opts,
-            request.logprobs,
-            &mut |step| {
-                if let Some(t) = step.token {
-                    let now = Instant::now();
-                    metrics.token(now, last_token.unwrap_or(queued), last_token.is_none());
-                    last_token = Some(now);
-                    len += 1;
-                    let bytes = cache_bytes(len);
-                    metrics.cache_changed(bytes as i64 - held as i64);
-                    held = bytes;
-                    if let (false, Some(lp)) = (t.eos, &t.logprobs) {
-                        pending.push(LogprobEntry::new(&tokenizer, lp));
-                    }
-                }
-                if step.text.is_empty() {
-                    !events.is_closed()
-                } else {
-                    let text = Event::Text {
-                        text: step.text.to_string(),
-                        logprobs: std::mem::take(&mut pending),
-                    };
-                    events.blocking_send(text).is_ok()
-                }
-            },
-            &mut |_| {},
-        )
-    }));
-    metrics.sequence_ended(held);
-    let last = match result {
-        Ok(Ok(g)) => {
-            if !pending.is_empty() {
-                let _ = events.blocking_send(Event::Text {
-                    text: String::new(),
-                    logprobs: pending,
-                });
-            }
-            metrics.request_done(match g.finish {
-                FinishReason::Stop => Outcome::Stop,
-                FinishReason::Length => Outcome::Length,
-                FinishReason::Cancelled => Outcome::Cancelled,
-            });
-            Event::Done {
-                finish: g.finish,
-                prompt_tokens: g.prompt_tokens,
-                completion_tokens: g.tokens.len(),
-            }
+    // Admission checks the memory plan of every sequence in the batch with this one (prompt +
+    // max_tokens within the context budget) before any work. Over the limit is a 400
+    // `context_length_exceeded` when the request alone cannot fit (a retry would not help; a
+    // shorter prompt or a smaller max_tokens would), else a 503: the batch is busy.
+    let id = match engine.admit(batch, ids, &opts, request.logprobs) {
+        Ok(id) => id,
+        Err(e @ EngineError::OverBudget(_)) if !batch.is_empty() => {
+            let total = prompt_tokens + opts.max_tokens.min(max_context - prompt_tokens);
+            return match engine.check_memory(total) {
+                Ok(()) => fail(
+                    ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "server_error",
+                        format!("the server is busy: the requests in flight hold the memory this one needs ({e}); retry later"),
+                    )
+                    .code("memory_busy"),
+                ),
+                Err(e) => fail(engine_error(e)),
+            };
         }
-        Ok(Err(e)) => return fail(engine_error(e)),
-        Err(_) => return fail(ApiError::internal("the engine panicked on this request")),
+        Err(e) => return fail(engine_error(e)),
     };
-    let _ = events.blocking_send(last);
+    if events
+        .blocking_send(Event::Started { prompt_tokens })
+        .is_err()
+    {
+        batch.cancel_where(|x| x == id);
+        metrics.request_done(Outcome::Cancelled);
+        return None;
+    }
+    let config = engine.model.config.clone();
+    let cache_bytes = move |len: usize| sala_model::memory::cache_bytes(&config, len).total();
+    let held = cache_bytes(prompt_tokens);
+    metrics.sequence_started(prompt_tokens, held);
+    Some((
+        id,
+        Live {
+            events,
+            queued,
+            last_token: None,
+            len: prompt_tokens,
+            held,
+            cache_bytes: Box::new(cache_bytes),
+            pending: Vec::new(),
+            ended: false,
+        },
+    ))
 }

@@ -68,6 +68,9 @@ struct ServeArgs {
     /// Prompt tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
+    /// Most requests generating together (continuous batching); at most --prefill-chunk.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
     /// Refuse (HTTP 400) a request whose memory plan exceeds SIZE (e.g. 30G, 30GiB, 28000M;
     /// powers of 1024). On a GPU its total memory is a limit anyway.
     #[arg(long, value_name = "SIZE")]
@@ -667,6 +670,10 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
     };
     let chunk = args.prefill_chunk;
+    let max_batch = args.max_batch;
+    if max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
     let load_dir = dir.clone();
     eprintln!("loading {} ...", dir.display());
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
@@ -676,6 +683,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             be: B,
             dir: &Path,
             chunk: usize,
+            max_batch: usize,
             user_limit: Option<MemoryLimit>,
         ) -> Result<(), String> {
             let limit = memory_limit(&be, user_limit);
@@ -690,12 +698,15 @@ fn serve(args: ServeArgs) -> Result<()> {
             }
             let engine = Engine::load(be, dir, chunk, &mut |_, _| {})
                 .map_err(|e| format!("loading {}: {e}", dir.display()))?;
-            runner.memory_limit(limit, target).run(engine);
+            runner
+                .memory_limit(limit, target)
+                .max_batch(max_batch)
+                .run(engine);
             Ok(())
         }
         match device.open().map_err(|e| format!("{e:#}"))? {
-            Opened::Cpu(be) => start(runner, be, &load_dir, chunk, user_limit),
-            Opened::Cuda(be) => start(runner, *be, &load_dir, chunk, user_limit),
+            Opened::Cpu(be) => start(runner, be, &load_dir, chunk, max_batch, user_limit),
+            Opened::Cuda(be) => start(runner, *be, &load_dir, chunk, max_batch, user_limit),
         }
     })
     .map_err(anyhow::Error::msg)?;

@@ -33,11 +33,16 @@ pub fn load_engine() -> Engine<CpuBackend> {
 }
 
 pub fn spawn_engine(queue: usize) -> sala_server::EngineHandle {
+    spawn_engine_batched(queue, 64)
+}
+
+/// An engine whose batch holds at most `max_batch` requests.
+pub fn spawn_engine_batched(queue: usize, max_batch: usize) -> sala_server::EngineHandle {
     let dir = model_dir().to_path_buf();
     sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), queue, move |runner| {
         let engine =
             Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
-        runner.run(engine);
+        runner.max_batch(max_batch).run(engine);
         Ok(())
     })
     .unwrap()

@@ -100,3 +100,45 @@ fn sixty_four_concurrent_streams_all_complete() {
     );
     assert_eq!(m["sala_queue_depth"], 0.0);
 }
+
+/// Batching does not change results: at temperature 0, a request's text is the same alone
+/// and among 16 concurrent others (several batch sizes along the way as requests join and
+/// finish), and so is every other request's.
+#[test]
+fn greedy_answers_are_the_same_alone_and_among_sixteen_others() {
+    let addr = serve(spawn_engine(64));
+    let body = |i: usize| {
+        json!({
+            "prompt": format!("request {i}: {}", "the quick brown fox ".repeat(1 + i % 5)),
+            "max_tokens": 8 + (i % 4) * 4,
+            "temperature": 0,
+        })
+    };
+    let text = |v: &serde_json::Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    let alone: Vec<String> = (0..17)
+        .map(|i| {
+            let (status, v) = post_to(addr, "/v1/completions", &body(i));
+            assert_eq!(status, 200, "{v}");
+            text(&v)
+        })
+        .collect();
+    assert!(
+        alone.iter().any(|t| t != &alone[0]),
+        "the answers differ between requests"
+    );
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..17)
+            .map(|i| {
+                s.spawn(move || {
+                    let (status, v) = post_to(addr, "/v1/completions", &body(i));
+                    assert_eq!(status, 200, "{v}");
+                    text(&v)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "request {i}: alone and among 16 others");
+    }
+}

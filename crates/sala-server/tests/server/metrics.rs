@@ -101,7 +101,8 @@ fn metrics_count_requests_tokens_and_latencies() {
 
 #[test]
 fn a_full_queue_over_http_is_429_and_metrics_show_the_backlog() {
-    let engine = spawn_engine(1);
+    // A batch of one: A holds it while its client does not read (A is paused, not finished).
+    let engine = spawn_engine_batched(1, 1);
     let addr = serve(engine.clone());
     let req = |max_tokens| Request {
         prompt: Prompt::Text("busy busy".into()),
@@ -111,7 +112,7 @@ fn a_full_queue_over_http_is_429_and_metrics_show_the_backlog() {
         ignore_eos: true,
         logprobs: None,
     };
-    // A keeps the engine busy: nobody reads its events, so the engine waits once they fill.
+    // A fills the batch: nobody reads its events, so it pauses once they fill.
     let mut a = engine.submit(req(200)).unwrap();
     let prompt_tokens = match a.blocking_recv() {
         Some(Event::Started { prompt_tokens }) => prompt_tokens,
