@@ -1350,6 +1350,21 @@ impl Backend for CudaBackend {
                 blocks
             }
         };
+        // attention_gather and attention_prefill take the same arguments.
+        let prefill_args = [
+            Arg::P(self.ptr(&q.buf)),
+            Arg::P(self.ptr(&cache.k)),
+            Arg::P(self.ptr(&cache.v)),
+            Arg::P(self.ptr(&out.buf)),
+            Arg::I(t as i32),
+            Arg::I(first as i32),
+            Arg::I(shape.heads as i32),
+            Arg::I(shape.kv_heads as i32),
+            Arg::I(shape.head_dim as i32),
+            Arg::F(shape.scale() as f32),
+            Arg::P(blocks),
+            Arg::I(k_sel as i32),
+        ];
         let gather = mode == SparseMode::Sparse
             && t * shape.kv_heads >= SELECT_ONE_KERNEL_PAIRS
             && shape.group() <= 16
@@ -1362,20 +1377,7 @@ impl Backend for CudaBackend {
                 ((t * shape.kv_heads).div_ceil(4) as u32, 1, 1),
                 128,
                 0,
-                &[
-                    Arg::P(self.ptr(&q.buf)),
-                    Arg::P(self.ptr(&cache.k)),
-                    Arg::P(self.ptr(&cache.v)),
-                    Arg::P(self.ptr(&out.buf)),
-                    Arg::I(t as i32),
-                    Arg::I(first as i32),
-                    Arg::I(shape.heads as i32),
-                    Arg::I(shape.kv_heads as i32),
-                    Arg::I(shape.head_dim as i32),
-                    Arg::F(shape.scale() as f32),
-                    Arg::P(blocks),
-                    Arg::I(k_sel as i32),
-                ],
+                &prefill_args,
             );
         }
         if t >= PREFILL_ATTENTION_ROWS && prefill_attention_fits(shape, cfg, mode, first + t) {
@@ -1388,20 +1390,7 @@ impl Backend for CudaBackend {
                 (t.div_ceil(8) as u32, shape.kv_heads as u32, 1),
                 256,
                 bitmap as u32,
-                &[
-                    Arg::P(self.ptr(&q.buf)),
-                    Arg::P(self.ptr(&cache.k)),
-                    Arg::P(self.ptr(&cache.v)),
-                    Arg::P(self.ptr(&out.buf)),
-                    Arg::I(t as i32),
-                    Arg::I(first as i32),
-                    Arg::I(shape.heads as i32),
-                    Arg::I(shape.kv_heads as i32),
-                    Arg::I(shape.head_dim as i32),
-                    Arg::F(shape.scale() as f32),
-                    Arg::P(blocks),
-                    Arg::I(k_sel as i32),
-                ],
+                &prefill_args,
             );
         }
         let (grid, block, smem) = attention_launch(t, shape);
