@@ -127,6 +127,23 @@ impl SparseCache {
         }
     }
 
+    /// Makes room for `tokens` tokens in all (K, V and both compressed tiers) at once.
+    pub fn reserve(&mut self, cfg: &SparseConfig, tokens: usize) {
+        let kw = self.shape.kv_width();
+        let more =
+            |v: &mut Vec<f32>, rows: usize| v.reserve_exact((rows * kw).saturating_sub(v.len()));
+        more(&mut self.k, tokens);
+        more(&mut self.v, tokens);
+        more(
+            &mut self.k1,
+            visible_windows(tokens.saturating_sub(1), cfg.k1_window(), cfg.k1_stride()),
+        );
+        more(
+            &mut self.k2,
+            visible_windows(tokens.saturating_sub(1), cfg.k2_window(), cfg.k2_stride()),
+        );
+    }
+
     /// Tokens held.
     pub fn len(&self) -> usize {
         self.k.len() / self.shape.kv_width()
@@ -312,4 +329,41 @@ pub fn sparse_layer_attention(cache: &SparseCache, mode: SparseMode, q: &[f32]) 
         },
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// After `reserve(n)`, appending up to n tokens never moves the buffers (one allocation
+    /// up front), and the cache holds the same values as one grown on demand.
+    #[test]
+    fn reserved_caches_do_not_reallocate() {
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+        };
+        let cfg = SparseConfig::default();
+        let n = 1000;
+        let kw = shape.kv_width();
+        let keys: Vec<f32> = (0..n * kw)
+            .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let mut grown = SparseCache::new(shape, &cfg);
+        let mut reserved = SparseCache::new(shape, &cfg);
+        reserved.reserve(&cfg, n);
+        let ptrs = |c: &SparseCache| [c.k.as_ptr(), c.v.as_ptr(), c.k1.as_ptr(), c.k2.as_ptr()];
+        let before = ptrs(&reserved);
+        for chunk in keys.chunks(37 * kw) {
+            grown.append(chunk, chunk);
+            reserved.append(chunk, chunk);
+        }
+        assert_eq!(ptrs(&reserved), before, "a buffer was reallocated");
+        assert!(!reserved.k1.is_empty() && !reserved.k2.is_empty());
+        assert_eq!(
+            (&reserved.k, &reserved.k1, &reserved.k2),
+            (&grown.k, &grown.k1, &grown.k2)
+        );
+    }
 }

@@ -256,6 +256,16 @@ impl Backend for CpuBackend {
         Ok(SparseCache::new(shape, cfg))
     }
 
+    fn reserve_sparse_cache(
+        &self,
+        cache: &mut SparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+    ) -> BResult<()> {
+        cache.reserve(cfg, tokens);
+        Ok(())
+    }
+
     fn embed(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut CpuAct) -> BResult<()> {
         let d = table.cols;
         for (row, &id) in out.data.chunks_exact_mut(d).zip(ids) {
