@@ -1911,3 +1911,157 @@ lightning_chunk_out(const bf16* q, const bf16* k, const bf16* v, const float* ds
             }
     }
 }
+
+// ============================================================================================
+// 8. Block selection for few queries (decode), spread over the compressed keys
+// ============================================================================================
+//
+// The same scores as sparse_select up to float rounding (fp32 fused multiply-adds, exp2), in
+// three kernels that each run many blocks per (query, KV group) pair: partial level-2
+// normalisers over slices of K2, then P over slices of K1 (from the combined normalisers), then
+// block scores; select_topk_scores picks the blocks. sparse_select / select_lse stay the
+// bit-exact twins of the CPU.
+
+#define DS_THREADS 256
+#define DS_MAXG 16
+
+// s·log2(e)·(q_h · k) for the G heads of a group (fp32 queries in shared memory, [G][d]) and
+// one key row held in registers.
+__device__ __forceinline__ void ds_logits(const float* qs, int G, const u32 (&kr)[64], int d, float sl2,
+                                          float (&lg)[DS_MAXG]) {
+#pragma unroll
+    for (int h = 0; h < DS_MAXG; h++) {
+        float acc = 0.0f;
+        if (h < G) {
+            const float* qh = qs + h * d;
+#pragma unroll
+            for (int j = 0; j < 64; j++) {
+                if (2 * j < d) {
+                    const u32 w = kr[j];
+                    acc = fmaf(qh[2 * j], __uint_as_float(w << 16), acc);
+                    acc = fmaf(qh[2 * j + 1], __uint_as_float(w & 0xffff0000u), acc);
+                }
+            }
+        }
+        lg[h] = acc * sl2;
+    }
+}
+
+// Loads the fp32 queries of group g of query i into qs [G][d] (every thread calls).
+__device__ __forceinline__ void ds_load_q(const bf16* q, int i, int g, int G, int heads, int d, float* qs) {
+    for (int x = threadIdx.x; x < G * d; x += DS_THREADS)
+        qs[x] = bf2f(q[(size_t)i * heads * d + (size_t)g * G * d + x]);
+}
+
+// Pair p = blockIdx.x (query i = p / kv_heads, group g = p % kv_heads, position first_pos + i):
+// for each head h of the group, the max m and Σ exp2(x − m) of the log2-unit level-2 logits x
+// over the visible windows in [256·blockIdx.y, 256·blockIdx.y + 256), into
+// part[((p·gridDim.y + blockIdx.y)·G + h)·2 + {0, 1}] (m = −inf, sum 0 when none is visible).
+// launch: grid = (T·kv_heads, ⌈n2 / 256⌉), block = 256, dynamic smem = G·d·4 bytes
+extern "C" __global__ void __launch_bounds__(DS_THREADS)
+dsel_lse_part(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_heads, int d, float scale,
+              int k2_window, int k2_stride, float* part) {
+    extern __shared__ float ds_q[];
+    __shared__ float red[DS_THREADS / 32][DS_MAXG];
+    __shared__ float mx_all[DS_MAXG];
+    const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n2v = min(sp_visible(first_pos + i, k2_window, k2_stride), n2);
+    ds_load_q(q, i, g, G, heads, d, ds_q);
+    __syncthreads();
+    const int c = blockIdx.y * DS_THREADS + threadIdx.x;
+    const bool in = c < n2v;
+    const float NEG = -__int_as_float(0x7f800000);
+    float lg[DS_MAXG];
+    if (in) {
+        u32 kr[64];
+        sp_load_row(k2 + (size_t)c * kv_heads * d + (size_t)g * d, kr, d);
+        ds_logits(ds_q, G, kr, d, scale * 1.4426950408889634f, lg);
+    } else {
+#pragma unroll
+        for (int h = 0; h < DS_MAXG; h++) lg[h] = NEG;
+    }
+#pragma unroll
+    for (int h = 0; h < DS_MAXG; h++) {
+        const float m = warp_max(lg[h]);
+        if (lane == 0) red[warp][h] = m;
+    }
+    __syncthreads();
+    if (threadIdx.x < DS_MAXG) {
+        float m = NEG;
+        for (int w = 0; w < DS_THREADS / 32; w++) m = fmaxf(m, red[w][threadIdx.x]);
+        mx_all[threadIdx.x] = m;
+    }
+    __syncthreads();
+    float e[DS_MAXG];
+#pragma unroll
+    for (int h = 0; h < DS_MAXG; h++) e[h] = in ? exp2f(lg[h] - mx_all[h]) : 0.0f;
+    __syncthreads();  // red is reused
+#pragma unroll
+    for (int h = 0; h < DS_MAXG; h++) {
+        const float s = warp_sum(e[h]);
+        if (lane == 0) red[warp][h] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        float s = 0.0f;
+        for (int w = 0; w < DS_THREADS / 32; w++) s += red[w][threadIdx.x];
+        float* o = part + (((size_t)p * gridDim.y + blockIdx.y) * G + threadIdx.x) * 2;
+        o[0] = mx_all[threadIdx.x];
+        o[1] = s;
+    }
+}
+
+// P of the level-1 windows [256·blockIdx.y, +256) of pair blockIdx.x that are visible, into
+// p_scratch[pair·p_stride + x]: Σ_h exp2(x_h − LSE_h) rounded to bf16 (NaN → 0), the LSEs
+// combined from the n_split partials of dsel_lse_part.
+// launch: grid = (T·kv_heads, ⌈n1 / 256⌉), block = 256, dynamic smem = G·d·4 bytes
+extern "C" __global__ void __launch_bounds__(DS_THREADS)
+dsel_scores(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_heads, int d, float scale,
+            int k1_window, int k1_stride, const float* part, int n_split, float* p_scratch, int p_stride) {
+    extern __shared__ float ds_q[];
+    __shared__ float lse[DS_MAXG];
+    const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
+    const int n1v = min(sp_visible(first_pos + i, k1_window, k1_stride), n1);
+    const int x = blockIdx.y * DS_THREADS + threadIdx.x;
+    if (blockIdx.y * DS_THREADS >= n1v) return;  // block-uniform
+    ds_load_q(q, i, g, G, heads, d, ds_q);
+    if (threadIdx.x < G) {
+        const float NEG = -__int_as_float(0x7f800000);
+        const float* pp = part + (size_t)p * n_split * G * 2 + threadIdx.x * 2;
+        float m = NEG;
+        for (int s = 0; s < n_split; s++) m = fmaxf(m, pp[(size_t)s * G * 2]);
+        float l = 0.0f;
+        for (int s = 0; s < n_split; s++) {
+            const float ms = pp[(size_t)s * G * 2];
+            if (ms != NEG) l += pp[(size_t)s * G * 2 + 1] * exp2f(ms - m);
+        }
+        // No visible level-2 window: +inf, so every probability is 0 (as the kernel's early exit).
+        lse[threadIdx.x] = (m == NEG) ? __int_as_float(0x7f800000) : m + __log2f(l);
+    }
+    __syncthreads();
+    if (x >= n1v) return;
+    u32 kr[64];
+    sp_load_row(k1 + (size_t)x * kv_heads * d + (size_t)g * d, kr, d);
+    float lg[DS_MAXG];
+    ds_logits(ds_q, G, kr, d, scale * 1.4426950408889634f, lg);
+    float acc = 0.0f;
+#pragma unroll
+    for (int h = 0; h < DS_MAXG; h++)
+        if (h < G) acc += exp2f(lg[h] - lse[h]);
+    const float r = round_bf(acc);
+    p_scratch[(size_t)p * p_stride + x] = (r != r) ? 0.0f : r;
+}
+
+// Block scores of pair blockIdx.x from P: bs[pair·bs_stride + b] = max of P over windows
+// [w·b − 1, w·b + w − 1] ∩ [0, n1v) for the blocks b ∈ [256·blockIdx.y, +256) ∩ [0, nb).
+// launch: grid = (T·kv_heads, ⌈nb / 256⌉), block = 256, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(DS_THREADS)
+dsel_pool(const float* p_scratch, int p_stride, int n1, int first_pos, int kv_heads, int k1_window,
+          int k1_stride, int w, int nb, float* bs, int bs_stride) {
+    const int p = blockIdx.x, i = p / kv_heads;
+    const int b = blockIdx.y * DS_THREADS + threadIdx.x;
+    if (b >= nb) return;
+    const int n1v = min(sp_visible(first_pos + i, k1_window, k1_stride), n1);
+    bs[(size_t)p * bs_stride + b] = sp_key_float(sp_block_key(p_scratch + (size_t)p * p_stride, b, w, n1v));
+}

@@ -56,6 +56,7 @@ struct Scratch {
     logits_in: Option<CudaSlice<u16>>,
     logits_out: Option<CudaSlice<u16>>,
     lightning: Option<CudaSlice<f32>>,
+    bscores: Option<CudaSlice<f32>>,
     attn_part: Option<CudaSlice<f32>>,
     lse: Option<CudaSlice<f32>>,
 }
@@ -102,6 +103,9 @@ pub struct CudaBackend {
     profiler: Option<profile::Profiler>,
     /// Prefill block selection with the bit-exact CUDA-core kernel instead of tensor cores.
     exact_select: std::cell::Cell<bool>,
+    /// Decode block selection spread over the compressed keys (`select_decode_fast`) instead
+    /// of the exact three kernels; off until measured on a GPU (`SALA_DECODE_SELECT=fast`).
+    fast_decode_select: std::cell::Cell<bool>,
     fallback: Fallback,
 }
 
@@ -248,6 +252,9 @@ impl CudaBackend {
             waited: Default::default(),
             profiler,
             fallback: Fallback::from_env(),
+            fast_decode_select: std::cell::Cell::new(
+                std::env::var("SALA_DECODE_SELECT").is_ok_and(|v| v == "fast"),
+            ),
             exact_select: std::cell::Cell::new(
                 std::env::var("SALA_EXACT_SELECT").is_ok_and(|v| v != "0"),
             ),
@@ -264,6 +271,11 @@ impl CudaBackend {
     /// tensor-core one (same scores up to rounding; a near-tie may pick another block).
     pub fn set_exact_selection(&self, exact: bool) {
         self.exact_select.set(exact);
+    }
+
+    /// Selects decode blocks with `select_decode_fast` (see `fast_decode_select`).
+    pub fn set_fast_decode_selection(&self, fast: bool) {
+        self.fast_decode_select.set(fast);
     }
 
     /// The block lists of the last sparse selection: `rows · kv_heads · k_sel` ids (tests).
@@ -442,6 +454,108 @@ impl CudaBackend {
             a += n_tok;
         }
         Ok(())
+    }
+
+    /// Block selection for few queries (decode), spread over many blocks per (query, group)
+    /// pair: partial level-2 normalisers, P, block scores, then the top-k of select_fast.
+    fn select_decode_fast(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        q: &DevAct,
+        cache: &DevSparseCache,
+        first: usize,
+        blocks: u64,
+    ) -> BResult<()> {
+        const THREADS: usize = 256;
+        let pairs = q.rows * shape.kv_heads;
+        let (g, d) = (shape.group(), shape.head_dim);
+        let k_sel = cfg.selected_blocks();
+        let n_split = cache.n2.div_ceil(THREADS).max(1);
+        let p_stride = cache.n1.max(1);
+        let nb = cache.len.div_ceil(cfg.block_size).max(1);
+        let part = self.scratch_ptr(|s| &mut s.lse, pairs * n_split * g * 2)?;
+        let p = self.scratch_ptr(|s| &mut s.p, pairs * p_stride)?;
+        let bs = self.scratch_ptr(|s| &mut s.bscores, pairs * nb)?;
+        let qs_smem = (g * d * 4) as u32;
+        let common = [
+            Arg::P(self.ptr(&q.buf)),
+            Arg::P(self.ptr(&cache.k2)),
+            Arg::I(cache.n2 as i32),
+            Arg::I(first as i32),
+            Arg::I(shape.heads as i32),
+            Arg::I(shape.kv_heads as i32),
+            Arg::I(d as i32),
+            Arg::F(shape.scale() as f32),
+        ];
+        let mut args = common.to_vec();
+        args.extend([
+            Arg::I(cfg.k2_window() as i32),
+            Arg::I(cfg.k2_stride() as i32),
+            Arg::P(part),
+        ]);
+        self.launch(
+            K::DselLsePart,
+            (pairs as u32, n_split as u32, 1),
+            THREADS as u32,
+            qs_smem,
+            &args,
+        )?;
+        let mut args = common.to_vec();
+        args[1] = Arg::P(self.ptr(&cache.k1));
+        args[2] = Arg::I(cache.n1 as i32);
+        args.extend([
+            Arg::I(cfg.k1_window() as i32),
+            Arg::I(cfg.k1_stride() as i32),
+            Arg::P(part),
+            Arg::I(n_split as i32),
+            Arg::P(p),
+            Arg::I(p_stride as i32),
+        ]);
+        self.launch(
+            K::DselScores,
+            (pairs as u32, cache.n1.div_ceil(THREADS).max(1) as u32, 1),
+            THREADS as u32,
+            qs_smem,
+            &args,
+        )?;
+        self.launch(
+            K::DselPool,
+            (pairs as u32, nb.div_ceil(THREADS) as u32, 1),
+            THREADS as u32,
+            0,
+            &[
+                Arg::P(p),
+                Arg::I(p_stride as i32),
+                Arg::I(cache.n1 as i32),
+                Arg::I(first as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(cfg.k1_window() as i32),
+                Arg::I(cfg.k1_stride() as i32),
+                Arg::I(cfg.windows_per_block() as i32),
+                Arg::I(nb as i32),
+                Arg::P(bs),
+                Arg::I(nb as i32),
+            ],
+        )?;
+        self.launch(
+            K::SelectTopkScores,
+            (pairs as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(bs),
+                Arg::I(nb as i32),
+                Arg::I(first as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(cfg.block_size as i32),
+                Arg::I(cfg.k1_stride() as i32),
+                Arg::I(cfg.init_blocks as i32),
+                Arg::I(cfg.local_blocks() as i32),
+                Arg::I(k_sel as i32),
+                Arg::P(blocks),
+            ],
+        )
     }
 
     /// With `SALA_PROFILE=1`: device milliseconds and launches per kernel since the last call.
@@ -1291,7 +1405,8 @@ impl Backend for CudaBackend {
                     && !self.exact_select.get()
                     && fast_select_fits(shape, cfg);
                 let p_stride = cache.n1.max(1);
-                // The exact kernels keep every query's P (the fast one only block scores).
+                // The exact kernels and the decode one keep every query's P (the prefill one
+                // only block scores).
                 let p = if fast {
                     0
                 } else {
@@ -1324,6 +1439,11 @@ impl Backend for CudaBackend {
                 ];
                 if fast {
                     self.select_fast(shape, cfg, q, cache, first, blocks)?;
+                } else if self.fast_decode_select.get()
+                    && !self.exact_select.get()
+                    && fast_select_fits(shape, cfg)
+                {
+                    self.select_decode_fast(shape, cfg, q, cache, first, blocks)?;
                 } else if pairs >= SELECT_ONE_KERNEL_PAIRS {
                     // Many queries (prefill): one block per (query, group) fills the GPU.
                     self.launch(K::SparseSelect, (pairs as u32, 1, 1), block, smem, &args)?;

@@ -54,6 +54,9 @@ pub enum K {
     LightningChunkState,
     LightningChunkScan,
     LightningChunkOut,
+    DselLsePart,
+    DselScores,
+    DselPool,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -87,6 +90,9 @@ pub const KERNELS: &[&str] = &[
     "lightning_chunk_state",
     "lightning_chunk_scan",
     "lightning_chunk_out",
+    "dsel_lse_part",
+    "dsel_scores",
+    "dsel_pool",
 ];
 
 /// The whole program as one translation unit.

@@ -454,13 +454,15 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
     }
 }
 
-/// The tensor-core block selection (prefill) against the oracle's block scores: every list
+/// The fast block selections (tensor cores for prefill, spread over the keys for decode)
+/// against the oracle's block scores: every list
 /// holds the forced blocks, and no block left out scores above a chosen one by more than the
 /// rounding of the two computations (so a differing pick is a near-tie, never a wrong block).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn fast_block_selection_matches_oracle_scores() {
     let g = CudaBackend::new(0).expect("these tests need a CUDA GPU");
+    g.set_fast_decode_selection(true);
     let released = SparseConfig::default();
     let cases = [
         (
@@ -470,7 +472,7 @@ fn fast_block_selection_matches_oracle_scores() {
                 head_dim: 32,
             },
             small_sparse(),
-            vec![150, 300],
+            vec![150, 300, 1, 1, 3],
         ),
         (
             AttnShape {
@@ -479,7 +481,8 @@ fn fast_block_selection_matches_oracle_scores() {
                 head_dim: 128,
             },
             released.clone(),
-            vec![5000, 4100],
+            // Prefill chunks (tensor-core selection), then decode steps (spread selection).
+            vec![5000, 4100, 1, 1, 2],
         ),
     ];
     for (seed, (shape, cfg, chunks)) in cases.into_iter().enumerate() {
