@@ -55,6 +55,13 @@ pub struct BenchArgs {
     /// ratio dense/SALA (contexts whose dense plan does not fit are reported, not run).
     #[arg(long)]
     compare_dense: bool,
+    /// Time one op alone instead of the model: `lightning` (the lightning layer's prefill
+    /// over each context, in chunks of --prefill-chunk, the config's heads and head size).
+    #[arg(long, value_name = "OP")]
+    kernel: Option<String>,
+    /// Timed repetitions per context with --kernel (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    repeat: usize,
 }
 
 fn parse_len(s: &str) -> Result<usize> {
@@ -165,6 +172,26 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if args.all_dense && args.compare_dense {
         bail!("--all-dense with --compare-dense would compare the all-dense model with itself");
+    }
+    if let Some(op) = &args.kernel {
+        if op != "lightning" {
+            bail!("--kernel {op}: the ops that can be timed alone are: lightning");
+        }
+        if args.repeat == 0 {
+            bail!("--repeat must be at least 1");
+        }
+        let rows = match Device::parse(&args.device)?.open()? {
+            Opened::Cpu(be) => lightning_op(&be, &config, &contexts, &args),
+            Opened::Cuda(be) => lightning_op(be.as_ref(), &config, &contexts, &args),
+        }?;
+        if let Some(path) = &args.json {
+            std::fs::write(
+                path,
+                serde_json::to_string_pretty(&json!({ "op": "lightning", "results": rows }))?,
+            )
+            .with_context(|| format!("writing {}", path.display()))?;
+        }
+        return Ok(());
     }
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     match Device::parse(&args.device)?.open()? {
@@ -468,6 +495,95 @@ fn print_profile<B: DeviceStats>(be: &B, what: &str) {
             100.0 * ms / total.max(1e-9)
         );
     }
+}
+
+/// FLOPs of chunked Simple GLA over `t` tokens (chunks of 64): per token and head, Q·Kᵀ and
+/// P·V within the chunk (2·64·d each) and Q·S and Kᵀ·V against the state (2·d² each). The
+/// same count as `scripts/fla_bench.py` uses for flash-linear-attention.
+pub fn lightning_flops(t: usize, heads: usize, d: usize) -> f64 {
+    (t * heads) as f64 * (4.0 * 64.0 * d as f64 + 4.0 * (d * d) as f64)
+}
+
+/// Times the lightning prefill op alone on random inputs: for each context, the median over
+/// `--repeat` runs of the whole context in chunks of `--prefill-chunk` from a fresh state.
+fn lightning_op<B: Backend + DeviceStats>(
+    be: &B,
+    config: &ModelConfig,
+    contexts: &[usize],
+    args: &BenchArgs,
+) -> Result<Vec<Value>> {
+    let heads = config.num_attention_heads;
+    let d = config.head_dim;
+    let shape = sala_model::AttnShape {
+        heads,
+        kv_heads: config.lightning_nkv,
+        head_dim: d,
+    };
+    let rows = args
+        .prefill_chunk
+        .min(contexts.iter().copied().max().unwrap_or(1));
+    // Random activations: rows of random tables, gathered with `embed` (a backend op).
+    let fill = |cols: usize, seed: u64| -> Result<B::Act> {
+        let table = be.random_matrix(rows, cols, args.seed ^ seed, 0.0, 1.0)?;
+        let mut act = be.alloc(rows, cols)?;
+        let ids: Vec<u32> = (0..rows as u32).collect();
+        be.embed(&table, &ids, 1.0, &mut act)?;
+        Ok(act)
+    };
+    let mut out = be.alloc(rows, shape.q_width())?;
+    let mut probe = be.alloc(1, 1)?;
+    let slopes = be.upload_table(&config.lightning_slopes())?;
+    let mut results = Vec::new();
+    println!(
+        "{:>9} {:>11} {:>10} {:>13}",
+        "context", "lightning ms", "TFLOP/s", "tokens/s"
+    );
+    for &len in contexts {
+        let mut times = Vec::new();
+        for rep in 0..args.repeat + 1 {
+            // Every chunk sees the same random contents: the op's cost does not depend on them.
+            let (mut q, mut k, mut v) = (
+                fill(shape.q_width(), 1)?,
+                fill(shape.kv_width(), 2)?,
+                fill(shape.kv_width(), 3)?,
+            );
+            let mut state = be.new_lightning_state(heads, d)?;
+            be.to_host(&probe)?; // wait for earlier work
+            let start = Instant::now();
+            let mut done = 0;
+            while done < len {
+                let n = rows.min(len - done);
+                for a in [&mut q, &mut k, &mut v, &mut out] {
+                    be.set_rows(a, n);
+                }
+                be.lightning(shape, &slopes, &q, &k, &v, &mut state, &mut out)?;
+                done += n;
+            }
+            be.set_rows(&mut probe, 1);
+            be.to_host(&probe)?;
+            if rep > 0 {
+                times.push(start.elapsed().as_secs_f64()); // the first run is warm-up
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let tflops = lightning_flops(len, heads, d) / median / 1e12;
+        println!(
+            "{:>9} {:>12.3} {:>10.1} {:>13.0}",
+            len,
+            1e3 * median,
+            tflops,
+            len as f64 / median
+        );
+        results.push(json!({
+            "context": len,
+            "median_s": median,
+            "tflops": tflops,
+            "repeat": args.repeat,
+            "chunk": rows,
+        }));
+    }
+    Ok(results)
 }
 
 #[cfg(test)]

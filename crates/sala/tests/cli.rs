@@ -534,3 +534,37 @@ fn generate_chat_and_serve_honour_max_memory() {
         &["--max-memory", "9Q"],
     );
 }
+
+#[test]
+fn bench_times_the_lightning_op_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    // 200 tokens in chunks of 64: three whole chunks and a partial one.
+    let args = [
+        "--kernel",
+        "lightning",
+        "--context",
+        "200,64",
+        "--prefill-chunk",
+        "64",
+    ];
+    let o = bench(&[&args[..], &["--repeat", "2"]].concat(), &json, tmp.path());
+    ok(&o);
+    let v = read_json(&json);
+    assert_eq!(v["op"], "lightning");
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (row, len) in rows.iter().zip([200, 64]) {
+        assert_eq!(row["context"], len);
+        assert!(row["median_s"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["tflops"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    fails_with(
+        &bench(&["--kernel", "softmax"], &json, tmp.path()),
+        &["--kernel softmax", "lightning"],
+    );
+    fails_with(
+        &bench(&[&args[..], &["--repeat", "0"]].concat(), &json, tmp.path()),
+        &["--repeat"],
+    );
+}
