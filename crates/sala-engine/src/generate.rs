@@ -212,6 +212,26 @@ impl<B: Backend> Engine<B> {
         })
     }
 
+    /// An engine over a model already on `backend` (e.g. random weights for benchmarks) and a
+    /// tokenizer; `dir` is only reported.
+    pub fn from_model(
+        backend: B,
+        model: Model<B>,
+        tokenizer: Tokenizer,
+        dir: &Path,
+        chunk: usize,
+    ) -> Result<Self, EngineError> {
+        let workspace = model.workspace(&backend, chunk.max(1))?;
+        Ok(Self {
+            backend,
+            model,
+            tokenizer,
+            dir: dir.to_path_buf(),
+            workspace,
+            memory_limit: None,
+        })
+    }
+
     /// Rows of the prefill workspace.
     pub fn prefill_chunk(&self) -> usize {
         self.workspace.max_rows

@@ -62,6 +62,10 @@ pub struct BenchArgs {
     /// Timed repetitions per context with --kernel (the median is reported).
     #[arg(long, default_value_t = 10)]
     repeat: usize,
+    /// Throughput of N requests (prompts of the first --context, --decode-tokens each, greedy):
+    /// one after another, then all at once through the server's continuous batch.
+    #[arg(long, value_name = "N")]
+    concurrent: Option<usize>,
 }
 
 fn parse_len(s: &str) -> Result<usize> {
@@ -190,6 +194,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 serde_json::to_string_pretty(&json!({ "op": "lightning", "results": rows }))?,
             )
             .with_context(|| format!("writing {}", path.display()))?;
+        }
+        return Ok(());
+    }
+    if let Some(n) = args.concurrent {
+        if n == 0 || args.decode_tokens == 0 {
+            bail!("--concurrent and --decode-tokens must be at least 1");
+        }
+        let len = contexts[0];
+        let doc = match Device::parse(&args.device)?.open()? {
+            Opened::Cpu(be) => concurrent(be, &config, len, n, &args),
+            Opened::Cuda(be) => concurrent(*be, &config, len, n, &args),
+        }?;
+        if let Some(path) = &args.json {
+            std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+                .with_context(|| format!("writing {}", path.display()))?;
         }
         return Ok(());
     }
@@ -495,6 +514,129 @@ fn print_profile<B: DeviceStats>(be: &B, what: &str) {
             100.0 * ms / total.max(1e-9)
         );
     }
+}
+
+/// `n` requests of `len` random prompt tokens and `--decode-tokens` greedy tokens each (EOS
+/// ignored): first one after another, then admitted together into one continuous batch.
+/// Returns the JSON document; prints both throughputs and their ratio.
+fn concurrent<B: Backend + DeviceStats>(
+    be: B,
+    config: &ModelConfig,
+    len: usize,
+    n: usize,
+    args: &BenchArgs,
+) -> Result<Value> {
+    use sala_engine::batch::{Batch, BatchEvent};
+    use sala_engine::generate::{Engine, GenerateOptions};
+    use sala_engine::sampling::SamplingParams;
+    let name = be.name();
+    let model = Model::random(&be, config.clone(), args.seed, &mut |_, _| {})?;
+    let tmp = tempfile::tempdir()?;
+    sala_tokenizer::write_test_tokenizer(tmp.path(), config.vocab_size)?;
+    let tokenizer = sala_tokenizer::Tokenizer::from_dir(tmp.path())?;
+    let mut engine = Engine::from_model(be, model, tokenizer, tmp.path(), args.prefill_chunk)?;
+    if engine.max_batch() < n {
+        bail!(
+            "--concurrent {n}: a batch holds at most --prefill-chunk ({}) requests",
+            engine.max_batch()
+        );
+    }
+    let opts = GenerateOptions {
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        max_tokens: args.decode_tokens,
+        max_context: len + args.decode_tokens + 1,
+        stop: Vec::new(),
+        eos_ids: Vec::new(),
+    };
+    let mut rng = TestRng::new(args.seed ^ 0xc0c0);
+    let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|_| {
+            (0..len)
+                .map(|_| rng.below(config.vocab_size) as u32)
+                .collect()
+        })
+        .collect();
+    // Warm-up: kernels and GEMM plans for a chunk, a decode step and a batched step.
+    {
+        let warm = &prompts[0][..len.min(args.prefill_chunk)];
+        let o = GenerateOptions {
+            max_tokens: 2,
+            ..opts.clone()
+        };
+        engine.generate(warm, &o, &mut |_| {}, &mut |_| {})?;
+        let mut batch = Batch::new(n);
+        for _ in 0..n {
+            engine.admit(&mut batch, warm.to_vec(), &o, None)?;
+        }
+        while !batch.is_empty() {
+            engine.step(&mut batch, &|_| true, &mut |_, _| true);
+        }
+    }
+    let start = Instant::now();
+    let mut generated = 0;
+    for p in &prompts {
+        generated += engine
+            .generate(p, &opts, &mut |_| {}, &mut |_| {})?
+            .tokens
+            .len();
+    }
+    let one_by_one = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let mut batch = Batch::new(n);
+    for p in &prompts {
+        engine.admit(&mut batch, p.clone(), &opts, None)?;
+    }
+    let mut batched_tokens = 0;
+    let mut failure = None;
+    while !batch.is_empty() {
+        engine.step(&mut batch, &|_| true, &mut |_, ev| {
+            match ev {
+                BatchEvent::Step(s) if s.token.is_some() => batched_tokens += 1,
+                BatchEvent::Done(Err(e)) => failure = Some(e.to_string()),
+                _ => {}
+            }
+            true
+        });
+    }
+    if let Some(e) = failure {
+        bail!("a batched request failed: {e}");
+    }
+    let batched = start.elapsed().as_secs_f64();
+    let total = |gen: usize| (n * len + gen) as f64;
+    println!(
+        "{n} requests of {len} prompt + {} generated tokens on {name}",
+        args.decode_tokens
+    );
+    println!(
+        "{:>14} {:>9} {:>16} {:>18}",
+        "", "time s", "generated tok/s", "prompt+gen tok/s"
+    );
+    for (label, t, gen) in [
+        ("one by one", one_by_one, generated),
+        ("batched", batched, batched_tokens),
+    ] {
+        println!(
+            "{label:>14} {t:>9.3} {:>16.1} {:>18.0}",
+            gen as f64 / t,
+            total(gen) / t
+        );
+    }
+    let ratio = (total(batched_tokens) / batched) / (total(generated) / one_by_one);
+    println!("batched / one by one, total tokens/s: {ratio:.2}x");
+    Ok(json!({
+        "device": name,
+        "requests": n,
+        "prompt_tokens": len,
+        "decode_tokens": args.decode_tokens,
+        "one_by_one_s": one_by_one,
+        "batched_s": batched,
+        "generated_one_by_one": generated,
+        "generated_batched": batched_tokens,
+        "ratio_total_tokens_per_s": ratio,
+    }))
 }
 
 /// FLOPs of chunked Simple GLA over `t` tokens (chunks of 64): per token and head, Q·Kᵀ and

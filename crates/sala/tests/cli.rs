@@ -568,3 +568,42 @@ fn bench_times_the_lightning_op_alone() {
         &["--repeat"],
     );
 }
+
+#[test]
+fn bench_measures_batched_against_one_by_one_throughput() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let args = [
+        "--concurrent",
+        "4",
+        "--context",
+        "150",
+        "--prefill-chunk",
+        "64",
+    ];
+    let o = bench(&args, &json, tmp.path());
+    ok(&o);
+    let v = read_json(&json);
+    assert_eq!(v["requests"], 4);
+    assert_eq!(v["prompt_tokens"], 150);
+    // Every request generates its --decode-tokens (4) tokens both ways (EOS is ignored).
+    assert_eq!(v["generated_one_by_one"], 16);
+    assert_eq!(v["generated_batched"], 16);
+    for key in ["one_by_one_s", "batched_s", "ratio_total_tokens_per_s"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    // More requests than a batch can hold is an error, not a panic.
+    let o = bench(
+        &[
+            "--concurrent",
+            "100",
+            "--context",
+            "150",
+            "--prefill-chunk",
+            "64",
+        ],
+        &json,
+        tmp.path(),
+    );
+    fails_with(&o, &["--concurrent 100", "64"]);
+}
