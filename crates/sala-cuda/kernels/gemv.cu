@@ -1,6 +1,8 @@
-// Decode-time products: one activation row times a bf16 weight matrix, bound by reading the
+// Decode-time products: a few activation rows times a bf16 weight matrix, bound by reading the
 // weights once. Each warp owns GEMV_ROWS output rows and streams them with 16-byte loads,
-// several in flight; the activation row sits in shared memory.
+// several in flight; the activation rows are read through the L1 cache. Every activation row's
+// sums run in the same order whatever the number of rows, so a batched decode step gives each
+// row the bits a single-row step gives it.
 
 #define GEMV_ROWS 4
 #define GEMV_WARPS 4
@@ -26,39 +28,75 @@ __device__ __forceinline__ void gemv_pack(uint4 xp, const uint4* wp, float* acc)
     }
 }
 
-// acc[r] = Σ_i x[i]·w[row_r, i] for GEMV_ROWS weight rows (one warp; every lane gets its
-// partial sums, reduce with warp_sum). k is a multiple of 8; x is read through the L1 cache.
-__device__ __forceinline__ void gemv_rows(const bf16* x, const uint4* const (&wr)[GEMV_ROWS], int k,
-                                          float (&acc)[GEMV_ROWS]) {
+// acc[b][r] = Σ_i x_b[i]·w[row_r, i] for GEMV_ROWS weight rows and the NB activation rows
+// x_b = x + b·x_stride, b < nb (one warp; every lane gets its partial sums, reduce with
+// warp_sum). k is a multiple of 8. Each lane adds packs lane, lane + 32, ... in order, for every
+// b alike: the weights are loaded once for all rows.
+template <int NB>
+__device__ __forceinline__ void gemv_rows(const bf16* x, int x_stride, int nb, const uint4* const (&wr)[GEMV_ROWS],
+                                          int k, float (&acc)[NB][GEMV_ROWS]) {
     const int lane = threadIdx.x & 31;
-    const uint4* xg = (const uint4*)x;
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = 0.0f;
+    for (int b = 0; b < NB; b++)
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++) acc[b][r] = 0.0f;
     const int packs = k / 8;
     int i = lane;
     for (; i + 96 < packs; i += 128) {
-        uint4 p[4][GEMV_ROWS], xp[4];
+        uint4 p[4][GEMV_ROWS];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            xp[u] = __ldg(xg + i + 32 * u);
+        for (int u = 0; u < 4; u++)
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; r++) p[u][r] = __ldg(wr[r] + i + 32 * u);
-        }
 #pragma unroll
-        for (int u = 0; u < 4; u++) gemv_pack(xp[u], p[u], acc);
+        for (int b = 0; b < NB; b++) {
+            if (b < nb) {
+                const uint4* xg = (const uint4*)(x + (size_t)b * x_stride);
+                uint4 xp[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) xp[u] = __ldg(xg + i + 32 * u);
+#pragma unroll
+                for (int u = 0; u < 4; u++) gemv_pack(xp[u], p[u], acc[b]);
+            }
+        }
     }
     for (; i < packs; i += 32) {
         uint4 p[GEMV_ROWS];
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; r++) p[r] = __ldg(wr[r] + i);
-        gemv_pack(__ldg(xg + i), p, acc);
+#pragma unroll
+        for (int b = 0; b < NB; b++)
+            if (b < nb) gemv_pack(__ldg((const uint4*)(x + (size_t)b * x_stride) + i), p, acc[b]);
     }
+}
+
+// Where output o of activation row b goes: o < n0 → y0, then n1 values to y1, n2 to y2, the rest
+// to y3, each output's rows `stride_j` (its count) apart.
+__device__ __forceinline__ void gemv_store(float s, int o, int b, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
+                                           int n2, bf16* y3, int n) {
+    bf16* y = y0;
+    int w = n0;
+    if (o >= n0) {
+        o -= n0;
+        y = y1;
+        w = n1;
+        if (o >= n1) {
+            o -= n1;
+            y = y2;
+            w = n2;
+            if (o >= n2) {
+                o -= n2;
+                y = y3;
+                w = n - n0 - n1 - n2;
+            }
+        }
+    }
+    y[(size_t)b * w + o] = f2bf(s);
 }
 
 // y[o] = round(Σ_i x[i]·w[o, i]) for o < n, written to up to four outputs in turn: o < n0 goes
 // to y0[o], then n1 values to y1, n2 to y2, the rest to y3 (one product of stacked weights,
-// as separate products would). k is a multiple of 8. Each warp streams GEMV_ROWS rows with
-// 16-byte loads, 4 packs per row in flight.
+// as separate products would). k is a multiple of 8.
 // launch: grid = ceil(n / (GEMV_WARPS * GEMV_ROWS)), block = 32 * GEMV_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
 gemv(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
@@ -67,37 +105,45 @@ gemv(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* y1, int
     const uint4* wr[GEMV_ROWS];
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) wr[r] = (const uint4*)(w + (u64)min(row0 + r, n - 1) * k);
-    float acc[GEMV_ROWS];
-    gemv_rows(x, wr, k, acc);
+    float acc[1][GEMV_ROWS];
+    gemv_rows<1>(x, k, 1, wr, k, acc);
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
-        const float s = warp_sum(acc[r]);
-        int o = row0 + r;
-        if (lane == 0 && o < n) {
-            bf16* y = y0;
-            if (o >= n0) {
-                o -= n0;
-                y = y1;
-                if (o >= n1) {
-                    o -= n1;
-                    y = y2;
-                    if (o >= n2) {
-                        o -= n2;
-                        y = y3;
-                    }
-                }
-            }
-            y[o] = f2bf(s);
-        }
+        const float s = warp_sum(acc[0][r]);
+        if (lane == 0 && row0 + r < n) gemv_store(s, row0 + r, 0, y0, n0, y1, n1, y2, n2, y3, n);
     }
 }
 
-// The MLP's first half for one row: with w = [gate; up] ([2·inter, k]),
-// y[j] = round(round(silu(g_j)) · u_j), g_j = round(x·w[j]), u_j = round(x·w[inter + j])
-// (gemv, then silu_mul_halves, in one pass). Each warp owns GEMV_ROWS / 2 outputs.
-// launch: grid = ceil(inter / (GEMV_WARPS * GEMV_ROWS / 2)), block = 32 * GEMV_WARPS, dynamic smem = 0
+#define GEMV_BATCH 8
+
+// gemv for nb ≤ GEMV_BATCH activation rows at once (x rows k apart; output row b of part j at
+// y_j + b·n_j), reading the weights once; each row's result has the bits gemv gives it.
+// launch: grid = ceil(n / (GEMV_WARPS * GEMV_ROWS)), block = 32 * GEMV_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
-gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
+gemv_batch(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
+           bf16* y3) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
+    const uint4* wr[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) wr[r] = (const uint4*)(w + (u64)min(row0 + r, n - 1) * k);
+    float acc[GEMV_BATCH][GEMV_ROWS];
+    gemv_rows<GEMV_BATCH>(x, k, nb, wr, k, acc);
+#pragma unroll
+    for (int b = 0; b < GEMV_BATCH; b++)
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++) {
+            const float s = warp_sum(acc[b][r]);
+            if (b < nb && lane == 0 && row0 + r < n) gemv_store(s, row0 + r, b, y0, n0, y1, n1, y2, n2, y3, n);
+        }
+}
+
+// The MLP's first half: with w = [gate; up] ([2·inter, k]), for activation row b < nb (rows k
+// apart), y[b·inter + j] = round(round(silu(g_j)) · u_j), g_j = round(x_b·w[j]),
+// u_j = round(x_b·w[inter + j]) (gemv, then silu_mul_halves, in one pass). Each warp owns
+// GEMV_ROWS / 2 outputs. NB = 1 for one row (gemv_silu), GEMV_BATCH for several.
+template <int NB>
+__device__ __forceinline__ void gemv_silu_body(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
     constexpr int HALF = GEMV_ROWS / 2;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j0 = (blockIdx.x * GEMV_WARPS + warp) * HALF;
@@ -108,14 +154,29 @@ gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
         wr[r] = (const uint4*)(w + (u64)j * k);
         wr[HALF + r] = (const uint4*)(w + (u64)(inter + j) * k);
     }
-    float acc[GEMV_ROWS];
-    gemv_rows(x, wr, k, acc);
+    float acc[NB][GEMV_ROWS];
+    gemv_rows<NB>(x, k, nb, wr, k, acc);
 #pragma unroll
-    for (int r = 0; r < HALF; r++) {
-        const float g = bf2f(f2bf(warp_sum(acc[r])));
-        const float u = bf2f(f2bf(warp_sum(acc[HALF + r])));
-        if (lane == 0 && j0 + r < inter) y[j0 + r] = f2bf(round_bf(g / (1.0f + expf(-g))) * u);
-    }
+    for (int b = 0; b < NB; b++)
+#pragma unroll
+        for (int r = 0; r < HALF; r++) {
+            const float g = bf2f(f2bf(warp_sum(acc[b][r])));
+            const float u = bf2f(f2bf(warp_sum(acc[b][HALF + r])));
+            if (b < nb && lane == 0 && j0 + r < inter)
+                y[(size_t)b * inter + j0 + r] = f2bf(round_bf(g / (1.0f + expf(-g))) * u);
+        }
+}
+
+// launch: grid = ceil(inter / (GEMV_WARPS * GEMV_ROWS / 2)), block = 32 * GEMV_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
+    gemv_silu_body<1>(x, w, y, inter, k, 1);
+}
+
+// gemv_silu for nb ≤ GEMV_BATCH rows at once (same launch shape).
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+gemv_silu_batch(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
+    gemv_silu_body<GEMV_BATCH>(x, w, y, inter, k, nb);
 }
 
 // out[r, i] = round(round(silu(gu[r, i])) · gu[r, inter + i]) for gu = [rows, 2·inter].

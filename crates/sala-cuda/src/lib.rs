@@ -107,6 +107,9 @@ pub struct CudaBackend {
     /// of the exact three kernels; off until measured on a GPU (`SALA_DECODE_SELECT=fast`).
     fast_decode_select: std::cell::Cell<bool>,
     fallback: Fallback,
+    /// Products of 2..=64 rows read the weights once per 8 rows (`gemv_batch`) instead of
+    /// once per row; off until measured on a GPU (`SALA_BATCHED_GEMV=1`).
+    batched_gemv: std::cell::Cell<bool>,
 }
 
 /// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
@@ -118,6 +121,9 @@ const GEMV_MAX_K: usize = 1 << 20;
 /// row's result does not depend on the rest of the batch (a kernel reading the weights once
 /// for all rows, with the same per-row order, is the next step).
 const GEMV_BATCH_ROWS: usize = 64;
+
+/// Rows per launch of the batched GEMV kernels (`GEMV_BATCH` in gemv.cu).
+const GEMV_BATCH: usize = 8;
 
 /// Most key splits of one decode attention (the merge reads every split's partial state).
 const MAX_ATTENTION_SPLIT: usize = 32;
@@ -252,6 +258,9 @@ impl CudaBackend {
             waited: Default::default(),
             profiler,
             fallback: Fallback::from_env(),
+            batched_gemv: std::cell::Cell::new(
+                std::env::var("SALA_BATCHED_GEMV").is_ok_and(|v| v == "1"),
+            ),
             fast_decode_select: std::cell::Cell::new(
                 std::env::var("SALA_DECODE_SELECT").is_ok_and(|v| v == "fast"),
             ),
@@ -271,6 +280,11 @@ impl CudaBackend {
     /// tensor-core one (same scores up to rounding; a near-tie may pick another block).
     pub fn set_exact_selection(&self, exact: bool) {
         self.exact_select.set(exact);
+    }
+
+    /// Runs products of 2..=64 rows with the batched GEMV kernels (see `batched_gemv`).
+    pub fn set_batched_gemv(&self, batched: bool) {
+        self.batched_gemv.set(batched);
     }
 
     /// Selects decode blocks with `select_decode_fast` (see `fast_decode_select`).
@@ -799,13 +813,24 @@ impl CudaBackend {
         outs: &[(u64, usize)],
         rows: usize,
     ) -> BResult<()> {
-        for r in 0..rows {
+        // One launch per row, or (batched GEMV) per group of up to GEMV_BATCH rows.
+        let group = if self.batched_gemv.get() && rows > 1 {
+            GEMV_BATCH
+        } else {
+            1
+        };
+        let mut r = 0;
+        while r < rows {
+            let nb = group.min(rows - r);
             let mut args = vec![
                 Arg::P(self.ptr(x) + ((x_off + r * w.cols) * 2) as u64),
                 Arg::P(self.ptr(&w.buf)),
                 Arg::I(w.rows as i32),
                 Arg::I(w.cols as i32),
             ];
+            if group > 1 {
+                args.push(Arg::I(nb as i32));
+            }
             for i in 0..4 {
                 let (p, n) = outs.get(i).copied().unwrap_or((0, 0));
                 args.push(Arg::P(if p == 0 { 0 } else { p + (r * n * 2) as u64 }));
@@ -813,13 +838,9 @@ impl CudaBackend {
                     args.push(Arg::I(n as i32));
                 }
             }
-            self.launch(
-                K::Gemv,
-                (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
-                128,
-                0,
-                &args,
-            )?;
+            let k = if group > 1 { K::GemvBatch } else { K::Gemv };
+            self.launch(k, (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1), 128, 0, &args)?;
+            r += nb;
         }
         Ok(())
     }
@@ -1158,20 +1179,35 @@ impl Backend for CudaBackend {
             self.matmul(x, w, gu)?;
             return self.silu_mul_halves(gu, out);
         }
-        for r in 0..x.rows {
+        let group = if self.batched_gemv.get() && x.rows > 1 {
+            GEMV_BATCH
+        } else {
+            1
+        };
+        let mut r = 0;
+        while r < x.rows {
+            let nb = group.min(x.rows - r);
+            let mut args = vec![
+                Arg::P(self.ptr(&x.buf) + (r * x.cols * 2) as u64),
+                Arg::P(self.ptr(&w.buf)),
+                Arg::P(self.ptr(&out.buf) + (r * inter * 2) as u64),
+                Arg::I(inter as i32),
+                Arg::I(w.cols as i32),
+            ];
+            let k = if group > 1 {
+                args.push(Arg::I(nb as i32));
+                K::GemvSiluBatch
+            } else {
+                K::GemvSilu
+            };
             self.launch(
-                K::GemvSilu,
+                k,
                 (grid1(inter, GEMV_ROWS_PER_BLOCK / 2), 1, 1),
                 128,
                 0,
-                &[
-                    Arg::P(self.ptr(&x.buf) + (r * x.cols * 2) as u64),
-                    Arg::P(self.ptr(&w.buf)),
-                    Arg::P(self.ptr(&out.buf) + (r * inter * 2) as u64),
-                    Arg::I(inter as i32),
-                    Arg::I(w.cols as i32),
-                ],
+                &args,
             )?;
+            r += nb;
         }
         Ok(())
     }

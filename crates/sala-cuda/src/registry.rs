@@ -57,6 +57,8 @@ pub enum K {
     DselLsePart,
     DselScores,
     DselPool,
+    GemvBatch,
+    GemvSiluBatch,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -93,6 +95,8 @@ pub const KERNELS: &[&str] = &[
     "dsel_lse_part",
     "dsel_scores",
     "dsel_pool",
+    "gemv_batch",
+    "gemv_silu_batch",
 ];
 
 /// The whole program as one translation unit.

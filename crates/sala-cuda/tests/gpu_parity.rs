@@ -699,7 +699,8 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
     let v = config.vocab_size;
     let model = Model::random(&g, config, 5, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(77);
-    let lens = [5usize, 99, 100, 180, 33];
+    // 11 sequences: more than one group of 8 rows for the batched GEMV.
+    let lens = [5usize, 99, 100, 180, 33, 7, 64, 1, 120, 2, 50];
     let prompts: Vec<Vec<u32>> = lens
         .iter()
         .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
@@ -722,26 +723,33 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
             .collect();
         alone.push(rows);
     }
-    let mut seqs: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let mut seq = model.new_sequence(&g).unwrap();
-            model
-                .prefill(&g, &mut ws, &mut seq, p, &mut |_| {})
-                .unwrap();
-            seq
-        })
-        .collect();
-    for step in 0..steps {
-        let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
-        let mut refs: Vec<_> = seqs.iter_mut().collect();
-        let logits = model.decode_batch(&g, &mut ws, &mut refs, &toks).unwrap();
-        for (i, row) in logits.chunks(v).enumerate() {
-            assert!(
-                row == alone[i][step].as_slice(),
-                "sequence {i} (prompt {}) step {step}: batched logits differ",
-                lens[i]
-            );
+    // The per-row GEMVs, then the batched ones (weights read once per 8 rows), must both give
+    // each sequence the bits it gets alone.
+    for batched in [false, true] {
+        g.set_batched_gemv(batched);
+        let mut seqs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut seq = model.new_sequence(&g).unwrap();
+                model
+                    .prefill(&g, &mut ws, &mut seq, p, &mut |_| {})
+                    .unwrap();
+                seq
+            })
+            .collect();
+        for step in 0..steps {
+            let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
+            let mut refs: Vec<_> = seqs.iter_mut().collect();
+            let logits = model.decode_batch(&g, &mut ws, &mut refs, &toks).unwrap();
+            for (i, row) in logits.chunks(v).enumerate() {
+                assert!(
+                    row == alone[i][step].as_slice(),
+                    "batched GEMV {batched}: sequence {i} (prompt {}) step {step}: batched \
+                     logits differ",
+                    lens[i]
+                );
+            }
         }
     }
+    g.set_batched_gemv(false);
 }
