@@ -1679,6 +1679,31 @@ __device__ __forceinline__ float lc_pow(float g, int n) { return (float)exp((dou
 // The hi + lo bf16 pair of (x0, x1) packs, for an A fragment register.
 __device__ __forceinline__ void lc_split(float x0, float x1, u32& hi, u32& lo) { sp_split2(x0, x1, hi, lo); }
 
+// acc += A·V for a 16×16 A given as bf16 hi + lo fragments (two products) and the V rows of
+// tokens jb + {2tq, 2tq+1, 2tq+8, 2tq+9} of the chunk at j0 (rows ≥ len read as 0); the value
+// dims of acc are permuted as sp_o_dim says.
+__device__ __forceinline__ void lc_pv_hilo(float (&acc)[16][4], u32 h0, u32 h1, u32 h2, u32 h3, u32 l0, u32 l1,
+                                           u32 l2, u32 l3, const bf16* vh, size_t kvw, int j0, int jb, int len,
+                                           int d) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+    const int jr[4] = {jb + 2 * tq, jb + 2 * tq + 1, jb + 2 * tq + 8, jb + 2 * tq + 9};
+#pragma unroll
+    for (int m = 0; m < 8; m++) {
+        if (m * 16 < d) {
+            u32 w[4];
+#pragma unroll
+            for (int y = 0; y < 4; y++)
+                w[y] = (jr[y] < len) ? *(const u32*)(vh + (size_t)(j0 + jr[y]) * kvw + 16 * m + 2 * gq) : 0u;
+            const u32 be0 = __byte_perm(w[0], w[1], 0x5410), bo0 = __byte_perm(w[0], w[1], 0x7632);
+            const u32 be1 = __byte_perm(w[2], w[3], 0x5410), bo1 = __byte_perm(w[2], w[3], 0x7632);
+            sp_mma(acc[2 * m], h0, h1, h2, h3, be0, be1);
+            sp_mma(acc[2 * m], l0, l1, l2, l3, be0, be1);
+            sp_mma(acc[2 * m + 1], h0, h1, h2, h3, bo0, bo1);
+            sp_mma(acc[2 * m + 1], l0, l1, l2, l3, bo0, bo1);
+        }
+    }
+}
+
 // launch: grid = (n, heads), block = 256, dynamic smem = 0 bytes (static 17,664 bytes)
 extern "C" __global__ void __launch_bounds__(256)
 lightning_chunk_state(const bf16* k, const bf16* v, float* ds, const float* slopes, int T, int heads, int kv_heads,
@@ -1724,23 +1749,7 @@ lightning_chunk_state(const bf16* k, const bf16* v, float* ds, const float* slop
         lc_split(av[1][0], av[1][1], h1, l1);
         lc_split(av[0][2], av[0][3], h2, l2);
         lc_split(av[1][2], av[1][3], h3, l3);
-        // B = V rows (tokens) 16·s4 + 2tq, +1, +8, +9; dims permuted as sp_o_dim.
-        const int jr[4] = {16 * s4 + 2 * tq, 16 * s4 + 2 * tq + 1, 16 * s4 + 2 * tq + 8, 16 * s4 + 2 * tq + 9};
-#pragma unroll
-        for (int m = 0; m < 8; m++) {
-            if (m * 16 < d) {
-                u32 w[4];
-#pragma unroll
-                for (int y = 0; y < 4; y++)
-                    w[y] = (jr[y] < len) ? *(const u32*)(vh + (size_t)(j0 + jr[y]) * kvw + 16 * m + 2 * gq) : 0u;
-                const u32 be0 = __byte_perm(w[0], w[1], 0x5410), bo0 = __byte_perm(w[0], w[1], 0x7632);
-                const u32 be1 = __byte_perm(w[2], w[3], 0x5410), bo1 = __byte_perm(w[2], w[3], 0x7632);
-                sp_mma(acc[2 * m], h0, h1, h2, h3, be0, be1);
-                sp_mma(acc[2 * m], l0, l1, l2, l3, be0, be1);
-                sp_mma(acc[2 * m + 1], h0, h1, h2, h3, bo0, bo1);
-                sp_mma(acc[2 * m + 1], l0, l1, l2, l3, bo0, bo1);
-            }
-        }
+        lc_pv_hilo(acc, h0, h1, h2, h3, l0, l1, l2, l3, vh, kvw, j0, 16 * s4, len, d);
     }
     float* out = ds + ((size_t)c * heads + h) * d * d;
 #pragma unroll
@@ -1880,22 +1889,7 @@ lightning_chunk_out(const bf16* q, const bf16* k, const bf16* v, const float* ds
         lc_split(S[2 * ks][2], S[2 * ks][3], h1, l1);
         lc_split(S[2 * ks + 1][0], S[2 * ks + 1][1], h2, l2);
         lc_split(S[2 * ks + 1][2], S[2 * ks + 1][3], h3, l3);
-        const int jr[4] = {16 * ks + 2 * tq, 16 * ks + 2 * tq + 1, 16 * ks + 2 * tq + 8, 16 * ks + 2 * tq + 9};
-#pragma unroll
-        for (int m = 0; m < 8; m++) {
-            if (m * 16 < d) {
-                u32 w[4];
-#pragma unroll
-                for (int y = 0; y < 4; y++)
-                    w[y] = (jr[y] < len) ? *(const u32*)(vh + (size_t)(j0 + jr[y]) * kvw + 16 * m + 2 * gq) : 0u;
-                const u32 be0 = __byte_perm(w[0], w[1], 0x5410), bo0 = __byte_perm(w[0], w[1], 0x7632);
-                const u32 be1 = __byte_perm(w[2], w[3], 0x5410), bo1 = __byte_perm(w[2], w[3], 0x7632);
-                sp_mma(O[2 * m], h0, h1, h2, h3, be0, be1);
-                sp_mma(O[2 * m], l0, l1, l2, l3, be0, be1);
-                sp_mma(O[2 * m + 1], h0, h1, h2, h3, bo0, bo1);
-                sp_mma(O[2 * m + 1], l0, l1, l2, l3, bo0, bo1);
-            }
-        }
+        lc_pv_hilo(O, h0, h1, h2, h3, l0, l1, l2, l3, vh, kvw, j0, 16 * ks, len, d);
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
