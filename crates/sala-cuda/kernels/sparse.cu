@@ -528,6 +528,19 @@ __device__ __forceinline__ int sp_o_dim(int nt, int x, int tq) {  // dim of accu
     return 16 * (nt >> 1) + 4 * tq + (nt & 1) + 2 * (x & 1);
 }
 
+// Writes row r (0: gq, 1: gq + 8) of the O accumulators (dims as sp_o_dim says) times f as
+// bf16 to op (the row's first dim + 4tq): 4 consecutive dims per 16-dim group.
+__device__ __forceinline__ void sp_store_row(const float (&O)[16][4], int r, float f, bf16* op, int d) {
+#pragma unroll
+    for (int m = 0; m < 8; m++)
+        if (m * 16 < d) {
+            uint2 w;
+            w.x = (u32)f2bf(O[2 * m][2 * r] * f) | ((u32)f2bf(O[2 * m + 1][2 * r] * f) << 16);
+            w.y = (u32)f2bf(O[2 * m][2 * r + 1] * f) | ((u32)f2bf(O[2 * m + 1][2 * r + 1] * f) << 16);
+            *(uint2*)(op + 16 * m) = w;
+        }
+}
+
 // Per-thread softmax state of one warp's 16 rows: this thread holds rows gq and gq + 8.
 struct SpRows {
     float m[2], l[2];  // running max (log2 units) and this thread's share of the row sum
@@ -869,16 +882,7 @@ __device__ __forceinline__ void sp_attention_body(const bf16* q, const bf16* kca
             if (rs.t[r] < 0) continue;
             const size_t row = (size_t)rq[r] * heads + g * G + rh[r];
             if (n_split == 1) {
-                const float inv = 1.0f / rs.l[r];
-                bf16* op = out + row * d + 4 * tq;
-#pragma unroll
-                for (int m = 0; m < 8; m++)
-                    if (m * 16 < d) {
-                        uint2 w;
-                        w.x = (u32)f2bf(O[2 * m][2 * r] * inv) | ((u32)f2bf(O[2 * m + 1][2 * r] * inv) << 16);
-                        w.y = (u32)f2bf(O[2 * m][2 * r + 1] * inv) | ((u32)f2bf(O[2 * m + 1][2 * r + 1] * inv) << 16);
-                        *(uint2*)(op + 16 * m) = w;
-                    }
+                sp_store_row(O, r, 1.0f / rs.l[r], out + row * d + 4 * tq, d);
             } else {
                 float* pp = part + ((size_t)z * T * heads + row) * (d + 2);
 #pragma unroll
@@ -1467,16 +1471,7 @@ attention_prefill(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* o
         rs.l[r] += __shfl_xor_sync(0xffffffffu, rs.l[r], 1);
         rs.l[r] += __shfl_xor_sync(0xffffffffu, rs.l[r], 2);
         if (rs.t[r] < 0) continue;
-        const float inv = 1.0f / rs.l[r];
-        bf16* op = out + (size_t)i * qw + (size_t)(g * G + gq + 8 * r) * d + 4 * tq;
-#pragma unroll
-        for (int m = 0; m < 8; m++)
-            if (m * 16 < d) {
-                uint2 w;
-                w.x = (u32)f2bf(O[2 * m][2 * r] * inv) | ((u32)f2bf(O[2 * m + 1][2 * r] * inv) << 16);
-                w.y = (u32)f2bf(O[2 * m][2 * r + 1] * inv) | ((u32)f2bf(O[2 * m + 1][2 * r + 1] * inv) << 16);
-                *(uint2*)(op + 16 * m) = w;
-            }
+        sp_store_row(O, r, 1.0f / rs.l[r], out + (size_t)i * qw + (size_t)(g * G + gq + 8 * r) * d + 4 * tq, d);
     }
 }
 
@@ -1893,16 +1888,7 @@ lightning_chunk_out(const bf16* q, const bf16* k, const bf16* v, const float* ds
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        if (!ok[r]) continue;
-        bf16* op = out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + 4 * tq;
-#pragma unroll
-        for (int m = 0; m < 8; m++)
-            if (m * 16 < d) {
-                uint2 w;
-                w.x = (u32)f2bf(O[2 * m][2 * r] * scale) | ((u32)f2bf(O[2 * m + 1][2 * r] * scale) << 16);
-                w.y = (u32)f2bf(O[2 * m][2 * r + 1] * scale) | ((u32)f2bf(O[2 * m + 1][2 * r + 1] * scale) << 16);
-                *(uint2*)(op + 16 * m) = w;
-            }
+        if (ok[r]) sp_store_row(O, r, scale, out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + 4 * tq, d);
     }
 }
 
