@@ -18,16 +18,32 @@ grep -E '^test |test result|panicked|error' "$OUT/parity.log" | head -40
 echo "== CLI: greedy tokens on the CPU and the GPU"
 rm -rf /tmp/sala-tiny && .gpu/sala init --preset tiny /tmp/sala-tiny > /dev/null 2>&1
 for d in cpu cuda; do
-  .gpu/sala generate -m /tmp/sala-tiny --device "$d" --max-tokens 64 --ignore-eos "The quick brown fox" \
+  .gpu/sala generate -m /tmp/sala-tiny --device "$d" --max-tokens 64 --ignore-eos \
+    --trace-tokens "$OUT/trace_$d.jsonl" "The quick brown fox" \
     > "$OUT/gen_$d.txt" 2> "$OUT/gen_$d.log" || status=1
   tail -1 "$OUT/gen_$d.log"
 done
-if cmp -s "$OUT/gen_cpu.txt" "$OUT/gen_cuda.txt"; then
-  echo "same text"
-else
-  python3 -c "import sys,os; a,b=[open(os.environ['OUT']+'/gen_'+d+'.txt').read() for d in ('cpu','cuda')]; n=next((i for i,(x,y) in enumerate(zip(a,b)) if x!=y),min(len(a),len(b))); print(f'TEXT DIFFERS after {n} of {len(a)} characters')"
-  status=1
-fi
+# Same tokens, or the same up to the first step where the CPU's top two log-probabilities are
+# within one bf16 step of each other (0.031 for logits below 8 in magnitude; logits are rounded
+# to bf16, so such a near-tie may go either way on either device) and the GPU took the other.
+python3 - "$OUT/trace_cpu.jsonl" "$OUT/trace_cuda.jsonl" <<'PY' || status=1
+import json, sys
+cpu, gpu = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+k = next((i for i, (a, b) in enumerate(zip(cpu, gpu)) if a["id"] != b["id"]), None)
+if k is None and len(cpu) == len(gpu):
+    print(f"same {len(cpu)} greedy tokens")
+    sys.exit(0)
+if k is None:
+    print(f"TOKEN COUNTS DIFFER: {len(cpu)} vs {len(gpu)}")
+    sys.exit(1)
+top = cpu[k]["top"]
+gap = top[0][1] - top[1][1]
+runner_up = gpu[k]["id"] == top[1][0]
+verdict = "a near-tie" if gap <= 0.035 and runner_up else "NOT a near-tie"
+print(f"same greedy tokens for {k} steps; at step {k} the CPU's top two differ by {gap:.4f} "
+      f"and the GPU took the runner-up: {runner_up}: {verdict}")
+sys.exit(0 if verdict == "a near-tie" else 1)
+PY
 
 echo "== bench ($contexts)"
 .gpu/sala bench --device cuda --context "$contexts" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -12

@@ -162,6 +162,11 @@ struct GenerateArgs {
     /// 1024). On a GPU its total memory is a limit anyway.
     #[arg(long, value_name = "SIZE")]
     max_memory: Option<String>,
+    /// Write each generated token to FILE as a JSON line: its id and log-probability and the
+    /// two most likely tokens of its step (to compare devices: where greedy choices part, was
+    /// it a near-tie?).
+    #[arg(long, value_name = "FILE")]
+    trace_tokens: Option<PathBuf>,
 }
 
 fn main() {
@@ -349,7 +354,13 @@ fn generate_on<B: Backend + DeviceStats>(
     let Some(ids) = ids else {
         return chat_loop(&mut engine, args, &opts, prompt);
     };
-    let gen = stream_generation(&mut engine, &ids, &opts, args.prefill_chunk)?;
+    let gen = stream_generation(
+        &mut engine,
+        &ids,
+        &opts,
+        args.prefill_chunk,
+        args.trace_tokens.as_deref(),
+    )?;
     println!();
     eprintln!(
         "[{}] prompt {} tokens, prefill {:.1} tok/s; generated {} tokens, decode {:.1} tok/s; finish: {}",
@@ -438,31 +449,50 @@ fn chat_ids(
     Ok(tokenizer.encode(&text, true)?)
 }
 
-/// Generates from `ids`, streaming the text to standard output.
+/// Generates from `ids`, streaming the text to standard output (and, with `trace`, each
+/// token with its step's two most likely tokens to that file, a JSON line each).
 fn stream_generation<B: Backend>(
     engine: &mut Engine<B>,
     ids: &[u32],
     opts: &GenerateOptions,
     chunk: usize,
+    trace: Option<&Path>,
 ) -> Result<sala_engine::generate::Generation> {
     let prefill_bar = progress_bar(ids.len(), "prefill");
     if ids.len() <= chunk {
         prefill_bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
+    let mut trace_file = match trace {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
-    let gen = engine.generate(
+    let gen = engine.generate_steps(
         ids,
         opts,
-        &mut |text| {
-            if write_err.is_none() {
+        trace_file.as_ref().map(|_| 2),
+        &mut |step| {
+            if let (Some(f), Some(lp)) = (
+                trace_file.as_mut(),
+                step.token.and_then(|t| t.logprobs.as_ref()),
+            ) {
+                let line = serde_json::json!({"id": lp.id, "logprob": lp.logprob, "top": lp.top});
+                if let Err(e) = writeln!(f, "{line}") {
+                    write_err.get_or_insert(e);
+                }
+            }
+            if write_err.is_none() && !step.text.is_empty() {
                 if let Err(e) = stdout
-                    .write_all(text.as_bytes())
+                    .write_all(step.text.as_bytes())
                     .and_then(|_| stdout.flush())
                 {
                     write_err = Some(e);
                 }
             }
+            true
         },
         &mut |n| {
             prefill_bar.inc(n as u64);
@@ -471,8 +501,13 @@ fn stream_generation<B: Backend>(
             }
         },
     )?;
+    if let Some(f) = trace_file.as_mut() {
+        if let Err(e) = f.flush() {
+            write_err.get_or_insert(e);
+        }
+    }
     if let Some(e) = write_err {
-        return Err(e).context("writing to standard output");
+        return Err(e).context("writing the output");
     }
     Ok(gen)
 }
@@ -521,7 +556,7 @@ fn chat_loop<B: Backend>(
         }
         messages.push(sala_tokenizer::ChatMessage::new("user", line.trim()));
         let ids = chat_ids(&engine.tokenizer, &messages, args)?;
-        match stream_generation(engine, &ids, opts, args.prefill_chunk) {
+        match stream_generation(engine, &ids, opts, args.prefill_chunk, None) {
             Ok(gen) => {
                 println!();
                 messages.push(sala_tokenizer::ChatMessage::new(

@@ -607,3 +607,52 @@ fn bench_measures_batched_against_one_by_one_throughput() {
     );
     fails_with(&o, &["--concurrent 100", "64"]);
 }
+
+#[test]
+fn generate_traces_each_token_with_its_runner_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), "m", &[]);
+    let trace = tmp.path().join("trace.jsonl");
+    let o = sala(
+        &[
+            "generate",
+            "-m",
+            dir.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--trace-tokens",
+            trace.to_str().unwrap(),
+            "The quick brown fox",
+        ],
+        tmp.path(),
+    );
+    ok(&o);
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6, "one line per generated token");
+    for l in &lines {
+        let top = l["top"].as_array().unwrap();
+        assert_eq!(top.len(), 2, "{l}");
+        // Greedy: the token is the most likely one, and its log-probability is that one's.
+        assert_eq!(l["id"], top[0][0], "{l}");
+        assert_eq!(l["logprob"], top[0][1], "{l}");
+        let (a, b) = (top[0][1].as_f64().unwrap(), top[1][1].as_f64().unwrap());
+        assert!(a <= 0.0 && a >= b, "{l}");
+    }
+    // The traced ids are the printed text.
+    let ids: Vec<u32> = lines
+        .iter()
+        .map(|l| l["id"].as_u64().unwrap() as u32)
+        .collect();
+    let tok = sala_tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    assert_eq!(
+        stdout(&o).trim_end(),
+        tok.decode(&ids, true).unwrap().trim_end()
+    );
+}
