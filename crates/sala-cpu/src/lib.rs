@@ -236,12 +236,13 @@ impl Backend for CpuBackend {
         dst_row: usize,
         n: usize,
     ) -> BResult<()> {
-        if src.cols != dst.cols || src_row + n > src.rows || dst_row + n > dst.rows {
-            return Err(BackendError(format!(
-                "copy_rows: rows {src_row}..+{n} of [{}, {}] to rows {dst_row}.. of [{}, {}]",
-                src.rows, src.cols, dst.rows, dst.cols
-            )));
-        }
+        sala_model::backend::check_copy_rows(
+            (src.rows, src.cols),
+            src_row,
+            (dst.rows, dst.cols),
+            dst_row,
+            n,
+        )?;
         let w = src.cols;
         dst.data[dst_row * w..(dst_row + n) * w]
             .copy_from_slice(&src.data[src_row * w..(src_row + n) * w]);

@@ -471,7 +471,9 @@ impl CudaBackend {
     }
 
     /// Block selection for few queries (decode), spread over many blocks per (query, group)
-    /// pair: partial level-2 normalisers, P, block scores, then the top-k of select_fast.
+    /// pair: partial level-2 normalisers, P (into `p`, `cache.n1` floats a pair), block
+    /// scores, then the top-k of select_fast.
+    #[allow(clippy::too_many_arguments)]
     fn select_decode_fast(
         &self,
         shape: AttnShape,
@@ -479,6 +481,7 @@ impl CudaBackend {
         q: &DevAct,
         cache: &DevSparseCache,
         first: usize,
+        p: u64,
         blocks: u64,
     ) -> BResult<()> {
         const THREADS: usize = 256;
@@ -489,7 +492,6 @@ impl CudaBackend {
         let p_stride = cache.n1.max(1);
         let nb = cache.len.div_ceil(cfg.block_size).max(1);
         let part = self.scratch_ptr(|s| &mut s.lse, pairs * n_split * g * 2)?;
-        let p = self.scratch_ptr(|s| &mut s.p, pairs * p_stride)?;
         let bs = self.scratch_ptr(|s| &mut s.bscores, pairs * nb)?;
         let qs_smem = (g * d * 4) as u32;
         let common = [
@@ -1029,12 +1031,13 @@ impl Backend for CudaBackend {
         dst_row: usize,
         n: usize,
     ) -> BResult<()> {
-        if src.cols != dst.cols || src_row + n > src.rows || dst_row + n > dst.rows {
-            return Err(BackendError(format!(
-                "copy_rows: rows {src_row}..+{n} of [{}, {}] to rows {dst_row}.. of [{}, {}]",
-                src.rows, src.cols, dst.rows, dst.cols
-            )));
-        }
+        sala_model::backend::check_copy_rows(
+            (src.rows, src.cols),
+            src_row,
+            (dst.rows, dst.cols),
+            dst_row,
+            n,
+        )?;
         let w = src.cols;
         self.copy(&dst.buf, dst_row * w, &src.buf, src_row * w, n * w)
     }
@@ -1479,7 +1482,7 @@ impl Backend for CudaBackend {
                     && !self.exact_select.get()
                     && fast_select_fits(shape, cfg)
                 {
-                    self.select_decode_fast(shape, cfg, q, cache, first, blocks)?;
+                    self.select_decode_fast(shape, cfg, q, cache, first, p, blocks)?;
                 } else if pairs >= SELECT_ONE_KERNEL_PAIRS {
                     // Many queries (prefill): one block per (query, group) fills the GPU.
                     self.launch(K::SparseSelect, (pairs as u32, 1, 1), block, smem, &args)?;

@@ -86,14 +86,6 @@ impl<B: Backend> Batch<B> {
         });
         ids
     }
-
-    /// Tokens held by every sequence in flight (prompt read so far plus generated).
-    pub fn tokens_held(&self) -> usize {
-        self.members
-            .iter()
-            .map(|m| m.read + m.stream.tokens.len())
-            .sum()
-    }
 }
 
 impl<B: Backend> Engine<B> {
@@ -199,7 +191,7 @@ impl<B: Backend> Engine<B> {
         }
         // 2. A token for every request whose logits are ready.
         for m in batch.members.iter_mut().filter(|m| m.done.is_none()) {
-            if m.logits.is_none() || !ready(m.id) {
+            if !ready(m.id) {
                 continue;
             }
             let Some(logits) = m.logits.take() else {

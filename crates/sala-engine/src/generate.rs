@@ -201,15 +201,7 @@ impl<B: Backend> Engine<B> {
             });
         }
         let model = Model::load(&backend, config, &CheckpointSource(&checkpoint), progress)?;
-        let workspace = model.workspace(&backend, chunk.max(1))?;
-        Ok(Self {
-            backend,
-            model,
-            tokenizer,
-            dir: dir.to_path_buf(),
-            workspace,
-            memory_limit: None,
-        })
+        Self::from_model(backend, model, tokenizer, dir, chunk)
     }
 
     /// An engine over a model already on `backend` (e.g. random weights for benchmarks) and a

@@ -15,6 +15,24 @@ pub struct BackendError(pub String);
 
 pub type BResult<T> = Result<T, BackendError>;
 
+/// The check every [`Backend::copy_rows`] makes: same widths, and both row ranges inside
+/// their buffers (`[rows, cols]` of source and destination).
+pub fn check_copy_rows(
+    src: (usize, usize),
+    src_row: usize,
+    dst: (usize, usize),
+    dst_row: usize,
+    n: usize,
+) -> BResult<()> {
+    if src.1 != dst.1 || src_row + n > src.0 || dst_row + n > dst.0 {
+        return Err(BackendError(format!(
+            "copy_rows: rows {src_row}..+{n} of [{}, {}] to rows {dst_row}.. of [{}, {}]",
+            src.0, src.1, dst.0, dst.1
+        )));
+    }
+    Ok(())
+}
+
 /// Storage type of a host tensor handed to the backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostDType {

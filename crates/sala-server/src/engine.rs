@@ -332,7 +332,7 @@ impl EngineRunner {
                 .iter()
                 .map(|(&id, l)| (id, l.can_take_events()))
                 .collect();
-            if !ready.values().any(|&r| r) && batch.len() == live.len() {
+            if !ready.values().any(|&r| r) {
                 // Everyone is paused: wait a little for a client to read, or a new request.
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
