@@ -43,3 +43,17 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     __syncthreads();
     return r;
 }
+
+// ldmatrix: four 8×8 bf16 matrices from shared memory (`addr` a shared-window address); lane L
+// gives the address of row L % 8 of matrix L / 8 and receives element pair (L / 4, 2·(L % 4))
+// of each matrix (`_t`: of each matrix transposed).
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}

@@ -101,7 +101,8 @@ extern "C" __global__ void sigmoid_gate(bf16* x, const bf16* gate, u64 n) {
 // launch: grid = ceil((total_heads + total_heads2) / 4), block = 128 (one warp per head)
 extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim, const bf16* norm_w, float eps,
                                           const float* inv_freq, int first_pos, int heads_per_row, bf16* x2,
-                                          int total_heads2, const bf16* norm_w2, int heads_per_row2) {
+                                          int total_heads2, const bf16* norm_w2, int heads_per_row2,
+                                          const float* table) {
     int hid = blockIdx.x * 4 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     bf16* base = x;
@@ -137,7 +138,12 @@ extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim
             if (e >= head_dim) break;
             int fi = e < half ? e : e - half;
             float s, c;
-            sincosf(pos * inv_freq[fi], &s, &c);
+            if (table) {
+                c = table[2 * (row * half + fi)];
+                s = table[2 * (row * half + fi) + 1];
+            } else {
+                sincosf(pos * inv_freq[fi], &s, &c);
+            }
             float other = e < half ? -hb[e + half] : hb[e - half];
             v[i] = round_bf(hb[e] * c + other * s);
         }
@@ -150,6 +156,19 @@ extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim
         __syncwarp();
     }
     for (int e = lane; e < head_dim; e += 32) p[e] = f2bf(hb[e]);
+}
+
+// table[2·(row·half + i)] = cos, [.. + 1] = sin of (first_pos + row)·inv_freq[i], as head_norm_rope
+// computes them, for rows < rows and i < half.
+// launch: grid = ceil(rows * half / 256), block = 256
+extern "C" __global__ void rope_table(const float* inv_freq, int first_pos, int rows, int half, float* table) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows * half) return;
+    const int row = idx / half, i = idx % half;
+    float s, c;
+    sincosf((float)(first_pos + row) * inv_freq[i], &s, &c);
+    table[2 * idx] = c;
+    table[2 * idx + 1] = s;
 }
 
 // out = round(x / divisor), the lm_head input.

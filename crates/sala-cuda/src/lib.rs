@@ -59,6 +59,11 @@ struct Scratch {
     bscores: Option<CudaSlice<f32>>,
     attn_part: Option<CudaSlice<f32>>,
     lse: Option<CudaSlice<f32>>,
+    /// RoPE cos/sin per (row, frequency) of the current chunk, and what it was made for
+    /// (inv_freq pointer, first position, rows, half the head size): every lightning layer of
+    /// a forward pass uses the same table.
+    rope: Option<CudaSlice<f32>>,
+    rope_key: Option<(u64, usize, usize, usize)>,
 }
 
 /// Makes `slot` hold at least `n` elements (grow-only, so steady decoding allocates nothing).
@@ -147,12 +152,15 @@ const LIGHTNING_MMA_ROWS: usize = 64;
 const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
 
 /// Kernels to use instead of the default ones, for comparisons (`SALA_FALLBACK`, a comma list
-/// of `attention` (staged prefill attention for sparse layers) and `lightning` (fp32 chunked
-/// lightning)).
+/// of `attention` (staged prefill attention for sparse layers), `lightning` (fp32 chunked
+/// lightning) and `lightning-split` (the three-kernel tensor-core lightning: chunk states, scan,
+/// outputs) and `select` (block scores with the heads as MMA rows, `select_scores_mma`)).
 #[derive(Default, Clone, Copy)]
 struct Fallback {
     attention: bool,
     lightning: bool,
+    lightning_split: bool,
+    select: bool,
 }
 
 impl Fallback {
@@ -162,6 +170,8 @@ impl Fallback {
         Self {
             attention: has("attention"),
             lightning: has("lightning"),
+            lightning_split: has("lightning-split"),
+            select: has("select"),
         }
     }
 }
@@ -330,11 +340,17 @@ impl CudaBackend {
             * QUERIES_PER_BLOCK;
         let bs = self.scratch_ptr(|s| &mut s.p, group.min(t) * kvh * stride)?;
         let mut a = 0;
+        // Keys as MMA rows where a block holds 4 level-1 windows (the released config).
+        let kernel = if cfg.block_size == 4 * cfg.k1_stride() && !self.fallback.select {
+            K::SelectScoresT
+        } else {
+            K::SelectScoresMma
+        };
         while a < t {
             let n = group.min(t - a);
             let pos = first + a;
             self.launch(
-                K::SelectScoresMma,
+                kernel,
                 (n.div_ceil(QUERIES_PER_BLOCK) as u32, kvh as u32, 1),
                 256,
                 0,
@@ -611,6 +627,19 @@ impl CudaBackend {
         smem: u32,
         args: &[Arg],
     ) -> BResult<()> {
+        self.launch_shaped(k, None, grid, block, smem, args)
+    }
+
+    /// `launch`, profiled (`SALA_PROFILE`) under the kernel's name and `shape` (rows x cols).
+    fn launch_shaped(
+        &self,
+        k: K,
+        shape: Option<(usize, usize)>,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> BResult<()> {
         let f = self.kernels.get(k);
         let mut b = self.stream.launch_builder(f);
         for a in args {
@@ -628,7 +657,11 @@ impl CudaBackend {
         let t0 = self.profiler.as_ref().and_then(|p| p.start(&self.stream));
         unsafe { b.launch(cfg) }.map_err(|e| be_err(&format!("launching {:?}", k), e))?;
         if let Some(p) = &self.profiler {
-            p.end(format!("{k:?}"), t0, &self.stream);
+            let name = match shape {
+                Some((r, c)) => format!("{k:?} {r}x{c}"),
+                None => format!("{k:?}"),
+            };
+            p.end(name, t0, &self.stream);
         }
         Ok(())
     }
@@ -841,7 +874,14 @@ impl CudaBackend {
                 }
             }
             let k = if group > 1 { K::GemvBatch } else { K::Gemv };
-            self.launch(k, (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1), 128, 0, &args)?;
+            self.launch_shaped(
+                k,
+                Some((w.rows, w.cols)),
+                (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
+                128,
+                0,
+                &args,
+            )?;
             r += nb;
         }
         Ok(())
@@ -908,6 +948,10 @@ impl CudaBackend {
         }
         let hpr = x.cols / head_dim;
         let total = x.rows * hpr;
+        let table = match rope {
+            Some((f, pos)) => self.rope_table(f, pos, x.rows, head_dim / 2)?,
+            None => 0,
+        };
         let (x2_ptr, total2, hpr2) = match &x2 {
             Some(b) => (
                 self.ptr(&b.buf),
@@ -934,8 +978,40 @@ impl CudaBackend {
                 Arg::I(total2 as i32),
                 Arg::P(norm.and_then(|(_, w2, _)| w2).map_or(0, |w| self.ptr(w))),
                 Arg::I(hpr2.max(1) as i32),
+                Arg::P(table),
             ],
         )
+    }
+
+    /// The RoPE table of `rows` positions from `pos` (cos, sin of (pos + row)·inv_freq[i] for
+    /// i < half), made once for all layers that ask for the same one.
+    fn rope_table(
+        &self,
+        inv_freq: &CudaSlice<f32>,
+        pos: usize,
+        rows: usize,
+        half: usize,
+    ) -> BResult<u64> {
+        let key = (self.ptr(inv_freq), pos, rows, half);
+        let fresh = self.scratch.borrow().rope_key != Some(key);
+        let table = self.scratch_ptr(|s| &mut s.rope, 2 * rows * half)?;
+        if fresh {
+            self.launch(
+                K::RopeTable,
+                (grid1(rows * half, 256), 1, 1),
+                256,
+                0,
+                &[
+                    Arg::P(key.0),
+                    Arg::I(pos as i32),
+                    Arg::I(rows as i32),
+                    Arg::I(half as i32),
+                    Arg::P(table),
+                ],
+            )?;
+            self.scratch.borrow_mut().rope_key = Some(key);
+        }
+        Ok(table)
     }
 
     fn elementwise(&self, k: K, a: &DevAct, b: &DevAct, extra: Option<f32>) -> BResult<()> {
@@ -1216,6 +1292,19 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul_halves(&self, gu: &DevAct, out: &mut DevAct) -> BResult<()> {
+        if out.cols.is_multiple_of(8) && out.rows <= 65535 {
+            return self.launch(
+                K::SiluMulHalves8,
+                ((out.cols / 8).div_ceil(256) as u32, out.rows as u32, 1),
+                256,
+                0,
+                &[
+                    Arg::P(self.ptr(&gu.buf)),
+                    Arg::P(self.ptr(&out.buf)),
+                    Arg::I(out.cols as i32),
+                ],
+            );
+        }
         let n = out.rows * out.cols;
         self.launch(
             K::SiluMulHalves,
@@ -1350,6 +1439,33 @@ impl Backend for CudaBackend {
                     Arg::I(shape.heads as i32),
                     Arg::I(shape.kv_heads as i32),
                     Arg::I(shape.head_dim as i32),
+                    Arg::F(shape.scale() as f32),
+                ],
+            );
+        }
+        let d = shape.head_dim;
+        if q.rows >= 2
+            && d.is_multiple_of(32)
+            && d <= 128
+            && !self.fallback.lightning
+            && !self.fallback.lightning_split
+        {
+            return self.launch(
+                K::LightningFused,
+                (shape.heads as u32, (d / 32) as u32, 1),
+                128,
+                registry::lightning_fused_smem(d) as u32,
+                &[
+                    Arg::P(self.ptr(&q.buf)),
+                    Arg::P(self.ptr(&k.buf)),
+                    Arg::P(self.ptr(&v.buf)),
+                    Arg::P(self.ptr(state)),
+                    Arg::P(self.ptr(&out.buf)),
+                    Arg::P(self.ptr(slopes)),
+                    Arg::I(q.rows as i32),
+                    Arg::I(shape.heads as i32),
+                    Arg::I(shape.kv_heads as i32),
+                    Arg::I(d as i32),
                     Arg::F(shape.scale() as f32),
                 ],
             );

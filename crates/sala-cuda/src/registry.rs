@@ -20,6 +20,11 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("decode.cu", include_str!("../kernels/decode.cu")),
     ("lightning.cu", include_str!("../kernels/lightning.cu")),
     ("sparse.cu", include_str!("../kernels/sparse.cu")),
+    (
+        "lightning_fused.cu",
+        include_str!("../kernels/lightning_fused.cu"),
+    ),
+    ("select_mma.cu", include_str!("../kernels/select_mma.cu")),
 ];
 
 /// Every kernel the backend launches; `K::X as usize` indexes [`KERNELS`].
@@ -59,6 +64,10 @@ pub enum K {
     DselPool,
     GemvBatch,
     GemvSiluBatch,
+    LightningFused,
+    SelectScoresT,
+    SiluMulHalves8,
+    RopeTable,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -97,7 +106,21 @@ pub const KERNELS: &[&str] = &[
     "dsel_pool",
     "gemv_batch",
     "gemv_silu_batch",
+    "lightning_fused",
+    "select_scores_t",
+    "silu_mul_halves8",
+    "rope_table",
 ];
+
+/// Dynamic shared memory of `lightning_fused` for head size `d` (`LF_SMEM` in
+/// lightning_fused.cu): Q and K double-buffered, the V slice double-buffered, Vd and S as bf16
+/// hi + lo, and the decay powers.
+pub fn lightning_fused_smem(d: usize) -> usize {
+    let qk = 2 * 2 * 64 * (d + 8) * 2;
+    let v_and_vd = 2 * (2 * 64 * 40 * 2);
+    let s = 2 * d * 40 * 2;
+    qk + v_and_vd + s + 68 * 4
+}
 
 /// The whole program as one translation unit.
 pub fn program_source() -> String {
@@ -200,6 +223,22 @@ impl Kernels {
                     .map_err(|e| format!("kernel {name}: {e:?}"))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Kernels with more than the default 48 KiB of dynamic shared memory.
+        let big = [(K::LightningFused, lightning_fused_smem(128))];
+        for (k, bytes) in big {
+            use cudarc::driver::sys::CUfunction_attribute_enum as A;
+            functions[k as usize]
+                .set_attribute(
+                    A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(|e| {
+                    format!(
+                        "kernel {}: {bytes} B of shared memory: {e:?}",
+                        KERNELS[k as usize]
+                    )
+                })?;
+        }
         Ok(Self {
             _module: module,
             functions,

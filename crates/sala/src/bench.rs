@@ -9,7 +9,7 @@ use clap::Args;
 use sala_checkpoint::{expected_parameter_count, preset, MixerKind, ModelConfig};
 use sala_model::memory::{cache_bytes, MemoryLimit, MemoryPlan};
 use sala_model::numerics::TestRng;
-use sala_model::{Backend, Model};
+use sala_model::{Backend, LogitRows, Model};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -55,6 +55,11 @@ pub struct BenchArgs {
     /// ratio dense/SALA (contexts whose dense plan does not fit are reported, not run).
     #[arg(long)]
     compare_dense: bool,
+    /// With --compare-dense or --all-dense: stop an all-dense prefill once it has run SECONDS
+    /// (checked after each chunk); its TTFT is then a lower bound, shown as ">=", and its
+    /// decode is not run.
+    #[arg(long, value_name = "SECONDS")]
+    dense_time_limit: Option<f64>,
     /// Time one op alone instead of the model: `lightning` (the lightning layer's prefill
     /// over each context, in chunks of --prefill-chunk, the config's heads and head size).
     #[arg(long, value_name = "OP")]
@@ -153,7 +158,12 @@ struct Row {
     ttft_s: f64,
     prefill_tok_s: f64,
     prefill_floor_tok_s: f64,
-    decode_tok_s: f64,
+    /// The prefill stopped at --dense-time-limit: `ttft_s` is a lower bound.
+    ttft_is_lower_bound: bool,
+    /// Prompt tokens prefilled (fewer than `context` when stopped early).
+    prefilled_tokens: usize,
+    /// None when the prefill was stopped early.
+    decode_tok_s: Option<f64>,
     decode_floor_tok_s: f64,
     peak_memory_bytes: Option<usize>,
     plan_total_bytes: usize,
@@ -173,6 +183,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
+    }
+    if args
+        .dense_time_limit
+        .is_some_and(|t| t.is_nan() || t <= 0.0)
+    {
+        bail!("--dense-time-limit must be a positive number of seconds");
     }
     if args.all_dense && args.compare_dense {
         bail!("--all-dense with --compare-dense would compare the all-dense model with itself");
@@ -271,7 +287,8 @@ fn bench_on<B: Backend + DeviceStats>(
         )),
         be.name()
     );
-    let rows = measure(be, args, &config, contexts, chunk, &plan)?;
+    let own_limit = args.dense_time_limit.filter(|_| args.all_dense);
+    let rows = measure(be, args, &config, contexts, chunk, &plan, own_limit)?;
     if dense.is_some() {
         println!("{name}:");
     }
@@ -294,7 +311,15 @@ fn bench_on<B: Backend + DeviceStats>(
             Vec::new()
         } else {
             eprintln!("bench: the all-dense variant");
-            measure(be, args, dense, &fitting, chunk, &plan)?
+            measure(
+                be,
+                args,
+                dense,
+                &fitting,
+                chunk,
+                &plan,
+                args.dense_time_limit,
+            )?
         };
         if !dense_rows.is_empty() {
             println!("all-dense variant:");
@@ -309,11 +334,16 @@ fn bench_on<B: Backend + DeviceStats>(
             match dense_rows.iter().find(|d| d.context == r.context) {
                 Some(d) => {
                     let ratio = d.ttft_s / r.ttft_s;
+                    let at_least = if d.ttft_is_lower_bound { ">=" } else { "" };
                     println!(
-                        "{:>9} {:>14.3} {:>14.3} {:>10.2}x",
-                        r.context, d.ttft_s, r.ttft_s, ratio
+                        "{:>9} {:>14} {:>14.3} {:>10}",
+                        r.context,
+                        format!("{at_least}{:.3}", d.ttft_s),
+                        r.ttft_s,
+                        format!("{at_least}{ratio:.2}x")
                     );
                     doc["dense_ttft_s"] = json!(d.ttft_s);
+                    doc["dense_ttft_is_lower_bound"] = json!(d.ttft_is_lower_bound);
                     doc["ttft_ratio_dense_over_sala"] = json!(ratio);
                     let mut v = serde_json::to_value(d)?;
                     v["fits"] = json!(true);
@@ -370,7 +400,8 @@ fn bench_on<B: Backend + DeviceStats>(
 }
 
 /// Makes a model of `config` with random weights, warms it up, and measures each context;
-/// the model is dropped on return.
+/// the model is dropped on return. A prefill still running after `time_limit` seconds stops
+/// there (its row's TTFT is then a lower bound, with no decode).
 fn measure<B: Backend + DeviceStats>(
     be: &B,
     args: &BenchArgs,
@@ -378,6 +409,7 @@ fn measure<B: Backend + DeviceStats>(
     contexts: &[usize],
     chunk: usize,
     plan: &dyn Fn(&ModelConfig, usize) -> MemoryPlan,
+    time_limit: Option<f64>,
 ) -> Result<Vec<Row>> {
     let load_start = Instant::now();
     let model = Model::random(be, config.clone(), args.seed, &mut |_, _| {})?;
@@ -414,11 +446,51 @@ fn measure<B: Backend + DeviceStats>(
         model.reserve(be, &mut seq, len + args.decode_tokens)?;
         // Sampled after every prefill chunk and after decode: the peak of the whole run.
         let mut peak = be.memory_in_use();
-        let mut logits = model.prefill(be, &mut ws, &mut seq, &tokens[..len], &mut |_| {
+        let mode = model.sparse_mode(len);
+        let mut logits = Vec::new();
+        let mut done = 0;
+        for piece in tokens[..len].chunks(chunk) {
+            let last = done + piece.len() == len;
+            let logit_rows = if last {
+                LogitRows::Last
+            } else {
+                LogitRows::None
+            };
+            logits = model.forward(be, &mut ws, &mut seq, piece, mode, logit_rows)?;
+            done += piece.len();
             peak = peak.max(be.memory_in_use());
-        })?;
-        let mut next = argmax(&logits);
+            if let Some(limit) = time_limit.filter(|_| !last) {
+                be.synchronize()?;
+                if start.elapsed().as_secs_f64() > limit {
+                    break;
+                }
+            }
+        }
         let ttft = start.elapsed().as_secs_f64();
+        let plan = plan(config, len);
+        let prefill_floor_tok_s =
+            len as f64 / (prefill_flops(config, len) / (args.gemm_tflops * 1e12));
+        if done < len {
+            print_profile(be, &format!("first {done} tokens of a prefill of {len}"));
+            eprintln!(
+                "context {len}: stopped after {done} tokens and {ttft:.1} s (--dense-time-limit)"
+            );
+            rows.push(Row {
+                context: len,
+                ttft_s: ttft,
+                prefill_tok_s: done as f64 / ttft,
+                prefill_floor_tok_s,
+                ttft_is_lower_bound: true,
+                prefilled_tokens: done,
+                decode_tok_s: None,
+                decode_floor_tok_s: args.bandwidth_tbs * 1e12 / decode_bytes(config, len),
+                peak_memory_bytes: peak,
+                plan_total_bytes: plan.total(),
+                plan,
+            });
+            continue;
+        }
+        let mut next = argmax(&logits);
         print_profile(be, &format!("prefill of {len}"));
         let waited_before = be.host_wait();
         let start = Instant::now();
@@ -437,14 +509,14 @@ fn measure<B: Backend + DeviceStats>(
         }
         peak = peak.max(be.memory_in_use());
         print_profile(be, &format!("{} decode steps at {len}", args.decode_tokens));
-        let plan = plan(config, len);
         rows.push(Row {
             context: len,
             ttft_s: ttft,
             prefill_tok_s: len as f64 / ttft,
-            prefill_floor_tok_s: len as f64
-                / (prefill_flops(config, len) / (args.gemm_tflops * 1e12)),
-            decode_tok_s: args.decode_tokens as f64 / decode,
+            prefill_floor_tok_s,
+            ttft_is_lower_bound: false,
+            prefilled_tokens: len,
+            decode_tok_s: Some(args.decode_tokens as f64 / decode),
             decode_floor_tok_s: args.bandwidth_tbs * 1e12 / decode_bytes(config, len),
             peak_memory_bytes: peak,
             plan_total_bytes: plan.total(),
@@ -472,14 +544,22 @@ fn print_rows(rows: &[Row]) {
         "plan GiB"
     );
     for r in rows {
+        let at_least = if r.ttft_is_lower_bound { ">=" } else { "" };
+        let (decode, of_floor) = match r.decode_tok_s {
+            Some(d) => (
+                format!("{d:.1}"),
+                format!("{:.0}%", 100.0 * d / r.decode_floor_tok_s),
+            ),
+            None => ("not run".into(), "".into()),
+        };
         println!(
-            "{:>9} {:>9.3} {:>13.0} {:>7.0}% {:>12.1} {:>7.0}% {:>10} {:>10.2}",
+            "{:>9} {:>9} {:>13.0} {:>7.0}% {:>12} {:>8} {:>10} {:>10.2}",
             r.context,
-            r.ttft_s,
+            format!("{at_least}{:.3}", r.ttft_s),
             r.prefill_tok_s,
             100.0 * r.prefill_tok_s / r.prefill_floor_tok_s,
-            r.decode_tok_s,
-            100.0 * r.decode_tok_s / r.decode_floor_tok_s,
+            decode,
+            of_floor,
             peak(r),
             gib(r.plan.total())
         );

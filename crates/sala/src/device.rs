@@ -64,6 +64,10 @@ pub trait DeviceStats {
     fn target(&self) -> Target;
     /// Time the host spent waiting for the device so far.
     fn host_wait(&self) -> Option<std::time::Duration>;
+    /// Waits for the work queued so far (a no-op on the CPU, which works synchronously).
+    fn synchronize(&self) -> anyhow::Result<()> {
+        Ok(())
+    }
     /// Per-kernel (name, device ms, launches) since the last call, when profiling is on.
     fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
         None
@@ -97,6 +101,9 @@ impl DeviceStats for CudaBackend {
     }
     fn host_wait(&self) -> Option<std::time::Duration> {
         Some(CudaBackend::host_wait(self))
+    }
+    fn synchronize(&self) -> anyhow::Result<()> {
+        Ok(CudaBackend::synchronize(self)?)
     }
     fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
         self.profile_report()

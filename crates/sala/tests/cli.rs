@@ -404,6 +404,54 @@ fn bench_on_the_cpu_compares_with_the_all_dense_variant() {
 }
 
 #[test]
+fn bench_stops_a_dense_prefill_at_its_time_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    // A limit every chunk overruns: the dense prefill stops after its first 64-token chunk.
+    let o = bench(
+        &[
+            "--context",
+            "600",
+            "--prefill-chunk",
+            "64",
+            "--compare-dense",
+            "--dense-time-limit",
+            "0.000001",
+        ],
+        &json,
+        tmp.path(),
+    );
+    ok(&o);
+    assert!(stdout(&o).contains(">="), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("stopped after 64 tokens"),
+        "{}",
+        stderr(&o)
+    );
+    let v = read_json(&json);
+    let (sala_row, dense) = (&v["results"][0], &v["dense"]["results"][0]);
+    // SALA itself is not limited.
+    check_bench_row(sala_row, 600, 4, "SALA");
+    assert_eq!(sala_row["ttft_is_lower_bound"], false);
+    assert_eq!(sala_row["prefilled_tokens"], 600);
+    assert_eq!(dense["ttft_is_lower_bound"], true, "{dense}");
+    assert_eq!(dense["prefilled_tokens"], 64, "{dense}");
+    assert!(dense["decode_tok_s"].is_null(), "{dense}");
+    positive(dense, "ttft_s", "dense");
+    assert_eq!(sala_row["dense_ttft_is_lower_bound"], true);
+    for bad in ["0", "nan"] {
+        fails_with(
+            &bench(
+                &["--compare-dense", "--dense-time-limit", bad],
+                &json,
+                tmp.path(),
+            ),
+            &["--dense-time-limit"],
+        );
+    }
+}
+
+#[test]
 fn bench_refuses_a_plan_over_the_memory_limit() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("bench.json");

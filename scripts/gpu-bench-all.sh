@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
+# the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
+# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile 1m
+# dense concurrent (default: all, in that order). A kernel whose parity test fails is replaced
+# by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/sala-out}
+L=/tmp/sala-logs
+mkdir -p "$OUT" "$L"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export XDG_CACHE_HOME=/tmp/sala-cache
+S=.gpu/sala
+steps=${*:-parity lightning 4k profile 1m dense concurrent}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$L/gpu.txt" 2>&1
+fallback=()
+for step in $steps; do
+  echo "== $step $(date +%T)"
+  case $step in
+    parity)
+      .gpu/gpu_parity --include-ignored --test-threads=1 > "$L/parity.log" 2>&1
+      grep -E '^test |test result|panicked' "$L/parity.log" | head -20
+      grep -q 'fast_block_selection_matches_oracle_scores ... ok' "$L/parity.log" || fallback+=(select)
+      grep -q 'lightning_matches_oracle ... ok' "$L/parity.log" || fallback+=(lightning-split)
+      if [ ${#fallback[@]} -gt 0 ]; then
+        export SALA_FALLBACK=$(IFS=,; echo "${fallback[*]}")
+        echo "parity failures: benchmarks run with SALA_FALLBACK=$SALA_FALLBACK"
+      fi ;;
+    lightning)
+      $S bench --device cuda --kernel lightning --context 8K,64K --json "$L/lightning.json" 2>&1 | tee "$L/lightning.txt" | tail -3 ;;
+    4k)
+      $S bench --device cuda --context 4K --json "$L/bench4k.json" 2>&1 | tee "$L/bench4k.txt" | tail -6 ;;
+    profile)
+      SALA_PROFILE=1 $S bench --device cuda --context 128K --decode-tokens 16 > "$L/profile128k.txt" 2>&1
+      grep -E 'decode step|^ +[0-9]+ +[0-9.]+ ' "$L/profile128k.txt" ;;
+    1m)
+      $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G --json "$L/bench1m.json" 2>&1 | tee "$L/bench1m.txt" | tail -6 ;;
+    dense)
+      $S bench --device cuda --context 256K --decode-tokens 2 --compare-dense --dense-time-limit 60 --json "$L/dense256k.json" 2>&1 | tee "$L/dense256k.txt" | tail -4 ;;
+    concurrent)
+      SALA_BATCHED_GEMV=1 timeout 150 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 --json "$L/concurrent.json" 2>&1 | tee "$L/concurrent.txt" | tail -4 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+tar czf "$OUT/logs.tgz" -C "$L" .
