@@ -2,7 +2,7 @@
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
 # Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile 1m
-# dense concurrent (default: all, in that order). A kernel whose parity test fails is replaced
+# dense concurrent ncu-select (default: all but ncu-select, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +40,14 @@ for step in $steps; do
       $S bench --device cuda --context 256K --decode-tokens 2 --compare-dense --dense-time-limit 60 --json "$L/dense256k.json" 2>&1 | tee "$L/dense256k.txt" | tail -4 ;;
     concurrent)
       SALA_BATCHED_GEMV=1 timeout 150 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 --json "$L/concurrent.json" 2>&1 | tee "$L/concurrent.txt" | tail -4 ;;
+    ncu-select)
+      # Nsight Compute on one prefill launch of the block-score kernel (64K context).
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout 200 "$ncu" --clock-control none -k regex:select_scores --launch-skip 40 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
+        $S bench --device cuda --context 64K --decode-tokens 1 > "$L/ncu_select.txt" 2>&1
+      grep -E 'Duration|Issue Slots|Eligible Warps|Stall|L2 Cache Throughput|Achieved Occupancy' "$L/ncu_select.txt" | head -12 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -16,11 +16,12 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 p, float* f) {
     }
 }
 
+template <int R>
 __device__ __forceinline__ void gemv_pack(uint4 xp, const uint4* wp, float* acc) {
     float xf[8];
     bf16x8_to_f32(xp, xf);
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
+    for (int r = 0; r < R; r++) {
         float wf[8];
         bf16x8_to_f32(wp[r], wf);
 #pragma unroll
@@ -28,45 +29,46 @@ __device__ __forceinline__ void gemv_pack(uint4 xp, const uint4* wp, float* acc)
     }
 }
 
-// acc[b][r] = Σ_i x_b[i]·w[row_r, i] for GEMV_ROWS weight rows and the NB activation rows
+// acc[b][r] = Σ_i x_b[i]·w[row_r, i] for R weight rows and the NB activation rows
 // x_b = x + b·x_stride, b < nb (one warp; every lane gets its partial sums, reduce with
 // warp_sum). k is a multiple of 8. Each lane adds packs lane, lane + 32, ... in order, for every
-// b alike: the weights are loaded once for all rows.
-template <int NB>
-__device__ __forceinline__ void gemv_rows(const bf16* x, int x_stride, int nb, const uint4* const (&wr)[GEMV_ROWS],
-                                          int k, float (&acc)[NB][GEMV_ROWS]) {
+// b, R and U alike (U packs a row in flight per lane): the weights are loaded once for all rows,
+// and a row's sums have the same bits whichever kernel runs them.
+template <int NB, int R = GEMV_ROWS, int U = 4>
+__device__ __forceinline__ void gemv_rows(const bf16* x, int x_stride, int nb, const uint4* const (&wr)[R], int k,
+                                          float (&acc)[NB][R]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int b = 0; b < NB; b++)
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) acc[b][r] = 0.0f;
+        for (int r = 0; r < R; r++) acc[b][r] = 0.0f;
     const int packs = k / 8;
     int i = lane;
-    for (; i + 96 < packs; i += 128) {
-        uint4 p[4][GEMV_ROWS];
+    for (; i + 32 * (U - 1) < packs; i += 32 * U) {
+        uint4 p[U][R];
 #pragma unroll
-        for (int u = 0; u < 4; u++)
+        for (int u = 0; u < U; u++)
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; r++) p[u][r] = __ldg(wr[r] + i + 32 * u);
+            for (int r = 0; r < R; r++) p[u][r] = __ldg(wr[r] + i + 32 * u);
 #pragma unroll
         for (int b = 0; b < NB; b++) {
             if (b < nb) {
                 const uint4* xg = (const uint4*)(x + (size_t)b * x_stride);
-                uint4 xp[4];
+                uint4 xp[U];
 #pragma unroll
-                for (int u = 0; u < 4; u++) xp[u] = __ldg(xg + i + 32 * u);
+                for (int u = 0; u < U; u++) xp[u] = __ldg(xg + i + 32 * u);
 #pragma unroll
-                for (int u = 0; u < 4; u++) gemv_pack(xp[u], p[u], acc[b]);
+                for (int u = 0; u < U; u++) gemv_pack<R>(xp[u], p[u], acc[b]);
             }
         }
     }
     for (; i < packs; i += 32) {
-        uint4 p[GEMV_ROWS];
+        uint4 p[R];
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) p[r] = __ldg(wr[r] + i);
+        for (int r = 0; r < R; r++) p[r] = __ldg(wr[r] + i);
 #pragma unroll
         for (int b = 0; b < NB; b++)
-            if (b < nb) gemv_pack(__ldg((const uint4*)(x + (size_t)b * x_stride) + i), p, acc[b]);
+            if (b < nb) gemv_pack<R>(__ldg((const uint4*)(x + (size_t)b * x_stride) + i), p, acc[b]);
     }
 }
 
@@ -112,6 +114,21 @@ gemv(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* y1, int
         const float s = warp_sum(acc[0][r]);
         if (lane == 0 && row0 + r < n) gemv_store(s, row0 + r, 0, y0, n0, y1, n1, y2, n2, y3, n);
     }
+}
+
+// gemv with one output row a warp and 8 packs in flight a lane: four times the warps of gemv,
+// for products with few output rows (4096), where gemv leaves most SMs with two blocks.
+// launch: grid = ceil(n / GEMV_WARPS), block = 32 * GEMV_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+gemv_narrow(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
+            bf16* y3) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * GEMV_WARPS + warp;
+    const uint4* wr[1] = {(const uint4*)(w + (u64)min(row, n - 1) * k)};
+    float acc[1][1];
+    gemv_rows<1, 1, 8>(x, k, 1, wr, k, acc);
+    const float s = warp_sum(acc[0][0]);
+    if (lane == 0 && row < n) gemv_store(s, row, 0, y0, n0, y1, n1, y2, n2, y3, n);
 }
 
 #define GEMV_BATCH 8

@@ -21,6 +21,8 @@ __device__ __forceinline__ float st_ex2(float x) {
 __device__ __forceinline__ void st_qk(float (&acc)[2][ST_TW][2][4], const u32 (&qb)[ST_TW][2][8][2], const bf16* tile,
                                       int ld, int d, int mp) {
     const int lane = threadIdx.x & 31, r8 = lane & 7, m8 = lane >> 3;
+    // This lane's ldmatrix row address (bytes, shared window) for m-tile 2·mp, k-step 0.
+    const u32 base = sp_smem_addr(tile + (32 * mp + r8 + 8 * (m8 & 1)) * ld + 8 * (m8 >> 1));
 #pragma unroll
     for (int j = 0; j < 2; j++)
 #pragma unroll
@@ -35,7 +37,7 @@ __device__ __forceinline__ void st_qk(float (&acc)[2][ST_TW][2][4], const u32 (&
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 u32 a[4];
-                ldsm_x4(a, sp_smem_addr(tile + (32 * mp + 16 * j + r8 + 8 * (m8 & 1)) * ld + 16 * kk + 8 * (m8 >> 1)));
+                ldsm_x4(a, base + 2 * (16 * j * ld + 16 * kk));
 #pragma unroll
                 for (int m = 0; m < ST_TW; m++)
 #pragma unroll
@@ -46,13 +48,11 @@ __device__ __forceinline__ void st_qk(float (&acc)[2][ST_TW][2][4], const u32 (&
     }
 }
 
-// launch: grid = ((T + 15) / 16, kv_heads), block = 256, dynamic smem = 0 bytes
-//   (static shared memory 2·64·136·2 = 34,816 bytes)
-extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
-select_scores_t(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
-                int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
-                int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
-    __shared__ __align__(16) bf16 st_kv[2 * SQ_KC * AT_MAXLD];
+// The body of select_scores_t (st_kv: 2·64·136 bf16 of shared memory).
+__device__ __forceinline__ void st_body(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T,
+                                        int first_pos, int heads, int kv_heads, int d, float scale, int block_size,
+                                        int k2_window, int k2_stride, int init_blocks, int local_blocks, int k_sel,
+                                        float* bs, int bs_stride, bf16* st_kv) {
     const int G = heads / kv_heads, g = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
     const size_t kvw = (size_t)kv_heads * d;
@@ -225,4 +225,16 @@ select_scores_t(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, i
         buf ^= 1;
     }
     sp_cp_wait0();
+}
+
+// launch: grid = ((T + 15) / 16, kv_heads), block = 256, dynamic smem = 0 bytes
+//   (static shared memory 2·64·136·2 = 34,816 bytes). At most 128 registers, so that two blocks
+//   share an SM: 259 ms against 340 ms with one block (160 registers) at 128K on the H200.
+extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32, 2)
+select_scores_t(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
+                int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
+                int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
+    __shared__ __align__(16) bf16 st_kv[2 * SQ_KC * AT_MAXLD];
+    st_body(q, k1, k2, n1, n2, T, first_pos, heads, kv_heads, d, scale, block_size, k2_window, k2_stride,
+            init_blocks, local_blocks, k_sel, bs, bs_stride, st_kv);
 }

@@ -122,6 +122,9 @@ pub struct CudaBackend {
 const GEMV_ROWS_PER_BLOCK: usize = 16;
 const GEMV_MAX_K: usize = 1 << 20;
 
+/// Products with at most this many output rows run as `gemv_narrow` (a row a warp).
+const GEMV_NARROW_MAX_ROWS: usize = 12288;
+
 /// Up to this many rows (a batched decode step), products run as one GEMV per row, so that a
 /// row's result does not depend on the rest of the batch (a kernel reading the weights once
 /// for all rows, with the same per-row order, is the next step).
@@ -154,13 +157,15 @@ const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
 /// Kernels to use instead of the default ones, for comparisons (`SALA_FALLBACK`, a comma list
 /// of `attention` (staged prefill attention for sparse layers), `lightning` (fp32 chunked
 /// lightning) and `lightning-split` (the three-kernel tensor-core lightning: chunk states, scan,
-/// outputs) and `select` (block scores with the heads as MMA rows, `select_scores_mma`)).
+/// outputs), `select` (block scores with the heads as MMA rows, `select_scores_mma`) and `gemv`
+/// (four output rows a warp for every GEMV)).
 #[derive(Default, Clone, Copy)]
 struct Fallback {
     attention: bool,
     lightning: bool,
     lightning_split: bool,
     select: bool,
+    gemv: bool,
 }
 
 impl Fallback {
@@ -172,6 +177,7 @@ impl Fallback {
             lightning: has("lightning"),
             lightning_split: has("lightning-split"),
             select: has("select"),
+            gemv: has("gemv"),
         }
     }
 }
@@ -873,11 +879,19 @@ impl CudaBackend {
                     args.push(Arg::I(n as i32));
                 }
             }
-            let k = if group > 1 { K::GemvBatch } else { K::Gemv };
+            // Few output rows: a row a warp (same sums, more warps in flight).
+            let narrow = group == 1 && w.rows <= GEMV_NARROW_MAX_ROWS && !self.fallback.gemv;
+            let (k, rows_per_block) = if group > 1 {
+                (K::GemvBatch, GEMV_ROWS_PER_BLOCK)
+            } else if narrow {
+                (K::GemvNarrow, 4)
+            } else {
+                (K::Gemv, GEMV_ROWS_PER_BLOCK)
+            };
             self.launch_shaped(
                 k,
                 Some((w.rows, w.cols)),
-                (grid1(w.rows, GEMV_ROWS_PER_BLOCK), 1, 1),
+                (grid1(w.rows, rows_per_block), 1, 1),
                 128,
                 0,
                 &args,

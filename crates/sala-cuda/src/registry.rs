@@ -68,6 +68,7 @@ pub enum K {
     SelectScoresT,
     SiluMulHalves8,
     RopeTable,
+    GemvNarrow,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -110,6 +111,7 @@ pub const KERNELS: &[&str] = &[
     "select_scores_t",
     "silu_mul_halves8",
     "rope_table",
+    "gemv_narrow",
 ];
 
 /// Dynamic shared memory of `lightning_fused` for head size `d` (`LF_SMEM` in
