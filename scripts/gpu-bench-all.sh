@@ -2,7 +2,8 @@
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
 # Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile 1m
-# dense concurrent ncu-select (default: all but ncu-select, in that order). A kernel whose parity test fails is replaced
+# dense concurrent random random-profile profile1m ncu-select (default: parity lightning 4k
+# profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,13 +34,22 @@ for step in $steps; do
       $S bench --device cuda --context 4K --json "$L/bench4k.json" 2>&1 | tee "$L/bench4k.txt" | tail -6 ;;
     profile)
       SALA_PROFILE=1 $S bench --device cuda --context 128K --decode-tokens 16 > "$L/profile128k.txt" 2>&1
-      grep -E 'decode step|^ +[0-9]+ +[0-9.]+ ' "$L/profile128k.txt" ;;
+      grep -E 'decode step| ms .*%|profile' "$L/profile128k.txt" | head -30 ;;
     1m)
       $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G --json "$L/bench1m.json" 2>&1 | tee "$L/bench1m.txt" | tail -6 ;;
     dense)
       $S bench --device cuda --context 256K --decode-tokens 2 --compare-dense --dense-time-limit 60 --json "$L/dense256k.json" 2>&1 | tee "$L/dense256k.txt" | tail -4 ;;
     concurrent)
       SALA_BATCHED_GEMV=1 timeout 150 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 --json "$L/concurrent.json" 2>&1 | tee "$L/concurrent.txt" | tail -4 ;;
+    random)
+      # Decode over random caches (no prefill): decode speed at long contexts in seconds.
+      $S bench --device cuda --context 4K,128K,1M --random-context --decode-tokens 64 --max-memory 30G --json "$L/random.json" 2>&1 | tee "$L/random.txt" | tail -8 ;;
+    random-profile)
+      SALA_PROFILE=1 $S bench --device cuda --context 1M --random-context --decode-tokens 32 --max-memory 30G > "$L/random_profile.txt" 2>&1
+      grep -E 'decode step| ms .*%|profile' "$L/random_profile.txt" | tail -30 ;;
+    profile1m)
+      SALA_PROFILE=1 $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G > "$L/profile1m.txt" 2>&1
+      grep -E 'decode step| ms .*%|profile' "$L/profile1m.txt" | tail -60 ;;
     ncu-select)
       # Nsight Compute on one prefill launch of the block-score kernel (64K context).
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

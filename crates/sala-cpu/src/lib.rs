@@ -8,6 +8,7 @@ pub mod reference;
 use attention::SparseCache;
 use rayon::prelude::*;
 use sala_checkpoint::SparseConfig;
+use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::numerics::{bf16_round, random_normal};
 use sala_model::{AttnShape, BResult, Backend, BackendError, HostTensor, SparseMode};
 
@@ -264,6 +265,31 @@ impl Backend for CpuBackend {
         tokens: usize,
     ) -> BResult<()> {
         cache.reserve(cfg, tokens);
+        Ok(())
+    }
+
+    fn fill_sparse_cache_random(
+        &self,
+        cache: &mut SparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+        seed: u64,
+    ) -> BResult<()> {
+        if !cache.is_empty() {
+            return Err(BackendError(
+                "fill_sparse_cache_random: cache not empty".into(),
+            ));
+        }
+        let n = tokens * cache.shape.kv_width();
+        let k = self.random_vector(n, seed, 0.0, RANDOM_KV_STD)?;
+        let v = self.random_vector(n, seed ^ 1, 0.0, RANDOM_KV_STD)?;
+        cache.reserve(cfg, tokens);
+        cache.append(&k, &v);
+        Ok(())
+    }
+
+    fn fill_lightning_state_random(&self, state: &mut Vec<f32>, seed: u64) -> BResult<()> {
+        *state = self.random_vector(state.len(), seed, 0.0, RANDOM_STATE_STD)?;
         Ok(())
     }
 

@@ -317,3 +317,36 @@ fn batched_decode_equals_decoding_alone() {
     check(&CpuBackend, "cpu");
     check(&ReferenceBackend, "reference");
 }
+
+/// `fill_random_context` (benchmarks): a fresh sequence holds the requested tokens of seeded
+/// random caches, so the same seed decodes to the same logits, another seed to others, and a
+/// sequence that already holds tokens is refused.
+#[test]
+fn random_context_is_seeded_and_decodes() {
+    let config = tiny_config(96);
+    let be = CpuBackend;
+    let model = load(&be, &config, 3);
+    let mut ws = model.workspace(&be, 8).unwrap();
+    let decode_after_fill = |seed: u64| {
+        let mut seq = model.new_sequence(&be).unwrap();
+        model
+            .fill_random_context(&be, &mut seq, 300, 2, seed)
+            .unwrap();
+        assert_eq!(seq.pos, 300);
+        let mut ws = model.workspace(&be, 8).unwrap();
+        let logits = model.decode(&be, &mut ws, &mut seq, 5).unwrap();
+        assert_eq!(seq.pos, 301);
+        logits
+    };
+    let a = decode_after_fill(1);
+    assert!(a.iter().all(|x| x.is_finite()));
+    assert_eq!(a, decode_after_fill(1), "same seed, same logits");
+    assert_ne!(a, decode_after_fill(2), "another seed, other logits");
+    let mut seq = model.new_sequence(&be).unwrap();
+    model.decode(&be, &mut ws, &mut seq, 5).unwrap();
+    let e = model
+        .fill_random_context(&be, &mut seq, 10, 0, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("already holds 1 tokens"), "{e}");
+}

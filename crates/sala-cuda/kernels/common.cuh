@@ -1,6 +1,7 @@
 // Shared by every kernel file; the registry compiles common.cuh followed by all *.cu files as
 // one NVRTC program, with no CUDA headers: bf16 values are raw 16-bit patterns.
 typedef unsigned short bf16;
+typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -16,6 +17,9 @@ __device__ __forceinline__ bf16 f2bf(float x) {
 
 // The value a bf16 tensor would hold.
 __device__ __forceinline__ float round_bf(float x) { return bf2f(f2bf(x)); }
+
+// round(silu(g)) · u in fp32, the MLP's gate times its up projection (round the result once more).
+__device__ __forceinline__ float silu_times(float g, float u) { return round_bf(g / (1.0f + expf(-g))) * u; }
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

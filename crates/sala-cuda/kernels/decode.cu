@@ -1,7 +1,8 @@
 // Single-token (decode) kernels where the chunked forms waste a step's few microseconds.
 
 // One lightning step: S ← γS + kᵀv, o = scale·q·S (the T = 1 case of lightning_chunked).
-// Block (h, y) owns value columns 32y .. 32y+31 of head h; its 8 warps split the key rows.
+// Block (h, y) owns value columns 32y .. 32y+31 of head h; its 8 warps split the key rows, each
+// loading all of its (at most 32) state rows before updating them. d ≤ 256.
 // launch: grid = (heads, ceil(d / 32)), block = 256
 extern "C" __global__ void __launch_bounds__(256) lightning_decode(const bf16* q, const bf16* k, const bf16* v,
                                                                    float* state, bf16* out, const float* slopes,
@@ -20,11 +21,18 @@ extern "C" __global__ void __launch_bounds__(256) lightning_decode(const bf16* q
     if (e < d) {
         float ve = bf2f(v[kvh * d + e]);
         float* S = state + (u64)h * d * d + e;
-#pragma unroll 16
-        for (int a = grp; a < d; a += 8) {
-            float s = gamma * S[(u64)a * d] + ks[a] * ve;
-            S[(u64)a * d] = s;
-            acc += qs[a] * s;
+        float sv[32];
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            if (grp + 8 * x < d) sv[x] = S[(u64)(grp + 8 * x) * d];
+#pragma unroll
+        for (int x = 0; x < 32; x++) {
+            const int a = grp + 8 * x;
+            if (a < d) {
+                const float s = gamma * sv[x] + ks[a] * ve;
+                S[(u64)a * d] = s;
+                acc += qs[a] * s;
+            }
         }
     }
     part[grp][lane] = acc;

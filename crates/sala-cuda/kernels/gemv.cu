@@ -180,7 +180,7 @@ __device__ __forceinline__ void gemv_silu_body(const bf16* x, const bf16* w, bf1
             const float g = bf2f(f2bf(warp_sum(acc[b][r])));
             const float u = bf2f(f2bf(warp_sum(acc[b][HALF + r])));
             if (b < nb && lane == 0 && j0 + r < inter)
-                y[(size_t)b * inter + j0 + r] = f2bf(round_bf(g / (1.0f + expf(-g))) * u);
+                y[(size_t)b * inter + j0 + r] = f2bf(silu_times(g, u));
         }
 }
 
@@ -210,9 +210,7 @@ extern "C" __global__ void silu_mul_halves8(const bf16* gu, bf16* out, int inter
     u32 o[4];
 #pragma unroll
     for (int e = 0; e < 4; e++) {
-        const float a = round_bf(g[2 * e] / (1.0f + expf(-g[2 * e]))) * u[2 * e];
-        const float b = round_bf(g[2 * e + 1] / (1.0f + expf(-g[2 * e + 1]))) * u[2 * e + 1];
-        o[e] = (u32)f2bf(a) | ((u32)f2bf(b) << 16);
+        o[e] = (u32)f2bf(silu_times(g[2 * e], u[2 * e])) | ((u32)f2bf(silu_times(g[2 * e + 1], u[2 * e + 1])) << 16);
     }
     *(uint4*)(out + r * inter + i) = make_uint4(o[0], o[1], o[2], o[3]);
 }
@@ -224,5 +222,5 @@ extern "C" __global__ void silu_mul_halves(const bf16* gu, bf16* out, int rows, 
     if (idx >= (u64)rows * inter) return;
     u64 r = idx / inter, i = idx % inter;
     float g = bf2f(gu[r * 2 * inter + i]);
-    out[idx] = f2bf(round_bf(g / (1.0f + expf(-g))) * bf2f(gu[r * 2 * inter + inter + i]));
+    out[idx] = f2bf(silu_times(g, bf2f(gu[r * 2 * inter + inter + i])));
 }

@@ -78,12 +78,31 @@ __device__ __forceinline__ void lf_store_state(const float (&sa)[2][4][4], bf16*
 // q [T, heads·d], k/v [T, kv_heads·d] bf16; state [heads, d, d] fp32 (key-major, read and
 // advanced in place); out [T, heads·d] bf16; slopes [heads] fp32. Needs d a multiple of 32, at
 // most 128, heads % kv_heads == 0, 16-byte aligned q/k/v/out.
-// launch: grid = (heads, d / 32), block = 128, dynamic smem = LF_SMEM(d) bytes (110,864 for d = 128)
+// Ranges (ranges != NULL): block z walks tokens [z·range_len, min(T, (z + 1)·range_len))
+// (range_len a multiple of 64). With state_only, it starts from a zero state, writes no output
+// and leaves its final state (the range's ΔS) in ranges[z]; else it starts from ranges[z] (the
+// state before its range, lightning_range_states) and only the last range writes `state`.
+// launch: grid = (heads, d / 32, ranges or 1), block = 128,
+//         dynamic smem = LF_SMEM(d) bytes (110,864 for d = 128)
 extern "C" __global__ void __launch_bounds__(128)
 lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16* out, const float* slopes, int T,
-                int heads, int kv_heads, int d, float scale) {
+                int heads, int kv_heads, int d, float scale, int range_len, float* ranges, int state_only) {
     extern __shared__ __align__(16) unsigned char lf_sm[];
     const int h = blockIdx.x, e0 = LF_VS * blockIdx.y;
+    if (ranges) {
+        const int j_lo = blockIdx.z * range_len;
+        q += (size_t)j_lo * heads * d;
+        out += (size_t)j_lo * heads * d;
+        k += (size_t)j_lo * kv_heads * d;
+        v += (size_t)j_lo * kv_heads * d;
+        T = min(T - j_lo, range_len);
+    }
+    // Where the state slice comes from and goes to (the range slots are [heads, d, d] each).
+    const float* st_in = ranges && !state_only ? ranges + (size_t)blockIdx.z * heads * d * d : state;
+    float* st_out = !ranges ? state
+                    : state_only ? ranges + (size_t)blockIdx.z * heads * d * d
+                    : blockIdx.z + 1 == gridDim.z ? state
+                                                  : (float*)0;
     const int kvh = h / (heads / kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
     const int ld = lf_ld(d), ksteps = d / 16;
@@ -97,7 +116,7 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
     for (int x = threadIdx.x; x <= LF_C; x += 128) pw[x] = lc_pow(g, x);
 
     // The state slice: key rows 32·warp + 16mt + gq (+8), value columns e0 + 8nt + 2tq (+1).
-    float* st = state + (size_t)h * d * d + e0;
+    const size_t slice = (size_t)h * d * d + e0;
     float sa[2][4][4];
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
@@ -106,7 +125,7 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 const int a = 32 * warp + 16 * mt + gq + 8 * (x >> 1);
-                sa[mt][nt][x] = (a < d) ? st[(size_t)a * d + 8 * nt + 2 * tq + (x & 1)] : 0.0f;
+                sa[mt][nt][x] = (a < d && !state_only) ? st_in[slice + (size_t)a * d + 8 * nt + 2 * tq + (x & 1)] : 0.0f;
             }
     lf_store_state(sa, sh, sl, warp, d);
 
@@ -141,84 +160,86 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
             }
         }
 
-        // (a) A = Q Kᵀ for rows 16w.., Q fragments kept for (b).
-        const int i0 = 16 * warp;
-        u32 qa[8][4];
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++)
-            if (kk < ksteps) ldsm_x4(qa[kk], sp_smem_addr(qs + (i0 + r8 + 8 * (m8 & 1)) * ld + 16 * kk + 8 * (m8 >> 1)));
-        float A[8][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) A[nt][0] = A[nt][1] = A[nt][2] = A[nt][3] = 0.0f;
-#pragma unroll
-        for (int np = 0; np < 4; np++)
-#pragma unroll
+        if (!state_only) {
+            // (a) A = Q Kᵀ for rows 16w.., Q fragments kept for (b).
+            const int i0 = 16 * warp;
+            u32 qa[8][4];
+    #pragma unroll
             for (int kk = 0; kk < 8; kk++)
-                if (kk < ksteps) {
-                    u32 b[4];  // n-tiles 2np, 2np + 1 (keys j), k = dims 16kk..
-                    ldsm_x4(b, sp_smem_addr(ks + (16 * np + r8 + 8 * (m8 >> 1)) * ld + 16 * kk + 8 * (m8 & 1)));
-                    sp_mma(A[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-                    sp_mma(A[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
-                }
-        const int ir[2] = {i0 + gq, i0 + gq + 8};
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const int i = ir[x >> 1], j = 8 * nt + 2 * tq + (x & 1);
-                A[nt][x] = (j <= i && i < len) ? A[nt][x] * pw[i - j] : 0.0f;
-            }
-
-        // (b) O = Q S (S hi and lo: B[k = key][n = value] from [key][value] tiles, transposed).
-        float O[4][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) O[nt][0] = O[nt][1] = O[nt][2] = O[nt][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++)
-            if (kk < ksteps)
-#pragma unroll
-                for (int part = 0; part < 2; part++) {
-                    const bf16* sp = part ? sl : sh;
-#pragma unroll
-                    for (int np = 0; np < 2; np++) {
-                        u32 b[4];
-                        ldsm_x4_t(b, sp_smem_addr(sp + (16 * kk + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np + 8 * (m8 >> 1)));
-                        sp_mma(O[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-                        sp_mma(O[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+                if (kk < ksteps) ldsm_x4(qa[kk], sp_smem_addr(qs + (i0 + r8 + 8 * (m8 & 1)) * ld + 16 * kk + 8 * (m8 >> 1)));
+            float A[8][4];
+    #pragma unroll
+            for (int nt = 0; nt < 8; nt++) A[nt][0] = A[nt][1] = A[nt][2] = A[nt][3] = 0.0f;
+    #pragma unroll
+            for (int np = 0; np < 4; np++)
+    #pragma unroll
+                for (int kk = 0; kk < 8; kk++)
+                    if (kk < ksteps) {
+                        u32 b[4];  // n-tiles 2np, 2np + 1 (keys j), k = dims 16kk..
+                        ldsm_x4(b, sp_smem_addr(ks + (16 * np + r8 + 8 * (m8 >> 1)) * ld + 16 * kk + 8 * (m8 & 1)));
+                        sp_mma(A[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                        sp_mma(A[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
                     }
+            const int ir[2] = {i0 + gq, i0 + gq + 8};
+    #pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+    #pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int i = ir[x >> 1], j = 8 * nt + 2 * tq + (x & 1);
+                    A[nt][x] = (j <= i && i < len) ? A[nt][x] * pw[i - j] : 0.0f;
                 }
-        const float di[2] = {pw[min(ir[0] + 1, LF_C)], pw[min(ir[1] + 1, LF_C)]};
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) O[nt][x] *= di[x >> 1];
 
-        // (c) O += A V, A's hi and lo parts straight from its accumulators.
-#pragma unroll
-        for (int ks4 = 0; ks4 < 4; ks4++) {
-            u32 ah[4], al[4];
-            sp_split2(A[2 * ks4][0], A[2 * ks4][1], ah[0], al[0]);
-            sp_split2(A[2 * ks4][2], A[2 * ks4][3], ah[1], al[1]);
-            sp_split2(A[2 * ks4 + 1][0], A[2 * ks4 + 1][1], ah[2], al[2]);
-            sp_split2(A[2 * ks4 + 1][2], A[2 * ks4 + 1][3], ah[3], al[3]);
-#pragma unroll
-            for (int np = 0; np < 2; np++) {
-                u32 b[4];
-                ldsm_x4_t(b, sp_smem_addr(vs + (16 * ks4 + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np + 8 * (m8 >> 1)));
-                sp_mma(O[2 * np], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
-                sp_mma(O[2 * np], al[0], al[1], al[2], al[3], b[0], b[1]);
-                sp_mma(O[2 * np + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
-                sp_mma(O[2 * np + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+            // (b) O = Q S (S hi and lo: B[k = key][n = value] from [key][value] tiles, transposed).
+            float O[4][4];
+    #pragma unroll
+            for (int nt = 0; nt < 4; nt++) O[nt][0] = O[nt][1] = O[nt][2] = O[nt][3] = 0.0f;
+    #pragma unroll
+            for (int kk = 0; kk < 8; kk++)
+                if (kk < ksteps)
+    #pragma unroll
+                    for (int part = 0; part < 2; part++) {
+                        const bf16* sp = part ? sl : sh;
+    #pragma unroll
+                        for (int np = 0; np < 2; np++) {
+                            u32 b[4];
+                            ldsm_x4_t(b, sp_smem_addr(sp + (16 * kk + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np + 8 * (m8 >> 1)));
+                            sp_mma(O[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                            sp_mma(O[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+                        }
+                    }
+            const float di[2] = {pw[min(ir[0] + 1, LF_C)], pw[min(ir[1] + 1, LF_C)]};
+    #pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+    #pragma unroll
+                for (int x = 0; x < 4; x++) O[nt][x] *= di[x >> 1];
+
+            // (c) O += A V, A's hi and lo parts straight from its accumulators.
+    #pragma unroll
+            for (int ks4 = 0; ks4 < 4; ks4++) {
+                u32 ah[4], al[4];
+                sp_split2(A[2 * ks4][0], A[2 * ks4][1], ah[0], al[0]);
+                sp_split2(A[2 * ks4][2], A[2 * ks4][3], ah[1], al[1]);
+                sp_split2(A[2 * ks4 + 1][0], A[2 * ks4 + 1][1], ah[2], al[2]);
+                sp_split2(A[2 * ks4 + 1][2], A[2 * ks4 + 1][3], ah[3], al[3]);
+    #pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    u32 b[4];
+                    ldsm_x4_t(b, sp_smem_addr(vs + (16 * ks4 + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np + 8 * (m8 >> 1)));
+                    sp_mma(O[2 * np], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
+                    sp_mma(O[2 * np], al[0], al[1], al[2], al[3], b[0], b[1]);
+                    sp_mma(O[2 * np + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
+                    sp_mma(O[2 * np + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+                }
             }
+    #pragma unroll
+            for (int r = 0; r < 2; r++)
+                if (ir[r] < len) {
+                    bf16* op = out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + e0 + 2 * tq;
+    #pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+                        *(u32*)(op + 8 * nt) = sp_pack_bf16(scale * O[nt][2 * r], scale * O[nt][2 * r + 1]);
+                }
         }
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-            if (ir[r] < len) {
-                bf16* op = out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + e0 + 2 * tq;
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-                    *(u32*)(op + 8 * nt) = sp_pack_bf16(scale * O[nt][2 * r], scale * O[nt][2 * r + 1]);
-            }
         __syncthreads();  // Vd written; every warp's (b) has read S
 
         // (d) S = γ^len S + Kᵀ Vd for key rows 32w.. (A = Kᵀ from the [j][key] tile, transposed).
@@ -258,6 +279,7 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
             lf_store_state(sa, sh, sl, warp, d);
         }
     }
+    if (!st_out) return;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -265,6 +287,23 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 const int a = 32 * warp + 16 * mt + gq + 8 * (x >> 1);
-                if (a < d) st[(size_t)a * d + 8 * nt + 2 * tq + (x & 1)] = sa[mt][nt][x];
+                if (a < d) st_out[slice + (size_t)a * d + 8 * nt + 2 * tq + (x & 1)] = sa[mt][nt][x];
             }
+}
+
+// Between the two lightning_fused passes over n_ranges ranges of range_len tokens: ranges[r]
+// holds ΔS_r (r < n_ranges − 1) and becomes S_r, the state before range r: S_0 = state,
+// S_{r+1} = γ^range_len S_r + ΔS_r (γ = exp(−slopes[h]), element-wise in fp32).
+// launch: grid = ⌈heads·d·d / 256⌉, block = 256
+extern "C" __global__ void lightning_range_states(const float* state, float* ranges, const float* slopes, int heads,
+                                                  int d, int n_ranges, int range_len) {
+    const size_t n = (size_t)heads * d * d, x = (size_t)blockIdx.x * 256 + threadIdx.x;
+    if (x >= n) return;
+    const float decay = lc_pow(-slopes[x / ((size_t)d * d)], range_len);
+    float cur = state[x];
+    for (int r = 0; r < n_ranges; r++) {
+        const float ds = r + 1 < n_ranges ? ranges[r * n + x] : 0.0f;
+        ranges[r * n + x] = cur;
+        cur = decay * cur + ds;
+    }
 }

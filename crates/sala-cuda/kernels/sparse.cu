@@ -214,6 +214,38 @@ __device__ __noinline__ void sp_scores_phase(const float* qs, int G, const bf16*
     }
 }
 
+// Radix-select step (warp 0 calls): the histogram bin hist[b] (of 256, counted from the top)
+// holding the kk-th largest key → sel[0] = b, sel[1] = kk's rank inside that bin.
+__device__ __forceinline__ void sp_find_bin(const int* hist, int kk, int* sel) {
+    const int lane = threadIdx.x & 31;
+    // Lane l covers bins 255 − 8l down to 248 − 8l.
+    int cnt[8], sum = 0;
+#pragma unroll
+    for (int x = 0; x < 8; x++) {
+        cnt[x] = hist[255 - 8 * lane - x];
+        sum += cnt[x];
+    }
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    const int excl = incl - sum;
+    if (excl < kk && kk <= incl) {
+        int cum = excl;
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            if (cum + cnt[x] >= kk) {
+                sel[0] = 255 - 8 * lane - x;
+                sel[1] = kk - cum;
+                break;
+            }
+            cum += cnt[x];
+        }
+    }
+}
+
 // Block selection (block-wide; every thread calls), from P [n1v] (global, already visible to
 // the block): writes the k_sel ascending block ids (−1 padded) of a query at block qb ≥ k_sel.
 // With `bscores` (block scores indexed by block), keys come from it instead of P.
@@ -223,7 +255,7 @@ __device__ __noinline__ void sp_topk_phase(const float* P, int n1v, int qb, int 
     __shared__ int ss_hist[256];
     __shared__ int ss_scan[9];
     __shared__ int ss_sel[2];
-    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int tid = threadIdx.x, wid = tid >> 5;
     const int w = block_size / k1_stride;
     // Non-forced candidates: init_blocks ≤ b < qb − local_blocks.
     const int cand_lo = init_blocks;
@@ -265,34 +297,7 @@ __device__ __noinline__ void sp_topk_phase(const float* P, int n1v, int qb, int 
                 if ((key & pmask) == prefix) atomicAdd(&ss_hist[(key >> shift) & 255], 1);
             }
             __syncthreads();
-            if (wid == 0) {
-                // lane l covers bins 255−8l down to 248−8l
-                int cnt[8], sum = 0;
-#pragma unroll
-                for (int x = 0; x < 8; x++) {
-                    cnt[x] = ss_hist[255 - 8 * lane - x];
-                    sum += cnt[x];
-                }
-                int incl = sum;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-                    if (lane >= o) incl += y;
-                }
-                const int excl = incl - sum;
-                if (excl < kk && kk <= incl) {
-                    int cum = excl;
-#pragma unroll
-                    for (int x = 0; x < 8; x++) {
-                        if (cum + cnt[x] >= kk) {
-                            ss_sel[0] = 255 - 8 * lane - x;
-                            ss_sel[1] = kk - cum;
-                            break;
-                        }
-                        cum += cnt[x];
-                    }
-                }
-            }
+            if (wid == 0) sp_find_bin(ss_hist, kk, ss_sel);
             __syncthreads();
             prefix |= (u32)ss_sel[0] << shift;
             pmask |= 255u << shift;
@@ -1037,6 +1042,64 @@ __device__ __forceinline__ void sq_issue(const bf16* src, size_t kvw, int g, int
 
 #define SQ_TW 2  // query tokens per warp (MMA row tiles)
 
+// A block-score kernel's view of its tokens: for token m of the warp (query i = blockIdx.x·16 +
+// SQ_TW·warp + m at position tt[m], block qb; past the chunk's end, its last query's position),
+// whether it selects at all (act: i < T and qb ≥ k_sel), its candidate blocks [init_blocks,
+// cand_hi) (none if inactive) and visible level-2 windows n2v; for the warp, the largest
+// cand_hi (cand_max); for the block, how many level-1 / level-2 windows its last token needs
+// (the loops grow with t). w: level-1 windows per block.
+struct SqTokens {
+    int tt[SQ_TW], cand_hi[SQ_TW], n2v[SQ_TW];
+    bool act[SQ_TW];
+    bool any;
+    int cand_max, n1_all, n2_all;
+};
+
+__device__ __forceinline__ SqTokens sq_tokens(int T, int first_pos, int n1, int n2, int block_size, int w,
+                                              int k2_window, int k2_stride, int local_blocks, int k_sel) {
+    const int warp = threadIdx.x >> 5, per_block = SQ_WARPS * SQ_TW;
+    SqTokens tk;
+    tk.any = false;
+    tk.cand_max = 0;
+#pragma unroll
+    for (int m = 0; m < SQ_TW; m++) {
+        const int i = blockIdx.x * per_block + SQ_TW * warp + m;
+        tk.tt[m] = first_pos + min(i, T - 1);
+        const int qb = tk.tt[m] / block_size;
+        tk.act[m] = i < T && qb >= k_sel;
+        tk.any |= tk.act[m];
+        tk.cand_hi[m] = tk.act[m] ? max(qb - local_blocks, 0) : 0;
+        tk.cand_max = max(tk.cand_max, tk.cand_hi[m]);
+        tk.n2v[m] = min(sp_visible(tk.tt[m], k2_window, k2_stride), n2);
+    }
+    const int t_last = first_pos + min((int)(blockIdx.x + 1) * per_block, T) - 1;
+    const int qb_last = t_last / block_size;
+    tk.n2_all = min(sp_visible(t_last, k2_window, k2_stride), n2);
+    tk.n1_all = (qb_last >= k_sel) ? min(w * max(qb_last - local_blocks, 0), n1) : 0;
+    return tk;
+}
+
+// Walks keys [0, n) of KV group g of a compressed tier in staged tiles of SQ_KC (double-buffered,
+// cp.async): body(tile, c0) runs with keys c0 .. c0 + SQ_KC − 1 in shared memory (rows ≥ n zero)
+// between two block barriers. Every thread calls.
+template <class Body>
+__device__ __forceinline__ void sq_walk(const bf16* src, size_t kvw, int g, int d, bf16* smem, int ld, int n,
+                                        Body&& body) {
+    int buf = 0;
+    sq_issue(src, kvw, g, d, smem, ld, 0, min(SQ_KC, n));
+    for (int c0 = 0; c0 < n; c0 += SQ_KC) {
+        const int nxt = c0 + SQ_KC;
+        if (nxt < n) sq_issue(src, kvw, g, d, smem + (buf ^ 1) * SQ_KC * ld, ld, nxt, min(SQ_KC, n - nxt));
+        else sp_cp_commit();
+        sp_cp_wait1();
+        __syncthreads();
+        body(smem + buf * SQ_KC * ld, c0);
+        __syncthreads();  // buffer `buf` free
+        buf ^= 1;
+    }
+    sp_cp_wait0();
+}
+
 // S[m] = Q_m Kᵀ for the warp's SQ_TW row tiles and the 32 staged keys [32·half, 32·half + 32)
 // (4 n-tiles); each B fragment is loaded once for both row tiles.
 __device__ __forceinline__ void sq_qk(float (&S)[SQ_TW][4][4], const u32 (&qa)[SQ_TW][8][4], const bf16* Ks,
@@ -1106,25 +1169,11 @@ select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2,
     const float NEG = -__int_as_float(0x7f800000);
     const int per_block = SQ_WARPS * SQ_TW;
 
-    // The warp's tokens, and the block's last (the loop bounds grow with t).
-    int ii[SQ_TW], tt[SQ_TW], cand_hi[SQ_TW], n2v[SQ_TW];
-    bool act[SQ_TW];
-    bool any = false;
-#pragma unroll
-    for (int m = 0; m < SQ_TW; m++) {
-        ii[m] = blockIdx.x * per_block + SQ_TW * warp + m;
-        tt[m] = first_pos + min(ii[m], T - 1);
-        const int qb = tt[m] / block_size;
-        act[m] = ii[m] < T && qb >= k_sel;
-        any |= act[m];
-        cand_hi[m] = act[m] ? max(qb - local_blocks, 0) : 0;
-        n2v[m] = min(sp_visible(tt[m], k2_window, k2_stride), n2);
-    }
-    const int t_last = first_pos + min((int)(blockIdx.x + 1) * per_block, T) - 1;
-    const int qb_last = t_last / block_size;
-    const int n2_all = min(sp_visible(t_last, k2_window, k2_stride), n2);
-    const int n1_all = (qb_last >= k_sel) ? min(w * max(qb_last - local_blocks, 0), n1) : 0;
-    if (n1_all == 0 || n2_all == 0) return;  // block-uniform
+    const SqTokens tk = sq_tokens(T, first_pos, n1, n2, block_size, w, k2_window, k2_stride, local_blocks, k_sel);
+    const int (&tt)[SQ_TW] = tk.tt, (&cand_hi)[SQ_TW] = tk.cand_hi, (&n2v)[SQ_TW] = tk.n2v;
+    const bool(&act)[SQ_TW] = tk.act;
+    const bool any = tk.any;
+    if (tk.n1_all == 0 || tk.n2_all == 0) return;  // block-uniform
 
     u32 qa[SQ_TW][8][4];
     bool row_ok[SQ_TW][2];
@@ -1157,18 +1206,11 @@ select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2,
             mrow[m][r] = NEG;
             lrow[m][r] = 0.0f;
         }
-    int buf = 0;
-    sq_issue(k2, kvw, g, d, sq_kv, ld, 0, min(SQ_KC, n2_all));
-    for (int c0 = 0; c0 < n2_all; c0 += SQ_KC) {
-        const int nxt = c0 + SQ_KC;
-        if (nxt < n2_all) sq_issue(k2, kvw, g, d, sq_kv + (buf ^ 1) * SQ_KC * ld, ld, nxt, min(SQ_KC, n2_all - nxt));
-        else sp_cp_commit();
-        sp_cp_wait1();
-        __syncthreads();
+    sq_walk(k2, kvw, g, d, sq_kv, ld, tk.n2_all, [&](const bf16* tile, int c0) {
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             if (any && c0 + 32 * half < n2v[SQ_TW - 1]) {
-                sq_qk(S, qa, sq_kv + buf * SQ_KC * ld, ld, d, half);
+                sq_qk(S, qa, tile, ld, d, half);
 #pragma unroll
                 for (int m = 0; m < SQ_TW; m++) {
                     float mx[2] = {NEG, NEG};
@@ -1200,10 +1242,7 @@ select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2,
                 }
             }
         }
-        __syncthreads();  // buffer `buf` free
-        buf ^= 1;
-    }
-    sp_cp_wait0();
+    });
     float lse[SQ_TW][2];
 #pragma unroll
     for (int m = 0; m < SQ_TW; m++)
@@ -1220,19 +1259,12 @@ select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2,
     // pw[m][0]: the previous tile's last window; pw[m][1 + x]: window c0 + x.
     float* pw0 = sq_p[SQ_TW * warp];
     if (lane < SQ_TW) pw0[lane * (SQ_KC + 1)] = NEG;
-    buf = 0;
     __syncthreads();
-    sq_issue(k1, kvw, g, d, sq_kv, ld, 0, min(SQ_KC, n1_all));
-    for (int c0 = 0; c0 < n1_all; c0 += SQ_KC) {
-        const int nxt = c0 + SQ_KC;
-        if (nxt < n1_all) sq_issue(k1, kvw, g, d, sq_kv + (buf ^ 1) * SQ_KC * ld, ld, nxt, min(SQ_KC, n1_all - nxt));
-        else sp_cp_commit();
-        sp_cp_wait1();
-        __syncthreads();
-        if (any && c0 < w * cand_hi[SQ_TW - 1]) {
+    sq_walk(k1, kvw, g, d, sq_kv, ld, tk.n1_all, [&](const bf16* tile, int c0) {
+        if (any && c0 < w * tk.cand_max) {
 #pragma unroll
             for (int half = 0; half < 2; half++) {
-                sq_qk(S, qa, sq_kv + buf * SQ_KC * ld, ld, d, half);
+                sq_qk(S, qa, tile, ld, d, half);
 #pragma unroll
                 for (int m = 0; m < SQ_TW; m++) {
                     float v[8];
@@ -1268,10 +1300,7 @@ select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2,
             if (lane < SQ_TW) pw0[lane * (SQ_KC + 1)] = pw0[lane * (SQ_KC + 1) + SQ_KC];
             __syncwarp();
         }
-        __syncthreads();
-        buf ^= 1;
-    }
-    sp_cp_wait0();
+    });
 }
 
 // Block selection from the scores of select_scores_mma: for pair (query i, KV group g) =
@@ -1490,33 +1519,16 @@ attention_prefill(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* o
 
 #define AG_WARPS 4
 
-// launch: grid = ((T·kv_heads + AG_WARPS − 1) / AG_WARPS), block = 32·AG_WARPS, dynamic smem = 0 bytes.
-// Same arguments and result as attention_prefill with blocks != NULL (64-key blocks); needs
-// heads / kv_heads ≤ 16 and d ∈ {64, 128}.
-extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
-attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
-                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel) {
+// Q fragments of one query's heads of a KV group (`qg`: the group's first head, G heads of d;
+// MMA rows ≥ G are zero), k-steps permuted as above. d a multiple of 32, at most 128.
+__device__ __forceinline__ void sp_load_q_perm(const bf16* qg, int G, int d, u32 (&qa)[8][4]) {
     const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-    const int pair = blockIdx.x * AG_WARPS + (threadIdx.x >> 5);
-    if (pair >= T * kv_heads) return;  // warp-uniform
-    const int i = pair / kv_heads, g = pair % kv_heads;
-    const int G = heads / kv_heads;
-    const int t = first_pos + i, n_keys = first_pos + T;
-    const size_t kvw = (size_t)kv_heads * d, qw = (size_t)heads * d;
-    const bf16* kg = kcache + (size_t)g * d;
-    const bf16* vg = vcache + (size_t)g * d;
-    const float NEG = -__int_as_float(0x7f800000);
-    const bool row_ok[2] = {gq < G, gq + 8 < G};
-
-    // Q fragments, k-steps permuted as described above.
-    u32 qa[8][4];
 #pragma unroll
     for (int p = 0; p < 4; p++) {
         uint4 v[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
 #pragma unroll
         for (int r = 0; r < 2; r++)
-            if (32 * p < d && row_ok[r])
-                v[r] = *(const uint4*)(q + (size_t)i * qw + (size_t)(g * G + gq + 8 * r) * d + 32 * p + 8 * tq);
+            if (32 * p < d && gq + 8 * r < G) v[r] = *(const uint4*)(qg + (size_t)(gq + 8 * r) * d + 32 * p + 8 * tq);
         qa[2 * p][0] = v[0].x;
         qa[2 * p][1] = v[1].x;
         qa[2 * p][2] = v[0].y;
@@ -1526,130 +1538,257 @@ attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* ou
         qa[2 * p + 1][2] = v[0].w;
         qa[2 * p + 1][3] = v[1].w;
     }
+}
+
+// S = (heads × 8 keys) logits of one n-tile: lane (gq, tq) passes the row of key gq (`krow`,
+// from global memory) and gets S[0..1] = heads gq, keys 2tq, 2tq + 1 and S[2..3] = head gq + 8.
+__device__ __forceinline__ void sp_qk_perm(float (&S)[4], const u32 (&qa)[8][4], const bf16* krow, int d) {
+    const int tq = threadIdx.x & 3;
+    S[0] = S[1] = S[2] = S[3] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        if (32 * p < d) {
+            const uint4 kv = *(const uint4*)(krow + 32 * p + 8 * tq);
+            sp_mma(S, qa[2 * p][0], qa[2 * p][1], qa[2 * p][2], qa[2 * p][3], kv.x, kv.y);
+            sp_mma(S, qa[2 * p + 1][0], qa[2 * p + 1][1], qa[2 * p + 1][2], qa[2 * p + 1][3], kv.z, kv.w);
+        }
+    }
+}
+
+// A warp's attention state for one query's heads of a KV group: O (dims as ag_dim says), and per
+// MMA row r (heads gq, gq + 8) the running max m (log2 units) and this lane's part of Σ exp2.
+struct AgState {
     float O[16][4];
+    float m[2], l[2];
+};
+
+__device__ __forceinline__ void ag_init(AgState& st) {
 #pragma unroll
     for (int nt = 0; nt < 16; nt++)
 #pragma unroll
-        for (int x = 0; x < 4; x++) O[nt][x] = 0.0f;
-    float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f};
-    const float sl2 = scale * 1.4426950408889634f;
-    const int* my = blocks + (size_t)pair * k_sel;
+        for (int x = 0; x < 4; x++) st.O[nt][x] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        st.m[r] = -__int_as_float(0x7f800000);
+        st.l[r] = 0.0f;
+    }
+}
 
-    for (int s = 0; s < k_sel; s++) {
-        const int b = my[s];
-        if (b < 0) break;  // lists are −1 padded at the end
-        const int k0 = 64 * b;
-        // S = Q Kᵀ over the block's 64 keys.
-        float S[8][4];
+// The dim of accumulator O[8u + 2c + y][2r + half]: thread (gq, tq) holds, per u, dims
+// 64u + 16tq + {0..7} (half 0) and 64u + 16tq + 8 + {0..7} (half 1), element 2c + y.
+__device__ __forceinline__ int ag_dim(int u, int c, int y, int half, int tq) {
+    return 64 * u + 16 * tq + 8 * half + 2 * c + y;
+}
+
+// Attends the warp's query (position t; padding rows masked by row_ok) to the keys
+// [k0, k0 + 64) ∩ [0, min(t + 1, k0 + n_valid)) of its KV group: kb, vb point at key k0's row of
+// K and V (global or shared memory, row stride kvw; rows ≥ n_valid are not read). S = Q·Kᵀ,
+// online softmax in log2 units, O += P·V (P rounded to bf16).
+__device__ __forceinline__ void ag_block(AgState& st, const u32 (&qa)[8][4], const bf16* kb, const bf16* vb,
+                                         size_t kvw, int k0, int t, int n_valid, const bool (&row_ok)[2],
+                                         float sl2, int d) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+    const float NEG = -__int_as_float(0x7f800000);
+    const int last = min(n_valid, 64) - 1;
+    float S[8][4];
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            const int key = min(k0 + 8 * nt + gq, n_keys - 1);
-            S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
+    for (int nt = 0; nt < 8; nt++) sp_qk_perm(S[nt], qa, kb + (size_t)min(8 * nt + gq, last) * kvw, d);
+    float mx[2] = {NEG, NEG};
 #pragma unroll
-            for (int p = 0; p < 4; p++) {
-                if (32 * p < d) {
-                    const uint4 kv = *(const uint4*)(kg + (size_t)key * kvw + 32 * p + 8 * tq);
-                    sp_mma(S[nt], qa[2 * p][0], qa[2 * p][1], qa[2 * p][2], qa[2 * p][3], kv.x, kv.y);
-                    sp_mma(S[nt], qa[2 * p + 1][0], qa[2 * p + 1][1], qa[2 * p + 1][2], qa[2 * p + 1][3], kv.z,
-                           kv.w);
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = x >> 1;
+            const int j = 8 * nt + 2 * tq + (x & 1);
+            const bool ok = row_ok[r] && k0 + j <= t && j <= last;
+            S[nt][x] = ok ? S[nt][x] * sl2 : NEG;
+            mx[r] = fmaxf(mx[r], S[nt][x]);
+        }
+    float alpha[2], mu[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float mn = fmaxf(st.m[r], mx[r]);
+        mu[r] = (mn == NEG) ? 0.0f : mn;
+        alpha[r] = exp2f(st.m[r] - mu[r]);
+        st.m[r] = mn;
+    }
+    float rsum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const float e = exp2f(S[nt][x] - mu[x >> 1]);
+            S[nt][x] = e;
+            rsum[x >> 1] += e;
+        }
+#pragma unroll
+    for (int r = 0; r < 2; r++) st.l[r] = st.l[r] * alpha[r] + rsum[r];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++) {
+        st.O[nt][0] *= alpha[0];
+        st.O[nt][1] *= alpha[0];
+        st.O[nt][2] *= alpha[1];
+        st.O[nt][3] *= alpha[1];
+    }
+    // O += P V.
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) {
+        const u32 a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+        const u32 a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+        const u32 a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+        const u32 a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+        const int j = 16 * ks + 2 * tq;
+        const int keys[4] = {min(j, last), min(j + 1, last), min(j + 8, last), min(j + 9, last)};
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (64 * u < d) {
+                uint4 v[4];
+#pragma unroll
+                for (int y = 0; y < 4; y++) v[y] = *(const uint4*)(vb + (size_t)keys[y] * kvw + 64 * u + 8 * gq);
+                const u32 w0[4] = {v[0].x, v[0].y, v[0].z, v[0].w}, w1[4] = {v[1].x, v[1].y, v[1].z, v[1].w};
+                const u32 w2[4] = {v[2].x, v[2].y, v[2].z, v[2].w}, w3[4] = {v[3].x, v[3].y, v[3].z, v[3].w};
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    sp_mma(st.O[8 * u + 2 * c], a0, a1, a2, a3, __byte_perm(w0[c], w1[c], 0x5410),
+                           __byte_perm(w2[c], w3[c], 0x5410));
+                    sp_mma(st.O[8 * u + 2 * c + 1], a0, a1, a2, a3, __byte_perm(w0[c], w1[c], 0x7632),
+                           __byte_perm(w2[c], w3[c], 0x7632));
                 }
             }
         }
-        // Mask (keys ≤ t, padding rows), online softmax in log2 units.
-        float mx[2] = {NEG, NEG};
+    }
+}
+
+// Sums l over the quad (every lane calls), then for each valid row: orow(r) gets O / l as bf16
+// (part == NULL), else prow(r) gets the unnormalised state: d fp32 values of O, then m and l
+// (attention_split's partial format).
+template <class ORow, class PRow>
+__device__ __forceinline__ void ag_finish(AgState& st, const bool (&row_ok)[2], int d, bool partial, ORow&& orow,
+                                          PRow&& prow) {
+    const int tq = threadIdx.x & 3;
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++)
+    for (int r = 0; r < 2; r++) {
+        st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
+        st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
+        if (!row_ok[r]) continue;
+        if (partial) {
+            float* pp = prow(r);
 #pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const int r = x >> 1;
-                const bool ok = row_ok[r] && k0 + 8 * nt + 2 * tq + (x & 1) <= t;
-                S[nt][x] = ok ? S[nt][x] * sl2 : NEG;
-                mx[r] = fmaxf(mx[r], S[nt][x]);
+            for (int u = 0; u < 2; u++)
+                if (64 * u < d)
+#pragma unroll
+                    for (int half = 0; half < 2; half++)
+#pragma unroll
+                        for (int c = 0; c < 4; c++)
+                            *(float2*)(pp + ag_dim(u, c, 0, half, tq)) =
+                                make_float2(st.O[8 * u + 2 * c][2 * r + half], st.O[8 * u + 2 * c + 1][2 * r + half]);
+            if (tq == 0) {
+                pp[d] = st.m[r];
+                pp[d + 1] = st.l[r];
             }
-        float alpha[2], mu[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float mn = fmaxf(m[r], mx[r]);
-            mu[r] = (mn == NEG) ? 0.0f : mn;
-            alpha[r] = exp2f(m[r] - mu[r]);
-            m[r] = mn;
-        }
-        float rsum[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const float e = exp2f(S[nt][x] - mu[x >> 1]);
-                S[nt][x] = e;
-                rsum[x >> 1] += e;
-            }
-#pragma unroll
-        for (int r = 0; r < 2; r++) l[r] = l[r] * alpha[r] + rsum[r];
-#pragma unroll
-        for (int nt = 0; nt < 16; nt++) {
-            O[nt][0] *= alpha[0];
-            O[nt][1] *= alpha[0];
-            O[nt][2] *= alpha[1];
-            O[nt][3] *= alpha[1];
-        }
-        // O += P V.
-#pragma unroll
-        for (int ks = 0; ks < 4; ks++) {
-            const u32 a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
-            const u32 a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
-            const u32 a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-            const u32 a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
-            const int kb = k0 + 16 * ks + 2 * tq;
-            const int keys[4] = {min(kb, n_keys - 1), min(kb + 1, n_keys - 1), min(kb + 8, n_keys - 1),
-                                 min(kb + 9, n_keys - 1)};
+        } else {
+            const float inv = 1.0f / st.l[r];
+            bf16* op = orow(r);
 #pragma unroll
             for (int u = 0; u < 2; u++) {
                 if (64 * u < d) {
-                    uint4 v[4];
 #pragma unroll
-                    for (int y = 0; y < 4; y++)
-                        v[y] = *(const uint4*)(vg + (size_t)keys[y] * kvw + 64 * u + 8 * gq);
-                    const u32 w0[4] = {v[0].x, v[0].y, v[0].z, v[0].w}, w1[4] = {v[1].x, v[1].y, v[1].z, v[1].w};
-                    const u32 w2[4] = {v[2].x, v[2].y, v[2].z, v[2].w}, w3[4] = {v[3].x, v[3].y, v[3].z, v[3].w};
+                    for (int half = 0; half < 2; half++) {
+                        uint4 w;
+                        u32* wp = (u32*)&w;
 #pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        sp_mma(O[8 * u + 2 * c], a0, a1, a2, a3, __byte_perm(w0[c], w1[c], 0x5410),
-                               __byte_perm(w2[c], w3[c], 0x5410));
-                        sp_mma(O[8 * u + 2 * c + 1], a0, a1, a2, a3, __byte_perm(w0[c], w1[c], 0x7632),
-                               __byte_perm(w2[c], w3[c], 0x7632));
+                        for (int c = 0; c < 4; c++)
+                            wp[c] = (u32)f2bf(st.O[8 * u + 2 * c][2 * r + half] * inv) |
+                                    ((u32)f2bf(st.O[8 * u + 2 * c + 1][2 * r + half] * inv) << 16);
+                        *(uint4*)(op + ag_dim(u, 0, 0, half, tq)) = w;
                     }
                 }
             }
         }
     }
+}
 
-    // Normalise and write: thread (gq, tq) holds, per u, dims 64u + 16tq + {0..7} (x = 0, 1 of
-    // n-tiles 8u + e) and 64u + 16tq + 8 + {0..7} (x = 1, 3).
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        if (!row_ok[r]) continue;
-        const float inv = 1.0f / l[r];
-        bf16* op = out + (size_t)i * qw + (size_t)(g * G + gq + 8 * r) * d;
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            if (64 * u < d) {
-#pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    uint4 w;
-                    u32* wp = (u32*)&w;
-#pragma unroll
-                    for (int c = 0; c < 4; c++)
-                        wp[c] = (u32)f2bf(O[8 * u + 2 * c][2 * r + half] * inv) |
-                                ((u32)f2bf(O[8 * u + 2 * c + 1][2 * r + half] * inv) << 16);
-                    *(uint4*)(op + 64 * u + 16 * tq + 8 * half) = w;
-                }
-            }
-        }
+// The attention state and Q fragments of a warp's pair (query i, KV group g).
+struct AgPair {
+    int i, g, t, n_keys;
+    size_t kvw, qw;
+    bool row_ok[2];
+};
+
+__device__ __forceinline__ AgPair ag_pair(const bf16* q, int pair, int T, int first_pos, int heads, int kv_heads,
+                                          int d, u32 (&qa)[8][4]) {
+    const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads;
+    AgPair p;
+    p.i = pair / kv_heads;
+    p.g = pair % kv_heads;
+    p.t = first_pos + p.i;
+    p.n_keys = first_pos + T;
+    p.kvw = (size_t)kv_heads * d;
+    p.qw = (size_t)heads * d;
+    p.row_ok[0] = gq < G;
+    p.row_ok[1] = gq + 8 < G;
+    sp_load_q_perm(q + (size_t)p.i * p.qw + (size_t)p.g * G * d, G, d, qa);
+    return p;
+}
+
+// launch: grid = ((T·kv_heads + AG_WARPS − 1) / AG_WARPS), block = 32·AG_WARPS, dynamic smem = 0 bytes.
+// Same arguments and result as attention_prefill with blocks != NULL (64-key blocks); needs
+// heads / kv_heads ≤ 16 and d ∈ {64, 128}.
+extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
+attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
+                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel) {
+    const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads;
+    const int pair = blockIdx.x * AG_WARPS + (threadIdx.x >> 5);
+    if (pair >= T * kv_heads) return;  // warp-uniform
+    u32 qa[8][4];
+    const AgPair p = ag_pair(q, pair, T, first_pos, heads, kv_heads, d, qa);
+    AgState st;
+    ag_init(st);
+    const float sl2 = scale * 1.4426950408889634f;
+    const int* my = blocks + (size_t)pair * k_sel;
+    for (int s = 0; s < k_sel; s++) {
+        const int b = my[s];
+        if (__any_sync(0xffffffffu, b < 0)) break;  // −1 padded lists; a vote keeps the walk warp-uniform
+        const size_t k0 = (size_t)64 * b;
+        ag_block(st, qa, kcache + k0 * p.kvw + (size_t)p.g * d, vcache + k0 * p.kvw + (size_t)p.g * d, p.kvw, 64 * b,
+                 p.t, p.n_keys - 64 * b, p.row_ok, sl2, d);
     }
+    bf16* orow0 = out + (size_t)p.i * p.qw + (size_t)(p.g * G + gq) * d;
+    ag_finish(st, p.row_ok, d, false, [&](int r) { return orow0 + 8 * r * d; }, [](int) { return (float*)0; });
+}
+
+// Split-K attention for few queries (decode): warp z of the n_split warps of pair (query i, KV
+// group g) = (blockIdx.x / kv_heads, blockIdx.x % kv_heads) attends to the 64-key blocks
+// s ≡ z (mod n_split) of the pair's walk (blocks != NULL: its list, −1 padded; else every
+// block 0 .. t/64) and writes each of its rows' partial state, as attention_split does, to
+// part[((z·T + i)·heads + h)·(d + 2) ..]; attention_merge combines them. Needs heads / kv_heads
+// ≤ 16 and d ∈ {64, 128}.
+// launch: grid = (T·kv_heads, ⌈n_split / AG_WARPS⌉), block = 32·AG_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
+attention_decode(const bf16* q, const bf16* kcache, const bf16* vcache, float* part, int T, int first_pos,
+                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int n_split) {
+    const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads;
+    const int z = blockIdx.y * AG_WARPS + (threadIdx.x >> 5);
+    if (z >= n_split) return;  // warp-uniform
+    const int pair = blockIdx.x;
+    u32 qa[8][4];
+    const AgPair p = ag_pair(q, pair, T, first_pos, heads, kv_heads, d, qa);
+    AgState st;
+    ag_init(st);
+    const float sl2 = scale * 1.4426950408889634f;
+    const int* my = blocks ? blocks + (size_t)pair * k_sel : 0;
+    const int n_walk = blocks ? k_sel : p.t / 64 + 1;
+    for (int s = z; s < n_walk; s += n_split) {
+        const int b = blocks ? my[s] : s;
+        if (__any_sync(0xffffffffu, b < 0)) break;  // −1 padded lists; a vote keeps the walk warp-uniform
+        const size_t k0 = (size_t)64 * b;
+        ag_block(st, qa, kcache + k0 * p.kvw + (size_t)p.g * d, vcache + k0 * p.kvw + (size_t)p.g * d, p.kvw, 64 * b,
+                 p.t, p.n_keys - 64 * b, p.row_ok, sl2, d);
+    }
+    float* prow0 = part + (((size_t)z * T + p.i) * heads + (size_t)p.g * G + gq) * (d + 2);
+    ag_finish(st, p.row_ok, d, true, [](int) { return (bf16*)0; }, [&](int r) { return prow0 + 8 * r * (d + 2); });
 }
 
 // ============================================================================================
@@ -1890,158 +2029,4 @@ lightning_chunk_out(const bf16* q, const bf16* k, const bf16* v, const float* ds
     for (int r = 0; r < 2; r++) {
         if (ok[r]) sp_store_row(O, r, scale, out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + 4 * tq, d);
     }
-}
-
-// ============================================================================================
-// 8. Block selection for few queries (decode), spread over the compressed keys
-// ============================================================================================
-//
-// The same scores as sparse_select up to float rounding (fp32 fused multiply-adds, exp2), in
-// three kernels that each run many blocks per (query, KV group) pair: partial level-2
-// normalisers over slices of K2, then P over slices of K1 (from the combined normalisers), then
-// block scores; select_topk_scores picks the blocks. sparse_select / select_lse stay the
-// bit-exact twins of the CPU.
-
-#define DS_THREADS 256
-#define DS_MAXG 16
-
-// s·log2(e)·(q_h · k) for the G heads of a group (fp32 queries in shared memory, [G][d]) and
-// one key row held in registers.
-__device__ __forceinline__ void ds_logits(const float* qs, int G, const u32 (&kr)[64], int d, float sl2,
-                                          float (&lg)[DS_MAXG]) {
-#pragma unroll
-    for (int h = 0; h < DS_MAXG; h++) {
-        float acc = 0.0f;
-        if (h < G) {
-            const float* qh = qs + h * d;
-#pragma unroll
-            for (int j = 0; j < 64; j++) {
-                if (2 * j < d) {
-                    const u32 w = kr[j];
-                    acc = fmaf(qh[2 * j], __uint_as_float(w << 16), acc);
-                    acc = fmaf(qh[2 * j + 1], __uint_as_float(w & 0xffff0000u), acc);
-                }
-            }
-        }
-        lg[h] = acc * sl2;
-    }
-}
-
-// Loads the fp32 queries of group g of query i into qs [G][d] (every thread calls).
-__device__ __forceinline__ void ds_load_q(const bf16* q, int i, int g, int G, int heads, int d, float* qs) {
-    for (int x = threadIdx.x; x < G * d; x += DS_THREADS)
-        qs[x] = bf2f(q[(size_t)i * heads * d + (size_t)g * G * d + x]);
-}
-
-// Pair p = blockIdx.x (query i = p / kv_heads, group g = p % kv_heads, position first_pos + i):
-// for each head h of the group, the max m and Σ exp2(x − m) of the log2-unit level-2 logits x
-// over the visible windows in [256·blockIdx.y, 256·blockIdx.y + 256), into
-// part[((p·gridDim.y + blockIdx.y)·G + h)·2 + {0, 1}] (m = −inf, sum 0 when none is visible).
-// launch: grid = (T·kv_heads, ⌈n2 / 256⌉), block = 256, dynamic smem = G·d·4 bytes
-extern "C" __global__ void __launch_bounds__(DS_THREADS)
-dsel_lse_part(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_heads, int d, float scale,
-              int k2_window, int k2_stride, float* part) {
-    extern __shared__ float ds_q[];
-    __shared__ float red[DS_THREADS / 32][DS_MAXG];
-    __shared__ float mx_all[DS_MAXG];
-    const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n2v = min(sp_visible(first_pos + i, k2_window, k2_stride), n2);
-    ds_load_q(q, i, g, G, heads, d, ds_q);
-    __syncthreads();
-    const int c = blockIdx.y * DS_THREADS + threadIdx.x;
-    const bool in = c < n2v;
-    const float NEG = -__int_as_float(0x7f800000);
-    float lg[DS_MAXG];
-    if (in) {
-        u32 kr[64];
-        sp_load_row(k2 + (size_t)c * kv_heads * d + (size_t)g * d, kr, d);
-        ds_logits(ds_q, G, kr, d, scale * 1.4426950408889634f, lg);
-    } else {
-#pragma unroll
-        for (int h = 0; h < DS_MAXG; h++) lg[h] = NEG;
-    }
-#pragma unroll
-    for (int h = 0; h < DS_MAXG; h++) {
-        const float m = warp_max(lg[h]);
-        if (lane == 0) red[warp][h] = m;
-    }
-    __syncthreads();
-    if (threadIdx.x < DS_MAXG) {
-        float m = NEG;
-        for (int w = 0; w < DS_THREADS / 32; w++) m = fmaxf(m, red[w][threadIdx.x]);
-        mx_all[threadIdx.x] = m;
-    }
-    __syncthreads();
-    float e[DS_MAXG];
-#pragma unroll
-    for (int h = 0; h < DS_MAXG; h++) e[h] = in ? exp2f(lg[h] - mx_all[h]) : 0.0f;
-    __syncthreads();  // red is reused
-#pragma unroll
-    for (int h = 0; h < DS_MAXG; h++) {
-        const float s = warp_sum(e[h]);
-        if (lane == 0) red[warp][h] = s;
-    }
-    __syncthreads();
-    if (threadIdx.x < G) {
-        float s = 0.0f;
-        for (int w = 0; w < DS_THREADS / 32; w++) s += red[w][threadIdx.x];
-        float* o = part + (((size_t)p * gridDim.y + blockIdx.y) * G + threadIdx.x) * 2;
-        o[0] = mx_all[threadIdx.x];
-        o[1] = s;
-    }
-}
-
-// P of the level-1 windows [256·blockIdx.y, +256) of pair blockIdx.x that are visible, into
-// p_scratch[pair·p_stride + x]: Σ_h exp2(x_h − LSE_h) rounded to bf16 (NaN → 0), the LSEs
-// combined from the n_split partials of dsel_lse_part.
-// launch: grid = (T·kv_heads, ⌈n1 / 256⌉), block = 256, dynamic smem = G·d·4 bytes
-extern "C" __global__ void __launch_bounds__(DS_THREADS)
-dsel_scores(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_heads, int d, float scale,
-            int k1_window, int k1_stride, const float* part, int n_split, float* p_scratch, int p_stride) {
-    extern __shared__ float ds_q[];
-    __shared__ float lse[DS_MAXG];
-    const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
-    const int n1v = min(sp_visible(first_pos + i, k1_window, k1_stride), n1);
-    const int x = blockIdx.y * DS_THREADS + threadIdx.x;
-    if (blockIdx.y * DS_THREADS >= n1v) return;  // block-uniform
-    ds_load_q(q, i, g, G, heads, d, ds_q);
-    if (threadIdx.x < G) {
-        const float NEG = -__int_as_float(0x7f800000);
-        const float* pp = part + (size_t)p * n_split * G * 2 + threadIdx.x * 2;
-        float m = NEG;
-        for (int s = 0; s < n_split; s++) m = fmaxf(m, pp[(size_t)s * G * 2]);
-        float l = 0.0f;
-        for (int s = 0; s < n_split; s++) {
-            const float ms = pp[(size_t)s * G * 2];
-            if (ms != NEG) l += pp[(size_t)s * G * 2 + 1] * exp2f(ms - m);
-        }
-        // No visible level-2 window: +inf, so every probability is 0 (as the kernel's early exit).
-        lse[threadIdx.x] = (m == NEG) ? __int_as_float(0x7f800000) : m + __log2f(l);
-    }
-    __syncthreads();
-    if (x >= n1v) return;
-    u32 kr[64];
-    sp_load_row(k1 + (size_t)x * kv_heads * d + (size_t)g * d, kr, d);
-    float lg[DS_MAXG];
-    ds_logits(ds_q, G, kr, d, scale * 1.4426950408889634f, lg);
-    float acc = 0.0f;
-#pragma unroll
-    for (int h = 0; h < DS_MAXG; h++)
-        if (h < G) acc += exp2f(lg[h] - lse[h]);
-    const float r = round_bf(acc);
-    p_scratch[(size_t)p * p_stride + x] = (r != r) ? 0.0f : r;
-}
-
-// Block scores of pair blockIdx.x from P: bs[pair·bs_stride + b] = max of P over windows
-// [w·b − 1, w·b + w − 1] ∩ [0, n1v) for the blocks b ∈ [256·blockIdx.y, +256) ∩ [0, nb).
-// launch: grid = (T·kv_heads, ⌈nb / 256⌉), block = 256, dynamic smem = 0 bytes
-extern "C" __global__ void __launch_bounds__(DS_THREADS)
-dsel_pool(const float* p_scratch, int p_stride, int n1, int first_pos, int kv_heads, int k1_window,
-          int k1_stride, int w, int nb, float* bs, int bs_stride) {
-    const int p = blockIdx.x, i = p / kv_heads;
-    const int b = blockIdx.y * DS_THREADS + threadIdx.x;
-    if (b >= nb) return;
-    const int n1v = min(sp_visible(first_pos + i, k1_window, k1_stride), n1);
-    bs[(size_t)p * bs_stride + b] = sp_key_float(sp_block_key(p_scratch + (size_t)p * p_stride, b, w, n1v));
 }

@@ -10,6 +10,7 @@ pub mod registry;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use registry::{Kernels, K};
 use sala_checkpoint::SparseConfig;
+use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::{AttnShape, BResult, Backend, BackendError, HostDType, HostTensor, SparseMode};
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -56,9 +57,10 @@ struct Scratch {
     logits_in: Option<CudaSlice<u16>>,
     logits_out: Option<CudaSlice<u16>>,
     lightning: Option<CudaSlice<f32>>,
-    bscores: Option<CudaSlice<f32>>,
     attn_part: Option<CudaSlice<f32>>,
     lse: Option<CudaSlice<f32>>,
+    /// P of the decode selection as bf16 bits (`sd_p`).
+    p16: Option<CudaSlice<u16>>,
     /// RoPE cos/sin per (row, frequency) of the current chunk, and what it was made for
     /// (inv_freq pointer, first position, rows, half the head size): every lightning layer of
     /// a forward pass uses the same table.
@@ -106,11 +108,9 @@ pub struct CudaBackend {
     waited: std::cell::Cell<std::time::Duration>,
     /// Per-kernel timing, with `SALA_PROFILE=1`.
     profiler: Option<profile::Profiler>,
-    /// Prefill block selection with the bit-exact CUDA-core kernel instead of tensor cores.
+    /// Block selection with the bit-exact CUDA-core kernels (as the CPU) instead of tensor
+    /// cores, for prefill and decode (`SALA_EXACT_SELECT=1`).
     exact_select: std::cell::Cell<bool>,
-    /// Decode block selection spread over the compressed keys (`select_decode_fast`) instead
-    /// of the exact three kernels; off until measured on a GPU (`SALA_DECODE_SELECT=fast`).
-    fast_decode_select: std::cell::Cell<bool>,
     fallback: Fallback,
     /// Products of 2..=64 rows read the weights once per 8 rows (`gemv_batch`) instead of
     /// once per row; off until measured on a GPU (`SALA_BATCHED_GEMV=1`).
@@ -136,6 +136,11 @@ const GEMV_BATCH: usize = 8;
 /// Most key splits of one decode attention (the merge reads every split's partial state).
 const MAX_ATTENTION_SPLIT: usize = 32;
 
+/// `attention_decode`: at most this many warps (64-key walks) per (query, group), and about
+/// this many warps in all.
+const DECODE_SPLIT_MAX: usize = 128;
+const DECODE_WARPS: usize = 1024;
+
 /// Shapes the tensor-core block selection handles: at most 16 query heads per KV group,
 /// head_dim a multiple of 16 up to 128, whole level-1 windows per 64-window tile.
 fn fast_select_fits(shape: AttnShape, cfg: &SparseConfig) -> bool {
@@ -150,6 +155,11 @@ fn fast_select_fits(shape: AttnShape, cfg: &SparseConfig) -> bool {
 
 /// From this many rows on, lightning layers run on tensor cores (`lightning_mma`).
 const LIGHTNING_MMA_ROWS: usize = 64;
+
+/// `lightning_fused` cuts a chunk into at most this many ranges that run in parallel, of at
+/// least `LIGHTNING_RANGE_MIN` tokens each.
+const LIGHTNING_RANGES: usize = 4;
+const LIGHTNING_RANGE_MIN: usize = 2048;
 
 /// Most bytes of per-chunk lightning states `lightning_mma` keeps at once.
 const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
@@ -214,6 +224,35 @@ const SELECT_SCORES_BYTES: usize = 128 << 20;
 /// From this many (query, KV group) pairs on, block selection runs as one kernel.
 const SELECT_ONE_KERNEL_PAIRS: usize = 264;
 
+/// Windows per block of `sd_lse` / `sd_p` (4 warps of 64), their threads, and the threads of
+/// `sd_topk` (`SD_KEYS`, `SD_WARPS`, `SD_TOPK_THREADS` in select_decode.cu).
+const SD_KEYS: usize = 256;
+const SD_THREADS: u32 = 128;
+const SD_TOPK_THREADS: u32 = 1024;
+
+/// Candidate blocks of a sequence of `len` tokens: at most one per block.
+fn candidate_blocks(len: usize, cfg: &SparseConfig) -> usize {
+    len.div_ceil(cfg.block_size)
+}
+
+/// Dynamic shared memory of `sd_topk` / `sd_topk_scores`: a 16-bit key per candidate.
+fn sd_topk_smem(len: usize, cfg: &SparseConfig) -> usize {
+    (2 * candidate_blocks(len, cfg).max(1)).next_multiple_of(16)
+}
+
+/// Shapes the `sd_*` selection kernels handle: at most 16 query heads per KV group, head_dim a
+/// multiple of 32 up to 128, whole level-1 strides per block, and few enough blocks for the
+/// top-k's 16-bit counts.
+fn decode_select_fits(shape: AttnShape, cfg: &SparseConfig, len: usize) -> bool {
+    let w = cfg.windows_per_block();
+    shape.group() <= 16
+        && shape.head_dim.is_multiple_of(32)
+        && shape.head_dim <= 128
+        && w >= 1
+        && cfg.block_size == w * cfg.k1_stride()
+        && candidate_blocks(len, cfg) <= registry::SD_TOPK_MAX_CANDIDATES
+}
+
 fn windows(n: usize, window: usize, stride: usize) -> usize {
     if n >= window {
         (n - window) / stride + 1
@@ -277,9 +316,6 @@ impl CudaBackend {
             batched_gemv: std::cell::Cell::new(
                 std::env::var("SALA_BATCHED_GEMV").is_ok_and(|v| v == "1"),
             ),
-            fast_decode_select: std::cell::Cell::new(
-                std::env::var("SALA_DECODE_SELECT").is_ok_and(|v| v == "fast"),
-            ),
             exact_select: std::cell::Cell::new(
                 std::env::var("SALA_EXACT_SELECT").is_ok_and(|v| v != "0"),
             ),
@@ -292,8 +328,8 @@ impl CudaBackend {
         self.waited.get()
     }
 
-    /// Selects prefill blocks with the bit-exact CUDA-core kernel (as the CPU) instead of the
-    /// tensor-core one (same scores up to rounding; a near-tie may pick another block).
+    /// Selects blocks with the bit-exact CUDA-core kernels (as the CPU) instead of the
+    /// tensor-core ones (same scores up to rounding; a near-tie may pick another block).
     pub fn set_exact_selection(&self, exact: bool) {
         self.exact_select.set(exact);
     }
@@ -301,11 +337,6 @@ impl CudaBackend {
     /// Runs products of 2..=64 rows with the batched GEMV kernels (see `batched_gemv`).
     pub fn set_batched_gemv(&self, batched: bool) {
         self.batched_gemv.set(batched);
-    }
-
-    /// Selects decode blocks with `select_decode_fast` (see `fast_decode_select`).
-    pub fn set_fast_decode_selection(&self, fast: bool) {
-        self.fast_decode_select.set(fast);
     }
 
     /// The block lists of the last sparse selection: `rows · kv_heads · k_sel` ids (tests).
@@ -383,27 +414,119 @@ impl CudaBackend {
                     Arg::I(stride as i32),
                 ],
             )?;
-            self.launch(
-                K::SelectTopkScores,
-                ((n * kvh) as u32, 1, 1),
-                256,
-                0,
-                &[
-                    Arg::P(bs),
-                    Arg::I(stride as i32),
-                    Arg::I(pos as i32),
-                    Arg::I(kvh as i32),
-                    Arg::I(cfg.block_size as i32),
-                    Arg::I(cfg.k1_stride() as i32),
-                    Arg::I(cfg.init_blocks as i32),
-                    Arg::I(cfg.local_blocks() as i32),
-                    Arg::I(k_sel as i32),
-                    Arg::P(blocks + (a * kvh * k_sel * 4) as u64),
-                ],
-            )?;
+            let out = Arg::P(blocks + (a * kvh * k_sel * 4) as u64);
+            if candidate_blocks(cache.len, cfg) <= registry::SD_TOPK_MAX_CANDIDATES {
+                self.launch(
+                    K::SdTopkScores,
+                    ((n * kvh) as u32, 1, 1),
+                    SD_TOPK_THREADS,
+                    sd_topk_smem(cache.len, cfg) as u32,
+                    &[
+                        Arg::P(bs),
+                        Arg::I(stride as i32),
+                        Arg::I(pos as i32),
+                        Arg::I(kvh as i32),
+                        Arg::I(cfg.block_size as i32),
+                        Arg::I(cfg.init_blocks as i32),
+                        Arg::I(cfg.local_blocks() as i32),
+                        Arg::I(k_sel as i32),
+                        out,
+                    ],
+                )?;
+            } else {
+                self.launch(
+                    K::SelectTopkScores,
+                    ((n * kvh) as u32, 1, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::P(bs),
+                        Arg::I(stride as i32),
+                        Arg::I(pos as i32),
+                        Arg::I(kvh as i32),
+                        Arg::I(cfg.block_size as i32),
+                        Arg::I(cfg.k1_stride() as i32),
+                        Arg::I(cfg.init_blocks as i32),
+                        Arg::I(cfg.local_blocks() as i32),
+                        Arg::I(k_sel as i32),
+                        out,
+                    ],
+                )?;
+            }
             a += n;
         }
         Ok(())
+    }
+
+    /// Lightning prefill in one pass a block (`lightning_fused`). A long chunk is cut into
+    /// ranges that run in parallel: their state contributions first (state-only passes), the
+    /// state before each range from those (`lightning_range_states`), then every range's
+    /// outputs from its own starting state.
+    #[allow(clippy::too_many_arguments)]
+    fn lightning_fused(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        state: &mut CudaSlice<f32>,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let (t, d, heads) = (q.rows, shape.head_dim, shape.heads);
+        let ranges_wanted = (t / LIGHTNING_RANGE_MIN).clamp(1, LIGHTNING_RANGES);
+        let range_len = t.div_ceil(ranges_wanted).next_multiple_of(64);
+        let n_ranges = t.div_ceil(range_len);
+        let slots = if n_ranges > 1 {
+            self.scratch_ptr(|s| &mut s.lightning, n_ranges * heads * d * d)?
+        } else {
+            0
+        };
+        let args = |state_only: bool| {
+            vec![
+                Arg::P(self.ptr(&q.buf)),
+                Arg::P(self.ptr(&k.buf)),
+                Arg::P(self.ptr(&v.buf)),
+                Arg::P(self.ptr(state)),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::P(self.ptr(slopes)),
+                Arg::I(t as i32),
+                Arg::I(heads as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(d as i32),
+                Arg::F(shape.scale() as f32),
+                Arg::I(range_len as i32),
+                Arg::P(slots),
+                Arg::I(state_only as i32),
+            ]
+        };
+        let smem = registry::lightning_fused_smem(d) as u32;
+        let grid = |z: usize| (heads as u32, (d / 32) as u32, z as u32);
+        if n_ranges > 1 {
+            self.launch(
+                K::LightningFused,
+                grid(n_ranges - 1),
+                128,
+                smem,
+                &args(true),
+            )?;
+            self.launch(
+                K::LightningRangeStates,
+                (grid1(heads * d * d, 256), 1, 1),
+                256,
+                0,
+                &[
+                    Arg::P(self.ptr(state)),
+                    Arg::P(slots),
+                    Arg::P(self.ptr(slopes)),
+                    Arg::I(heads as i32),
+                    Arg::I(d as i32),
+                    Arg::I(n_ranges as i32),
+                    Arg::I(range_len as i32),
+                ],
+            )?;
+        }
+        self.launch(K::LightningFused, grid(n_ranges), 128, smem, &args(false))
     }
 
     /// Lightning prefill on tensor cores: chunk states, their scan, then the outputs, over
@@ -492,30 +615,26 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Block selection for few queries (decode), spread over many blocks per (query, group)
-    /// pair: partial level-2 normalisers, P (into `p`, `cache.n1` floats a pair), block
-    /// scores, then the top-k of select_fast.
+    /// Block selection for few queries (decode) on tensor cores, spread over the GPU: partial
+    /// level-2 normalisers per slice of K2, P per slice of K1, then one block per (query,
+    /// group) pools and picks the blocks (`select_decode.cu`).
     #[allow(clippy::too_many_arguments)]
-    fn select_decode_fast(
+    fn select_decode(
         &self,
         shape: AttnShape,
         cfg: &SparseConfig,
         q: &DevAct,
         cache: &DevSparseCache,
         first: usize,
-        p: u64,
         blocks: u64,
     ) -> BResult<()> {
-        const THREADS: usize = 256;
         let pairs = q.rows * shape.kv_heads;
-        let (g, d) = (shape.group(), shape.head_dim);
-        let k_sel = cfg.selected_blocks();
-        let n_split = cache.n2.div_ceil(THREADS).max(1);
-        let p_stride = cache.n1.max(1);
-        let nb = cache.len.div_ceil(cfg.block_size).max(1);
+        let g = shape.group();
+        let n_split = cache.n2.div_ceil(SD_KEYS).max(1);
+        // A multiple of 8: sd_p writes two P values a word, sd_topk stages rows in 16 bytes.
+        let p_stride = cache.n1.max(1).next_multiple_of(8);
         let part = self.scratch_ptr(|s| &mut s.lse, pairs * n_split * g * 2)?;
-        let bs = self.scratch_ptr(|s| &mut s.bscores, pairs * nb)?;
-        let qs_smem = (g * d * 4) as u32;
+        let p16 = self.scratch_ptr(|s| &mut s.p16, pairs * p_stride)?;
         let common = [
             Arg::P(self.ptr(&q.buf)),
             Arg::P(self.ptr(&cache.k2)),
@@ -523,75 +642,246 @@ impl CudaBackend {
             Arg::I(first as i32),
             Arg::I(shape.heads as i32),
             Arg::I(shape.kv_heads as i32),
-            Arg::I(d as i32),
+            Arg::I(shape.head_dim as i32),
             Arg::F(shape.scale() as f32),
-        ];
-        let mut args = common.to_vec();
-        args.extend([
             Arg::I(cfg.k2_window() as i32),
             Arg::I(cfg.k2_stride() as i32),
-            Arg::P(part),
-        ]);
+        ];
+        let mut args = common.to_vec();
+        args.push(Arg::P(part));
         self.launch(
-            K::DselLsePart,
+            K::SdLse,
             (pairs as u32, n_split as u32, 1),
-            THREADS as u32,
-            qs_smem,
+            SD_THREADS,
+            0,
             &args,
         )?;
         let mut args = common.to_vec();
         args[1] = Arg::P(self.ptr(&cache.k1));
         args[2] = Arg::I(cache.n1 as i32);
+        args[8] = Arg::I(cfg.k1_window() as i32);
+        args[9] = Arg::I(cfg.k1_stride() as i32);
         args.extend([
-            Arg::I(cfg.k1_window() as i32),
-            Arg::I(cfg.k1_stride() as i32),
             Arg::P(part),
             Arg::I(n_split as i32),
-            Arg::P(p),
+            Arg::P(p16),
             Arg::I(p_stride as i32),
         ]);
         self.launch(
-            K::DselScores,
-            (pairs as u32, cache.n1.div_ceil(THREADS).max(1) as u32, 1),
-            THREADS as u32,
-            qs_smem,
+            K::SdP,
+            (pairs as u32, cache.n1.div_ceil(SD_KEYS).max(1) as u32, 1),
+            SD_THREADS,
+            0,
             &args,
         )?;
+        let keys = sd_topk_smem(cache.len, cfg);
+        let stage_p = keys + 2 * p_stride <= registry::SD_TOPK_MAX_SMEM;
+        let smem = keys + if stage_p { 2 * p_stride } else { 0 };
         self.launch(
-            K::DselPool,
-            (pairs as u32, nb.div_ceil(THREADS) as u32, 1),
-            THREADS as u32,
-            0,
+            K::SdTopk,
+            (pairs as u32, 1, 1),
+            SD_TOPK_THREADS,
+            smem as u32,
             &[
-                Arg::P(p),
+                Arg::P(p16),
                 Arg::I(p_stride as i32),
                 Arg::I(cache.n1 as i32),
                 Arg::I(first as i32),
                 Arg::I(shape.kv_heads as i32),
-                Arg::I(cfg.k1_window() as i32),
-                Arg::I(cfg.k1_stride() as i32),
-                Arg::I(cfg.windows_per_block() as i32),
-                Arg::I(nb as i32),
-                Arg::P(bs),
-                Arg::I(nb as i32),
-            ],
-        )?;
-        self.launch(
-            K::SelectTopkScores,
-            (pairs as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::P(bs),
-                Arg::I(nb as i32),
-                Arg::I(first as i32),
-                Arg::I(shape.kv_heads as i32),
                 Arg::I(cfg.block_size as i32),
+                Arg::I(cfg.k1_window() as i32),
                 Arg::I(cfg.k1_stride() as i32),
                 Arg::I(cfg.init_blocks as i32),
                 Arg::I(cfg.local_blocks() as i32),
-                Arg::I(k_sel as i32),
+                Arg::I(cfg.selected_blocks() as i32),
+                Arg::I(stage_p as i32),
                 Arg::P(blocks),
+            ],
+        )
+    }
+
+    /// The CPU's bit-exact block selection: one block per (query, group) for many queries,
+    /// else the normaliser, scores and top-k spread over many blocks.
+    #[allow(clippy::too_many_arguments)]
+    fn select_exact(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        q: &DevAct,
+        cache: &DevSparseCache,
+        first: usize,
+        blocks: u64,
+    ) -> BResult<()> {
+        let t = q.rows;
+        let pairs = t * shape.kv_heads;
+        let k_sel = cfg.selected_blocks();
+        let p_stride = cache.n1.max(1);
+        let p = self.scratch_ptr(|s| &mut s.p, pairs * p_stride)?;
+        let (block, smem) = select_launch(shape);
+        let mut args = vec![
+            Arg::P(self.ptr(&q.buf)),
+            Arg::P(self.ptr(&cache.k1)),
+            Arg::P(self.ptr(&cache.k2)),
+            Arg::I(cache.n1 as i32),
+            Arg::I(cache.n2 as i32),
+            Arg::I(t as i32),
+            Arg::I(first as i32),
+            Arg::I(shape.heads as i32),
+            Arg::I(shape.kv_heads as i32),
+            Arg::I(shape.head_dim as i32),
+            Arg::F(shape.scale() as f32),
+            Arg::I(cfg.block_size as i32),
+            Arg::I(cfg.k1_window() as i32),
+            Arg::I(cfg.k1_stride() as i32),
+            Arg::I(cfg.k2_window() as i32),
+            Arg::I(cfg.k2_stride() as i32),
+            Arg::I(cfg.init_blocks as i32),
+            Arg::I(cfg.local_blocks() as i32),
+            Arg::I(k_sel as i32),
+            Arg::P(p),
+            Arg::I(p_stride as i32),
+            Arg::P(blocks),
+        ];
+        if pairs >= SELECT_ONE_KERNEL_PAIRS {
+            // Many queries (prefill): one block per (query, group) fills the GPU.
+            self.launch(K::SparseSelect, (pairs as u32, 1, 1), block, smem, &args)?;
+        } else {
+            // Few queries (decode): spread normaliser, scores and top-k over many blocks.
+            args.push(Arg::P(self.scratch_ptr(|s| &mut s.lse, t * shape.heads)?));
+            let one_head = ((shape.head_dim + 3) * 4) as u32;
+            self.launch(
+                K::SelectLse,
+                (pairs as u32, shape.group() as u32, 1),
+                256,
+                one_head,
+                &args,
+            )?;
+            self.launch(
+                K::SelectScores,
+                (pairs as u32, cache.n1.div_ceil(256).max(1) as u32, 1),
+                256,
+                smem,
+                &args,
+            )?;
+            self.launch(K::SelectTopk, (pairs as u32, 1, 1), 256, 0, &args)?;
+        }
+        Ok(())
+    }
+
+    /// Compresses the windows of both key tiers that `cache.len` keys complete and the tiers
+    /// do not hold yet (SPEC §5.3).
+    fn compress_new_windows(&self, cache: &mut DevSparseCache, cfg: &SparseConfig) -> BResult<()> {
+        let kw = cache.kv_width;
+        for (level, window, stride) in [
+            (1, cfg.k1_window(), cfg.k1_stride()),
+            (2, cfg.k2_window(), cfg.k2_stride()),
+        ] {
+            let (old, tier) = if level == 1 {
+                (cache.n1, &cache.k1)
+            } else {
+                (cache.n2, &cache.k2)
+            };
+            let new = windows(cache.len, window, stride);
+            if new > old {
+                self.launch(
+                    K::CompressKeys,
+                    compress_launch(new - old, kw).0,
+                    compress_launch(new - old, kw).1,
+                    0,
+                    &[
+                        Arg::P(self.ptr(&cache.k)),
+                        Arg::P(self.ptr(tier)),
+                        Arg::I(old as i32),
+                        Arg::I((new - old) as i32),
+                        Arg::I(kw as i32),
+                        Arg::I(window as i32),
+                        Arg::I(stride as i32),
+                    ],
+                )?;
+            }
+            if level == 1 {
+                cache.n1 = new;
+            } else {
+                cache.n2 = new;
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention of few queries (decode) split over the blocks of each (query, group) walk, a
+    /// warp per block (`attention_decode`), then `attention_merge`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_decode(
+        &self,
+        shape: AttnShape,
+        mode: SparseMode,
+        q: &DevAct,
+        cache: &DevSparseCache,
+        blocks: u64,
+        k_sel: usize,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let t = q.rows;
+        let first = cache.len - t;
+        let pairs = t * shape.kv_heads;
+        let walk = match mode {
+            SparseMode::Dense => cache.len.div_ceil(64),
+            SparseMode::Sparse => k_sel,
+        };
+        let n_split = walk
+            .min(DECODE_SPLIT_MAX)
+            .min((DECODE_WARPS / pairs).max(1))
+            .max(1);
+        let part = self.scratch_ptr(
+            |s| &mut s.attn_part,
+            n_split * t * shape.heads * (shape.head_dim + 2),
+        )?;
+        self.launch(
+            K::AttentionDecode,
+            (pairs as u32, n_split.div_ceil(4) as u32, 1),
+            128,
+            0,
+            &[
+                Arg::P(self.ptr(&q.buf)),
+                Arg::P(self.ptr(&cache.k)),
+                Arg::P(self.ptr(&cache.v)),
+                Arg::P(part),
+                Arg::I(t as i32),
+                Arg::I(first as i32),
+                Arg::I(shape.heads as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(shape.head_dim as i32),
+                Arg::F(shape.scale() as f32),
+                Arg::P(blocks),
+                Arg::I(k_sel as i32),
+                Arg::I(n_split as i32),
+            ],
+        )?;
+        self.attention_merge(shape, t, part, n_split, out)
+    }
+
+    /// Combines the `n_split` partial attention states at `part` of `t` queries into `out`
+    /// (`attention_merge`).
+    fn attention_merge(
+        &self,
+        shape: AttnShape,
+        t: usize,
+        part: u64,
+        n_split: usize,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        self.launch(
+            K::AttentionMerge,
+            ((t * shape.heads) as u32, 1, 1),
+            shape.head_dim as u32,
+            0,
+            &[
+                Arg::P(part),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::I(t as i32),
+                Arg::I(shape.heads as i32),
+                Arg::I(shape.head_dim as i32),
+                Arg::I(n_split as i32),
             ],
         )
     }
@@ -699,20 +989,29 @@ impl CudaBackend {
     /// Fills `n` bf16 values with seeded normal values (never zero).
     pub fn random_bf16(&self, n: usize, seed: u64, mean: f32, std: f32) -> BResult<CudaSlice<u16>> {
         let buf = self.alloc_u16(n)?;
+        self.fill_random_mean(self.ptr(&buf), n, seed, mean, std)?;
+        Ok(buf)
+    }
+
+    /// Writes `n` seeded normal bf16 values `mean + std·z` (never zero) at device address `at`.
+    fn fill_random_mean(&self, at: u64, n: usize, seed: u64, mean: f32, std: f32) -> BResult<()> {
         self.launch(
             K::FillRandom,
             (grid1(n, 256), 1, 1),
             256,
             0,
             &[
-                Arg::P(self.ptr(&buf)),
+                Arg::P(at),
                 Arg::U(n as u64),
                 Arg::U(seed),
                 Arg::F(mean),
                 Arg::F(std),
             ],
-        )?;
-        Ok(buf)
+        )
+    }
+
+    fn fill_random(&self, at: u64, n: usize, seed: u64, std: f32) -> BResult<()> {
+        self.fill_random_mean(at, n, seed, 0.0, std)
     }
 
     /// Activations `[rows, cols]` from host values (rounded to bf16).
@@ -974,6 +1273,26 @@ impl CudaBackend {
             ),
             None => (0, 0, 1),
         };
+        if head_dim == 128 {
+            return self.launch(
+                K::HeadNormRope128,
+                (grid1(total + total2, 8), 1, 1),
+                256,
+                0,
+                &[
+                    Arg::P(self.ptr(&x.buf)),
+                    Arg::I(total as i32),
+                    Arg::P(norm.map_or(0, |(w, _, _)| self.ptr(w))),
+                    Arg::F(norm.map_or(0.0, |(_, _, e)| e)),
+                    Arg::I(hpr as i32),
+                    Arg::P(x2_ptr),
+                    Arg::I(total2 as i32),
+                    Arg::P(norm.and_then(|(_, w2, _)| w2).map_or(0, |w| self.ptr(w))),
+                    Arg::I(hpr2.max(1) as i32),
+                    Arg::P(table),
+                ],
+            );
+        }
         self.launch(
             K::HeadNormRope,
             (grid1(total + total2, 4), 1, 1),
@@ -1159,6 +1478,32 @@ impl Backend for CudaBackend {
             cap: 0,
             kv_width: shape.kv_width(),
         })
+    }
+
+    fn fill_sparse_cache_random(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+        seed: u64,
+    ) -> BResult<()> {
+        if cache.len != 0 {
+            return Err(BackendError(
+                "fill_sparse_cache_random: cache not empty".into(),
+            ));
+        }
+        self.reserve(cache, tokens, cfg, true)?;
+        let n = tokens * cache.kv_width;
+        self.fill_random(self.ptr(&cache.k), n, seed, RANDOM_KV_STD)?;
+        self.fill_random(self.ptr(&cache.v), n, seed ^ 1, RANDOM_KV_STD)?;
+        cache.len = tokens;
+        self.compress_new_windows(cache, cfg)
+    }
+
+    fn fill_lightning_state_random(&self, state: &mut CudaSlice<f32>, seed: u64) -> BResult<()> {
+        // Each fp32 as two bf16 values: the high one sets its value (±RANDOM_STATE_STD), the
+        // low one its last mantissa bits.
+        self.fill_random(self.ptr(state), 2 * state.len(), seed, RANDOM_STATE_STD)
     }
 
     fn embed(&self, table: &DevMatrix, ids: &[u32], scale: f32, out: &mut DevAct) -> BResult<()> {
@@ -1464,25 +1809,7 @@ impl Backend for CudaBackend {
             && !self.fallback.lightning
             && !self.fallback.lightning_split
         {
-            return self.launch(
-                K::LightningFused,
-                (shape.heads as u32, (d / 32) as u32, 1),
-                128,
-                registry::lightning_fused_smem(d) as u32,
-                &[
-                    Arg::P(self.ptr(&q.buf)),
-                    Arg::P(self.ptr(&k.buf)),
-                    Arg::P(self.ptr(&v.buf)),
-                    Arg::P(self.ptr(state)),
-                    Arg::P(self.ptr(&out.buf)),
-                    Arg::P(self.ptr(slopes)),
-                    Arg::I(q.rows as i32),
-                    Arg::I(shape.heads as i32),
-                    Arg::I(shape.kv_heads as i32),
-                    Arg::I(d as i32),
-                    Arg::F(shape.scale() as f32),
-                ],
-            );
+            return self.lightning_fused(shape, slopes, q, k, v, state, out);
         }
         if q.rows >= LIGHTNING_MMA_ROWS
             && shape.head_dim.is_multiple_of(16)
@@ -1531,110 +1858,23 @@ impl Backend for CudaBackend {
         self.copy(&cache.k, first * kw, &k.buf, 0, t * kw)?;
         self.copy(&cache.v, first * kw, &v.buf, 0, t * kw)?;
         cache.len += t;
-        for (level, window, stride) in [
-            (1, cfg.k1_window(), cfg.k1_stride()),
-            (2, cfg.k2_window(), cfg.k2_stride()),
-        ] {
-            let (old, tier) = if level == 1 {
-                (cache.n1, &cache.k1)
-            } else {
-                (cache.n2, &cache.k2)
-            };
-            let new = windows(cache.len, window, stride);
-            if new > old {
-                self.launch(
-                    K::CompressKeys,
-                    compress_launch(new - old, kw).0,
-                    compress_launch(new - old, kw).1,
-                    0,
-                    &[
-                        Arg::P(self.ptr(&cache.k)),
-                        Arg::P(self.ptr(tier)),
-                        Arg::I(old as i32),
-                        Arg::I((new - old) as i32),
-                        Arg::I(kw as i32),
-                        Arg::I(window as i32),
-                        Arg::I(stride as i32),
-                    ],
-                )?;
-            }
-            if level == 1 {
-                cache.n1 = new;
-            } else {
-                cache.n2 = new;
-            }
-        }
+        self.compress_new_windows(cache, cfg)?;
         let k_sel = cfg.selected_blocks();
         let blocks = match mode {
             SparseMode::Dense => 0,
             SparseMode::Sparse => {
                 let pairs = t * shape.kv_heads;
                 let blocks = self.scratch_ptr(|s| &mut s.blocks, pairs * k_sel)?;
-                let fast = pairs >= SELECT_ONE_KERNEL_PAIRS
-                    && !self.exact_select.get()
-                    && fast_select_fits(shape, cfg);
-                let p_stride = cache.n1.max(1);
-                // The exact kernels and the decode one keep every query's P (the prefill one
-                // only block scores).
-                let p = if fast {
-                    0
-                } else {
-                    self.scratch_ptr(|s| &mut s.p, pairs * p_stride)?
-                };
-                let (block, smem) = select_launch(shape);
-                let mut args = vec![
-                    Arg::P(self.ptr(&q.buf)),
-                    Arg::P(self.ptr(&cache.k1)),
-                    Arg::P(self.ptr(&cache.k2)),
-                    Arg::I(cache.n1 as i32),
-                    Arg::I(cache.n2 as i32),
-                    Arg::I(t as i32),
-                    Arg::I(first as i32),
-                    Arg::I(shape.heads as i32),
-                    Arg::I(shape.kv_heads as i32),
-                    Arg::I(shape.head_dim as i32),
-                    Arg::F(shape.scale() as f32),
-                    Arg::I(cfg.block_size as i32),
-                    Arg::I(cfg.k1_window() as i32),
-                    Arg::I(cfg.k1_stride() as i32),
-                    Arg::I(cfg.k2_window() as i32),
-                    Arg::I(cfg.k2_stride() as i32),
-                    Arg::I(cfg.init_blocks as i32),
-                    Arg::I(cfg.local_blocks() as i32),
-                    Arg::I(k_sel as i32),
-                    Arg::P(p),
-                    Arg::I(p_stride as i32),
-                    Arg::P(blocks),
-                ];
-                if fast {
+                let exact = self.exact_select.get();
+                if pairs >= SELECT_ONE_KERNEL_PAIRS && !exact && fast_select_fits(shape, cfg) {
                     self.select_fast(shape, cfg, q, cache, first, blocks)?;
-                } else if self.fast_decode_select.get()
-                    && !self.exact_select.get()
-                    && fast_select_fits(shape, cfg)
+                } else if pairs < SELECT_ONE_KERNEL_PAIRS
+                    && !exact
+                    && decode_select_fits(shape, cfg, cache.len)
                 {
-                    self.select_decode_fast(shape, cfg, q, cache, first, p, blocks)?;
-                } else if pairs >= SELECT_ONE_KERNEL_PAIRS {
-                    // Many queries (prefill): one block per (query, group) fills the GPU.
-                    self.launch(K::SparseSelect, (pairs as u32, 1, 1), block, smem, &args)?;
+                    self.select_decode(shape, cfg, q, cache, first, blocks)?;
                 } else {
-                    // Few queries (decode): spread normaliser, scores and top-k over many blocks.
-                    args.push(Arg::P(self.scratch_ptr(|s| &mut s.lse, t * shape.heads)?));
-                    let one_head = ((shape.head_dim + 3) * 4) as u32;
-                    self.launch(
-                        K::SelectLse,
-                        (pairs as u32, shape.group() as u32, 1),
-                        256,
-                        one_head,
-                        &args,
-                    )?;
-                    self.launch(
-                        K::SelectScores,
-                        (pairs as u32, cache.n1.div_ceil(256).max(1) as u32, 1),
-                        256,
-                        smem,
-                        &args,
-                    )?;
-                    self.launch(K::SelectTopk, (pairs as u32, 1, 1), 256, 0, &args)?;
+                    self.select_exact(shape, cfg, q, cache, first, blocks)?;
                 }
                 blocks
             }
@@ -1654,12 +1894,16 @@ impl Backend for CudaBackend {
             Arg::P(blocks),
             Arg::I(k_sel as i32),
         ];
-        let gather = mode == SparseMode::Sparse
-            && t * shape.kv_heads >= SELECT_ONE_KERNEL_PAIRS
-            && shape.group() <= 16
+        // One warp per (query, group) and 64-key block walk: attention_gather, attention_decode.
+        let warp_walk = shape.group() <= 16
             && matches!(shape.head_dim, 64 | 128)
-            && cfg.block_size == 64
+            && (mode == SparseMode::Dense || cfg.block_size == 64)
             && !self.fallback.attention;
+        let pairs = t * shape.kv_heads;
+        if warp_walk && pairs < SELECT_ONE_KERNEL_PAIRS {
+            return self.attention_decode(shape, mode, q, cache, blocks, k_sel, out);
+        }
+        let gather = warp_walk && mode == SparseMode::Sparse && pairs >= SELECT_ONE_KERNEL_PAIRS;
         if gather {
             return self.launch(
                 K::AttentionGather,
@@ -1725,20 +1969,7 @@ impl Backend for CudaBackend {
             smem,
             &args,
         )?;
-        self.launch(
-            K::AttentionMerge,
-            ((t * shape.heads) as u32, 1, 1),
-            shape.head_dim as u32,
-            0,
-            &[
-                Arg::P(part),
-                Arg::P(self.ptr(&out.buf)),
-                Arg::I(t as i32),
-                Arg::I(shape.heads as i32),
-                Arg::I(shape.head_dim as i32),
-                Arg::I(n_split as i32),
-            ],
-        )
+        self.attention_merge(shape, t, part, n_split, out)
     }
 
     fn logits(

@@ -25,6 +25,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../kernels/lightning_fused.cu"),
     ),
     ("select_mma.cu", include_str!("../kernels/select_mma.cu")),
+    (
+        "select_decode.cu",
+        include_str!("../kernels/select_decode.cu"),
+    ),
 ];
 
 /// Every kernel the backend launches; `K::X as usize` indexes [`KERNELS`].
@@ -59,9 +63,6 @@ pub enum K {
     LightningChunkState,
     LightningChunkScan,
     LightningChunkOut,
-    DselLsePart,
-    DselScores,
-    DselPool,
     GemvBatch,
     GemvSiluBatch,
     LightningFused,
@@ -69,6 +70,13 @@ pub enum K {
     SiluMulHalves8,
     RopeTable,
     GemvNarrow,
+    SdLse,
+    SdP,
+    SdTopk,
+    SdTopkScores,
+    AttentionDecode,
+    HeadNormRope128,
+    LightningRangeStates,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -102,9 +110,6 @@ pub const KERNELS: &[&str] = &[
     "lightning_chunk_state",
     "lightning_chunk_scan",
     "lightning_chunk_out",
-    "dsel_lse_part",
-    "dsel_scores",
-    "dsel_pool",
     "gemv_batch",
     "gemv_silu_batch",
     "lightning_fused",
@@ -112,6 +117,13 @@ pub const KERNELS: &[&str] = &[
     "silu_mul_halves8",
     "rope_table",
     "gemv_narrow",
+    "sd_lse",
+    "sd_p",
+    "sd_topk",
+    "sd_topk_scores",
+    "attention_decode",
+    "head_norm_rope128",
+    "lightning_range_states",
 ];
 
 /// Dynamic shared memory of `lightning_fused` for head size `d` (`LF_SMEM` in
@@ -123,6 +135,13 @@ pub fn lightning_fused_smem(d: usize) -> usize {
     let s = 2 * d * 40 * 2;
     qk + v_and_vd + s + 68 * 4
 }
+
+/// Most candidate blocks `sd_topk` / `sd_topk_scores` take (16-bit counts); the dynamic
+/// shared memory their keys need (2 bytes each); and the most `sd_topk` takes with P staged
+/// beside the keys.
+pub const SD_TOPK_MAX_CANDIDATES: usize = 65535;
+pub const SD_TOPK_KEYS_SMEM: usize = 2 * (SD_TOPK_MAX_CANDIDATES + 1);
+pub const SD_TOPK_MAX_SMEM: usize = 200 << 10;
 
 /// The whole program as one translation unit.
 pub fn program_source() -> String {
@@ -226,7 +245,11 @@ impl Kernels {
             })
             .collect::<Result<Vec<_>, _>>()?;
         // Kernels with more than the default 48 KiB of dynamic shared memory.
-        let big = [(K::LightningFused, lightning_fused_smem(128))];
+        let big = [
+            (K::LightningFused, lightning_fused_smem(128)),
+            (K::SdTopk, SD_TOPK_MAX_SMEM),
+            (K::SdTopkScores, SD_TOPK_KEYS_SMEM),
+        ];
         for (k, bytes) in big {
             use cudarc::driver::sys::CUfunction_attribute_enum as A;
             functions[k as usize]

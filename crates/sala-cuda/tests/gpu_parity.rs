@@ -295,11 +295,12 @@ fn lightning_matches_oracle() {
         };
         let slopes = sala_checkpoint::alibi_slopes(heads);
         let gs = g.upload_table(&slopes).unwrap();
-        // 2100 tokens cross a range of chunks of the tensor-core path (2048 tokens at 32x128²).
+        // 2100 tokens cross a range of chunks of the tensor-core path (2048 tokens at 32x128²);
+        // 4500 and 9001 run as 2 and 4 ranges in parallel (a short last one).
         let lens: &[usize] = if heads == 32 {
-            &[1, 7, 64, 65, 200, 2100]
+            &[1, 7, 64, 65, 200, 2100, 4500, 9001]
         } else {
-            &[1, 7, 64, 65, 200]
+            &[1, 7, 64, 65, 200, 4500]
         };
         for &t_n in lens {
             let q = rng.bf16_vec(t_n * shape.q_width(), -1.0, 1.0);
@@ -398,7 +399,8 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 ..released.clone()
             },
             1500,
-            vec![700, 1, 799],
+            // 37 queries: few enough for the decode kernels (selection and attention).
+            vec![700, 1, 37, 762],
         ),
         (
             AttnShape {
@@ -454,15 +456,14 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
     }
 }
 
-/// The fast block selections (tensor cores for prefill, spread over the keys for decode)
-/// against the oracle's block scores: every list
+/// The tensor-core block selections (one kernel per chunk of queries for prefill, spread over
+/// the compressed keys for decode) against the oracle's block scores: every list
 /// holds the forced blocks, and no block left out scores above a chosen one by more than the
 /// rounding of the two computations (so a differing pick is a near-tie, never a wrong block).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn fast_block_selection_matches_oracle_scores() {
     let g = CudaBackend::new(0).expect("these tests need a CUDA GPU");
-    g.set_fast_decode_selection(true);
     let released = SparseConfig::default();
     let cases = [
         (
@@ -483,6 +484,16 @@ fn fast_block_selection_matches_oracle_scores() {
             released.clone(),
             // Prefill chunks (tensor-core selection), then decode steps (spread selection).
             vec![5000, 4100, 1, 1, 2],
+        ),
+        (
+            AttnShape {
+                heads: 32,
+                kv_heads: 2,
+                head_dim: 128,
+            },
+            released.clone(),
+            // Past 16K tokens: several slices of level-2 windows in the decode normaliser.
+            vec![12000, 8191, 1, 3, 1],
         ),
     ];
     for (seed, (shape, cfg, chunks)) in cases.into_iter().enumerate() {

@@ -15,6 +15,11 @@ pub struct BackendError(pub String);
 
 pub type BResult<T> = Result<T, BackendError>;
 
+/// Spread of the random keys and values of [`Backend::fill_sparse_cache_random`].
+pub const RANDOM_KV_STD: f32 = 1.0;
+/// Spread of the random lightning states of [`Backend::fill_lightning_state_random`].
+pub const RANDOM_STATE_STD: f32 = 0.05;
+
 /// The check every [`Backend::copy_rows`] makes: same widths, and both row ranges inside
 /// their buffers (`[rows, cols]` of source and destination).
 pub fn check_copy_rows(
@@ -129,6 +134,33 @@ pub trait Backend {
         _tokens: usize,
     ) -> BResult<()> {
         Ok(())
+    }
+
+    /// Benchmarks: makes `cache` (empty) hold `tokens` tokens of seeded random keys and values
+    /// (normal, std [`RANDOM_KV_STD`], as `random_vector` draws them) with their compressed
+    /// tiers, as if a prompt that long had been prefilled.
+    fn fill_sparse_cache_random(
+        &self,
+        _cache: &mut Self::SparseCache,
+        _cfg: &SparseConfig,
+        _tokens: usize,
+        _seed: u64,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: random caches are not supported",
+            self.name()
+        )))
+    }
+    /// Benchmarks: fills a lightning state with seeded random values (std [`RANDOM_STATE_STD`]).
+    fn fill_lightning_state_random(
+        &self,
+        _state: &mut Self::LightningState,
+        _seed: u64,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: random states are not supported",
+            self.name()
+        )))
     }
 
     /// `out[i] = round(table[ids[i]] * scale)`.

@@ -397,6 +397,37 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// Benchmarks: makes a fresh `seq` hold `tokens` tokens of seeded random keys, values and
+    /// lightning states, as if a prompt that long had been prefilled (decode speed at long
+    /// contexts without the prefill's time). Caches are taken for `tokens + extra` tokens.
+    pub fn fill_random_context(
+        &self,
+        be: &B,
+        seq: &mut SeqState<B>,
+        tokens: usize,
+        extra: usize,
+        seed: u64,
+    ) -> BResult<()> {
+        if seq.pos != 0 {
+            return Err(BackendError(format!(
+                "fill_random_context: the sequence already holds {} tokens",
+                seq.pos
+            )));
+        }
+        self.reserve(be, seq, tokens + extra)?;
+        for (i, state) in seq.layers.iter_mut().enumerate() {
+            let seed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            match state {
+                LayerState::Sparse(cache) => {
+                    be.fill_sparse_cache_random(cache, &self.config.sparse, tokens, seed)?
+                }
+                LayerState::Lightning(st) => be.fill_lightning_state_random(st, seed)?,
+            }
+        }
+        seq.pos = tokens;
+        Ok(())
+    }
+
     /// Scratch buffers for chunks of up to `max_rows` tokens: exactly those of
     /// [`workspace_columns`], which the memory plan counts.
     pub fn workspace(&self, be: &B, max_rows: usize) -> BResult<Workspace<B>> {

@@ -67,6 +67,11 @@ pub struct BenchArgs {
     /// Timed repetitions per context with --kernel (the median is reported).
     #[arg(long, default_value_t = 10)]
     repeat: usize,
+    /// Decode only: instead of prefilling each context, fill the caches with random keys,
+    /// values and lightning states made on the device (decode speed at long contexts in
+    /// seconds; TTFT and prefill speed are not measured).
+    #[arg(long)]
+    random_context: bool,
     /// Throughput of N requests (prompts of the first --context, --decode-tokens each, greedy):
     /// one after another, then all at once through the server's continuous batch.
     #[arg(long, value_name = "N")]
@@ -155,8 +160,9 @@ pub fn decode_bytes(c: &ModelConfig, context: usize) -> f64 {
 #[derive(serde::Serialize)]
 struct Row {
     context: usize,
-    ttft_s: f64,
-    prefill_tok_s: f64,
+    /// None with --random-context (no prefill).
+    ttft_s: Option<f64>,
+    prefill_tok_s: Option<f64>,
     prefill_floor_tok_s: f64,
     /// The prefill stopped at --dense-time-limit: `ttft_s` is a lower bound.
     ttft_is_lower_bound: bool,
@@ -189,6 +195,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .is_some_and(|t| t.is_nan() || t <= 0.0)
     {
         bail!("--dense-time-limit must be a positive number of seconds");
+    }
+    if args.random_context && (args.compare_dense || args.dense_time_limit.is_some()) {
+        bail!("--random-context measures decode only: it has no TTFT to compare with all-dense");
     }
     if args.all_dense && args.compare_dense {
         bail!("--all-dense with --compare-dense would compare the all-dense model with itself");
@@ -333,16 +342,19 @@ fn bench_on<B: Backend + DeviceStats>(
         for (r, doc) in rows.iter().zip(results.iter_mut()) {
             match dense_rows.iter().find(|d| d.context == r.context) {
                 Some(d) => {
-                    let ratio = d.ttft_s / r.ttft_s;
+                    let (Some(d_ttft), Some(r_ttft)) = (d.ttft_s, r.ttft_s) else {
+                        bail!("context {}: no TTFT to compare", r.context);
+                    };
+                    let ratio = d_ttft / r_ttft;
                     let at_least = if d.ttft_is_lower_bound { ">=" } else { "" };
                     println!(
                         "{:>9} {:>14} {:>14.3} {:>10}",
                         r.context,
-                        format!("{at_least}{:.3}", d.ttft_s),
-                        r.ttft_s,
+                        format!("{at_least}{d_ttft:.3}"),
+                        r_ttft,
                         format!("{at_least}{ratio:.2}x")
                     );
-                    doc["dense_ttft_s"] = json!(d.ttft_s);
+                    doc["dense_ttft_s"] = json!(d_ttft);
                     doc["dense_ttft_is_lower_bound"] = json!(d.ttft_is_lower_bound);
                     doc["ttft_ratio_dense_over_sala"] = json!(ratio);
                     let mut v = serde_json::to_value(d)?;
@@ -449,7 +461,15 @@ fn measure<B: Backend + DeviceStats>(
         let mode = model.sparse_mode(len);
         let mut logits = Vec::new();
         let mut done = 0;
-        for piece in tokens[..len].chunks(chunk) {
+        if args.random_context {
+            // Random caches for all but the prompt's last token, which one decode step feeds
+            // (its logits stand in for the prefill's; its time is not counted).
+            model.fill_random_context(be, &mut seq, len - 1, args.decode_tokens + 1, args.seed)?;
+            logits = model.decode(be, &mut ws, &mut seq, tokens[len - 1])?;
+            done = len;
+            peak = peak.max(be.memory_in_use());
+        }
+        for piece in tokens[done..len].chunks(chunk) {
             let last = done + piece.len() == len;
             let logit_rows = if last {
                 LogitRows::Last
@@ -477,8 +497,8 @@ fn measure<B: Backend + DeviceStats>(
             );
             rows.push(Row {
                 context: len,
-                ttft_s: ttft,
-                prefill_tok_s: done as f64 / ttft,
+                ttft_s: Some(ttft),
+                prefill_tok_s: Some(done as f64 / ttft),
                 prefill_floor_tok_s,
                 ttft_is_lower_bound: true,
                 prefilled_tokens: done,
@@ -511,8 +531,8 @@ fn measure<B: Backend + DeviceStats>(
         print_profile(be, &format!("{} decode steps at {len}", args.decode_tokens));
         rows.push(Row {
             context: len,
-            ttft_s: ttft,
-            prefill_tok_s: len as f64 / ttft,
+            ttft_s: (!args.random_context).then_some(ttft),
+            prefill_tok_s: (!args.random_context).then_some(len as f64 / ttft),
             prefill_floor_tok_s,
             ttft_is_lower_bound: false,
             prefilled_tokens: len,
@@ -545,6 +565,14 @@ fn print_rows(rows: &[Row]) {
     );
     for r in rows {
         let at_least = if r.ttft_is_lower_bound { ">=" } else { "" };
+        let (ttft, prefill, prefill_of_floor) = match (r.ttft_s, r.prefill_tok_s) {
+            (Some(t), Some(p)) => (
+                format!("{at_least}{t:.3}"),
+                format!("{p:.0}"),
+                format!("{:.0}%", 100.0 * p / r.prefill_floor_tok_s),
+            ),
+            _ => ("random".into(), "n/a".into(), "".into()),
+        };
         let (decode, of_floor) = match r.decode_tok_s {
             Some(d) => (
                 format!("{d:.1}"),
@@ -553,11 +581,11 @@ fn print_rows(rows: &[Row]) {
             None => ("not run".into(), "".into()),
         };
         println!(
-            "{:>9} {:>9} {:>13.0} {:>7.0}% {:>12} {:>8} {:>10} {:>10.2}",
+            "{:>9} {:>9} {:>13} {:>8} {:>12} {:>8} {:>10} {:>10.2}",
             r.context,
-            format!("{at_least}{:.3}", r.ttft_s),
-            r.prefill_tok_s,
-            100.0 * r.prefill_tok_s / r.prefill_floor_tok_s,
+            ttft,
+            prefill,
+            prefill_of_floor,
             decode,
             of_floor,
             peak(r),

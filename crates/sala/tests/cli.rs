@@ -322,6 +322,28 @@ fn bench(args: &[&str], json: &Path, cache: &Path) -> Output {
     sala(&all, cache)
 }
 
+/// --random-context: caches of random values instead of a prefill, then decode; no TTFT.
+#[test]
+fn bench_decodes_over_a_random_context() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let o = bench(&["--context", "700", "--random-context"], &json, tmp.path());
+    ok(&o);
+    assert!(stdout(&o).contains("random"), "{}", stdout(&o));
+    let v = read_json(&json);
+    let r = &v["results"][0];
+    assert_eq!(r["context"], 700, "{r}");
+    assert!(r["ttft_s"].is_null() && r["prefill_tok_s"].is_null(), "{r}");
+    positive(r, "decode_tok_s", "random context");
+    assert_eq!(r["plan"]["context"], 704, "{r}");
+    let o = bench(
+        &["--context", "700", "--random-context", "--compare-dense"],
+        &json,
+        tmp.path(),
+    );
+    fails_with(&o, &["--random-context", "decode only"]);
+}
+
 #[test]
 fn bench_on_the_cpu_compares_with_the_all_dense_variant() {
     let tmp = tempfile::tempdir().unwrap();

@@ -1,0 +1,308 @@
+// Block selection for few queries (decode), on tensor cores and spread over the whole GPU:
+//   1. sd_lse: per slice of SD_KEYS level-2 windows, each head's max and Σ exp2 (partial LSEs);
+//   2. sd_p:   per slice of SD_KEYS level-1 windows, P = Σ_h exp2(x_h − LSE_h), rounded to bf16;
+//   3. sd_topk: one 1024-thread block per (query, KV group): max-pooled block keys, radix
+//      select over their 16 bits, and the ascending list (forced blocks, then the best others,
+//      ties to the lower index), as sparse_select writes it.
+// A warp takes 64 windows as 8 MMA n-tiles of 8 keys; its 16 MMA rows are the query's heads of
+// the group (rows ≥ G zero), with Q and K dims permuted alike (sp_load_q_perm / sp_qk_perm).
+// Needs heads / kv_heads ≤ 16 and d a multiple of 32, at most 128.
+
+#define SD_WARPS 4
+#define SD_KEYS (SD_WARPS * 64)  // windows per block of sd_lse and sd_p
+#define SD_TOPK_THREADS 1024
+
+// sd_topk / sd_topk_scores: the candidates' 16-bit keys, then (sd_topk, staged) P.
+extern __shared__ __align__(16) u16 sd_smem[];
+
+// The logits (log2 units) of the warp's 64 windows [c0, c0 + 64) of group g of a compressed
+// tier: x[j][·] of n-tile j as sp_qk_perm leaves S, −inf for windows ≥ n (and padding rows).
+__device__ __forceinline__ void sd_logits(float (&x)[8][4], const u32 (&qa)[8][4], const bf16* tier, size_t kvw,
+                                          int g, int d, int c0, int n, int G, float sl2) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+    const float NEG = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int key = min(c0 + 8 * j + gq, n - 1);
+        sp_qk_perm(x[j], qa, tier + (size_t)key * kvw + (size_t)g * d, d);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const bool ok = c0 + 8 * j + 2 * tq + (e & 1) < n && gq + 8 * (e >> 1) < G;
+            x[j][e] = ok ? x[j][e] * sl2 : NEG;
+        }
+    }
+}
+
+// Pair p = blockIdx.x (query i = p / kv_heads, group g = p % kv_heads, position first_pos + i):
+// for each head h < G, the max m and Σ exp2(x − m) of the log2-unit level-2 logits x over the
+// visible windows in [SD_KEYS·blockIdx.y, +SD_KEYS), into part[((p·gridDim.y + blockIdx.y)·G + h)·2
+// + {0, 1}] (m = −inf, sum 0 where none is visible).
+// launch: grid = (T·kv_heads, ⌈n2 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
+sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_heads, int d, float scale,
+       int k2_window, int k2_stride, float* part) {
+    __shared__ float red[SD_WARPS][16][2];
+    const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2;
+    const int n2v = min(sp_visible(first_pos + i, k2_window, k2_stride), n2);
+    const int c0 = blockIdx.y * SD_KEYS + 64 * warp;
+    const float NEG = -__int_as_float(0x7f800000);
+    float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f};
+    if (c0 < n2v) {  // warp-uniform
+        u32 qa[8][4];
+        sp_load_q_perm(q + ((size_t)i * heads + (size_t)g * G) * d, G, d, qa);
+        float x[8][4];
+        sd_logits(x, qa, k2, (size_t)kv_heads * d, g, d, c0, n2v, G, scale * 1.4426950408889634f);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) m[e >> 1] = fmaxf(m[e >> 1], x[j][e]);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
+            m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                if (m[e >> 1] != NEG) l[e >> 1] += exp2f(x[j][e] - m[e >> 1]);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        }
+    }
+    if ((lane & 3) == 0)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            red[warp][gq + 8 * r][0] = m[r];
+            red[warp][gq + 8 * r][1] = l[r];
+        }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        const int h = threadIdx.x;
+        float mm = NEG;
+        for (int w = 0; w < SD_WARPS; w++) mm = fmaxf(mm, red[w][h][0]);
+        float ll = 0.0f;
+        if (mm != NEG)
+            for (int w = 0; w < SD_WARPS; w++)
+                if (red[w][h][0] != NEG) ll += red[w][h][1] * exp2f(red[w][h][0] - mm);
+        float* o = part + (((size_t)p * gridDim.y + blockIdx.y) * G + h) * 2;
+        o[0] = mm;
+        o[1] = ll;
+    }
+}
+
+// P of the visible level-1 windows in [SD_KEYS·blockIdx.y, +SD_KEYS) of pair blockIdx.x, as bf16
+// bits into p16[pair·p_stride + x]: Σ_h exp2(x_h − LSE_h) rounded to bf16 (NaN → 0), the LSEs
+// combined from the n_split partials of sd_lse (+inf where no level-2 window is visible, so that
+// every P is 0). p_stride even.
+// launch: grid = (T·kv_heads, ⌈n1 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
+sd_p(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_heads, int d, float scale,
+     int k1_window, int k1_stride, const float* part, int n_split, u16* p16, int p_stride) {
+    __shared__ float lse[16];
+    const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
+    const int n1v = min(sp_visible(first_pos + i, k1_window, k1_stride), n1);
+    if (blockIdx.y * SD_KEYS >= n1v) return;  // block-uniform
+    const float NEG = -__int_as_float(0x7f800000), INF = __int_as_float(0x7f800000);
+    if (threadIdx.x < 16) {
+        const int h = threadIdx.x;
+        float lv = INF;  // padding rows and no visible level-2 window: every exp2 is 0
+        if (h < G) {
+            const float* pp = part + (size_t)p * n_split * G * 2 + h * 2;
+            float m = NEG;
+            for (int s = 0; s < n_split; s++) m = fmaxf(m, pp[(size_t)s * G * 2]);
+            float l = 0.0f;
+            for (int s = 0; s < n_split; s++) {
+                const float ms = pp[(size_t)s * G * 2];
+                if (ms != NEG) l += pp[(size_t)s * G * 2 + 1] * exp2f(ms - m);
+            }
+            if (m != NEG) lv = m + __log2f(l);
+        }
+        lse[h] = lv;
+    }
+    __syncthreads();
+    const int c0 = blockIdx.y * SD_KEYS + 64 * warp;
+    if (c0 >= n1v) return;  // warp-uniform
+    u32 qa[8][4];
+    sp_load_q_perm(q + ((size_t)i * heads + (size_t)g * G) * d, G, d, qa);
+    float x[8][4];
+    sd_logits(x, qa, k1, (size_t)kv_heads * d, g, d, c0, n1v, G, scale * 1.4426950408889634f);
+    const float lg[2] = {lse[gq], lse[gq + 8]};
+    u16* out = p16 + (size_t)p * p_stride;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        // Windows 2tq and 2tq + 1 of n-tile j: the two heads of this lane, then all heads.
+        float s[2];
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            s[c] = exp2f(x[j][c] - lg[0]) + exp2f(x[j][2 + c] - lg[1]);
+            s[c] += __shfl_xor_sync(0xffffffffu, s[c], 4);
+            s[c] += __shfl_xor_sync(0xffffffffu, s[c], 8);
+            s[c] += __shfl_xor_sync(0xffffffffu, s[c], 16);
+        }
+        const int x0 = c0 + 8 * j + 2 * tq;
+        if (gq == 0 && x0 < n1v) {
+            const u32 b0 = (s[0] == s[0]) ? f2bf(s[0]) : 0u, b1 = (s[1] == s[1]) ? f2bf(s[1]) : 0u;
+            if (x0 + 1 < n1v) *(u32*)(out + x0) = b0 | (b1 << 16);
+            else out[x0] = (u16)b0;
+        }
+    }
+}
+
+// The rank-th largest (1-based) of the n 16-bit keys in smem, 8 bits a pass, and how many keys
+// equal to it are among the rank largest (*r_eq). Block-wide; every thread calls. hist: 256 ints.
+__device__ __forceinline__ u32 sd_radix_select(const u16* keys, int n, int rank, int* hist, int* sel, int* r_eq) {
+    const int tid = threadIdx.x, wid = tid >> 5;
+    u32 prefix = 0;
+    int kk = rank;
+#pragma unroll 1
+    for (int pass = 0; pass < 2; pass++) {
+        const int shift = 8 - 8 * pass;
+        for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (int x = tid; x < n; x += blockDim.x) {
+            const u32 key = keys[x];
+            if (pass == 0 || (key >> 8) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+        }
+        __syncthreads();
+        if (wid == 0) sp_find_bin(hist, kk, sel);
+        __syncthreads();
+        prefix = (prefix << 8) | (u32)sel[0];
+        kk = sel[1];
+        __syncthreads();
+    }
+    *r_eq = kk;
+    return prefix;
+}
+
+// Exclusive prefix sum over a block of SD_TOPK_THREADS threads; sh: 32 ints. Every thread calls.
+__device__ __forceinline__ u32 sd_scan1024(u32 v, u32* sh) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    u32 x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) sh[wid] = x;
+    __syncthreads();
+    if (wid == 0) {
+        u32 y = sh[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 z = __shfl_up_sync(0xffffffffu, y, o);
+            if (lane >= o) y += z;
+        }
+        sh[lane] = y;  // inclusive warp totals
+    }
+    __syncthreads();
+    return x - v + (wid > 0 ? sh[wid - 1] : 0u);
+}
+
+// Block selection of pair blockIdx.x (query i = pair / kv_heads at position t = first_pos + i,
+// block qb = t / block_size): k_sel ascending block ids (−1 padded) into blocks_out[pair·k_sel ..],
+// by the rule of sparse_select. key_of(b): the 16-bit key of candidate block b ∈ [init_blocks,
+// qb − local_blocks) (larger is better). Every thread calls.
+template <class KeyOf>
+__device__ __forceinline__ void sd_topk_body(int first_pos, int kv_heads, int block_size, int init_blocks,
+                                             int local_blocks, int k_sel, int* blocks_out, KeyOf&& key_of) {
+    u16* sd_keys = sd_smem;
+    __shared__ int hist[256];
+    __shared__ int sel[2];
+    __shared__ u32 scan[32];
+    const int pair = blockIdx.x, tid = threadIdx.x;
+    const int t = first_pos + pair / kv_heads, qb = t / block_size;
+    int* outb = blocks_out + (size_t)pair * k_sel;
+    const int cand_lo = init_blocks, cand_hi = max(qb - local_blocks, 0);
+    const int n_cand = max(0, cand_hi - cand_lo);
+    if (qb < k_sel || n_cand == 0) {  // every block 0..=qb is taken
+        for (int s = tid; s < k_sel; s += SD_TOPK_THREADS) outb[s] = (s <= qb) ? s : -1;
+        return;
+    }
+    for (int x = tid; x < n_cand; x += SD_TOPK_THREADS) sd_keys[x] = (u16)key_of(t, cand_lo + x);
+    __syncthreads();
+    const int n_forced = qb + 1 - n_cand;
+    const int take = min(max(k_sel - n_forced, 0), n_cand);
+    u32 kstar = 0;
+    int r_eq = 0x7fffffff;  // take == n_cand: every key is ≥ 0, take all
+    if (take > 0 && take < n_cand) kstar = sd_radix_select(sd_keys, n_cand, take, hist, sel, &r_eq);
+
+    // Output, ascending: [0, init_blocks) ++ chosen candidates ++ [cand_hi, qb] ++ −1.
+    const int n_init = min(init_blocks, qb + 1);
+    for (int s = tid; s < n_init && s < k_sel; s += SD_TOPK_THREADS) outb[s] = s;
+    if (take > 0) {
+        // Each thread owns a run of consecutive candidates; a candidate is chosen if its key is
+        // above kstar, or equal to it and among the first r_eq such (lowest index first).
+        const int per = (n_cand + SD_TOPK_THREADS - 1) / SD_TOPK_THREADS;
+        const int x0 = min(tid * per, n_cand), x1 = min(x0 + per, n_cand);
+        u32 gt = 0, eq = 0;
+        for (int x = x0; x < x1; x++) {
+            const u32 k = sd_keys[x];
+            gt += k > kstar;
+            eq += k == kstar;
+        }
+        // Counts < 2^16 (n_cand ≤ 65535): greater-than in the high half, equal in the low.
+        const u32 before = sd_scan1024((gt << 16) | eq, scan);
+        u32 gt_before = before >> 16, eq_before = before & 0xffffu;
+        for (int x = x0; x < x1; x++) {
+            const u32 k = sd_keys[x];
+            if (k > kstar || (k == kstar && (int)eq_before < r_eq)) {
+                const int pos = (int)gt_before + min((int)eq_before, r_eq);
+                if (n_init + pos < k_sel) outb[n_init + pos] = cand_lo + x;
+            }
+            gt_before += k > kstar;
+            eq_before += k == kstar;
+        }
+    }
+    const int n_hi = qb - cand_hi + 1;
+    for (int s = tid; s < n_hi; s += SD_TOPK_THREADS)
+        if (n_init + take + s < k_sel) outb[n_init + take + s] = cand_hi + s;
+    for (int s = n_init + take + n_hi + tid; s < k_sel; s += SD_TOPK_THREADS) outb[s] = -1;
+}
+
+// Block selection from the P of sd_p (sd_topk_body): a candidate block b scores the max of P
+// over windows [w·b − 1, w·b + w − 1] ∩ [0, n1v); its key is that bf16's bits + 1 (P ≥ 0, so
+// bit order is value order). With stage_p, P is first copied to shared memory after the keys
+// (at byte 2·⌈candidates / 8⌉·8) with 16-byte loads; p_stride a multiple of 8.
+// launch: grid = (T·kv_heads), block = SD_TOPK_THREADS, dynamic smem = 2·⌈candidates / 8⌉·8
+//         bytes (candidates ≤ 65535), plus 2·p_stride with stage_p
+extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
+sd_topk(const u16* p16, int p_stride, int n1, int first_pos, int kv_heads, int block_size, int k1_window,
+        int k1_stride, int init_blocks, int local_blocks, int k_sel, int stage_p, int* blocks_out) {
+    const int w = block_size / k1_stride;
+    const u16* P = p16 + (size_t)blockIdx.x * p_stride;
+    if (stage_p) {
+        const int t = first_pos + blockIdx.x / kv_heads;
+        const int cand = max(0, max(t / block_size - local_blocks, 0) - init_blocks);
+        u16* ps = sd_smem + (cand + 7) / 8 * 8;
+        const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
+        for (int x = 8 * threadIdx.x; x < n1v; x += 8 * SD_TOPK_THREADS) *(uint4*)(ps + x) = *(const uint4*)(P + x);
+        __syncthreads();
+        P = ps;
+    }
+    sd_topk_body(first_pos, kv_heads, block_size, init_blocks, local_blocks, k_sel, blocks_out, [&](int t, int b) {
+        const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
+        const int lo = max(w * b - 1, 0), hi = min(w * b + w - 1, n1v - 1);
+        u32 key = 0;
+        for (int y = lo; y <= hi; y++) key = max(key, (u32)P[y] + 1u);
+        return key;
+    });
+}
+
+// Block selection from block scores (bf16 values ≥ 0, or −inf, as the prefill block-score
+// kernels write them) at bs[pair·bs_stride + b]: the same result as select_topk_scores.
+// launch: grid = (T·kv_heads), block = SD_TOPK_THREADS,
+//         dynamic smem = 2·(candidates) bytes rounded up to 16 (candidates ≤ 65535)
+extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
+sd_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int init_blocks,
+               int local_blocks, int k_sel, int* blocks_out) {
+    const float* row = bs + (size_t)blockIdx.x * bs_stride;
+    sd_topk_body(first_pos, kv_heads, block_size, init_blocks, local_blocks, k_sel, blocks_out, [&](int, int b) {
+        const float f = row[b];
+        return f >= 0.0f ? (__float_as_uint(f) >> 16) + 1u : 0u;
+    });
+}
