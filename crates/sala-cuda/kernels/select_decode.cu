@@ -97,7 +97,7 @@ sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_h
 // P of the visible level-1 windows in [SD_KEYS·blockIdx.y, +SD_KEYS) of pair blockIdx.x, as bf16
 // bits into p16[pair·p_stride + x]: Σ_h exp2(x_h − LSE_h) rounded to bf16 (NaN → 0), the LSEs
 // combined from the n_split partials of sd_lse (+inf where no level-2 window is visible, so that
-// every P is 0). p_stride even.
+// every P is 0). p_stride a multiple of 8 (sd_topk stages rows in 16-byte pieces).
 // launch: grid = (T·kv_heads, ⌈n1 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
 extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
 sd_p(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_heads, int d, float scale,

@@ -1582,7 +1582,7 @@ __device__ __forceinline__ int ag_dim(int u, int c, int y, int half, int tq) {
 
 // Attends the warp's query (position t; padding rows masked by row_ok) to the keys
 // [k0, k0 + 64) ∩ [0, min(t + 1, k0 + n_valid)) of its KV group: kb, vb point at key k0's row of
-// K and V (global or shared memory, row stride kvw; rows ≥ n_valid are not read). S = Q·Kᵀ,
+// K and V (row stride kvw; rows ≥ n_valid are not read). S = Q·Kᵀ,
 // online softmax in log2 units, O += P·V (P rounded to bf16).
 __device__ __forceinline__ void ag_block(AgState& st, const u32 (&qa)[8][4], const bf16* kb, const bf16* vb,
                                          size_t kvw, int k0, int t, int n_valid, const bool (&row_ok)[2],
@@ -1710,7 +1710,8 @@ __device__ __forceinline__ void ag_finish(AgState& st, const bool (&row_ok)[2], 
     }
 }
 
-// The attention state and Q fragments of a warp's pair (query i, KV group g).
+// The indices and strides of a warp's pair (query i, KV group g) = (pair / kv_heads,
+// pair % kv_heads); ag_pair also loads its Q fragments.
 struct AgPair {
     int i, g, t, n_keys;
     size_t kvw, qw;

@@ -783,10 +783,11 @@ impl CudaBackend {
             };
             let new = windows(cache.len, window, stride);
             if new > old {
+                let (grid, block) = compress_launch(new - old, kw);
                 self.launch(
                     K::CompressKeys,
-                    compress_launch(new - old, kw).0,
-                    compress_launch(new - old, kw).1,
+                    grid,
+                    block,
                     0,
                     &[
                         Arg::P(self.ptr(&cache.k)),
@@ -1903,8 +1904,7 @@ impl Backend for CudaBackend {
         if warp_walk && pairs < SELECT_ONE_KERNEL_PAIRS {
             return self.attention_decode(shape, mode, q, cache, blocks, k_sel, out);
         }
-        let gather = warp_walk && mode == SparseMode::Sparse && pairs >= SELECT_ONE_KERNEL_PAIRS;
-        if gather {
+        if warp_walk && mode == SparseMode::Sparse {
             return self.launch(
                 K::AttentionGather,
                 ((t * shape.kv_heads).div_ceil(4) as u32, 1, 1),
