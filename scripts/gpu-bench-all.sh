@@ -20,9 +20,9 @@ for step in $steps; do
   echo "== $step $(date +%T)"
   case $step in
     parity)
-      .gpu/gpu_parity --include-ignored --test-threads=1 > "$L/parity.log" 2>&1
+      timeout 300 .gpu/gpu_parity --include-ignored --test-threads=1 > "$L/parity.log" 2>&1
       grep -E '^test |test result|panicked' "$L/parity.log" | head -20
-      grep -q 'fast_block_selection_matches_oracle_scores ... ok' "$L/parity.log" || fallback+=(select)
+      grep -q "fast_block_selection_matches_oracle_scores ... ok" "$L/parity.log" || fallback+=(wgmma)
       grep -q 'lightning_matches_oracle ... ok' "$L/parity.log" || fallback+=(lightning-split)
       if [ ${#fallback[@]} -gt 0 ]; then
         export SALA_FALLBACK=$(IFS=,; echo "${fallback[*]}")

@@ -55,12 +55,14 @@ extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf
     const bf16* br = branch + (u64)blockIdx.x * dim;
     bf16* yr = out + (u64)blockIdx.x * dim;
     float v[2][8];
+    uint4 wraw[2];  // the weights, loaded with the row so the second phase waits on no load
     float ss = 0.0f;
 #pragma unroll
     for (int p = 0; p < 2; p++) {
         int pk = threadIdx.x + p * blockDim.x;
         if (pk * 8 < dim) {
             uint4 hraw = ((const uint4*)hr)[pk], braw = ((const uint4*)br)[pk];
+            wraw[p] = ((const uint4*)w)[pk];
             u32 hw[4] = {hraw.x, hraw.y, hraw.z, hraw.w}, bw[4] = {braw.x, braw.y, braw.z, braw.w};
             u32 o[4];
 #pragma unroll
@@ -81,8 +83,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf
     for (int p = 0; p < 2; p++) {
         int pk = threadIdx.x + p * blockDim.x;
         if (pk * 8 < dim) {
-            uint4 wraw = ((const uint4*)w)[pk];
-            u32 ww[4] = {wraw.x, wraw.y, wraw.z, wraw.w};
+            u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
             u32 o[4];
 #pragma unroll
             for (int i = 0; i < 4; i++) {

@@ -26,12 +26,14 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
     bf16* yr = out + (u64)blockIdx.x * dim;
     if (dim % 8 == 0 && dim <= 8 * RMS_PACKS * (int)blockDim.x) {
         float v[RMS_PACKS][8];
+        uint4 wraw[RMS_PACKS];  // loaded with the row so the second phase waits on no load
         float ss = 0.0f;
 #pragma unroll
         for (int p = 0; p < RMS_PACKS; p++) {
             int pk = threadIdx.x + p * blockDim.x;
             if (pk * 8 < dim) {
                 uint4 raw = ((const uint4*)xr)[pk];
+                wraw[p] = ((const uint4*)w)[pk];
                 u32 wd[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
@@ -47,8 +49,7 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
         for (int p = 0; p < RMS_PACKS; p++) {
             int pk = threadIdx.x + p * blockDim.x;
             if (pk * 8 < dim) {
-                uint4 wraw = ((const uint4*)w)[pk];
-                u32 ww[4] = {wraw.x, wraw.y, wraw.z, wraw.w};
+                u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
                 u32 o[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++) {

@@ -15,6 +15,21 @@ __device__ __forceinline__ float st_ex2(float x) {
     return y;
 }
 
+// (mx, l) ← the merge of two online-softmax states (max, sum of exp2 relative to the max).
+__device__ __forceinline__ void st_merge(float& mx, float& l, float mo, float lo) {
+    const float mn = fmaxf(mx, mo);
+    const float mu = (mn == -__int_as_float(0x7f800000)) ? 0.0f : mn;
+    l = l * st_ex2(mx - mu) + lo * st_ex2(mo - mu);
+    mx = mn;
+}
+
+// st_merge over the 8 lanes of a warp that share lane % 4 (the rows of an MMA fragment).
+__device__ __forceinline__ void st_merge_rows(float& mx, float& l) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1)
+        st_merge(mx, l, __shfl_xor_sync(0xffffffffu, mx, o), __shfl_xor_sync(0xffffffffu, l, o));
+}
+
 // Lane-wise max of two bf16x2 pairs (a NaN loses to a number).
 __device__ __forceinline__ u32 st_max2(u32 a, u32 b) {
     u32 r;
@@ -143,14 +158,7 @@ select_scores_t(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, i
 #pragma unroll
         for (int h = 0; h < 4; h++) {
             float mx = mrow[m][h], l = lrow[m][h];
-#pragma unroll
-            for (int o = 4; o < 32; o <<= 1) {
-                const float mo = __shfl_xor_sync(0xffffffffu, mx, o), lo = __shfl_xor_sync(0xffffffffu, l, o);
-                const float mn = fmaxf(mx, mo);
-                const float mu = (mn == NEG) ? 0.0f : mn;
-                l = l * st_ex2(mx - mu) + lo * st_ex2(mo - mu);
-                mx = mn;
-            }
+            st_merge_rows(mx, l);
             const int hd = 8 * (h >> 1) + 2 * tq + (h & 1);
             // Padding heads and inactive tokens get +inf, so their probabilities are 0.
             lse[m][h] = (act[m] && hd < G) ? mx + __log2f(l) : INF;

@@ -112,6 +112,7 @@ pub struct CudaBackend {
     /// cores, for prefill and decode (`SALA_EXACT_SELECT=1`).
     exact_select: std::cell::Cell<bool>,
     fallback: Fallback,
+    wgmma: std::cell::Cell<bool>,
     /// Products of 2..=64 rows read the weights once per 8 rows (`gemv_batch`) instead of
     /// once per row; off until measured on a GPU (`SALA_BATCHED_GEMV=1`).
     batched_gemv: std::cell::Cell<bool>,
@@ -167,8 +168,9 @@ const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
 /// Kernels to use instead of the default ones, for comparisons (`SALA_FALLBACK`, a comma list
 /// of `attention` (staged prefill attention for sparse layers), `lightning` (fp32 chunked
 /// lightning) and `lightning-split` (the three-kernel tensor-core lightning: chunk states, scan,
-/// outputs), `select` (block scores with the heads as MMA rows, `select_scores_mma`) and `gemv`
-/// (four output rows a warp for every GEMV)).
+/// outputs), `select` (block scores with the heads as MMA rows, `select_scores_mma`), `wgmma`
+/// (the mma.sync twins of the wgmma kernels on Hopper too) and `gemv` (four output rows a warp
+/// for every GEMV)).
 #[derive(Default, Clone, Copy)]
 struct Fallback {
     attention: bool,
@@ -176,6 +178,7 @@ struct Fallback {
     lightning_split: bool,
     select: bool,
     gemv: bool,
+    wgmma: bool,
 }
 
 impl Fallback {
@@ -188,6 +191,7 @@ impl Fallback {
             lightning_split: has("lightning-split"),
             select: has("select"),
             gemv: has("gemv"),
+            wgmma: has("wgmma"),
         }
     }
 }
@@ -297,6 +301,7 @@ impl CudaBackend {
         let gemm = gemm::Gemm::new(stream.clone())?;
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let profiler = profile::Profiler::from_env(&ctx);
+        let fallback = Fallback::from_env();
         if profiler.is_some() {
             for line in kernels.describe() {
                 eprintln!("kernel {line}");
@@ -312,7 +317,8 @@ impl CudaBackend {
             target,
             waited: Default::default(),
             profiler,
-            fallback: Fallback::from_env(),
+            wgmma: std::cell::Cell::new(!fallback.wgmma),
+            fallback,
             batched_gemv: std::cell::Cell::new(
                 std::env::var("SALA_BATCHED_GEMV").is_ok_and(|v| v == "1"),
             ),
@@ -332,6 +338,21 @@ impl CudaBackend {
     /// tensor-core ones (same scores up to rounding; a near-tie may pick another block).
     pub fn set_exact_selection(&self, exact: bool) {
         self.exact_select.set(exact);
+    }
+
+    /// Whether this GPU runs the sm_90a (wgmma) kernels.
+    pub fn has_wgmma(&self) -> bool {
+        registry::has_wgmma(&self.target)
+    }
+
+    /// Runs the wgmma kernels where the GPU has them (the default unless
+    /// `SALA_FALLBACK=wgmma`), or their mma.sync twins.
+    pub fn set_wgmma(&self, on: bool) {
+        self.wgmma.set(on);
+    }
+
+    fn use_wgmma(&self) -> bool {
+        self.wgmma.get() && self.has_wgmma()
     }
 
     /// Runs products of 2..=64 rows with the batched GEMV kernels (see `batched_gemv`).
@@ -377,11 +398,19 @@ impl CudaBackend {
             * QUERIES_PER_BLOCK;
         let bs = self.scratch_ptr(|s| &mut s.p, group.min(t) * kvh * stride)?;
         let mut a = 0;
-        // Keys as MMA rows where a block holds 4 level-1 windows (the released config).
-        let kernel = if cfg.block_size == 4 * cfg.k1_stride() && !self.fallback.select {
+        // Keys as MMA rows where a block holds 4 level-1 windows (the released config): on
+        // Hopper's wgmma for d = 128, else on mma.sync.
+        let keys_as_rows = cfg.block_size == 4 * cfg.k1_stride() && !self.fallback.select;
+        let kernel = if keys_as_rows && shape.head_dim == 128 && self.use_wgmma() {
+            K::SelectScoresWg
+        } else if keys_as_rows {
             K::SelectScoresT
         } else {
             K::SelectScoresMma
+        };
+        let smem = match kernel {
+            K::SelectScoresWg => registry::SELECT_WG_SMEM as u32,
+            _ => 0,
         };
         while a < t {
             let n = group.min(t - a);
@@ -390,7 +419,7 @@ impl CudaBackend {
                 kernel,
                 (n.div_ceil(QUERIES_PER_BLOCK) as u32, kvh as u32, 1),
                 256,
-                0,
+                smem,
                 &[
                     Arg::P(self.ptr(&q.buf) + (a * q.cols * 2) as u64),
                     Arg::P(self.ptr(&cache.k1)),
@@ -1652,16 +1681,21 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul_halves(&self, gu: &DevAct, out: &mut DevAct) -> BResult<()> {
-        if out.cols.is_multiple_of(8) && out.rows <= 65535 {
+        if out.cols.is_multiple_of(8) && out.rows.div_ceil(2) <= 65535 {
             return self.launch(
                 K::SiluMulHalves8,
-                ((out.cols / 8).div_ceil(256) as u32, out.rows as u32, 1),
+                (
+                    (out.cols / 8).div_ceil(256) as u32,
+                    out.rows.div_ceil(2) as u32,
+                    1,
+                ),
                 256,
                 0,
                 &[
                     Arg::P(self.ptr(&gu.buf)),
                     Arg::P(self.ptr(&out.buf)),
                     Arg::I(out.cols as i32),
+                    Arg::I(out.rows as i32),
                 ],
             );
         }

@@ -29,6 +29,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         "select_decode.cu",
         include_str!("../kernels/select_decode.cu"),
     ),
+    (
+        "select_wgmma.cu",
+        include_str!("../kernels/select_wgmma.cu"),
+    ),
 ];
 
 /// Every kernel the backend launches; `K::X as usize` indexes [`KERNELS`].
@@ -77,6 +81,7 @@ pub enum K {
     AttentionDecode,
     HeadNormRope128,
     LightningRangeStates,
+    SelectScoresWg,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -124,6 +129,7 @@ pub const KERNELS: &[&str] = &[
     "attention_decode",
     "head_norm_rope128",
     "lightning_range_states",
+    "select_scores_wg",
 ];
 
 /// Dynamic shared memory of `lightning_fused` for head size `d` (`LF_SMEM` in
@@ -142,6 +148,10 @@ pub fn lightning_fused_smem(d: usize) -> usize {
 pub const SD_TOPK_MAX_CANDIDATES: usize = 65535;
 pub const SD_TOPK_KEYS_SMEM: usize = 2 * (SD_TOPK_MAX_CANDIDATES + 1);
 pub const SD_TOPK_MAX_SMEM: usize = 200 << 10;
+
+/// Dynamic shared memory of `select_scores_wg` (`SW_SMEM_USED` in select_wgmma.cu, plus 1 KiB
+/// to align the base for the swizzled tiles).
+pub const SELECT_WG_SMEM: usize = 111_616 + 1024;
 
 /// The whole program as one translation unit.
 pub fn program_source() -> String {
@@ -162,6 +172,11 @@ pub fn target_for(major: i32, minor: i32) -> String {
     } else {
         format!("compute_{major}{minor}")
     }
+}
+
+/// Whether `target` compiles the sm_90a-only kernels (`select_scores_wg`) with their bodies.
+pub fn has_wgmma(target: &str) -> bool {
+    target == "compute_90a"
 }
 
 /// Compiles the program to PTX for `target` (e.g. `compute_90a`).
@@ -245,11 +260,15 @@ impl Kernels {
             })
             .collect::<Result<Vec<_>, _>>()?;
         // Kernels with more than the default 48 KiB of dynamic shared memory.
-        let big = [
+        let mut big = vec![
             (K::LightningFused, lightning_fused_smem(128)),
             (K::SdTopk, SD_TOPK_MAX_SMEM),
             (K::SdTopkScores, SD_TOPK_KEYS_SMEM),
         ];
+        // The wgmma kernel has a body only on Hopper.
+        if has_wgmma(target) {
+            big.push((K::SelectScoresWg, SELECT_WG_SMEM));
+        }
         for (k, bytes) in big {
             use cudarc::driver::sys::CUfunction_attribute_enum as A;
             functions[k as usize]

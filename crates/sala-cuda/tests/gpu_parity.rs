@@ -139,6 +139,22 @@ fn elementwise_ops_match_cpu() {
                 5e-3,
             );
         }
+
+        // silu_mul_halves: gate and up as the two halves of one row ([rows, 2·cols] in).
+        let gu = rng.bf16_vec(2 * n, -3.0, 3.0);
+        let mut c_out = cpu_act(&vec![0.0; n], cols);
+        CpuBackend
+            .silu_mul_halves(&cpu_act(&gu, 2 * cols), &mut c_out)
+            .unwrap();
+        let mut g_out = g.act_from_host(&vec![0.0; n], cols).unwrap();
+        g.silu_mul_halves(&g.act_from_host(&gu, 2 * cols).unwrap(), &mut g_out)
+            .unwrap();
+        close(
+            &format!("silu_mul_halves {ctx}"),
+            &g.to_host(&g_out).unwrap(),
+            &c_out.data,
+            5e-3,
+        );
     }
 }
 
@@ -496,99 +512,112 @@ fn fast_block_selection_matches_oracle_scores() {
             vec![12000, 8191, 1, 3, 1],
         ),
     ];
-    for (seed, (shape, cfg, chunks)) in cases.into_iter().enumerate() {
-        let n: usize = chunks.iter().sum();
-        let mut rng = TestRng::new(40 + seed as u64);
-        let q = rng.bf16_vec(n * shape.q_width(), -1.5, 1.5);
-        let k = rng.bf16_vec(n * shape.kv_width(), -1.5, 1.5);
-        let v = rng.bf16_vec(n * shape.kv_width(), -1.0, 1.0);
-        let mut cc = SparseCache::new(shape, &cfg);
-        let mut gc = g.new_sparse_cache(shape, &cfg).unwrap();
-        let k_sel = cfg.selected_blocks();
-        let kvh = shape.kv_heads;
-        let mut at = 0;
-        let (mut checked, mut differing) = (0, 0);
-        for &c in &chunks {
-            let (qa, qb) = (at * shape.q_width(), (at + c) * shape.q_width());
-            let (ka, kb) = (at * shape.kv_width(), (at + c) * shape.kv_width());
-            cc.append(&k[ka..kb], &v[ka..kb]);
-            let mut out = g
-                .act_from_host(&vec![0.0; c * shape.q_width()], shape.q_width())
-                .unwrap();
-            g.sparse_attention(
-                shape,
-                &cfg,
-                SparseMode::Sparse,
-                &g.act_from_host(&q[qa..qb], shape.q_width()).unwrap(),
-                &g.act_from_host(&k[ka..kb], shape.kv_width()).unwrap(),
-                &g.act_from_host(&v[ka..kb], shape.kv_width()).unwrap(),
-                &mut gc,
-                &mut out,
-            )
-            .unwrap();
-            let sel = g.last_selection(c * kvh * k_sel).unwrap();
-            // Every 7th query and the chunk's last.
-            for i in (0..c).step_by(7).chain([c - 1]) {
-                let t = at + i;
-                let qb = t / cfg.block_size;
-                let q_row = &q[(at + i) * shape.q_width()..][..shape.q_width()];
-                let p = if qb >= k_sel {
-                    oracle::stage1_scores(shape, &cfg, q_row, t, &cc.k1, &cc.k2)
-                } else {
-                    vec![Vec::new(); kvh]
-                };
-                for (gi, pg) in p.iter().enumerate() {
-                    let ctx = format!("{shape:?} query {t} group {gi}");
-                    let list = &sel[(i * kvh + gi) * k_sel..][..k_sel];
-                    let got: Vec<usize> = list
-                        .iter()
-                        .filter(|&&b| b >= 0)
-                        .map(|&b| b as usize)
-                        .collect();
-                    assert!(
-                        list[got.len()..].iter().all(|&b| b == -1),
-                        "{ctx}: -1 padding {list:?}"
-                    );
-                    assert!(
-                        got.windows(2).all(|w| w[0] < w[1]),
-                        "{ctx}: not ascending {got:?}"
-                    );
-                    assert!(
-                        got.iter().all(|&b| b <= qb),
-                        "{ctx}: a future block {got:?}"
-                    );
-                    assert_eq!(got.len(), k_sel.min(qb + 1), "{ctx}: list length");
-                    if qb < k_sel {
-                        continue;
-                    }
-                    let scores = oracle::block_scores(&cfg, pg, qb);
-                    let want = oracle::select_blocks(&scores, k_sel);
-                    checked += 1;
-                    differing += (got != want) as usize;
-                    let chosen = |b: usize| got.binary_search(&b).is_ok();
-                    let min_in = got.iter().map(|&b| scores[b]).fold(f32::INFINITY, f32::min);
-                    let max_out = (0..=qb)
-                        .filter(|&b| !chosen(b))
-                        .map(|b| scores[b])
-                        .fold(f32::NEG_INFINITY, f32::max);
-                    assert!(max_out < f32::INFINITY, "{ctx}: a forced block left out");
-                    let tol = 0.03 * min_in.abs() + 1e-6;
-                    assert!(
-                        max_out <= min_in + tol,
-                        "{ctx}: left out a block scoring {max_out}, chose one scoring {min_in}"
-                    );
-                }
-            }
-            at += c;
-        }
+    // On Hopper both block-score kernels: wgmma (the default) and its mma.sync twin.
+    let variants: &[bool] = if g.has_wgmma() {
+        &[true, false]
+    } else {
+        &[false]
+    };
+    for &wgmma in variants {
+        g.set_wgmma(wgmma);
         eprintln!(
-            "{shape:?}: {checked} lists checked, {differing} differ from the oracle's (near-ties)"
+            "block scores on {}",
+            if wgmma { "wgmma" } else { "mma.sync" }
         );
-        assert!(checked > 0, "{shape:?}: no sparse query was checked");
-        assert!(
-            differing * 4 <= checked,
-            "{shape:?}: {differing} of {checked} lists differ from the oracle's"
-        );
+        for (seed, (shape, cfg, chunks)) in cases.iter().cloned().enumerate() {
+            let n: usize = chunks.iter().sum();
+            let mut rng = TestRng::new(40 + seed as u64);
+            let q = rng.bf16_vec(n * shape.q_width(), -1.5, 1.5);
+            let k = rng.bf16_vec(n * shape.kv_width(), -1.5, 1.5);
+            let v = rng.bf16_vec(n * shape.kv_width(), -1.0, 1.0);
+            let mut cc = SparseCache::new(shape, &cfg);
+            let mut gc = g.new_sparse_cache(shape, &cfg).unwrap();
+            let k_sel = cfg.selected_blocks();
+            let kvh = shape.kv_heads;
+            let mut at = 0;
+            let (mut checked, mut differing) = (0, 0);
+            for &c in &chunks {
+                let (qa, qb) = (at * shape.q_width(), (at + c) * shape.q_width());
+                let (ka, kb) = (at * shape.kv_width(), (at + c) * shape.kv_width());
+                cc.append(&k[ka..kb], &v[ka..kb]);
+                let mut out = g
+                    .act_from_host(&vec![0.0; c * shape.q_width()], shape.q_width())
+                    .unwrap();
+                g.sparse_attention(
+                    shape,
+                    &cfg,
+                    SparseMode::Sparse,
+                    &g.act_from_host(&q[qa..qb], shape.q_width()).unwrap(),
+                    &g.act_from_host(&k[ka..kb], shape.kv_width()).unwrap(),
+                    &g.act_from_host(&v[ka..kb], shape.kv_width()).unwrap(),
+                    &mut gc,
+                    &mut out,
+                )
+                .unwrap();
+                let sel = g.last_selection(c * kvh * k_sel).unwrap();
+                // Every 7th query and the chunk's last.
+                for i in (0..c).step_by(7).chain([c - 1]) {
+                    let t = at + i;
+                    let qb = t / cfg.block_size;
+                    let q_row = &q[(at + i) * shape.q_width()..][..shape.q_width()];
+                    let p = if qb >= k_sel {
+                        oracle::stage1_scores(shape, &cfg, q_row, t, &cc.k1, &cc.k2)
+                    } else {
+                        vec![Vec::new(); kvh]
+                    };
+                    for (gi, pg) in p.iter().enumerate() {
+                        let ctx = format!("{shape:?} query {t} group {gi}");
+                        let list = &sel[(i * kvh + gi) * k_sel..][..k_sel];
+                        let got: Vec<usize> = list
+                            .iter()
+                            .filter(|&&b| b >= 0)
+                            .map(|&b| b as usize)
+                            .collect();
+                        assert!(
+                            list[got.len()..].iter().all(|&b| b == -1),
+                            "{ctx}: -1 padding {list:?}"
+                        );
+                        assert!(
+                            got.windows(2).all(|w| w[0] < w[1]),
+                            "{ctx}: not ascending {got:?}"
+                        );
+                        assert!(
+                            got.iter().all(|&b| b <= qb),
+                            "{ctx}: a future block {got:?}"
+                        );
+                        assert_eq!(got.len(), k_sel.min(qb + 1), "{ctx}: list length");
+                        if qb < k_sel {
+                            continue;
+                        }
+                        let scores = oracle::block_scores(&cfg, pg, qb);
+                        let want = oracle::select_blocks(&scores, k_sel);
+                        checked += 1;
+                        differing += (got != want) as usize;
+                        let chosen = |b: usize| got.binary_search(&b).is_ok();
+                        let min_in = got.iter().map(|&b| scores[b]).fold(f32::INFINITY, f32::min);
+                        let max_out = (0..=qb)
+                            .filter(|&b| !chosen(b))
+                            .map(|b| scores[b])
+                            .fold(f32::NEG_INFINITY, f32::max);
+                        assert!(max_out < f32::INFINITY, "{ctx}: a forced block left out");
+                        let tol = 0.03 * min_in.abs() + 1e-6;
+                        assert!(
+                            max_out <= min_in + tol,
+                            "{ctx}: left out a block scoring {max_out}, chose one scoring {min_in}"
+                        );
+                    }
+                }
+                at += c;
+            }
+            eprintln!(
+                "{shape:?}: {checked} lists checked, {differing} differ from the oracle's (near-ties)"
+            );
+            assert!(checked > 0, "{shape:?}: no sparse query was checked");
+            assert!(
+                differing * 4 <= checked,
+                "{shape:?}: {differing} of {checked} lists differ from the oracle's"
+            );
+        }
     }
 }
 

@@ -12,5 +12,11 @@ fn all_kernels_compile_for_every_target() {
                 "kernel {name} missing from the {target} PTX"
             );
         }
+        // The wgmma kernels have their bodies exactly where the backend runs them.
+        assert_eq!(
+            ptx.contains("wgmma.mma_async"),
+            sala_cuda::registry::has_wgmma(target),
+            "wgmma instructions in the {target} PTX"
+        );
     }
 }
