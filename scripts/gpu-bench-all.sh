@@ -2,7 +2,7 @@
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
 # Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile 1m
-# dense concurrent random random-profile profile1m ncu-select (default: parity lightning 4k
+# dense concurrent concurrent-profile random random-profile profile1m ncu-select (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
 set -uo pipefail
@@ -41,6 +41,9 @@ for step in $steps; do
       $S bench --device cuda --context 256K --decode-tokens 2 --compare-dense --dense-time-limit 60 --json "$L/dense256k.json" 2>&1 | tee "$L/dense256k.txt" | tail -4 ;;
     concurrent)
       SALA_BATCHED_GEMV=1 timeout 150 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 --json "$L/concurrent.json" 2>&1 | tee "$L/concurrent.txt" | tail -4 ;;
+    concurrent-profile)
+      SALA_PROFILE=1 SALA_BATCHED_GEMV=1 timeout 200 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 > "$L/concurrent_profile.txt" 2>&1
+      grep -E 'profile|ms .*%|x$' "$L/concurrent_profile.txt" | tail -60 ;;
     random)
       # Decode over random caches (no prefill): decode speed at long contexts in seconds.
       $S bench --device cuda --context 4K,128K,1M --random-context --decode-tokens 64 --max-memory 30G --json "$L/random.json" 2>&1 | tee "$L/random.txt" | tail -8 ;;

@@ -179,30 +179,6 @@ __device__ __forceinline__ u32 sd_radix_select(const u16* keys, int n, int rank,
     return prefix;
 }
 
-// Exclusive prefix sum over a block of SD_TOPK_THREADS threads; sh: 32 ints. Every thread calls.
-__device__ __forceinline__ u32 sd_scan1024(u32 v, u32* sh) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    u32 x = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    if (lane == 31) sh[wid] = x;
-    __syncthreads();
-    if (wid == 0) {
-        u32 y = sh[lane];
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 z = __shfl_up_sync(0xffffffffu, y, o);
-            if (lane >= o) y += z;
-        }
-        sh[lane] = y;  // inclusive warp totals
-    }
-    __syncthreads();
-    return x - v + (wid > 0 ? sh[wid - 1] : 0u);
-}
-
 // Block selection of pair blockIdx.x (query i = pair / kv_heads at position t = first_pos + i,
 // block qb = t / block_size): k_sel ascending block ids (−1 padded) into blocks_out[pair·k_sel ..],
 // by the rule of sparse_select. key_of(b): the 16-bit key of candidate block b ∈ [init_blocks,
@@ -246,7 +222,8 @@ __device__ __forceinline__ void sd_topk_body(int first_pos, int kv_heads, int bl
             eq += k == kstar;
         }
         // Counts < 2^16 (n_cand ≤ 65535): greater-than in the high half, equal in the low.
-        const u32 before = sd_scan1024((gt << 16) | eq, scan);
+        u32 all;
+        const u32 before = block_scan<SD_TOPK_THREADS / 32>((gt << 16) | eq, scan, &all);
         u32 gt_before = before >> 16, eq_before = before & 0xffffu;
         for (int x = x0; x < x1; x++) {
             const u32 k = sd_keys[x];

@@ -195,21 +195,43 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
                 sw_hold(acc);
                 const bool full = c0 + 64 <= lo;  // no key masked for any token
                 const int key = c0 + 16 * wq + gq;
+                // Scores in place (log2 units, masked → −inf); the rescale is lazy: the reference
+                // max moves only when a score passes it by more than 8 (terms stay ≤ 2^8), for
+                // every lane at once when any lane needs it, so most tiles take 2 exp2 per 2 keys.
+                bool grow = false;
 #pragma unroll
                 for (int m = 0; m < 4; m++)
 #pragma unroll
                     for (int h = 0; h < 4; h++) {
-                        const int at = (2 * m + (h >> 1)) * 4 + (h & 1);
+                        const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 4 * m + h;
                         float x0 = acc[at] * sl2, x1 = acc[at + 2] * sl2;
                         if (!full) {
                             x0 = key < n2v[m] ? x0 : NEG;
                             x1 = key + 8 < n2v[m] ? x1 : NEG;
                         }
-                        const int j = 4 * m + h;
-                        const float mx = fmaxf(mrow[j], fmaxf(x0, x1));
-                        const float mu = (mx == NEG) ? 0.0f : mx;
-                        lrow[j] = lrow[j] * st_ex2(mrow[j] - mu) + st_ex2(x0 - mu) + st_ex2(x1 - mu);
-                        mrow[j] = mx;
+                        acc[at] = x0;
+                        acc[at + 2] = x1;
+                        grow |= fmaxf(x0, x1) > mrow[j] + 8.0f;
+                    }
+                if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+                    for (int m = 0; m < 4; m++)
+#pragma unroll
+                        for (int h = 0; h < 4; h++) {
+                            const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 4 * m + h;
+                            const float mx = fmaxf(mrow[j], fmaxf(acc[at], acc[at + 2]));
+                            const float mu = (mx == NEG) ? 0.0f : mx;
+                            lrow[j] *= st_ex2(mrow[j] - mu);
+                            mrow[j] = mx;
+                        }
+                }
+#pragma unroll
+                for (int m = 0; m < 4; m++)
+#pragma unroll
+                    for (int h = 0; h < 4; h++) {
+                        const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 4 * m + h;
+                        const float mu = (mrow[j] == NEG) ? 0.0f : mrow[j];
+                        lrow[j] += st_ex2(acc[at] - mu) + st_ex2(acc[at + 2] - mu);
                     }
             }
         });

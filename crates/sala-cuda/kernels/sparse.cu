@@ -76,31 +76,40 @@ __device__ __forceinline__ int sp_visible(int t, int window, int stride) {
     return (t + 1 >= window) ? (t + 1 - window) / stride + 1 : 0;
 }
 
-// Exclusive prefix sum over a block of exactly 256 threads; *total gets the block's sum.
-// `sh` holds 9 ints. Contains __syncthreads(): call from every thread.
-__device__ __forceinline__ int sp_scan256(int v, int* sh, int* total) {
+// Exclusive prefix sum over a block of 32·WARPS threads (WARPS ≤ 32); *total gets the
+// block's sum. `sh` holds WARPS words. Contains __syncthreads(): every thread calls.
+template <int WARPS>
+__device__ __forceinline__ u32 block_scan(u32 v, u32* sh, u32* total) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int x = v;
+    u32 x = v;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        int y = __shfl_up_sync(0xffffffffu, x, o);
+        const u32 y = __shfl_up_sync(0xffffffffu, x, o);
         if (lane >= o) x += y;
     }
     if (lane == 31) sh[wid] = x;
     __syncthreads();
     if (wid == 0) {
-        int y = (lane < 8) ? sh[lane] : 0;
+        u32 y = (lane < WARPS) ? sh[lane] : 0u;
 #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {
-            int z = __shfl_up_sync(0xffffffffu, y, o);
+        for (int o = 1; o < WARPS; o <<= 1) {
+            const u32 z = __shfl_up_sync(0xffffffffu, y, o);
             if (lane >= o) y += z;
         }
-        if (lane < 8) sh[lane] = y;  // inclusive warp totals
+        if (lane < WARPS) sh[lane] = y;  // inclusive warp totals
     }
     __syncthreads();
-    int excl = x - v + (wid > 0 ? sh[wid - 1] : 0);
-    *total = sh[7];
+    const u32 excl = x - v + (wid > 0 ? sh[wid - 1] : 0u);
+    *total = sh[WARPS - 1];
     __syncthreads();
+    return excl;
+}
+
+// block_scan for 256 threads over ints (`sh` holds 8).
+__device__ __forceinline__ int sp_scan256(int v, int* sh, int* total) {
+    u32 t;
+    const int excl = (int)block_scan<8>((u32)v, (u32*)sh, &t);
+    *total = (int)t;
     return excl;
 }
 
@@ -1661,51 +1670,63 @@ __device__ __forceinline__ void ag_block(AgState& st, const u32 (&qa)[8][4], con
     }
 }
 
-// Sums l over the quad (every lane calls), then for each valid row: orow(r) gets O / l as bf16
-// (part == NULL), else prow(r) gets the unnormalised state: d fp32 values of O, then m and l
-// (attention_split's partial format).
-template <class ORow, class PRow>
-__device__ __forceinline__ void ag_finish(AgState& st, const bool (&row_ok)[2], int d, bool partial, ORow&& orow,
-                                          PRow&& prow) {
-    const int tq = threadIdx.x & 3;
+// Sums l over the quad of lanes that share a row (every lane calls).
+__device__ __forceinline__ void ag_sum_l(AgState& st) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
         st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
+    }
+}
+
+// After ag_sum_l: each valid row r's O / l as bf16 at orow(r).
+template <class ORow>
+__device__ __forceinline__ void ag_store_out(const AgState& st, const bool (&row_ok)[2], int d, ORow&& orow) {
+    const int tq = threadIdx.x & 3;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
         if (!row_ok[r]) continue;
-        if (partial) {
-            float* pp = prow(r);
+        const float inv = 1.0f / st.l[r];
+        bf16* op = orow(r);
 #pragma unroll
-            for (int u = 0; u < 2; u++)
-                if (64 * u < d)
+        for (int u = 0; u < 2; u++) {
+            if (64 * u < d) {
 #pragma unroll
-                    for (int half = 0; half < 2; half++)
+                for (int half = 0; half < 2; half++) {
+                    uint4 w;
+                    u32* wp = (u32*)&w;
 #pragma unroll
-                        for (int c = 0; c < 4; c++)
-                            *(float2*)(pp + ag_dim(u, c, 0, half, tq)) =
-                                make_float2(st.O[8 * u + 2 * c][2 * r + half], st.O[8 * u + 2 * c + 1][2 * r + half]);
-            if (tq == 0) {
-                pp[d] = st.m[r];
-                pp[d + 1] = st.l[r];
-            }
-        } else {
-            const float inv = 1.0f / st.l[r];
-            bf16* op = orow(r);
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                if (64 * u < d) {
-#pragma unroll
-                    for (int half = 0; half < 2; half++) {
-                        uint4 w;
-                        u32* wp = (u32*)&w;
-#pragma unroll
-                        for (int c = 0; c < 4; c++)
-                            wp[c] = (u32)f2bf(st.O[8 * u + 2 * c][2 * r + half] * inv) |
-                                    ((u32)f2bf(st.O[8 * u + 2 * c + 1][2 * r + half] * inv) << 16);
-                        *(uint4*)(op + ag_dim(u, 0, 0, half, tq)) = w;
-                    }
+                    for (int c = 0; c < 4; c++)
+                        wp[c] = (u32)f2bf(st.O[8 * u + 2 * c][2 * r + half] * inv) |
+                                ((u32)f2bf(st.O[8 * u + 2 * c + 1][2 * r + half] * inv) << 16);
+                    *(uint4*)(op + ag_dim(u, 0, 0, half, tq)) = w;
                 }
             }
+        }
+    }
+}
+
+// After ag_sum_l: each valid row r's unnormalised state at prow(r): d fp32 values of O, then
+// m and l (attention_split's partial format).
+template <class PRow>
+__device__ __forceinline__ void ag_store_partial(const AgState& st, const bool (&row_ok)[2], int d, PRow&& prow) {
+    const int tq = threadIdx.x & 3;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (!row_ok[r]) continue;
+        float* pp = prow(r);
+#pragma unroll
+        for (int u = 0; u < 2; u++)
+            if (64 * u < d)
+#pragma unroll
+                for (int half = 0; half < 2; half++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        *(float2*)(pp + ag_dim(u, c, 0, half, tq)) =
+                            make_float2(st.O[8 * u + 2 * c][2 * r + half], st.O[8 * u + 2 * c + 1][2 * r + half]);
+        if (tq == 0) {
+            pp[d] = st.m[r];
+            pp[d + 1] = st.l[r];
         }
     }
 }
@@ -1757,7 +1778,8 @@ attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* ou
                  p.t, p.n_keys - 64 * b, p.row_ok, sl2, d);
     }
     bf16* orow0 = out + (size_t)p.i * p.qw + (size_t)(p.g * G + gq) * d;
-    ag_finish(st, p.row_ok, d, false, [&](int r) { return orow0 + 8 * r * d; }, [](int) { return (float*)0; });
+    ag_sum_l(st);
+    ag_store_out(st, p.row_ok, d, [&](int r) { return orow0 + 8 * r * d; });
 }
 
 // Split-K attention for few queries (decode): warp z of the n_split warps of pair (query i, KV
@@ -1789,7 +1811,8 @@ attention_decode(const bf16* q, const bf16* kcache, const bf16* vcache, float* p
                  p.t, p.n_keys - 64 * b, p.row_ok, sl2, d);
     }
     float* prow0 = part + (((size_t)z * T + p.i) * heads + (size_t)p.g * G + gq) * (d + 2);
-    ag_finish(st, p.row_ok, d, true, [](int) { return (bf16*)0; }, [&](int r) { return prow0 + 8 * r * (d + 2); });
+    ag_sum_l(st);
+    ag_store_partial(st, p.row_ok, d, [&](int r) { return prow0 + 8 * r * (d + 2); });
 }
 
 // ============================================================================================

@@ -683,6 +683,7 @@ fn concurrent<B: Backend + DeviceStats>(
             engine.step(&mut batch, &|_| true, &mut |_, _| true);
         }
     }
+    engine.backend.profile();
     let start = Instant::now();
     let mut generated = 0;
     for p in &prompts {
@@ -692,6 +693,7 @@ fn concurrent<B: Backend + DeviceStats>(
             .len();
     }
     let one_by_one = start.elapsed().as_secs_f64();
+    print_profile(&engine.backend, &format!("{n} requests one by one"));
     let start = Instant::now();
     let mut batch = Batch::new(n);
     for p in &prompts {
@@ -713,6 +715,7 @@ fn concurrent<B: Backend + DeviceStats>(
         bail!("a batched request failed: {e}");
     }
     let batched = start.elapsed().as_secs_f64();
+    print_profile(&engine.backend, &format!("{n} requests batched"));
     let total = |gen: usize| (n * len + gen) as f64;
     println!(
         "{n} requests of {len} prompt + {} generated tokens on {name}",
