@@ -196,36 +196,23 @@ gemv_silu_batch(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb)
     gemv_silu_body<GEMV_BATCH>(x, w, y, inter, k, nb);
 }
 
-// silu_mul_halves, 8 values of each of two rows a thread (four 16-byte loads in flight) with
-// 16-byte loads and stores (inter a multiple of 8).
-// launch: grid = (ceil(inter / 8 / 256), ceil(rows / 2)), block = 256
-extern "C" __global__ void silu_mul_halves8(const bf16* gu, bf16* out, int inter, int rows) {
+// silu_mul_halves, 8 values a thread with 16-byte loads and stores (inter a multiple of 8).
+// launch: grid = (ceil(inter / 8 / 256), rows), block = 256
+extern "C" __global__ void silu_mul_halves8(const bf16* gu, bf16* out, int inter) {
     const int i = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= inter) return;
-    const size_t r0 = 2 * (size_t)blockIdx.y;
-    const int nr = min(2, rows - (int)r0);
-    uint4 gv[2], uv[2];
+    const size_t r = blockIdx.y;
+    const uint4 gv = *(const uint4*)(gu + r * 2 * inter + i);
+    const uint4 uv = *(const uint4*)(gu + r * 2 * inter + inter + i);
+    float g[8], u[8];
+    bf16x8_to_f32(gv, g);
+    bf16x8_to_f32(uv, u);
+    u32 o[4];
 #pragma unroll
-    for (int k = 0; k < 2; k++) {
-        if (k < nr) {
-            gv[k] = *(const uint4*)(gu + (r0 + k) * 2 * inter + i);
-            uv[k] = *(const uint4*)(gu + (r0 + k) * 2 * inter + inter + i);
-        }
+    for (int e = 0; e < 4; e++) {
+        o[e] = (u32)f2bf(silu_times(g[2 * e], u[2 * e])) | ((u32)f2bf(silu_times(g[2 * e + 1], u[2 * e + 1])) << 16);
     }
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        if (k < nr) {
-            float g[8], u[8];
-            bf16x8_to_f32(gv[k], g);
-            bf16x8_to_f32(uv[k], u);
-            u32 o[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                o[e] = (u32)f2bf(silu_times(g[2 * e], u[2 * e])) |
-                       ((u32)f2bf(silu_times(g[2 * e + 1], u[2 * e + 1])) << 16);
-            *(uint4*)(out + (r0 + k) * inter + i) = make_uint4(o[0], o[1], o[2], o[3]);
-        }
-    }
+    *(uint4*)(out + r * inter + i) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 // out[r, i] = round(round(silu(gu[r, i])) · gu[r, inter + i]) for gu = [rows, 2·inter].

@@ -1681,21 +1681,16 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul_halves(&self, gu: &DevAct, out: &mut DevAct) -> BResult<()> {
-        if out.cols.is_multiple_of(8) && out.rows.div_ceil(2) <= 65535 {
+        if out.cols.is_multiple_of(8) && out.rows <= 65535 {
             return self.launch(
                 K::SiluMulHalves8,
-                (
-                    (out.cols / 8).div_ceil(256) as u32,
-                    out.rows.div_ceil(2) as u32,
-                    1,
-                ),
+                ((out.cols / 8).div_ceil(256) as u32, out.rows as u32, 1),
                 256,
                 0,
                 &[
                     Arg::P(self.ptr(&gu.buf)),
                     Arg::P(self.ptr(&out.buf)),
                     Arg::I(out.cols as i32),
-                    Arg::I(out.rows as i32),
                 ],
             );
         }
