@@ -2,7 +2,7 @@
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
 # Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile 1m
-# dense concurrent concurrent-profile random random-profile profile1m ncu-select (default: parity lightning 4k
+# dense concurrent concurrent55k concurrent-profile random random-profile profile1m ncu-select (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
 set -uo pipefail
@@ -40,9 +40,12 @@ for step in $steps; do
     dense)
       $S bench --device cuda --context 256K --decode-tokens 2 --compare-dense --dense-time-limit 60 --json "$L/dense256k.json" 2>&1 | tee "$L/dense256k.txt" | tail -4 ;;
     concurrent)
-      SALA_BATCHED_GEMV=1 timeout 150 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 --json "$L/concurrent.json" 2>&1 | tee "$L/concurrent.txt" | tail -4 ;;
+      timeout 150 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 --json "$L/concurrent.json" 2>&1 | tee "$L/concurrent.txt" | tail -4 ;;
+    concurrent55k)
+      # PERF.md's case: 8 requests with ~55K-token prompts (1024 tokens generated each).
+      timeout 300 $S bench --device cuda --concurrent 8 --context 55K --decode-tokens 1024 --json "$L/concurrent55k.json" 2>&1 | tee "$L/concurrent55k.txt" | tail -4 ;;
     concurrent-profile)
-      SALA_PROFILE=1 SALA_BATCHED_GEMV=1 timeout 200 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 > "$L/concurrent_profile.txt" 2>&1
+      SALA_PROFILE=1 timeout 200 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 > "$L/concurrent_profile.txt" 2>&1
       grep -E 'profile|ms .*%|x$' "$L/concurrent_profile.txt" | tail -60 ;;
     random)
       # Decode over random caches (no prefill): decode speed at long contexts in seconds.

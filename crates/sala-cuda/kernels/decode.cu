@@ -3,10 +3,8 @@
 // One lightning step: S ← γS + kᵀv, o = scale·q·S (the T = 1 case of lightning_chunked).
 // Block (h, y) owns value columns 32y .. 32y+31 of head h; its 8 warps split the key rows, each
 // loading all of its (at most 32) state rows before updating them. d ≤ 256.
-// launch: grid = (heads, ceil(d / 32)), block = 256
-extern "C" __global__ void __launch_bounds__(256) lightning_decode(const bf16* q, const bf16* k, const bf16* v,
-                                                                   float* state, bf16* out, const float* slopes,
-                                                                   int heads, int kv_heads, int d, float scale) {
+__device__ __forceinline__ void lightning_step(const bf16* q, const bf16* k, const bf16* v, float* state, bf16* out,
+                                               const float* slopes, int heads, int kv_heads, int d, float scale) {
     __shared__ float qs[256], ks[256], part[8][32];
     int h = blockIdx.x, lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
     int kvh = h / (heads / kv_heads);
@@ -43,6 +41,43 @@ extern "C" __global__ void __launch_bounds__(256) lightning_decode(const bf16* q
         for (int g = 0; g < 8; g++) o += part[g][lane];
         out[h * d + e] = f2bf(scale * o);
     }
+}
+
+// launch: grid = (heads, ceil(d / 32)), block = 256
+extern "C" __global__ void __launch_bounds__(256) lightning_decode(const bf16* q, const bf16* k, const bf16* v,
+                                                                   float* state, bf16* out, const float* slopes,
+                                                                   int heads, int kv_heads, int d, float scale) {
+    lightning_step(q, k, v, state, out, slopes, heads, kv_heads, d, scale);
+}
+
+// The sequences of a batched decode step: row r's lightning state (one layer's) and position.
+#define DECODE_ROWS 64
+struct DecodeRows {
+    float* state[DECODE_ROWS];
+    int pos[DECODE_ROWS];
+};
+
+// lightning_decode for the rows of a batched decode step, each with its own sequence's state:
+// row z of q and out (heads·d apart) and of k and v (kv_heads·d apart) steps rows.state[z].
+// launch: grid = (heads, ceil(d / 32), rows ≤ DECODE_ROWS), block = 256
+extern "C" __global__ void __launch_bounds__(256)
+lightning_decode_rows(const bf16* q, const bf16* k, const bf16* v, DecodeRows rows, bf16* out, const float* slopes,
+                      int heads, int kv_heads, int d, float scale) {
+    const u64 z = blockIdx.z, qd = (u64)heads * d, kd = (u64)kv_heads * d;
+    lightning_step(q + z * qd, k + z * kd, v + z * kd, rows.state[z], out + z * qd, slopes, heads, kv_heads, d, scale);
+}
+
+// The RoPE table (cos, sin) of each row's own position: table[2·(r·half + i)] for rows.pos[r].
+// launch: grid = ceil(n / 256) for n = rows · half, block = 256
+extern "C" __global__ void rope_table_rows(const float* inv_freq, DecodeRows rows, int n_rows, int half,
+                                           float* table) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * half) return;
+    const int row = idx / half, i = idx % half;
+    float s, c;
+    sincosf((float)rows.pos[row] * inv_freq[i], &s, &c);
+    table[2 * idx] = c;
+    table[2 * idx + 1] = s;
 }
 
 // h = round(h + round(branch·scale)), then out = RMSNorm(h)·w: the residual add fused with the

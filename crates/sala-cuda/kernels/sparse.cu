@@ -513,14 +513,6 @@ __device__ __forceinline__ void sp_cp_commit() { asm volatile("cp.async.commit_g
 __device__ __forceinline__ void sp_cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void sp_cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// D += A·B, m16n8k16, bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void sp_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Two floats → bf16x2 (round to nearest even), `lo` in the low half.
 __device__ __forceinline__ u32 sp_pack_bf16(float lo, float hi) {
     u32 r;

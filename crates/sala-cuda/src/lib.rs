@@ -65,7 +65,7 @@ struct Scratch {
     /// (inv_freq pointer, first position, rows, half the head size): every lightning layer of
     /// a forward pass uses the same table.
     rope: Option<CudaSlice<f32>>,
-    rope_key: Option<(u64, usize, usize, usize)>,
+    rope_key: Option<RopeKey>,
 }
 
 /// Makes `slot` hold at least `n` elements (grow-only, so steady decoding allocates nothing).
@@ -87,13 +87,43 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 /// Per-head norm weights of a first and an optional second buffer, and epsilon.
 type HeadNorms<'a> = (&'a CudaSlice<u16>, Option<&'a CudaSlice<u16>>, f32);
 
+/// What the cached RoPE table was made for: the inv_freq pointer, half the head size, and the
+/// positions (a run of rows from a first one, or each row's own).
+#[derive(PartialEq)]
+enum RopeKey {
+    Run(u64, usize, usize, usize),
+    Rows(u64, usize, Vec<usize>),
+}
+
+/// Where a row's RoPE position comes from: `first + row`, or each row's own.
+#[derive(Clone, Copy)]
+enum RopeAt<'a> {
+    From(usize),
+    Rows(&'a [usize]),
+}
+
+/// Rows of a batched decode step launched at once (`DECODE_ROWS` in decode.cu).
+const DECODE_ROWS: usize = 64;
+
+/// `DecodeRows` of decode.cu, passed by value: each row's lightning state and position.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DecodeRows {
+    state: [u64; DECODE_ROWS],
+    pos: [i32; DECODE_ROWS],
+}
+
+// SAFETY: plain data with the layout of the kernel's struct (64 pointers, then 64 ints).
+unsafe impl cudarc::driver::DeviceRepr for DecodeRows {}
+
 /// One kernel argument.
 #[derive(Clone, Copy)]
-enum Arg {
+enum Arg<'a> {
     P(u64),
     I(i32),
     F(f32),
     U(u64),
+    Rows(&'a DecodeRows),
 }
 
 pub struct CudaBackend {
@@ -113,9 +143,9 @@ pub struct CudaBackend {
     exact_select: std::cell::Cell<bool>,
     fallback: Fallback,
     wgmma: std::cell::Cell<bool>,
-    /// Products of 2..=64 rows read the weights once per 8 rows (`gemv_batch`) instead of
-    /// once per row; off until measured on a GPU (`SALA_BATCHED_GEMV=1`).
-    batched_gemv: std::cell::Cell<bool>,
+    /// Products of 1..=64 rows on the tensor-core GEMVs (`gemv_mma*`, the weights read once
+    /// per 16 rows), or the CUDA-core ones, a launch per row (`SALA_FALLBACK=gemv-mma`).
+    tensor_core_gemv: std::cell::Cell<bool>,
 }
 
 /// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
@@ -126,13 +156,14 @@ const GEMV_MAX_K: usize = 1 << 20;
 /// Products with at most this many output rows run as `gemv_narrow` (a row a warp).
 const GEMV_NARROW_MAX_ROWS: usize = 12288;
 
-/// Up to this many rows (a batched decode step), products run as one GEMV per row, so that a
-/// row's result does not depend on the rest of the batch (a kernel reading the weights once
-/// for all rows, with the same per-row order, is the next step).
+/// Up to this many rows (a batched decode step), products run as GEMVs whose result for a row
+/// does not depend on the other rows, so batching changes no sequence's bits.
 const GEMV_BATCH_ROWS: usize = 64;
 
-/// Rows per launch of the batched GEMV kernels (`GEMV_BATCH` in gemv.cu).
-const GEMV_BATCH: usize = 8;
+/// Rows per launch of the tensor-core GEMVs (`gemv_mma16`; `gemv_mma8` up to 8), and their
+/// block size (`32 * GM_WARPS` in gemv.cu).
+const GEMV_MMA_ROWS: usize = 16;
+const GEMV_MMA_THREADS: u32 = 512;
 
 /// Most key splits of one decode attention (the merge reads every split's partial state).
 const MAX_ATTENTION_SPLIT: usize = 32;
@@ -169,8 +200,9 @@ const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
 /// of `attention` (staged prefill attention for sparse layers), `lightning` (fp32 chunked
 /// lightning) and `lightning-split` (the three-kernel tensor-core lightning: chunk states, scan,
 /// outputs), `select` (block scores with the heads as MMA rows, `select_scores_mma`), `wgmma`
-/// (the mma.sync twins of the wgmma kernels on Hopper too) and `gemv` (four output rows a warp
-/// for every GEMV)).
+/// (the mma.sync twins of the wgmma kernels on Hopper too), `gemv-mma` (decode products on the
+/// CUDA-core GEMVs, a launch per row) and `gemv` (with it, four output rows a warp for every
+/// CUDA-core GEMV)).
 #[derive(Default, Clone, Copy)]
 struct Fallback {
     attention: bool,
@@ -178,6 +210,7 @@ struct Fallback {
     lightning_split: bool,
     select: bool,
     gemv: bool,
+    gemv_mma: bool,
     wgmma: bool,
 }
 
@@ -191,6 +224,7 @@ impl Fallback {
             lightning_split: has("lightning-split"),
             select: has("select"),
             gemv: has("gemv"),
+            gemv_mma: has("gemv-mma"),
             wgmma: has("wgmma"),
         }
     }
@@ -319,9 +353,7 @@ impl CudaBackend {
             profiler,
             wgmma: std::cell::Cell::new(!fallback.wgmma),
             fallback,
-            batched_gemv: std::cell::Cell::new(
-                std::env::var("SALA_BATCHED_GEMV").is_ok_and(|v| v == "1"),
-            ),
+            tensor_core_gemv: std::cell::Cell::new(!fallback.gemv_mma),
             exact_select: std::cell::Cell::new(
                 std::env::var("SALA_EXACT_SELECT").is_ok_and(|v| v != "0"),
             ),
@@ -355,9 +387,10 @@ impl CudaBackend {
         self.wgmma.get() && self.has_wgmma()
     }
 
-    /// Runs products of 2..=64 rows with the batched GEMV kernels (see `batched_gemv`).
-    pub fn set_batched_gemv(&self, batched: bool) {
-        self.batched_gemv.set(batched);
+    /// Runs decode-sized products on the tensor-core GEMVs (the default unless
+    /// `SALA_FALLBACK=gemv-mma`) or on the CUDA-core ones, a launch per row.
+    pub fn set_tensor_core_gemv(&self, on: bool) {
+        self.tensor_core_gemv.set(on);
     }
 
     /// The block lists of the last sparse selection: `rows · kv_heads · k_sel` ids (tests).
@@ -973,6 +1006,7 @@ impl CudaBackend {
                 Arg::P(p) | Arg::U(p) => b.arg(p),
                 Arg::I(i) => b.arg(i),
                 Arg::F(x) => b.arg(x),
+                Arg::Rows(t) => b.arg(*t),
             };
         }
         let cfg = LaunchConfig {
@@ -1183,12 +1217,9 @@ impl CudaBackend {
         outs: &[(u64, usize)],
         rows: usize,
     ) -> BResult<()> {
-        // One launch per row, or (batched GEMV) per group of up to GEMV_BATCH rows.
-        let group = if self.batched_gemv.get() && rows > 1 {
-            GEMV_BATCH
-        } else {
-            1
-        };
+        // Tensor cores: groups of up to 16 rows; CUDA cores: a launch per row.
+        let tc = self.tensor_core_gemv.get();
+        let group = if tc { GEMV_MMA_ROWS } else { 1 };
         let mut r = 0;
         while r < rows {
             let nb = group.min(rows - r);
@@ -1198,7 +1229,7 @@ impl CudaBackend {
                 Arg::I(w.rows as i32),
                 Arg::I(w.cols as i32),
             ];
-            if group > 1 {
+            if tc {
                 args.push(Arg::I(nb as i32));
             }
             for i in 0..4 {
@@ -1209,19 +1240,18 @@ impl CudaBackend {
                 }
             }
             // Few output rows: a row a warp (same sums, more warps in flight).
-            let narrow = group == 1 && w.rows <= GEMV_NARROW_MAX_ROWS && !self.fallback.gemv;
-            let (k, rows_per_block) = if group > 1 {
-                (K::GemvBatch, GEMV_ROWS_PER_BLOCK)
-            } else if narrow {
-                (K::GemvNarrow, 4)
-            } else {
-                (K::Gemv, GEMV_ROWS_PER_BLOCK)
+            let narrow = w.rows <= GEMV_NARROW_MAX_ROWS && !self.fallback.gemv;
+            let (k, rows_per_block, block) = match (tc, nb > 8, narrow) {
+                (true, false, _) => (K::GemvMma8, 16, GEMV_MMA_THREADS),
+                (true, true, _) => (K::GemvMma16, 16, GEMV_MMA_THREADS),
+                (false, _, true) => (K::GemvNarrow, 4, 128),
+                (false, _, false) => (K::Gemv, GEMV_ROWS_PER_BLOCK, 128),
             };
             self.launch_shaped(
                 k,
                 Some((w.rows, w.cols)),
                 (grid1(w.rows, rows_per_block), 1, 1),
-                128,
+                block,
                 0,
                 &args,
             )?;
@@ -1282,7 +1312,7 @@ impl CudaBackend {
         x2: Option<&mut DevAct>,
         head_dim: usize,
         norm: Option<HeadNorms<'_>>,
-        rope: Option<(&CudaSlice<f32>, usize)>,
+        rope: Option<(&CudaSlice<f32>, RopeAt<'_>)>,
     ) -> BResult<()> {
         if head_dim > 256 || !head_dim.is_multiple_of(2) {
             return Err(BackendError(format!(
@@ -1292,7 +1322,7 @@ impl CudaBackend {
         let hpr = x.cols / head_dim;
         let total = x.rows * hpr;
         let table = match rope {
-            Some((f, pos)) => self.rope_table(f, pos, x.rows, head_dim / 2)?,
+            Some((f, at)) => self.rope_table(f, at, x.rows, head_dim / 2)?,
             None => 0,
         };
         let (x2_ptr, total2, hpr2) = match &x2 {
@@ -1335,7 +1365,7 @@ impl CudaBackend {
                 Arg::P(norm.map_or(0, |(w, _, _)| self.ptr(w))),
                 Arg::F(norm.map_or(0.0, |(_, _, e)| e)),
                 Arg::P(rope.map_or(0, |(f, _)| self.ptr(f))),
-                Arg::I(rope.map_or(0, |(_, p)| p) as i32),
+                Arg::I(0), // first position: unused, the table holds every row's
                 Arg::I(hpr as i32),
                 Arg::P(x2_ptr),
                 Arg::I(total2 as i32),
@@ -1346,32 +1376,61 @@ impl CudaBackend {
         )
     }
 
-    /// The RoPE table of `rows` positions from `pos` (cos, sin of (pos + row)·inv_freq[i] for
-    /// i < half), made once for all layers that ask for the same one.
+    /// The RoPE table of `rows` rows (cos, sin of pos·inv_freq[i] for i < half, the row's
+    /// position from `at`), made once for all layers that ask for the same one.
     fn rope_table(
         &self,
         inv_freq: &CudaSlice<f32>,
-        pos: usize,
+        at: RopeAt<'_>,
         rows: usize,
         half: usize,
     ) -> BResult<u64> {
-        let key = (self.ptr(inv_freq), pos, rows, half);
-        let fresh = self.scratch.borrow().rope_key != Some(key);
+        let f = self.ptr(inv_freq);
+        let key = match at {
+            RopeAt::From(pos) => RopeKey::Run(f, half, pos, rows),
+            RopeAt::Rows(p) => RopeKey::Rows(f, half, p.to_vec()),
+        };
+        let fresh = self.scratch.borrow().rope_key.as_ref() != Some(&key);
         let table = self.scratch_ptr(|s| &mut s.rope, 2 * rows * half)?;
         if fresh {
-            self.launch(
-                K::RopeTable,
-                (grid1(rows * half, 256), 1, 1),
-                256,
-                0,
-                &[
-                    Arg::P(key.0),
-                    Arg::I(pos as i32),
-                    Arg::I(rows as i32),
-                    Arg::I(half as i32),
-                    Arg::P(table),
-                ],
-            )?;
+            let grid = (grid1(rows * half, 256), 1, 1);
+            match at {
+                RopeAt::From(pos) => self.launch(
+                    K::RopeTable,
+                    grid,
+                    256,
+                    0,
+                    &[
+                        Arg::P(f),
+                        Arg::I(pos as i32),
+                        Arg::I(rows as i32),
+                        Arg::I(half as i32),
+                        Arg::P(table),
+                    ],
+                )?,
+                RopeAt::Rows(p) => {
+                    if p.len() != rows || rows > DECODE_ROWS {
+                        return Err(BackendError(format!(
+                            "rope_table: {} positions for {rows} rows (at most {DECODE_ROWS})",
+                            p.len()
+                        )));
+                    }
+                    let t = decode_rows(&[], p);
+                    self.launch(
+                        K::RopeTableRows,
+                        grid,
+                        256,
+                        0,
+                        &[
+                            Arg::P(f),
+                            Arg::Rows(&t),
+                            Arg::I(rows as i32),
+                            Arg::I(half as i32),
+                            Arg::P(table),
+                        ],
+                    )?
+                }
+            }
             self.scratch.borrow_mut().rope_key = Some(key);
         }
         Ok(table)
@@ -1647,11 +1706,8 @@ impl Backend for CudaBackend {
             self.matmul(x, w, gu)?;
             return self.silu_mul_halves(gu, out);
         }
-        let group = if self.batched_gemv.get() && x.rows > 1 {
-            GEMV_BATCH
-        } else {
-            1
-        };
+        let tc = self.tensor_core_gemv.get();
+        let group = if tc { GEMV_MMA_ROWS } else { 1 };
         let mut r = 0;
         while r < x.rows {
             let nb = group.min(x.rows - r);
@@ -1662,16 +1718,22 @@ impl Backend for CudaBackend {
                 Arg::I(inter as i32),
                 Arg::I(w.cols as i32),
             ];
-            let k = if group > 1 {
+            let (k, outs_per_block, block) = if tc {
                 args.push(Arg::I(nb as i32));
-                K::GemvSiluBatch
+                let k = if nb > 8 {
+                    K::GemvSiluMma16
+                } else {
+                    K::GemvSiluMma8
+                };
+                (k, 8, GEMV_MMA_THREADS)
             } else {
-                K::GemvSilu
+                (K::GemvSilu, GEMV_ROWS_PER_BLOCK / 2, 128)
             };
-            self.launch(
+            self.launch_shaped(
                 k,
-                (grid1(inter, GEMV_ROWS_PER_BLOCK / 2), 1, 1),
-                128,
+                Some((w.rows, w.cols)),
+                (grid1(inter, outs_per_block), 1, 1),
+                block,
                 0,
                 &args,
             )?;
@@ -1758,6 +1820,7 @@ impl Backend for CudaBackend {
         norm: Option<(&CudaSlice<u16>, f32)>,
         rope: Option<(&CudaSlice<f32>, usize)>,
     ) -> BResult<()> {
+        let rope = rope.map(|(f, p)| (f, RopeAt::From(p)));
         self.norm_rope(x, None, head_dim, norm.map(|(w, e)| (w, None, e)), rope)
     }
 
@@ -1774,7 +1837,56 @@ impl Backend for CudaBackend {
             Some(k),
             head_dim,
             norms.map(|(a, b, e)| (a, Some(b), e)),
-            rope,
+            rope.map(|(f, p)| (f, RopeAt::From(p))),
+        )
+    }
+
+    fn lightning_rows(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        q: &mut DevAct,
+        k: &mut DevAct,
+        v: &DevAct,
+        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
+        inv_freq: Option<&CudaSlice<f32>>,
+        positions: &[usize],
+        states: &mut [&mut CudaSlice<f32>],
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let rows = states.len();
+        let d = shape.head_dim;
+        if rows > DECODE_ROWS || d > 256 || positions.len() != rows || q.rows != rows {
+            return sala_model::backend::lightning_row_by_row(
+                self, shape, slopes, q, k, v, norms, inv_freq, positions, states, out,
+            );
+        }
+        self.norm_rope(
+            q,
+            Some(k),
+            d,
+            norms.map(|(a, b, e)| (a, Some(b), e)),
+            inv_freq.map(|f| (f, RopeAt::Rows(positions))),
+        )?;
+        let ptrs: Vec<u64> = states.iter().map(|st| self.ptr(&**st)).collect();
+        let t = decode_rows(&ptrs, &[]);
+        self.launch(
+            K::LightningDecodeRows,
+            (shape.heads as u32, d.div_ceil(32) as u32, rows as u32),
+            256,
+            0,
+            &[
+                Arg::P(self.ptr(&q.buf)),
+                Arg::P(self.ptr(&k.buf)),
+                Arg::P(self.ptr(&v.buf)),
+                Arg::Rows(&t),
+                Arg::P(self.ptr(&out.buf)),
+                Arg::P(self.ptr(slopes)),
+                Arg::I(shape.heads as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(d as i32),
+                Arg::F(shape.scale() as f32),
+            ],
         )
     }
 
@@ -2035,6 +2147,19 @@ impl Backend for CudaBackend {
     fn to_host(&self, a: &DevAct) -> BResult<Vec<f32>> {
         self.download(&a.buf, a.rows * a.cols)
     }
+}
+
+/// A [`DecodeRows`] of the given state pointers and positions (each at most [`DECODE_ROWS`]).
+fn decode_rows(states: &[u64], positions: &[usize]) -> DecodeRows {
+    let mut t = DecodeRows {
+        state: [0; DECODE_ROWS],
+        pos: [0; DECODE_ROWS],
+    };
+    t.state[..states.len()].copy_from_slice(states);
+    for (p, &x) in t.pos.iter_mut().zip(positions) {
+        *p = x as i32;
+    }
+    t
 }
 
 /// Launch shape of `lightning_chunked`: a block per (head, 32 value columns).

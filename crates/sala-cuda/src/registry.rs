@@ -67,8 +67,6 @@ pub enum K {
     LightningChunkState,
     LightningChunkScan,
     LightningChunkOut,
-    GemvBatch,
-    GemvSiluBatch,
     LightningFused,
     SelectScoresT,
     SiluMulHalves8,
@@ -82,6 +80,12 @@ pub enum K {
     HeadNormRope128,
     LightningRangeStates,
     SelectScoresWg,
+    GemvMma8,
+    GemvMma16,
+    GemvSiluMma8,
+    GemvSiluMma16,
+    LightningDecodeRows,
+    RopeTableRows,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -115,8 +119,6 @@ pub const KERNELS: &[&str] = &[
     "lightning_chunk_state",
     "lightning_chunk_scan",
     "lightning_chunk_out",
-    "gemv_batch",
-    "gemv_silu_batch",
     "lightning_fused",
     "select_scores_t",
     "silu_mul_halves8",
@@ -130,6 +132,12 @@ pub const KERNELS: &[&str] = &[
     "head_norm_rope128",
     "lightning_range_states",
     "select_scores_wg",
+    "gemv_mma8",
+    "gemv_mma16",
+    "gemv_silu_mma8",
+    "gemv_silu_mma16",
+    "lightning_decode_rows",
+    "rope_table_rows",
 ];
 
 /// Dynamic shared memory of `lightning_fused` for head size `d` (`LF_SMEM` in

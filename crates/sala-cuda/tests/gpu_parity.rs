@@ -163,15 +163,21 @@ fn elementwise_ops_match_cpu() {
 fn embed_matmul_head_norm_rope_match_cpu() {
     let g = gpu();
     let mut rng = TestRng::new(2);
-    // matmul at ragged shapes, decode (1 row) included.
-    for (rows, inner, out) in [
-        (1, 256, 384),
-        (1, 4096, 1000),
-        (1, 16392, 515),
-        (5, 4096, 256),
-        (64, 512, 1000),
-        (131, 768, 2048),
+    // matmul at ragged shapes, decode (1 row) included, on both GEMVs (tensor and CUDA cores).
+    for (tensor_cores, rows, inner, out) in [
+        (true, 1, 256, 384),
+        (true, 1, 4096, 1000),
+        (true, 1, 16392, 515),
+        (true, 5, 4096, 256),
+        (true, 12, 4104, 770),
+        (true, 40, 1032, 514),
+        (false, 1, 4096, 1000),
+        (false, 1, 16392, 515),
+        (false, 5, 4096, 256),
+        (true, 64, 512, 1000),
+        (true, 131, 768, 2048),
     ] {
+        g.set_tensor_core_gemv(tensor_cores);
         let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
         let w = rng.bf16_vec(out * inner, -0.1, 0.1);
         let ht = HostTensor {
@@ -729,7 +735,7 @@ fn small_model_matches_cpu() {
 }
 
 /// A batched decode step on the GPU gives every sequence the logits it gets decoded alone,
-/// bit for bit (products of up to 64 rows run one GEMV per row).
+/// bit for bit, on the tensor-core GEMVs (16 rows a launch) and on the CUDA-core ones.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn batched_decode_equals_decoding_alone_on_the_gpu() {
@@ -739,8 +745,10 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
     let v = config.vocab_size;
     let model = Model::random(&g, config, 5, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(77);
-    // 11 sequences: more than one group of 8 rows for the batched GEMV.
-    let lens = [5usize, 99, 100, 180, 33, 7, 64, 1, 120, 2, 50];
+    // 19 sequences: a full group of 16 rows (two MMA tiles), then 3 rows (one tile).
+    let lens = [
+        5usize, 99, 100, 180, 33, 7, 64, 1, 120, 2, 50, 17, 130, 3, 98, 101, 64, 9, 77,
+    ];
     let prompts: Vec<Vec<u32>> = lens
         .iter()
         .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
@@ -751,32 +759,23 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
         .map(|_| (0..steps).map(|_| rng.below(v) as u32).collect())
         .collect();
     let mut ws = model.workspace(&g, 64).unwrap();
-    let mut alone = Vec::new();
-    for (p, f) in prompts.iter().zip(&feeds) {
+    let prefilled = |ws: &mut _, p: &[u32]| {
         let mut seq = model.new_sequence(&g).unwrap();
-        model
-            .prefill(&g, &mut ws, &mut seq, p, &mut |_| {})
-            .unwrap();
-        let rows: Vec<Vec<f32>> = f
-            .iter()
-            .map(|&t| model.decode(&g, &mut ws, &mut seq, t).unwrap())
-            .collect();
-        alone.push(rows);
-    }
-    // The per-row GEMVs, then the batched ones (weights read once per 8 rows), must both give
-    // each sequence the bits it gets alone.
-    for batched in [false, true] {
-        g.set_batched_gemv(batched);
-        let mut seqs: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let mut seq = model.new_sequence(&g).unwrap();
-                model
-                    .prefill(&g, &mut ws, &mut seq, p, &mut |_| {})
-                    .unwrap();
-                seq
-            })
-            .collect();
+        model.prefill(&g, ws, &mut seq, p, &mut |_| {}).unwrap();
+        seq
+    };
+    for tensor_cores in [true, false] {
+        g.set_tensor_core_gemv(tensor_cores);
+        let mut alone = Vec::new();
+        for (p, f) in prompts.iter().zip(&feeds) {
+            let mut seq = prefilled(&mut ws, p);
+            let rows: Vec<Vec<f32>> = f
+                .iter()
+                .map(|&t| model.decode(&g, &mut ws, &mut seq, t).unwrap())
+                .collect();
+            alone.push(rows);
+        }
+        let mut seqs: Vec<_> = prompts.iter().map(|p| prefilled(&mut ws, p)).collect();
         for step in 0..steps {
             let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
             let mut refs: Vec<_> = seqs.iter_mut().collect();
@@ -784,12 +783,12 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
             for (i, row) in logits.chunks(v).enumerate() {
                 assert!(
                     row == alone[i][step].as_slice(),
-                    "batched GEMV {batched}: sequence {i} (prompt {}) step {step}: batched \
-                     logits differ",
+                    "tensor-core GEMV {tensor_cores}: sequence {i} (prompt {}) step {step}: \
+                     batched logits differ",
                     lens[i]
                 );
             }
         }
     }
-    g.set_batched_gemv(false);
+    g.set_tensor_core_gemv(true);
 }

@@ -276,6 +276,29 @@ pub trait Backend {
         state: &mut Self::LightningState,
         out: &mut Self::Act,
     ) -> BResult<()>;
+    /// One decode step of a lightning layer for several sequences: row `r` of `q`, `k`, `v` is
+    /// the token at `positions[r]` of the sequence whose state is `states[r]`. Per row, as
+    /// [`Backend::head_norm_rope_qk`] (RoPE at the row's position when `inv_freq` is given)
+    /// then [`Backend::lightning`] of one token; row by row here, one launch each where the
+    /// backend batches them.
+    #[allow(clippy::too_many_arguments)]
+    fn lightning_rows(
+        &self,
+        shape: AttnShape,
+        slopes: &Self::Table,
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+        v: &Self::Act,
+        norms: Option<(&Self::Vector, &Self::Vector, f32)>,
+        inv_freq: Option<&Self::Table>,
+        positions: &[usize],
+        states: &mut [&mut Self::LightningState],
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        lightning_row_by_row(
+            self, shape, slopes, q, k, v, norms, inv_freq, positions, states, out,
+        )
+    }
     /// Appends the chunk's K and V to `cache`, then attends the chunk's queries (positions
     /// continue the cache) with `mode` (SPEC §5); `out` gets the result rounded to bf16.
     #[allow(clippy::too_many_arguments)]
@@ -302,4 +325,42 @@ pub trait Backend {
     ) -> BResult<Vec<f32>>;
     /// Copies an activation buffer to the host (tests and debugging).
     fn to_host(&self, a: &Self::Act) -> BResult<Vec<f32>>;
+}
+
+/// [`Backend::lightning_rows`] one row at a time, through one-row buffers.
+#[allow(clippy::too_many_arguments)]
+pub fn lightning_row_by_row<B: Backend + ?Sized>(
+    be: &B,
+    shape: AttnShape,
+    slopes: &B::Table,
+    q: &B::Act,
+    k: &B::Act,
+    v: &B::Act,
+    norms: Option<(&B::Vector, &B::Vector, f32)>,
+    inv_freq: Option<&B::Table>,
+    positions: &[usize],
+    states: &mut [&mut B::LightningState],
+    out: &mut B::Act,
+) -> BResult<()> {
+    if positions.len() != states.len() {
+        return Err(BackendError(format!(
+            "lightning_rows: {} positions for {} states",
+            positions.len(),
+            states.len()
+        )));
+    }
+    let d = shape.head_dim;
+    let mut rq = be.alloc(1, shape.heads * d)?;
+    let mut rk = be.alloc(1, shape.kv_heads * d)?;
+    let mut rv = be.alloc(1, shape.kv_heads * d)?;
+    let mut ro = be.alloc(1, shape.heads * d)?;
+    for (r, (state, &pos)) in states.iter_mut().zip(positions).enumerate() {
+        be.copy_rows(q, r, &mut rq, 0, 1)?;
+        be.copy_rows(k, r, &mut rk, 0, 1)?;
+        be.copy_rows(v, r, &mut rv, 0, 1)?;
+        be.head_norm_rope_qk(&mut rq, &mut rk, d, norms, inv_freq.map(|f| (f, pos)))?;
+        be.lightning(shape, slopes, &rq, &rk, &rv, state, &mut ro)?;
+        be.copy_rows(&ro, 0, out, r, 1)?;
+    }
+    Ok(())
 }

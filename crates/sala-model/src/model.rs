@@ -78,19 +78,17 @@ pub struct Workspace<B: Backend> {
     vl: B::Act,
     gate_up: B::Act,
     act: B::Act,
-    /// One row of q, k, v and o for each width, where a batched decode runs each sequence's
-    /// attention on its own row (a few KB, outside the memory plan's buffer list).
+    /// One row of q, k, v and o, where a batched decode runs each sequence's sparse attention
+    /// on its own row (a few KB, outside the memory plan's buffer list).
     row: RowScratch<B>,
 }
 
-/// One-row buffers for per-sequence attention inside a batched decode step.
+/// One-row buffers for per-sequence sparse attention inside a batched decode step.
 struct RowScratch<B: Backend> {
     q: B::Act,
     o: B::Act,
-    kl: B::Act,
-    vl: B::Act,
-    ks: B::Act,
-    vs: B::Act,
+    k: B::Act,
+    v: B::Act,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -445,10 +443,8 @@ impl<B: Backend> Model<B> {
         let row = RowScratch {
             q: be.alloc(1, hd)?,
             o: be.alloc(1, hd)?,
-            kl: be.alloc(1, c.lightning_kv_dim())?,
-            vl: be.alloc(1, c.lightning_kv_dim())?,
-            ks: be.alloc(1, c.kv_dim())?,
-            vs: be.alloc(1, c.kv_dim())?,
+            k: be.alloc(1, c.kv_dim())?,
+            v: be.alloc(1, c.kv_dim())?,
         };
         Ok(Workspace {
             max_rows,
@@ -595,17 +591,41 @@ impl<B: Backend> Model<B> {
                     v,
                     &mut ws.o,
                 )?;
+            } else if let Mixer::Lightning { q_norm, k_norm, .. } = &layer.mixer {
+                // All sequences' lightning steps at once, each from its own state.
+                let positions: Vec<usize> = seqs.iter().map(|s| s.pos).collect();
+                let mut states = seqs
+                    .iter_mut()
+                    .map(|s| match &mut s.layers[i] {
+                        LayerState::Lightning(st) => Ok(st),
+                        LayerState::Sparse(_) => Err(BackendError(
+                            "layer state does not match the layer kind".into(),
+                        )),
+                    })
+                    .collect::<BResult<Vec<_>>>()?;
+                let norms = q_norm
+                    .as_ref()
+                    .zip(k_norm.as_ref())
+                    .map(|(qw, kw)| (qw, kw, eps));
+                be.lightning_rows(
+                    self.lightning_shape(),
+                    &self.slopes,
+                    &mut ws.q,
+                    &mut ws.kl,
+                    &ws.vl,
+                    norms,
+                    c.lightning_use_rope.then_some(&self.inv_freq),
+                    &positions,
+                    &mut states,
+                    &mut ws.o,
+                )?;
             } else {
+                // Sparse attention: each sequence on its own row, over its own cache.
                 let row = &mut ws.row;
                 for (r, seq) in seqs.iter_mut().enumerate() {
-                    let (k, v, rk, rv) = if lightning {
-                        (&ws.kl, &ws.vl, &mut row.kl, &mut row.vl)
-                    } else {
-                        (&ws.ks, &ws.vs, &mut row.ks, &mut row.vs)
-                    };
                     be.copy_rows(&ws.q, r, &mut row.q, 0, 1)?;
-                    be.copy_rows(k, r, rk, 0, 1)?;
-                    be.copy_rows(v, r, rv, 0, 1)?;
+                    be.copy_rows(&ws.ks, r, &mut row.k, 0, 1)?;
+                    be.copy_rows(&ws.vs, r, &mut row.v, 0, 1)?;
                     let pos = seq.pos;
                     let state = &mut seq.layers[i];
                     self.attend(
@@ -615,8 +635,8 @@ impl<B: Backend> Model<B> {
                         pos,
                         modes[r],
                         &mut row.q,
-                        rk,
-                        rv,
+                        &mut row.k,
+                        &row.v,
                         &mut row.o,
                     )?;
                     be.copy_rows(&row.o, 0, &mut ws.o, r, 1)?;
