@@ -33,18 +33,16 @@ __device__ __forceinline__ void sd_logits(float (&x)[8][4], const u32 (&qa)[8][4
     }
 }
 
-// Pair p = blockIdx.x (query i = p / kv_heads, group g = p % kv_heads, position first_pos + i):
-// for each head h < G, the max m and Σ exp2(x − m) of the log2-unit level-2 logits x over the
-// visible windows in [SD_KEYS·blockIdx.y, +SD_KEYS), into part[((p·gridDim.y + blockIdx.y)·G + h)·2
+// Pair p = blockIdx.x (query i = p / kv_heads at position t, group g = p % kv_heads): for each
+// head h < G, the max m and Σ exp2(x − m) of the log2-unit level-2 logits x over the visible
+// windows in [SD_KEYS·blockIdx.y, +SD_KEYS), into part[((p·gridDim.y + blockIdx.y)·G + h)·2
 // + {0, 1}] (m = −inf, sum 0 where none is visible).
-// launch: grid = (T·kv_heads, ⌈n2 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
-extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
-sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_heads, int d, float scale,
-       int k2_window, int k2_stride, float* part) {
+__device__ __forceinline__ void sd_lse_pair(const bf16* q, const bf16* k2, int n2, int t, int heads, int kv_heads,
+                                            int d, float scale, int k2_window, int k2_stride, float* part) {
     __shared__ float red[SD_WARPS][16][2];
     const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2;
-    const int n2v = min(sp_visible(first_pos + i, k2_window, k2_stride), n2);
+    const int n2v = min(sp_visible(t, k2_window, k2_stride), n2);
     const int c0 = blockIdx.y * SD_KEYS + 64 * warp;
     const float NEG = -__int_as_float(0x7f800000);
     float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f};
@@ -94,18 +92,36 @@ sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_h
     }
 }
 
+// Queries at positions first_pos + i of one sequence.
+// launch: grid = (T·kv_heads, ⌈n2 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
+sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_heads, int d, float scale,
+       int k2_window, int k2_stride, float* part) {
+    sd_lse_pair(q, k2, n2, first_pos + blockIdx.x / kv_heads, heads, kv_heads, d, scale, k2_window, k2_stride, part);
+}
+
+// One query of each sequence of rows (SeqRows); gridDim.y covers the longest level-2 tier (the
+// slices past a shorter one write m = −inf, sum 0, which sd_p's merge skips).
+// launch: grid = (T·kv_heads, ⌈max n2 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
+sd_lse_rows(const bf16* q, SeqRows rows, int heads, int kv_heads, int d, float scale, int k2_window, int k2_stride,
+            float* part) {
+    const int i = blockIdx.x / kv_heads;
+    sd_lse_pair(q, rows.k2[i], rows.n2[i], rows.pos[i], heads, kv_heads, d, scale, k2_window, k2_stride, part);
+}
+
 // P of the visible level-1 windows in [SD_KEYS·blockIdx.y, +SD_KEYS) of pair blockIdx.x, as bf16
 // bits into p16[pair·p_stride + x]: Σ_h exp2(x_h − LSE_h) rounded to bf16 (NaN → 0), the LSEs
 // combined from the n_split partials of sd_lse (+inf where no level-2 window is visible, so that
 // every P is 0). p_stride a multiple of 8 (sd_topk stages rows in 16-byte pieces).
-// launch: grid = (T·kv_heads, ⌈n1 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
-extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
-sd_p(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_heads, int d, float scale,
-     int k1_window, int k1_stride, const float* part, int n_split, u16* p16, int p_stride) {
+// The query of pair blockIdx.x is at position t.
+__device__ __forceinline__ void sd_p_pair(const bf16* q, const bf16* k1, int n1, int t, int heads, int kv_heads,
+                                          int d, float scale, int k1_window, int k1_stride, const float* part,
+                                          int n_split, u16* p16, int p_stride) {
     __shared__ float lse[16];
     const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
-    const int n1v = min(sp_visible(first_pos + i, k1_window, k1_stride), n1);
+    const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
     if (blockIdx.y * SD_KEYS >= n1v) return;  // block-uniform
     const float NEG = -__int_as_float(0x7f800000), INF = __int_as_float(0x7f800000);
     if (threadIdx.x < 16) {
@@ -153,6 +169,25 @@ sd_p(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_hea
     }
 }
 
+// Queries at positions first_pos + i of one sequence.
+// launch: grid = (T·kv_heads, ⌈n1 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
+sd_p(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_heads, int d, float scale,
+     int k1_window, int k1_stride, const float* part, int n_split, u16* p16, int p_stride) {
+    sd_p_pair(q, k1, n1, first_pos + blockIdx.x / kv_heads, heads, kv_heads, d, scale, k1_window, k1_stride, part,
+              n_split, p16, p_stride);
+}
+
+// One query of each sequence of rows; n_split is sd_lse_rows' gridDim.y.
+// launch: grid = (T·kv_heads, ⌈max n1 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
+sd_p_rows(const bf16* q, SeqRows rows, int heads, int kv_heads, int d, float scale, int k1_window, int k1_stride,
+          const float* part, int n_split, u16* p16, int p_stride) {
+    const int i = blockIdx.x / kv_heads;
+    sd_p_pair(q, rows.k1[i], rows.n1[i], rows.pos[i], heads, kv_heads, d, scale, k1_window, k1_stride, part,
+              n_split, p16, p_stride);
+}
+
 // The rank-th largest (1-based) of the n 16-bit keys in smem, 8 bits a pass, and how many keys
 // equal to it are among the rank largest (*r_eq). Block-wide; every thread calls. hist: 256 ints.
 __device__ __forceinline__ u32 sd_radix_select(const u16* keys, int n, int rank, int* hist, int* sel, int* r_eq) {
@@ -179,19 +214,18 @@ __device__ __forceinline__ u32 sd_radix_select(const u16* keys, int n, int rank,
     return prefix;
 }
 
-// Block selection of pair blockIdx.x (query i = pair / kv_heads at position t = first_pos + i,
-// block qb = t / block_size): k_sel ascending block ids (−1 padded) into blocks_out[pair·k_sel ..],
+// Block selection of pair blockIdx.x (its query at position t, block qb = t / block_size): k_sel ascending block ids (−1 padded) into blocks_out[pair·k_sel ..],
 // by the rule of sparse_select. key_of(b): the 16-bit key of candidate block b ∈ [init_blocks,
 // qb − local_blocks) (larger is better). Every thread calls.
 template <class KeyOf>
-__device__ __forceinline__ void sd_topk_body(int first_pos, int kv_heads, int block_size, int init_blocks,
-                                             int local_blocks, int k_sel, int* blocks_out, KeyOf&& key_of) {
+__device__ __forceinline__ void sd_topk_body(int t, int block_size, int init_blocks, int local_blocks, int k_sel,
+                                             int* blocks_out, KeyOf&& key_of) {
     u16* sd_keys = sd_smem;
     __shared__ int hist[256];
     __shared__ int sel[2];
     __shared__ u32 scan[32];
     const int pair = blockIdx.x, tid = threadIdx.x;
-    const int t = first_pos + pair / kv_heads, qb = t / block_size;
+    const int qb = t / block_size;
     int* outb = blocks_out + (size_t)pair * k_sel;
     const int cand_lo = init_blocks, cand_hi = max(qb - local_blocks, 0);
     const int n_cand = max(0, cand_hi - cand_lo);
@@ -245,29 +279,45 @@ __device__ __forceinline__ void sd_topk_body(int first_pos, int kv_heads, int bl
 // over windows [w·b − 1, w·b + w − 1] ∩ [0, n1v); its key is that bf16's bits + 1 (P ≥ 0, so
 // bit order is value order). With stage_p, P is first copied to shared memory after the keys
 // (at byte 2·⌈candidates / 8⌉·8) with 16-byte loads; p_stride a multiple of 8.
-// launch: grid = (T·kv_heads), block = SD_TOPK_THREADS, dynamic smem = 2·⌈candidates / 8⌉·8
-//         bytes (candidates ≤ 65535), plus 2·p_stride with stage_p
-extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
-sd_topk(const u16* p16, int p_stride, int n1, int first_pos, int kv_heads, int block_size, int k1_window,
-        int k1_stride, int init_blocks, int local_blocks, int k_sel, int stage_p, int* blocks_out) {
+__device__ __forceinline__ void sd_topk_pair(const u16* p16, int p_stride, int n1, int t, int block_size,
+                                             int k1_window, int k1_stride, int init_blocks, int local_blocks,
+                                             int k_sel, int stage_p, int* blocks_out) {
     const int w = block_size / k1_stride;
+    const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
     const u16* P = p16 + (size_t)blockIdx.x * p_stride;
     if (stage_p) {
-        const int t = first_pos + blockIdx.x / kv_heads;
         const int cand = max(0, max(t / block_size - local_blocks, 0) - init_blocks);
         u16* ps = sd_smem + (cand + 7) / 8 * 8;
-        const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
         for (int x = 8 * threadIdx.x; x < n1v; x += 8 * SD_TOPK_THREADS) *(uint4*)(ps + x) = *(const uint4*)(P + x);
         __syncthreads();
         P = ps;
     }
-    sd_topk_body(first_pos, kv_heads, block_size, init_blocks, local_blocks, k_sel, blocks_out, [&](int t, int b) {
-        const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
+    sd_topk_body(t, block_size, init_blocks, local_blocks, k_sel, blocks_out, [&](int, int b) {
         const int lo = max(w * b - 1, 0), hi = min(w * b + w - 1, n1v - 1);
         u32 key = 0;
         for (int y = lo; y <= hi; y++) key = max(key, (u32)P[y] + 1u);
         return key;
     });
+}
+
+// Queries at positions first_pos + i of one sequence.
+// launch: grid = (T·kv_heads), block = SD_TOPK_THREADS, dynamic smem = 2·⌈candidates / 8⌉·8
+//         bytes (candidates ≤ 65535), plus 2·p_stride with stage_p
+extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
+sd_topk(const u16* p16, int p_stride, int n1, int first_pos, int kv_heads, int block_size, int k1_window,
+        int k1_stride, int init_blocks, int local_blocks, int k_sel, int stage_p, int* blocks_out) {
+    sd_topk_pair(p16, p_stride, n1, first_pos + blockIdx.x / kv_heads, block_size, k1_window, k1_stride,
+                 init_blocks, local_blocks, k_sel, stage_p, blocks_out);
+}
+
+// One query of each sequence of rows; shared memory for the longest.
+// launch: as sd_topk
+extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
+sd_topk_rows(const u16* p16, int p_stride, SeqRows rows, int kv_heads, int block_size, int k1_window, int k1_stride,
+             int init_blocks, int local_blocks, int k_sel, int stage_p, int* blocks_out) {
+    const int i = blockIdx.x / kv_heads;
+    sd_topk_pair(p16, p_stride, rows.n1[i], rows.pos[i], block_size, k1_window, k1_stride, init_blocks,
+                 local_blocks, k_sel, stage_p, blocks_out);
 }
 
 // Block selection from block scores (bf16 values ≥ 0, or −inf, as the prefill block-score
@@ -278,7 +328,8 @@ extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
 sd_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int init_blocks,
                int local_blocks, int k_sel, int* blocks_out) {
     const float* row = bs + (size_t)blockIdx.x * bs_stride;
-    sd_topk_body(first_pos, kv_heads, block_size, init_blocks, local_blocks, k_sel, blocks_out, [&](int, int b) {
+    sd_topk_body(first_pos + blockIdx.x / kv_heads, block_size, init_blocks, local_blocks, k_sel, blocks_out,
+                 [&](int, int b) {
         const float f = row[b];
         return f >= 0.0f ? (__float_as_uint(f) >> 16) + 1u : 0u;
     });

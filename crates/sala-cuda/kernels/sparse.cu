@@ -76,6 +76,21 @@ __device__ __forceinline__ int sp_visible(int t, int window, int stride) {
     return (t + 1 >= window) ? (t + 1 - window) / stride + 1 : 0;
 }
 
+// The sequences of a batched decode step in a sparse layer, passed by value to the *_rows
+// kernels: query row i's caches (K, V, level-1 and level-2 compressed keys; the new token
+// already appended), its position (its cache holds pos + 1 tokens) and tier sizes.
+#define SEQ_ROWS 64
+struct SeqRows {
+    const bf16* k[SEQ_ROWS];
+    const bf16* v[SEQ_ROWS];
+    const bf16* k1[SEQ_ROWS];
+    const bf16* k2[SEQ_ROWS];
+    int pos[SEQ_ROWS];
+    int n1[SEQ_ROWS];
+    int n2[SEQ_ROWS];
+    int split[SEQ_ROWS];  // attention_decode_rows: the sequence's own n_split
+};
+
 // Exclusive prefix sum over a block of 32·WARPS threads (WARPS ≤ 32); *total gets the
 // block's sum. `sh` holds WARPS words. Contains __syncthreads(): every thread calls.
 template <int WARPS>
@@ -1778,18 +1793,20 @@ attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* ou
 // group g) = (blockIdx.x / kv_heads, blockIdx.x % kv_heads) attends to the 64-key blocks
 // s ≡ z (mod n_split) of the pair's walk (blocks != NULL: its list, −1 padded; else every
 // block 0 .. t/64) and writes each of its rows' partial state, as attention_split does, to
-// part[((z·T + i)·heads + h)·(d + 2) ..]; attention_merge combines them. Needs heads / kv_heads
-// ≤ 16 and d ∈ {64, 128}.
-// launch: grid = (T·kv_heads, ⌈n_split / AG_WARPS⌉), block = 32·AG_WARPS, dynamic smem = 0 bytes
-extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
-attention_decode(const bf16* q, const bf16* kcache, const bf16* vcache, float* part, int T, int first_pos,
-                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int n_split) {
+// part[((z·T + i)·heads + h)·(d + 2) ..]; attention_merge combines them. The query at position
+// t sees keys < n_keys of kcache / vcache. Needs heads / kv_heads ≤ 16 and d ∈ {64, 128}.
+__device__ __forceinline__ void attention_decode_pair(const bf16* q, const bf16* kcache, const bf16* vcache,
+                                                      float* part, int T, int t, int n_keys, int heads,
+                                                      int kv_heads, int d, float scale, const int* blocks, int k_sel,
+                                                      int n_split) {
     const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads;
     const int z = blockIdx.y * AG_WARPS + (threadIdx.x >> 5);
     if (z >= n_split) return;  // warp-uniform
     const int pair = blockIdx.x;
     u32 qa[8][4];
-    const AgPair p = ag_pair(q, pair, T, first_pos, heads, kv_heads, d, qa);
+    AgPair p = ag_pair(q, pair, T, 0, heads, kv_heads, d, qa);
+    p.t = t;
+    p.n_keys = n_keys;
     AgState st;
     ag_init(st);
     const float sl2 = scale * 1.4426950408889634f;
@@ -1805,6 +1822,33 @@ attention_decode(const bf16* q, const bf16* kcache, const bf16* vcache, float* p
     float* prow0 = part + (((size_t)z * T + p.i) * heads + (size_t)p.g * G + gq) * (d + 2);
     ag_sum_l(st);
     ag_store_partial(st, p.row_ok, d, [&](int r) { return prow0 + 8 * r * (d + 2); });
+}
+
+// The T queries of one sequence at positions first_pos .. first_pos + T − 1.
+// launch: grid = (T·kv_heads, ⌈n_split / AG_WARPS⌉), block = 32·AG_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
+attention_decode(const bf16* q, const bf16* kcache, const bf16* vcache, float* part, int T, int first_pos,
+                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int n_split) {
+    attention_decode_pair(q, kcache, vcache, part, T, first_pos + blockIdx.x / kv_heads, first_pos + T, heads,
+                          kv_heads, d, scale, blocks, k_sel, n_split);
+}
+
+// One query of each of T ≤ SEQ_ROWS sequences (row i over rows' caches i, split rows.split[i]
+// ways), a pair's partials as attention_decode writes them for that sequence alone; the slots
+// from its split to n_split (the largest) get an empty partial (m = −inf), which the merge skips.
+// launch: grid = (T·kv_heads, ⌈n_split / AG_WARPS⌉), block = 32·AG_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
+attention_decode_rows(const bf16* q, SeqRows rows, float* part, int T, int heads, int kv_heads, int d, float scale,
+                      const int* blocks, int k_sel, int n_split) {
+    const int i = blockIdx.x / kv_heads, g = blockIdx.x % kv_heads, G = heads / kv_heads;
+    const int z = blockIdx.y * AG_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (z >= rows.split[i]) {  // warp-uniform
+        if (z < n_split && lane < G)
+            part[(((size_t)z * T + i) * heads + (size_t)g * G + lane) * (d + 2) + d] = -__int_as_float(0x7f800000);
+        return;
+    }
+    attention_decode_pair(q, rows.k[i], rows.v[i], part, T, rows.pos[i], rows.pos[i] + 1, heads, kv_heads, d,
+                          scale, blocks, k_sel, rows.split[i]);
 }
 
 // ============================================================================================

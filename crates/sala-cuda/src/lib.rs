@@ -116,6 +116,42 @@ struct DecodeRows {
 // SAFETY: plain data with the layout of the kernel's struct (64 pointers, then 64 ints).
 unsafe impl cudarc::driver::DeviceRepr for DecodeRows {}
 
+/// Sequences of a batched decode step in a sparse layer (`SEQ_ROWS` in sparse.cu).
+const SEQ_ROWS: usize = 64;
+
+/// `SeqRows` of sparse.cu, passed by value: each row's cache pointers (K, V, level-1 and
+/// level-2 keys), position, tier sizes and attention split.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SeqRows {
+    k: [u64; SEQ_ROWS],
+    v: [u64; SEQ_ROWS],
+    k1: [u64; SEQ_ROWS],
+    k2: [u64; SEQ_ROWS],
+    pos: [i32; SEQ_ROWS],
+    n1: [i32; SEQ_ROWS],
+    n2: [i32; SEQ_ROWS],
+    split: [i32; SEQ_ROWS],
+}
+
+// SAFETY: plain data with the layout of the kernel's struct.
+unsafe impl cudarc::driver::DeviceRepr for SeqRows {}
+
+impl SeqRows {
+    fn empty() -> Self {
+        Self {
+            k: [0; SEQ_ROWS],
+            v: [0; SEQ_ROWS],
+            k1: [0; SEQ_ROWS],
+            k2: [0; SEQ_ROWS],
+            pos: [0; SEQ_ROWS],
+            n1: [0; SEQ_ROWS],
+            n2: [0; SEQ_ROWS],
+            split: [0; SEQ_ROWS],
+        }
+    }
+}
+
 /// One kernel argument.
 #[derive(Clone, Copy)]
 enum Arg<'a> {
@@ -124,6 +160,7 @@ enum Arg<'a> {
     F(f32),
     U(u64),
     Rows(&'a DecodeRows),
+    Seqs(&'a SeqRows),
 }
 
 pub struct CudaBackend {
@@ -146,6 +183,8 @@ pub struct CudaBackend {
     /// Products of 1..=64 rows on the tensor-core GEMVs (`gemv_mma*`, the weights read once
     /// per 16 rows), or the CUDA-core ones, a launch per row (`SALA_FALLBACK=gemv-mma`).
     tensor_core_gemv: std::cell::Cell<bool>,
+    /// Sparse-layer decode steps run batched (`sparse_rows_batched`), for tests.
+    sparse_rows_batched: std::cell::Cell<usize>,
 }
 
 /// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
@@ -201,8 +240,8 @@ const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
 /// lightning) and `lightning-split` (the three-kernel tensor-core lightning: chunk states, scan,
 /// outputs), `select` (block scores with the heads as MMA rows, `select_scores_mma`), `wgmma`
 /// (the mma.sync twins of the wgmma kernels on Hopper too), `gemv-mma` (decode products on the
-/// CUDA-core GEMVs, a launch per row) and `gemv` (with it, four output rows a warp for every
-/// CUDA-core GEMV)).
+/// CUDA-core GEMVs, a launch per row), `sparse-rows` (a batched decode step's sparse layers
+/// row by row) and `gemv` (with it, four output rows a warp for every CUDA-core GEMV)).
 #[derive(Default, Clone, Copy)]
 struct Fallback {
     attention: bool,
@@ -211,6 +250,7 @@ struct Fallback {
     select: bool,
     gemv: bool,
     gemv_mma: bool,
+    sparse_rows: bool,
     wgmma: bool,
 }
 
@@ -225,6 +265,7 @@ impl Fallback {
             select: has("select"),
             gemv: has("gemv"),
             gemv_mma: has("gemv-mma"),
+            sparse_rows: has("sparse-rows"),
             wgmma: has("wgmma"),
         }
     }
@@ -354,6 +395,7 @@ impl CudaBackend {
             wgmma: std::cell::Cell::new(!fallback.wgmma),
             fallback,
             tensor_core_gemv: std::cell::Cell::new(!fallback.gemv_mma),
+            sparse_rows_batched: Default::default(),
             exact_select: std::cell::Cell::new(
                 std::env::var("SALA_EXACT_SELECT").is_ok_and(|v| v != "0"),
             ),
@@ -391,6 +433,12 @@ impl CudaBackend {
     /// `SALA_FALLBACK=gemv-mma`) or on the CUDA-core ones, a launch per row.
     pub fn set_tensor_core_gemv(&self, on: bool) {
         self.tensor_core_gemv.set(on);
+    }
+
+    /// How many sparse-layer calls of batched decode steps ran batched, one launch per kernel
+    /// for all rows (the others ran row by row).
+    pub fn sparse_rows_batched_calls(&self) -> usize {
+        self.sparse_rows_batched.get()
     }
 
     /// The block lists of the last sparse selection: `rows · kv_heads · k_sel` ids (tests).
@@ -887,14 +935,7 @@ impl CudaBackend {
         let t = q.rows;
         let first = cache.len - t;
         let pairs = t * shape.kv_heads;
-        let walk = match mode {
-            SparseMode::Dense => cache.len.div_ceil(64),
-            SparseMode::Sparse => k_sel,
-        };
-        let n_split = walk
-            .min(DECODE_SPLIT_MAX)
-            .min((DECODE_WARPS / pairs).max(1))
-            .max(1);
+        let n_split = decode_split(mode, cache.len, k_sel, pairs);
         let part = self.scratch_ptr(
             |s| &mut s.attn_part,
             n_split * t * shape.heads * (shape.head_dim + 2),
@@ -921,6 +962,178 @@ impl CudaBackend {
             ],
         )?;
         self.attention_merge(shape, t, part, n_split, out)
+    }
+
+    /// Whether attention runs a warp per (query, group) and 64-key block walk
+    /// (`attention_gather`, `attention_decode`).
+    fn warp_walk(&self, shape: AttnShape, cfg: &SparseConfig, mode: SparseMode) -> bool {
+        shape.group() <= 16
+            && matches!(shape.head_dim, 64 | 128)
+            && (mode == SparseMode::Dense || cfg.block_size == 64)
+            && !self.fallback.attention
+    }
+
+    /// `sparse_rows` in one launch per kernel for all rows: each row's K and V appended to its
+    /// cache, then block selection (sparse) and attention as `sparse_attention` runs them for
+    /// one row (`select_decode`, `attention_decode`), each row with its own cache, position and
+    /// split, so every row's result has the bits it gets alone. The caller checked that all
+    /// rows have one mode and fit (`sparse_rows_fit`).
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_rows_batched(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        caches: &mut [&mut DevSparseCache],
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let rows = caches.len();
+        self.sparse_rows_batched
+            .set(self.sparse_rows_batched.get() + 1);
+        let mut t = SeqRows::empty();
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let kw = cache.kv_width;
+            let first = cache.len;
+            self.reserve(cache, first + 1, cfg, false)?;
+            self.copy(&cache.k, first * kw, &k.buf, r * kw, kw)?;
+            self.copy(&cache.v, first * kw, &v.buf, r * kw, kw)?;
+            cache.len += 1;
+            self.compress_new_windows(cache, cfg)?;
+            let k_sel = cfg.selected_blocks();
+            t.k[r] = self.ptr(&cache.k);
+            t.v[r] = self.ptr(&cache.v);
+            t.k1[r] = self.ptr(&cache.k1);
+            t.k2[r] = self.ptr(&cache.k2);
+            t.pos[r] = first as i32;
+            t.n1[r] = cache.n1 as i32;
+            t.n2[r] = cache.n2 as i32;
+            t.split[r] = decode_split(mode, cache.len, k_sel, shape.kv_heads) as i32;
+        }
+        let pairs = rows * shape.kv_heads;
+        let k_sel = cfg.selected_blocks();
+        let max_of = |f: &dyn Fn(&DevSparseCache) -> usize| caches.iter().map(|c| f(c)).max();
+        let blocks = match mode {
+            SparseMode::Dense => 0,
+            SparseMode::Sparse => {
+                let blocks = self.scratch_ptr(|s| &mut s.blocks, pairs * k_sel)?;
+                let g = shape.group();
+                let (n1, n2) = (
+                    max_of(&|c| c.n1).unwrap_or(0),
+                    max_of(&|c| c.n2).unwrap_or(0),
+                );
+                let len = max_of(&|c| c.len).unwrap_or(0);
+                let n_split = n2.div_ceil(SD_KEYS).max(1);
+                let p_stride = n1.max(1).next_multiple_of(8);
+                let part = self.scratch_ptr(|s| &mut s.lse, pairs * n_split * g * 2)?;
+                let p16 = self.scratch_ptr(|s| &mut s.p16, pairs * p_stride)?;
+                let head = [
+                    Arg::P(self.ptr(&q.buf)),
+                    Arg::Seqs(&t),
+                    Arg::I(shape.heads as i32),
+                    Arg::I(shape.kv_heads as i32),
+                    Arg::I(shape.head_dim as i32),
+                    Arg::F(shape.scale() as f32),
+                ];
+                let mut args = head.to_vec();
+                args.extend([
+                    Arg::I(cfg.k2_window() as i32),
+                    Arg::I(cfg.k2_stride() as i32),
+                    Arg::P(part),
+                ]);
+                let grid = (pairs as u32, n_split as u32, 1);
+                self.launch(K::SdLseRows, grid, SD_THREADS, 0, &args)?;
+                let mut args = head.to_vec();
+                args.extend([
+                    Arg::I(cfg.k1_window() as i32),
+                    Arg::I(cfg.k1_stride() as i32),
+                    Arg::P(part),
+                    Arg::I(n_split as i32),
+                    Arg::P(p16),
+                    Arg::I(p_stride as i32),
+                ]);
+                let grid = (pairs as u32, n1.div_ceil(SD_KEYS).max(1) as u32, 1);
+                self.launch(K::SdPRows, grid, SD_THREADS, 0, &args)?;
+                let keys = sd_topk_smem(len, cfg);
+                let stage_p = keys + 2 * p_stride <= registry::SD_TOPK_MAX_SMEM;
+                let smem = keys + if stage_p { 2 * p_stride } else { 0 };
+                self.launch(
+                    K::SdTopkRows,
+                    (pairs as u32, 1, 1),
+                    SD_TOPK_THREADS,
+                    smem as u32,
+                    &[
+                        Arg::P(p16),
+                        Arg::I(p_stride as i32),
+                        Arg::Seqs(&t),
+                        Arg::I(shape.kv_heads as i32),
+                        Arg::I(cfg.block_size as i32),
+                        Arg::I(cfg.k1_window() as i32),
+                        Arg::I(cfg.k1_stride() as i32),
+                        Arg::I(cfg.init_blocks as i32),
+                        Arg::I(cfg.local_blocks() as i32),
+                        Arg::I(k_sel as i32),
+                        Arg::I(stage_p as i32),
+                        Arg::P(blocks),
+                    ],
+                )?;
+                blocks
+            }
+        };
+        let n_split = t.split[..rows].iter().copied().max().unwrap_or(1).max(1) as usize;
+        let part = self.scratch_ptr(
+            |s| &mut s.attn_part,
+            n_split * rows * shape.heads * (shape.head_dim + 2),
+        )?;
+        self.launch(
+            K::AttentionDecodeRows,
+            (pairs as u32, n_split.div_ceil(4) as u32, 1),
+            128,
+            0,
+            &[
+                Arg::P(self.ptr(&q.buf)),
+                Arg::Seqs(&t),
+                Arg::P(part),
+                Arg::I(rows as i32),
+                Arg::I(shape.heads as i32),
+                Arg::I(shape.kv_heads as i32),
+                Arg::I(shape.head_dim as i32),
+                Arg::F(shape.scale() as f32),
+                Arg::P(blocks),
+                Arg::I(k_sel as i32),
+                Arg::I(n_split as i32),
+            ],
+        )?;
+        self.attention_merge(shape, rows, part, n_split, out)
+    }
+
+    /// Whether `sparse_rows_batched` takes these rows: at most `SEQ_ROWS`, one mode, and each
+    /// row (its cache one token longer) on the path `sparse_attention` takes for one decode row
+    /// (`select_decode` when sparse, then `attention_decode`).
+    fn sparse_rows_fit(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        modes: &[SparseMode],
+        caches: &[&mut DevSparseCache],
+    ) -> Option<SparseMode> {
+        let mode = *modes.first()?;
+        let one_mode = modes.iter().all(|&m| m == mode);
+        let select_ok = mode == SparseMode::Dense
+            || (!self.exact_select.get()
+                && caches
+                    .iter()
+                    .all(|c| decode_select_fits(shape, cfg, c.len + 1)));
+        (caches.len() <= SEQ_ROWS
+            && !self.fallback.sparse_rows
+            && modes.len() == caches.len()
+            && one_mode
+            && shape.kv_heads < SELECT_ONE_KERNEL_PAIRS
+            && self.warp_walk(shape, cfg, mode)
+            && select_ok)
+            .then_some(mode)
     }
 
     /// Combines the `n_split` partial attention states at `part` of `t` queries into `out`
@@ -1007,6 +1220,7 @@ impl CudaBackend {
                 Arg::I(i) => b.arg(i),
                 Arg::F(x) => b.arg(x),
                 Arg::Rows(t) => b.arg(*t),
+                Arg::Seqs(t) => b.arg(*t),
             };
         }
         let cfg = LaunchConfig {
@@ -1841,6 +2055,27 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn sparse_rows(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        modes: &[SparseMode],
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        caches: &mut [&mut DevSparseCache],
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        match self.sparse_rows_fit(shape, cfg, modes, caches) {
+            Some(mode) if q.rows == caches.len() => {
+                self.sparse_rows_batched(shape, cfg, mode, q, k, v, caches, out)
+            }
+            _ => sala_model::backend::sparse_row_by_row(
+                self, shape, cfg, modes, q, k, v, caches, out,
+            ),
+        }
+    }
+
     fn lightning_rows(
         &self,
         shape: AttnShape,
@@ -2036,11 +2271,7 @@ impl Backend for CudaBackend {
             Arg::P(blocks),
             Arg::I(k_sel as i32),
         ];
-        // One warp per (query, group) and 64-key block walk: attention_gather, attention_decode.
-        let warp_walk = shape.group() <= 16
-            && matches!(shape.head_dim, 64 | 128)
-            && (mode == SparseMode::Dense || cfg.block_size == 64)
-            && !self.fallback.attention;
+        let warp_walk = self.warp_walk(shape, cfg, mode);
         let pairs = t * shape.kv_heads;
         if warp_walk && pairs < SELECT_ONE_KERNEL_PAIRS {
             return self.attention_decode(shape, mode, q, cache, blocks, k_sel, out);
@@ -2147,6 +2378,18 @@ impl Backend for CudaBackend {
     fn to_host(&self, a: &DevAct) -> BResult<Vec<f32>> {
         self.download(&a.buf, a.rows * a.cols)
     }
+}
+
+/// Warps (key splits) of `attention_decode` for `pairs` (query, group) pairs of a sequence
+/// holding `len` tokens: a 64-key block walk over all blocks (dense) or the `k_sel` selected.
+fn decode_split(mode: SparseMode, len: usize, k_sel: usize, pairs: usize) -> usize {
+    let walk = match mode {
+        SparseMode::Dense => len.div_ceil(64),
+        SparseMode::Sparse => k_sel,
+    };
+    walk.min(DECODE_SPLIT_MAX)
+        .min((DECODE_WARPS / pairs).max(1))
+        .max(1)
 }
 
 /// A [`DecodeRows`] of the given state pointers and positions (each at most [`DECODE_ROWS`]).

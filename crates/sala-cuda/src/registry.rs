@@ -86,6 +86,10 @@ pub enum K {
     GemvSiluMma16,
     LightningDecodeRows,
     RopeTableRows,
+    SdLseRows,
+    SdPRows,
+    SdTopkRows,
+    AttentionDecodeRows,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -138,6 +142,10 @@ pub const KERNELS: &[&str] = &[
     "gemv_silu_mma16",
     "lightning_decode_rows",
     "rope_table_rows",
+    "sd_lse_rows",
+    "sd_p_rows",
+    "sd_topk_rows",
+    "attention_decode_rows",
 ];
 
 /// Dynamic shared memory of `lightning_fused` for head size `d` (`LF_SMEM` in

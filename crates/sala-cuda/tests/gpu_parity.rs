@@ -3,7 +3,8 @@
 //! `scripts/gpu-build.sh` builds them here and `scripts/gpu-run.sh` runs them on the GPU machine.
 
 use sala_checkpoint::{
-    preset, write_random_checkpoint, Checkpoint, DType, ModelConfig, SparseConfig, WriteOptions,
+    preset, write_random_checkpoint, Checkpoint, DType, MixerKind, ModelConfig, SparseConfig,
+    WriteOptions,
 };
 use sala_cpu::attention::{self as cpu_attn, SparseCache};
 use sala_cpu::{CpuAct, CpuBackend};
@@ -734,36 +735,34 @@ fn small_model_matches_cpu() {
     check_model(preset("small").unwrap(), 300, 270, 128);
 }
 
-/// A batched decode step on the GPU gives every sequence the logits it gets decoded alone,
-/// bit for bit, on the tensor-core GEMVs (16 rows a launch) and on the CUDA-core ones.
-#[test]
-#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
-fn batched_decode_equals_decoding_alone_on_the_gpu() {
-    let g = gpu();
-    let mut config = preset("tiny").unwrap();
-    config.sparse.dense_len = 100;
+/// Decodes `steps` random tokens after each prompt of the given lengths, alone and then all
+/// together in batched steps, on the tensor-core GEMVs and on the CUDA-core ones; every
+/// sequence must get the same logits, bit for bit. Returns how many sparse-layer calls ran
+/// batched (`sparse_rows_batched`).
+fn check_batched_decode(
+    g: &CudaBackend,
+    config: ModelConfig,
+    lens: &[usize],
+    steps: usize,
+) -> usize {
     let v = config.vocab_size;
-    let model = Model::random(&g, config, 5, &mut |_, _| {}).unwrap();
+    let model = Model::random(g, config, 5, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(77);
-    // 19 sequences: a full group of 16 rows (two MMA tiles), then 3 rows (one tile).
-    let lens = [
-        5usize, 99, 100, 180, 33, 7, 64, 1, 120, 2, 50, 17, 130, 3, 98, 101, 64, 9, 77,
-    ];
     let prompts: Vec<Vec<u32>> = lens
         .iter()
         .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
         .collect();
-    let steps = 4;
     let feeds: Vec<Vec<u32>> = lens
         .iter()
         .map(|_| (0..steps).map(|_| rng.below(v) as u32).collect())
         .collect();
-    let mut ws = model.workspace(&g, 64).unwrap();
+    let mut ws = model.workspace(g, 512).unwrap();
     let prefilled = |ws: &mut _, p: &[u32]| {
-        let mut seq = model.new_sequence(&g).unwrap();
-        model.prefill(&g, ws, &mut seq, p, &mut |_| {}).unwrap();
+        let mut seq = model.new_sequence(g).unwrap();
+        model.prefill(g, ws, &mut seq, p, &mut |_| {}).unwrap();
         seq
     };
+    let before = g.sparse_rows_batched_calls();
     for tensor_cores in [true, false] {
         g.set_tensor_core_gemv(tensor_cores);
         let mut alone = Vec::new();
@@ -771,7 +770,7 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
             let mut seq = prefilled(&mut ws, p);
             let rows: Vec<Vec<f32>> = f
                 .iter()
-                .map(|&t| model.decode(&g, &mut ws, &mut seq, t).unwrap())
+                .map(|&t| model.decode(g, &mut ws, &mut seq, t).unwrap())
                 .collect();
             alone.push(rows);
         }
@@ -779,7 +778,7 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
         for step in 0..steps {
             let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
             let mut refs: Vec<_> = seqs.iter_mut().collect();
-            let logits = model.decode_batch(&g, &mut ws, &mut refs, &toks).unwrap();
+            let logits = model.decode_batch(g, &mut ws, &mut refs, &toks).unwrap();
             for (i, row) in logits.chunks(v).enumerate() {
                 assert!(
                     row == alone[i][step].as_slice(),
@@ -791,4 +790,51 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
         }
     }
     g.set_tensor_core_gemv(true);
+    g.sparse_rows_batched_calls() - before
+}
+
+/// A batched decode step on the GPU gives every sequence the logits it gets decoded alone, bit
+/// for bit: the tiny model (sparse layers row by row: head size 32), sequences on both sides of
+/// dense_len in one batch; 19 of them, a full group of 16 GEMV rows (two MMA tiles), then 3.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn batched_decode_equals_decoding_alone_on_the_gpu() {
+    let g = gpu();
+    let mut config = preset("tiny").unwrap();
+    config.sparse.dense_len = 100;
+    let lens = [
+        5usize, 99, 100, 180, 33, 7, 64, 1, 120, 2, 50, 17, 130, 3, 98, 101, 64, 9, 77,
+    ];
+    assert_eq!(check_batched_decode(&g, config, &lens, 4), 0);
+}
+
+/// The same on the release-shaped small model, whose sparse layers run batched (one launch per
+/// kernel for all rows): all rows sparse (8 blocks selected of up to 24), then all dense.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn batched_sparse_layers_equal_decoding_alone_on_the_gpu() {
+    let g = gpu();
+    // The tensor-core selection: the batched path is its batched form.
+    g.set_exact_selection(false);
+    let mut config = preset("small").unwrap();
+    config.sparse.dense_len = 100;
+    config.sparse.topk = 4;
+    config.sparse.window_size = 256;
+    let sparse = [
+        300usize, 1500, 1023, 1024, 1025, 640, 777, 129, 1400, 901, 512, 100,
+    ];
+    let layers = config
+        .mixer_types
+        .iter()
+        .filter(|m| **m == MixerKind::Sparse)
+        .count();
+    let calls = check_batched_decode(&g, config.clone(), &sparse, 5);
+    assert_eq!(
+        calls,
+        2 * 5 * layers,
+        "every batched step's sparse layers run batched"
+    );
+    let dense = [5usize, 90, 64, 1, 33, 94, 17];
+    let calls = check_batched_decode(&g, config, &dense, 5);
+    assert_eq!(calls, 2 * 5 * layers);
 }

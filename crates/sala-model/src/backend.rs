@@ -299,6 +299,24 @@ pub trait Backend {
             self, shape, slopes, q, k, v, norms, inv_freq, positions, states, out,
         )
     }
+    /// One decode step of a sparse layer for several sequences: row `r` of `q`, `k`, `v` is the
+    /// next token of the sequence whose cache is `caches[r]`, attended with `modes[r]`; as
+    /// [`Backend::sparse_attention`] of one row each (row by row here; in a few launches for
+    /// all rows where the backend batches them, with each row's result unchanged).
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_rows(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        modes: &[SparseMode],
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        caches: &mut [&mut Self::SparseCache],
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        sparse_row_by_row(self, shape, cfg, modes, q, k, v, caches, out)
+    }
     /// Appends the chunk's K and V to `cache`, then attends the chunk's queries (positions
     /// continue the cache) with `mode` (SPEC §5); `out` gets the result rounded to bf16.
     #[allow(clippy::too_many_arguments)]
@@ -360,6 +378,41 @@ pub fn lightning_row_by_row<B: Backend + ?Sized>(
         be.copy_rows(v, r, &mut rv, 0, 1)?;
         be.head_norm_rope_qk(&mut rq, &mut rk, d, norms, inv_freq.map(|f| (f, pos)))?;
         be.lightning(shape, slopes, &rq, &rk, &rv, state, &mut ro)?;
+        be.copy_rows(&ro, 0, out, r, 1)?;
+    }
+    Ok(())
+}
+
+/// [`Backend::sparse_rows`] one row at a time, through one-row buffers.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_row_by_row<B: Backend + ?Sized>(
+    be: &B,
+    shape: AttnShape,
+    cfg: &SparseConfig,
+    modes: &[SparseMode],
+    q: &B::Act,
+    k: &B::Act,
+    v: &B::Act,
+    caches: &mut [&mut B::SparseCache],
+    out: &mut B::Act,
+) -> BResult<()> {
+    if modes.len() != caches.len() {
+        return Err(BackendError(format!(
+            "sparse_rows: {} modes for {} caches",
+            modes.len(),
+            caches.len()
+        )));
+    }
+    let d = shape.head_dim;
+    let mut rq = be.alloc(1, shape.heads * d)?;
+    let mut rk = be.alloc(1, shape.kv_heads * d)?;
+    let mut rv = be.alloc(1, shape.kv_heads * d)?;
+    let mut ro = be.alloc(1, shape.heads * d)?;
+    for (r, (cache, &mode)) in caches.iter_mut().zip(modes).enumerate() {
+        be.copy_rows(q, r, &mut rq, 0, 1)?;
+        be.copy_rows(k, r, &mut rk, 0, 1)?;
+        be.copy_rows(v, r, &mut rv, 0, 1)?;
+        be.sparse_attention(shape, cfg, mode, &rq, &rk, &rv, cache, &mut ro)?;
         be.copy_rows(&ro, 0, out, r, 1)?;
     }
     Ok(())

@@ -78,17 +78,6 @@ pub struct Workspace<B: Backend> {
     vl: B::Act,
     gate_up: B::Act,
     act: B::Act,
-    /// One row of q, k, v and o, where a batched decode runs each sequence's sparse attention
-    /// on its own row (a few KB, outside the memory plan's buffer list).
-    row: RowScratch<B>,
-}
-
-/// One-row buffers for per-sequence sparse attention inside a batched decode step.
-struct RowScratch<B: Backend> {
-    q: B::Act,
-    o: B::Act,
-    k: B::Act,
-    v: B::Act,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -438,14 +427,6 @@ impl<B: Backend> Model<B> {
         else {
             return Err(BackendError("workspace: wrong buffer count".into()));
         };
-        let c = &self.config;
-        let hd = c.num_attention_heads * c.head_dim;
-        let row = RowScratch {
-            q: be.alloc(1, hd)?,
-            o: be.alloc(1, hd)?,
-            k: be.alloc(1, c.kv_dim())?,
-            v: be.alloc(1, c.kv_dim())?,
-        };
         Ok(Workspace {
             max_rows,
             h,
@@ -460,7 +441,6 @@ impl<B: Backend> Model<B> {
             vl,
             gate_up,
             act,
-            row,
         })
     }
 
@@ -620,27 +600,26 @@ impl<B: Backend> Model<B> {
                     &mut ws.o,
                 )?;
             } else {
-                // Sparse attention: each sequence on its own row, over its own cache.
-                let row = &mut ws.row;
-                for (r, seq) in seqs.iter_mut().enumerate() {
-                    be.copy_rows(&ws.q, r, &mut row.q, 0, 1)?;
-                    be.copy_rows(&ws.ks, r, &mut row.k, 0, 1)?;
-                    be.copy_rows(&ws.vs, r, &mut row.v, 0, 1)?;
-                    let pos = seq.pos;
-                    let state = &mut seq.layers[i];
-                    self.attend(
-                        be,
-                        &layer.mixer,
-                        state,
-                        pos,
-                        modes[r],
-                        &mut row.q,
-                        &mut row.k,
-                        &row.v,
-                        &mut row.o,
-                    )?;
-                    be.copy_rows(&row.o, 0, &mut ws.o, r, 1)?;
-                }
+                // Sparse attention: each sequence's row over its own cache.
+                let mut caches = seqs
+                    .iter_mut()
+                    .map(|s| match &mut s.layers[i] {
+                        LayerState::Sparse(cache) => Ok(cache),
+                        LayerState::Lightning(_) => Err(BackendError(
+                            "layer state does not match the layer kind".into(),
+                        )),
+                    })
+                    .collect::<BResult<Vec<_>>>()?;
+                be.sparse_rows(
+                    self.sparse_shape(),
+                    &c.sparse,
+                    modes,
+                    &ws.q,
+                    &ws.ks,
+                    &ws.vs,
+                    &mut caches,
+                    &mut ws.o,
+                )?;
             }
             let normed = match &layer.mixer {
                 Mixer::Lightning {
