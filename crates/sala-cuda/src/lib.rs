@@ -4,6 +4,7 @@
 
 pub mod gemm;
 pub mod libs;
+pub mod pool;
 pub mod profile;
 pub mod registry;
 
@@ -34,13 +35,57 @@ pub struct DevMatrix {
     pub cols: usize,
 }
 
+/// Device memory a kernel argument can point at.
+pub trait DevMem<T> {
+    fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64;
+}
+
+impl<T> DevMem<T> for CudaSlice<T> {
+    fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+
+/// A per-sequence buffer (a cache or a lightning state) of `T`: its own allocation, or a range
+/// of the page pool (`SALA_KV_POOL=1`), which grows in place.
+pub enum Store<T> {
+    Own(CudaSlice<T>),
+    Paged { buf: pool::PagedBuf, len: usize },
+}
+
+impl<T> DevMem<T> for Store<T> {
+    fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64 {
+        match self {
+            Store::Own(s) => s.dev_ptr(stream),
+            Store::Paged { buf, .. } => buf.ptr(),
+        }
+    }
+}
+
+impl<T> Store<T> {
+    /// Elements usable now.
+    pub fn len(&self) -> usize {
+        match self {
+            Store::Own(s) => s.len(),
+            Store::Paged { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Lightning state of one layer for one sequence: `[heads, d, d]` fp32.
+pub type DevLightningState = Store<f32>;
+
 /// One sparse layer's cache for one sequence: K, V and both compressed-key tiers, grown by
-/// doubling as tokens arrive.
+/// doubling as tokens arrive (in place, in the page pool).
 pub struct DevSparseCache {
-    k: CudaSlice<u16>,
-    v: CudaSlice<u16>,
-    k1: CudaSlice<u16>,
-    k2: CudaSlice<u16>,
+    k: Store<u16>,
+    v: Store<u16>,
+    k1: Store<u16>,
+    k2: Store<u16>,
     len: usize,
     n1: usize,
     n2: usize,
@@ -185,7 +230,13 @@ pub struct CudaBackend {
     tensor_core_gemv: std::cell::Cell<bool>,
     /// Sparse-layer decode steps run batched (`sparse_rows_batched`), for tests.
     sparse_rows_batched: std::cell::Cell<usize>,
+    /// Where per-sequence caches and states live: the page pool, or one allocation each.
+    pool: Option<pool::SharedPool>,
 }
+
+/// Longest sequence a cache in the page pool can hold (addresses only: 2 GiB of them for the
+/// K of a released sparse layer).
+const POOL_MAX_TOKENS: usize = 1 << 22;
 
 /// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
 /// it is used for.
@@ -377,6 +428,16 @@ impl CudaBackend {
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let profiler = profile::Profiler::from_env(&ctx);
         let fallback = Fallback::from_env();
+        // Per-sequence buffers in one page pool (off until measured on a GPU: SALA_KV_POOL=1),
+        // capped at the device's memory.
+        let pool = if std::env::var("SALA_KV_POOL").is_ok_and(|v| v == "1") {
+            let (_, total) = cudarc::driver::result::mem_get_info()
+                .map_err(|e| format!("device memory: {e:?}"))?;
+            let p = pool::PagePool::new(ctx.clone(), total).map_err(|e| e.0)?;
+            Some(std::rc::Rc::new(RefCell::new(p)))
+        } else {
+            None
+        };
         if profiler.is_some() {
             for line in kernels.describe() {
                 eprintln!("kernel {line}");
@@ -396,6 +457,7 @@ impl CudaBackend {
             fallback,
             tensor_core_gemv: std::cell::Cell::new(!fallback.gemv_mma),
             sparse_rows_batched: Default::default(),
+            pool,
             exact_select: std::cell::Cell::new(
                 std::env::var("SALA_EXACT_SELECT").is_ok_and(|v| v != "0"),
             ),
@@ -580,7 +642,7 @@ impl CudaBackend {
         q: &DevAct,
         k: &DevAct,
         v: &DevAct,
-        state: &mut CudaSlice<f32>,
+        state: &mut DevLightningState,
         out: &mut DevAct,
     ) -> BResult<()> {
         let (t, d, heads) = (q.rows, shape.head_dim, shape.heads);
@@ -649,7 +711,7 @@ impl CudaBackend {
         q: &DevAct,
         k: &DevAct,
         v: &DevAct,
-        state: &mut CudaSlice<f32>,
+        state: &mut DevLightningState,
         out: &mut DevAct,
     ) -> BResult<()> {
         const CHUNK: usize = 64;
@@ -1187,8 +1249,8 @@ impl CudaBackend {
         Ok((total - free, total))
     }
 
-    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
-        s.device_ptr(&self.stream).0
+    fn ptr<T>(&self, s: &impl DevMem<T>) -> u64 {
+        s.dev_ptr(&self.stream)
     }
 
     fn launch(
@@ -1342,9 +1404,9 @@ impl CudaBackend {
     /// Copies `bytes` from `src + src_off` to `dst + dst_off` (offsets in elements of T).
     fn copy<T>(
         &self,
-        dst: &CudaSlice<T>,
+        dst: &impl DevMem<T>,
         dst_off: usize,
-        src: &CudaSlice<T>,
+        src: &impl DevMem<T>,
         src_off: usize,
         n: usize,
     ) -> BResult<()> {
@@ -1381,25 +1443,79 @@ impl CudaBackend {
             needed.max(2 * c.cap).max(256)
         };
         let kw = c.kv_width;
-        let grow =
-            |old: &CudaSlice<u16>, old_rows: usize, rows: usize| -> BResult<CudaSlice<u16>> {
-                let new = self.alloc_u16(rows * kw)?;
-                self.copy(&new, 0, old, 0, old_rows * kw)?;
-                Ok(new)
-            };
-        c.k = grow(&c.k, c.len, cap)?;
-        c.v = grow(&c.v, c.len, cap)?;
-        c.k1 = grow(
-            &c.k1,
-            c.n1,
-            windows(cap, cfg.k1_window(), cfg.k1_stride()) + 1,
-        )?;
-        c.k2 = grow(
-            &c.k2,
-            c.n2,
-            windows(cap, cfg.k2_window(), cfg.k2_stride()) + 1,
-        )?;
+        self.grow(&mut c.k, c.len * kw, cap * kw)?;
+        self.grow(&mut c.v, c.len * kw, cap * kw)?;
+        let n1 = windows(cap, cfg.k1_window(), cfg.k1_stride()) + 1;
+        self.grow(&mut c.k1, c.n1 * kw, n1 * kw)?;
+        let n2 = windows(cap, cfg.k2_window(), cfg.k2_stride()) + 1;
+        self.grow(&mut c.k2, c.n2 * kw, n2 * kw)?;
         c.cap = cap;
+        Ok(())
+    }
+
+    /// Makes `store` hold `n` elements, keeping its first `kept`: in place in the page pool,
+    /// else by a new allocation and a copy.
+    fn grow(&self, store: &mut Store<u16>, kept: usize, n: usize) -> BResult<()> {
+        match store {
+            Store::Own(old) => {
+                let new = self.alloc_u16(n)?;
+                self.copy(&new, 0, old, 0, kept)?;
+                *store = Store::Own(new);
+            }
+            Store::Paged { buf, len } => {
+                buf.ensure(2 * n)?;
+                *len = (*len).max(n);
+            }
+        }
+        Ok(())
+    }
+
+    /// A per-sequence buffer of `n` elements of `T` that may grow to `max` (zeroed when
+    /// `zero`): in the page pool when there is one.
+    fn new_store<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+        max: usize,
+        zero: bool,
+    ) -> BResult<Store<T>> {
+        let size = std::mem::size_of::<T>();
+        match &self.pool {
+            Some(pool) => {
+                let mut buf = pool::PagedBuf::new(pool, &self.stream, max * size)?;
+                buf.ensure(n * size)?;
+                if zero && n > 0 {
+                    unsafe {
+                        cudarc::driver::result::memset_d8_async(
+                            buf.ptr(),
+                            0,
+                            n * size,
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .map_err(|e| be_err("clearing a pool buffer", e))?;
+                }
+                Ok(Store::Paged { buf, len: n })
+            }
+            None => {
+                let s = self
+                    .stream
+                    .alloc_zeros::<T>(n.max(1))
+                    .map_err(|e| be_err(&format!("allocating {} MiB", (n * size) >> 20), e))?;
+                Ok(Store::Own(s))
+            }
+        }
+    }
+
+    /// The page pool per-sequence buffers come from, if any.
+    pub fn page_pool(&self) -> Option<&pool::SharedPool> {
+        self.pool.as_ref()
+    }
+
+    /// Takes the caches and states of sequences made from now on from a page pool of at most
+    /// `limit_bytes` (those made before keep their own allocations).
+    pub fn use_page_pool(&mut self, limit_bytes: usize) -> BResult<()> {
+        let p = pool::PagePool::new(self.ctx.clone(), limit_bytes)?;
+        self.pool = Some(std::rc::Rc::new(RefCell::new(p)));
         Ok(())
     }
 
@@ -1665,7 +1781,7 @@ impl Backend for CudaBackend {
     type Act = DevAct;
     type Matrix = DevMatrix;
     type Vector = CudaSlice<u16>;
-    type LightningState = CudaSlice<f32>;
+    type LightningState = DevLightningState;
     type SparseCache = DevSparseCache;
     type Table = CudaSlice<f32>;
 
@@ -1754,10 +1870,9 @@ impl Backend for CudaBackend {
         self.copy(&dst.buf, dst_row * w, &src.buf, src_row * w, n * w)
     }
 
-    fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<CudaSlice<f32>> {
-        self.stream
-            .alloc_zeros::<f32>(heads * head_dim * head_dim)
-            .map_err(|e| be_err("lightning state", e))
+    fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<DevLightningState> {
+        let n = heads * head_dim * head_dim;
+        self.new_store(n, n, true)
     }
 
     fn reserve_sparse_cache(
@@ -1769,12 +1884,16 @@ impl Backend for CudaBackend {
         self.reserve(cache, tokens, cfg, true)
     }
 
-    fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<DevSparseCache> {
+    fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<DevSparseCache> {
+        // Addresses for POOL_MAX_TOKENS tokens (only the pool uses them; nothing is mapped yet).
+        let kw = shape.kv_width();
+        let max = POOL_MAX_TOKENS * kw;
+        let tier = |w: usize, s: usize| (windows(POOL_MAX_TOKENS, w, s) + 1) * kw;
         Ok(DevSparseCache {
-            k: self.alloc_u16(1)?,
-            v: self.alloc_u16(1)?,
-            k1: self.alloc_u16(1)?,
-            k2: self.alloc_u16(1)?,
+            k: self.new_store(0, max, false)?,
+            v: self.new_store(0, max, false)?,
+            k1: self.new_store(0, tier(cfg.k1_window(), cfg.k1_stride()), false)?,
+            k2: self.new_store(0, tier(cfg.k2_window(), cfg.k2_stride()), false)?,
             len: 0,
             n1: 0,
             n2: 0,
@@ -1803,7 +1922,7 @@ impl Backend for CudaBackend {
         self.compress_new_windows(cache, cfg)
     }
 
-    fn fill_lightning_state_random(&self, state: &mut CudaSlice<f32>, seed: u64) -> BResult<()> {
+    fn fill_lightning_state_random(&self, state: &mut DevLightningState, seed: u64) -> BResult<()> {
         // Each fp32 as two bf16 values: the high one sets its value (±RANDOM_STATE_STD), the
         // low one its last mantissa bits.
         self.fill_random(self.ptr(state), 2 * state.len(), seed, RANDOM_STATE_STD)
@@ -2086,7 +2205,7 @@ impl Backend for CudaBackend {
         norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
         inv_freq: Option<&CudaSlice<f32>>,
         positions: &[usize],
-        states: &mut [&mut CudaSlice<f32>],
+        states: &mut [&mut DevLightningState],
         out: &mut DevAct,
     ) -> BResult<()> {
         let rows = states.len();
@@ -2156,7 +2275,7 @@ impl Backend for CudaBackend {
         q: &DevAct,
         k: &DevAct,
         v: &DevAct,
-        state: &mut CudaSlice<f32>,
+        state: &mut DevLightningState,
         out: &mut DevAct,
     ) -> BResult<()> {
         if q.rows == 1 && shape.head_dim <= 256 {

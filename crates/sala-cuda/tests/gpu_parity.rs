@@ -8,7 +8,7 @@ use sala_checkpoint::{
 };
 use sala_cpu::attention::{self as cpu_attn, SparseCache};
 use sala_cpu::{CpuAct, CpuBackend};
-use sala_cuda::CudaBackend;
+use sala_cuda::{CudaBackend, Store};
 use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
 use sala_model::oracle::{self, AttnShape, SparseMode};
 use sala_model::{Backend, HostDType, HostTensor, Model, WeightSource};
@@ -339,7 +339,7 @@ fn lightning_matches_oracle() {
                 let o = cpu_attn::lightning(shape, &slopes, &q, &k, &v, &mut s);
                 (o, s)
             };
-            let mut st = g.f32_from_host(&init).unwrap();
+            let mut st = Store::Own(g.f32_from_host(&init).unwrap());
             let mut out = g
                 .act_from_host(&vec![0.0; t_n * shape.q_width()], shape.q_width())
                 .unwrap();
@@ -360,9 +360,10 @@ fn lightning_matches_oracle() {
                 &want_o,
                 5e-3,
             );
+            let Store::Own(st) = &st else { unreachable!() };
             close(
                 &format!("{ctx} state"),
-                &g.f32_to_host(&st).unwrap(),
+                &g.f32_to_host(st).unwrap(),
                 &want_s,
                 1e-4,
             );
@@ -837,4 +838,63 @@ fn batched_sparse_layers_equal_decoding_alone_on_the_gpu() {
     let dense = [5usize, 90, 64, 1, 33, 94, 17];
     let calls = check_batched_decode(&g, config, &dense, 5);
     assert_eq!(calls, 2 * 5 * layers);
+}
+
+/// Caches and states in the page pool give the logits their own allocations give, bit for
+/// bit (chunked prefill that grows every cache, then decode steps); dropped sequences hand
+/// their pages back, the next ones reuse them, and a pool too small for a sequence is a clear
+/// error with the backend still working.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn page_pool_caches_match_own_allocations() {
+    let mut g = gpu();
+    let mut config = preset("small").unwrap();
+    config.sparse.dense_len = 100;
+    config.sparse.topk = 4;
+    config.sparse.window_size = 256;
+    let v = config.vocab_size;
+    let model = Model::random(&g, config, 9, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(31);
+    let prompts: Vec<Vec<u32>> = [700usize, 5000, 64]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
+        .collect();
+    let run = |g: &CudaBackend| -> Vec<Vec<f32>> {
+        let mut ws = model.workspace(g, 512).unwrap();
+        let mut out = Vec::new();
+        for p in &prompts {
+            let mut seq = model.new_sequence(g).unwrap();
+            out.push(model.prefill(g, &mut ws, &mut seq, p, &mut |_| {}).unwrap());
+            for t in 0..4 {
+                out.push(model.decode(g, &mut ws, &mut seq, t).unwrap());
+            }
+        }
+        out
+    };
+    let own = run(&g);
+    g.use_page_pool(1 << 30).unwrap();
+    let paged = run(&g);
+    assert!(own == paged, "logits differ with caches in the page pool");
+    let pool = g.page_pool().unwrap().clone();
+    assert_eq!(
+        pool.borrow().pages_in_use(),
+        0,
+        "dropped sequences keep pages"
+    );
+    let created = pool.borrow().pages_created();
+    assert!(created > 0);
+    assert!(run(&g) == own, "logits differ on reused pages");
+    assert_eq!(
+        pool.borrow().pages_created(),
+        created,
+        "pages were not reused"
+    );
+
+    // A pool of two pages cannot hold a sequence's lightning states: an error, then the
+    // backend (with a larger pool) still serves.
+    g.use_page_pool(2 * pool.borrow().page_bytes()).unwrap();
+    let err = model.new_sequence(&g).err().expect("the pool is too small");
+    assert!(err.0.contains("pool is full"), "{}", err.0);
+    g.use_page_pool(1 << 30).unwrap();
+    assert!(run(&g) == own);
 }

@@ -1,0 +1,223 @@
+//! One pool of physical device memory for every sequence's caches and lightning states, through
+//! CUDA's virtual memory management: a buffer reserves a virtual address range for the largest
+//! size it may reach, and the pool's pages (the allocation granularity, 2 MiB on current GPUs)
+//! are mapped into it as it grows and handed back when it is dropped. A buffer never moves or
+//! copies as it grows, kernels see it as one contiguous range, and the pages a finished
+//! sequence held serve the next one.
+
+use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle, CUresult};
+use cudarc::driver::{CudaContext, CudaStream};
+use sala_model::{BResult, BackendError};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+fn check(what: &str, r: CUresult) -> BResult<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(BackendError(format!("CUDA {what}: {r:?}")))
+    }
+}
+
+fn location(ordinal: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ordinal,
+    }
+}
+
+/// The physical pages: those free for reuse, and how many exist, up to `limit`.
+pub struct PagePool {
+    ctx: Arc<CudaContext>,
+    ordinal: i32,
+    page: usize,
+    free: Vec<CUmemGenericAllocationHandle>,
+    created: usize,
+    limit: usize,
+}
+
+/// The pool as buffers share it.
+pub type SharedPool = Rc<RefCell<PagePool>>;
+
+impl PagePool {
+    /// A pool on the context's device holding at most `limit_bytes` (rounded down to pages).
+    pub fn new(ctx: Arc<CudaContext>, limit_bytes: usize) -> BResult<Self> {
+        ctx.bind_to_thread()
+            .map_err(|e| BackendError(format!("CUDA context: {e:?}")))?;
+        let ordinal = ctx.ordinal() as i32;
+        let prop = Self::prop(ordinal);
+        let mut page = 0usize;
+        check("allocation granularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut page,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        })?;
+        if page == 0 {
+            return Err(BackendError("CUDA allocation granularity 0".into()));
+        }
+        Ok(Self {
+            ctx,
+            ordinal,
+            page,
+            free: Vec::new(),
+            created: 0,
+            limit: limit_bytes / page,
+        })
+    }
+
+    fn prop(ordinal: i32) -> sys::CUmemAllocationProp {
+        // SAFETY: a plain C struct for which all-zero is a valid value.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location = location(ordinal);
+        prop
+    }
+
+    /// Bytes of a page.
+    pub fn page_bytes(&self) -> usize {
+        self.page
+    }
+
+    /// Pages mapped into buffers now.
+    pub fn pages_in_use(&self) -> usize {
+        self.created - self.free.len()
+    }
+
+    /// Pages created so far (in use or free for reuse).
+    pub fn pages_created(&self) -> usize {
+        self.created
+    }
+
+    fn take(&mut self) -> BResult<CUmemGenericAllocationHandle> {
+        if let Some(h) = self.free.pop() {
+            return Ok(h);
+        }
+        if self.created >= self.limit {
+            return Err(BackendError(format!(
+                "the cache memory pool is full: {} pages of {} MiB in use",
+                self.created,
+                self.page >> 20
+            )));
+        }
+        let prop = Self::prop(self.ordinal);
+        let mut h: CUmemGenericAllocationHandle = 0;
+        check(
+            &format!(
+                "creating a {} MiB cache page ({} in use)",
+                self.page >> 20,
+                self.created
+            ),
+            unsafe { sys::cuMemCreate(&mut h, self.page, &prop, 0) },
+        )?;
+        self.created += 1;
+        Ok(h)
+    }
+}
+
+impl Drop for PagePool {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            for h in self.free.drain(..) {
+                // SAFETY: a handle this pool created and no buffer maps.
+                unsafe { sys::cuMemRelease(h) };
+            }
+        }
+    }
+}
+
+/// A buffer in the pool: `reserved` bytes of addresses at `base`, the first
+/// `pages.len()` pages of them mapped.
+pub struct PagedBuf {
+    pool: SharedPool,
+    stream: Arc<CudaStream>,
+    base: CUdeviceptr,
+    reserved: usize,
+    pages: Vec<CUmemGenericAllocationHandle>,
+}
+
+impl PagedBuf {
+    /// Reserves addresses for up to `max_bytes`; nothing is mapped yet.
+    pub fn new(pool: &SharedPool, stream: &Arc<CudaStream>, max_bytes: usize) -> BResult<Self> {
+        let page = pool.borrow().page;
+        let reserved = max_bytes.max(1).div_ceil(page) * page;
+        let mut base: CUdeviceptr = 0;
+        check(
+            &format!("reserving {} MiB of addresses", reserved >> 20),
+            unsafe { sys::cuMemAddressReserve(&mut base, reserved, page, 0, 0) },
+        )?;
+        Ok(Self {
+            pool: pool.clone(),
+            stream: stream.clone(),
+            base,
+            reserved,
+            pages: Vec::new(),
+        })
+    }
+
+    /// The device address of the buffer's first byte.
+    pub fn ptr(&self) -> u64 {
+        self.base
+    }
+
+    /// Bytes mapped (usable) now.
+    pub fn mapped(&self) -> usize {
+        self.pages.len() * self.pool.borrow().page
+    }
+
+    /// Maps pages until at least `bytes` are usable; an error, with nothing lost, when that
+    /// is past the reservation or the pool is full.
+    pub fn ensure(&mut self, bytes: usize) -> BResult<()> {
+        if bytes > self.reserved {
+            return Err(BackendError(format!(
+                "a cache of {} MiB does not fit its {} MiB address range",
+                bytes >> 20,
+                self.reserved >> 20
+            )));
+        }
+        let mut pool = self.pool.borrow_mut();
+        let page = pool.page;
+        let access = sys::CUmemAccessDesc {
+            location: location(pool.ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        while self.pages.len() * page < bytes {
+            let h = pool.take()?;
+            let at = self.base + (self.pages.len() * page) as u64;
+            let mapped = check("mapping a cache page", unsafe {
+                sys::cuMemMap(at, page, 0, h, 0)
+            })
+            .and_then(|_| {
+                check("cache page access", unsafe {
+                    sys::cuMemSetAccess(at, page, &access, 1)
+                })
+            });
+            if let Err(e) = mapped {
+                // SAFETY: `at` is unmapped or was just mapped to `h` (unmapping it is harmless).
+                unsafe { sys::cuMemUnmap(at, page) };
+                pool.free.push(h);
+                return Err(e);
+            }
+            self.pages.push(h);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PagedBuf {
+    fn drop(&mut self) {
+        // Work queued on the stream may still use the pages: let it finish first.
+        let _ = self.stream.synchronize();
+        let mut pool = self.pool.borrow_mut();
+        let page = pool.page;
+        for (i, h) in self.pages.drain(..).enumerate() {
+            // SAFETY: page i of this buffer's range is mapped to `h`, and no work uses it.
+            unsafe { sys::cuMemUnmap(self.base + (i * page) as u64, page) };
+            pool.free.push(h);
+        }
+        // SAFETY: the range this buffer reserved, now unmapped.
+        unsafe { sys::cuMemAddressFree(self.base, self.reserved) };
+    }
+}
