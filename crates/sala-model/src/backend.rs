@@ -345,6 +345,31 @@ pub trait Backend {
     fn to_host(&self, a: &Self::Act) -> BResult<Vec<f32>>;
 }
 
+/// Runs `attend(r, q, k, v, out)` for each of `rows` rows through one-row copies of row `r`
+/// of `q`, `k`, `v`, writing its `out` back to row `r` of `out`.
+fn each_row<B: Backend + ?Sized>(
+    be: &B,
+    shape: AttnShape,
+    rows: usize,
+    (q, k, v): (&B::Act, &B::Act, &B::Act),
+    out: &mut B::Act,
+    mut attend: impl FnMut(usize, &mut B::Act, &mut B::Act, &B::Act, &mut B::Act) -> BResult<()>,
+) -> BResult<()> {
+    let d = shape.head_dim;
+    let mut rq = be.alloc(1, shape.heads * d)?;
+    let mut rk = be.alloc(1, shape.kv_heads * d)?;
+    let mut rv = be.alloc(1, shape.kv_heads * d)?;
+    let mut ro = be.alloc(1, shape.heads * d)?;
+    for r in 0..rows {
+        be.copy_rows(q, r, &mut rq, 0, 1)?;
+        be.copy_rows(k, r, &mut rk, 0, 1)?;
+        be.copy_rows(v, r, &mut rv, 0, 1)?;
+        attend(r, &mut rq, &mut rk, &rv, &mut ro)?;
+        be.copy_rows(&ro, 0, out, r, 1)?;
+    }
+    Ok(())
+}
+
 /// [`Backend::lightning_rows`] one row at a time, through one-row buffers.
 #[allow(clippy::too_many_arguments)]
 pub fn lightning_row_by_row<B: Backend + ?Sized>(
@@ -368,19 +393,18 @@ pub fn lightning_row_by_row<B: Backend + ?Sized>(
         )));
     }
     let d = shape.head_dim;
-    let mut rq = be.alloc(1, shape.heads * d)?;
-    let mut rk = be.alloc(1, shape.kv_heads * d)?;
-    let mut rv = be.alloc(1, shape.kv_heads * d)?;
-    let mut ro = be.alloc(1, shape.heads * d)?;
-    for (r, (state, &pos)) in states.iter_mut().zip(positions).enumerate() {
-        be.copy_rows(q, r, &mut rq, 0, 1)?;
-        be.copy_rows(k, r, &mut rk, 0, 1)?;
-        be.copy_rows(v, r, &mut rv, 0, 1)?;
-        be.head_norm_rope_qk(&mut rq, &mut rk, d, norms, inv_freq.map(|f| (f, pos)))?;
-        be.lightning(shape, slopes, &rq, &rk, &rv, state, &mut ro)?;
-        be.copy_rows(&ro, 0, out, r, 1)?;
-    }
-    Ok(())
+    each_row(
+        be,
+        shape,
+        states.len(),
+        (q, k, v),
+        out,
+        |r, rq, rk, rv, ro| {
+            let rope = inv_freq.map(|f| (f, positions[r]));
+            be.head_norm_rope_qk(rq, rk, d, norms, rope)?;
+            be.lightning(shape, slopes, rq, rk, rv, states[r], ro)
+        },
+    )
 }
 
 /// [`Backend::sparse_rows`] one row at a time, through one-row buffers.
@@ -403,17 +427,12 @@ pub fn sparse_row_by_row<B: Backend + ?Sized>(
             caches.len()
         )));
     }
-    let d = shape.head_dim;
-    let mut rq = be.alloc(1, shape.heads * d)?;
-    let mut rk = be.alloc(1, shape.kv_heads * d)?;
-    let mut rv = be.alloc(1, shape.kv_heads * d)?;
-    let mut ro = be.alloc(1, shape.heads * d)?;
-    for (r, (cache, &mode)) in caches.iter_mut().zip(modes).enumerate() {
-        be.copy_rows(q, r, &mut rq, 0, 1)?;
-        be.copy_rows(k, r, &mut rk, 0, 1)?;
-        be.copy_rows(v, r, &mut rv, 0, 1)?;
-        be.sparse_attention(shape, cfg, mode, &rq, &rk, &rv, cache, &mut ro)?;
-        be.copy_rows(&ro, 0, out, r, 1)?;
-    }
-    Ok(())
+    each_row(
+        be,
+        shape,
+        caches.len(),
+        (q, k, v),
+        out,
+        |r, rq, rk, rv, ro| be.sparse_attention(shape, cfg, modes[r], rq, rk, rv, caches[r], ro),
+    )
 }

@@ -62,6 +62,27 @@ enum LayerState<B: Backend> {
     Sparse(B::SparseCache),
 }
 
+/// Layer `i`'s lightning states and sparse caches over `seqs` (a layer has one kind, so one of
+/// the two is empty).
+#[allow(clippy::type_complexity)]
+fn layer_states<'a, B: Backend>(
+    seqs: &'a mut [&mut SeqState<B>],
+    i: usize,
+) -> (Vec<&'a mut B::LightningState>, Vec<&'a mut B::SparseCache>) {
+    let (mut lightning, mut sparse) = (Vec::new(), Vec::new());
+    for seq in seqs.iter_mut() {
+        match &mut seq.layers[i] {
+            LayerState::Lightning(st) => lightning.push(st),
+            LayerState::Sparse(cache) => sparse.push(cache),
+        }
+    }
+    (lightning, sparse)
+}
+
+fn state_mismatch() -> BackendError {
+    BackendError("layer state does not match the layer kind".into())
+}
+
 /// Scratch buffers for one chunk of up to `max_rows` tokens, allocated once: one per entry of
 /// [`workspace_columns`], in its order.
 pub struct Workspace<B: Backend> {
@@ -574,15 +595,10 @@ impl<B: Backend> Model<B> {
             } else if let Mixer::Lightning { q_norm, k_norm, .. } = &layer.mixer {
                 // All sequences' lightning steps at once, each from its own state.
                 let positions: Vec<usize> = seqs.iter().map(|s| s.pos).collect();
-                let mut states = seqs
-                    .iter_mut()
-                    .map(|s| match &mut s.layers[i] {
-                        LayerState::Lightning(st) => Ok(st),
-                        LayerState::Sparse(_) => Err(BackendError(
-                            "layer state does not match the layer kind".into(),
-                        )),
-                    })
-                    .collect::<BResult<Vec<_>>>()?;
+                let (mut states, caches) = layer_states(seqs, i);
+                if !caches.is_empty() {
+                    return Err(state_mismatch());
+                }
                 let norms = q_norm
                     .as_ref()
                     .zip(k_norm.as_ref())
@@ -601,15 +617,10 @@ impl<B: Backend> Model<B> {
                 )?;
             } else {
                 // Sparse attention: each sequence's row over its own cache.
-                let mut caches = seqs
-                    .iter_mut()
-                    .map(|s| match &mut s.layers[i] {
-                        LayerState::Sparse(cache) => Ok(cache),
-                        LayerState::Lightning(_) => Err(BackendError(
-                            "layer state does not match the layer kind".into(),
-                        )),
-                    })
-                    .collect::<BResult<Vec<_>>>()?;
+                let (states, mut caches) = layer_states(seqs, i);
+                if !states.is_empty() {
+                    return Err(state_mismatch());
+                }
                 be.sparse_rows(
                     self.sparse_shape(),
                     &c.sparse,
@@ -688,9 +699,7 @@ impl<B: Backend> Model<B> {
             (Mixer::Sparse { .. }, LayerState::Sparse(cache)) => {
                 be.sparse_attention(self.sparse_shape(), &c.sparse, mode, q, k, v, cache, out)
             }
-            _ => Err(BackendError(
-                "layer state does not match the layer kind".into(),
-            )),
+            _ => Err(state_mismatch()),
         }
     }
 

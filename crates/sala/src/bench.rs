@@ -528,6 +528,13 @@ fn measure<B: Backend + DeviceStats>(
             );
         }
         peak = peak.max(be.memory_in_use());
+        if let Some((in_use, page)) = be.page_pool() {
+            eprintln!(
+                "context {len}: the page pool maps {in_use} pages of {} MiB ({:.2} GiB)",
+                page >> 20,
+                (in_use * page) as f64 / (1u64 << 30) as f64
+            );
+        }
         print_profile(be, &format!("{} decode steps at {len}", args.decode_tokens));
         rows.push(Row {
             context: len,

@@ -72,6 +72,10 @@ pub trait DeviceStats {
     fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
         None
     }
+    /// Pages the page pool maps now, and a page's bytes, when caches live in one.
+    fn page_pool(&self) -> Option<(usize, usize)> {
+        None
+    }
 }
 
 impl DeviceStats for CpuBackend {
@@ -107,6 +111,10 @@ impl DeviceStats for CudaBackend {
     }
     fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
         self.profile_report()
+    }
+    fn page_pool(&self) -> Option<(usize, usize)> {
+        let pool = CudaBackend::page_pool(self)?.borrow();
+        Some((pool.pages_in_use(), pool.page_bytes()))
     }
 }
 
