@@ -2,7 +2,7 @@
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
 # Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile 1m
-# dense concurrent concurrent55k concurrent-profile random random-profile profile1m ncu-select (default: parity lightning 4k
+# dense concurrent concurrent55k concurrent-profile pool random random-profile profile1m ncu-select (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
 set -uo pipefail
@@ -48,6 +48,12 @@ for step in $steps; do
     concurrent-profile)
       SALA_PROFILE=1 timeout 200 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 > "$L/concurrent_profile.txt" 2>&1
       grep -E 'profile|ms .*%|x$' "$L/concurrent_profile.txt" | tail -60 ;;
+    pool)
+      # Caches in the page pool at 1M: pages of 1 and 16 allocation granules (2 and 32 MiB).
+      for g in 1 16; do
+        SALA_KV_POOL=1 SALA_KV_POOL_GRANULES=$g $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G > "$L/pool$g.txt" 2>&1
+        grep -E 'page pool|^ +1048576' "$L/pool$g.txt" | tail -3
+      done ;;
     random)
       # Decode over random caches (no prefill): decode speed at long contexts in seconds.
       $S bench --device cuda --context 4K,128K,1M --random-context --decode-tokens 64 --max-memory 30G --json "$L/random.json" 2>&1 | tee "$L/random.txt" | tail -8 ;;

@@ -428,12 +428,20 @@ impl CudaBackend {
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let profiler = profile::Profiler::from_env(&ctx);
         let fallback = Fallback::from_env();
-        // Per-sequence buffers in one page pool (off until measured on a GPU: SALA_KV_POOL=1),
-        // capped at the device's memory.
+        // Per-sequence buffers in one page pool (opt-in: SALA_KV_POOL=1; pages of
+        // SALA_KV_POOL_GRANULES allocation granules, 1 by default), capped at the device's memory.
         let pool = if std::env::var("SALA_KV_POOL").is_ok_and(|v| v == "1") {
             let (_, total) = cudarc::driver::result::mem_get_info()
                 .map_err(|e| format!("device memory: {e:?}"))?;
-            let p = pool::PagePool::new(ctx.clone(), total).map_err(|e| e.0)?;
+            let granules = match std::env::var("SALA_KV_POOL_GRANULES") {
+                Ok(v) => v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&g| g >= 1)
+                    .ok_or(format!("SALA_KV_POOL_GRANULES={v}: expected a count ≥ 1"))?,
+                Err(_) => 1,
+            };
+            let p = pool::PagePool::new(ctx.clone(), total, granules).map_err(|e| e.0)?;
             Some(std::rc::Rc::new(RefCell::new(p)))
         } else {
             None
@@ -1514,7 +1522,7 @@ impl CudaBackend {
     /// Takes the caches and states of sequences made from now on from a page pool of at most
     /// `limit_bytes` (those made before keep their own allocations).
     pub fn use_page_pool(&mut self, limit_bytes: usize) -> BResult<()> {
-        let p = pool::PagePool::new(self.ctx.clone(), limit_bytes)?;
+        let p = pool::PagePool::new(self.ctx.clone(), limit_bytes, 1)?;
         self.pool = Some(std::rc::Rc::new(RefCell::new(p)));
         Ok(())
     }

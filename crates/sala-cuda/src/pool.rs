@@ -41,8 +41,9 @@ pub struct PagePool {
 pub type SharedPool = Rc<RefCell<PagePool>>;
 
 impl PagePool {
-    /// A pool on the context's device holding at most `limit_bytes` (rounded down to pages).
-    pub fn new(ctx: Arc<CudaContext>, limit_bytes: usize) -> BResult<Self> {
+    /// A pool on the context's device holding at most `limit_bytes` (rounded down to pages),
+    /// its pages `granules` allocation granules each (at least 1).
+    pub fn new(ctx: Arc<CudaContext>, limit_bytes: usize, granules: usize) -> BResult<Self> {
         ctx.bind_to_thread()
             .map_err(|e| BackendError(format!("CUDA context: {e:?}")))?;
         let ordinal = ctx.ordinal() as i32;
@@ -58,6 +59,7 @@ impl PagePool {
         if page == 0 {
             return Err(BackendError("CUDA allocation granularity 0".into()));
         }
+        let page = page * granules.max(1);
         Ok(Self {
             ctx,
             ordinal,
