@@ -535,6 +535,15 @@ __device__ __forceinline__ u32 sp_pack_bf16(float lo, float hi) {
     return r;
 }
 
+// The bf16 A fragment of keys 16·ks .. 16·ks + 15 of P, held as S (n-tiles 2·ks and 2·ks + 1
+// of an m16n8 accumulator), for P·V.
+__device__ __forceinline__ void sp_p_frag(const float (&S)[8][4], int ks, u32& a0, u32& a1, u32& a2, u32& a3) {
+    a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+    a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+    a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+    a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+}
+
 // Splits (x0, x1) into bf16x2 hi = bf16(x) and lo = bf16(x − hi).
 __device__ __forceinline__ void sp_split2(float x0, float x1, u32& hi, u32& lo) {
     hi = sp_pack_bf16(x0, x1);
@@ -1361,10 +1370,8 @@ __device__ __forceinline__ void ap_pv(const float (&S)[8][4], float (&O)[16][4],
     const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
 #pragma unroll
     for (int ks = 0; ks < 4; ks++) {
-        const u32 a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
-        const u32 a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
-        const u32 a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-        const u32 a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+        u32 a0, a1, a2, a3;
+        sp_p_frag(S, ks, a0, a1, a2, a3);
         const bf16* v0 = Vs + (ks * 16 + 2 * tq) * ld + 2 * gq;
 #pragma unroll
         for (int m = 0; m < 8; m++) {
@@ -1651,10 +1658,8 @@ __device__ __forceinline__ void ag_block(AgState& st, const u32 (&qa)[8][4], con
     // O += P V.
 #pragma unroll
     for (int ks = 0; ks < 4; ks++) {
-        const u32 a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
-        const u32 a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
-        const u32 a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-        const u32 a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+        u32 a0, a1, a2, a3;
+        sp_p_frag(S, ks, a0, a1, a2, a3);
         const int j = 16 * ks + 2 * tq;
         const int keys[4] = {min(j, last), min(j + 1, last), min(j + 8, last), min(j + 9, last)};
 #pragma unroll
