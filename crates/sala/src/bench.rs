@@ -693,11 +693,13 @@ fn concurrent<B: Backend + DeviceStats>(
     engine.backend.profile();
     let start = Instant::now();
     let mut generated = 0;
+    // Decode steps alone (after each prompt's first token): tokens and time.
+    let (mut decode_tokens, mut decode_s) = (0usize, 0.0f64);
     for p in &prompts {
-        generated += engine
-            .generate(p, &opts, &mut |_| {}, &mut |_| {})?
-            .tokens
-            .len();
+        let g = engine.generate(p, &opts, &mut |_| {}, &mut |_| {})?;
+        generated += g.tokens.len();
+        decode_tokens += g.tokens.len().saturating_sub(1);
+        decode_s += g.decode_time.as_secs_f64();
     }
     let one_by_one = start.elapsed().as_secs_f64();
     print_profile(&engine.backend, &format!("{n} requests one by one"));
@@ -708,15 +710,24 @@ fn concurrent<B: Backend + DeviceStats>(
     }
     let mut batched_tokens = 0;
     let mut failure = None;
+    // Steps after every prompt is read (no prompt chunk in them): tokens and time.
+    let (mut prefilled, mut batch_decode_tokens, mut batch_decode_s) = (0usize, 0usize, 0.0f64);
     while !batch.is_empty() {
+        let decode_only = prefilled == n;
+        let (t0, tokens0) = (Instant::now(), batched_tokens);
         engine.step(&mut batch, &|_| true, &mut |_, ev| {
             match ev {
                 BatchEvent::Step(s) if s.token.is_some() => batched_tokens += 1,
+                BatchEvent::Prefilled { .. } => prefilled += 1,
                 BatchEvent::Done(Err(e)) => failure = Some(e.to_string()),
                 _ => {}
             }
             true
         });
+        if decode_only {
+            batch_decode_tokens += batched_tokens - tokens0;
+            batch_decode_s += t0.elapsed().as_secs_f64();
+        }
     }
     if let Some(e) = failure {
         bail!("a batched request failed: {e}");
@@ -744,6 +755,17 @@ fn concurrent<B: Backend + DeviceStats>(
     }
     let ratio = (total(batched_tokens) / batched) / (total(generated) / one_by_one);
     println!("batched / one by one, total tokens/s: {ratio:.2}x");
+    // The decode phase alone, where batching can pay (prefill work is the same either way).
+    let rate = |t: usize, s: f64| t as f64 / s.max(1e-9);
+    let (alone_rate, batch_rate) = (
+        rate(decode_tokens, decode_s),
+        rate(batch_decode_tokens, batch_decode_s),
+    );
+    println!(
+        "decode steps: one by one {alone_rate:.1} tok/s, batched {batch_rate:.1} tok/s \
+         ({batch_decode_tokens} tokens after every prompt was read): {:.2}x",
+        batch_rate / alone_rate.max(1e-9)
+    );
     Ok(json!({
         "device": name,
         "requests": n,
@@ -754,6 +776,9 @@ fn concurrent<B: Backend + DeviceStats>(
         "generated_one_by_one": generated,
         "generated_batched": batched_tokens,
         "ratio_total_tokens_per_s": ratio,
+        "decode_tok_s_one_by_one": alone_rate,
+        "decode_tok_s_batched": batch_rate,
+        "decode_tokens_batched_phase": batch_decode_tokens,
     }))
 }
 

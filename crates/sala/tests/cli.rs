@@ -643,25 +643,36 @@ fn bench_times_the_lightning_op_alone() {
 fn bench_measures_batched_against_one_by_one_throughput() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("bench.json");
+    // One prompt chunk each: the last prompt is read at the 4th step, while the later
+    // requests still have tokens to go, so some steps are decode-only.
     let args = [
         "--concurrent",
         "4",
         "--context",
-        "150",
+        "100",
         "--prefill-chunk",
-        "64",
+        "128",
     ];
     let o = bench(&args, &json, tmp.path());
     ok(&o);
     let v = read_json(&json);
     assert_eq!(v["requests"], 4);
-    assert_eq!(v["prompt_tokens"], 150);
+    assert_eq!(v["prompt_tokens"], 100);
     // Every request generates its --decode-tokens (4) tokens both ways (EOS is ignored).
     assert_eq!(v["generated_one_by_one"], 16);
     assert_eq!(v["generated_batched"], 16);
-    for key in ["one_by_one_s", "batched_s", "ratio_total_tokens_per_s"] {
+    for key in [
+        "one_by_one_s",
+        "batched_s",
+        "ratio_total_tokens_per_s",
+        "decode_tok_s_one_by_one",
+        "decode_tok_s_batched",
+    ] {
         assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
     }
+    let phase = v["decode_tokens_batched_phase"].as_u64().unwrap();
+    assert!(phase > 0 && phase < 16, "{v}");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("decode steps: one by one"));
     // More requests than a batch can hold is an error, not a panic.
     let o = bench(
         &[
