@@ -43,11 +43,18 @@ impl CacheBytes {
 
 /// Cache bytes with K, V and compressed keys in bf16 (as on the GPU).
 pub fn cache_bytes(c: &ModelConfig, context: usize) -> CacheBytes {
-    cache_bytes_with(c, context, BF16)
+    cache_bytes_with(c, context, BF16, None)
 }
 
-/// Cache bytes with K, V and compressed keys stored in `value_bytes` each.
-fn cache_bytes_with(c: &ModelConfig, context: usize, value_bytes: usize) -> CacheBytes {
+/// Cache bytes with K, V and compressed keys stored in `value_bytes` each; with `page`, each
+/// buffer (a sparse layer's K, V, level-1 and level-2 keys sized as the CUDA backend reserves
+/// them, a lightning layer's state) rounded up to whole pages of the pool.
+fn cache_bytes_with(
+    c: &ModelConfig,
+    context: usize,
+    value_bytes: usize,
+    page: Option<usize>,
+) -> CacheBytes {
     let sparse = c.layer_count(MixerKind::Sparse);
     let lightning = c.layer_count(MixerKind::Lightning);
     let s = &c.sparse;
@@ -60,10 +67,22 @@ fn cache_bytes_with(c: &ModelConfig, context: usize, value_bytes: usize) -> Cach
     };
     let n1 = windows(s.k1_window(), s.k1_stride());
     let n2 = windows(s.k2_window(), s.k2_stride());
-    CacheBytes {
-        kv: sparse * 2 * context * c.kv_dim() * value_bytes,
-        compressed: sparse * (n1 + n2) * c.kv_dim() * value_bytes,
-        lightning_state: lightning * c.num_attention_heads * c.head_dim * c.head_dim * F32,
+    let row = c.kv_dim() * value_bytes;
+    let state = c.num_attention_heads * c.head_dim * c.head_dim * F32;
+    match page {
+        None => CacheBytes {
+            kv: sparse * 2 * context * row,
+            compressed: sparse * (n1 + n2) * row,
+            lightning_state: lightning * state,
+        },
+        Some(page) => {
+            let pages = |bytes: usize| bytes.div_ceil(page.max(1)) * page.max(1);
+            CacheBytes {
+                kv: sparse * 2 * pages(context * row),
+                compressed: sparse * (pages((n1 + 1) * row) + pages((n2 + 1) * row)),
+                lightning_state: lightning * pages(state),
+            }
+        }
     }
 }
 
@@ -101,6 +120,8 @@ pub fn workspace_columns(c: &ModelConfig) -> [(&'static str, usize); WORKSPACE_B
 pub enum Target {
     /// bf16 weights, activations and K/V; [`CUDA_SCRATCH_BYTES`] and [`CUDA_CONTEXT_BYTES`].
     Cuda,
+    /// [`Target::Cuda`] with caches and lightning states in a pool of `page`-byte pages.
+    CudaPool { page: usize },
     /// The CPU backend widens weights, activations and K/V to f32; its temporaries (a few
     /// rows per thread) are not counted.
     Cpu,
@@ -109,7 +130,7 @@ pub enum Target {
 impl Target {
     fn value_bytes(self) -> usize {
         match self {
-            Self::Cuda => BF16,
+            Self::Cuda | Self::CudaPool { .. } => BF16,
             Self::Cpu => F32,
         }
     }
@@ -139,7 +160,7 @@ impl MemoryPlan {
         let vb = target.value_bytes();
         let row: usize = workspace_columns(c).iter().map(|(_, cols)| cols).sum();
         let (scratch, runtime) = match target {
-            Target::Cuda => {
+            Target::Cuda | Target::CudaPool { .. } => {
                 let stacked = chunk * widest_stacked_projection(c) * BF16;
                 (
                     CUDA_SCRATCH_BYTES.max(stacked + CUDA_OTHER_SCRATCH),
@@ -152,7 +173,15 @@ impl MemoryPlan {
             context,
             chunk,
             weights: sala_checkpoint::expected_parameter_count(c) as usize * vb,
-            cache: cache_bytes_with(c, context, vb),
+            cache: cache_bytes_with(
+                c,
+                context,
+                vb,
+                match target {
+                    Target::CudaPool { page } => Some(page),
+                    _ => None,
+                },
+            ),
             workspace: chunk * row * vb,
             scratch,
             runtime,
@@ -347,6 +376,29 @@ mod tests {
         assert_eq!(cpu.cache.lightning_state, gpu.cache.lightning_state);
         assert_eq!(cpu.workspace, 2 * gpu.workspace);
         assert_eq!((cpu.scratch, cpu.runtime), (0, 0));
+    }
+
+    #[test]
+    fn pool_plan_rounds_each_buffer_to_pages() {
+        let c = released();
+        let page = 2 * MIB;
+        let plain = |ctx| MemoryPlan::new(&c, ctx, 8192, Target::Cuda);
+        let pool = |ctx| MemoryPlan::new(&c, ctx, 8192, Target::CudaPool { page });
+        // 1M tokens: K and V are whole pages (512 MiB each); the tiers get one more row and
+        // round up; the 2 MiB states are one page each.
+        let (a, b) = (plain(1 << 20), pool(1 << 20));
+        assert_eq!(b.cache.kv, a.cache.kv);
+        assert_eq!(b.cache.lightning_state, a.cache.lightning_state);
+        assert!(b.cache.compressed > a.cache.compressed);
+        assert!(b.cache.compressed <= a.cache.compressed + 8 * 2 * page);
+        // 16 tokens more: each of the 16 K and V buffers takes one more page.
+        assert_eq!(pool((1 << 20) + 16).cache.kv, (8 << 30) + 16 * page);
+        // A short context still takes a page for every buffer.
+        let short = pool(100).cache;
+        assert_eq!(short.kv, 16 * page);
+        assert_eq!(short.compressed, 16 * page);
+        assert_eq!(short.lightning_state, 24 * page);
+        assert_eq!((b.scratch, b.runtime), (a.scratch, a.runtime));
     }
 
     #[test]

@@ -101,7 +101,12 @@ impl DeviceStats for CudaBackend {
         self.memory().ok().map(|m| m.1)
     }
     fn target(&self) -> Target {
-        Target::Cuda
+        match CudaBackend::page_pool(self) {
+            Some(pool) => Target::CudaPool {
+                page: pool.borrow().page_bytes(),
+            },
+            None => Target::Cuda,
+        }
     }
     fn host_wait(&self) -> Option<std::time::Duration> {
         Some(CudaBackend::host_wait(self))
