@@ -157,8 +157,28 @@ fn sanitize(x: f32) -> f32 {
     }
 }
 
+/// Runs `f` inside a function compiled for AVX2 when the CPU has it, so that the loops it
+/// inlines run 8 lanes wide instead of 4. The results are the same bits: Rust fuses no
+/// multiply-adds, so only the vector width changes.
+#[inline(always)]
+fn wide<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { avx2(f) };
+        }
+    }
+    f()
+}
+
 /// `exp(x)` for `x <= 0` (including `-inf`), written to auto-vectorise.
 /// Relative error is a few 1e-7; results below ~1e-38 (x < -87) flush to 0.
+#[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     // ln 2 = LN2_HI + LN2_LO; LN2_HI = 355/512 has 9 significant bits, so
@@ -196,6 +216,7 @@ fn exp_nonpositive(x: f32) -> f32 {
 
 /// Sum in f64 of the entries `>= threshold`, over eight interleaved lanes so
 /// that it vectorises.
+#[inline(always)]
 fn sum_at_least(xs: &[f32], threshold: f32) -> f64 {
     let mut lanes = [0.0f64; 8];
     let keep = |x: f32| if x >= threshold { x as f64 } else { 0.0 };
@@ -209,8 +230,28 @@ fn sum_at_least(xs: &[f32], threshold: f32) -> f64 {
     lanes.iter().sum::<f64>() + tail
 }
 
+/// The first index of `x` in `xs` (0 if absent): a vectorised test of each 256-value block,
+/// then a search in the first block that has it.
+fn first_index_of(xs: &[f32], x: f32) -> usize {
+    wide(|| {
+        let mut base = 0;
+        for block in xs.chunks(256) {
+            if block.iter().fold(false, |any, &y| any | (y == x)) {
+                return base + block.iter().position(|&y| y == x).unwrap_or(0);
+            }
+            base += block.len();
+        }
+        0
+    })
+}
+
 /// `sum(exp(x - max))` over `xs` (all `x <= max`), vectorisable.
 fn sum_exp_shifted(xs: &[f32], max: f32) -> f64 {
+    wide(|| sum_exp_shifted_body(xs, max))
+}
+
+#[inline(always)]
+fn sum_exp_shifted_body(xs: &[f32], max: f32) -> f64 {
     // Exponentiate a block into a stack buffer, then sum it: two simple
     // loops vectorise where one fused loop does not.
     let mut buf = [0.0f32; 256];
@@ -236,6 +277,11 @@ fn by_value_desc(values: &[f32], a: u32, b: u32) -> Ordering {
 /// raw log-softmax; `None` when every logit is `-inf` or NaN. The exponentials are the
 /// vectorised f32 ones (inputs `<= 0`), summed in f64.
 fn log_normalizer(logits: &[f32]) -> Option<(f32, f64)> {
+    wide(|| log_normalizer_body(logits))
+}
+
+#[inline(always)]
+fn log_normalizer_body(logits: &[f32]) -> Option<(f32, f64)> {
     let max = logits
         .iter()
         .map(|&x| sanitize(x))
@@ -498,7 +544,7 @@ impl Sampler {
         let max = self.load(logits)?;
         if self.params.is_greedy() {
             // First index holding the maximum: ties go to the lowest id.
-            let id = self.work.iter().position(|&x| x == max).unwrap_or(0);
+            let id = first_index_of(&self.work, max);
             let sum = sum_exp_shifted(&self.work, max);
             return Ok(SampledToken {
                 id: id as u32,
@@ -517,6 +563,11 @@ impl Sampler {
 
     /// Fills `work` with sanitised, penalised logits; returns their maximum.
     fn load(&mut self, logits: &[f32]) -> Result<f32, SamplingError> {
+        wide(|| self.load_body(logits))
+    }
+
+    #[inline(always)]
+    fn load_body(&mut self, logits: &[f32]) -> Result<f32, SamplingError> {
         if logits.len() != self.vocab_size {
             return Err(SamplingError::LogitsLength {
                 expected: self.vocab_size,
@@ -542,11 +593,13 @@ impl Sampler {
     /// overflowing to `+inf`.
     fn scale_and_exponentiate(&mut self, max: f32) -> f64 {
         let t = self.params.temperature;
-        for (x, w) in self.work.iter_mut().zip(self.weights.iter_mut()) {
-            *x = (*x - max) / t;
-            *w = exp_nonpositive(*x);
-        }
-        sum_at_least(&self.weights, 0.0)
+        wide(|| {
+            for (x, w) in self.work.iter_mut().zip(self.weights.iter_mut()) {
+                *x = (*x - max) / t;
+                *w = exp_nonpositive(*x);
+            }
+            sum_at_least(&self.weights, 0.0)
+        })
     }
 
     /// Applies top-k, top-p and min-p to the current weights.
@@ -820,6 +873,43 @@ mod tests {
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert_eq!(exp_nonpositive(-88.0), 0.0);
         assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn wide_loops_give_the_narrow_bits_and_first_index_is_position() {
+        let mut rng = Rng::seed_from_u64(21);
+        for n in [1usize, 7, 255, 256, 257, 1000, 73_448] {
+            let xs: Vec<f32> = (0..n)
+                .map(|_| (rng.next_f64() * 40.0 - 30.0) as f32)
+                .collect();
+            let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // On a CPU with AVX2 the first runs 8 lanes wide, the second as compiled.
+            assert_eq!(
+                sum_exp_shifted(&xs, max).to_bits(),
+                sum_exp_shifted_body(&xs, max).to_bits(),
+                "n {n}"
+            );
+            let (a, b) = (log_normalizer(&xs), log_normalizer_body(&xs));
+            assert_eq!(
+                a.map(|(m, l)| (m, l.to_bits())),
+                b.map(|(m, l)| (m, l.to_bits()))
+            );
+            // The maximum, a value placed at block edges (first occurrence wins), and absence.
+            assert_eq!(
+                first_index_of(&xs, max),
+                xs.iter().position(|&x| x == max).unwrap()
+            );
+            for at in [0, 255, 256, n / 2, n - 1] {
+                let mut ys = xs.clone();
+                if at < n {
+                    ys[at] = 99.0;
+                    let twin = (at + 300).min(n - 1);
+                    ys[twin] = 99.0;
+                    assert_eq!(first_index_of(&ys, 99.0), at.min(twin), "n {n} at {at}");
+                }
+            }
+            assert_eq!(first_index_of(&xs, 1e9), 0);
+        }
     }
 
     #[test]
