@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
-# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile 1m
+# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile sweep 1m
 # dense concurrent concurrent55k concurrent-profile pool random random-profile profile1m ncu-select (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
@@ -36,6 +36,9 @@ for step in $steps; do
     profile)
       SALA_PROFILE=1 $S bench --device cuda --context 128K --decode-tokens 16 > "$L/profile128k.txt" 2>&1
       grep -E 'decode step| ms .*%|profile' "$L/profile128k.txt" | head -30 ;;
+    sweep)
+      # Issue 4's table: every context length in one run, under the 30 GiB cap.
+      timeout 500 $S bench --device cuda --context 4K,32K,128K,256K,512K,1M --decode-tokens 32 --max-memory 30G --json "$L/sweep.json" 2>&1 | tee "$L/sweep.txt" | tail -16 ;;
     1m)
       $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G --json "$L/bench1m.json" 2>&1 | tee "$L/bench1m.txt" | tail -6 ;;
     dense)
