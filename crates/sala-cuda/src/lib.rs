@@ -107,8 +107,7 @@ struct Scratch {
     /// P of the decode selection as bf16 bits (`sd_p`).
     p16: Option<CudaSlice<u16>>,
     /// RoPE cos/sin per (row, frequency) of the current chunk, and what it was made for
-    /// (inv_freq pointer, first position, rows, half the head size): every lightning layer of
-    /// a forward pass uses the same table.
+    /// (`RopeKey`): every lightning layer of a forward pass uses the same table.
     rope: Option<CudaSlice<f32>>,
     rope_key: Option<RopeKey>,
 }
@@ -1061,6 +1060,7 @@ impl CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         let rows = caches.len();
+        let k_sel = cfg.selected_blocks();
         self.sparse_rows_batched
             .set(self.sparse_rows_batched.get() + 1);
         let mut t = SeqRows::empty();
@@ -1072,7 +1072,6 @@ impl CudaBackend {
             self.copy(&cache.v, first * kw, &v.buf, r * kw, kw)?;
             cache.len += 1;
             self.compress_new_windows(cache, cfg)?;
-            let k_sel = cfg.selected_blocks();
             t.k[r] = self.ptr(&cache.k);
             t.v[r] = self.ptr(&cache.v);
             t.k1[r] = self.ptr(&cache.k1);
@@ -1083,7 +1082,6 @@ impl CudaBackend {
             t.split[r] = decode_split(mode, cache.len, k_sel, shape.kv_heads) as i32;
         }
         let pairs = rows * shape.kv_heads;
-        let k_sel = cfg.selected_blocks();
         let max_of = |f: &dyn Fn(&DevSparseCache) -> usize| caches.iter().map(|c| f(c)).max();
         let blocks = match mode {
             SparseMode::Dense => 0,
@@ -1471,7 +1469,7 @@ impl CudaBackend {
                 *store = Store::Own(new);
             }
             Store::Paged { buf, len } => {
-                buf.ensure(2 * n)?;
+                buf.ensure(n * std::mem::size_of::<u16>())?;
                 *len = (*len).max(n);
             }
         }
