@@ -1,8 +1,9 @@
 // Decode-time products: a few activation rows times a bf16 weight matrix, bound by reading the
-// weights once. Each warp owns GEMV_ROWS output rows and streams them with 16-byte loads,
-// several in flight; the activation rows are read through the L1 cache. Every activation row's
-// sums run in the same order whatever the number of rows, so a batched decode step gives each
-// row the bits a single-row step gives it.
+// weights once. The default, gemv_mma*, runs 1 to 16 rows on tensor cores with each row's sums
+// in an order that does not depend on the other rows (a batched decode step gives each row the
+// bits a single-row step gives it). The CUDA-core kernels (gemv, gemv_narrow, gemv_silu) take
+// one row: each warp owns GEMV_ROWS output rows (one in gemv_narrow) and streams them with
+// 16-byte loads, several in flight; the activation row is read through the L1 cache.
 
 #define GEMV_ROWS 4
 #define GEMV_WARPS 4
