@@ -5,6 +5,7 @@
 //! in the batch: every op treats rows independently, and each request has its own sampler.
 
 use crate::generate::{request_tokens, Engine, EngineError, FinishReason, Step, TokenStream};
+use rayon::prelude::*;
 use sala_model::memory::MemoryPlan;
 use sala_model::{Backend, BackendError, LogitRows, SeqState};
 
@@ -189,24 +190,31 @@ impl<B: Backend> Engine<B> {
                 Err(e) => m.done = Some(Err(e.into())),
             }
         }
-        // 2. A token for every request whose logits are ready.
-        for m in batch.members.iter_mut().filter(|m| m.done.is_none()) {
-            if !ready(m.id) {
-                continue;
-            }
-            let Some(logits) = m.logits.take() else {
-                continue;
-            };
+        // 2. A token for every request whose logits are ready: sampled for all of them at
+        // once (each stream has its own sampler, so the threads change no result), then
+        // reported in batch order.
+        let mut picked: Vec<(&mut Member<B>, Vec<f32>)> = batch
+            .members
+            .iter_mut()
+            .filter(|m| m.done.is_none() && ready(m.id))
+            .filter_map(|m| m.logits.take().map(|l| (m, l)))
+            .collect();
+        let choices: Vec<_> = picked
+            .iter_mut()
+            .map(|(m, l)| (&mut m.stream, l.as_slice()))
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(|(stream, logits)| stream.choose(logits))
+            .collect();
+        for ((m, _), choice) in picked.into_iter().zip(choices) {
             let id = m.id;
-            match m
-                .stream
-                .accept(&logits, &mut |s| on_event(id, BatchEvent::Step(s)))
-            {
+            let mut report = |s: Step<'_>| on_event(id, BatchEvent::Step(s));
+            match choice.and_then(|c| match c {
+                Some(c) => m.stream.commit(c, &mut report),
+                None => Ok(None),
+            }) {
                 Ok(Some(next)) => m.feed = Some(next),
-                Ok(None) => {
-                    let r = m.stream.finish(&mut |s| on_event(id, BatchEvent::Step(s)));
-                    m.done = Some(r);
-                }
+                Ok(None) => m.done = Some(m.stream.finish(&mut report)),
                 Err(e) => m.done = Some(Err(e)),
             }
         }

@@ -353,6 +353,12 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+/// A token [`TokenStream::choose`] sampled, not yet reported.
+pub struct Choice {
+    tok: SampledToken,
+    logprobs: Option<TokenLogprobs>,
+}
+
 /// The per-token half of one generation: sampling from each step's logits, EOS ids, stop
 /// strings, detokenization and the token budget. [`Engine::generate_steps`] drives one;
 /// a [`crate::batch::Batch`] drives one per request.
@@ -401,19 +407,43 @@ impl TokenStream {
         logits: &[f32],
         on_step: &mut dyn FnMut(Step<'_>) -> bool,
     ) -> Result<Option<u32>, EngineError> {
+        match self.choose(logits)? {
+            Some(choice) => self.commit(choice, on_step),
+            None => Ok(None),
+        }
+    }
+
+    /// The sampling half of [`TokenStream::accept`]: the next token from `logits` (recorded
+    /// for the sampler's penalties) and its logprobs when asked for; `None` once the stream has
+    /// ended. It reports nothing, so a batch runs it for many streams at once.
+    pub fn choose(&mut self, logits: &[f32]) -> Result<Option<Choice>, EngineError> {
         if self.finish.is_some() {
             return Ok(None);
         }
         let tok = self.sampler.sample(logits)?;
         self.sampler.record_output(tok.id)?;
-        self.tokens.push(tok);
-        let step = TokenStep {
-            id: tok.id,
-            eos: self.eos_ids.contains(&tok.id),
+        Ok(Some(Choice {
+            tok,
             // The raw logits, before the sampler's penalties and temperature.
             logprobs: self
                 .logprobs
                 .and_then(|n| token_logprobs(logits, tok.id, n)),
+        }))
+    }
+
+    /// The rest of [`TokenStream::accept`] for a token [`TokenStream::choose`] made: EOS, text,
+    /// stop strings, the budget, and the report through `on_step`.
+    pub fn commit(
+        &mut self,
+        choice: Choice,
+        on_step: &mut dyn FnMut(Step<'_>) -> bool,
+    ) -> Result<Option<u32>, EngineError> {
+        let tok = choice.tok;
+        self.tokens.push(tok);
+        let step = TokenStep {
+            id: tok.id,
+            eos: self.eos_ids.contains(&tok.id),
+            logprobs: choice.logprobs,
         };
         if step.eos {
             on_step(Step {
