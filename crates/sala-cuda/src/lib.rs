@@ -233,10 +233,6 @@ pub struct CudaBackend {
     pool: Option<pool::SharedPool>,
 }
 
-/// Longest sequence a cache in the page pool can hold (addresses only: 2 GiB of them for the
-/// K of a released sparse layer).
-const POOL_MAX_TOKENS: usize = 1 << 22;
-
 /// Output rows per block of the `gemv` kernel (4 warps of 4 rows), and the largest inner size
 /// it is used for.
 const GEMV_ROWS_PER_BLOCK: usize = 16;
@@ -1476,18 +1472,17 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// A per-sequence buffer of `n` elements of `T` that may grow to `max` (zeroed when
-    /// `zero`): in the page pool when there is one.
+    /// A per-sequence buffer of `n` elements of `T` (zeroed when `zero`): in the page pool
+    /// when there is one.
     fn new_store<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         n: usize,
-        max: usize,
         zero: bool,
     ) -> BResult<Store<T>> {
         let size = std::mem::size_of::<T>();
         match &self.pool {
             Some(pool) => {
-                let mut buf = pool::PagedBuf::new(pool, &self.stream, max * size)?;
+                let mut buf = pool::PagedBuf::new(pool, &self.stream, n * size)?;
                 buf.ensure(n * size)?;
                 if zero && n > 0 {
                     unsafe {
@@ -1877,8 +1872,7 @@ impl Backend for CudaBackend {
     }
 
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<DevLightningState> {
-        let n = heads * head_dim * head_dim;
-        self.new_store(n, n, true)
+        self.new_store(heads * head_dim * head_dim, true)
     }
 
     fn reserve_sparse_cache(
@@ -1890,16 +1884,12 @@ impl Backend for CudaBackend {
         self.reserve(cache, tokens, cfg, true)
     }
 
-    fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<DevSparseCache> {
-        // Addresses for POOL_MAX_TOKENS tokens (only the pool uses them; nothing is mapped yet).
-        let kw = shape.kv_width();
-        let max = POOL_MAX_TOKENS * kw;
-        let tier = |w: usize, s: usize| (windows(POOL_MAX_TOKENS, w, s) + 1) * kw;
+    fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<DevSparseCache> {
         Ok(DevSparseCache {
-            k: self.new_store(0, max, false)?,
-            v: self.new_store(0, max, false)?,
-            k1: self.new_store(0, tier(cfg.k1_window(), cfg.k1_stride()), false)?,
-            k2: self.new_store(0, tier(cfg.k2_window(), cfg.k2_stride()), false)?,
+            k: self.new_store(0, false)?,
+            v: self.new_store(0, false)?,
+            k1: self.new_store(0, false)?,
+            k2: self.new_store(0, false)?,
             len: 0,
             n1: 0,
             n2: 0,

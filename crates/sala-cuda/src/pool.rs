@@ -1,9 +1,9 @@
 //! One pool of physical device memory for every sequence's caches and lightning states, through
-//! CUDA's virtual memory management: a buffer reserves a virtual address range for the largest
-//! size it may reach, and the pool's pages (the allocation granularity, 2 MiB on current GPUs)
-//! are mapped into it as it grows and handed back when it is dropped. A buffer never moves or
-//! copies as it grows, kernels see it as one contiguous range, and the pages a finished
-//! sequence held serve the next one.
+//! CUDA's virtual memory management: a buffer is a range of virtual addresses into which the
+//! pool's pages (the allocation granularity, 2 MiB on current GPUs) are mapped as it grows, and
+//! from which they go back to the pool when it is dropped. Kernels see one contiguous range; a
+//! buffer that outgrows its addresses maps the same pages into a range twice as large, so its
+//! data is never copied; the pages a finished sequence held serve the next one.
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
@@ -131,7 +131,8 @@ impl Drop for PagePool {
 }
 
 /// A buffer in the pool: `reserved` bytes of addresses at `base`, the first
-/// `pages.len()` pages of them mapped.
+/// `pages.len()` pages of them mapped. Its address changes when it outgrows the range
+/// (`ensure`): take `ptr` after growing.
 pub struct PagedBuf {
     pool: SharedPool,
     stream: Arc<CudaStream>,
@@ -141,15 +142,11 @@ pub struct PagedBuf {
 }
 
 impl PagedBuf {
-    /// Reserves addresses for up to `max_bytes`; nothing is mapped yet.
-    pub fn new(pool: &SharedPool, stream: &Arc<CudaStream>, max_bytes: usize) -> BResult<Self> {
+    /// Reserves addresses for `bytes` (at least a page); nothing is mapped yet.
+    pub fn new(pool: &SharedPool, stream: &Arc<CudaStream>, bytes: usize) -> BResult<Self> {
         let page = pool.borrow().page;
-        let reserved = max_bytes.max(1).div_ceil(page) * page;
-        let mut base: CUdeviceptr = 0;
-        check(
-            &format!("reserving {} MiB of addresses", reserved >> 20),
-            unsafe { sys::cuMemAddressReserve(&mut base, reserved, page, 0, 0) },
-        )?;
+        let reserved = bytes.max(1).div_ceil(page) * page;
+        let base = reserve_addresses(reserved, page)?;
         Ok(Self {
             pool: pool.clone(),
             stream: stream.clone(),
@@ -169,22 +166,16 @@ impl PagedBuf {
         self.pages.len() * self.pool.borrow().page
     }
 
-    /// Maps pages until at least `bytes` are usable; an error, with nothing lost, when that
-    /// is past the reservation or the pool is full.
+    /// Maps pages until at least `bytes` are usable (first moving the pages to a range at
+    /// least twice as large when `bytes` is past this one); an error, with nothing lost, when
+    /// the pool is full.
     pub fn ensure(&mut self, bytes: usize) -> BResult<()> {
         if bytes > self.reserved {
-            return Err(BackendError(format!(
-                "a cache of {} MiB does not fit its {} MiB address range",
-                bytes >> 20,
-                self.reserved >> 20
-            )));
+            self.move_to(bytes.max(2 * self.reserved))?;
         }
         let mut pool = self.pool.borrow_mut();
         let page = pool.page;
-        let access = sys::CUmemAccessDesc {
-            location: location(pool.ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        let rw = access(pool.ordinal);
         while self.pages.len() * page < bytes {
             let h = pool.take()?;
             let at = self.base + (self.pages.len() * page) as u64;
@@ -193,7 +184,7 @@ impl PagedBuf {
             })
             .and_then(|_| {
                 check("cache page access", unsafe {
-                    sys::cuMemSetAccess(at, page, &access, 1)
+                    sys::cuMemSetAccess(at, page, &rw, 1)
                 })
             });
             if let Err(e) = mapped {
@@ -205,6 +196,72 @@ impl PagedBuf {
             self.pages.push(h);
         }
         Ok(())
+    }
+}
+
+impl PagedBuf {
+    /// Maps this buffer's pages, in order, into a new range of `bytes` (rounded up to pages),
+    /// then, once queued work is done with them, drops the old range.
+    fn move_to(&mut self, bytes: usize) -> BResult<()> {
+        let (page, ordinal) = {
+            let pool = self.pool.borrow();
+            (pool.page, pool.ordinal)
+        };
+        let reserved = bytes.div_ceil(page) * page;
+        let base = reserve_addresses(reserved, page)?;
+        let mapped = self.pages.len() * page;
+        let mut done = 0;
+        let mut result = Ok(());
+        for (i, &h) in self.pages.iter().enumerate() {
+            result = check("mapping a cache page", unsafe {
+                sys::cuMemMap(base + (i * page) as u64, page, 0, h, 0)
+            });
+            if result.is_err() {
+                break;
+            }
+            done += 1;
+        }
+        if result.is_ok() && mapped > 0 {
+            let a = access(ordinal);
+            result = check("cache page access", unsafe {
+                sys::cuMemSetAccess(base, mapped, &a, 1)
+            });
+        }
+        // The old range, or (on failure) the new one, is unmapped and freed.
+        let (old, old_size, old_mapped) = if result.is_ok() {
+            // Work queued on the stream may still use the old addresses.
+            let _ = self.stream.synchronize();
+            let old = (self.base, self.reserved, self.pages.len());
+            self.base = base;
+            self.reserved = reserved;
+            old
+        } else {
+            (base, reserved, done)
+        };
+        for i in 0..old_mapped {
+            // SAFETY: page i of that range is mapped, and no work uses it.
+            unsafe { sys::cuMemUnmap(old + (i * page) as u64, page) };
+        }
+        // SAFETY: a range reserved by this buffer, now unmapped.
+        unsafe { sys::cuMemAddressFree(old, old_size) };
+        result
+    }
+}
+
+/// A range of `bytes` of device addresses, aligned to `page`.
+fn reserve_addresses(bytes: usize, page: usize) -> BResult<CUdeviceptr> {
+    let mut base: CUdeviceptr = 0;
+    check(
+        &format!("reserving {} MiB of addresses", bytes >> 20),
+        unsafe { sys::cuMemAddressReserve(&mut base, bytes, page, 0, 0) },
+    )?;
+    Ok(base)
+}
+
+fn access(ordinal: i32) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: location(ordinal),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
 }
 
