@@ -52,11 +52,11 @@ for step in $steps; do
       SALA_PROFILE=1 timeout 200 $S bench --device cuda --concurrent 8 --context 32K --decode-tokens 256 > "$L/concurrent_profile.txt" 2>&1
       grep -E 'profile|ms .*%|x$' "$L/concurrent_profile.txt" | tail -60 ;;
     pool)
-      # Caches in the page pool at 1M: pages of 1 and 16 allocation granules (2 and 32 MiB).
-      for g in 1 16; do
-        SALA_KV_POOL=1 SALA_KV_POOL_GRANULES=$g $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G > "$L/pool$g.txt" 2>&1
-        grep -E 'page pool|^ +1048576' "$L/pool$g.txt" | tail -3
-      done ;;
+      # 1M with caches in own allocations (SALA_KV_POOL=0), then in the page pool (the default).
+      SALA_KV_POOL=0 $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G > "$L/pool_off.txt" 2>&1
+      grep -E '^ +1048576' "$L/pool_off.txt" | tail -2
+      $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G > "$L/pool_on.txt" 2>&1
+      grep -E 'page pool|^ +1048576' "$L/pool_on.txt" | tail -3 ;;
     random)
       # Decode over random caches (no prefill): decode speed at long contexts in seconds.
       $S bench --device cuda --context 4K,128K,1M --random-context --decode-tokens 64 --max-memory 30G --json "$L/random.json" 2>&1 | tee "$L/random.txt" | tail -8 ;;

@@ -47,7 +47,7 @@ impl<T> DevMem<T> for CudaSlice<T> {
 }
 
 /// A per-sequence buffer (a cache or a lightning state) of `T`: its own allocation, or a range
-/// of the page pool (`SALA_KV_POOL=1`), which grows in place.
+/// of the page pool (the default; `SALA_KV_POOL=0` turns it off), which grows in place.
 pub enum Store<T> {
     Own(CudaSlice<T>),
     Paged { buf: pool::PagedBuf, len: usize },
@@ -423,9 +423,9 @@ impl CudaBackend {
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let profiler = profile::Profiler::from_env(&ctx);
         let fallback = Fallback::from_env();
-        // Per-sequence buffers in one page pool (opt-in: SALA_KV_POOL=1; pages of
+        // Per-sequence buffers in one page pool (unless SALA_KV_POOL=0; pages of
         // SALA_KV_POOL_GRANULES allocation granules, 1 by default), capped at the device's memory.
-        let pool = if std::env::var("SALA_KV_POOL").is_ok_and(|v| v == "1") {
+        let pool = if std::env::var("SALA_KV_POOL").map_or(true, |v| v != "0") {
             let (_, total) = cudarc::driver::result::mem_get_info()
                 .map_err(|e| format!("device memory: {e:?}"))?;
             let granules = match std::env::var("SALA_KV_POOL_GRANULES") {
@@ -1512,12 +1512,25 @@ impl CudaBackend {
         self.pool.as_ref()
     }
 
-    /// Takes the caches and states of sequences made from now on from a page pool of at most
-    /// `limit_bytes` (those made before keep their own allocations).
+    /// Takes the caches and states of sequences made from now on from a new page pool of at
+    /// most `limit_bytes` (those made before keep theirs).
     pub fn use_page_pool(&mut self, limit_bytes: usize) -> BResult<()> {
         let p = pool::PagePool::new(self.ctx.clone(), limit_bytes, 1)?;
         self.pool = Some(std::rc::Rc::new(RefCell::new(p)));
         Ok(())
+    }
+
+    /// Gives the caches and states of sequences made from now on their own allocations.
+    pub fn use_own_allocations(&mut self) {
+        self.pool = None;
+    }
+
+    /// Caps the memory the caches and states of all sequences may take together (the page
+    /// pool's size; own allocations are checked by the memory plan alone).
+    pub fn limit_cache_memory(&self, bytes: usize) {
+        if let Some(p) = &self.pool {
+            p.borrow_mut().set_limit(bytes);
+        }
     }
 
     fn scratch_ptr<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(

@@ -93,6 +93,17 @@ impl PagePool {
         self.created
     }
 
+    /// Caps the pool at `limit_bytes` (rounded down to pages): no page is created past it.
+    /// Pages already created stay, so a cap below them only stops growth.
+    pub fn set_limit(&mut self, limit_bytes: usize) {
+        self.limit = limit_bytes / self.page;
+    }
+
+    /// The most bytes the pool may hold.
+    pub fn limit_bytes(&self) -> usize {
+        self.limit * self.page
+    }
+
     fn take(&mut self) -> BResult<CUmemGenericAllocationHandle> {
         if let Some(h) = self.free.pop() {
             return Ok(h);

@@ -871,6 +871,7 @@ fn page_pool_caches_match_own_allocations() {
         }
         out
     };
+    g.use_own_allocations();
     let own = run(&g);
     g.use_page_pool(1 << 30).unwrap();
     let paged = run(&g);
@@ -896,5 +897,21 @@ fn page_pool_caches_match_own_allocations() {
     let err = model.new_sequence(&g).err().expect("the pool is too small");
     assert!(err.0.contains("pool is full"), "{}", err.0);
     g.use_page_pool(1 << 30).unwrap();
+    assert!(run(&g) == own);
+
+    // A cap (as a memory limit sets) at the pages made so far stops a longer sequence's
+    // growth with the same error; lifted, the pool serves again.
+    let pool = g.page_pool().unwrap().clone();
+    g.limit_cache_memory(pool.borrow().pages_created() * pool.borrow().page_bytes());
+    let mut ws = model.workspace(&g, 512).unwrap();
+    let long: Vec<u32> = (0..20_000).map(|_| rng.below(v) as u32).collect();
+    let err = match model.new_sequence(&g) {
+        Ok(mut seq) => model
+            .prefill(&g, &mut ws, &mut seq, &long, &mut |_| {})
+            .expect_err("the cap is too small"),
+        Err(e) => e,
+    };
+    assert!(err.0.contains("pool is full"), "{}", err.0);
+    g.limit_cache_memory(1 << 30);
     assert!(run(&g) == own);
 }

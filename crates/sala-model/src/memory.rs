@@ -192,6 +192,14 @@ impl MemoryPlan {
         self.weights + self.cache.total() + self.workspace + self.scratch + self.runtime
     }
 
+    /// Bytes `limit` leaves for the caches of every sequence once the rest of this plan
+    /// (weights, workspace, scratch, runtime) is held.
+    pub fn room_for_caches(&self, limit: &MemoryLimit) -> usize {
+        limit
+            .bytes
+            .saturating_sub(self.total() - self.cache.total())
+    }
+
     /// Checks the plan against `limit`: an error naming both sizes and the main terms.
     pub fn check(&self, limit: &MemoryLimit) -> Result<(), OverBudget> {
         if self.total() <= limit.bytes {
@@ -399,6 +407,29 @@ mod tests {
         assert_eq!(short.compressed, 16 * page);
         assert_eq!(short.lightning_state, 24 * page);
         assert_eq!((b.scratch, b.runtime), (a.scratch, a.runtime));
+    }
+
+    #[test]
+    fn room_for_caches_is_the_limit_less_the_rest_of_the_plan() {
+        let c = released();
+        let limit = MemoryLimit {
+            bytes: 30 << 30,
+            source: "--max-memory 30G".into(),
+        };
+        let p = |ctx| MemoryPlan::new(&c, ctx, 8192, Target::CudaPool { page: 2 * MIB });
+        // Whatever the context, the same room: the caches are what it leaves out.
+        let room = p(4096).room_for_caches(&limit);
+        assert_eq!(room, p(1 << 20).room_for_caches(&limit));
+        // The 1M plan fits, so its caches fit the room, with what the plan leaves spare.
+        let big = p(1 << 20);
+        assert!(big.check(&limit).is_ok());
+        assert_eq!(room - big.cache.total(), limit.bytes - big.total());
+        // A limit below the weights leaves none.
+        let tiny = MemoryLimit {
+            bytes: 1 << 30,
+            source: "--max-memory 1G".into(),
+        };
+        assert_eq!(big.room_for_caches(&tiny), 0);
     }
 
     #[test]

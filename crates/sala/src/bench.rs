@@ -3,7 +3,7 @@
 //! memory plan, as a table and as JSON; optionally the same on the all-dense variant of the
 //! same size, with the TTFT ratio.
 
-use crate::device::{memory_limit, user_memory_limit, Device, DeviceStats, Opened};
+use crate::device::{cap_caches, memory_limit, user_memory_limit, Device, DeviceStats, Opened};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use sala_checkpoint::{expected_parameter_count, preset, MixerKind, ModelConfig};
@@ -297,6 +297,7 @@ fn bench_on<B: Backend + DeviceStats>(
         be.name()
     );
     let own_limit = args.dense_time_limit.filter(|_| args.all_dense);
+    cap_caches(be, limit.as_ref(), &plan(&config, max_ctx));
     let rows = measure(be, args, &config, contexts, chunk, &plan, own_limit)?;
     if dense.is_some() {
         println!("{name}:");
@@ -320,6 +321,7 @@ fn bench_on<B: Backend + DeviceStats>(
             Vec::new()
         } else {
             eprintln!("bench: the all-dense variant");
+            cap_caches(be, limit.as_ref(), &plan(dense, max_ctx));
             measure(
                 be,
                 args,

@@ -3,7 +3,7 @@
 use anyhow::{anyhow, bail, Result};
 use sala_cpu::CpuBackend;
 use sala_cuda::CudaBackend;
-use sala_model::memory::{parse_size, MemoryLimit, Target};
+use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan, Target};
 use sala_model::Backend;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +76,16 @@ pub trait DeviceStats {
     fn page_pool(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Caps the memory every sequence's caches take together, where the backend can (a page
+    /// pool); elsewhere admission by the memory plan is the only check.
+    fn limit_cache_memory(&self, _bytes: usize) {}
+}
+
+/// Caps the caches on `be` at what `limit` leaves beside the rest of `plan`.
+pub fn cap_caches<B: DeviceStats>(be: &B, limit: Option<&MemoryLimit>, plan: &MemoryPlan) {
+    if let Some(limit) = limit {
+        be.limit_cache_memory(plan.room_for_caches(limit));
+    }
 }
 
 impl DeviceStats for CpuBackend {
@@ -120,6 +130,9 @@ impl DeviceStats for CudaBackend {
     fn page_pool(&self) -> Option<(usize, usize)> {
         let pool = CudaBackend::page_pool(self)?.borrow();
         Some((pool.pages_in_use(), pool.page_bytes()))
+    }
+    fn limit_cache_memory(&self, bytes: usize) {
+        CudaBackend::limit_cache_memory(self, bytes)
     }
 }
 

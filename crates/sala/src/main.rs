@@ -5,7 +5,7 @@ mod device;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use device::{memory_limit, user_memory_limit, Device, DeviceStats, Opened};
+use device::{cap_caches, memory_limit, user_memory_limit, Device, DeviceStats, Opened};
 use indicatif::{ProgressBar, ProgressStyle};
 use sala_checkpoint::{preset, Checkpoint, DType, MixerKind, ModelConfig, WriteOptions};
 use sala_engine::generate::{request_tokens, Engine, GenerateOptions};
@@ -347,7 +347,9 @@ fn generate_on<B: Backend + DeviceStats>(
     if let Some(limit) = &limit {
         // A chat turn holds at least one prompt token; each turn is checked again.
         let tokens = request_tokens(ids.as_ref().map_or(1, Vec::len), &opts)?;
-        MemoryPlan::new(&config, tokens, args.prefill_chunk, target).check(limit)?;
+        let plan = MemoryPlan::new(&config, tokens, args.prefill_chunk, target);
+        plan.check(limit)?;
+        cap_caches(&backend, Some(limit), &plan);
     }
     let mut engine = load_engine(backend, args, dir, checkpoint, tokenizer)?;
     engine.set_memory_limit(limit, target);
@@ -727,9 +729,10 @@ fn serve(args: ServeArgs) -> Result<()> {
                 let config = ModelConfig::from_file(&dir.join("config.json"))
                     .map_err(|e| format!("loading {}: {e}", dir.display()))?;
                 // The smallest request: one prompt token and one generated.
-                MemoryPlan::new(&config, 2, chunk, target)
-                    .check(limit)
+                let plan = MemoryPlan::new(&config, 2, chunk, target);
+                plan.check(limit)
                     .map_err(|e| format!("no request can fit the memory limit: {e}"))?;
+                cap_caches(&be, Some(limit), &plan);
             }
             let engine = Engine::load(be, dir, chunk, &mut |_, _| {})
                 .map_err(|e| format!("loading {}: {e}", dir.display()))?;
