@@ -27,21 +27,23 @@ __host__ __device__ __forceinline__ int lf_ld(int d) { return d + 8; }
 #define LF_OFF_PW(d) (LF_OFF_S(d) + 2 * (d) * LF_LDV * 2)
 #define LF_SMEM(d) (LF_OFF_PW(d) + 68 * 4)
 
-// Stages chunk rows [j0, j0 + len) of Q, K and the V slice into buffer `buf` (rows ≥ len zero).
+// Stages chunk rows [j0, j0 + len) of Q (unless with_q is false), K and the V slice into buffer
+// `buf` (rows ≥ len zero).
 __device__ __forceinline__ void lf_issue(const bf16* q, const bf16* k, const bf16* v, unsigned char* sm, int buf,
                                          int j0, int len, int h, int kvh, int e0, int heads, int kv_heads,
-                                         int d) {
-    const int ld = lf_ld(d), segs = d / 8;
+                                         int d, bool with_q) {
+    // d is a power of two: row and piece by shifts (a division costs ~20 instructions).
+    const int ld = lf_ld(d), seg_shift = __ffs(d / 8) - 1;
     const size_t qw = (size_t)heads * d, kvw = (size_t)kv_heads * d;
     bf16* qs = (bf16*)sm + buf * LF_C * ld;
     bf16* ks = (bf16*)(sm + LF_OFF_K(d)) + buf * LF_C * ld;
     bf16* vs = (bf16*)(sm + LF_OFF_V(d)) + buf * LF_C * LF_LDV;
-    for (int x = threadIdx.x; x < LF_C * segs; x += 128) {
-        const int j = x / segs, p = x % segs;
+    for (int x = threadIdx.x; x < LF_C << seg_shift; x += 128) {
+        const int j = x >> seg_shift, p = x & ((1 << seg_shift) - 1);
         const bool in = j < len;
         const bf16* sq = in ? q + (size_t)(j0 + j) * qw + (size_t)h * d + 8 * p : q;
         const bf16* sk = in ? k + (size_t)(j0 + j) * kvw + (size_t)kvh * d + 8 * p : k;
-        sp_cp_async16(sp_smem_addr(qs + j * ld + 8 * p), sq, in ? 16 : 0);
+        if (with_q) sp_cp_async16(sp_smem_addr(qs + j * ld + 8 * p), sq, in ? 16 : 0);
         sp_cp_async16(sp_smem_addr(ks + j * ld + 8 * p), sk, in ? 16 : 0);
     }
     for (int x = threadIdx.x; x < LF_C * (LF_VS / 8); x += 128) {
@@ -76,17 +78,21 @@ __device__ __forceinline__ void lf_store_state(const float (&sa)[2][4][4], bf16*
 }
 
 // q [T, heads·d], k/v [T, kv_heads·d] bf16; state [heads, d, d] fp32 (key-major, read and
-// advanced in place); out [T, heads·d] bf16; slopes [heads] fp32. Needs d a multiple of 32, at
-// most 128, heads % kv_heads == 0, 16-byte aligned q/k/v/out.
+// advanced in place); out [T, heads·d] bf16; slopes [heads] fp32. Needs d 32, 64 or 128,
+// heads % kv_heads == 0, 16-byte aligned q/k/v/out.
 // Ranges (ranges != NULL): block z walks tokens [z·range_len, min(T, (z + 1)·range_len))
 // (range_len a multiple of 64). With state_only, it starts from a zero state, writes no output
 // and leaves its final state (the range's ΔS) in ranges[z]; else it starts from ranges[z] (the
 // state before its range, lightning_range_states) and only the last range writes `state`.
+// Chunk states (chunk_states != NULL, no ranges): no output; the state before each chunk c goes
+// to chunk_states as bf16 hi and lo, [c][heads][2][d][d], for lightning_outputs, and `state`
+// is advanced as usual. Q is not read.
 // launch: grid = (heads, d / 32, ranges or 1), block = 128,
 //         dynamic smem = LF_SMEM(d) bytes (110,864 for d = 128)
 extern "C" __global__ void __launch_bounds__(128)
 lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16* out, const float* slopes, int T,
-                int heads, int kv_heads, int d, float scale, int range_len, float* ranges, int state_only) {
+                int heads, int kv_heads, int d, float scale, int range_len, float* ranges, int state_only,
+                bf16* chunk_states) {
     extern __shared__ __align__(16) unsigned char lf_sm[];
     const int h = blockIdx.x, e0 = LF_VS * blockIdx.y;
     if (ranges) {
@@ -129,8 +135,9 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
             }
     lf_store_state(sa, sh, sl, warp, d);
 
+    const bool outputs = !state_only && !chunk_states;
     const int n_chunks = (T + LF_C - 1) / LF_C;
-    lf_issue(q, k, v, lf_sm, 0, 0, min(LF_C, T), h, kvh, e0, heads, kv_heads, d);
+    lf_issue(q, k, v, lf_sm, 0, 0, min(LF_C, T), h, kvh, e0, heads, kv_heads, d, outputs);
     // Lane offsets of the ldmatrix addresses: non-transposed A (rows m, cols k) and B (rows n,
     // cols k) fragments, and transposed ones (rows k).
     const int r8 = lane & 7, m8 = lane >> 3;
@@ -139,7 +146,8 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
         sp_cp_wait0();
         __syncthreads();  // chunk c staged; the previous chunk's readers are done
         if (c + 1 < n_chunks)
-            lf_issue(q, k, v, lf_sm, buf ^ 1, j0 + LF_C, min(LF_C, T - j0 - LF_C), h, kvh, e0, heads, kv_heads, d);
+            lf_issue(q, k, v, lf_sm, buf ^ 1, j0 + LF_C, min(LF_C, T - j0 - LF_C), h, kvh, e0, heads, kv_heads, d,
+                     outputs);
         const bf16* qs = (const bf16*)lf_sm + buf * LF_C * ld;
         const bf16* ks = (const bf16*)(lf_sm + LF_OFF_K(d)) + buf * LF_C * ld;
         const bf16* vs = (const bf16*)(lf_sm + LF_OFF_V(d)) + buf * LF_C * LF_LDV;
@@ -160,7 +168,18 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
             }
         }
 
-        if (!state_only) {
+        if (chunk_states) {
+            // The state before chunk c (S hi and lo as (b) would read them): 16-byte pieces of
+            // the slice's rows, [part][key][e0 .. e0 + 32).
+            bf16* dst = chunk_states + ((size_t)c * heads + h) * 2 * d * d + e0;
+            const int d_shift = __ffs(d) - 1;
+            for (int x = threadIdx.x; x < 2 * d * (LF_VS / 8); x += 128) {
+                const int part = x >> (d_shift + 2), a = (x >> 2) & (d - 1), p = x & 3;
+                const bf16* src = (part ? sl : sh) + a * LF_LDV + 8 * p;
+                *(uint4*)(dst + ((size_t)part * d + a) * d + 8 * p) = *(const uint4*)src;
+            }
+        }
+        if (outputs) {
             // (a) A = Q Kᵀ for rows 16w.., Q fragments kept for (b).
             const int i0 = 16 * warp;
             u32 qa[8][4];
@@ -306,4 +325,141 @@ extern "C" __global__ void lightning_range_states(const float* state, float* ran
         ranges[r * n + x] = cur;
         cur = decay * cur + ds;
     }
+}
+
+// Outputs of 64-token chunks in parallel, from the states lightning_fused left in chunk_states
+// (its chunk-states mode): block (c, h, z) computes out rows of chunk c, head h, value columns
+// e0 = 64·z .. e0 + 64, as (a)–(c) of lightning_fused with the same operands and summation
+// order, so each output has the bits the one-pass kernel gives it. Needs d a multiple of 64,
+// at most 128.
+#define LO_VS 64
+#define LO_LDV (LO_VS + 8)
+#define LO_OFF_K(d) (LF_C * lf_ld(d) * 2)
+#define LO_OFF_V(d) (2 * LO_OFF_K(d))
+#define LO_OFF_S(d) (LO_OFF_V(d) + LF_C * LO_LDV * 2)
+#define LO_OFF_PW(d) (LO_OFF_S(d) + 2 * (d) * LO_LDV * 2)
+#define LO_SMEM(d) (LO_OFF_PW(d) + 68 * 4)
+
+// launch: grid = (chunks, heads, d / 64), block = 128, dynamic smem = LO_SMEM(d) bytes
+//         (81,168 for d = 128)
+extern "C" __global__ void __launch_bounds__(128)
+lightning_outputs(const bf16* q, const bf16* k, const bf16* v, const bf16* chunk_states, bf16* out,
+                  const float* slopes, int T, int heads, int kv_heads, int d, float scale) {
+    extern __shared__ __align__(16) unsigned char lo_sm[];
+    const int c = blockIdx.x, h = blockIdx.y, e0 = LO_VS * blockIdx.z;
+    const int j0 = c * LF_C, len = min(LF_C, T - j0);
+    const int kvh = h / (heads / kv_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
+    const int ld = lf_ld(d), ksteps = d / 16, seg_shift = __ffs(d / 8) - 1, d_shift = __ffs(d) - 1;
+    const size_t qw = (size_t)heads * d, kvw = (size_t)kv_heads * d;
+    bf16* qs = (bf16*)lo_sm;
+    bf16* ks = (bf16*)(lo_sm + LO_OFF_K(d));
+    bf16* vs = (bf16*)(lo_sm + LO_OFF_V(d));
+    bf16* sh = (bf16*)(lo_sm + LO_OFF_S(d));
+    bf16* sl = sh + d * LO_LDV;
+    float* pw = (float*)(lo_sm + LO_OFF_PW(d));
+    for (int x = threadIdx.x; x < LF_C << seg_shift; x += 128) {
+        const int j = x >> seg_shift, p = x & ((1 << seg_shift) - 1);
+        const bool in = j < len;
+        const bf16* sq = in ? q + (size_t)(j0 + j) * qw + (size_t)h * d + 8 * p : q;
+        const bf16* sk = in ? k + (size_t)(j0 + j) * kvw + (size_t)kvh * d + 8 * p : k;
+        sp_cp_async16(sp_smem_addr(qs + j * ld + 8 * p), sq, in ? 16 : 0);
+        sp_cp_async16(sp_smem_addr(ks + j * ld + 8 * p), sk, in ? 16 : 0);
+    }
+    for (int x = threadIdx.x; x < LF_C * (LO_VS / 8); x += 128) {
+        const int j = x / (LO_VS / 8), p = x % (LO_VS / 8);
+        const bool in = j < len;
+        const bf16* sv = in ? v + (size_t)(j0 + j) * kvw + (size_t)kvh * d + e0 + 8 * p : v;
+        sp_cp_async16(sp_smem_addr(vs + j * LO_LDV + 8 * p), sv, in ? 16 : 0);
+    }
+    const bf16* src = chunk_states + ((size_t)c * heads + h) * 2 * d * d + e0;
+    for (int x = threadIdx.x; x < 2 * d * (LO_VS / 8); x += 128) {
+        const int part = x >> (d_shift + 3), a = (x >> 3) & (d - 1), p = x & 7;
+        sp_cp_async16(sp_smem_addr((part ? sl : sh) + a * LO_LDV + 8 * p), src + ((size_t)part * d + a) * d + 8 * p, 16);
+    }
+    sp_cp_commit();
+    const float g = -slopes[h];
+    for (int x = threadIdx.x; x <= LF_C; x += 128) pw[x] = lc_pow(g, x);
+    sp_cp_wait0();
+    __syncthreads();
+
+    const int r8 = lane & 7, m8 = lane >> 3;
+    // (a) A = Q Kᵀ for rows 16w.., Q fragments kept for (b).
+    const int i0 = 16 * warp;
+    u32 qa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+        if (kk < ksteps) ldsm_x4(qa[kk], sp_smem_addr(qs + (i0 + r8 + 8 * (m8 & 1)) * ld + 16 * kk + 8 * (m8 >> 1)));
+    float A[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) A[nt][0] = A[nt][1] = A[nt][2] = A[nt][3] = 0.0f;
+#pragma unroll
+    for (int np = 0; np < 4; np++)
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++)
+            if (kk < ksteps) {
+                u32 b[4];
+                ldsm_x4(b, sp_smem_addr(ks + (16 * np + r8 + 8 * (m8 >> 1)) * ld + 16 * kk + 8 * (m8 & 1)));
+                sp_mma(A[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                sp_mma(A[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+            }
+    const int ir[2] = {i0 + gq, i0 + gq + 8};
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int i = ir[x >> 1], j = 8 * nt + 2 * tq + (x & 1);
+            A[nt][x] = (j <= i && i < len) ? A[nt][x] * pw[i - j] : 0.0f;
+        }
+
+    // (b) O = Q S over the block's 64 value columns.
+    float O[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) O[nt][0] = O[nt][1] = O[nt][2] = O[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+        if (kk < ksteps)
+#pragma unroll
+            for (int part = 0; part < 2; part++) {
+                const bf16* sp = part ? sl : sh;
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    u32 b[4];
+                    ldsm_x4_t(b, sp_smem_addr(sp + (16 * kk + r8 + 8 * (m8 & 1)) * LO_LDV + 16 * np + 8 * (m8 >> 1)));
+                    sp_mma(O[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                    sp_mma(O[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+                }
+            }
+    const float di[2] = {pw[min(ir[0] + 1, LF_C)], pw[min(ir[1] + 1, LF_C)]};
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) O[nt][x] *= di[x >> 1];
+
+    // (c) O += A V, A's hi and lo parts straight from its accumulators.
+#pragma unroll
+    for (int ks4 = 0; ks4 < 4; ks4++) {
+        u32 ah[4], al[4];
+        sp_split2(A[2 * ks4][0], A[2 * ks4][1], ah[0], al[0]);
+        sp_split2(A[2 * ks4][2], A[2 * ks4][3], ah[1], al[1]);
+        sp_split2(A[2 * ks4 + 1][0], A[2 * ks4 + 1][1], ah[2], al[2]);
+        sp_split2(A[2 * ks4 + 1][2], A[2 * ks4 + 1][3], ah[3], al[3]);
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            u32 b[4];
+            ldsm_x4_t(b, sp_smem_addr(vs + (16 * ks4 + r8 + 8 * (m8 & 1)) * LO_LDV + 16 * np + 8 * (m8 >> 1)));
+            sp_mma(O[2 * np], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
+            sp_mma(O[2 * np], al[0], al[1], al[2], al[3], b[0], b[1]);
+            sp_mma(O[2 * np + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
+            sp_mma(O[2 * np + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        if (ir[r] < len) {
+            bf16* op = out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + e0 + 2 * tq;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+                *(u32*)(op + 8 * nt) = sp_pack_bf16(scale * O[nt][2 * r], scale * O[nt][2 * r + 1]);
+        }
 }

@@ -229,6 +229,9 @@ pub struct CudaBackend {
     tensor_core_gemv: std::cell::Cell<bool>,
     /// Sparse-layer decode steps run batched (`sparse_rows_batched`), for tests.
     sparse_rows_batched: std::cell::Cell<usize>,
+    /// Lightning prefill in two passes (chunk states in order, then every chunk's outputs in
+    /// parallel), or one pass a block (`SALA_FALLBACK=lightning-fused`).
+    lightning_two_pass: std::cell::Cell<bool>,
     /// Where per-sequence caches and states live: the page pool, or one allocation each.
     pool: Option<pool::SharedPool>,
 }
@@ -273,6 +276,9 @@ fn fast_select_fits(shape: AttnShape, cfg: &SparseConfig) -> bool {
 /// From this many rows on, lightning layers run on tensor cores (`lightning_mma`).
 const LIGHTNING_MMA_ROWS: usize = 64;
 
+/// From this many rows on, lightning prefill runs in two passes (`lightning_two_pass`).
+const LIGHTNING_TWO_PASS_ROWS: usize = 256;
+
 /// `lightning_fused` cuts a chunk into at most this many ranges that run in parallel, of at
 /// least `LIGHTNING_RANGE_MIN` tokens each.
 const LIGHTNING_RANGES: usize = 4;
@@ -283,8 +289,8 @@ const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
 
 /// Kernels to use instead of the default ones, for comparisons (`SALA_FALLBACK`, a comma list
 /// of `attention` (staged prefill attention for sparse layers), `lightning` (fp32 chunked
-/// lightning) and `lightning-split` (the three-kernel tensor-core lightning: chunk states, scan,
-/// outputs), `select` (block scores with the heads as MMA rows, `select_scores_mma`), `wgmma`
+/// lightning), `lightning-split` (the three-kernel tensor-core lightning: chunk states, scan,
+/// outputs), `lightning-fused` (lightning prefill in one pass a block, `lightning_fused`), `select` (block scores with the heads as MMA rows, `select_scores_mma`), `wgmma`
 /// (the mma.sync twins of the wgmma kernels on Hopper too), `gemv-mma` (decode products on the
 /// CUDA-core GEMVs, a launch per row), `sparse-rows` (a batched decode step's sparse layers
 /// row by row) and `gemv` (with it, four output rows a warp for every CUDA-core GEMV)).
@@ -293,6 +299,7 @@ struct Fallback {
     attention: bool,
     lightning: bool,
     lightning_split: bool,
+    lightning_fused: bool,
     select: bool,
     gemv: bool,
     gemv_mma: bool,
@@ -308,6 +315,7 @@ impl Fallback {
             attention: has("attention"),
             lightning: has("lightning"),
             lightning_split: has("lightning-split"),
+            lightning_fused: has("lightning-fused"),
             select: has("select"),
             gemv: has("gemv"),
             gemv_mma: has("gemv-mma"),
@@ -460,6 +468,7 @@ impl CudaBackend {
             fallback,
             tensor_core_gemv: std::cell::Cell::new(!fallback.gemv_mma),
             sparse_rows_batched: Default::default(),
+            lightning_two_pass: std::cell::Cell::new(!fallback.lightning_fused),
             pool,
             exact_select: std::cell::Cell::new(
                 std::env::var("SALA_EXACT_SELECT").is_ok_and(|v| v != "0"),
@@ -488,6 +497,11 @@ impl CudaBackend {
     /// `SALA_FALLBACK=wgmma`), or their mma.sync twins.
     pub fn set_wgmma(&self, on: bool) {
         self.wgmma.set(on);
+    }
+
+    /// Runs lightning prefill in two passes (the default) or in one pass a block.
+    pub fn set_lightning_two_pass(&self, on: bool) {
+        self.lightning_two_pass.set(on);
     }
 
     fn use_wgmma(&self) -> bool {
@@ -673,6 +687,7 @@ impl CudaBackend {
                 Arg::I(range_len as i32),
                 Arg::P(slots),
                 Arg::I(state_only as i32),
+                Arg::P(0),
             ]
         };
         let smem = registry::lightning_fused_smem(d) as u32;
@@ -702,6 +717,87 @@ impl CudaBackend {
             )?;
         }
         self.launch(K::LightningFused, grid(n_ranges), 128, smem, &args(false))
+    }
+
+    /// Lightning prefill in two passes over windows of whole chunks whose states fit the
+    /// scratch: `lightning_fused` walks a window's chunks in order and keeps the state before
+    /// each (bf16 hi + lo), then `lightning_outputs` computes every chunk's outputs at once.
+    /// The same operations in the same order as the one-pass kernel: the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn lightning_two_pass(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        state: &mut DevLightningState,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        const CHUNK: usize = 64;
+        let (t, d, heads) = (q.rows, shape.head_dim, shape.heads);
+        // A chunk's states: heads · d · d (hi, lo) pairs, 4 bytes each.
+        let per_chunk = heads * d * d;
+        let window = (LIGHTNING_SCRATCH_BYTES / (4 * per_chunk)).max(1) * CHUNK;
+        let states = self.scratch_ptr(
+            |s| &mut s.lightning,
+            per_chunk * t.min(window).div_ceil(CHUNK),
+        )?;
+        let (qw, kw) = (shape.q_width(), shape.kv_width());
+        let mut a = 0;
+        while a < t {
+            let n_tok = window.min(t - a);
+            let (qp, kp, vp, op) = (
+                self.ptr(&q.buf) + (a * qw * 2) as u64,
+                self.ptr(&k.buf) + (a * kw * 2) as u64,
+                self.ptr(&v.buf) + (a * kw * 2) as u64,
+                self.ptr(&out.buf) + (a * qw * 2) as u64,
+            );
+            self.launch(
+                K::LightningFused,
+                (heads as u32, (d / 32) as u32, 1),
+                128,
+                registry::lightning_fused_smem(d) as u32,
+                &[
+                    Arg::P(qp),
+                    Arg::P(kp),
+                    Arg::P(vp),
+                    Arg::P(self.ptr(state)),
+                    Arg::P(op),
+                    Arg::P(self.ptr(slopes)),
+                    Arg::I(n_tok as i32),
+                    Arg::I(heads as i32),
+                    Arg::I(shape.kv_heads as i32),
+                    Arg::I(d as i32),
+                    Arg::F(shape.scale() as f32),
+                    Arg::I(0),
+                    Arg::P(0),
+                    Arg::I(0),
+                    Arg::P(states),
+                ],
+            )?;
+            self.launch(
+                K::LightningOutputs,
+                (n_tok.div_ceil(CHUNK) as u32, heads as u32, (d / 64) as u32),
+                128,
+                registry::lightning_outputs_smem(d) as u32,
+                &[
+                    Arg::P(qp),
+                    Arg::P(kp),
+                    Arg::P(vp),
+                    Arg::P(states),
+                    Arg::P(op),
+                    Arg::P(self.ptr(slopes)),
+                    Arg::I(n_tok as i32),
+                    Arg::I(heads as i32),
+                    Arg::I(shape.kv_heads as i32),
+                    Arg::I(d as i32),
+                    Arg::F(shape.scale() as f32),
+                ],
+            )?;
+            a += n_tok;
+        }
+        Ok(())
     }
 
     /// Lightning prefill on tensor cores: chunk states, their scan, then the outputs, over
@@ -2308,8 +2404,18 @@ impl Backend for CudaBackend {
             );
         }
         let d = shape.head_dim;
+        if q.rows >= LIGHTNING_TWO_PASS_ROWS
+            && d.is_multiple_of(64)
+            && d <= 128
+            && self.lightning_two_pass.get()
+            && !self.fallback.lightning
+            && !self.fallback.lightning_split
+        {
+            return self.lightning_two_pass(shape, slopes, q, k, v, state, out);
+        }
         if q.rows >= 2
             && d.is_multiple_of(32)
+            && d.is_power_of_two()
             && d <= 128
             && !self.fallback.lightning
             && !self.fallback.lightning_split

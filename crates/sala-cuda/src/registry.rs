@@ -90,6 +90,7 @@ pub enum K {
     SdPRows,
     SdTopkRows,
     AttentionDecodeRows,
+    LightningOutputs,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -146,7 +147,14 @@ pub const KERNELS: &[&str] = &[
     "sd_p_rows",
     "sd_topk_rows",
     "attention_decode_rows",
+    "lightning_outputs",
 ];
+
+/// Dynamic shared memory of `lightning_outputs` for head size `d` (`LO_SMEM`): Q and K, a
+/// 64-column V slice, S hi and lo for those columns, and the decay powers.
+pub fn lightning_outputs_smem(d: usize) -> usize {
+    2 * 64 * (d + 8) * 2 + 64 * 72 * 2 + 2 * d * 72 * 2 + 68 * 4
+}
 
 /// Dynamic shared memory of `lightning_fused` for head size `d` (`LF_SMEM` in
 /// lightning_fused.cu): Q and K double-buffered, the V slice double-buffered, Vd and S as bf16
@@ -278,6 +286,7 @@ impl Kernels {
         // Kernels with more than the default 48 KiB of dynamic shared memory.
         let mut big = vec![
             (K::LightningFused, lightning_fused_smem(128)),
+            (K::LightningOutputs, lightning_outputs_smem(128)),
             (K::SdTopk, SD_TOPK_MAX_SMEM),
             (K::SdTopkScores, SD_TOPK_KEYS_SMEM),
         ];
