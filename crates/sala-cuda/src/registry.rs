@@ -91,6 +91,7 @@ pub enum K {
     SdTopkRows,
     AttentionDecodeRows,
     LightningOutputs,
+    LightningStates,
 }
 
 /// The kernels' names in the source, in the order of [`K`].
@@ -148,12 +149,19 @@ pub const KERNELS: &[&str] = &[
     "sd_topk_rows",
     "attention_decode_rows",
     "lightning_outputs",
+    "lightning_states",
 ];
 
+/// Dynamic shared memory of `lightning_states` for head size `d` (`LS_SMEM`): K and the
+/// 32-column V slice double-buffered, decayed V as bf16 hi + lo, and the decay powers.
+pub fn lightning_states_smem(d: usize) -> usize {
+    2 * 64 * (d + 8) * 2 + 2 * (2 * 64 * 40 * 2) + 68 * 4
+}
+
 /// Dynamic shared memory of `lightning_outputs` for head size `d` (`LO_SMEM`): Q and K, a
-/// 64-column V slice, S hi and lo for those columns, and the decay powers.
+/// 64-column V slice, S hi and lo for those columns (unpadded, swizzled), and the decay powers.
 pub fn lightning_outputs_smem(d: usize) -> usize {
-    2 * 64 * (d + 8) * 2 + 64 * 72 * 2 + 2 * d * 72 * 2 + 68 * 4
+    2 * 64 * d * 2 + 64 * 64 * 2 + 2 * d * 64 * 2 + 68 * 4
 }
 
 /// Dynamic shared memory of `lightning_fused` for head size `d` (`LF_SMEM` in
@@ -287,6 +295,7 @@ impl Kernels {
         let mut big = vec![
             (K::LightningFused, lightning_fused_smem(128)),
             (K::LightningOutputs, lightning_outputs_smem(128)),
+            (K::LightningStates, lightning_states_smem(128)),
             (K::SdTopk, SD_TOPK_MAX_SMEM),
             (K::SdTopkScores, SD_TOPK_KEYS_SMEM),
         ];
