@@ -309,10 +309,39 @@ struct Fallback {
 }
 
 impl Fallback {
-    fn from_env() -> Self {
-        let v = std::env::var("SALA_FALLBACK").unwrap_or_default();
-        let has = |name: &str| v.split(',').any(|x| x.trim() == name);
-        Self {
+    /// Every name `SALA_FALLBACK` takes.
+    const NAMES: [&'static str; 9] = [
+        "attention",
+        "lightning",
+        "lightning-split",
+        "lightning-fused",
+        "select",
+        "gemv",
+        "gemv-mma",
+        "sparse-rows",
+        "wgmma",
+    ];
+
+    fn from_env() -> Result<Self, String> {
+        Self::parse(&std::env::var("SALA_FALLBACK").unwrap_or_default())
+    }
+
+    /// A comma list of names (empty entries ignored); an unknown name is an error naming the
+    /// known ones, so a typo does not silently measure the default kernels.
+    fn parse(v: &str) -> Result<Self, String> {
+        let names: Vec<&str> = v
+            .split(',')
+            .map(str::trim)
+            .filter(|x| !x.is_empty())
+            .collect();
+        if let Some(bad) = names.iter().find(|x| !Self::NAMES.contains(x)) {
+            return Err(format!(
+                "SALA_FALLBACK: unknown kernel name {bad:?} (known: {})",
+                Self::NAMES.join(", ")
+            ));
+        }
+        let has = |name: &str| names.contains(&name);
+        Ok(Self {
             attention: has("attention"),
             lightning: has("lightning"),
             lightning_split: has("lightning-split"),
@@ -322,7 +351,7 @@ impl Fallback {
             gemv_mma: has("gemv-mma"),
             sparse_rows: has("sparse-rows"),
             wgmma: has("wgmma"),
-        }
+        })
     }
 }
 
@@ -431,10 +460,15 @@ impl CudaBackend {
         let gemm = gemm::Gemm::new(stream.clone())?;
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let profiler = profile::Profiler::from_env(&ctx);
-        let fallback = Fallback::from_env();
+        let fallback = Fallback::from_env()?;
         // Per-sequence buffers in one page pool (unless SALA_KV_POOL=0; pages of
         // SALA_KV_POOL_GRANULES allocation granules, 1 by default), capped at the device's memory.
-        let pool = if std::env::var("SALA_KV_POOL").map_or(true, |v| v != "0") {
+        let pool_on = match std::env::var("SALA_KV_POOL").as_deref() {
+            Err(_) | Ok("1") => true,
+            Ok("0") => false,
+            Ok(v) => return Err(format!("SALA_KV_POOL={v}: expected 0 or 1")),
+        };
+        let pool = if pool_on {
             let (_, total) = cudarc::driver::result::mem_get_info()
                 .map_err(|e| format!("device memory: {e:?}"))?;
             let granules = match std::env::var("SALA_KV_POOL_GRANULES") {
@@ -2655,4 +2689,22 @@ fn attention_launch(t: usize, shape: AttnShape) -> ((u32, u32, u32), u32, u32) {
         128,
         0,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Fallback;
+
+    #[test]
+    fn fallback_names_parse_and_typos_are_errors() {
+        let f = Fallback::parse(" lightning-fused, wgmma,,").unwrap();
+        assert!(f.lightning_fused && f.wgmma && !f.lightning && !f.gemv_mma);
+        let none = Fallback::parse("").unwrap();
+        assert!(!none.attention && !none.sparse_rows && !none.lightning_split);
+        for name in Fallback::NAMES {
+            assert!(Fallback::parse(name).is_ok(), "{name}");
+        }
+        let e = Fallback::parse("lightning,wgma").err().unwrap();
+        assert!(e.contains("\"wgma\"") && e.contains("wgmma"), "{e}");
+    }
 }
