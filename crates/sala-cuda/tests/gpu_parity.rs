@@ -305,6 +305,36 @@ fn embed_matmul_head_norm_rope_match_cpu() {
     }
 }
 
+/// Lightning over `q`, `k`, `v` (host rows) from the state `init` on the GPU: the outputs and
+/// the final state.
+fn gpu_lightning(
+    g: &CudaBackend,
+    shape: AttnShape,
+    slopes: &<CudaBackend as Backend>::Table,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    init: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let rows = q.len() / shape.q_width();
+    let mut st = Store::Own(g.f32_from_host(init).unwrap());
+    let mut out = g
+        .act_from_host(&vec![0.0; rows * shape.q_width()], shape.q_width())
+        .unwrap();
+    g.lightning(
+        shape,
+        slopes,
+        &g.act_from_host(q, shape.q_width()).unwrap(),
+        &g.act_from_host(k, shape.kv_width()).unwrap(),
+        &g.act_from_host(v, shape.kv_width()).unwrap(),
+        &mut st,
+        &mut out,
+    )
+    .unwrap();
+    let Store::Own(st) = &st else { unreachable!() };
+    (g.to_host(&out).unwrap(), g.f32_to_host(st).unwrap())
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn lightning_matches_oracle() {
@@ -339,34 +369,10 @@ fn lightning_matches_oracle() {
                 let o = cpu_attn::lightning(shape, &slopes, &q, &k, &v, &mut s);
                 (o, s)
             };
-            let mut st = Store::Own(g.f32_from_host(&init).unwrap());
-            let mut out = g
-                .act_from_host(&vec![0.0; t_n * shape.q_width()], shape.q_width())
-                .unwrap();
-            g.lightning(
-                shape,
-                &gs,
-                &g.act_from_host(&q, shape.q_width()).unwrap(),
-                &g.act_from_host(&k, shape.kv_width()).unwrap(),
-                &g.act_from_host(&v, shape.kv_width()).unwrap(),
-                &mut st,
-                &mut out,
-            )
-            .unwrap();
+            let (o, st) = gpu_lightning(&g, shape, &gs, &q, &k, &v, &init);
             let ctx = format!("H{heads}/{kv_heads} d{d} T{t_n}");
-            close(
-                &format!("{ctx} o"),
-                &g.to_host(&out).unwrap(),
-                &want_o,
-                5e-3,
-            );
-            let Store::Own(st) = &st else { unreachable!() };
-            close(
-                &format!("{ctx} state"),
-                &g.f32_to_host(st).unwrap(),
-                &want_s,
-                1e-4,
-            );
+            close(&format!("{ctx} o"), &o, &want_o, 5e-3);
+            close(&format!("{ctx} state"), &st, &want_s, 1e-4);
         }
     }
 }
@@ -395,22 +401,7 @@ fn lightning_two_pass_equals_one_pass() {
             let init = rng.bf16_vec(heads * d * d, -0.3, 0.3);
             let run = |two_pass: bool| {
                 g.set_lightning_two_pass(two_pass);
-                let mut st = Store::Own(g.f32_from_host(&init).unwrap());
-                let mut out = g
-                    .act_from_host(&vec![0.0; t_n * shape.q_width()], shape.q_width())
-                    .unwrap();
-                g.lightning(
-                    shape,
-                    &gs,
-                    &g.act_from_host(&q, shape.q_width()).unwrap(),
-                    &g.act_from_host(&k, shape.kv_width()).unwrap(),
-                    &g.act_from_host(&v, shape.kv_width()).unwrap(),
-                    &mut st,
-                    &mut out,
-                )
-                .unwrap();
-                let Store::Own(st) = &st else { unreachable!() };
-                (g.to_host(&out).unwrap(), g.f32_to_host(st).unwrap())
+                gpu_lightning(&g, shape, &gs, &q, &k, &v, &init)
             };
             let (o1, s1) = run(false);
             let (o2, s2) = run(true);
