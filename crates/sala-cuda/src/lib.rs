@@ -291,7 +291,8 @@ const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
 /// Kernels to use instead of the default ones, for comparisons (`SALA_FALLBACK`, a comma list
 /// of `attention` (staged prefill attention for sparse layers), `lightning` (fp32 chunked
 /// lightning), `lightning-split` (the three-kernel tensor-core lightning: chunk states, scan,
-/// outputs), `lightning-fused` (lightning prefill in one pass a block, `lightning_fused`), `select` (block scores with the heads as MMA rows, `select_scores_mma`), `wgmma`
+/// outputs), `lightning-fused` (lightning prefill in one pass a block, `lightning_fused`),
+/// `select` (block scores with the heads as MMA rows, `select_scores_mma`), `wgmma`
 /// (the mma.sync twins of the wgmma kernels on Hopper too), `gemv-mma` (decode products on the
 /// CUDA-core GEMVs, a launch per row), `sparse-rows` (a batched decode step's sparse layers
 /// row by row) and `gemv` (with it, four output rows a warp for every CUDA-core GEMV)).
@@ -616,7 +617,7 @@ impl CudaBackend {
                 256,
                 smem,
                 &[
-                    Arg::P(self.ptr(&q.buf) + (a * q.cols * 2) as u64),
+                    Arg::P(self.row_ptr(q, a)),
                     Arg::P(self.ptr(&cache.k1)),
                     Arg::P(self.ptr(&cache.k2)),
                     Arg::I(cache.n1 as i32),
@@ -777,15 +778,14 @@ impl CudaBackend {
             |s| &mut s.lightning,
             per_chunk * t.min(window).div_ceil(CHUNK),
         )?;
-        let (qw, kw) = (shape.q_width(), shape.kv_width());
         let mut a = 0;
         while a < t {
             let n_tok = window.min(t - a);
             let (qp, kp, vp, op) = (
-                self.ptr(&q.buf) + (a * qw * 2) as u64,
-                self.ptr(&k.buf) + (a * kw * 2) as u64,
-                self.ptr(&v.buf) + (a * kw * 2) as u64,
-                self.ptr(&out.buf) + (a * qw * 2) as u64,
+                self.row_ptr(q, a),
+                self.row_ptr(k, a),
+                self.row_ptr(v, a),
+                self.row_ptr(out, a),
             );
             self.launch(
                 K::LightningStates,
@@ -850,17 +850,16 @@ impl CudaBackend {
             |s| &mut s.lightning,
             per_chunk * t.min(range).div_ceil(CHUNK),
         )?;
-        let (qw, kw) = (shape.q_width(), shape.kv_width());
         let mut a = 0;
         while a < t {
             let n_tok = range.min(t - a);
             let n = n_tok.div_ceil(CHUNK);
             let last_len = n_tok - (n - 1) * CHUNK;
             let (qp, kp, vp, op) = (
-                self.ptr(&q.buf) + (a * qw * 2) as u64,
-                self.ptr(&k.buf) + (a * kw * 2) as u64,
-                self.ptr(&v.buf) + (a * kw * 2) as u64,
-                self.ptr(&out.buf) + (a * qw * 2) as u64,
+                self.row_ptr(q, a),
+                self.row_ptr(k, a),
+                self.row_ptr(v, a),
+                self.row_ptr(out, a),
             );
             let dims = [
                 Arg::I(n_tok as i32),
@@ -1377,6 +1376,11 @@ impl CudaBackend {
 
     fn ptr<T>(&self, s: &impl DevMem<T>) -> u64 {
         s.dev_ptr(&self.stream)
+    }
+
+    /// The device address of row `row` of `a`.
+    fn row_ptr(&self, a: &DevAct, row: usize) -> u64 {
+        self.ptr(&a.buf) + (row * a.cols * 2) as u64
     }
 
     fn launch(
@@ -2178,7 +2182,7 @@ impl Backend for CudaBackend {
         while r < x.rows {
             let nb = group.min(x.rows - r);
             let mut args = vec![
-                Arg::P(self.ptr(&x.buf) + (r * x.cols * 2) as u64),
+                Arg::P(self.row_ptr(x, r)),
                 Arg::P(self.ptr(&w.buf)),
                 Arg::P(self.ptr(&out.buf) + (r * inter * 2) as u64),
                 Arg::I(inter as i32),

@@ -99,11 +99,6 @@ impl PagePool {
         self.limit = limit_bytes / self.page;
     }
 
-    /// The most bytes the pool may hold.
-    pub fn limit_bytes(&self) -> usize {
-        self.limit * self.page
-    }
-
     fn take(&mut self) -> BResult<CUmemGenericAllocationHandle> {
         if let Some(h) = self.free.pop() {
             return Ok(h);
