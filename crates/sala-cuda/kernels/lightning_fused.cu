@@ -76,152 +76,6 @@ __device__ __forceinline__ void lf_store_state(const float (&sa)[2][4][4], bf16*
     }
 }
 
-// The steps of a chunk that lightning_fused, lightning_states and lightning_outputs share, for
-// one warp (lane: gq = lane / 4, tq = lane % 4; ldmatrix lane row r8 = lane % 8 of matrix
-// m8 = lane / 8). Tiles are read through address functions of that lane, so each kernel keeps
-// its own shared-memory layout.
-
-// Vd = f · v for 8 values (one 16-byte piece) of V, as bf16 hi and lo at the same offset.
-__device__ __forceinline__ void lf_decay_piece(const bf16* v, bf16* vdh, bf16* vdl, float f) {
-    const uint4 w = *(const uint4*)v;
-    const u32 ws[4] = {w.x, w.y, w.z, w.w};
-    u32 hi[4], lo[4];
-#pragma unroll
-    for (int y = 0; y < 4; y++) sp_split2(lt_lo(ws[y]) * f, lt_hi(ws[y]) * f, hi[y], lo[y]);
-    *(uint4*)vdh = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    *(uint4*)vdl = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-}
-
-// (a) for query rows i0 .. i0 + 15: the Q fragments (kept for (b)), then
-// A = (Q Kᵀ) ⊙ γ^{i−j} for j ≤ i < len, else 0. q_at(kk), k_at(np, kk): ldmatrix addresses.
-template <class QAt, class KAt>
-__device__ __forceinline__ void lf_scores(u32 (&qa)[8][4], float (&A)[8][4], int ksteps, int i0, int len,
-                                          const float* pw, QAt q_at, KAt k_at) {
-    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++)
-        if (kk < ksteps) ldsm_x4(qa[kk], q_at(kk));
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) A[nt][0] = A[nt][1] = A[nt][2] = A[nt][3] = 0.0f;
-#pragma unroll
-    for (int np = 0; np < 4; np++)
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++)
-            if (kk < ksteps) {
-                u32 b[4];  // n-tiles 2np, 2np + 1 (keys j), k = dims 16kk..
-                ldsm_x4(b, k_at(np, kk));
-                sp_mma(A[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-                sp_mma(A[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
-            }
-    const int ir[2] = {i0 + gq, i0 + gq + 8};
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int i = ir[x >> 1], j = 8 * nt + 2 * tq + (x & 1);
-            A[nt][x] = (j <= i && i < len) ? A[nt][x] * pw[i - j] : 0.0f;
-        }
-}
-
-// (b) and (c) over NT value n-tiles: O = γ^{i+1} · Q S, then O += A V, with S (s_at(part, kk,
-// np): hi, then lo) and A as bf16 hi + lo. s_at and v_at(ks4, np): transposed ldmatrix addresses.
-template <int NT, class SAt, class VAt>
-__device__ __forceinline__ void lf_outputs(float (&O)[NT][4], const u32 (&qa)[8][4], const float (&A)[8][4],
-                                           int ksteps, int i0, const float* pw, SAt s_at, VAt v_at) {
-    const int gq = (threadIdx.x & 31) >> 2;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) O[nt][0] = O[nt][1] = O[nt][2] = O[nt][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++)
-        if (kk < ksteps)
-#pragma unroll
-            for (int part = 0; part < 2; part++)
-#pragma unroll
-                for (int np = 0; np < NT / 2; np++) {
-                    u32 b[4];
-                    ldsm_x4_t(b, s_at(part, kk, np));
-                    sp_mma(O[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-                    sp_mma(O[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
-                }
-    const float di[2] = {pw[min(i0 + gq + 1, LF_C)], pw[min(i0 + gq + 9, LF_C)]};
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) O[nt][x] *= di[x >> 1];
-#pragma unroll
-    for (int ks4 = 0; ks4 < 4; ks4++) {
-        u32 ah[4], al[4];
-        sp_split2(A[2 * ks4][0], A[2 * ks4][1], ah[0], al[0]);
-        sp_split2(A[2 * ks4][2], A[2 * ks4][3], ah[1], al[1]);
-        sp_split2(A[2 * ks4 + 1][0], A[2 * ks4 + 1][1], ah[2], al[2]);
-        sp_split2(A[2 * ks4 + 1][2], A[2 * ks4 + 1][3], ah[3], al[3]);
-#pragma unroll
-        for (int np = 0; np < NT / 2; np++) {
-            u32 b[4];
-            ldsm_x4_t(b, v_at(ks4, np));
-            sp_mma(O[2 * np], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
-            sp_mma(O[2 * np], al[0], al[1], al[2], al[3], b[0], b[1]);
-            sp_mma(O[2 * np + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
-            sp_mma(O[2 * np + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
-        }
-    }
-}
-
-// out = bf16(scale · O) for this warp's rows i0 + gq (+8) below len; `cols` points at chunk
-// row 0, the first of the NT n-tiles' columns; rows qw apart.
-template <int NT>
-__device__ __forceinline__ void lf_store_out(const float (&O)[NT][4], bf16* cols, size_t qw, int i0, int len,
-                                             float scale) {
-    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int i = i0 + gq + 8 * r;
-        if (i < len) {
-            bf16* op = cols + (size_t)i * qw + 2 * tq;
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-                *(u32*)(op + 8 * nt) = sp_pack_bf16(scale * O[nt][2 * r], scale * O[nt][2 * r + 1]);
-        }
-    }
-}
-
-// (d) for MT m-tiles of key rows a0 + 16·mt (all below d: no branch in the loop) and 32 value
-// columns: S = γ^len S + Kᵀ Vd (dl = γ^len; A = Kᵀ from the [j][key] tile at ks, row stride ld,
-// transposed; Vd hi and lo [j][32] tiles with row stride ldv).
-template <int MT>
-__device__ __forceinline__ void lf_state_step(float (&sa)[MT][4][4], const bf16* ks, int ld, const bf16* vdh,
-                                              const bf16* vdl, int ldv, int a0, float dl) {
-    const int lane = threadIdx.x & 31, r8 = lane & 7, m8 = lane >> 3;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) sa[mt][nt][x] *= dl;
-#pragma unroll
-    for (int ks4 = 0; ks4 < 4; ks4++) {
-        u32 bh[2][4], bl[2][4];
-#pragma unroll
-        for (int np = 0; np < 2; np++) {
-            const int off = (16 * ks4 + r8 + 8 * (m8 & 1)) * ldv + 16 * np + 8 * (m8 >> 1);
-            ldsm_x4_t(bh[np], sp_smem_addr(vdh + off));
-            ldsm_x4_t(bl[np], sp_smem_addr(vdl + off));
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            u32 a[4];  // A[m = key][k = j] = K[j][key]: matrices (k, m) = (0,0), (0,8), (8,0), (8,8)
-            ldsm_x4_t(a, sp_smem_addr(ks + (16 * ks4 + r8 + 8 * (m8 >> 1)) * ld + a0 + 16 * mt + 8 * (m8 & 1)));
-#pragma unroll
-            for (int np = 0; np < 2; np++) {
-                sp_mma(sa[mt][2 * np], a[0], a[1], a[2], a[3], bh[np][0], bh[np][1]);
-                sp_mma(sa[mt][2 * np], a[0], a[1], a[2], a[3], bl[np][0], bl[np][1]);
-                sp_mma(sa[mt][2 * np + 1], a[0], a[1], a[2], a[3], bh[np][2], bh[np][3]);
-                sp_mma(sa[mt][2 * np + 1], a[0], a[1], a[2], a[3], bl[np][2], bl[np][3]);
-            }
-        }
-    }
-}
-
 // q [T, heads·d], k/v [T, kv_heads·d] bf16; state [heads, d, d] fp32 (key-major, read and
 // advanced in place); out [T, heads·d] bf16; slopes [heads] fp32. Needs d 32, 64 or 128,
 // heads % kv_heads == 0, 16-byte aligned q/k/v/out.
@@ -297,37 +151,132 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
             const float f = (j < len) ? pw[len - 1 - j] : 0.0f;
 #pragma unroll
             for (int p = 0; p < 2; p++) {
-                const int off = j * LF_LDV + c0 + 8 * p;
-                lf_decay_piece(vs + off, vdh + off, vdl + off, f);
+                const uint4 w = *(const uint4*)(vs + j * LF_LDV + c0 + 8 * p);
+                const u32 ws[4] = {w.x, w.y, w.z, w.w};
+                u32 hi[4], lo[4];
+#pragma unroll
+                for (int y = 0; y < 4; y++) sp_split2(lt_lo(ws[y]) * f, lt_hi(ws[y]) * f, hi[y], lo[y]);
+                *(uint4*)(vdh + j * LF_LDV + c0 + 8 * p) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+                *(uint4*)(vdl + j * LF_LDV + c0 + 8 * p) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
             }
         }
 
         if (!state_only) {
+            // (a) A = Q Kᵀ for rows 16w.., Q fragments kept for (b).
             const int i0 = 16 * warp;
             u32 qa[8][4];
-            float A[8][4], O[4][4];
-            lf_scores(
-                qa, A, ksteps, i0, len, pw,
-                [&](int kk) { return sp_smem_addr(qs + (i0 + r8 + 8 * (m8 & 1)) * ld + 16 * kk + 8 * (m8 >> 1)); },
-                [&](int np, int kk) {
-                    return sp_smem_addr(ks + (16 * np + r8 + 8 * (m8 >> 1)) * ld + 16 * kk + 8 * (m8 & 1));
-                });
-            lf_outputs(
-                O, qa, A, ksteps, i0, pw,
-                [&](int part, int kk, int np) {
-                    return sp_smem_addr((part ? sl : sh) + (16 * kk + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np +
-                                        8 * (m8 >> 1));
-                },
-                [&](int ks4, int np) {
-                    return sp_smem_addr(vs + (16 * ks4 + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np + 8 * (m8 >> 1));
-                });
-            lf_store_out(O, out + (size_t)j0 * qw + (size_t)h * d + e0, qw, i0, len, scale);
+    #pragma unroll
+            for (int kk = 0; kk < 8; kk++)
+                if (kk < ksteps) ldsm_x4(qa[kk], sp_smem_addr(qs + (i0 + r8 + 8 * (m8 & 1)) * ld + 16 * kk + 8 * (m8 >> 1)));
+            float A[8][4];
+    #pragma unroll
+            for (int nt = 0; nt < 8; nt++) A[nt][0] = A[nt][1] = A[nt][2] = A[nt][3] = 0.0f;
+    #pragma unroll
+            for (int np = 0; np < 4; np++)
+    #pragma unroll
+                for (int kk = 0; kk < 8; kk++)
+                    if (kk < ksteps) {
+                        u32 b[4];  // n-tiles 2np, 2np + 1 (keys j), k = dims 16kk..
+                        ldsm_x4(b, sp_smem_addr(ks + (16 * np + r8 + 8 * (m8 >> 1)) * ld + 16 * kk + 8 * (m8 & 1)));
+                        sp_mma(A[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                        sp_mma(A[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+                    }
+            const int ir[2] = {i0 + gq, i0 + gq + 8};
+    #pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+    #pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int i = ir[x >> 1], j = 8 * nt + 2 * tq + (x & 1);
+                    A[nt][x] = (j <= i && i < len) ? A[nt][x] * pw[i - j] : 0.0f;
+                }
+
+            // (b) O = Q S (S hi and lo: B[k = key][n = value] from [key][value] tiles, transposed).
+            float O[4][4];
+    #pragma unroll
+            for (int nt = 0; nt < 4; nt++) O[nt][0] = O[nt][1] = O[nt][2] = O[nt][3] = 0.0f;
+    #pragma unroll
+            for (int kk = 0; kk < 8; kk++)
+                if (kk < ksteps)
+    #pragma unroll
+                    for (int part = 0; part < 2; part++) {
+                        const bf16* sp = part ? sl : sh;
+    #pragma unroll
+                        for (int np = 0; np < 2; np++) {
+                            u32 b[4];
+                            ldsm_x4_t(b, sp_smem_addr(sp + (16 * kk + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np + 8 * (m8 >> 1)));
+                            sp_mma(O[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                            sp_mma(O[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+                        }
+                    }
+            const float di[2] = {pw[min(ir[0] + 1, LF_C)], pw[min(ir[1] + 1, LF_C)]};
+    #pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+    #pragma unroll
+                for (int x = 0; x < 4; x++) O[nt][x] *= di[x >> 1];
+
+            // (c) O += A V, A's hi and lo parts straight from its accumulators.
+    #pragma unroll
+            for (int ks4 = 0; ks4 < 4; ks4++) {
+                u32 ah[4], al[4];
+                sp_split2(A[2 * ks4][0], A[2 * ks4][1], ah[0], al[0]);
+                sp_split2(A[2 * ks4][2], A[2 * ks4][3], ah[1], al[1]);
+                sp_split2(A[2 * ks4 + 1][0], A[2 * ks4 + 1][1], ah[2], al[2]);
+                sp_split2(A[2 * ks4 + 1][2], A[2 * ks4 + 1][3], ah[3], al[3]);
+    #pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    u32 b[4];
+                    ldsm_x4_t(b, sp_smem_addr(vs + (16 * ks4 + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np + 8 * (m8 >> 1)));
+                    sp_mma(O[2 * np], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
+                    sp_mma(O[2 * np], al[0], al[1], al[2], al[3], b[0], b[1]);
+                    sp_mma(O[2 * np + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
+                    sp_mma(O[2 * np + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+                }
+            }
+    #pragma unroll
+            for (int r = 0; r < 2; r++)
+                if (ir[r] < len) {
+                    bf16* op = out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + e0 + 2 * tq;
+    #pragma unroll
+                    for (int nt = 0; nt < 4; nt++)
+                        *(u32*)(op + 8 * nt) = sp_pack_bf16(scale * O[nt][2 * r], scale * O[nt][2 * r + 1]);
+                }
         }
         __syncthreads();  // Vd written; every warp's (b) has read S
 
-        // (d) S = γ^len S + Kᵀ Vd for key rows 32w.. (both m-tiles below d: d is a multiple of 32).
+        // (d) S = γ^len S + Kᵀ Vd for key rows 32w.. (A = Kᵀ from the [j][key] tile, transposed).
         if (32 * warp < d) {
-            lf_state_step(sa, ks, ld, vdh, vdl, LF_LDV, 32 * warp, pw[len]);
+            const float dl = pw[len];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                    for (int x = 0; x < 4; x++) sa[mt][nt][x] *= dl;
+#pragma unroll
+            for (int ks4 = 0; ks4 < 4; ks4++) {
+                u32 bh[2][4], bl[2][4];
+#pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    const int off = (16 * ks4 + r8 + 8 * (m8 & 1)) * LF_LDV + 16 * np + 8 * (m8 >> 1);
+                    ldsm_x4_t(bh[np], sp_smem_addr(vdh + off));
+                    ldsm_x4_t(bl[np], sp_smem_addr(vdl + off));
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    const int a0 = 32 * warp + 16 * mt;
+                    if (a0 < d) {
+                        u32 a[4];  // A[m = key][k = j] = K[j][key]: matrices (k, m) = (0,0), (0,8), (8,0), (8,8)
+                        ldsm_x4_t(a, sp_smem_addr(ks + (16 * ks4 + r8 + 8 * (m8 >> 1)) * ld + a0 + 8 * (m8 & 1)));
+#pragma unroll
+                        for (int np = 0; np < 2; np++) {
+                            sp_mma(sa[mt][2 * np], a[0], a[1], a[2], a[3], bh[np][0], bh[np][1]);
+                            sp_mma(sa[mt][2 * np], a[0], a[1], a[2], a[3], bl[np][0], bl[np][1]);
+                            sp_mma(sa[mt][2 * np + 1], a[0], a[1], a[2], a[3], bh[np][2], bh[np][3]);
+                            sp_mma(sa[mt][2 * np + 1], a[0], a[1], a[2], a[3], bl[np][2], bl[np][3]);
+                        }
+                    }
+                }
+            }
             lf_store_state(sa, sh, sl, warp, d);
         }
     }
@@ -412,15 +361,15 @@ lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states,
 
     // The state slice: key rows a0 + gq (+8), value columns e0 + 8nt + 2tq (+1).
     const size_t slice = (size_t)h * d * d + e0;
-    float sa[1][4][4];
+    float sa[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-        for (int x = 0; x < 4; x++)
-            sa[0][nt][x] = state[slice + (size_t)(a0 + gq + 8 * (x >> 1)) * d + 8 * nt + 2 * tq + (x & 1)];
+        for (int x = 0; x < 4; x++) sa[nt][x] = state[slice + (size_t)(a0 + gq + 8 * (x >> 1)) * d + 8 * nt + 2 * tq + (x & 1)];
 
     const int n_chunks = (T + LF_C - 1) / LF_C;
     ls_issue(k, v, ls_sm, 0, 0, min(LF_C, T), kvh, e0, kv_heads, d);
+    const int r8 = lane & 7, m8 = lane >> 3;
     for (int c = 0; c < n_chunks; c++) {
         const int j0 = c * LF_C, len = min(LF_C, T - j0), buf = c & 1;
         // The state before chunk c.
@@ -430,7 +379,7 @@ lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states,
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 u32 hi, lo;
-                sp_split2(sa[0][nt][2 * r], sa[0][nt][2 * r + 1], hi, lo);
+                sp_split2(sa[nt][2 * r], sa[nt][2 * r + 1], hi, lo);
                 const size_t off = (size_t)(a0 + gq + 8 * r) * d + 8 * nt + 2 * tq;
                 *(u32*)(dst + off) = hi;
                 *(u32*)(dst + (size_t)d * d + off) = lo;
@@ -443,18 +392,48 @@ lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states,
 
         // Vd = γ^{len−1−j} v_j as bf16 hi + lo (rows ≥ len are zero), 8 values at a time.
         for (int x = threadIdx.x; x < LF_C * 4; x += blockDim.x) {
-            const int j = x >> 2, off = j * LS_LDV + 8 * (x & 3);
-            lf_decay_piece(vs + off, vdh + off, vdl + off, (j < len) ? pw[len - 1 - j] : 0.0f);
+            const int j = x >> 2, c0 = 8 * (x & 3);
+            const float f = (j < len) ? pw[len - 1 - j] : 0.0f;
+            const uint4 w = *(const uint4*)(vs + j * LS_LDV + c0);
+            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+            u32 hi[4], lo[4];
+#pragma unroll
+            for (int y = 0; y < 4; y++) sp_split2(lt_lo(ws[y]) * f, lt_hi(ws[y]) * f, hi[y], lo[y]);
+            *(uint4*)(vdh + j * LS_LDV + c0) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            *(uint4*)(vdl + j * LS_LDV + c0) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
         }
         __syncthreads();  // Vd written
 
-        lf_state_step(sa, ks, ld, vdh, vdl, LS_LDV, a0, pw[len]);  // 2·d threads: a0 + 16 ≤ d
+        // S = γ^len S + Kᵀ Vd (A = Kᵀ from the [j][key] tile, transposed).
+        const float dl = pw[len];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) sa[nt][x] *= dl;
+#pragma unroll
+        for (int ks4 = 0; ks4 < 4; ks4++) {
+            u32 bh[2][4], bl[2][4];
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                const int off = (16 * ks4 + r8 + 8 * (m8 & 1)) * LS_LDV + 16 * np + 8 * (m8 >> 1);
+                ldsm_x4_t(bh[np], sp_smem_addr(vdh + off));
+                ldsm_x4_t(bl[np], sp_smem_addr(vdl + off));
+            }
+            u32 a[4];
+            ldsm_x4_t(a, sp_smem_addr(ks + (16 * ks4 + r8 + 8 * (m8 >> 1)) * ld + a0 + 8 * (m8 & 1)));
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                sp_mma(sa[2 * np], a[0], a[1], a[2], a[3], bh[np][0], bh[np][1]);
+                sp_mma(sa[2 * np], a[0], a[1], a[2], a[3], bl[np][0], bl[np][1]);
+                sp_mma(sa[2 * np + 1], a[0], a[1], a[2], a[3], bh[np][2], bh[np][3]);
+                sp_mma(sa[2 * np + 1], a[0], a[1], a[2], a[3], bl[np][2], bl[np][3]);
+            }
+        }
     }
 #pragma unroll
     for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-        for (int x = 0; x < 4; x++)
-            state[slice + (size_t)(a0 + gq + 8 * (x >> 1)) * d + 8 * nt + 2 * tq + (x & 1)] = sa[0][nt][x];
+        for (int x = 0; x < 4; x++) state[slice + (size_t)(a0 + gq + 8 * (x >> 1)) * d + 8 * nt + 2 * tq + (x & 1)] = sa[nt][x];
 }
 
 // Outputs of 64-token chunks in parallel, from the states lightning_states left in chunk_states:
@@ -482,7 +461,7 @@ lightning_outputs(const bf16* q, const bf16* k, const bf16* v, const bf16* chunk
     const int c = blockIdx.x, h = blockIdx.y, e0 = LO_VS * blockIdx.z;
     const int j0 = c * LF_C, len = min(LF_C, T - j0);
     const int kvh = h / (heads / kv_heads);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
     const int ksteps = d / 16, seg_shift = __ffs(d / 8) - 1, d_shift = __ffs(d) - 1;
     const size_t qw = (size_t)heads * d, kvw = (size_t)kv_heads * d;
     bf16* qs = (bf16*)lo_sm;
@@ -509,8 +488,8 @@ lightning_outputs(const bf16* q, const bf16* k, const bf16* v, const bf16* chunk
     const bf16* src = chunk_states + ((size_t)c * heads + h) * 2 * d * d + e0;
     for (int x = threadIdx.x; x < 2 * d * (LO_VS / 8); x += 128) {
         const int part = x >> (d_shift + 3), a = (x >> 3) & (d - 1), p = x & 7;
-        const bf16* piece = src + ((size_t)part * d + a) * d + 8 * p;
-        sp_cp_async16(sp_smem_addr((part ? sl : sh) + a * LO_VS + lo_sw(a, p)), piece, 16);
+        sp_cp_async16(sp_smem_addr((part ? sl : sh) + a * LO_VS + lo_sw(a, p)), src + ((size_t)part * d + a) * d + 8 * p,
+                      16);
     }
     sp_cp_commit();
     const float g = -slopes[h];
@@ -519,30 +498,90 @@ lightning_outputs(const bf16* q, const bf16* k, const bf16* v, const bf16* chunk
     __syncthreads();
 
     const int r8 = lane & 7, m8 = lane >> 3;
+    // (a) A = Q Kᵀ for rows 16w.., Q fragments kept for (b).
     const int i0 = 16 * warp;
     u32 qa[8][4];
-    float A[8][4], O[8][4];
-    lf_scores(
-        qa, A, ksteps, i0, len, pw,
-        [&](int kk) {
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+        if (kk < ksteps) {
             const int r = i0 + r8 + 8 * (m8 & 1);
-            return sp_smem_addr(qs + r * d + lo_sw(r, 2 * kk + (m8 >> 1)));
-        },
-        [&](int np, int kk) {
-            const int r = 16 * np + r8 + 8 * (m8 >> 1);
-            return sp_smem_addr(ks + r * d + lo_sw(r, 2 * kk + (m8 & 1)));
-        });
+            ldsm_x4(qa[kk], sp_smem_addr(qs + r * d + lo_sw(r, 2 * kk + (m8 >> 1))));
+        }
+    float A[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) A[nt][0] = A[nt][1] = A[nt][2] = A[nt][3] = 0.0f;
+#pragma unroll
+    for (int np = 0; np < 4; np++)
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++)
+            if (kk < ksteps) {
+                u32 b[4];
+                const int r = 16 * np + r8 + 8 * (m8 >> 1);
+                ldsm_x4(b, sp_smem_addr(ks + r * d + lo_sw(r, 2 * kk + (m8 & 1))));
+                sp_mma(A[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                sp_mma(A[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+            }
+    const int ir[2] = {i0 + gq, i0 + gq + 8};
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int i = ir[x >> 1], j = 8 * nt + 2 * tq + (x & 1);
+            A[nt][x] = (j <= i && i < len) ? A[nt][x] * pw[i - j] : 0.0f;
+        }
     sp_cp_wait0();
     __syncthreads();  // S staged
-    lf_outputs(
-        O, qa, A, ksteps, i0, pw,
-        [&](int part, int kk, int np) {
-            const int r = 16 * kk + r8 + 8 * (m8 & 1);
-            return sp_smem_addr((part ? sl : sh) + r * LO_VS + lo_sw(r, 2 * np + (m8 >> 1)));
-        },
-        [&](int ks4, int np) {
+
+    // (b) O = Q S over the block's 64 value columns.
+    float O[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) O[nt][0] = O[nt][1] = O[nt][2] = O[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+        if (kk < ksteps)
+#pragma unroll
+            for (int part = 0; part < 2; part++) {
+                const bf16* sp = part ? sl : sh;
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    u32 b[4];
+                    const int r = 16 * kk + r8 + 8 * (m8 & 1);
+                    ldsm_x4_t(b, sp_smem_addr(sp + r * LO_VS + lo_sw(r, 2 * np + (m8 >> 1))));
+                    sp_mma(O[2 * np], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                    sp_mma(O[2 * np + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[2], b[3]);
+                }
+            }
+    const float di[2] = {pw[min(ir[0] + 1, LF_C)], pw[min(ir[1] + 1, LF_C)]};
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) O[nt][x] *= di[x >> 1];
+
+    // (c) O += A V, A's hi and lo parts straight from its accumulators.
+#pragma unroll
+    for (int ks4 = 0; ks4 < 4; ks4++) {
+        u32 ah[4], al[4];
+        sp_split2(A[2 * ks4][0], A[2 * ks4][1], ah[0], al[0]);
+        sp_split2(A[2 * ks4][2], A[2 * ks4][3], ah[1], al[1]);
+        sp_split2(A[2 * ks4 + 1][0], A[2 * ks4 + 1][1], ah[2], al[2]);
+        sp_split2(A[2 * ks4 + 1][2], A[2 * ks4 + 1][3], ah[3], al[3]);
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            u32 b[4];
             const int r = 16 * ks4 + r8 + 8 * (m8 & 1);
-            return sp_smem_addr(vs + r * LO_VS + lo_sw(r, 2 * np + (m8 >> 1)));
-        });
-    lf_store_out(O, out + (size_t)j0 * qw + (size_t)h * d + e0, qw, i0, len, scale);
+            ldsm_x4_t(b, sp_smem_addr(vs + r * LO_VS + lo_sw(r, 2 * np + (m8 >> 1))));
+            sp_mma(O[2 * np], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
+            sp_mma(O[2 * np], al[0], al[1], al[2], al[3], b[0], b[1]);
+            sp_mma(O[2 * np + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
+            sp_mma(O[2 * np + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        if (ir[r] < len) {
+            bf16* op = out + (size_t)(j0 + ir[r]) * qw + (size_t)h * d + e0 + 2 * tq;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+                *(u32*)(op + 8 * nt) = sp_pack_bf16(scale * O[nt][2 * r], scale * O[nt][2 * r + 1]);
+        }
 }
