@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
-# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity lightning 4k profile sweep 1m
+# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity (own plans, then each profile of
+# $PROFILES) lightning 4k hopper rtx5090-1m profile sweep 1m
 # dense concurrent concurrent55k concurrent-profile pool random random-profile profile1m ncu-select (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
@@ -22,6 +23,11 @@ for step in $steps; do
     parity)
       timeout 300 .gpu/gpu_parity --include-ignored --test-threads=1 > "$L/parity.log" 2>&1
       grep -E '^test |test result|panicked' "$L/parity.log" | head -20
+      for p in ${PROFILES-rtx5090 rtx4090 a6000 a100}; do
+        echo "-- parity under the $p profile"
+        SALA_DEVICE_PROFILE=$p timeout 300 .gpu/gpu_parity --include-ignored --test-threads=1 > "$L/parity_$p.log" 2>&1
+        grep -E 'test result|panicked|FAILED' "$L/parity_$p.log" | head -8
+      done
       grep -q "fast_block_selection_matches_oracle_scores ... ok" "$L/parity.log" || fallback+=(wgmma)
       grep -q 'lightning_matches_oracle ... ok' "$L/parity.log" || fallback+=(lightning-split)
       grep -q 'lightning_two_pass_equals_one_pass ... ok' "$L/parity.log" || fallback+=(lightning-fused)
@@ -34,6 +40,14 @@ for step in $steps; do
       $S bench --device cuda --kernel lightning --context 8K,64K --json "$L/lightning.json" 2>&1 | tee "$L/lightning.txt" | tail -3 ;;
     4k)
       $S bench --device cuda --context 4K --json "$L/bench4k.json" 2>&1 | tee "$L/bench4k.txt" | tail -6 ;;
+    hopper)
+      # Issue 14's no-regression figures: 4K and 128K, then 1M under 30 GiB.
+      $S bench --device cuda --context 4K,128K --json "$L/hopper.json" 2>&1 | tee "$L/hopper.txt" | tail -5
+      $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G --json "$L/hopper1m.json" 2>&1 | tee "$L/hopper1m.txt" | tail -4 ;;
+    rtx5090-1m)
+      # A 1M-token context as an RTX 5090 would run it: its plans, its 32 GB.
+      $S inspect --device-profile rtx5090 > "$L/inspect_rtx5090.txt" 2>&1; tail -22 "$L/inspect_rtx5090.txt"
+      $S bench --device cuda --device-profile rtx5090 --context 1M --decode-tokens 16 --json "$L/rtx5090_1m.json" 2>&1 | tee "$L/rtx5090_1m.txt" | tail -4 ;;
     profile)
       SALA_PROFILE=1 $S bench --device cuda --context 128K --decode-tokens 16 > "$L/profile128k.txt" 2>&1
       grep -E 'decode step| ms .*%|profile' "$L/profile128k.txt" | head -30 ;;

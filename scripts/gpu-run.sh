@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (see gpu-build.sh): parity tests, CPU-vs-GPU greedy tokens through
-# the CLI, and the benchmark. Logs go to $OUT. Usage: bash scripts/gpu-run.sh [bench contexts]
+# Runs on the GPU machine (see gpu-build.sh): parity tests (own plans, then under each device
+# profile of $PROFILES), CPU-vs-GPU greedy tokens through the CLI, and the benchmark. Logs go to $OUT. Usage: bash scripts/gpu-run.sh [bench contexts]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/sala-out}
@@ -11,9 +11,13 @@ contexts=${1:-4K}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$OUT/gpu.txt" 2>&1
 status=0
 
-echo "== parity tests"
-if ! .gpu/gpu_parity --include-ignored --test-threads=1 > "$OUT/parity.log" 2>&1; then status=1; fi
-grep -E '^test |test result|panicked|error' "$OUT/parity.log" | head -40
+# The parity suite with the GPU's own plans, then as each profiled card would run it.
+for profile in "" ${PROFILES-rtx5090 rtx4090 a6000 a100}; do
+  log="$OUT/parity${profile:+_$profile}.log"
+  echo "== parity tests${profile:+ under the $profile profile}"
+  if ! SALA_DEVICE_PROFILE=$profile .gpu/gpu_parity --include-ignored --test-threads=1 > "$log" 2>&1; then status=1; fi
+  grep -E '^test |test result|panicked|error' "$log" | head -40
+done
 
 echo "== CLI: greedy tokens on the CPU and the GPU"
 rm -rf /tmp/sala-tiny && .gpu/sala init --preset tiny /tmp/sala-tiny > /dev/null 2>&1

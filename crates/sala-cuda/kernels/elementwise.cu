@@ -1,5 +1,8 @@
-// Embedding, norms, RoPE, gates and residuals: bf16 in and out, fp32 arithmetic, rounding to
-// bf16 wherever the reference stores a bf16 tensor (see sala-model's Backend docs).
+// Embedding, norms, RoPE, gates, residuals and the MLP's SiLU: bf16 in and out, fp32 arithmetic,
+// rounding to bf16 wherever the reference stores a bf16 tensor (see sala-model's Backend docs).
+
+#include "common/types.cuh"
+#include "common/rows.cuh"
 
 // launch: grid = rows, block = 256
 extern "C" __global__ void embed(const bf16* table, const u32* ids, float scale, bf16* out, int dim) {
@@ -73,12 +76,92 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
         yr[c] = f2bf(gated(round_bf(bf2f(xr[c]) * r) * bf2f(w[c]), gate, (u64)blockIdx.x * dim + c));
 }
 
+// h = round(h + round(branch·scale)), then out = RMSNorm(h)·w: the residual add fused with the
+// norm that follows it. Rows of width a multiple of 8, at most 8 * 2 * blockDim.x.
+// launch: grid = rows, block = 512
+extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf16* branch, float scale, const bf16* w,
+                                                               float eps, bf16* out, int dim) {
+    __shared__ float scratch[32];
+    bf16* hr = h + (u64)blockIdx.x * dim;
+    const bf16* br = branch + (u64)blockIdx.x * dim;
+    bf16* yr = out + (u64)blockIdx.x * dim;
+    float v[2][8];
+    uint4 wraw[2];  // the weights, loaded with the row so the second phase waits on no load
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        int pk = threadIdx.x + p * blockDim.x;
+        if (pk * 8 < dim) {
+            uint4 hraw = ((const uint4*)hr)[pk], braw = ((const uint4*)br)[pk];
+            wraw[p] = ((const uint4*)w)[pk];
+            u32 hw[4] = {hraw.x, hraw.y, hraw.z, hraw.w}, bw[4] = {braw.x, braw.y, braw.z, braw.w};
+            u32 o[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float lo = round_bf(__uint_as_float(hw[i] << 16) + round_bf(__uint_as_float(bw[i] << 16) * scale));
+                float hi = round_bf(__uint_as_float(hw[i] & 0xffff0000u) +
+                                    round_bf(__uint_as_float(bw[i] & 0xffff0000u) * scale));
+                v[p][2 * i] = lo;
+                v[p][2 * i + 1] = hi;
+                o[i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                ss += lo * lo + hi * hi;
+            }
+            ((uint4*)hr)[pk] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+    float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        int pk = threadIdx.x + p * blockDim.x;
+        if (pk * 8 < dim) {
+            u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
+            u32 o[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float lo = round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16);
+                float hi = round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u);
+                o[i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+            }
+            ((uint4*)yr)[pk] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+}
+
 // launch: grid = ceil(n / 256), block = 256
 extern "C" __global__ void silu_mul(bf16* gate, const bf16* up, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = bf2f(gate[i]);
     gate[i] = f2bf(silu_times(g, bf2f(up[i])));
+}
+
+// out[r, i] = round(round(silu(gu[r, i])) · gu[r, inter + i]) for gu = [rows, 2·inter].
+// launch: grid = ceil(rows * inter / 256), block = 256
+extern "C" __global__ void silu_mul_halves(const bf16* gu, bf16* out, int rows, int inter) {
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)rows * inter) return;
+    u64 r = idx / inter, i = idx % inter;
+    float g = bf2f(gu[r * 2 * inter + i]);
+    out[idx] = f2bf(silu_times(g, bf2f(gu[r * 2 * inter + inter + i])));
+}
+
+// silu_mul_halves, 8 values a thread with 16-byte loads and stores (inter a multiple of 8).
+// launch: grid = (ceil(inter / 8 / 256), rows), block = 256
+extern "C" __global__ void silu_mul_halves8(const bf16* gu, bf16* out, int inter) {
+    const int i = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= inter) return;
+    const size_t r = blockIdx.y;
+    const uint4 gv = *(const uint4*)(gu + r * 2 * inter + i);
+    const uint4 uv = *(const uint4*)(gu + r * 2 * inter + inter + i);
+    float g[8], u[8];
+    bf16x8_to_f32(gv, g);
+    bf16x8_to_f32(uv, u);
+    u32 o[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        o[e] = (u32)f2bf(silu_times(g[2 * e], u[2 * e])) | ((u32)f2bf(silu_times(g[2 * e + 1], u[2 * e + 1])) << 16);
+    }
+    *(uint4*)(out + r * inter + i) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 // launch: grid = ceil(n / 256), block = 256
@@ -213,6 +296,19 @@ extern "C" __global__ void rope_table(const float* inv_freq, int first_pos, int 
     const int row = idx / half, i = idx % half;
     float s, c;
     sincosf((float)(first_pos + row) * inv_freq[i], &s, &c);
+    table[2 * idx] = c;
+    table[2 * idx + 1] = s;
+}
+
+// The RoPE table (cos, sin) of each row's own position: table[2·(r·half + i)] for rows.pos[r].
+// launch: grid = ceil(n / 256) for n = rows · half, block = 256
+extern "C" __global__ void rope_table_rows(const float* inv_freq, DecodeRows rows, int n_rows, int half,
+                                           float* table) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * half) return;
+    const int row = idx / half, i = idx % half;
+    float s, c;
+    sincosf((float)rows.pos[row] * inv_freq[i], &s, &c);
     table[2 * idx] = c;
     table[2 * idx + 1] = s;
 }

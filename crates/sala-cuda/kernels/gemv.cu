@@ -5,17 +5,11 @@
 // one row: each warp owns GEMV_ROWS output rows (one in gemv_narrow) and streams them with
 // 16-byte loads, several in flight; the activation row is read through the L1 cache.
 
+#include "common/types.cuh"
+#include "common/mma.cuh"
+
 #define GEMV_ROWS 4
 #define GEMV_WARPS 4
-
-__device__ __forceinline__ void bf16x8_to_f32(uint4 p, float* f) {
-    u32 w[4] = {p.x, p.y, p.z, p.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
 
 template <int R>
 __device__ __forceinline__ void gemv_pack(uint4 xp, const uint4* wp, float* acc) {
@@ -290,33 +284,4 @@ gemv_silu_mma8(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) 
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
     gemv_silu_mma_body<2>(x, w, y, inter, k, nb);
-}
-
-// silu_mul_halves, 8 values a thread with 16-byte loads and stores (inter a multiple of 8).
-// launch: grid = (ceil(inter / 8 / 256), rows), block = 256
-extern "C" __global__ void silu_mul_halves8(const bf16* gu, bf16* out, int inter) {
-    const int i = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
-    if (i >= inter) return;
-    const size_t r = blockIdx.y;
-    const uint4 gv = *(const uint4*)(gu + r * 2 * inter + i);
-    const uint4 uv = *(const uint4*)(gu + r * 2 * inter + inter + i);
-    float g[8], u[8];
-    bf16x8_to_f32(gv, g);
-    bf16x8_to_f32(uv, u);
-    u32 o[4];
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        o[e] = (u32)f2bf(silu_times(g[2 * e], u[2 * e])) | ((u32)f2bf(silu_times(g[2 * e + 1], u[2 * e + 1])) << 16);
-    }
-    *(uint4*)(out + r * inter + i) = make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// out[r, i] = round(round(silu(gu[r, i])) · gu[r, inter + i]) for gu = [rows, 2·inter].
-// launch: grid = ceil(rows * inter / 256), block = 256
-extern "C" __global__ void silu_mul_halves(const bf16* gu, bf16* out, int rows, int inter) {
-    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (u64)rows * inter) return;
-    u64 r = idx / inter, i = idx % inter;
-    float g = bf2f(gu[r * 2 * inter + i]);
-    out[idx] = f2bf(silu_times(g, bf2f(gu[r * 2 * inter + inter + i])));
 }

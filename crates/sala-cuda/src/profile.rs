@@ -1,4 +1,4 @@
-//! Per-kernel device time, for finding where a forward pass spends it (`SALA_PROFILE=1`).
+//! Per-kernel device time, for finding where a forward pass spends it (`CudaOptions::profile_kernels`, `SALA_PROFILE=1`).
 //! Each timed launch is bracketed by two CUDA events; [`Profiler::report`] waits for them and
 //! sums the elapsed times by name. Off by default: the events cost a little per launch.
 
@@ -13,14 +13,11 @@ pub struct Profiler {
 }
 
 impl Profiler {
-    /// A profiler when `SALA_PROFILE` is set to anything but `0`.
-    pub fn from_env(ctx: &Arc<CudaContext>) -> Option<Self> {
-        std::env::var("SALA_PROFILE")
-            .is_ok_and(|v| v != "0")
-            .then(|| Self {
-                ctx: ctx.clone(),
-                pending: RefCell::new(Vec::new()),
-            })
+    pub fn new(ctx: &Arc<CudaContext>) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            pending: RefCell::new(Vec::new()),
+        }
     }
 
     /// Records a start event; pass it to [`Profiler::end`] after the work is queued.

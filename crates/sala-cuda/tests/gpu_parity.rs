@@ -1,6 +1,9 @@
 //! The CUDA backend held to the CPU backend and the oracle, on the GPU, on fresh random inputs
 //! at ragged shapes; then whole models. These need a GPU and are ignored by `cargo test`;
-//! `scripts/gpu-build.sh` builds them here and `scripts/gpu-run.sh` runs them on the GPU machine.
+//! `scripts/gpu-build.sh` builds them here and `scripts/gpu-run.sh` runs them on the GPU machine,
+//! once with the GPU's own plans and once under each device profile it checks
+//! (`SALA_DEVICE_PROFILE=rtx5090`, ...: the suite then runs as that card would). Within a run,
+//! each test loops over the kernel variants (`CudaOptions`) of the ops it checks.
 
 use sala_checkpoint::{
     preset, write_random_checkpoint, Checkpoint, DType, MixerKind, ModelConfig, SparseConfig,
@@ -8,17 +11,39 @@ use sala_checkpoint::{
 };
 use sala_cpu::attention::{self as cpu_attn, SparseCache};
 use sala_cpu::{CpuAct, CpuBackend};
-use sala_cuda::{CudaBackend, Store};
+use sala_cuda::options::{Attention, DecodeGemv, LightningPrefill, SelectScores};
+use sala_cuda::{CudaBackend, CudaOptions, Store};
 use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
 use sala_model::oracle::{self, AttnShape, SparseMode};
 use sala_model::{Backend, HostDType, HostTensor, Model, WeightSource};
 
+/// The options of this run: the environment's (`SALA_DEVICE_PROFILE` plans as that card).
+fn base_options() -> CudaOptions {
+    CudaOptions::from_env().expect("the SALA_* variables")
+}
+
 /// The backend with the bit-exact block selection, so whole outputs compare with the CPU's.
 fn gpu() -> CudaBackend {
-    let g = CudaBackend::new(0).expect("these tests need a CUDA GPU");
-    g.set_exact_selection(true);
+    let mut o = base_options();
+    o.exact_select = true;
+    let g = CudaBackend::new(0, o).expect("these tests need a CUDA GPU");
+    eprintln!("plans for {}", g.limits().name);
     g
 }
+
+/// Runs `g` from now on with its options changed by `f`.
+fn set(g: &CudaBackend, f: impl FnOnce(&mut CudaOptions)) {
+    let mut o = g.options();
+    f(&mut o);
+    g.set_options(o).unwrap();
+}
+
+/// Every decode-product variant.
+const GEMVS: [DecodeGemv; 3] = [
+    DecodeGemv::TensorCore,
+    DecodeGemv::CudaCore,
+    DecodeGemv::CudaCoreWide,
+];
 
 fn cpu_act(data: &[f32], cols: usize) -> CpuAct {
     CpuAct::from_rows(data.to_vec(), cols)
@@ -178,7 +203,11 @@ fn embed_matmul_head_norm_rope_match_cpu() {
         (true, 64, 512, 1000),
         (true, 131, 768, 2048),
     ] {
-        g.set_tensor_core_gemv(tensor_cores);
+        let variants: &[DecodeGemv] = if tensor_cores {
+            &GEMVS[..1]
+        } else {
+            &GEMVS[1..]
+        };
         let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
         let w = rng.bf16_vec(out * inner, -0.1, 0.1);
         let ht = HostTensor {
@@ -192,15 +221,18 @@ fn embed_matmul_head_norm_rope_match_cpu() {
         CpuBackend
             .matmul(&cpu_act(&x, inner), &cw, &mut co)
             .unwrap();
-        let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-        g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
-            .unwrap();
-        close(
-            &format!("matmul {rows}x{inner} by {out}"),
-            &g.to_host(&go).unwrap(),
-            &co.data,
-            5e-3,
-        );
+        for &variant in variants {
+            set(&g, |o| o.decode_gemv = variant);
+            let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
+                .unwrap();
+            close(
+                &format!("matmul {rows}x{inner} by {out} ({variant:?})"),
+                &g.to_host(&go).unwrap(),
+                &co.data,
+                5e-3,
+            );
+        }
 
         // The same weight as stacked [gate; up] (the MLP's first half) and as three stacked
         // projections split into their own outputs.
@@ -335,6 +367,14 @@ fn gpu_lightning(
     (g.to_host(&out).unwrap(), g.f32_to_host(st).unwrap())
 }
 
+/// Every lightning prefill variant (each shape takes the first at or after it that handles it).
+const LIGHTNING: [LightningPrefill; 4] = [
+    LightningPrefill::TwoPass,
+    LightningPrefill::Fused,
+    LightningPrefill::Split,
+    LightningPrefill::Chunked,
+];
+
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn lightning_matches_oracle() {
@@ -369,10 +409,13 @@ fn lightning_matches_oracle() {
                 let o = cpu_attn::lightning(shape, &slopes, &q, &k, &v, &mut s);
                 (o, s)
             };
-            let (o, st) = gpu_lightning(&g, shape, &gs, &q, &k, &v, &init);
-            let ctx = format!("H{heads}/{kv_heads} d{d} T{t_n}");
-            close(&format!("{ctx} o"), &o, &want_o, 5e-3);
-            close(&format!("{ctx} state"), &st, &want_s, 1e-4);
+            for variant in LIGHTNING {
+                set(&g, |o| o.lightning_prefill = variant);
+                let (o, st) = gpu_lightning(&g, shape, &gs, &q, &k, &v, &init);
+                let ctx = format!("H{heads}/{kv_heads} d{d} T{t_n} {variant:?}");
+                close(&format!("{ctx} o"), &o, &want_o, 5e-3);
+                close(&format!("{ctx} state"), &st, &want_s, 1e-4);
+            }
         }
     }
 }
@@ -399,19 +442,38 @@ fn lightning_two_pass_equals_one_pass() {
             let k = rng.bf16_vec(t_n * shape.kv_width(), -1.0, 1.0);
             let v = rng.bf16_vec(t_n * shape.kv_width(), -1.0, 1.0);
             let init = rng.bf16_vec(heads * d * d, -0.3, 0.3);
-            let run = |two_pass: bool| {
-                g.set_lightning_two_pass(two_pass);
-                gpu_lightning(&g, shape, &gs, &q, &k, &v, &init)
-            };
-            let (o1, s1) = run(false);
-            let (o2, s2) = run(true);
-            let ctx = format!("H{heads}/{kv_heads} d{d} T{t_n}");
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert!(bits(&o1) == bits(&o2), "{ctx}: outputs differ");
-            assert!(bits(&s1) == bits(&s2), "{ctx}: states differ");
+            let run = |variant: LightningPrefill| {
+                set(&g, |o| o.lightning_prefill = variant);
+                let (o, st) = gpu_lightning(&g, shape, &gs, &q, &k, &v, &init);
+                (bits(&o), bits(&st))
+            };
+            let two_pass = run(LightningPrefill::TwoPass);
+            // The one-pass kernel as planned here, and single-buffered as on 99 KiB cards.
+            for profile in one_pass_plans(&g) {
+                set(&g, |o| o.device_profile = profile);
+                let ctx = format!(
+                    "H{heads}/{kv_heads} d{d} T{t_n}, one pass on {}",
+                    g.limits().name
+                );
+                let one_pass = run(LightningPrefill::Fused);
+                assert!(one_pass.0 == two_pass.0, "{ctx}: outputs differ");
+                assert!(one_pass.1 == two_pass.1, "{ctx}: states differ");
+            }
+            set(&g, |o| o.device_profile = base_options().device_profile);
         }
     }
-    g.set_lightning_two_pass(true);
+}
+
+/// The device profiles to run the one-pass lightning kernel under: this run's, and the RTX
+/// 5090's (Q, K and V single-buffered) where this GPU can emulate it.
+fn one_pass_plans(g: &CudaBackend) -> Vec<Option<&'static sala_cuda::Card>> {
+    let rtx = sala_cuda::device::card_named("rtx5090").unwrap();
+    let mut out = vec![base_options().device_profile];
+    if g.driver_limits().emulating(rtx).is_ok() && out[0] != Some(rtx) {
+        out.push(Some(rtx));
+    }
+    out
 }
 
 fn small_sparse() -> SparseConfig {
@@ -485,7 +547,13 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
         let q = rng.bf16_vec(n * shape.q_width(), -1.5, 1.5);
         let k = rng.bf16_vec(n * shape.kv_width(), -1.5, 1.5);
         let v = rng.bf16_vec(n * shape.kv_width(), -1.0, 1.0);
-        for mode in [SparseMode::Dense, SparseMode::Sparse] {
+        for (mode, attention) in [
+            (SparseMode::Dense, Attention::WarpWalk),
+            (SparseMode::Sparse, Attention::WarpWalk),
+            (SparseMode::Dense, Attention::Staged),
+            (SparseMode::Sparse, Attention::Staged),
+        ] {
+            set(&g, |o| o.attention = attention);
             let mut cc = SparseCache::new(shape, &cfg);
             let mut gc = g.new_sparse_cache(shape, &cfg).unwrap();
             let mut at = 0;
@@ -512,7 +580,7 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 )
                 .unwrap();
                 close(
-                    &format!("{mode:?} {shape:?} chunk at {at} len {c}"),
+                    &format!("{mode:?} {attention:?} {shape:?} chunk at {at} len {c}"),
                     &g.to_host(&out).unwrap(),
                     &want,
                     1e-2,
@@ -530,7 +598,7 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn fast_block_selection_matches_oracle_scores() {
-    let g = CudaBackend::new(0).expect("these tests need a CUDA GPU");
+    let g = CudaBackend::new(0, base_options()).expect("these tests need a CUDA GPU");
     let released = SparseConfig::default();
     let cases = [
         (
@@ -563,18 +631,31 @@ fn fast_block_selection_matches_oracle_scores() {
             vec![12000, 8191, 1, 3, 1],
         ),
     ];
-    // On Hopper both block-score kernels: wgmma (the default) and its mma.sync twin.
-    let variants: &[bool] = if g.has_wgmma() {
-        &[true, false]
-    } else {
-        &[false]
+    // The default plans (wgmma block scores on Hopper), the mma.sync twins, heads as MMA rows,
+    // and the top-k's keys in global memory (as small-memory cards past ~3M tokens).
+    let variants: Vec<(&str, CudaOptions)> = {
+        let base = base_options();
+        let with = |f: &dyn Fn(&mut CudaOptions)| {
+            let mut o = base.clone();
+            f(&mut o);
+            o
+        };
+        vec![
+            ("default", base.clone()),
+            ("mma.sync block scores", with(&|o| o.wgmma = false)),
+            (
+                "heads as MMA rows",
+                with(&|o| o.select_scores = SelectScores::HeadsAsRows),
+            ),
+            (
+                "top-k keys in global memory",
+                with(&|o| o.topk_keys_in_global = true),
+            ),
+        ]
     };
-    for &wgmma in variants {
-        g.set_wgmma(wgmma);
-        eprintln!(
-            "block scores on {}",
-            if wgmma { "wgmma" } else { "mma.sync" }
-        );
+    for (name, options) in variants {
+        g.set_options(options).unwrap();
+        eprintln!("block selection: {name}");
         for (seed, (shape, cfg, chunks)) in cases.iter().cloned().enumerate() {
             let n: usize = chunks.iter().sum();
             let mut rng = TestRng::new(40 + seed as u64);
@@ -807,8 +888,8 @@ fn check_batched_decode(
         seq
     };
     let before = g.sparse_rows_batched_calls();
-    for tensor_cores in [true, false] {
-        g.set_tensor_core_gemv(tensor_cores);
+    for gemv in [DecodeGemv::TensorCore, DecodeGemv::CudaCore] {
+        set(g, |o| o.decode_gemv = gemv);
         let mut alone = Vec::new();
         for (p, f) in prompts.iter().zip(&feeds) {
             let mut seq = prefilled(&mut ws, p);
@@ -826,14 +907,13 @@ fn check_batched_decode(
             for (i, row) in logits.chunks(v).enumerate() {
                 assert!(
                     row == alone[i][step].as_slice(),
-                    "tensor-core GEMV {tensor_cores}: sequence {i} (prompt {}) step {step}: \
-                     batched logits differ",
+                    "{gemv:?} GEMVs: sequence {i} (prompt {}) step {step}: batched logits differ",
                     lens[i]
                 );
             }
         }
     }
-    g.set_tensor_core_gemv(true);
+    set(g, |o| o.decode_gemv = DecodeGemv::TensorCore);
     g.sparse_rows_batched_calls() - before
 }
 
@@ -859,7 +939,7 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
 fn batched_sparse_layers_equal_decoding_alone_on_the_gpu() {
     let g = gpu();
     // The tensor-core selection: the batched path is its batched form.
-    g.set_exact_selection(false);
+    set(&g, |o| o.exact_select = false);
     let mut config = preset("small").unwrap();
     config.sparse.dense_len = 100;
     config.sparse.topk = 4;

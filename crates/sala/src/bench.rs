@@ -3,7 +3,7 @@
 //! memory plan, as a table and as JSON; optionally the same on the all-dense variant of the
 //! same size, with the TTFT ratio.
 
-use crate::device::{cap_caches, memory_limit, user_memory_limit, Device, DeviceStats, Opened};
+use crate::device::{cap_caches, memory_limit, user_memory_limit, DeviceArgs, DeviceStats, Opened};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use sala_checkpoint::{expected_parameter_count, preset, MixerKind, ModelConfig};
@@ -31,8 +31,8 @@ pub struct BenchArgs {
     /// Prompt tokens per prefill chunk.
     #[arg(long, default_value_t = 8192)]
     prefill_chunk: usize,
-    #[arg(long, default_value = "auto")]
-    device: String,
+    #[command(flatten)]
+    device: DeviceArgs,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Write the results as JSON here.
@@ -209,7 +209,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if args.repeat == 0 {
             bail!("--repeat must be at least 1");
         }
-        let rows = match Device::parse(&args.device)?.open()? {
+        let rows = match args.device.open()? {
             Opened::Cpu(be) => lightning_op(&be, &config, &contexts, &args),
             Opened::Cuda(be) => lightning_op(be.as_ref(), &config, &contexts, &args),
         }?;
@@ -227,7 +227,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             bail!("--concurrent and --decode-tokens must be at least 1");
         }
         let len = contexts[0];
-        let doc = match Device::parse(&args.device)?.open()? {
+        let doc = match args.device.open()? {
             Opened::Cpu(be) => concurrent(be, &config, len, n, &args),
             Opened::Cuda(be) => concurrent(*be, &config, len, n, &args),
         }?;
@@ -238,7 +238,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return Ok(());
     }
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
-    match Device::parse(&args.device)?.open()? {
+    match args.device.open()? {
         Opened::Cpu(be) => bench_on(&be, &args, config, &contexts, user_limit),
         Opened::Cuda(be) => bench_on(be.as_ref(), &args, config, &contexts, user_limit),
     }

@@ -1,8 +1,9 @@
-//! `--device auto|cpu|cuda[:N]`.
+//! `--device auto|cpu|cuda[:N]` and `--device-profile CARD`.
 
 use anyhow::{anyhow, bail, Result};
+use clap::Args;
 use sala_cpu::CpuBackend;
-use sala_cuda::CudaBackend;
+use sala_cuda::{CudaBackend, CudaOptions};
 use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan, Target};
 use sala_model::Backend;
 
@@ -33,14 +34,24 @@ impl Device {
         })
     }
 
-    pub fn open(self) -> Result<Opened> {
+    /// Opens the device; on a GPU with `options`. A device profile needs a GPU: with one, a
+    /// failure to open it is an error, not a fall-back to the CPU.
+    pub fn open_with(self, options: CudaOptions) -> Result<Opened> {
+        let profile = options.device_profile.map(|c| c.key);
+        match (self, profile) {
+            (Self::Cpu, Some(p)) => {
+                bail!("--device-profile {p} emulates a GPU: it needs --device cuda")
+            }
+            (Self::Auto, Some(_)) => return Self::Cuda(0).open_with(options),
+            _ => {}
+        }
         match self {
             Self::Cpu => Ok(Opened::Cpu(CpuBackend)),
-            Self::Cuda(n) => match CudaBackend::new(n) {
+            Self::Cuda(n) => match CudaBackend::new(n, options) {
                 Ok(b) => Ok(Opened::Cuda(Box::new(b))),
                 Err(e) => bail!("--device cuda:{n}: {e}"),
             },
-            Self::Auto => match CudaBackend::new(0) {
+            Self::Auto => match CudaBackend::new(0, options) {
                 Ok(b) => Ok(Opened::Cuda(Box::new(b))),
                 Err(e) => {
                     if std::env::var_os("SALA_QUIET_DEVICE").is_none() {
@@ -51,6 +62,36 @@ impl Device {
             },
         }
     }
+}
+
+/// `--device` and `--device-profile`, shared by every command that runs a model.
+#[derive(Args, Clone, Debug)]
+pub struct DeviceArgs {
+    /// Where to run: auto, cpu, or cuda[:N].
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Run as this card would, on a GPU at least as large: its shared memory, threads and SMs
+    /// for every kernel plan, no Hopper-only kernels unless it has them, its memory as the
+    /// cap. Cards: a100, a6000, rtx4090, l40s, h100, h200, b200, rtx5090, rtxpro6000.
+    #[arg(long, value_name = "CARD")]
+    pub device_profile: Option<String>,
+}
+
+impl DeviceArgs {
+    pub fn open(&self) -> Result<Opened> {
+        Device::parse(&self.device)?.open_with(cuda_options(self.device_profile.as_deref())?)
+    }
+}
+
+/// The CUDA options of the environment (`SALA_FALLBACK`, `SALA_KV_POOL`, ...), with the
+/// device profile `profile` when given (it overrides `SALA_DEVICE_PROFILE`).
+pub fn cuda_options(profile: Option<&str>) -> Result<CudaOptions> {
+    let mut o = CudaOptions::from_env().map_err(|e| anyhow!(e))?;
+    if let Some(p) = profile {
+        o.set_device_profile(p)
+            .map_err(|e| anyhow!("--device-profile: {e}"))?;
+    }
+    Ok(o)
 }
 
 /// What the benchmark and the memory checks need to know of a backend beyond the model ops.

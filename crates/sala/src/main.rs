@@ -2,15 +2,19 @@
 
 mod bench;
 mod device;
+mod inspect;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use device::{cap_caches, memory_limit, user_memory_limit, Device, DeviceStats, Opened};
+use device::{
+    cap_caches, cuda_options, memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats,
+    Opened,
+};
 use indicatif::{ProgressBar, ProgressStyle};
-use sala_checkpoint::{preset, Checkpoint, DType, MixerKind, ModelConfig, WriteOptions};
+use sala_checkpoint::{preset, Checkpoint, DType, ModelConfig, WriteOptions};
 use sala_engine::generate::{request_tokens, Engine, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
-use sala_model::memory::{cache_bytes, weight_bytes, MemoryLimit, MemoryPlan};
+use sala_model::memory::{MemoryLimit, MemoryPlan};
 use sala_model::Backend;
 use sala_tokenizer::Tokenizer;
 use std::io::{IsTerminal, Read, Write};
@@ -33,11 +37,10 @@ enum Command {
     Generate(GenerateArgs),
     /// Chat in the terminal: one message per line (`/reset`, `/exit`).
     Chat(GenerateArgs),
-    /// Describe a checkpoint: config, parameters, memory for weights and context.
-    Inspect {
-        /// Checkpoint directory (config.json, safetensors, tokenizer files).
-        model: PathBuf,
-    },
+    /// Describe a checkpoint (config, parameters, memory for weights and context) and, with
+    /// --device cuda or --device-profile, the GPU: its limits, the kernel plan per family and
+    /// the memory plan at 8K / 128K / 1M.
+    Inspect(inspect::InspectArgs),
     /// Write a complete HF-format checkpoint with seeded random weights.
     Init(InitArgs),
     /// Measure TTFT, prefill and decode speed and peak memory at given context lengths.
@@ -55,9 +58,8 @@ struct ServeArgs {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Where to run: auto, cpu, or cuda[:N].
-    #[arg(long, default_value = "auto")]
-    device: String,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Most tokens a sequence may hold, prompt included [default: the model's
     /// max_position_embeddings].
     #[arg(long)]
@@ -148,9 +150,8 @@ struct GenerateArgs {
     /// Keep generating past EOS tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Where to run: auto, cpu, or cuda[:N].
-    #[arg(long, default_value = "auto")]
-    device: String,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Prompt tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
@@ -178,7 +179,7 @@ fn main() {
             args.chat = true;
             generate(args)
         }
-        Command::Inspect { model } => inspect(&model),
+        Command::Inspect(args) => inspect::run(args),
         Command::Init(args) => init(args),
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve(args),
@@ -277,7 +278,8 @@ fn progress_bar(len: usize, what: &str) -> ProgressBar {
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    let device = Device::parse(&args.device)?;
+    let device = Device::parse(&args.device.device)?;
+    let options = cuda_options(args.device.device_profile.as_deref())?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
@@ -310,7 +312,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
     };
 
-    match device.open()? {
+    match device.open_with(options)? {
         Opened::Cpu(be) => generate_on(be, &args, &dir, &prompt, user_limit),
         Opened::Cuda(be) => generate_on(*be, &args, &dir, &prompt, user_limit),
     }
@@ -577,7 +579,7 @@ fn chat_loop<B: Backend>(
     Ok(())
 }
 
-fn human_count(n: f64) -> String {
+pub(crate) fn human_count(n: f64) -> String {
     match n {
         n if n >= 1e9 => format!("{:.2} B", n / 1e9),
         n if n >= 1e6 => format!("{:.1} M", n / 1e6),
@@ -586,7 +588,7 @@ fn human_count(n: f64) -> String {
     }
 }
 
-fn human_bytes(n: usize) -> String {
+pub(crate) fn human_bytes(n: usize) -> String {
     let n = n as f64;
     match n {
         n if n >= (1u64 << 30) as f64 => format!("{:.2} GiB", n / (1u64 << 30) as f64),
@@ -596,96 +598,9 @@ fn human_bytes(n: usize) -> String {
     }
 }
 
-fn inspect(dir: &Path) -> Result<()> {
-    let ckpt = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
-    let c = ckpt.config();
-    let pattern: String = c
-        .mixer_types
-        .iter()
-        .map(|k| match k {
-            MixerKind::Sparse => 'S',
-            MixerKind::Lightning => 'L',
-        })
-        .collect();
-    let sparse_layers: Vec<usize> = (0..c.num_hidden_layers)
-        .filter(|&i| c.mixer_types[i] == MixerKind::Sparse)
-        .collect();
-    println!("checkpoint      {}", dir.display());
-    println!("files           {}", ckpt.files().len());
-    println!(
-        "shape           hidden {}, {} layers, {} heads x {} (kv heads: sparse {}, lightning {}), MLP {}, vocab {}",
-        c.hidden_size,
-        c.num_hidden_layers,
-        c.num_attention_heads,
-        c.head_dim,
-        c.num_key_value_heads,
-        c.lightning_nkv,
-        c.intermediate_size,
-        c.vocab_size
-    );
-    println!(
-        "layers          {pattern}  (S = sparse InfLLM-v2 at {sparse_layers:?}, L = lightning)"
-    );
-    let s = &c.sparse;
-    println!(
-        "sparse          blocks of {}, top-{} + {} local = {} selected, compression {}/{} and {}/{}, dense below {} tokens",
-        s.block_size,
-        s.topk,
-        s.local_blocks(),
-        s.selected_blocks(),
-        s.k1_window(),
-        s.k1_stride(),
-        s.k2_window(),
-        s.k2_stride(),
-        s.dense_len
-    );
-    println!(
-        "scales          embedding x{}, residual x{:.6}, logits /{}",
-        c.scale_emb,
-        c.residual_scale(),
-        c.logit_divisor()
-    );
-    let params = ckpt.parameter_count();
-    println!(
-        "parameters      {} ({params}); stored {}; {} in bf16",
-        human_count(params as f64),
-        human_bytes(ckpt.total_bytes() as usize),
-        human_bytes(weight_bytes(c))
-    );
-    println!("context memory per sequence (bf16 K/V and compressed keys, fp32 lightning state):");
-    println!(
-        "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
-        "context", "K/V", "compressed", "state", "total", "+ weights"
-    );
-    for (label, n) in [("8K", 8 << 10), ("128K", 128 << 10), ("1M", 1 << 20)] {
-        let m = cache_bytes(c, n);
-        println!(
-            "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
-            label,
-            human_bytes(m.kv),
-            human_bytes(m.compressed),
-            human_bytes(m.lightning_state),
-            human_bytes(m.total()),
-            human_bytes(m.total() + weight_bytes(c))
-        );
-    }
-    match sala_tokenizer::Tokenizer::from_dir(dir) {
-        Ok(t) => println!(
-            "tokenizer       {} tokens, chat template: {}",
-            t.vocab_size(),
-            if t.chat_template_source().is_some() {
-                "yes"
-            } else {
-                "none (ChatML fallback)"
-            }
-        ),
-        Err(e) => println!("tokenizer       unusable: {e}"),
-    }
-    Ok(())
-}
-
 fn serve(args: ServeArgs) -> Result<()> {
-    let device = Device::parse(&args.device)?;
+    let device = Device::parse(&args.device.device)?;
+    let options = cuda_options(args.device.device_profile.as_deref())?;
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
@@ -742,7 +657,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 .run(engine);
             Ok(())
         }
-        match device.open().map_err(|e| format!("{e:#}"))? {
+        match device.open_with(options).map_err(|e| format!("{e:#}"))? {
             Opened::Cpu(be) => start(runner, be, &load_dir, chunk, max_batch, user_limit),
             Opened::Cuda(be) => start(runner, *be, &load_dir, chunk, max_batch, user_limit),
         }

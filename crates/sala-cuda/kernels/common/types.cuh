@@ -1,5 +1,7 @@
-// Shared by every kernel file; the registry compiles common.cuh followed by all *.cu files as
-// one NVRTC program, with no CUDA headers: bf16 values are raw 16-bit patterns.
+// Types and arithmetic shared by every kernel file. Each .cu file is its own NVRTC program
+// (src/sources.rs), compiled with no CUDA headers: bf16 values are raw 16-bit patterns.
+#pragma once
+
 typedef unsigned short bf16;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -48,24 +50,12 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return r;
 }
 
-// ldmatrix: four 8×8 bf16 matrices from shared memory (`addr` a shared-window address); lane L
-// gives the address of row L % 8 of matrix L / 8 and receives element pair (L / 4, 2·(L % 4))
-// of each matrix (`_t`: of each matrix transposed).
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// D += A·B, m16n8k16, bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void sp_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+// The 8 bf16 of a 16-byte pack as fp32.
+__device__ __forceinline__ void bf16x8_to_f32(uint4 p, float* f) {
+    u32 w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
 }

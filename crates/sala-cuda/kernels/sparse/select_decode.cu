@@ -8,6 +8,10 @@
 // the group (rows ≥ G zero), with Q and K dims permuted alike (sp_load_q_perm / sp_qk_perm).
 // Needs heads / kv_heads ≤ 16 and d a multiple of 32, at most 128.
 
+#include "common/types.cuh"
+#include "common/rows.cuh"
+#include "sparse/common.cuh"
+
 #define SD_WARPS 4
 #define SD_KEYS (SD_WARPS * 64)  // windows per block of sd_lse and sd_p
 #define SD_TOPK_THREADS 1024
@@ -216,11 +220,12 @@ __device__ __forceinline__ u32 sd_radix_select(const u16* keys, int n, int rank,
 
 // Block selection of pair blockIdx.x (its query at position t, block qb = t / block_size): k_sel ascending block ids (−1 padded) into blocks_out[pair·k_sel ..],
 // by the rule of sparse_select. key_of(b): the 16-bit key of candidate block b ∈ [init_blocks,
-// qb − local_blocks) (larger is better). Every thread calls.
+// qb − local_blocks) (larger is better). The keys go to `keys` (this pair's part of a global
+// scratch) or, when it is null, to dynamic shared memory. Every thread calls.
 template <class KeyOf>
 __device__ __forceinline__ void sd_topk_body(int t, int block_size, int init_blocks, int local_blocks, int k_sel,
-                                             int* blocks_out, KeyOf&& key_of) {
-    u16* sd_keys = sd_smem;
+                                             u16* keys, int* blocks_out, KeyOf&& key_of) {
+    u16* sd_keys = keys ? keys : sd_smem;
     __shared__ int hist[256];
     __shared__ int sel[2];
     __shared__ u32 scan[32];
@@ -278,21 +283,23 @@ __device__ __forceinline__ void sd_topk_body(int t, int block_size, int init_blo
 // Block selection from the P of sd_p (sd_topk_body): a candidate block b scores the max of P
 // over windows [w·b − 1, w·b + w − 1] ∩ [0, n1v); its key is that bf16's bits + 1 (P ≥ 0, so
 // bit order is value order). With stage_p, P is first copied to shared memory after the keys
-// (at byte 2·⌈candidates / 8⌉·8) with 16-byte loads; p_stride a multiple of 8.
+// (at byte 2·⌈candidates / 8⌉·8, or 0 with the keys in global memory: keys_global, p_stride
+// keys a pair) with 16-byte loads; p_stride a multiple of 8.
 __device__ __forceinline__ void sd_topk_pair(const u16* p16, int p_stride, int n1, int t, int block_size,
                                              int k1_window, int k1_stride, int init_blocks, int local_blocks,
-                                             int k_sel, int stage_p, int* blocks_out) {
+                                             int k_sel, int stage_p, u16* keys_global, int* blocks_out) {
     const int w = block_size / k1_stride;
     const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
     const u16* P = p16 + (size_t)blockIdx.x * p_stride;
+    u16* keys = keys_global ? keys_global + (size_t)blockIdx.x * p_stride : (u16*)0;
     if (stage_p) {
         const int cand = max(0, max(t / block_size - local_blocks, 0) - init_blocks);
-        u16* ps = sd_smem + (cand + 7) / 8 * 8;
+        u16* ps = sd_smem + (keys ? 0 : (cand + 7) / 8 * 8);
         for (int x = 8 * threadIdx.x; x < n1v; x += 8 * SD_TOPK_THREADS) *(uint4*)(ps + x) = *(const uint4*)(P + x);
         __syncthreads();
         P = ps;
     }
-    sd_topk_body(t, block_size, init_blocks, local_blocks, k_sel, blocks_out, [&](int, int b) {
+    sd_topk_body(t, block_size, init_blocks, local_blocks, k_sel, keys, blocks_out, [&](int, int b) {
         const int lo = max(w * b - 1, 0), hi = min(w * b + w - 1, n1v - 1);
         u32 key = 0;
         for (int y = lo; y <= hi; y++) key = max(key, (u32)P[y] + 1u);
@@ -300,36 +307,39 @@ __device__ __forceinline__ void sd_topk_pair(const u16* p16, int p_stride, int n
     });
 }
 
-// Queries at positions first_pos + i of one sequence.
+// Queries at positions first_pos + i of one sequence. keys: null (the keys in shared memory) or
+// a scratch of T·kv_heads·p_stride u16 (candidates ≤ p_stride).
 // launch: grid = (T·kv_heads), block = SD_TOPK_THREADS, dynamic smem = 2·⌈candidates / 8⌉·8
-//         bytes (candidates ≤ 65535), plus 2·p_stride with stage_p
+//         bytes (candidates ≤ 65535) without keys, plus 2·p_stride with stage_p
 extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
 sd_topk(const u16* p16, int p_stride, int n1, int first_pos, int kv_heads, int block_size, int k1_window,
-        int k1_stride, int init_blocks, int local_blocks, int k_sel, int stage_p, int* blocks_out) {
+        int k1_stride, int init_blocks, int local_blocks, int k_sel, int stage_p, u16* keys, int* blocks_out) {
     sd_topk_pair(p16, p_stride, n1, first_pos + blockIdx.x / kv_heads, block_size, k1_window, k1_stride,
-                 init_blocks, local_blocks, k_sel, stage_p, blocks_out);
+                 init_blocks, local_blocks, k_sel, stage_p, keys, blocks_out);
 }
 
 // One query of each sequence of rows; shared memory for the longest.
 // launch: as sd_topk
 extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
 sd_topk_rows(const u16* p16, int p_stride, SeqRows rows, int kv_heads, int block_size, int k1_window, int k1_stride,
-             int init_blocks, int local_blocks, int k_sel, int stage_p, int* blocks_out) {
+             int init_blocks, int local_blocks, int k_sel, int stage_p, u16* keys, int* blocks_out) {
     const int i = blockIdx.x / kv_heads;
     sd_topk_pair(p16, p_stride, rows.n1[i], rows.pos[i], block_size, k1_window, k1_stride, init_blocks,
-                 local_blocks, k_sel, stage_p, blocks_out);
+                 local_blocks, k_sel, stage_p, keys, blocks_out);
 }
 
 // Block selection from block scores (bf16 values ≥ 0, or −inf, as the prefill block-score
-// kernels write them) at bs[pair·bs_stride + b]: the same result as select_topk_scores.
+// kernels write them) at bs[pair·bs_stride + b]: the same result as select_topk_scores. keys:
+// null (the keys in shared memory) or a scratch of T·kv_heads·bs_stride u16.
 // launch: grid = (T·kv_heads), block = SD_TOPK_THREADS,
-//         dynamic smem = 2·(candidates) bytes rounded up to 16 (candidates ≤ 65535)
+//         dynamic smem = 2·(candidates) bytes rounded up to 16 (candidates ≤ 65535) without keys
 extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
 sd_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int init_blocks,
-               int local_blocks, int k_sel, int* blocks_out) {
+               int local_blocks, int k_sel, u16* keys, int* blocks_out) {
     const float* row = bs + (size_t)blockIdx.x * bs_stride;
-    sd_topk_body(first_pos + blockIdx.x / kv_heads, block_size, init_blocks, local_blocks, k_sel, blocks_out,
-                 [&](int, int b) {
+    u16* pair_keys = keys ? keys + (size_t)blockIdx.x * bs_stride : (u16*)0;
+    sd_topk_body(first_pos + blockIdx.x / kv_heads, block_size, init_blocks, local_blocks, k_sel, pair_keys,
+                 blocks_out, [&](int, int b) {
         const float f = row[b];
         return f >= 0.0f ? (__float_as_uint(f) >> 16) + 1u : 0u;
     });

@@ -11,6 +11,10 @@
 // once (m64n128), sums each key's P over the heads in the quad of lanes that holds them, and
 // max-pools through shared memory: one (token, block) a thread.
 
+#include "common/types.cuh"
+#include "common/mma.cuh"
+#include "sparse/common.cuh"
+
 #define SW_TOK 8                  // tokens per warpgroup
 #define SW_PANEL_K 8192           // a 64-dim panel of a key tile: 64 rows of 128 bytes
 #define SW_PANEL_Q 16384          // a 64-dim panel of a warpgroup's queries: 128 rows

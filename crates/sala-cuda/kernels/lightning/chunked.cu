@@ -24,6 +24,9 @@
 // Shared-memory reads are 16 bytes wide wherever a thread walks along a row (row strides 72 bf16 /
 // 68 fp32 keep them 16-byte aligned and bank-conflict-free).
 
+#include "common/types.cuh"
+#include "lightning/common.cuh"
+
 #define LT_C 64             // tokens per chunk (the reference's chunk_simple_gla)
 #define LT_VS 32            // value columns per block
 #define LT_DT 64            // key-dimension slice staged at a time
@@ -36,9 +39,6 @@
 #define LT_REGION_QK (2 * LT_C * LT_LDT * 2)
 #define LT_REGION_A (LT_C * LT_LDA * 4)
 #define LT_REGION (LT_REGION_QK > LT_REGION_A ? LT_REGION_QK : LT_REGION_A)
-
-__device__ __forceinline__ float lt_lo(u32 x) { return __uint_as_float(x << 16); }
-__device__ __forceinline__ float lt_hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
 
 // 8 bf16 (one uint4) · 8 bf16, accumulated into acc.
 __device__ __forceinline__ float lt_dot8(float acc, uint4 a, uint4 b) {

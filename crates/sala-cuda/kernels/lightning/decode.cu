@@ -1,0 +1,64 @@
+// Single-token (decode) lightning steps, where the chunked forms waste a step's few microseconds.
+
+#include "common/types.cuh"
+#include "common/rows.cuh"
+
+// One lightning step: S ← γS + kᵀv, o = scale·q·S (the T = 1 case of lightning_chunked).
+// Block (h, y) owns value columns 32y .. 32y+31 of head h; its 8 warps split the key rows, each
+// loading all of its (at most 32) state rows before updating them. d ≤ 256.
+__device__ __forceinline__ void lightning_step(const bf16* q, const bf16* k, const bf16* v, float* state, bf16* out,
+                                               const float* slopes, int heads, int kv_heads, int d, float scale) {
+    __shared__ float qs[256], ks[256], part[8][32];
+    int h = blockIdx.x, lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
+    int kvh = h / (heads / kv_heads);
+    int e = blockIdx.y * 32 + lane;
+    for (int a = threadIdx.x; a < d; a += blockDim.x) {
+        qs[a] = bf2f(q[h * d + a]);
+        ks[a] = bf2f(k[kvh * d + a]);
+    }
+    __syncthreads();
+    float gamma = expf(-slopes[h]);
+    float acc = 0.0f;
+    if (e < d) {
+        float ve = bf2f(v[kvh * d + e]);
+        float* S = state + (u64)h * d * d + e;
+        float sv[32];
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            if (grp + 8 * x < d) sv[x] = S[(u64)(grp + 8 * x) * d];
+#pragma unroll
+        for (int x = 0; x < 32; x++) {
+            const int a = grp + 8 * x;
+            if (a < d) {
+                const float s = gamma * sv[x] + ks[a] * ve;
+                S[(u64)a * d] = s;
+                acc += qs[a] * s;
+            }
+        }
+    }
+    part[grp][lane] = acc;
+    __syncthreads();
+    if (grp == 0 && e < d) {
+        float o = 0.0f;
+#pragma unroll
+        for (int g = 0; g < 8; g++) o += part[g][lane];
+        out[h * d + e] = f2bf(scale * o);
+    }
+}
+
+// launch: grid = (heads, ceil(d / 32)), block = 256
+extern "C" __global__ void __launch_bounds__(256) lightning_decode(const bf16* q, const bf16* k, const bf16* v,
+                                                                   float* state, bf16* out, const float* slopes,
+                                                                   int heads, int kv_heads, int d, float scale) {
+    lightning_step(q, k, v, state, out, slopes, heads, kv_heads, d, scale);
+}
+
+// lightning_decode for the rows of a batched decode step, each with its own sequence's state:
+// row z of q and out (heads·d apart) and of k and v (kv_heads·d apart) steps rows.state[z].
+// launch: grid = (heads, ceil(d / 32), rows ≤ DECODE_ROWS), block = 256
+extern "C" __global__ void __launch_bounds__(256)
+lightning_decode_rows(const bf16* q, const bf16* k, const bf16* v, DecodeRows rows, bf16* out, const float* slopes,
+                      int heads, int kv_heads, int d, float scale) {
+    const u64 z = blockIdx.z, qd = (u64)heads * d, kd = (u64)kv_heads * d;
+    lightning_step(q + z * qd, k + z * kd, v + z * kd, rows.state[z], out + z * qd, slopes, heads, kv_heads, d, scale);
+}

@@ -1,0 +1,576 @@
+//! The CUDA backend: opening a GPU, and the model's ops as thin delegation to the op families
+//! ([`crate::ops`]).
+
+use crate::device::DeviceLimits;
+use crate::kernels::Launcher;
+use crate::memory::{be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Scratch};
+use crate::ops::elementwise::{ElementOp, RopeAt};
+use crate::ops::lightning::LightningIo;
+use crate::options::CudaOptions;
+use crate::plan::Planner;
+use crate::{gemm, libs, pool, profile, registry};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use sala_checkpoint::SparseConfig;
+use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
+use sala_model::{AttnShape, BResult, Backend, BackendError, HostTensor, SparseMode};
+use std::cell::{Cell, RefCell};
+use std::sync::Arc;
+
+pub struct CudaBackend {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    /// The kernels, their typed launchers and the launch plans.
+    pub(crate) k: Launcher,
+    pub(crate) gemm: RefCell<gemm::Gemm>,
+    pub(crate) scratch: RefCell<Scratch>,
+    /// What the driver reports (a device profile plans within these).
+    driver_limits: DeviceLimits,
+    target: String,
+    /// Time the host has spent waiting for the device in downloads (profiling aid).
+    pub(crate) waited: Cell<std::time::Duration>,
+    /// Sparse-layer decode steps run batched (`sparse_rows_batched`), for tests.
+    pub(crate) sparse_rows_batched: Cell<usize>,
+    /// Where per-sequence caches and states live: the page pool, or one allocation each.
+    pub(crate) pool: Option<pool::SharedPool>,
+}
+
+/// The limits plans use under `options`: the driver's, or its device profile's.
+fn planned_limits(driver: &DeviceLimits, options: &CudaOptions) -> Result<DeviceLimits, String> {
+    match options.device_profile {
+        Some(card) => driver.emulating(card),
+        None => Ok(driver.clone()),
+    }
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles (or loads from the cache) the kernels, and creates the
+    /// cuBLASLt handle. Every failure is an error naming what is missing.
+    pub fn new(ordinal: usize, options: CudaOptions) -> Result<Self, String> {
+        libs::ensure_loaded()?;
+        let count = CudaContext::device_count().map_err(|e| format!("CUDA driver: {e:?}"))?;
+        if count <= 0 {
+            return Err("CUDA is installed but no GPU is visible".into());
+        }
+        if ordinal >= count as usize {
+            return Err(format!(
+                "cuda:{ordinal} does not exist: {count} GPU(s) visible"
+            ));
+        }
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| format!("opening cuda:{ordinal}: {e:?}"))?;
+        // One stream, so cudarc's cross-stream events are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let driver_limits = DeviceLimits::from_driver(&ctx)?;
+        driver_limits
+            .check_supported()
+            .map_err(|e| format!("cuda:{ordinal}: {e}"))?;
+        let limits = planned_limits(&driver_limits, &options)?;
+        let target = driver_limits.target();
+        let modules = registry::load_modules(&ctx, &target)?;
+        let profiler = options
+            .profile_kernels
+            .then(|| profile::Profiler::new(&ctx));
+        let pool = if options.kv_pool {
+            let p = pool::PagePool::new(ctx.clone(), limits.memory_bytes, options.kv_pool_granules)
+                .map_err(|e| e.0)?;
+            Some(std::rc::Rc::new(RefCell::new(p)))
+        } else {
+            None
+        };
+        let k = Launcher::load(
+            &ctx,
+            modules,
+            |attrs| Planner::new(limits, options, attrs),
+            profiler,
+        )?;
+        if k.profiler().is_some() {
+            for line in k.describe() {
+                eprintln!("kernel {line}");
+            }
+        }
+        let stream = ctx.default_stream();
+        let gemm = gemm::Gemm::new(stream.clone())?;
+        Ok(Self {
+            ctx,
+            stream,
+            k,
+            gemm: RefCell::new(gemm),
+            scratch: RefCell::new(Scratch::default()),
+            driver_limits,
+            target,
+            waited: Default::default(),
+            sparse_rows_batched: Default::default(),
+            pool,
+        })
+    }
+
+    /// Runs from now on with `options`' kernels and device profile (caches keep where they
+    /// live: see [`CudaBackend::use_page_pool`]).
+    pub fn set_options(&self, options: CudaOptions) -> Result<(), String> {
+        let limits = planned_limits(&self.driver_limits, &options)?;
+        self.k.replan(limits, options)
+    }
+
+    /// The options the backend runs with.
+    pub fn options(&self) -> CudaOptions {
+        self.k.planner().options.clone()
+    }
+
+    /// The plans' view of the device (a profile's limits when one is set).
+    pub fn limits(&self) -> DeviceLimits {
+        self.k.planner().limits.clone()
+    }
+
+    /// The launch plans of this device and options.
+    pub fn planner(&self) -> Planner {
+        self.k.planner().clone()
+    }
+
+    /// What the driver reports of the device.
+    pub fn driver_limits(&self) -> &DeviceLimits {
+        &self.driver_limits
+    }
+
+    /// Per kernel: registers, shared memory and spills as compiled, and its shared-memory
+    /// opt-in.
+    pub fn describe_kernels(&self) -> Vec<String> {
+        self.k.describe()
+    }
+
+    /// Total time the host has waited for the device to finish work before a download: with
+    /// the host issuing faster than the device runs, this is the device's lead.
+    pub fn host_wait(&self) -> std::time::Duration {
+        self.waited.get()
+    }
+
+    /// Whether this GPU runs the sm_90a (wgmma) kernels under the current plans.
+    pub fn has_wgmma(&self) -> bool {
+        self.k.planner().limits.hopper_instructions
+    }
+
+    /// How many sparse-layer calls of batched decode steps ran batched, one launch per kernel
+    /// for all rows (the others ran row by row).
+    pub fn sparse_rows_batched_calls(&self) -> usize {
+        self.sparse_rows_batched.get()
+    }
+
+    /// The block lists of the last sparse selection: `rows · kv_heads · k_sel` ids (tests).
+    pub fn last_selection(&self, n: usize) -> BResult<Vec<i32>> {
+        self.synchronize()?;
+        let s = self.scratch.borrow();
+        let buf = s
+            .blocks
+            .as_ref()
+            .ok_or_else(|| BackendError("no selection has run".into()))?;
+        let mut all = self
+            .stream
+            .clone_dtoh(buf)
+            .map_err(|e| be_err("download", e))?;
+        all.truncate(n);
+        Ok(all)
+    }
+
+    /// With per-kernel profiling on: device milliseconds and launches per kernel since the
+    /// last call.
+    pub fn profile_report(&self) -> Option<Vec<(String, f64, usize)>> {
+        self.k.profiler().map(|p| p.report())
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.driver_limits.name
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> BResult<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| be_err("synchronize", e))
+    }
+
+    /// (bytes in use on the device by every process, total bytes); under a device profile the
+    /// total is the card's.
+    pub fn memory(&self) -> BResult<(usize, usize)> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| be_err("memory info", e))?;
+        let cap = self.k.planner().limits.memory_bytes;
+        Ok((total - free, total.min(cap)))
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = DevAct;
+    type Matrix = DevMatrix;
+    type Vector = CudaSlice<u16>;
+    type LightningState = DevLightningState;
+    type SparseCache = DevSparseCache;
+    type Table = CudaSlice<f32>;
+
+    fn name(&self) -> String {
+        let limits = &self.k.planner().limits;
+        format!("cuda ({}, {})", limits.name, self.target)
+    }
+
+    fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<DevMatrix> {
+        if t.shape.len() != 2 {
+            return Err(BackendError(format!(
+                "weight {name}: expected 2 dimensions, got {:?}",
+                t.shape
+            )));
+        }
+        Ok(DevMatrix {
+            buf: self.upload_bf16(name, &t)?,
+            rows: t.shape[0],
+            cols: t.shape[1],
+        })
+    }
+
+    fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<CudaSlice<u16>> {
+        if t.shape.len() != 1 {
+            return Err(BackendError(format!(
+                "weight {name}: expected 1 dimension, got {:?}",
+                t.shape
+            )));
+        }
+        self.upload_bf16(name, &t)
+    }
+
+    fn upload_table(&self, data: &[f32]) -> BResult<CudaSlice<f32>> {
+        self.stream
+            .clone_htod(data)
+            .map_err(|e| be_err("table upload", e))
+    }
+
+    fn random_matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<DevMatrix> {
+        Ok(DevMatrix {
+            buf: self.random_bf16(rows * cols, seed, mean, std)?,
+            rows,
+            cols,
+        })
+    }
+
+    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<CudaSlice<u16>> {
+        self.random_bf16(len, seed, mean, std)
+    }
+
+    fn alloc(&self, max_rows: usize, cols: usize) -> BResult<DevAct> {
+        Ok(DevAct {
+            buf: self.alloc_u16(max_rows * cols)?,
+            rows: max_rows,
+            cols,
+            cap_rows: max_rows,
+        })
+    }
+
+    fn set_rows(&self, a: &mut DevAct, rows: usize) {
+        a.rows = rows.min(a.cap_rows);
+    }
+
+    fn copy_rows(
+        &self,
+        src: &DevAct,
+        src_row: usize,
+        dst: &mut DevAct,
+        dst_row: usize,
+        n: usize,
+    ) -> BResult<()> {
+        sala_model::backend::check_copy_rows(
+            (src.rows, src.cols),
+            src_row,
+            (dst.rows, dst.cols),
+            dst_row,
+            n,
+        )?;
+        let w = src.cols;
+        self.copy(&dst.buf, dst_row * w, &src.buf, src_row * w, n * w)
+    }
+
+    fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<DevLightningState> {
+        self.new_store(heads * head_dim * head_dim, true)
+    }
+
+    fn reserve_sparse_cache(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+    ) -> BResult<()> {
+        self.reserve(cache, tokens, cfg, true)
+    }
+
+    fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<DevSparseCache> {
+        Ok(DevSparseCache {
+            k: self.new_store(0, false)?,
+            v: self.new_store(0, false)?,
+            k1: self.new_store(0, false)?,
+            k2: self.new_store(0, false)?,
+            len: 0,
+            n1: 0,
+            n2: 0,
+            cap: 0,
+            kv_width: shape.kv_width(),
+        })
+    }
+
+    fn fill_sparse_cache_random(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+        seed: u64,
+    ) -> BResult<()> {
+        if cache.len != 0 {
+            return Err(BackendError(
+                "fill_sparse_cache_random: cache not empty".into(),
+            ));
+        }
+        self.reserve(cache, tokens, cfg, true)?;
+        let n = tokens * cache.kv_width;
+        self.fill_random(self.ptr(&cache.k), n, seed, RANDOM_KV_STD)?;
+        self.fill_random(self.ptr(&cache.v), n, seed ^ 1, RANDOM_KV_STD)?;
+        cache.len = tokens;
+        self.compress_new_windows(cache, cfg)
+    }
+
+    fn fill_lightning_state_random(&self, state: &mut DevLightningState, seed: u64) -> BResult<()> {
+        // Each fp32 as two bf16 values: the high one sets its value (±RANDOM_STATE_STD), the
+        // low one its last mantissa bits.
+        self.fill_random(self.ptr(state), 2 * state.len(), seed, RANDOM_STATE_STD)
+    }
+
+    fn embed(&self, table: &DevMatrix, ids: &[u32], scale: f32, out: &mut DevAct) -> BResult<()> {
+        self.embed_rows(table, ids, scale, out)
+    }
+
+    fn rms_norm(&self, x: &DevAct, w: &CudaSlice<u16>, eps: f32, out: &mut DevAct) -> BResult<()> {
+        self.rms_norm_rows(x, w, eps, None, out)
+    }
+
+    fn matmul(&self, x: &DevAct, w: &DevMatrix, out: &mut DevAct) -> BResult<()> {
+        self.matmul_into(x, w, out)
+    }
+
+    fn concat_rows(&self, parts: Vec<DevMatrix>) -> BResult<DevMatrix> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(BackendError(
+                "concat_rows: the matrices have different input widths".into(),
+            ));
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let buf = self.alloc_u16(rows * cols)?;
+        let mut off = 0;
+        for p in &parts {
+            self.copy(&buf, off, &p.buf, 0, p.rows * cols)?;
+            off += p.rows * cols;
+        }
+        Ok(DevMatrix { buf, rows, cols })
+    }
+
+    fn matmul_split(&self, x: &DevAct, w: &DevMatrix, outs: &mut [&mut DevAct]) -> BResult<()> {
+        self.matmul_parts(x, w, outs)
+    }
+
+    fn matmul_silu(
+        &self,
+        x: &DevAct,
+        w: &DevMatrix,
+        gu: &mut DevAct,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        self.product_silu(x, w, gu, out)
+    }
+
+    fn silu_mul_halves(&self, gu: &DevAct, out: &mut DevAct) -> BResult<()> {
+        self.silu_halves(gu, out)
+    }
+
+    fn silu_mul(&self, gate: &mut DevAct, up: &DevAct) -> BResult<()> {
+        self.elementwise(ElementOp::SiluMul, gate, up)
+    }
+
+    fn add_scaled(&self, h: &mut DevAct, branch: &DevAct, scale: f32) -> BResult<()> {
+        self.elementwise(ElementOp::AddScaled(scale), h, branch)
+    }
+
+    fn add_scaled_norm(
+        &self,
+        h: &mut DevAct,
+        branch: &DevAct,
+        scale: f32,
+        w: &CudaSlice<u16>,
+        eps: f32,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        self.add_scaled_norm_rows(h, branch, scale, w, eps, out)
+    }
+
+    fn sigmoid_gate(&self, x: &mut DevAct, gate: &DevAct) -> BResult<()> {
+        self.elementwise(ElementOp::SigmoidGate, x, gate)
+    }
+
+    fn head_norm_rope(
+        &self,
+        x: &mut DevAct,
+        head_dim: usize,
+        norm: Option<(&CudaSlice<u16>, f32)>,
+        rope: Option<(&CudaSlice<f32>, usize)>,
+    ) -> BResult<()> {
+        let rope = rope.map(|(f, p)| (f, RopeAt::From(p)));
+        self.norm_rope(x, None, head_dim, norm.map(|(w, e)| (w, None, e)), rope)
+    }
+
+    fn head_norm_rope_qk(
+        &self,
+        q: &mut DevAct,
+        k: &mut DevAct,
+        head_dim: usize,
+        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
+        rope: Option<(&CudaSlice<f32>, usize)>,
+    ) -> BResult<()> {
+        self.norm_rope(
+            q,
+            Some(k),
+            head_dim,
+            norms.map(|(a, b, e)| (a, Some(b), e)),
+            rope.map(|(f, p)| (f, RopeAt::From(p))),
+        )
+    }
+
+    fn sparse_rows(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        modes: &[SparseMode],
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        caches: &mut [&mut DevSparseCache],
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        match self.sparse_rows_fit(shape, cfg, modes, caches) {
+            Some(mode) if q.rows == caches.len() => {
+                self.sparse_rows_batched(shape, cfg, mode, q, k, v, caches, out)
+            }
+            _ => sala_model::backend::sparse_row_by_row(
+                self, shape, cfg, modes, q, k, v, caches, out,
+            ),
+        }
+    }
+
+    fn lightning_rows(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        q: &mut DevAct,
+        k: &mut DevAct,
+        v: &DevAct,
+        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
+        inv_freq: Option<&CudaSlice<f32>>,
+        positions: &[usize],
+        states: &mut [&mut DevLightningState],
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let rows = states.len();
+        if !Self::lightning_rows_fit(rows, shape.head_dim)
+            || positions.len() != rows
+            || q.rows != rows
+        {
+            return sala_model::backend::lightning_row_by_row(
+                self, shape, slopes, q, k, v, norms, inv_freq, positions, states, out,
+            );
+        }
+        self.lightning_decode_rows(
+            shape, slopes, q, k, v, norms, inv_freq, positions, states, out,
+        )
+    }
+
+    fn rms_norm_gate(
+        &self,
+        x: &DevAct,
+        w: &CudaSlice<u16>,
+        eps: f32,
+        gate: Option<&DevAct>,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        self.rms_norm_rows(x, w, eps, gate, out)
+    }
+
+    fn lightning(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        state: &mut DevLightningState,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let io = LightningIo {
+            shape,
+            slopes,
+            q,
+            k,
+            v,
+        };
+        self.lightning_layer(&io, state, out)
+    }
+
+    fn sparse_attention(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        cache: &mut DevSparseCache,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        self.sparse_layer(shape, cfg, mode, q, k, v, cache, out)
+    }
+
+    fn logits(
+        &self,
+        h: &DevAct,
+        rows: std::ops::Range<usize>,
+        lm_head: &DevMatrix,
+        divisor: f32,
+    ) -> BResult<Vec<f32>> {
+        let (n, cols, vocab) = (rows.len(), h.cols, lm_head.rows);
+        let (x, y) = {
+            let mut s = self.scratch.borrow_mut();
+            grow(&self.stream, &mut s.logits_in, n * cols)?;
+            grow(&self.stream, &mut s.logits_out, n * vocab)?;
+            (
+                self.ptr(s.logits_in.as_ref().expect("grown")),
+                self.ptr(s.logits_out.as_ref().expect("grown")),
+            )
+        };
+        self.scale_round(
+            self.ptr(&h.buf) + (rows.start * cols * 2) as u64,
+            x,
+            divisor,
+            n * cols,
+        )?;
+        let s = self.scratch.borrow();
+        let (xs, ys) = (
+            s.logits_in.as_ref().expect("grown"),
+            s.logits_out.as_ref().expect("grown"),
+        );
+        self.product(xs, 0, lm_head, y, n)?;
+        self.download(ys, n * vocab)
+    }
+
+    fn to_host(&self, a: &DevAct) -> BResult<Vec<f32>> {
+        self.download(&a.buf, a.rows * a.cols)
+    }
+}

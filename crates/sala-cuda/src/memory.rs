@@ -1,0 +1,366 @@
+//! Device memory: activations, weights, per-sequence caches and states (own allocations or
+//! ranges of the page pool, [`crate::pool`]), the scratch the ops share, and copies.
+
+use crate::pool;
+use crate::CudaBackend;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use sala_checkpoint::SparseConfig;
+use sala_model::{BResult, BackendError, HostDType, HostTensor};
+use std::sync::Arc;
+
+pub(crate) fn be_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
+    BackendError(format!("CUDA {what}: {e:?}"))
+}
+
+/// Activations `[rows, cols]` in bf16, with room for `cap_rows` rows.
+pub struct DevAct {
+    pub buf: CudaSlice<u16>,
+    pub rows: usize,
+    pub cols: usize,
+    pub(crate) cap_rows: usize,
+}
+
+/// A bf16 matrix `[rows = out, cols = in]`.
+pub struct DevMatrix {
+    pub buf: CudaSlice<u16>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Device memory a kernel argument can point at.
+pub trait DevMem<T> {
+    fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64;
+}
+
+impl<T> DevMem<T> for CudaSlice<T> {
+    fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64 {
+        self.device_ptr(stream).0
+    }
+}
+
+/// A per-sequence buffer (a cache or a lightning state) of `T`: its own allocation, or a range
+/// of the page pool (the default), which grows in place.
+pub enum Store<T> {
+    Own(CudaSlice<T>),
+    Paged { buf: pool::PagedBuf, len: usize },
+}
+
+impl<T> DevMem<T> for Store<T> {
+    fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64 {
+        match self {
+            Store::Own(s) => s.dev_ptr(stream),
+            Store::Paged { buf, .. } => buf.ptr(),
+        }
+    }
+}
+
+impl<T> Store<T> {
+    /// Elements usable now.
+    pub fn len(&self) -> usize {
+        match self {
+            Store::Own(s) => s.len(),
+            Store::Paged { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Lightning state of one layer for one sequence: `[heads, d, d]` fp32.
+pub type DevLightningState = Store<f32>;
+
+/// One sparse layer's cache for one sequence: K, V and both compressed-key tiers, grown by
+/// doubling as tokens arrive (in place, in the page pool).
+pub struct DevSparseCache {
+    pub(crate) k: Store<u16>,
+    pub(crate) v: Store<u16>,
+    pub(crate) k1: Store<u16>,
+    pub(crate) k2: Store<u16>,
+    pub(crate) len: usize,
+    pub(crate) n1: usize,
+    pub(crate) n2: usize,
+    pub(crate) cap: usize,
+    pub(crate) kv_width: usize,
+}
+
+/// Scratch the ops share, grown on demand and never shrunk, so steady decoding allocates
+/// nothing.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    /// Block scores of the prefill selection, or P of the exact one.
+    pub p: Option<CudaSlice<f32>>,
+    pub blocks: Option<CudaSlice<i32>>,
+    pub ids: Option<CudaSlice<u32>>,
+    pub logits_in: Option<CudaSlice<u16>>,
+    pub logits_out: Option<CudaSlice<u16>>,
+    pub lightning: Option<CudaSlice<f32>>,
+    pub attn_part: Option<CudaSlice<f32>>,
+    pub lse: Option<CudaSlice<f32>>,
+    /// P of the decode selection as bf16 bits (`sd_p`).
+    pub p16: Option<CudaSlice<u16>>,
+    /// The top-k's candidate keys where they do not fit in shared memory.
+    pub topk_keys: Option<CudaSlice<u16>>,
+    /// RoPE cos/sin per (row, frequency) of the current chunk, and what it was made for
+    /// (`RopeKey`): every lightning layer of a forward pass uses the same table.
+    pub rope: Option<CudaSlice<f32>>,
+    pub rope_key: Option<RopeKey>,
+}
+
+/// What the cached RoPE table was made for: the inv_freq pointer, half the head size, and the
+/// positions (a run of rows from a first one, or each row's own).
+#[derive(PartialEq)]
+pub(crate) enum RopeKey {
+    Run(u64, usize, usize, usize),
+    Rows(u64, usize, Vec<usize>),
+}
+
+/// Makes `slot` hold at least `n` elements (grow-only).
+pub(crate) fn grow<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    slot: &mut Option<CudaSlice<T>>,
+    n: usize,
+) -> BResult<()> {
+    if slot.as_ref().is_none_or(|b| b.len() < n) {
+        *slot = Some(
+            stream
+                .alloc_zeros::<T>(n.max(1))
+                .map_err(|e| be_err("scratch", e))?,
+        );
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    pub(crate) fn ptr<T>(&self, s: &impl DevMem<T>) -> u64 {
+        s.dev_ptr(&self.stream)
+    }
+
+    /// The device address of row `row` of `a`.
+    pub(crate) fn row_ptr(&self, a: &DevAct, row: usize) -> u64 {
+        self.ptr(&a.buf) + (row * a.cols * 2) as u64
+    }
+
+    /// The address of `scratch`'s slot `pick`, grown to at least `n` elements.
+    pub(crate) fn scratch_ptr<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        pick: impl FnOnce(&mut Scratch) -> &mut Option<CudaSlice<T>>,
+        n: usize,
+    ) -> BResult<u64> {
+        let mut s = self.scratch.borrow_mut();
+        let slot = pick(&mut s);
+        grow(&self.stream, slot, n)?;
+        Ok(slot.as_ref().map_or(0, |b| self.ptr(b)))
+    }
+
+    pub(crate) fn alloc_u16(&self, n: usize) -> BResult<CudaSlice<u16>> {
+        self.stream
+            .alloc_zeros::<u16>(n.max(1))
+            .map_err(|e| be_err(&format!("allocating {} MiB", (2 * n) >> 20), e))
+    }
+
+    pub(crate) fn upload_bf16(&self, name: &str, t: &HostTensor<'_>) -> BResult<CudaSlice<u16>> {
+        let bits: Vec<u16> = match t.dtype {
+            HostDType::Bf16 => t
+                .bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+            _ => t
+                .to_f32()
+                .into_iter()
+                .map(|x| half::bf16::from_f32(x).to_bits())
+                .collect(),
+        };
+        self.stream
+            .clone_htod(&bits)
+            .map_err(|e| be_err(&format!("uploading {name}"), e))
+    }
+
+    /// Fills `n` bf16 values with seeded normal values (never zero).
+    pub fn random_bf16(&self, n: usize, seed: u64, mean: f32, std: f32) -> BResult<CudaSlice<u16>> {
+        let buf = self.alloc_u16(n)?;
+        self.fill_random_mean(self.ptr(&buf), n, seed, mean, std)?;
+        Ok(buf)
+    }
+
+    /// Activations `[rows, cols]` from host values (rounded to bf16).
+    pub fn act_from_host(&self, data: &[f32], cols: usize) -> BResult<DevAct> {
+        let bits: Vec<u16> = data
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let rows = data.len() / cols;
+        Ok(DevAct {
+            buf: self
+                .stream
+                .clone_htod(&bits)
+                .map_err(|e| be_err("upload", e))?,
+            rows,
+            cols,
+            cap_rows: rows,
+        })
+    }
+
+    /// An f32 buffer (a lightning state) from the host.
+    pub fn f32_from_host(&self, data: &[f32]) -> BResult<CudaSlice<f32>> {
+        self.stream
+            .clone_htod(data)
+            .map_err(|e| be_err("upload", e))
+    }
+
+    /// An f32 buffer (a lightning state) to the host.
+    pub fn f32_to_host(&self, buf: &CudaSlice<f32>) -> BResult<Vec<f32>> {
+        self.stream
+            .clone_dtoh(buf)
+            .map_err(|e| be_err("download", e))
+    }
+
+    /// Copies device bf16 values to the host as f32.
+    pub fn download(&self, buf: &CudaSlice<u16>, n: usize) -> BResult<Vec<f32>> {
+        let mut bits = vec![0u16; buf.len()];
+        let start = std::time::Instant::now();
+        self.synchronize()?;
+        self.waited.set(self.waited.get() + start.elapsed());
+        self.stream
+            .memcpy_dtoh(buf, &mut bits)
+            .map_err(|e| be_err("download", e))?;
+        Ok(bits[..n]
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect())
+    }
+
+    /// Copies `n` elements from `src + src_off` to `dst + dst_off` (offsets in elements of T).
+    pub(crate) fn copy<T>(
+        &self,
+        dst: &impl DevMem<T>,
+        dst_off: usize,
+        src: &impl DevMem<T>,
+        src_off: usize,
+        n: usize,
+    ) -> BResult<()> {
+        let sz = std::mem::size_of::<T>();
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie inside live device buffers of at least these sizes.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                self.ptr(dst) + (dst_off * sz) as u64,
+                self.ptr(src) + (src_off * sz) as u64,
+                n * sz,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| be_err("device copy", e))
+    }
+
+    /// Grows `c` to hold `needed` tokens: to exactly that with `exact`, else at least doubling.
+    pub(crate) fn reserve(
+        &self,
+        c: &mut DevSparseCache,
+        needed: usize,
+        cfg: &SparseConfig,
+        exact: bool,
+    ) -> BResult<()> {
+        use crate::plan::windows;
+        if needed <= c.cap {
+            return Ok(());
+        }
+        let cap = if exact {
+            needed
+        } else {
+            needed.max(2 * c.cap).max(256)
+        };
+        let kw = c.kv_width;
+        self.grow_store(&mut c.k, c.len * kw, cap * kw)?;
+        self.grow_store(&mut c.v, c.len * kw, cap * kw)?;
+        let n1 = windows(cap, cfg.k1_window(), cfg.k1_stride()) + 1;
+        self.grow_store(&mut c.k1, c.n1 * kw, n1 * kw)?;
+        let n2 = windows(cap, cfg.k2_window(), cfg.k2_stride()) + 1;
+        self.grow_store(&mut c.k2, c.n2 * kw, n2 * kw)?;
+        c.cap = cap;
+        Ok(())
+    }
+
+    /// Makes `store` hold `n` elements, keeping its first `kept`: in place in the page pool,
+    /// else by a new allocation and a copy.
+    fn grow_store(&self, store: &mut Store<u16>, kept: usize, n: usize) -> BResult<()> {
+        match store {
+            Store::Own(old) => {
+                let new = self.alloc_u16(n)?;
+                self.copy(&new, 0, old, 0, kept)?;
+                *store = Store::Own(new);
+            }
+            Store::Paged { buf, len } => {
+                buf.ensure(n * std::mem::size_of::<u16>())?;
+                *len = (*len).max(n);
+            }
+        }
+        Ok(())
+    }
+
+    /// A per-sequence buffer of `n` elements of `T` (zeroed when `zero`): in the page pool
+    /// when there is one.
+    pub(crate) fn new_store<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+        zero: bool,
+    ) -> BResult<Store<T>> {
+        let size = std::mem::size_of::<T>();
+        match &self.pool {
+            Some(pool) => {
+                let mut buf = pool::PagedBuf::new(pool, &self.stream, n * size)?;
+                buf.ensure(n * size)?;
+                if zero && n > 0 {
+                    // SAFETY: the buffer maps at least n * size bytes.
+                    unsafe {
+                        cudarc::driver::result::memset_d8_async(
+                            buf.ptr(),
+                            0,
+                            n * size,
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .map_err(|e| be_err("clearing a pool buffer", e))?;
+                }
+                Ok(Store::Paged { buf, len: n })
+            }
+            None => {
+                let s = self
+                    .stream
+                    .alloc_zeros::<T>(n.max(1))
+                    .map_err(|e| be_err(&format!("allocating {} MiB", (n * size) >> 20), e))?;
+                Ok(Store::Own(s))
+            }
+        }
+    }
+
+    /// The page pool per-sequence buffers come from, if any.
+    pub fn page_pool(&self) -> Option<&pool::SharedPool> {
+        self.pool.as_ref()
+    }
+
+    /// Takes the caches and states of sequences made from now on from a new page pool of at
+    /// most `limit_bytes` (those made before keep theirs).
+    pub fn use_page_pool(&mut self, limit_bytes: usize) -> BResult<()> {
+        let p = pool::PagePool::new(self.ctx.clone(), limit_bytes, 1)?;
+        self.pool = Some(std::rc::Rc::new(std::cell::RefCell::new(p)));
+        Ok(())
+    }
+
+    /// Gives the caches and states of sequences made from now on their own allocations.
+    pub fn use_own_allocations(&mut self) {
+        self.pool = None;
+    }
+
+    /// Caps the memory the caches and states of all sequences may take together (the page
+    /// pool's size; own allocations are checked by the memory plan alone).
+    pub fn limit_cache_memory(&self, bytes: usize) {
+        if let Some(p) = &self.pool {
+            p.borrow_mut().set_limit(bytes);
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! Sparse layers (SPEC §5): appending K/V, compressing keys, and attention over every block
+//! (dense) or the selected ones (sparse), one sequence or a batched decode step of many
+//! (`kernels/sparse/attention.cu`, `kernels/sparse/compress.cu`).
+
+use crate::kernels::SeqRows;
+use crate::memory::{DevAct, DevSparseCache};
+use crate::plan::{windows, AttentionPlan, SelectPlan, SEQ_ROWS};
+use crate::CudaBackend;
+use sala_checkpoint::SparseConfig;
+use sala_model::{AttnShape, BResult, SparseMode};
+
+impl CudaBackend {
+    /// Appends the `t` rows of `k`, `v` to `cache`, selects blocks (sparse) and attends for the
+    /// `t` queries of `q` into `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn sparse_layer(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        cache: &mut DevSparseCache,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let t = q.rows;
+        let kw = cache.kv_width;
+        let first = cache.len;
+        self.reserve(cache, first + t, cfg, false)?;
+        self.copy(&cache.k, first * kw, &k.buf, 0, t * kw)?;
+        self.copy(&cache.v, first * kw, &v.buf, 0, t * kw)?;
+        cache.len += t;
+        self.compress_new_windows(cache, cfg)?;
+        let k_sel = cfg.selected_blocks();
+        let blocks = match mode {
+            SparseMode::Dense => 0,
+            SparseMode::Sparse => {
+                let blocks = self.scratch_ptr(|s| &mut s.blocks, t * shape.kv_heads * k_sel)?;
+                self.select_blocks(shape, cfg, q, cache, first, blocks)?;
+                blocks
+            }
+        };
+        let plan = self.k.planner().attention(shape, cfg, mode, t, cache.len);
+        let (qp, kc, vc, op) = (
+            self.ptr(&q.buf),
+            self.ptr(&cache.k),
+            self.ptr(&cache.v),
+            self.ptr(&out.buf),
+        );
+        let (ti, fp, h, kvh, d, scale, ks) = (
+            t as i32,
+            first as i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+            shape.scale() as f32,
+            k_sel as i32,
+        );
+        match plan {
+            AttentionPlan::Decode => {
+                let pairs = t * shape.kv_heads;
+                let (split, at) = {
+                    let p = self.k.planner();
+                    let split = p.decode_split(mode, cache.len, k_sel, pairs);
+                    (split, p.attention_decode(pairs, split))
+                };
+                let part = self.scratch_ptr(
+                    |s| &mut s.attn_part,
+                    split * t * shape.heads * (shape.head_dim + 2),
+                )?;
+                self.k.attention_decode(
+                    at,
+                    qp,
+                    kc,
+                    vc,
+                    part,
+                    ti,
+                    fp,
+                    h,
+                    kvh,
+                    d,
+                    scale,
+                    blocks,
+                    ks,
+                    split as i32,
+                )?;
+                self.attention_merge(shape, t, part, split, out)
+            }
+            AttentionPlan::Gather => {
+                let at = self.k.planner().attention_gather(t, shape.kv_heads);
+                self.k
+                    .attention_gather(at, qp, kc, vc, op, ti, fp, h, kvh, d, scale, blocks, ks)
+            }
+            AttentionPlan::Prefill => {
+                let at = self
+                    .k
+                    .planner()
+                    .attention_prefill(t, shape.kv_heads, mode, cache.len);
+                self.k
+                    .attention_prefill(at, qp, kc, vc, op, ti, fp, h, kvh, d, scale, blocks, ks)
+            }
+            AttentionPlan::Staged { split } => {
+                let at = self.k.planner().attention_staged(t, shape);
+                let bsz = cfg.block_size as i32;
+                if split == 1 {
+                    return self.k.attention(
+                        at, qp, kc, vc, op, ti, fp, h, kvh, d, scale, blocks, ks, bsz,
+                    );
+                }
+                let part = self.scratch_ptr(
+                    |s| &mut s.attn_part,
+                    split * t * shape.heads * (shape.head_dim + 2),
+                )?;
+                let at = crate::plan::Launch {
+                    grid: (at.grid.0, at.grid.1, split as u32),
+                    ..at
+                };
+                self.k.attention_split(
+                    at,
+                    qp,
+                    kc,
+                    vc,
+                    part,
+                    ti,
+                    fp,
+                    h,
+                    kvh,
+                    d,
+                    scale,
+                    blocks,
+                    ks,
+                    bsz,
+                    split as i32,
+                )?;
+                self.attention_merge(shape, t, part, split, out)
+            }
+        }
+    }
+
+    /// Compresses the windows of both key tiers that `cache.len` keys complete and the tiers
+    /// do not hold yet (SPEC §5.3).
+    pub(crate) fn compress_new_windows(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+    ) -> BResult<()> {
+        let kw = cache.kv_width;
+        for (level, window, stride) in [
+            (1, cfg.k1_window(), cfg.k1_stride()),
+            (2, cfg.k2_window(), cfg.k2_stride()),
+        ] {
+            let (old, tier) = if level == 1 {
+                (cache.n1, &cache.k1)
+            } else {
+                (cache.n2, &cache.k2)
+            };
+            let new = windows(cache.len, window, stride);
+            if new > old {
+                let at = self.k.planner().compress_keys(new - old, kw);
+                self.k.compress_keys(
+                    at,
+                    self.ptr(&cache.k),
+                    self.ptr(tier),
+                    old as i32,
+                    (new - old) as i32,
+                    kw as i32,
+                    window as i32,
+                    stride as i32,
+                )?;
+            }
+            if level == 1 {
+                cache.n1 = new;
+            } else {
+                cache.n2 = new;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether [`CudaBackend::sparse_rows_batched`] takes these rows: at most `SEQ_ROWS`, one
+    /// mode, and each row (its cache one token longer) on the path `sparse_layer` takes for one
+    /// decode row (the decode selection when sparse, then `attention_decode`).
+    pub(crate) fn sparse_rows_fit(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        modes: &[SparseMode],
+        caches: &[&mut DevSparseCache],
+    ) -> Option<SparseMode> {
+        let mode = *modes.first()?;
+        let p = self.k.planner();
+        let one_mode = modes.iter().all(|&m| m == mode);
+        let select_ok = mode == SparseMode::Dense
+            || caches
+                .iter()
+                .all(|c| p.select(shape, cfg, 1, c.len + 1) == SelectPlan::Decode);
+        let attention_ok = caches
+            .iter()
+            .all(|c| p.attention(shape, cfg, mode, 1, c.len + 1) == AttentionPlan::Decode);
+        (caches.len() <= SEQ_ROWS
+            && p.options.batched_sparse_rows
+            && modes.len() == caches.len()
+            && one_mode
+            && select_ok
+            && attention_ok)
+            .then_some(mode)
+    }
+
+    /// A decode row per sequence in one launch per kernel for all rows: each row's K and V
+    /// appended to its cache, then block selection (sparse) and attention as `sparse_layer`
+    /// runs them for one row, each row with its own cache, position and split, so every row's
+    /// result has the bits it gets alone. The caller checked [`CudaBackend::sparse_rows_fit`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn sparse_rows_batched(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        caches: &mut [&mut DevSparseCache],
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let rows = caches.len();
+        let k_sel = cfg.selected_blocks();
+        self.sparse_rows_batched
+            .set(self.sparse_rows_batched.get() + 1);
+        let mut t = SeqRows::empty();
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let kw = cache.kv_width;
+            let first = cache.len;
+            self.reserve(cache, first + 1, cfg, false)?;
+            self.copy(&cache.k, first * kw, &k.buf, r * kw, kw)?;
+            self.copy(&cache.v, first * kw, &v.buf, r * kw, kw)?;
+            cache.len += 1;
+            self.compress_new_windows(cache, cfg)?;
+            t.k[r] = self.ptr(&cache.k);
+            t.v[r] = self.ptr(&cache.v);
+            t.k1[r] = self.ptr(&cache.k1);
+            t.k2[r] = self.ptr(&cache.k2);
+            t.pos[r] = first as i32;
+            t.n1[r] = cache.n1 as i32;
+            t.n2[r] = cache.n2 as i32;
+            t.split[r] =
+                self.k
+                    .planner()
+                    .decode_split(mode, cache.len, k_sel, shape.kv_heads) as i32;
+        }
+        let pairs = rows * shape.kv_heads;
+        let max_of = |f: &dyn Fn(&DevSparseCache) -> usize| caches.iter().map(|c| f(c)).max();
+        let blocks = match mode {
+            SparseMode::Dense => 0,
+            SparseMode::Sparse => {
+                let blocks = self.scratch_ptr(|s| &mut s.blocks, pairs * k_sel)?;
+                let longest = (
+                    max_of(&|c| c.len).unwrap_or(0),
+                    max_of(&|c| c.n1).unwrap_or(0),
+                    max_of(&|c| c.n2).unwrap_or(0),
+                );
+                self.select_decode_rows(shape, cfg, q, &t, rows, longest, blocks)?;
+                blocks
+            }
+        };
+        let split = t.split[..rows].iter().copied().max().unwrap_or(1).max(1) as usize;
+        let part = self.scratch_ptr(
+            |s| &mut s.attn_part,
+            split * rows * shape.heads * (shape.head_dim + 2),
+        )?;
+        let at = self.k.planner().attention_decode(pairs, split);
+        self.k.attention_decode_rows(
+            at,
+            self.ptr(&q.buf),
+            &t,
+            part,
+            rows as i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+            shape.scale() as f32,
+            blocks,
+            k_sel as i32,
+            split as i32,
+        )?;
+        self.attention_merge(shape, rows, part, split, out)
+    }
+
+    /// Combines the `split` partial attention states at `part` of `t` queries into `out`.
+    fn attention_merge(
+        &self,
+        shape: AttnShape,
+        t: usize,
+        part: u64,
+        split: usize,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let at = self
+            .k
+            .planner()
+            .attention_merge(t, shape.heads, shape.head_dim);
+        self.k.attention_merge(
+            at,
+            part,
+            self.ptr(&out.buf),
+            t as i32,
+            shape.heads as i32,
+            shape.head_dim as i32,
+            split as i32,
+        )
+    }
+}

@@ -1,0 +1,237 @@
+//! Matrix products: GEMVs for decode-sized batches (`kernels/gemv.cu`, each row's result
+//! independent of the others), cuBLASLt for the rest.
+
+use crate::memory::DevAct;
+use crate::options::DecodeGemv;
+use crate::plan::{
+    Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS_PER_BLOCK,
+};
+use crate::{CudaBackend, DevMatrix};
+use cudarc::driver::CudaSlice;
+use sala_model::{BResult, BackendError};
+
+impl CudaBackend {
+    /// Whether a product of `rows` rows with `w` runs as GEMVs, one per row (decode, batched
+    /// decode): each row's result is then the same whatever the batch.
+    pub(crate) fn gemv_fits(&self, rows: usize, w: &DevMatrix) -> bool {
+        self.k.planner().gemv_fits(rows, w.cols)
+    }
+
+    /// `rows` rows (from row `x_off / w.cols` of x) times `w`ᵀ, one GEMV each; each row's
+    /// `w.rows` outputs are written in turn to the (pointer, count) parts of `outs` (at most
+    /// four; the counts add up to `w.rows`), at that row.
+    pub(crate) fn gemv(
+        &self,
+        x: &CudaSlice<u16>,
+        x_off: usize,
+        w: &DevMatrix,
+        outs: &[(u64, usize)],
+        rows: usize,
+    ) -> BResult<()> {
+        let variant = self.k.planner().options.decode_gemv;
+        // Tensor cores: groups of up to 16 rows; CUDA cores: a launch per row.
+        let tc = variant == DecodeGemv::TensorCore;
+        let group = if tc { GEMV_MMA_ROWS } else { 1 };
+        let (n, kk) = (w.rows as i32, w.cols as i32);
+        let wp = self.ptr(&w.buf);
+        let mut r = 0;
+        while r < rows {
+            let nb = group.min(rows - r);
+            let xp = self.ptr(x) + ((x_off + r * w.cols) * 2) as u64;
+            let part = |i: usize| {
+                let (p, cnt) = outs.get(i).copied().unwrap_or((0, 0));
+                (
+                    if p == 0 { 0 } else { p + (r * cnt * 2) as u64 },
+                    cnt as i32,
+                )
+            };
+            let ((y0, n0), (y1, n1), (y2, n2), (y3, _)) = (part(0), part(1), part(2), part(3));
+            // Few output rows: a row a warp (same sums, more warps in flight).
+            let narrow = w.rows <= GEMV_NARROW_MAX_ROWS && variant != DecodeGemv::CudaCoreWide;
+            let grid = |rows_per_block: usize, threads: u32| {
+                Launch::new((w.rows.div_ceil(rows_per_block), 1, 1), threads, 0)
+                    .shaped(w.rows, w.cols)
+            };
+            let nbi = nb as i32;
+            match (tc, nb > 8, narrow) {
+                (true, false, _) => self.k.gemv_mma8(
+                    grid(16, GEMV_MMA_THREADS),
+                    xp,
+                    wp,
+                    n,
+                    kk,
+                    nbi,
+                    y0,
+                    n0,
+                    y1,
+                    n1,
+                    y2,
+                    n2,
+                    y3,
+                ),
+                (true, true, _) => self.k.gemv_mma16(
+                    grid(16, GEMV_MMA_THREADS),
+                    xp,
+                    wp,
+                    n,
+                    kk,
+                    nbi,
+                    y0,
+                    n0,
+                    y1,
+                    n1,
+                    y2,
+                    n2,
+                    y3,
+                ),
+                (false, _, true) => {
+                    self.k
+                        .gemv_narrow(grid(4, 128), xp, wp, n, kk, y0, n0, y1, n1, y2, n2, y3)
+                }
+                (false, _, false) => self.k.gemv(
+                    grid(GEMV_ROWS_PER_BLOCK, 128),
+                    xp,
+                    wp,
+                    n,
+                    kk,
+                    y0,
+                    n0,
+                    y1,
+                    n1,
+                    y2,
+                    n2,
+                    y3,
+                ),
+            }?;
+            r += nb;
+        }
+        Ok(())
+    }
+
+    /// `y = x wᵀ` into the buffer at `y`: GEMVs for decode-sized batches, cuBLASLt otherwise.
+    pub(crate) fn product(
+        &self,
+        x: &CudaSlice<u16>,
+        x_off: usize,
+        w: &DevMatrix,
+        y: u64,
+        rows: usize,
+    ) -> BResult<()> {
+        if self.gemv_fits(rows, w) {
+            return self.gemv(x, x_off, w, &[(y, w.rows)], rows);
+        }
+        self.gemm_rows(self.ptr(x) + (x_off * 2) as u64, w, 0, w.rows, y, rows)
+    }
+
+    /// cuBLASLt: `y = x W[r0 .. r0 + n]ᵀ` (`rows` rows of x at `xp`, weight rows r0.. of `w`).
+    pub(crate) fn gemm_rows(
+        &self,
+        xp: u64,
+        w: &DevMatrix,
+        r0: usize,
+        n: usize,
+        y: u64,
+        rows: usize,
+    ) -> BResult<()> {
+        let profiler = self.k.profiler();
+        let t0 = profiler.and_then(|p| p.start(&self.stream));
+        self.gemm
+            .borrow_mut()
+            .run_ptrs(
+                xp,
+                self.ptr(&w.buf) + (r0 * w.cols * 2) as u64,
+                y,
+                rows,
+                n,
+                w.cols,
+            )
+            .map_err(BackendError)?;
+        if let Some(p) = profiler {
+            p.end(format!("gemm {}x{}", n, w.cols), t0, &self.stream);
+        }
+        Ok(())
+    }
+
+    /// `out = round(silu(x Wgᵀ)) · (x Wuᵀ)` for the stacked `[gate; up]` weight `w`: fused
+    /// GEMVs for decode-sized batches, else a product into `gu` and the SiLU halves.
+    pub(crate) fn product_silu(
+        &self,
+        x: &DevAct,
+        w: &DevMatrix,
+        gu: &mut DevAct,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let inter = out.cols;
+        if !self.gemv_fits(x.rows, w) || w.rows != 2 * inter || x.cols != w.cols {
+            self.matmul_into(x, w, gu)?;
+            return self.silu_halves(gu, out);
+        }
+        let tc = self.k.planner().options.decode_gemv == DecodeGemv::TensorCore;
+        let group = if tc { GEMV_MMA_ROWS } else { 1 };
+        let mut r = 0;
+        while r < x.rows {
+            let nb = group.min(x.rows - r);
+            let (xp, wp) = (self.row_ptr(x, r), self.ptr(&w.buf));
+            let yp = self.ptr(&out.buf) + (r * inter * 2) as u64;
+            let (i, k) = (inter as i32, w.cols as i32);
+            let at = |outs_per_block: usize, threads: u32| {
+                Launch::new((inter.div_ceil(outs_per_block), 1, 1), threads, 0)
+                    .shaped(w.rows, w.cols)
+            };
+            if !tc {
+                self.k
+                    .gemv_silu(at(GEMV_ROWS_PER_BLOCK / 2, 128), xp, wp, yp, i, k)?;
+            } else if nb > 8 {
+                self.k
+                    .gemv_silu_mma16(at(8, GEMV_MMA_THREADS), xp, wp, yp, i, k, nb as i32)?;
+            } else {
+                self.k
+                    .gemv_silu_mma8(at(8, GEMV_MMA_THREADS), xp, wp, yp, i, k, nb as i32)?;
+            }
+            r += nb;
+        }
+        Ok(())
+    }
+
+    /// `out = x wᵀ`, shapes checked.
+    pub(crate) fn matmul_into(&self, x: &DevAct, w: &DevMatrix, out: &mut DevAct) -> BResult<()> {
+        if x.cols != w.cols || out.cols != w.rows || out.rows != x.rows {
+            return Err(BackendError(format!(
+                "matmul shapes: x [{}, {}], w [{}, {}], out [{}, {}]",
+                x.rows, x.cols, w.rows, w.cols, out.rows, out.cols
+            )));
+        }
+        self.product(&x.buf, 0, w, self.ptr(&out.buf), x.rows)
+    }
+
+    /// `x wᵀ` split by columns into `outs` (at most four, widths adding up to `w.rows`).
+    pub(crate) fn matmul_parts(
+        &self,
+        x: &DevAct,
+        w: &DevMatrix,
+        outs: &mut [&mut DevAct],
+    ) -> BResult<()> {
+        let total: usize = outs.iter().map(|o| o.cols).sum();
+        if total != w.rows || x.cols != w.cols || outs.len() > 4 {
+            return Err(BackendError(format!(
+                "matmul_split: {} outputs of {total} columns for a [{}, {}] matrix and {} inputs",
+                outs.len(),
+                w.rows,
+                w.cols,
+                x.cols
+            )));
+        }
+        let rows = x.rows;
+        if self.gemv_fits(rows, w) {
+            let parts: Vec<_> = outs.iter().map(|o| (self.ptr(&o.buf), o.cols)).collect();
+            return self.gemv(&x.buf, 0, w, &parts, rows);
+        }
+        // Several rows: one product per output, straight into it (no split copy).
+        let mut r0 = 0;
+        for o in outs.iter() {
+            self.gemm_rows(self.ptr(&x.buf), w, r0, o.cols, self.ptr(&o.buf), rows)?;
+            r0 += o.cols;
+        }
+        Ok(())
+    }
+}

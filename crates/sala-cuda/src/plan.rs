@@ -1,0 +1,1031 @@
+//! Launch plans: the grid, block, shared memory and variant of every kernel launch, computed
+//! from one [`Planner`] (the device's limits, the options, and each kernel's registers and
+//! static shared memory as compiled). A kernel that needs more than a device gives has a
+//! variant that fits (the top-k's keys in global memory, the one-pass lightning kernel
+//! single-buffered), and the plan picks it. `scripts/check-kernels.sh` evaluates these same
+//! functions for every card of [`crate::device::CARDS`] ([`Planner::check_launches`]).
+
+use crate::device::DeviceLimits;
+use crate::kernels::K;
+use crate::options::{Attention, CudaOptions, LightningPrefill, SelectScores};
+use sala_checkpoint::SparseConfig;
+use sala_model::{AttnShape, SparseMode};
+
+/// One launch's geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    /// Dynamic shared memory, bytes.
+    pub smem: u32,
+    /// The product's (rows, cols), a label for per-kernel profiles.
+    pub shape: Option<(usize, usize)>,
+}
+
+impl Launch {
+    pub fn new(grid: (usize, usize, usize), block: u32, smem: usize) -> Self {
+        Self {
+            grid: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
+            block,
+            smem: smem as u32,
+            shape: None,
+        }
+    }
+
+    /// This launch, profiled under `rows x cols`.
+    pub fn shaped(self, rows: usize, cols: usize) -> Self {
+        Self {
+            shape: Some((rows, cols)),
+            ..self
+        }
+    }
+
+    /// `n` threads' work in blocks of `block` (at least one block).
+    pub fn linear(n: usize, block: u32) -> Self {
+        Self::new((n.div_ceil(block as usize).max(1), 1, 1), block, 0)
+    }
+}
+
+/// What the compiler made of a kernel: registers per thread, static shared memory, local
+/// (spill) bytes per thread and the most threads a block may have with those registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelAttrs {
+    pub regs: u32,
+    pub static_smem: usize,
+    pub local_bytes: usize,
+    pub max_threads: u32,
+}
+
+impl Default for KernelAttrs {
+    fn default() -> Self {
+        Self {
+            regs: 0,
+            static_smem: 0,
+            local_bytes: 0,
+            max_threads: 1024,
+        }
+    }
+}
+
+// ---- Kernel constants (the `#define`s of the kernels that the plans depend on) ----
+
+/// Tokens per lightning chunk (`LF_C`, `LT_C`, `LC_C`).
+pub const LIGHTNING_CHUNK: usize = 64;
+/// From this many rows on, lightning layers run on tensor cores (the split kernels).
+pub const LIGHTNING_MMA_ROWS: usize = 64;
+/// From this many rows on, lightning prefill runs in two passes.
+pub const LIGHTNING_TWO_PASS_ROWS: usize = 256;
+/// `lightning_fused` cuts a chunk into at most this many ranges that run in parallel, of at
+/// least `LIGHTNING_RANGE_MIN` tokens each.
+pub const LIGHTNING_RANGES: usize = 4;
+pub const LIGHTNING_RANGE_MIN: usize = 2048;
+/// Most bytes of per-chunk lightning states the two-pass and split paths keep at once
+/// (128 MiB measured 4% faster at 8K tokens, for 0.09 GiB more at peak).
+pub const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
+/// Rows of a batched decode step launched at once (`DECODE_ROWS` in rows.cuh).
+pub const DECODE_ROWS: usize = 64;
+/// Sequences of a batched sparse decode step (`SEQ_ROWS` in rows.cuh).
+pub const SEQ_ROWS: usize = 64;
+
+/// Output rows per block of `gemv` (4 warps of 4 rows), and the largest inner size GEMVs take.
+pub const GEMV_ROWS_PER_BLOCK: usize = 16;
+pub const GEMV_MAX_K: usize = 1 << 20;
+/// Products with at most this many output rows run as `gemv_narrow` (a row a warp).
+pub const GEMV_NARROW_MAX_ROWS: usize = 12288;
+/// Up to this many rows (a batched decode step), products run as GEMVs whose result for a
+/// row does not depend on the other rows.
+pub const GEMV_BATCH_ROWS: usize = 64;
+/// Rows per launch of the tensor-core GEMVs, and their block (`32 * GM_WARPS`).
+pub const GEMV_MMA_ROWS: usize = 16;
+pub const GEMV_MMA_THREADS: u32 = 512;
+
+/// Most key splits of one staged attention (the merge reads every split's partial state).
+pub const MAX_ATTENTION_SPLIT: usize = 32;
+/// `attention_decode`: at most this many warps (64-key walks) per (query, group).
+pub const DECODE_SPLIT_MAX: usize = 128;
+/// From this many query rows on, staged attention runs as `attention_prefill`.
+pub const PREFILL_ATTENTION_ROWS: usize = 64;
+/// Most bytes of block scores the tensor-core selection keeps at once.
+pub const SELECT_SCORES_BYTES: usize = 128 << 20;
+/// From this many (query, KV group) pairs on, block selection runs as prefill.
+pub const SELECT_ONE_KERNEL_PAIRS: usize = 264;
+/// Queries per block of the prefill block-score kernels (8 warps of 2).
+pub const SELECT_QUERIES_PER_BLOCK: usize = 16;
+/// Windows per block of `sd_lse` / `sd_p` (4 warps of 64), their threads, and `sd_topk`'s.
+pub const SD_KEYS: usize = 256;
+pub const SD_THREADS: u32 = 128;
+pub const SD_TOPK_THREADS: u32 = 1024;
+/// Most candidate blocks `sd_topk*` take (16-bit counts).
+pub const SD_TOPK_MAX_CANDIDATES: usize = 65535;
+/// Most dynamic shared memory `sd_topk` stages keys and P in.
+pub const SD_TOPK_MAX_SMEM: usize = 200 << 10;
+/// `select_scores_wg`'s dynamic shared memory (`SW_SMEM_USED` + 1 KiB to align the base).
+pub const SELECT_WG_SMEM: usize = 111_616 + 1024;
+
+/// `lightning_states` for head size `d` (`LS_SMEM`).
+pub fn lightning_states_smem(d: usize) -> usize {
+    2 * 64 * (d + 8) * 2 + 2 * (2 * 64 * 40 * 2) + 68 * 4
+}
+
+/// `lightning_outputs` for head size `d` (`LO_SMEM`).
+pub fn lightning_outputs_smem(d: usize) -> usize {
+    2 * 64 * d * 2 + 64 * 64 * 2 + 2 * d * 64 * 2 + 68 * 4
+}
+
+/// `lightning_fused` for head size `d` with Q, K and V in `buffers` (1 or 2) buffers
+/// (`LF_SMEM`): Q and K, the V slice, Vd and S as bf16 hi + lo, the decay powers.
+pub fn lightning_fused_smem(d: usize, buffers: usize) -> usize {
+    let qk = buffers * 2 * 64 * (d + 8) * 2;
+    let v = buffers * 64 * 40 * 2;
+    let vd = 2 * 64 * 40 * 2;
+    let s = 2 * d * 40 * 2;
+    qk + v + vd + s + 68 * 4
+}
+
+/// Candidate blocks of a sequence of `len` tokens: at most one per block.
+pub fn candidate_blocks(len: usize, cfg: &SparseConfig) -> usize {
+    len.div_ceil(cfg.block_size)
+}
+
+/// Bytes of `sd_topk*`'s 16-bit keys for `candidates` blocks (a multiple of 16).
+fn topk_keys_bytes(candidates: usize) -> usize {
+    (2 * candidates.max(1)).next_multiple_of(16)
+}
+
+/// Compressed windows `n` keys complete (window, stride).
+pub fn windows(n: usize, window: usize, stride: usize) -> usize {
+    if n >= window {
+        (n - window) / stride + 1
+    } else {
+        0
+    }
+}
+
+/// The lightning prefill kernels a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LightningPlan {
+    Decode,
+    TwoPass,
+    /// `lightning_fused` with Q, K, V in this many buffers.
+    Fused {
+        buffers: u32,
+    },
+    Split,
+    Chunked,
+}
+
+/// How `sd_topk*` keep their keys: in shared memory or a global scratch, and whether P is
+/// staged beside them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopkPlan {
+    pub launch: Launch,
+    pub keys_in_global: bool,
+    pub stage_p: bool,
+}
+
+/// The block selection a sparse call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelectPlan {
+    /// Prefill: block scores on tensor cores (this kernel), then a top-k from them.
+    Scores(K),
+    /// Decode: `sd_lse`, `sd_p`, `sd_topk`.
+    Decode,
+    /// The CUDA-core kernels, bit-exact with the CPU.
+    Exact,
+}
+
+/// The attention a sparse call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionPlan {
+    /// Few queries: `attention_decode` + merge.
+    Decode,
+    /// `attention_gather` (sparse prefill).
+    Gather,
+    /// `attention_prefill` with this bitmap.
+    Prefill,
+    /// `attention`, split over this many key ranges when more than 1 (`attention_split` + merge).
+    Staged { split: usize },
+}
+
+/// The launch plans of one device under one set of options.
+#[derive(Debug, Clone)]
+pub struct Planner {
+    pub limits: DeviceLimits,
+    pub options: CudaOptions,
+    attrs: Vec<KernelAttrs>,
+}
+
+impl Planner {
+    /// `attrs` in the order of [`K`] (one per kernel).
+    pub fn new(limits: DeviceLimits, options: CudaOptions, attrs: Vec<KernelAttrs>) -> Self {
+        assert_eq!(attrs.len(), K::ALL.len(), "one KernelAttrs per kernel");
+        Self {
+            limits,
+            options,
+            attrs,
+        }
+    }
+
+    pub fn attrs(&self, k: K) -> KernelAttrs {
+        self.attrs[k as usize]
+    }
+
+    /// Dynamic shared memory `k` may use on this device: what is left of the opt-in limit
+    /// beside its static shared memory.
+    pub fn smem_budget(&self, k: K) -> usize {
+        self.limits
+            .smem_per_block_optin
+            .saturating_sub(self.attrs(k).static_smem)
+    }
+
+    fn fits(&self, k: K, smem: usize) -> bool {
+        smem <= self.smem_budget(k)
+    }
+
+    /// The most dynamic shared memory any plan of `k` asks for on this device: what the
+    /// kernel is opted into when it is loaded (never more than the device allows).
+    pub fn max_dynamic_smem(&self, k: K) -> usize {
+        let need = match k {
+            K::LightningFused => lightning_fused_smem(128, 2),
+            K::LightningOutputs => lightning_outputs_smem(128),
+            K::LightningStates => lightning_states_smem(128),
+            K::SdTopk | K::SdTopkRows => SD_TOPK_MAX_SMEM,
+            K::SdTopkScores => topk_keys_bytes(SD_TOPK_MAX_CANDIDATES),
+            K::SelectScoresWg if self.limits.hopper_instructions => SELECT_WG_SMEM,
+            // The exact selection's per-group query rows: 16 heads of d ≤ 256.
+            K::SparseSelect | K::SelectScores => 16 * (256 + 3) * 4,
+            K::SelectLse => (256 + 3) * 4,
+            // The block bitmap of attention_prefill (at most 9 KiB, see prefill_attention_fits).
+            K::AttentionPrefill => 9 << 10,
+            _ => 0,
+        };
+        need.min(self.smem_budget(k))
+    }
+
+    /// Warps `attention_decode` aims for in all: an eighth of what the device keeps resident.
+    pub fn decode_warps(&self) -> usize {
+        (self.limits.resident_warps() / 8).max(1)
+    }
+
+    // ---- Lightning ----
+
+    /// The lightning kernels for `rows` rows of head size `d`.
+    pub fn lightning(&self, rows: usize, d: usize) -> LightningPlan {
+        if rows == 1 && d <= 256 {
+            return LightningPlan::Decode;
+        }
+        let pref = self.options.lightning_prefill;
+        let two_pass_ok = rows >= LIGHTNING_TWO_PASS_ROWS
+            && d.is_multiple_of(64)
+            && d <= 128
+            && self.fits(K::LightningStates, lightning_states_smem(d))
+            && self.fits(K::LightningOutputs, lightning_outputs_smem(d));
+        if pref <= LightningPrefill::TwoPass && two_pass_ok {
+            return LightningPlan::TwoPass;
+        }
+        if pref <= LightningPrefill::Fused
+            && rows >= 2
+            && d.is_multiple_of(32)
+            && d.is_power_of_two()
+            && d <= 128
+        {
+            if let Some(buffers) = self.lightning_fused_buffers(d) {
+                return LightningPlan::Fused { buffers };
+            }
+        }
+        if pref <= LightningPrefill::Split
+            && rows >= LIGHTNING_MMA_ROWS
+            && d.is_multiple_of(16)
+            && d <= 128
+        {
+            return LightningPlan::Split;
+        }
+        LightningPlan::Chunked
+    }
+
+    /// Q, K and V double-buffered where they fit, else single-buffered (99 KiB cards).
+    pub fn lightning_fused_buffers(&self, d: usize) -> Option<u32> {
+        [2, 1]
+            .into_iter()
+            .find(|&b| self.fits(K::LightningFused, lightning_fused_smem(d, b)))
+            .map(|b| b as u32)
+    }
+
+    pub fn lightning_decode(&self, heads: usize, d: usize, rows: usize) -> Launch {
+        Launch::new((heads, d.div_ceil(32), rows), 256, 0)
+    }
+
+    pub fn lightning_states(&self, heads: usize, d: usize) -> Launch {
+        Launch::new((heads, d / 32, 1), 2 * d as u32, lightning_states_smem(d))
+    }
+
+    pub fn lightning_outputs(&self, tokens: usize, heads: usize, d: usize) -> Launch {
+        Launch::new(
+            (tokens.div_ceil(LIGHTNING_CHUNK), heads, d / 64),
+            128,
+            lightning_outputs_smem(d),
+        )
+    }
+
+    /// `lightning_fused` over `ranges` ranges (grid z) with `buffers` buffers.
+    pub fn lightning_fused(&self, heads: usize, d: usize, ranges: usize, buffers: u32) -> Launch {
+        Launch::new(
+            (heads, d / 32, ranges),
+            128,
+            lightning_fused_smem(d, buffers as usize),
+        )
+    }
+
+    /// Ranges a `lightning_fused` call over `t` tokens is cut into, and their length.
+    pub fn lightning_ranges(&self, t: usize) -> (usize, usize) {
+        let wanted = (t / LIGHTNING_RANGE_MIN).clamp(1, LIGHTNING_RANGES);
+        let range_len = t.div_ceil(wanted).next_multiple_of(LIGHTNING_CHUNK);
+        (t.div_ceil(range_len), range_len)
+    }
+
+    /// Tokens of a two-pass or split window whose chunk states fit the scratch.
+    pub fn lightning_window(&self, heads: usize, d: usize) -> usize {
+        (LIGHTNING_SCRATCH_BYTES / (4 * heads * d * d)).max(1) * LIGHTNING_CHUNK
+    }
+
+    pub fn lightning_chunk_state(&self, chunks: usize, heads: usize) -> Launch {
+        Launch::new((chunks, heads, 1), 256, 0)
+    }
+
+    pub fn lightning_chunk_out(&self, chunks: usize, heads: usize) -> Launch {
+        Launch::new((chunks, heads, 1), 128, 0)
+    }
+
+    pub fn lightning_chunked(&self, heads: usize, d: usize) -> Launch {
+        Launch::new((heads, d.div_ceil(32), 1), 256, 0)
+    }
+
+    // ---- Sparse layers: block selection ----
+
+    /// The selection for `rows` queries of a sequence that holds `len` tokens.
+    pub fn select(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        rows: usize,
+        len: usize,
+    ) -> SelectPlan {
+        let pairs = rows * shape.kv_heads;
+        if self.options.exact_select {
+            return SelectPlan::Exact;
+        }
+        if pairs >= SELECT_ONE_KERNEL_PAIRS && fast_select_fits(shape, cfg) {
+            return SelectPlan::Scores(self.select_scores_kernel(shape, cfg));
+        }
+        if pairs < SELECT_ONE_KERNEL_PAIRS && decode_select_fits(shape, cfg, len) {
+            return SelectPlan::Decode;
+        }
+        SelectPlan::Exact
+    }
+
+    /// The block-score kernel of the prefill selection.
+    pub fn select_scores_kernel(&self, shape: AttnShape, cfg: &SparseConfig) -> K {
+        let keys_as_rows = cfg.block_size == 4 * cfg.k1_stride()
+            && self.options.select_scores == SelectScores::KeysAsRows;
+        let wgmma = self.options.wgmma
+            && self.limits.hopper_instructions
+            && self.fits(K::SelectScoresWg, SELECT_WG_SMEM);
+        if keys_as_rows && shape.head_dim == 128 && wgmma {
+            K::SelectScoresWg
+        } else if keys_as_rows {
+            K::SelectScoresT
+        } else {
+            K::SelectScoresMma
+        }
+    }
+
+    /// Queries per group of a prefill selection whose block scores fit the scratch.
+    pub fn select_group(&self, kv_heads: usize, len: usize, cfg: &SparseConfig) -> usize {
+        let stride = len.div_ceil(cfg.block_size).max(1);
+        let per_query = kv_heads * stride * 4;
+        (SELECT_SCORES_BYTES / per_query).max(SELECT_QUERIES_PER_BLOCK) / SELECT_QUERIES_PER_BLOCK
+            * SELECT_QUERIES_PER_BLOCK
+    }
+
+    pub fn select_scores(&self, kernel: K, queries: usize, kv_heads: usize) -> Launch {
+        let smem = if kernel == K::SelectScoresWg {
+            SELECT_WG_SMEM
+        } else {
+            0
+        };
+        Launch::new(
+            (queries.div_ceil(SELECT_QUERIES_PER_BLOCK), kv_heads, 1),
+            256,
+            smem,
+        )
+    }
+
+    /// The top-k over a prefill selection's block scores: `sd_topk_scores` (keys in shared
+    /// memory where they fit, else in global memory), or `select_topk_scores` beyond the
+    /// 16-bit counts.
+    pub fn topk_scores(&self, pairs: usize, len: usize, cfg: &SparseConfig) -> (K, TopkPlan) {
+        let candidates = candidate_blocks(len, cfg);
+        if candidates > SD_TOPK_MAX_CANDIDATES {
+            let launch = Launch::new((pairs, 1, 1), 256, 0);
+            let plan = TopkPlan {
+                launch,
+                keys_in_global: false,
+                stage_p: false,
+            };
+            return (K::SelectTopkScores, plan);
+        }
+        let keys = topk_keys_bytes(candidates);
+        let in_smem = self.fits(K::SdTopkScores, keys) && !self.options.topk_keys_in_global;
+        let plan = TopkPlan {
+            launch: Launch::new(
+                (pairs, 1, 1),
+                SD_TOPK_THREADS,
+                if in_smem { keys } else { 0 },
+            ),
+            keys_in_global: !in_smem,
+            stage_p: false,
+        };
+        (K::SdTopkScores, plan)
+    }
+
+    /// `sd_lse` (or its rows twin) over `n2` level-2 windows.
+    pub fn sd_lse(&self, pairs: usize, n2: usize) -> Launch {
+        Launch::new((pairs, n2.div_ceil(SD_KEYS).max(1), 1), SD_THREADS, 0)
+    }
+
+    /// `sd_p` (or its rows twin) over `n1` level-1 windows.
+    pub fn sd_p(&self, pairs: usize, n1: usize) -> Launch {
+        Launch::new((pairs, n1.div_ceil(SD_KEYS).max(1), 1), SD_THREADS, 0)
+    }
+
+    /// Row stride of `sd_p`'s bf16 P, and of `sd_topk`'s keys when they are in global memory,
+    /// for sequences of up to `len` tokens with `n1` level-1 windows: a multiple of 8 (two
+    /// values a word, 16-byte rows).
+    pub fn sd_p_stride(&self, n1: usize, len: usize, cfg: &SparseConfig) -> usize {
+        n1.max(candidate_blocks(len, cfg))
+            .max(1)
+            .next_multiple_of(8)
+    }
+
+    /// `sd_topk` (`rows`: its rows twin) for sequences of up to `len` tokens: keys, then P,
+    /// in shared memory as far as the device allows; keys in global memory beyond.
+    pub fn sd_topk(
+        &self,
+        rows: bool,
+        pairs: usize,
+        len: usize,
+        p_stride: usize,
+        cfg: &SparseConfig,
+    ) -> TopkPlan {
+        let k = if rows { K::SdTopkRows } else { K::SdTopk };
+        let budget = self.smem_budget(k).min(SD_TOPK_MAX_SMEM);
+        let keys = topk_keys_bytes(candidate_blocks(len, cfg));
+        let keys_in_global = keys > budget || self.options.topk_keys_in_global;
+        let stage_p = !keys_in_global && keys + 2 * p_stride <= budget;
+        let smem = match (keys_in_global, stage_p) {
+            (true, _) => 0,
+            (false, false) => keys,
+            (false, true) => keys + 2 * p_stride,
+        };
+        TopkPlan {
+            launch: Launch::new((pairs, 1, 1), SD_TOPK_THREADS, smem),
+            keys_in_global,
+            stage_p,
+        }
+    }
+
+    /// The exact selection: `sparse_select` (prefill) and the three decode kernels.
+    pub fn exact_select_smem(&self, shape: AttnShape) -> usize {
+        shape.group() * (shape.head_dim + 3) * 4
+    }
+
+    // ---- Sparse layers: compression and attention ----
+
+    pub fn compress_keys(&self, n_windows: usize, kv_width: usize) -> Launch {
+        Launch::linear(n_windows * kv_width, 256)
+    }
+
+    /// The attention for `t` queries of a sequence now holding `len` tokens.
+    pub fn attention(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        t: usize,
+        len: usize,
+    ) -> AttentionPlan {
+        let walk = self.warp_walk(shape, cfg, mode);
+        let pairs = t * shape.kv_heads;
+        if walk && pairs < SELECT_ONE_KERNEL_PAIRS {
+            return AttentionPlan::Decode;
+        }
+        if walk && mode == SparseMode::Sparse {
+            return AttentionPlan::Gather;
+        }
+        if t >= PREFILL_ATTENTION_ROWS
+            && prefill_attention_fits(shape, cfg, mode, len)
+            && self.fits(K::AttentionPrefill, prefill_bitmap_bytes(mode, len))
+        {
+            return AttentionPlan::Prefill;
+        }
+        let launch = self.attention_staged(t, shape);
+        let blocks = (launch.grid.0 * launch.grid.1) as usize;
+        let chunks = match mode {
+            SparseMode::Dense => len.div_ceil(64),
+            SparseMode::Sparse => cfg.selected_blocks() * cfg.block_size.div_ceil(64),
+        };
+        // Enough blocks for two waves of one block an SM.
+        let split = (2 * self.limits.sms as usize)
+            .div_ceil(blocks)
+            .clamp(1, chunks.clamp(1, MAX_ATTENTION_SPLIT));
+        AttentionPlan::Staged { split }
+    }
+
+    /// Whether attention runs a warp per (query, group) and 64-key block walk.
+    pub fn warp_walk(&self, shape: AttnShape, cfg: &SparseConfig, mode: SparseMode) -> bool {
+        shape.group() <= 16
+            && matches!(shape.head_dim, 64 | 128)
+            && (mode == SparseMode::Dense || cfg.block_size == 64)
+            && self.options.attention == Attention::WarpWalk
+    }
+
+    /// Warps (key splits) of `attention_decode` for a sequence of `len` tokens and `pairs`
+    /// (query, group) pairs.
+    pub fn decode_split(&self, mode: SparseMode, len: usize, k_sel: usize, pairs: usize) -> usize {
+        let walk = match mode {
+            SparseMode::Dense => len.div_ceil(64),
+            SparseMode::Sparse => k_sel,
+        };
+        walk.min(DECODE_SPLIT_MAX)
+            .min((self.decode_warps() / pairs.max(1)).max(1))
+            .max(1)
+    }
+
+    pub fn attention_decode(&self, pairs: usize, split: usize) -> Launch {
+        Launch::new((pairs, split.div_ceil(4), 1), 128, 0)
+    }
+
+    pub fn attention_gather(&self, t: usize, kv_heads: usize) -> Launch {
+        Launch::new(((t * kv_heads).div_ceil(4), 1, 1), 128, 0)
+    }
+
+    pub fn attention_prefill(
+        &self,
+        t: usize,
+        kv_heads: usize,
+        mode: SparseMode,
+        len: usize,
+    ) -> Launch {
+        Launch::new(
+            (t.div_ceil(8), kv_heads, 1),
+            256,
+            prefill_bitmap_bytes(mode, len),
+        )
+    }
+
+    /// `attention` (z = 1) or `attention_split`: 64 (query, head) rows of a KV group a block.
+    pub fn attention_staged(&self, t: usize, shape: AttnShape) -> Launch {
+        Launch::new(
+            ((t * shape.group()).div_ceil(64).max(1), shape.kv_heads, 1),
+            128,
+            0,
+        )
+    }
+
+    pub fn attention_merge(&self, t: usize, heads: usize, d: usize) -> Launch {
+        Launch::new((t * heads, 1, 1), d as u32, 0)
+    }
+
+    // ---- Dense ops ----
+
+    /// Whether a product of `rows` rows with a `[n, k]` weight runs as GEMVs, one per row.
+    pub fn gemv_fits(&self, rows: usize, k: usize) -> bool {
+        rows <= GEMV_BATCH_ROWS && k.is_multiple_of(8) && k <= GEMV_MAX_K
+    }
+
+    pub fn head_norm_rope(&self, heads: usize, d: usize) -> (K, Launch) {
+        if d == 128 {
+            (K::HeadNormRope128, Launch::linear(heads, 8).with_block(256))
+        } else {
+            (K::HeadNormRope, Launch::linear(heads, 4).with_block(128))
+        }
+    }
+
+    /// Every launch the plans make for the shapes `sala` runs (the released model, the test
+    /// presets, contexts up to 4M tokens, decode to long prefill chunks): what
+    /// `scripts/check-kernels.sh` checks against each card's limits.
+    pub fn check_launches(&self, shapes: &[CheckShape]) -> Vec<(K, Launch, String)> {
+        let mut out = Vec::new();
+        let mut add = |k: K, l: Launch, what: &str| out.push((k, l, what.to_string()));
+        for s in shapes {
+            let (a, cfg, lh, ld) = (s.attn, &s.sparse, s.lightning_heads, s.lightning_d);
+            for &rows in &[1usize, 8, 64, 256, 8192] {
+                let r = format!("{} rows", rows);
+                match self.lightning(rows, ld) {
+                    LightningPlan::Decode => {
+                        add(K::LightningDecode, self.lightning_decode(lh, ld, 1), &r)
+                    }
+                    LightningPlan::TwoPass => {
+                        add(K::LightningStates, self.lightning_states(lh, ld), &r);
+                        add(
+                            K::LightningOutputs,
+                            self.lightning_outputs(rows, lh, ld),
+                            &r,
+                        );
+                    }
+                    LightningPlan::Fused { buffers } => {
+                        let (n, _) = self.lightning_ranges(rows);
+                        add(
+                            K::LightningFused,
+                            self.lightning_fused(lh, ld, n, buffers),
+                            &r,
+                        )
+                    }
+                    LightningPlan::Split => {
+                        let c = rows.div_ceil(LIGHTNING_CHUNK);
+                        add(
+                            K::LightningChunkState,
+                            self.lightning_chunk_state(c, lh),
+                            &r,
+                        );
+                        add(K::LightningChunkOut, self.lightning_chunk_out(c, lh), &r);
+                    }
+                    LightningPlan::Chunked => {
+                        add(K::LightningChunked, self.lightning_chunked(lh, ld), &r)
+                    }
+                }
+                if rows > 1 && rows <= DECODE_ROWS {
+                    add(
+                        K::LightningDecodeRows,
+                        self.lightning_decode(lh, ld, rows),
+                        &r,
+                    );
+                }
+                for &len in &[100usize, 8 << 10, 128 << 10, 1 << 20, 4 << 20] {
+                    let len = len.max(rows);
+                    let what = format!("{rows} rows at {len} tokens");
+                    let pairs = rows * a.kv_heads;
+                    match self.select(a, cfg, rows, len) {
+                        SelectPlan::Scores(k) => {
+                            let n = self.select_group(a.kv_heads, len, cfg).min(rows);
+                            add(k, self.select_scores(k, n, a.kv_heads), &what);
+                            let (tk, p) = self.topk_scores(n * a.kv_heads, len, cfg);
+                            add(tk, p.launch, &what);
+                        }
+                        SelectPlan::Decode => {
+                            let n1 = windows(len, cfg.k1_window(), cfg.k1_stride());
+                            let n2 = windows(len, cfg.k2_window(), cfg.k2_stride());
+                            add(K::SdLse, self.sd_lse(pairs, n2), &what);
+                            add(K::SdP, self.sd_p(pairs, n1), &what);
+                            let ps = self.sd_p_stride(n1, len, cfg);
+                            add(
+                                K::SdTopk,
+                                self.sd_topk(false, pairs, len, ps, cfg).launch,
+                                &what,
+                            );
+                            if rows <= SEQ_ROWS {
+                                add(K::SdLseRows, self.sd_lse(pairs, n2), &what);
+                                add(K::SdPRows, self.sd_p(pairs, n1), &what);
+                                add(
+                                    K::SdTopkRows,
+                                    self.sd_topk(true, pairs, len, ps, cfg).launch,
+                                    &what,
+                                );
+                            }
+                        }
+                        SelectPlan::Exact => {}
+                    }
+                    let smem = self.exact_select_smem(a);
+                    add(
+                        K::SparseSelect,
+                        Launch::new((pairs, 1, 1), 256, smem),
+                        &what,
+                    );
+                    add(
+                        K::SelectLse,
+                        Launch::new((pairs, a.group(), 1), 256, (a.head_dim + 3) * 4),
+                        &what,
+                    );
+                    add(
+                        K::SelectScores,
+                        Launch::new((pairs, 1, 1), 256, smem),
+                        &what,
+                    );
+                    for mode in [SparseMode::Sparse, SparseMode::Dense] {
+                        match self.attention(a, cfg, mode, rows, len) {
+                            AttentionPlan::Decode => {
+                                let split =
+                                    self.decode_split(mode, len, cfg.selected_blocks(), pairs);
+                                add(
+                                    K::AttentionDecode,
+                                    self.attention_decode(pairs, split),
+                                    &what,
+                                );
+                                add(
+                                    K::AttentionDecodeRows,
+                                    self.attention_decode(pairs, split),
+                                    &what,
+                                );
+                            }
+                            AttentionPlan::Gather => add(
+                                K::AttentionGather,
+                                self.attention_gather(rows, a.kv_heads),
+                                &what,
+                            ),
+                            AttentionPlan::Prefill => add(
+                                K::AttentionPrefill,
+                                self.attention_prefill(rows, a.kv_heads, mode, len),
+                                &what,
+                            ),
+                            AttentionPlan::Staged { split } => {
+                                let l = self.attention_staged(rows, a);
+                                add(K::Attention, l, &what);
+                                add(
+                                    K::AttentionSplit,
+                                    Launch {
+                                        grid: (l.grid.0, l.grid.1, split as u32),
+                                        ..l
+                                    },
+                                    &what,
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            for &(heads, d) in &[(a.heads, a.head_dim), (lh, ld)] {
+                let (k, l) = self.head_norm_rope(heads, d);
+                add(k, l, "per-head norm and RoPE");
+                add(
+                    K::AttentionMerge,
+                    self.attention_merge(1, heads, d),
+                    "merge",
+                );
+            }
+        }
+        // The kernels whose geometry does not depend on the shape's limits.
+        for (k, block) in FIXED_BLOCKS {
+            add(*k, Launch::new((1, 1, 1), *block, 0), "fixed geometry");
+        }
+        // The fallback kernels that only options select, at the released shape.
+        let released = &shapes[0];
+        let (lh, ld) = (released.lightning_heads, released.lightning_d);
+        add(
+            K::LightningChunked,
+            self.lightning_chunked(lh, ld),
+            "fp32 lightning",
+        );
+        add(
+            K::LightningChunkState,
+            self.lightning_chunk_state(128, lh),
+            "split lightning",
+        );
+        add(
+            K::LightningChunkOut,
+            self.lightning_chunk_out(128, lh),
+            "split lightning",
+        );
+        if let Some(b) = self.lightning_fused_buffers(ld) {
+            add(
+                K::LightningFused,
+                self.lightning_fused(lh, ld, 4, b),
+                "one-pass lightning",
+            );
+        }
+        for k in [K::SelectScoresMma, K::SelectScoresT] {
+            add(
+                k,
+                self.select_scores(k, 8192, released.attn.kv_heads),
+                "block scores",
+            );
+        }
+        out
+    }
+}
+
+impl Planner {
+    /// One launch in words: kernel, grid, block, shared memory (static + dynamic) and how many
+    /// blocks fit an SM.
+    pub fn describe_launch(&self, k: K, l: Launch) -> String {
+        let a = self.attrs(k);
+        let smem = a.static_smem + l.smem as usize;
+        let kib = |b: usize| format!("{:.1} KiB", b as f64 / 1024.0);
+        format!(
+            "{} grid {}x{}x{}, {} threads, {} shared ({} static), {}/SM",
+            k.name(),
+            l.grid.0,
+            l.grid.1,
+            l.grid.2,
+            l.block,
+            kib(smem),
+            kib(a.static_smem),
+            self.limits.blocks_per_sm(l.block, a.regs, smem)
+        )
+    }
+
+    /// The plan of each kernel family for a model shape, in words (`sala inspect`).
+    pub fn describe(&self, s: &CheckShape) -> Vec<(String, String)> {
+        let (a, cfg, lh, ld) = (s.attn, &s.sparse, s.lightning_heads, s.lightning_d);
+        let mut out = Vec::new();
+        for rows in [8192usize, 100, 1] {
+            let text = match self.lightning(rows, ld) {
+                LightningPlan::Decode => {
+                    self.describe_launch(K::LightningDecode, self.lightning_decode(lh, ld, 1))
+                }
+                LightningPlan::TwoPass => format!(
+                    "two passes: {}; {}",
+                    self.describe_launch(K::LightningStates, self.lightning_states(lh, ld)),
+                    self.describe_launch(K::LightningOutputs, self.lightning_outputs(rows, lh, ld))
+                ),
+                LightningPlan::Fused { buffers } => format!(
+                    "one pass, {buffers} buffer(s): {}",
+                    self.describe_launch(
+                        K::LightningFused,
+                        self.lightning_fused(lh, ld, self.lightning_ranges(rows).0, buffers)
+                    )
+                ),
+                LightningPlan::Split => {
+                    let c = rows.div_ceil(LIGHTNING_CHUNK);
+                    format!(
+                        "three kernels: {}; ...",
+                        self.describe_launch(
+                            K::LightningChunkState,
+                            self.lightning_chunk_state(c, lh)
+                        )
+                    )
+                }
+                LightningPlan::Chunked => format!(
+                    "fp32: {}",
+                    self.describe_launch(K::LightningChunked, self.lightning_chunked(lh, ld))
+                ),
+            };
+            out.push((format!("lightning, {rows} rows"), text));
+        }
+        for (rows, len) in [
+            (8192usize, 128usize << 10),
+            (8192, 1 << 20),
+            (1, 128 << 10),
+            (1, 1 << 20),
+        ] {
+            let label = |what: &str| format!("{what}, {rows} rows at {}K", len >> 10);
+            let text = match self.select(a, cfg, rows, len) {
+                SelectPlan::Scores(k) => {
+                    let n = self.select_group(a.kv_heads, len, cfg).min(rows);
+                    let (tk, p) = self.topk_scores(n * a.kv_heads, len, cfg);
+                    format!(
+                        "{}; {} (keys in {} memory)",
+                        self.describe_launch(k, self.select_scores(k, n, a.kv_heads)),
+                        self.describe_launch(tk, p.launch),
+                        if p.keys_in_global { "global" } else { "shared" }
+                    )
+                }
+                SelectPlan::Decode => {
+                    let n1 = windows(len, cfg.k1_window(), cfg.k1_stride());
+                    let p = self.sd_topk(
+                        false,
+                        rows * a.kv_heads,
+                        len,
+                        self.sd_p_stride(n1, len, cfg),
+                        cfg,
+                    );
+                    format!(
+                        "sd_lse, sd_p, {} (keys in {} memory, P {})",
+                        self.describe_launch(K::SdTopk, p.launch),
+                        if p.keys_in_global { "global" } else { "shared" },
+                        if p.stage_p {
+                            "staged in shared memory"
+                        } else {
+                            "read from global memory"
+                        }
+                    )
+                }
+                SelectPlan::Exact => "bit-exact CUDA-core kernels".to_string(),
+            };
+            out.push((label("block selection"), text));
+            let text = match self.attention(a, cfg, SparseMode::Sparse, rows, len) {
+                AttentionPlan::Decode => {
+                    let pairs = rows * a.kv_heads;
+                    let split =
+                        self.decode_split(SparseMode::Sparse, len, cfg.selected_blocks(), pairs);
+                    format!(
+                        "{}, {split} splits",
+                        self.describe_launch(
+                            K::AttentionDecode,
+                            self.attention_decode(pairs, split)
+                        )
+                    )
+                }
+                AttentionPlan::Gather => self
+                    .describe_launch(K::AttentionGather, self.attention_gather(rows, a.kv_heads)),
+                AttentionPlan::Prefill => self.describe_launch(
+                    K::AttentionPrefill,
+                    self.attention_prefill(rows, a.kv_heads, SparseMode::Sparse, len),
+                ),
+                AttentionPlan::Staged { split } => format!(
+                    "{}, {split} splits",
+                    self.describe_launch(K::Attention, self.attention_staged(rows, a))
+                ),
+            };
+            out.push((label("sparse attention"), text));
+        }
+        out
+    }
+}
+
+/// Kernels launched with a block size fixed by the kernel (no shared memory beyond static).
+const FIXED_BLOCKS: &[(K, u32)] = &[
+    (K::Embed, 256),
+    (K::RmsNorm, 512),
+    (K::AddRmsNorm, 512),
+    (K::SiluMul, 256),
+    (K::AddScaled, 256),
+    (K::SigmoidGate, 256),
+    (K::ScaleRound, 256),
+    (K::FillRandom, 256),
+    (K::RopeTable, 256),
+    (K::RopeTableRows, 256),
+    (K::SiluMulHalves, 256),
+    (K::SiluMulHalves8, 256),
+    (K::Gemv, 128),
+    (K::GemvNarrow, 128),
+    (K::GemvSilu, 128),
+    (K::GemvMma8, GEMV_MMA_THREADS),
+    (K::GemvMma16, GEMV_MMA_THREADS),
+    (K::GemvSiluMma8, GEMV_MMA_THREADS),
+    (K::GemvSiluMma16, GEMV_MMA_THREADS),
+    (K::CompressKeys, 256),
+    (K::LightningRangeStates, 256),
+    (K::LightningChunkScan, 256),
+    (K::SelectTopk, 256),
+    (K::SelectTopkScores, 256),
+];
+
+/// A model shape for [`Planner::check_launches`].
+#[derive(Debug, Clone)]
+pub struct CheckShape {
+    pub attn: AttnShape,
+    pub sparse: SparseConfig,
+    pub lightning_heads: usize,
+    pub lightning_d: usize,
+}
+
+impl Launch {
+    fn with_block(self, block: u32) -> Self {
+        Self { block, ..self }
+    }
+}
+
+/// Shapes the tensor-core block selection handles: at most 16 query heads per KV group,
+/// head_dim a multiple of 16 up to 128, whole level-1 windows per 64-window tile.
+pub fn fast_select_fits(shape: AttnShape, cfg: &SparseConfig) -> bool {
+    let w = cfg.windows_per_block();
+    shape.group() <= 16
+        && shape.head_dim.is_multiple_of(16)
+        && shape.head_dim <= 128
+        && w >= 1
+        && 64 % w == 0
+        && cfg.block_size == w * cfg.k1_stride()
+}
+
+/// Shapes the `sd_*` selection kernels handle: at most 16 query heads per KV group, head_dim
+/// a multiple of 32 up to 128, whole level-1 strides per block, and few enough blocks for the
+/// top-k's 16-bit counts.
+pub fn decode_select_fits(shape: AttnShape, cfg: &SparseConfig, len: usize) -> bool {
+    let w = cfg.windows_per_block();
+    shape.group() <= 16
+        && shape.head_dim.is_multiple_of(32)
+        && shape.head_dim <= 128
+        && w >= 1
+        && cfg.block_size == w * cfg.k1_stride()
+        && candidate_blocks(len, cfg) <= SD_TOPK_MAX_CANDIDATES
+}
+
+/// Shapes `attention_prefill` handles: at most 16 query heads per KV group, head_dim a
+/// multiple of 16 up to 128; sparse: 64-token blocks, at most 128 of them per query, and a
+/// block bitmap (4 bytes per 32 blocks of the sequence) within 9 KiB.
+pub fn prefill_attention_fits(
+    shape: AttnShape,
+    cfg: &SparseConfig,
+    mode: SparseMode,
+    len: usize,
+) -> bool {
+    let heads_ok =
+        shape.group() <= 16 && shape.head_dim.is_multiple_of(16) && shape.head_dim <= 128;
+    heads_ok
+        && match mode {
+            SparseMode::Dense => true,
+            SparseMode::Sparse => {
+                cfg.block_size == 64
+                    && cfg.selected_blocks() <= 128
+                    && prefill_bitmap_bytes(mode, len) <= 9 * 1024
+            }
+        }
+}
+
+/// `attention_prefill`'s block bitmap for a sequence of `len` tokens (sparse only).
+pub fn prefill_bitmap_bytes(mode: SparseMode, len: usize) -> usize {
+    match mode {
+        SparseMode::Dense => 0,
+        SparseMode::Sparse => 4 * len.div_ceil(64).div_ceil(32),
+    }
+}

@@ -1,0 +1,208 @@
+//! `sala inspect`: a checkpoint's shape and memory, and a GPU's limits and kernel plans.
+
+use crate::device::{cuda_options, Device, DeviceStats, Opened};
+use crate::{human_bytes, human_count};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use sala_checkpoint::{preset, Checkpoint, MixerKind, ModelConfig};
+use sala_cuda::plan::CheckShape;
+use sala_cuda::CudaBackend;
+use sala_model::memory::{cache_bytes, weight_bytes, MemoryPlan};
+use sala_model::AttnShape;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+pub struct InspectArgs {
+    /// Checkpoint directory (config.json, safetensors, tokenizer files); without it, the
+    /// released shape for the device section.
+    model: Option<PathBuf>,
+    /// Describe this GPU too: cuda or cuda:N.
+    #[arg(long)]
+    device: Option<String>,
+    /// Describe the GPU as it runs under this card's profile (see `sala generate --help`).
+    #[arg(long, value_name = "CARD")]
+    device_profile: Option<String>,
+    /// Prompt tokens per prefill chunk, for the memory plan.
+    #[arg(long, default_value_t = 8192)]
+    prefill_chunk: usize,
+}
+
+pub fn run(args: InspectArgs) -> Result<()> {
+    let gpu = args.device.is_some() || args.device_profile.is_some();
+    let config = match &args.model {
+        Some(dir) => {
+            checkpoint(dir)?;
+            Checkpoint::open(dir)?.config().clone()
+        }
+        None if gpu => preset("minicpm-sala-9b")?,
+        None => bail!("give a checkpoint directory, or --device cuda to describe the GPU"),
+    };
+    if !gpu {
+        return Ok(());
+    }
+    let device = Device::parse(args.device.as_deref().unwrap_or("cuda"))?;
+    if !matches!(device, Device::Cuda(_)) {
+        bail!("--device: inspect describes a GPU (cuda or cuda:N)");
+    }
+    match device.open_with(cuda_options(args.device_profile.as_deref())?)? {
+        Opened::Cuda(be) => describe_gpu(&be, &config, args.prefill_chunk),
+        Opened::Cpu(_) => bail!("no GPU was opened"),
+    }
+}
+
+/// The GPU's limits (and the driver's, under a profile), the plan per kernel family for
+/// `c`'s shape, and the memory plan at 8K / 128K / 1M.
+fn describe_gpu(be: &CudaBackend, c: &ModelConfig, chunk: usize) -> Result<()> {
+    let l = be.limits();
+    let d = be.driver_limits();
+    let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    println!();
+    println!(
+        "device          {} (compute capability {}.{})",
+        d.name, d.cc.0, d.cc.1
+    );
+    if let Some(p) = l.profile {
+        println!(
+            "profile         {p}: plans as {} (compute capability {}.{}), memory capped at {}",
+            l.name
+                .split(" (as ")
+                .nth(1)
+                .map_or(l.name.as_str(), |n| n.trim_end_matches(')')),
+            l.cc.0,
+            l.cc.1,
+            gib(l.memory_bytes)
+        );
+    }
+    println!(
+        "limits          {} SMs, {} shared memory a block ({} an SM), {} threads and {}K registers \
+         an SM, L2 {}, memory {}{}; Hopper wgmma/TMA kernels: {}",
+        l.sms,
+        human_bytes(l.smem_per_block_optin),
+        human_bytes(l.smem_per_sm),
+        l.threads_per_sm,
+        l.regs_per_sm / 1024,
+        human_bytes(l.l2_bytes),
+        gib(l.memory_bytes),
+        l.bandwidth_gbs
+            .map_or(String::new(), |b| format!(", {:.2} TB/s", b / 1000.0)),
+        if l.hopper_instructions { "yes" } else { "no" }
+    );
+    let shape = CheckShape {
+        attn: AttnShape {
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        },
+        sparse: c.sparse.clone(),
+        lightning_heads: c.num_attention_heads,
+        lightning_d: c.head_dim,
+    };
+    println!("kernel plans    (this model's shape; shared memory static + dynamic)");
+    for (family, plan) in be.planner().describe(&shape) {
+        println!("  {family:<38} {plan}");
+    }
+    println!(
+        "memory plan     one sequence, prefill chunks of {chunk}, against {}:",
+        gib(be.total_memory().unwrap_or(l.memory_bytes))
+    );
+    for (label, n) in [("8K", 8usize << 10), ("128K", 128 << 10), ("1M", 1 << 20)] {
+        let plan = MemoryPlan::new(c, n, chunk.min(n), be.target());
+        let fits = be.total_memory().is_none_or(|t| plan.total() <= t);
+        println!(
+            "  {label:>5}  {}  {}: {}",
+            gib(plan.total()),
+            if fits { "fits" } else { "DOES NOT FIT" },
+            plan.describe()
+        );
+    }
+    Ok(())
+}
+
+/// The checkpoint's config, parameters, context memory and tokenizer.
+fn checkpoint(dir: &Path) -> Result<()> {
+    let ckpt = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    let c = ckpt.config();
+    let pattern: String = c
+        .mixer_types
+        .iter()
+        .map(|k| match k {
+            MixerKind::Sparse => 'S',
+            MixerKind::Lightning => 'L',
+        })
+        .collect();
+    let sparse_layers: Vec<usize> = (0..c.num_hidden_layers)
+        .filter(|&i| c.mixer_types[i] == MixerKind::Sparse)
+        .collect();
+    println!("checkpoint      {}", dir.display());
+    println!("files           {}", ckpt.files().len());
+    println!(
+        "shape           hidden {}, {} layers, {} heads x {} (kv heads: sparse {}, lightning {}), MLP {}, vocab {}",
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.head_dim,
+        c.num_key_value_heads,
+        c.lightning_nkv,
+        c.intermediate_size,
+        c.vocab_size
+    );
+    println!(
+        "layers          {pattern}  (S = sparse InfLLM-v2 at {sparse_layers:?}, L = lightning)"
+    );
+    let s = &c.sparse;
+    println!(
+        "sparse          blocks of {}, top-{} + {} local = {} selected, compression {}/{} and {}/{}, dense below {} tokens",
+        s.block_size,
+        s.topk,
+        s.local_blocks(),
+        s.selected_blocks(),
+        s.k1_window(),
+        s.k1_stride(),
+        s.k2_window(),
+        s.k2_stride(),
+        s.dense_len
+    );
+    println!(
+        "scales          embedding x{}, residual x{:.6}, logits /{}",
+        c.scale_emb,
+        c.residual_scale(),
+        c.logit_divisor()
+    );
+    let params = ckpt.parameter_count();
+    println!(
+        "parameters      {} ({params}); stored {}; {} in bf16",
+        human_count(params as f64),
+        human_bytes(ckpt.total_bytes() as usize),
+        human_bytes(weight_bytes(c))
+    );
+    println!("context memory per sequence (bf16 K/V and compressed keys, fp32 lightning state):");
+    println!(
+        "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
+        "context", "K/V", "compressed", "state", "total", "+ weights"
+    );
+    for (label, n) in [("8K", 8 << 10), ("128K", 128 << 10), ("1M", 1 << 20)] {
+        let m = cache_bytes(c, n);
+        println!(
+            "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
+            label,
+            human_bytes(m.kv),
+            human_bytes(m.compressed),
+            human_bytes(m.lightning_state),
+            human_bytes(m.total()),
+            human_bytes(m.total() + weight_bytes(c))
+        );
+    }
+    match sala_tokenizer::Tokenizer::from_dir(dir) {
+        Ok(t) => println!(
+            "tokenizer       {} tokens, chat template: {}",
+            t.vocab_size(),
+            if t.chat_template_source().is_some() {
+                "yes"
+            } else {
+                "none (ChatML fallback)"
+            }
+        ),
+        Err(e) => println!("tokenizer       unusable: {e}"),
+    }
+    Ok(())
+}
