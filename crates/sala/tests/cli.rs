@@ -191,6 +191,50 @@ fn bad_inputs_get_clear_errors() {
         &["--device tpu"],
     );
     fails_with(&sala(&["init", d], cache), &["already holds a checkpoint"]);
+    // Device profiles: an unknown card lists the known ones; a profile emulates a GPU, so the
+    // CPU cannot take one; a bad CUDA switch names the variable.
+    fails_with(
+        &sala(
+            &[
+                "generate",
+                "--model",
+                d,
+                "hi",
+                "--device-profile",
+                "rtx9090",
+            ],
+            cache,
+        ),
+        &["rtx9090", "rtx5090", "a100"],
+    );
+    fails_with(
+        &sala(
+            &[
+                "generate",
+                "--model",
+                d,
+                "hi",
+                "--device",
+                "cpu",
+                "--device-profile",
+                "rtx5090",
+            ],
+            cache,
+        ),
+        &["--device-profile rtx5090", "--device cuda"],
+    );
+    let bad_switch = Command::new(env!("CARGO_BIN_EXE_sala"))
+        .args(["generate", "--model", d, "hi", "--device", "cpu"])
+        .env("XDG_CACHE_HOME", cache)
+        .env("SALA_FALLBACK", "lightning,wgma")
+        .output()
+        .expect("run sala");
+    fails_with(&bad_switch, &["SALA_FALLBACK", "wgma", "wgmma"]);
+    fails_with(
+        &sala(&["inspect"], cache),
+        &["checkpoint directory", "--device cuda"],
+    );
+    fails_with(&sala(&["inspect", "--device", "cpu"], cache), &["cuda"]);
     fails_with(
         &sala(
             &[
