@@ -267,11 +267,6 @@ pub fn archs() -> Vec<((u32, u32), String, String)> {
         .collect()
 }
 
-/// `CARDS` in table order.
-pub fn cards() -> &'static [Card] {
-    CARDS
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
