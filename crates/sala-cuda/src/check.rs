@@ -3,7 +3,7 @@
 //! and, for every card of [`CARDS`], each kernel's launch plans from that card's limits
 //! checked against them.
 
-use crate::device::{target_for, Card, DeviceLimits, CARDS, SUPPORTED};
+use crate::device::{target_for, Card, DeviceLimits, SUPPORTED};
 use crate::kernels::K;
 use crate::options::CudaOptions;
 use crate::plan::{CheckShape, KernelAttrs, Launch, Planner};
@@ -270,7 +270,7 @@ pub fn archs() -> Vec<((u32, u32), String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::card_named;
+    use crate::device::{card_named, CARDS};
 
     const LOG: &str = "ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'lightning_fused' for 'sm_120'
