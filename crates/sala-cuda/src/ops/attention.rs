@@ -4,6 +4,7 @@
 
 use crate::kernels::SeqRows;
 use crate::memory::{DevAct, DevSparseCache};
+use crate::ops::select::DecodeQueries;
 use crate::plan::{windows, AttentionPlan, SelectPlan, SEQ_ROWS};
 use crate::CudaBackend;
 use sala_checkpoint::SparseConfig;
@@ -65,10 +66,7 @@ impl CudaBackend {
                     let split = p.decode_split(mode, cache.len, k_sel, pairs);
                     (split, p.attention_decode(pairs, split))
                 };
-                let part = self.scratch_ptr(
-                    |s| &mut s.attn_part,
-                    split * t * shape.heads * (shape.head_dim + 2),
-                )?;
+                let part = self.attention_partials(shape, t, split)?;
                 self.k.attention_decode(
                     at,
                     qp,
@@ -108,10 +106,7 @@ impl CudaBackend {
                         at, qp, kc, vc, op, ti, fp, h, kvh, d, scale, blocks, ks, bsz,
                     );
                 }
-                let part = self.scratch_ptr(
-                    |s| &mut s.attn_part,
-                    split * t * shape.heads * (shape.head_dim + 2),
-                )?;
+                let part = self.attention_partials(shape, t, split)?;
                 let at = crate::plan::Launch {
                     grid: (at.grid.0, at.grid.1, split as u32),
                     ..at
@@ -259,15 +254,17 @@ impl CudaBackend {
                     max_of(&|c| c.n1).unwrap_or(0),
                     max_of(&|c| c.n2).unwrap_or(0),
                 );
-                self.select_decode_rows(shape, cfg, q, &t, rows, longest, blocks)?;
+                let queries = DecodeQueries::Rows {
+                    seqs: &t,
+                    rows,
+                    longest,
+                };
+                self.select_decode(shape, cfg, q, queries, blocks)?;
                 blocks
             }
         };
         let split = t.split[..rows].iter().copied().max().unwrap_or(1).max(1) as usize;
-        let part = self.scratch_ptr(
-            |s| &mut s.attn_part,
-            split * rows * shape.heads * (shape.head_dim + 2),
-        )?;
+        let part = self.attention_partials(shape, rows, split)?;
         let at = self.k.planner().attention_decode(pairs, split);
         self.k.attention_decode_rows(
             at,
@@ -284,6 +281,15 @@ impl CudaBackend {
             split as i32,
         )?;
         self.attention_merge(shape, rows, part, split, out)
+    }
+
+    /// Scratch for the partial attention states (output and its max and sum) of `t` queries
+    /// split `split` ways, which `attention_merge` combines.
+    fn attention_partials(&self, shape: AttnShape, t: usize, split: usize) -> BResult<u64> {
+        self.scratch_ptr(
+            |s| &mut s.attn_part,
+            split * t * shape.heads * (shape.head_dim + 2),
+        )
     }
 
     /// Combines the `split` partial attention states at `part` of `t` queries into `out`.

@@ -1,6 +1,7 @@
 //! Matrix products: GEMVs for decode-sized batches (`kernels/gemv.cu`, each row's result
 //! independent of the others), cuBLASLt for the rest.
 
+use crate::kernels::Launcher;
 use crate::memory::DevAct;
 use crate::options::DecodeGemv;
 use crate::plan::{
@@ -9,6 +10,10 @@ use crate::plan::{
 use crate::{CudaBackend, DevMatrix};
 use cudarc::driver::CudaSlice;
 use sala_model::{BResult, BackendError};
+
+/// `gemv` and `gemv_narrow`: x, w, n, k, then up to four (output, count) parts.
+type CudaCoreGemv =
+    fn(&Launcher, Launch, u64, u64, i32, i32, u64, i32, u64, i32, u64, i32, u64) -> BResult<()>;
 
 impl CudaBackend {
     /// Whether a product of `rows` rows with `w` runs as GEMVs, one per row (decode, batched
@@ -52,57 +57,28 @@ impl CudaBackend {
                 Launch::new((w.rows.div_ceil(rows_per_block), 1, 1), threads, 0)
                     .shaped(w.rows, w.cols)
             };
-            let nbi = nb as i32;
-            match (tc, nb > 8, narrow) {
-                (true, false, _) => self.k.gemv_mma8(
-                    grid(16, GEMV_MMA_THREADS),
-                    xp,
-                    wp,
-                    n,
-                    kk,
-                    nbi,
-                    y0,
-                    n0,
-                    y1,
-                    n1,
-                    y2,
-                    n2,
-                    y3,
-                ),
-                (true, true, _) => self.k.gemv_mma16(
-                    grid(16, GEMV_MMA_THREADS),
-                    xp,
-                    wp,
-                    n,
-                    kk,
-                    nbi,
-                    y0,
-                    n0,
-                    y1,
-                    n1,
-                    y2,
-                    n2,
-                    y3,
-                ),
-                (false, _, true) => {
-                    self.k
-                        .gemv_narrow(grid(4, 128), xp, wp, n, kk, y0, n0, y1, n1, y2, n2, y3)
-                }
-                (false, _, false) => self.k.gemv(
-                    grid(GEMV_ROWS_PER_BLOCK, 128),
-                    xp,
-                    wp,
-                    n,
-                    kk,
-                    y0,
-                    n0,
-                    y1,
-                    n1,
-                    y2,
-                    n2,
-                    y3,
-                ),
-            }?;
+            if tc {
+                // Up to 8 rows, or up to 16 (two MMA tiles).
+                let launch = if nb > 8 {
+                    Launcher::gemv_mma16
+                } else {
+                    Launcher::gemv_mma8
+                };
+                let at = grid(16, GEMV_MMA_THREADS);
+                launch(
+                    &self.k, at, xp, wp, n, kk, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+                )?;
+            } else {
+                let (launch, at) = if narrow {
+                    (Launcher::gemv_narrow as CudaCoreGemv, grid(4, 128))
+                } else {
+                    (
+                        Launcher::gemv as CudaCoreGemv,
+                        grid(GEMV_ROWS_PER_BLOCK, 128),
+                    )
+                };
+                launch(&self.k, at, xp, wp, n, kk, y0, n0, y1, n1, y2, n2, y3)?;
+            }
             r += nb;
         }
         Ok(())

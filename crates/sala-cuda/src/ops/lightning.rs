@@ -171,102 +171,90 @@ impl CudaBackend {
         pass(n_ranges, false)
     }
 
-    /// Lightning prefill in two passes over windows of whole chunks whose states fit the
-    /// scratch: `lightning_states` walks a window's chunks in order and keeps the state before
-    /// each (bf16 hi + lo), then `lightning_outputs` computes every chunk's outputs at once.
-    /// The same operations in the same order as the one-pass kernel: the same bits.
+    /// Walks `io`'s tokens in windows of whole chunks whose per-chunk states fit the scratch:
+    /// `each(tokens, [q, k, v, out] addresses of the window's first row, chunk-states scratch)`.
+    fn lightning_windows(
+        &self,
+        io: &LightningIo<'_>,
+        out: &DevAct,
+        mut each: impl FnMut(usize, [u64; 4], u64) -> BResult<()>,
+    ) -> BResult<()> {
+        let (t, d, heads) = (io.q.rows, io.shape.head_dim, io.shape.heads);
+        let window = self.k.planner().lightning_window(heads, d);
+        let states = self.scratch_ptr(
+            |s| &mut s.lightning,
+            heads * d * d * t.min(window).div_ceil(LIGHTNING_CHUNK),
+        )?;
+        let mut a = 0;
+        while a < t {
+            let n_tok = window.min(t - a);
+            let rows = [
+                self.row_ptr(io.q, a),
+                self.row_ptr(io.k, a),
+                self.row_ptr(io.v, a),
+                self.row_ptr(out, a),
+            ];
+            each(n_tok, rows, states)?;
+            a += n_tok;
+        }
+        Ok(())
+    }
+
+    /// Lightning prefill in two passes per window: `lightning_states` walks the window's
+    /// chunks in order and keeps the state before each (bf16 hi + lo), then
+    /// `lightning_outputs` computes every chunk's outputs at once. The same operations in the
+    /// same order as the one-pass kernel: the same bits.
     fn lightning_two_pass(
         &self,
         io: &LightningIo<'_>,
         state: &mut DevLightningState,
         out: &mut DevAct,
     ) -> BResult<()> {
-        let (t, d, heads) = (io.q.rows, io.shape.head_dim, io.shape.heads);
-        let window = self.k.planner().lightning_window(heads, d);
-        let per_chunk = heads * d * d;
-        let states = self.scratch_ptr(
-            |s| &mut s.lightning,
-            per_chunk * t.min(window).div_ceil(LIGHTNING_CHUNK),
-        )?;
-        let (kvh, scale) = (io.shape.kv_heads as i32, io.shape.scale() as f32);
-        let mut a = 0;
-        while a < t {
-            let n_tok = window.min(t - a);
-            let (qp, kp, vp, op) = (
-                self.row_ptr(io.q, a),
-                self.row_ptr(io.k, a),
-                self.row_ptr(io.v, a),
-                self.row_ptr(out, a),
-            );
+        let (d, h, kvh) = (
+            io.shape.head_dim as i32,
+            io.shape.heads as i32,
+            io.shape.kv_heads as i32,
+        );
+        let (st, sl, scale) = (
+            self.ptr(state),
+            self.ptr(io.slopes),
+            io.shape.scale() as f32,
+        );
+        self.lightning_windows(io, out, |n_tok, [qp, kp, vp, op], states| {
             let (at_s, at_o) = {
                 let p = self.k.planner();
+                let (heads, dim) = (io.shape.heads, io.shape.head_dim);
                 (
-                    p.lightning_states(heads, d),
-                    p.lightning_outputs(n_tok, heads, d),
+                    p.lightning_states(heads, dim),
+                    p.lightning_outputs(n_tok, heads, dim),
                 )
             };
-            self.k.lightning_states(
-                at_s,
-                kp,
-                vp,
-                self.ptr(state),
-                states,
-                self.ptr(io.slopes),
-                n_tok as i32,
-                heads as i32,
-                kvh,
-                d as i32,
-            )?;
-            self.k.lightning_outputs(
-                at_o,
-                qp,
-                kp,
-                vp,
-                states,
-                op,
-                self.ptr(io.slopes),
-                n_tok as i32,
-                heads as i32,
-                kvh,
-                d as i32,
-                scale,
-            )?;
-            a += n_tok;
-        }
-        Ok(())
+            let nt = n_tok as i32;
+            self.k
+                .lightning_states(at_s, kp, vp, st, states, sl, nt, h, kvh, d)?;
+            self.k
+                .lightning_outputs(at_o, qp, kp, vp, states, op, sl, nt, h, kvh, d, scale)
+        })
     }
 
-    /// Lightning prefill on tensor cores in three kernels: chunk states, their scan, then the
-    /// outputs, over windows of chunks whose states fit the scratch.
+    /// Lightning prefill on tensor cores in three kernels per window: chunk states, their
+    /// scan, then the outputs.
     fn lightning_split(
         &self,
         io: &LightningIo<'_>,
         state: &mut DevLightningState,
         out: &mut DevAct,
     ) -> BResult<()> {
-        let (t, d, heads) = (io.q.rows, io.shape.head_dim, io.shape.heads);
-        let per_chunk = heads * d * d;
-        let window = self.k.planner().lightning_window(heads, d);
-        let ds = self.scratch_ptr(
-            |s| &mut s.lightning,
-            per_chunk * t.min(window).div_ceil(LIGHTNING_CHUNK),
-        )?;
-        let (kvh, scale, sl) = (
-            io.shape.kv_heads as i32,
-            io.shape.scale() as f32,
+        let (heads, dim) = (io.shape.heads, io.shape.head_dim);
+        let (d, h, kvh) = (dim as i32, heads as i32, io.shape.kv_heads as i32);
+        let (st, sl, scale) = (
+            self.ptr(state),
             self.ptr(io.slopes),
+            io.shape.scale() as f32,
         );
-        let mut a = 0;
-        while a < t {
-            let n_tok = window.min(t - a);
+        self.lightning_windows(io, out, |n_tok, [qp, kp, vp, op], ds| {
             let n = n_tok.div_ceil(LIGHTNING_CHUNK);
             let last_len = n_tok - (n - 1) * LIGHTNING_CHUNK;
-            let (qp, kp, vp, op) = (
-                self.row_ptr(io.q, a),
-                self.row_ptr(io.k, a),
-                self.row_ptr(io.v, a),
-                self.row_ptr(out, a),
-            );
             let (at_state, at_out) = {
                 let p = self.k.planner();
                 (
@@ -274,23 +262,14 @@ impl CudaBackend {
                     p.lightning_chunk_out(n, heads),
                 )
             };
-            let (nt, h, di) = (n_tok as i32, heads as i32, d as i32);
+            let nt = n_tok as i32;
+            let at_scan = crate::plan::Launch::linear(heads * dim * dim, 256);
             self.k
-                .lightning_chunk_state(at_state, kp, vp, ds, sl, nt, h, kvh, di)?;
-            self.k.lightning_chunk_scan(
-                crate::plan::Launch::linear(per_chunk, 256),
-                self.ptr(state),
-                ds,
-                sl,
-                n as i32,
-                last_len as i32,
-                h,
-                di,
-            )?;
+                .lightning_chunk_state(at_state, kp, vp, ds, sl, nt, h, kvh, d)?;
             self.k
-                .lightning_chunk_out(at_out, qp, kp, vp, ds, op, sl, nt, h, kvh, di, scale)?;
-            a += n_tok;
-        }
-        Ok(())
+                .lightning_chunk_scan(at_scan, st, ds, sl, n as i32, last_len as i32, h, d)?;
+            self.k
+                .lightning_chunk_out(at_out, qp, kp, vp, ds, op, sl, nt, h, kvh, d, scale)
+        })
     }
 }

@@ -9,6 +9,23 @@ use crate::CudaBackend;
 use sala_checkpoint::SparseConfig;
 use sala_model::{AttnShape, BResult};
 
+/// The queries of a decode selection.
+#[derive(Clone, Copy)]
+pub(crate) enum DecodeQueries<'a> {
+    /// `q`'s rows, at positions `first..` of one sequence.
+    Run {
+        cache: &'a DevSparseCache,
+        first: usize,
+    },
+    /// One query of each of `rows` sequences (`seqs`), the longest holding `longest` =
+    /// (tokens, level-1 windows, level-2 windows).
+    Rows {
+        seqs: &'a SeqRows,
+        rows: usize,
+        longest: (usize, usize, usize),
+    },
+}
+
 impl CudaBackend {
     /// Block lists (`q.rows · kv_heads · k_sel` ids) for the queries at positions `first..`
     /// into `blocks`, by the selection the plan picks.
@@ -26,7 +43,9 @@ impl CudaBackend {
             SelectPlan::Scores(kernel) => {
                 self.select_scores(kernel, shape, cfg, q, cache, first, blocks)
             }
-            SelectPlan::Decode => self.select_decode(shape, cfg, q, cache, first, blocks),
+            SelectPlan::Decode => {
+                self.select_decode(shape, cfg, q, DecodeQueries::Run { cache, first }, blocks)
+            }
             SelectPlan::Exact => self.select_exact(shape, cfg, q, cache, first, blocks),
         }
     }
@@ -138,106 +157,22 @@ impl CudaBackend {
 
     /// Block selection for few queries (decode) on tensor cores, spread over the GPU: partial
     /// level-2 normalisers per slice of K2, P per slice of K1, then one block per (query,
-    /// group) pools and picks the blocks.
-    fn select_decode(
+    /// group) pools and picks the blocks; for a run of one sequence's queries or for one query
+    /// of each sequence of a batched step (the `_rows` kernels).
+    pub(crate) fn select_decode(
         &self,
         shape: AttnShape,
         cfg: &SparseConfig,
         q: &DevAct,
-        cache: &DevSparseCache,
-        first: usize,
+        queries: DecodeQueries<'_>,
         blocks: u64,
     ) -> BResult<()> {
-        let pairs = q.rows * shape.kv_heads;
-        let g = shape.group();
-        let (at_lse, at_p, p_stride) = {
-            let p = self.k.planner();
-            (
-                p.sd_lse(pairs, cache.n2),
-                p.sd_p(pairs, cache.n1),
-                p.sd_p_stride(cache.n1, cache.len, cfg),
-            )
+        let (pairs, (len, n1, n2)) = match queries {
+            DecodeQueries::Run { cache, .. } => {
+                (q.rows * shape.kv_heads, (cache.len, cache.n1, cache.n2))
+            }
+            DecodeQueries::Rows { rows, longest, .. } => (rows * shape.kv_heads, longest),
         };
-        let n_split = at_lse.grid.1 as usize;
-        let part = self.scratch_ptr(|s| &mut s.lse, pairs * n_split * g * 2)?;
-        let p16 = self.scratch_ptr(|s| &mut s.p16, pairs * p_stride)?;
-        let (qp, h, kvh, d, scale) = (
-            self.ptr(&q.buf),
-            shape.heads as i32,
-            shape.kv_heads as i32,
-            shape.head_dim as i32,
-            shape.scale() as f32,
-        );
-        self.k.sd_lse(
-            at_lse,
-            qp,
-            self.ptr(&cache.k2),
-            cache.n2 as i32,
-            first as i32,
-            h,
-            kvh,
-            d,
-            scale,
-            cfg.k2_window() as i32,
-            cfg.k2_stride() as i32,
-            part,
-        )?;
-        self.k.sd_p(
-            at_p,
-            qp,
-            self.ptr(&cache.k1),
-            cache.n1 as i32,
-            first as i32,
-            h,
-            kvh,
-            d,
-            scale,
-            cfg.k1_window() as i32,
-            cfg.k1_stride() as i32,
-            part,
-            n_split as i32,
-            p16,
-            p_stride as i32,
-        )?;
-        let topk = self
-            .k
-            .planner()
-            .sd_topk(false, pairs, cache.len, p_stride, cfg);
-        let keys = self.topk_keys(&topk, pairs, p_stride)?;
-        self.k.sd_topk(
-            topk.launch,
-            p16,
-            p_stride as i32,
-            cache.n1 as i32,
-            first as i32,
-            kvh,
-            cfg.block_size as i32,
-            cfg.k1_window() as i32,
-            cfg.k1_stride() as i32,
-            cfg.init_blocks as i32,
-            cfg.local_blocks() as i32,
-            cfg.selected_blocks() as i32,
-            topk.stage_p as i32,
-            keys,
-            blocks,
-        )
-    }
-
-    /// [`CudaBackend::select_decode`] for one query of each sequence of `t` (`rows` of them,
-    /// the longest `len` tokens, tiers of at most `n1`, `n2` windows).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn select_decode_rows(
-        &self,
-        shape: AttnShape,
-        cfg: &SparseConfig,
-        q: &DevAct,
-        t: &SeqRows,
-        rows: usize,
-        (len, n1, n2): (usize, usize, usize),
-        blocks: u64,
-    ) -> BResult<()> {
-        let pairs = rows * shape.kv_heads;
-        let g = shape.group();
         let (at_lse, at_p, p_stride) = {
             let p = self.k.planner();
             (
@@ -247,7 +182,7 @@ impl CudaBackend {
             )
         };
         let n_split = at_lse.grid.1 as usize;
-        let part = self.scratch_ptr(|s| &mut s.lse, pairs * n_split * g * 2)?;
+        let part = self.scratch_ptr(|s| &mut s.lse, pairs * n_split * shape.group() * 2)?;
         let p16 = self.scratch_ptr(|s| &mut s.p16, pairs * p_stride)?;
         let (qp, h, kvh, d, scale) = (
             self.ptr(&q.buf),
@@ -256,51 +191,63 @@ impl CudaBackend {
             shape.head_dim as i32,
             shape.scale() as f32,
         );
-        self.k.sd_lse_rows(
-            at_lse,
-            qp,
-            t,
-            h,
-            kvh,
-            d,
-            scale,
+        let (k1w, k1s, k2w, k2s) = (
+            cfg.k1_window() as i32,
+            cfg.k1_stride() as i32,
             cfg.k2_window() as i32,
             cfg.k2_stride() as i32,
-            part,
-        )?;
-        self.k.sd_p_rows(
-            at_p,
-            qp,
-            t,
-            h,
-            kvh,
-            d,
-            scale,
-            cfg.k1_window() as i32,
-            cfg.k1_stride() as i32,
-            part,
-            n_split as i32,
-            p16,
-            p_stride as i32,
-        )?;
-        let topk = self.k.planner().sd_topk(true, pairs, len, p_stride, cfg);
+        );
+        let (ns, ps) = (n_split as i32, p_stride as i32);
+        match queries {
+            DecodeQueries::Run { cache, first } => {
+                let (k1, k2, fp) = (self.ptr(&cache.k1), self.ptr(&cache.k2), first as i32);
+                let (n1, n2) = (n1 as i32, n2 as i32);
+                self.k
+                    .sd_lse(at_lse, qp, k2, n2, fp, h, kvh, d, scale, k2w, k2s, part)?;
+                self.k.sd_p(
+                    at_p, qp, k1, n1, fp, h, kvh, d, scale, k1w, k1s, part, ns, p16, ps,
+                )?;
+            }
+            DecodeQueries::Rows { seqs, .. } => {
+                self.k
+                    .sd_lse_rows(at_lse, qp, seqs, h, kvh, d, scale, k2w, k2s, part)?;
+                self.k.sd_p_rows(
+                    at_p, qp, seqs, h, kvh, d, scale, k1w, k1s, part, ns, p16, ps,
+                )?;
+            }
+        }
+        let rows = matches!(queries, DecodeQueries::Rows { .. });
+        let topk = self.k.planner().sd_topk(rows, pairs, len, p_stride, cfg);
         let keys = self.topk_keys(&topk, pairs, p_stride)?;
-        self.k.sd_topk_rows(
-            topk.launch,
-            p16,
-            p_stride as i32,
-            t,
-            kvh,
+        let (at, sp) = (topk.launch, topk.stage_p as i32);
+        let (bsz, ib, lb, ks) = (
             cfg.block_size as i32,
-            cfg.k1_window() as i32,
-            cfg.k1_stride() as i32,
             cfg.init_blocks as i32,
             cfg.local_blocks() as i32,
             cfg.selected_blocks() as i32,
-            topk.stage_p as i32,
-            keys,
-            blocks,
-        )
+        );
+        match queries {
+            DecodeQueries::Run { first, .. } => self.k.sd_topk(
+                at,
+                p16,
+                ps,
+                n1 as i32,
+                first as i32,
+                kvh,
+                bsz,
+                k1w,
+                k1s,
+                ib,
+                lb,
+                ks,
+                sp,
+                keys,
+                blocks,
+            ),
+            DecodeQueries::Rows { seqs, .. } => self.k.sd_topk_rows(
+                at, p16, ps, seqs, kvh, bsz, k1w, k1s, ib, lb, ks, sp, keys, blocks,
+            ),
+        }
     }
 
     /// The CPU's bit-exact block selection: one block per (query, group) for many queries,
