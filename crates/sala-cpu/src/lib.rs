@@ -8,9 +8,9 @@ pub mod reference;
 use attention::SparseCache;
 use rayon::prelude::*;
 use sala_checkpoint::SparseConfig;
-use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
+use sala_model::backend::{check_spans, RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::numerics::{bf16_round, random_normal};
-use sala_model::{AttnShape, BResult, Backend, BackendError, HostTensor, SparseMode};
+use sala_model::{AttnIo, AttnShape, BResult, Backend, BackendError, HostTensor, Span, SparseMode};
 
 /// Activations `[rows, cols]` with room for `cap_rows` rows.
 #[derive(Debug, Clone)]
@@ -53,66 +53,151 @@ fn check_shape(name: &str, t: &HostTensor<'_>, dims: usize) -> BResult<()> {
     Ok(())
 }
 
-/// Up to this many rows (a batched decode step), products are one dot product per output,
-/// computed the same way whatever the row count, so a row's result does not depend on the
-/// other rows of the batch.
-pub const PER_ROW_PRODUCT_ROWS: usize = 64;
+/// Weight rows a task of [`matmul_f32`] takes.
+const PRODUCT_OUTPUTS_PER_TASK: usize = 16;
 
-/// `y[r, :] = x[r, :] Wᵀ` for every row, f32 accumulation, not rounded.
+/// `y[r, :] = x[r, :] Wᵀ` for every row, f32 accumulation, not rounded. Every output is one
+/// dot product ([`attention::dot`]) whatever the row count, so a row's result does not depend
+/// on the other rows of a step (a mixed step gives each sequence its bits alone). Each task
+/// reads its weight rows once and the rows of `x` from cache.
 pub fn matmul_f32(x: &[f32], rows: usize, w: &CpuMatrix, y: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), rows * k);
     debug_assert_eq!(y.len(), rows * n);
-    if rows <= PER_ROW_PRODUCT_ROWS {
-        // Matrix-vector per row: one dot product per output, split across threads.
-        y.par_chunks_mut(256).enumerate().for_each(|(ci, ys)| {
-            for (j, yj) in ys.iter_mut().enumerate() {
-                let (row, out) = ((ci * 256 + j) / n, (ci * 256 + j) % n);
-                *yj = attention::dot(&x[row * k..][..k], &w.data[out * k..][..k]);
-            }
-        });
+    if rows == 0 {
         return;
     }
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 && rows * n * k > 1 << 16 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the pointers cover rows×k, n×k and rows×n f32 values with the strides given,
-    // and `y` does not alias `x` or `w`.
-    unsafe {
-        gemm::gemm(
-            rows,
-            n,
-            k,
-            y.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.data.as_ptr(),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
-    }
+    // Outputs first ([n, rows]), then transposed into y.
+    let mut yt = vec![0f32; n * rows];
+    yt.par_chunks_mut(PRODUCT_OUTPUTS_PER_TASK * rows)
+        .enumerate()
+        .for_each(|(task, ys)| {
+            for (j, col) in ys.chunks_mut(rows).enumerate() {
+                let wr = &w.data[(task * PRODUCT_OUTPUTS_PER_TASK + j) * k..][..k];
+                for (r, v) in col.iter_mut().enumerate() {
+                    *v = attention::dot(&x[r * k..][..k], wr);
+                }
+            }
+        });
+    y.par_chunks_mut(n).enumerate().for_each(|(r, yr)| {
+        for (o, v) in yr.iter_mut().enumerate() {
+            *v = yt[o * rows + r];
+        }
+    });
 }
 
 /// The rows `rows` of the final hidden states divided by `divisor` and rounded: what the
 /// reference feeds `lm_head`.
-pub fn lm_head_input(h: &CpuAct, rows: std::ops::Range<usize>, divisor: f32) -> Vec<f32> {
-    h.data[rows.start * h.cols..rows.end * h.cols]
-        .iter()
+pub fn lm_head_input(h: &CpuAct, rows: &[usize], divisor: f32) -> Vec<f32> {
+    rows.iter()
+        .flat_map(|&r| &h.data[r * h.cols..(r + 1) * h.cols])
         .map(|&v| bf16_round(v / divisor))
         .collect()
+}
+
+/// The rows of one span of an attention call, as slices: q and k (to norm and rotate in
+/// place), v, and the span's rows of `out`.
+pub struct SpanRows<'a> {
+    /// Rows in the span.
+    pub len: usize,
+    pub q: &'a mut [f32],
+    pub k: &'a mut [f32],
+    pub v: &'a [f32],
+    pub out: &'a mut [f32],
+}
+
+/// Runs `f(i, rows)` for each span `i` of an attention call, after checking the spans.
+pub fn each_span(
+    io: AttnIo<'_, CpuAct>,
+    spans: &[Span],
+    states: usize,
+    mut f: impl FnMut(usize, SpanRows<'_>) -> BResult<()>,
+) -> BResult<()> {
+    check_spans(spans, io.q.rows, states)?;
+    let (qc, kc, oc) = (io.q.cols, io.k.cols, io.out.cols);
+    for (i, span) in spans.iter().enumerate() {
+        let r = span.rows();
+        f(
+            i,
+            SpanRows {
+                len: span.len,
+                q: &mut io.q.data[r.start * qc..r.end * qc],
+                k: &mut io.k.data[r.start * kc..r.end * kc],
+                v: &io.v.data[r.start * kc..r.end * kc],
+                out: &mut io.out.data[r.start * oc..r.end * oc],
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// Checks that a sparse call has one mode per span.
+pub fn check_modes(modes: &[SparseMode], spans: &[Span]) -> BResult<()> {
+    if modes.len() != spans.len() {
+        return Err(BackendError(format!(
+            "{} sparse modes for {} spans",
+            modes.len(),
+            spans.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Per head of `head_dim` features of every row of `data` (rows of `cols`): optional
+/// RMSNorm with the shared weight `norm`, then optional RoPE (rotate-half, positions
+/// `first_pos..` for the rows, inverse frequencies `inv_freq`).
+pub fn head_norm_rope(
+    data: &mut [f32],
+    cols: usize,
+    head_dim: usize,
+    norm: Option<(&[f32], f32)>,
+    rope: Option<(&[f32], usize)>,
+) {
+    let half = head_dim / 2;
+    data.par_chunks_mut(cols).enumerate().for_each(|(r, row)| {
+        let mut tmp = vec![0f32; head_dim];
+        let trig: Option<(Vec<f32>, Vec<f32>)> = rope.map(|(inv_freq, first)| {
+            let pos = (first + r) as f32;
+            inv_freq
+                .iter()
+                .map(|&f| ((pos * f).cos(), (pos * f).sin()))
+                .unzip()
+        });
+        for head in row.chunks_exact_mut(head_dim) {
+            if let Some((w, eps)) = norm {
+                rms_norm_row(head, w, eps, &mut tmp);
+                head.copy_from_slice(&tmp);
+            }
+            if let Some((cos, sin)) = &trig {
+                for i in 0..half {
+                    let (a, b) = (head[i], head[i + half]);
+                    tmp[i] = bf16_round(a * cos[i] - b * sin[i]);
+                    tmp[i + half] = bf16_round(b * cos[i] + a * sin[i]);
+                }
+                head.copy_from_slice(&tmp);
+            }
+        }
+    });
+}
+
+/// The q and k norms and RoPE of a lightning span at position `pos` (as
+/// [`Backend::lightning`] describes them).
+pub fn lightning_norm_rope(
+    rows: &mut SpanRows<'_>,
+    head_dim: usize,
+    norms: Option<(&Vec<f32>, &Vec<f32>, f32)>,
+    inv_freq: Option<&Vec<f32>>,
+    pos: usize,
+) {
+    let rope = inv_freq.map(|f| (f.as_slice(), pos));
+    let len = rows.len;
+    for (x, norm) in [
+        (&mut *rows.q, norms.map(|(w, _, e)| (w.as_slice(), e))),
+        (&mut *rows.k, norms.map(|(_, w, e)| (w.as_slice(), e))),
+    ] {
+        let cols = x.len() / len;
+        head_norm_rope(x, cols, head_dim, norm, rope);
+    }
 }
 
 /// Stacks matrices with the same input width.
@@ -384,89 +469,55 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn head_norm_rope(
-        &self,
-        x: &mut CpuAct,
-        head_dim: usize,
-        norm: Option<(&Vec<f32>, f32)>,
-        rope: Option<(&Vec<f32>, usize)>,
-    ) -> BResult<()> {
-        let cols = x.cols;
-        let half = head_dim / 2;
-        x.data
-            .par_chunks_mut(cols)
-            .enumerate()
-            .for_each(|(r, row)| {
-                let mut tmp = vec![0f32; head_dim];
-                let trig: Option<(Vec<f32>, Vec<f32>)> = rope.map(|(inv_freq, first)| {
-                    let pos = (first + r) as f32;
-                    inv_freq
-                        .iter()
-                        .map(|&f| ((pos * f).cos(), (pos * f).sin()))
-                        .unzip()
-                });
-                for head in row.chunks_exact_mut(head_dim) {
-                    if let Some((w, eps)) = norm {
-                        rms_norm_row(head, w, eps, &mut tmp);
-                        head.copy_from_slice(&tmp);
-                    }
-                    if let Some((cos, sin)) = &trig {
-                        for i in 0..half {
-                            let (a, b) = (head[i], head[i + half]);
-                            tmp[i] = bf16_round(a * cos[i] - b * sin[i]);
-                            tmp[i + half] = bf16_round(b * cos[i] + a * sin[i]);
-                        }
-                        head.copy_from_slice(&tmp);
-                    }
-                }
-            });
-        Ok(())
-    }
-
     fn lightning(
         &self,
         shape: AttnShape,
         slopes: &Vec<f32>,
-        q: &CpuAct,
-        k: &CpuAct,
-        v: &CpuAct,
-        state: &mut Vec<f32>,
-        out: &mut CpuAct,
+        norms: Option<(&Vec<f32>, &Vec<f32>, f32)>,
+        inv_freq: Option<&Vec<f32>>,
+        io: AttnIo<'_, CpuAct>,
+        spans: &[Span],
+        states: &mut [&mut Vec<f32>],
     ) -> BResult<()> {
-        let o = attention::lightning(shape, slopes, &q.data, &k.data, &v.data, state);
-        for (dst, x) in out.data.iter_mut().zip(o) {
-            *dst = bf16_round(x);
-        }
-        Ok(())
+        each_span(io, spans, states.len(), |i, mut rows| {
+            lightning_norm_rope(&mut rows, shape.head_dim, norms, inv_freq, spans[i].pos);
+            let o = attention::lightning(shape, slopes, rows.q, rows.k, rows.v, states[i]);
+            for (dst, x) in rows.out.iter_mut().zip(o) {
+                *dst = bf16_round(x);
+            }
+            Ok(())
+        })
     }
 
     fn sparse_attention(
         &self,
         _shape: AttnShape,
         _cfg: &SparseConfig,
-        mode: SparseMode,
-        q: &CpuAct,
-        k: &CpuAct,
-        v: &CpuAct,
-        cache: &mut SparseCache,
-        out: &mut CpuAct,
+        io: AttnIo<'_, CpuAct>,
+        spans: &[Span],
+        modes: &[SparseMode],
+        caches: &mut [&mut SparseCache],
     ) -> BResult<()> {
-        cache.append(&k.data, &v.data);
-        let o = attention::sparse_layer_attention(cache, mode, &q.data);
-        for (dst, x) in out.data.iter_mut().zip(o) {
-            *dst = bf16_round(x);
-        }
-        Ok(())
+        check_modes(modes, spans)?;
+        each_span(io, spans, caches.len(), |i, rows| {
+            let cache = &mut *caches[i];
+            cache.append(rows.k, rows.v);
+            let o = attention::sparse_layer_attention(cache, modes[i], rows.q);
+            for (dst, x) in rows.out.iter_mut().zip(o) {
+                *dst = bf16_round(x);
+            }
+            Ok(())
+        })
     }
 
     fn logits(
         &self,
         h: &CpuAct,
-        rows: std::ops::Range<usize>,
+        rows: &[usize],
         lm_head: &CpuMatrix,
         divisor: f32,
     ) -> BResult<Vec<f32>> {
-        let x = lm_head_input(h, rows.clone(), divisor);
+        let x = lm_head_input(h, rows, divisor);
         let mut y = vec![0f32; rows.len() * lm_head.rows];
         matmul_f32(&x, rows.len(), lm_head, &mut y);
         y.par_iter_mut().for_each(|v| *v = bf16_round(*v));

@@ -2,11 +2,11 @@
 //! whose matrix products are plain loops; everything else is the CPU backend's. Whole-model
 //! runs on it are the reference the fast backends are compared with.
 
-use crate::{CpuAct, CpuBackend, CpuMatrix};
+use crate::{check_modes, each_span, lightning_norm_rope, CpuAct, CpuBackend, CpuMatrix};
 use sala_checkpoint::SparseConfig;
 use sala_model::numerics::bf16_round;
 use sala_model::oracle::{self, AttnShape, SparseMode};
-use sala_model::{BResult, Backend, HostTensor};
+use sala_model::{AttnIo, BResult, Backend, HostTensor, Span};
 
 pub struct ReferenceBackend;
 
@@ -122,57 +122,58 @@ impl Backend for ReferenceBackend {
     fn sigmoid_gate(&self, x: &mut CpuAct, gate: &CpuAct) -> BResult<()> {
         CpuBackend.sigmoid_gate(x, gate)
     }
-    fn head_norm_rope(
-        &self,
-        x: &mut CpuAct,
-        head_dim: usize,
-        norm: Option<(&Vec<f32>, f32)>,
-        rope: Option<(&Vec<f32>, usize)>,
-    ) -> BResult<()> {
-        CpuBackend.head_norm_rope(x, head_dim, norm, rope)
-    }
     fn lightning(
         &self,
         shape: AttnShape,
         slopes: &Vec<f32>,
-        q: &CpuAct,
-        k: &CpuAct,
-        v: &CpuAct,
-        state: &mut Vec<f32>,
-        out: &mut CpuAct,
+        norms: Option<(&Vec<f32>, &Vec<f32>, f32)>,
+        inv_freq: Option<&Vec<f32>>,
+        io: AttnIo<'_, CpuAct>,
+        spans: &[Span],
+        states: &mut [&mut Vec<f32>],
     ) -> BResult<()> {
-        let (o, s) = oracle::lightning(shape, slopes, &q.data, &k.data, &v.data, Some(state));
-        *state = s;
-        out.data = o.into_iter().map(bf16_round).collect();
-        Ok(())
+        each_span(io, spans, states.len(), |i, mut rows| {
+            lightning_norm_rope(&mut rows, shape.head_dim, norms, inv_freq, spans[i].pos);
+            let (o, s) = oracle::lightning(shape, slopes, rows.q, rows.k, rows.v, Some(states[i]));
+            *states[i] = s;
+            for (dst, x) in rows.out.iter_mut().zip(o) {
+                *dst = bf16_round(x);
+            }
+            Ok(())
+        })
     }
     fn sparse_attention(
         &self,
         shape: AttnShape,
         cfg: &SparseConfig,
-        mode: SparseMode,
-        q: &CpuAct,
-        k: &CpuAct,
-        v: &CpuAct,
-        cache: &mut ReferenceKv,
-        out: &mut CpuAct,
+        io: AttnIo<'_, CpuAct>,
+        spans: &[Span],
+        modes: &[SparseMode],
+        caches: &mut [&mut ReferenceKv],
     ) -> BResult<()> {
-        let first = cache.k.len() / cache.kv_width;
-        cache.k.extend_from_slice(&k.data);
-        cache.v.extend_from_slice(&v.data);
-        let o =
-            oracle::sparse_layer_attention(shape, cfg, mode, &q.data, first, &cache.k, &cache.v);
-        out.data = o.into_iter().map(bf16_round).collect();
-        Ok(())
+        check_modes(modes, spans)?;
+        each_span(io, spans, caches.len(), |i, rows| {
+            let cache = &mut *caches[i];
+            let first = cache.k.len() / cache.kv_width;
+            cache.k.extend_from_slice(rows.k);
+            cache.v.extend_from_slice(rows.v);
+            let o = oracle::sparse_layer_attention(
+                shape, cfg, modes[i], rows.q, first, &cache.k, &cache.v,
+            );
+            for (dst, x) in rows.out.iter_mut().zip(o) {
+                *dst = bf16_round(x);
+            }
+            Ok(())
+        })
     }
     fn logits(
         &self,
         h: &CpuAct,
-        rows: std::ops::Range<usize>,
+        rows: &[usize],
         lm_head: &CpuMatrix,
         divisor: f32,
     ) -> BResult<Vec<f32>> {
-        let x = crate::lm_head_input(h, rows.clone(), divisor);
+        let x = crate::lm_head_input(h, rows, divisor);
         Ok(naive_matmul(&x, rows.len(), lm_head)
             .into_iter()
             .map(bf16_round)

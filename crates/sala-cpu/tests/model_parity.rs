@@ -6,7 +6,11 @@ use sala_checkpoint::{expected_tensors, ModelConfig};
 use sala_cpu::reference::ReferenceBackend;
 use sala_cpu::CpuBackend;
 use sala_model::numerics::{rel_l2, TestRng};
-use sala_model::{Backend, HostDType, HostTensor, LogitRows, Model, SparseMode, WeightSource};
+use sala_model::testing::check_mixed_step;
+use sala_model::{
+    Backend, HostDType, HostTensor, LogitRows, Model, SeqState, SparseMode, StepInput,
+    WeightSource, Workspace,
+};
 use std::collections::HashMap;
 
 /// Random bf16 weights for every tensor of a config, held in memory.
@@ -97,7 +101,7 @@ fn run<B: Backend>(
     for &(len, mode) in chunks {
         out.extend(
             model
-                .forward(
+                .forward_one(
                     be,
                     &mut ws,
                     &mut seq,
@@ -292,9 +296,10 @@ fn batched_decode_equals_decoding_alone() {
         for step in 0..steps {
             let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
             let mut refs: Vec<_> = seqs.iter_mut().collect();
-            let logits = model.decode_batch(be, &mut ws, &mut refs, &toks).unwrap();
-            assert_eq!(logits.len(), lens.len() * v, "{name}: logits shape");
-            for (i, row) in logits.chunks(v).enumerate() {
+            let logits = decode_step(be, &model, &mut ws, &mut refs, &toks).unwrap();
+            assert_eq!(logits.len(), lens.len(), "{name}: one row a sequence");
+            for (i, row) in logits.iter().enumerate() {
+                assert_eq!(row.len(), v, "{name}: logits shape");
                 assert!(
                     row == alone[i][step].as_slice(),
                     "{name}: sequence {i} (prompt {}) step {step}: batched logits differ from \
@@ -310,12 +315,63 @@ fn batched_decode_equals_decoding_alone() {
         for (s, &n) in seqs.iter().zip(&lens) {
             assert_eq!(s.pos, n + steps, "{name}: positions advance by one a step");
         }
-        // Mismatched inputs are errors, not panics.
-        let mut refs: Vec<_> = seqs.iter_mut().collect();
-        assert!(model.decode_batch(be, &mut ws, &mut refs, &[1]).is_err());
+        // A step past the workspace, or with an empty input, is an error, not a panic.
+        let long = vec![1u32; 65];
+        let mut seq = model.new_sequence(be).unwrap();
+        assert!(model
+            .forward_one(
+                be,
+                &mut ws,
+                &mut seq,
+                &long,
+                SparseMode::Dense,
+                LogitRows::Last
+            )
+            .is_err());
+        assert!(model
+            .forward_one(
+                be,
+                &mut ws,
+                &mut seq,
+                &[],
+                SparseMode::Dense,
+                LogitRows::Last
+            )
+            .is_err());
+        assert_eq!(seq.pos, 0, "a refused step leaves the sequence as it was");
     }
     check(&CpuBackend, "cpu");
     check(&ReferenceBackend, "reference");
+}
+
+/// One decode step of `seqs`, `tokens[i]` fed to `seqs[i]`, in one forward pass.
+fn decode_step<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    ws: &mut Workspace<B>,
+    seqs: &mut [&mut SeqState<B>],
+    tokens: &[u32],
+) -> sala_model::BResult<Vec<Vec<f32>>> {
+    let mut inputs: Vec<StepInput<'_, B>> = seqs
+        .iter_mut()
+        .zip(tokens)
+        .map(|(seq, t)| StepInput {
+            mode: model.sparse_mode(seq.pos + 1),
+            seq,
+            tokens: std::slice::from_ref(t),
+            logits: LogitRows::Last,
+        })
+        .collect();
+    model.forward(be, ws, &mut inputs)
+}
+
+/// A step mixing decode rows with prompt chunks gives every sequence the logits it gets run
+/// apart, bit for bit ([`sala_model::testing::check_mixed_step`]).
+#[test]
+fn mixed_step_equals_running_apart() {
+    let config = tiny_config(150);
+    check_mixed_step(&CpuBackend, &load(&CpuBackend, &config, 23)).unwrap();
+    check_mixed_step(&ReferenceBackend, &load(&ReferenceBackend, &config, 23)).unwrap();
 }
 
 /// `fill_random_context` (benchmarks): a fresh sequence holds the requested tokens of seeded

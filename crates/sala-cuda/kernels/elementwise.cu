@@ -300,15 +300,15 @@ extern "C" __global__ void rope_table(const float* inv_freq, int first_pos, int 
     table[2 * idx + 1] = s;
 }
 
-// The RoPE table (cos, sin) of each row's own position: table[2·(r·half + i)] for rows.pos[r].
+// The RoPE table (cos, sin) of each row's own position: table[2·(r·half + i)] for pos[r].
 // launch: grid = ceil(n / 256) for n = rows · half, block = 256
-extern "C" __global__ void rope_table_rows(const float* inv_freq, DecodeRows rows, int n_rows, int half,
+extern "C" __global__ void rope_table_rows(const float* inv_freq, const int* pos, int n_rows, int half,
                                            float* table) {
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * half) return;
     const int row = idx / half, i = idx % half;
     float s, c;
-    sincosf((float)rows.pos[row] * inv_freq[i], &s, &c);
+    sincosf((float)pos[row] * inv_freq[i], &s, &c);
     table[2 * idx] = c;
     table[2 * idx + 1] = s;
 }

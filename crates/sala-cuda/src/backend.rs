@@ -5,14 +5,13 @@ use crate::device::DeviceLimits;
 use crate::kernels::Launcher;
 use crate::memory::{be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Scratch};
 use crate::ops::elementwise::{ElementOp, RopeAt};
-use crate::ops::lightning::LightningIo;
 use crate::options::CudaOptions;
 use crate::plan::Planner;
 use crate::{gemm, libs, pool, profile, registry};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use sala_checkpoint::SparseConfig;
 use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
-use sala_model::{AttnShape, BResult, Backend, BackendError, HostTensor, SparseMode};
+use sala_model::{AttnIo, AttnShape, BResult, Backend, BackendError, HostTensor, Span, SparseMode};
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
@@ -176,6 +175,19 @@ impl CudaBackend {
         self.k.profiler().map(|p| p.report())
     }
 
+    /// Per head of `head_dim` features: optional RMSNorm, then optional RoPE at positions
+    /// `first_pos..` (the q and k step of [`Backend::lightning`], apart for tests).
+    pub fn head_norm_rope(
+        &self,
+        x: &mut DevAct,
+        head_dim: usize,
+        norm: Option<(&CudaSlice<u16>, f32)>,
+        rope: Option<(&CudaSlice<f32>, usize)>,
+    ) -> BResult<()> {
+        let rope = rope.map(|(f, p)| (f, RopeAt::From(p)));
+        self.norm_rope(x, None, head_dim, norm.map(|(w, e)| (w, None, e)), rope)
+    }
+
     pub fn device_name(&self) -> &str {
         &self.driver_limits.name
     }
@@ -263,9 +275,10 @@ impl Backend for CudaBackend {
 
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<DevAct> {
         Ok(DevAct {
-            buf: self.alloc_u16(max_rows * cols)?,
+            storage: self.alloc_u16(max_rows * cols)?,
             rows: max_rows,
             cols,
+            first: 0,
             cap_rows: max_rows,
         })
     }
@@ -290,7 +303,7 @@ impl Backend for CudaBackend {
             n,
         )?;
         let w = src.cols;
-        self.copy(&dst.buf, dst_row * w, &src.buf, src_row * w, n * w)
+        self.copy(dst, dst_row * w, src, src_row * w, n * w)
     }
 
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<DevLightningState> {
@@ -417,82 +430,6 @@ impl Backend for CudaBackend {
         self.elementwise(ElementOp::SigmoidGate, x, gate)
     }
 
-    fn head_norm_rope(
-        &self,
-        x: &mut DevAct,
-        head_dim: usize,
-        norm: Option<(&CudaSlice<u16>, f32)>,
-        rope: Option<(&CudaSlice<f32>, usize)>,
-    ) -> BResult<()> {
-        let rope = rope.map(|(f, p)| (f, RopeAt::From(p)));
-        self.norm_rope(x, None, head_dim, norm.map(|(w, e)| (w, None, e)), rope)
-    }
-
-    fn head_norm_rope_qk(
-        &self,
-        q: &mut DevAct,
-        k: &mut DevAct,
-        head_dim: usize,
-        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
-        rope: Option<(&CudaSlice<f32>, usize)>,
-    ) -> BResult<()> {
-        self.norm_rope(
-            q,
-            Some(k),
-            head_dim,
-            norms.map(|(a, b, e)| (a, Some(b), e)),
-            rope.map(|(f, p)| (f, RopeAt::From(p))),
-        )
-    }
-
-    fn sparse_rows(
-        &self,
-        shape: AttnShape,
-        cfg: &SparseConfig,
-        modes: &[SparseMode],
-        q: &DevAct,
-        k: &DevAct,
-        v: &DevAct,
-        caches: &mut [&mut DevSparseCache],
-        out: &mut DevAct,
-    ) -> BResult<()> {
-        match self.sparse_rows_fit(shape, cfg, modes, caches) {
-            Some(mode) if q.rows == caches.len() => {
-                self.sparse_rows_batched(shape, cfg, mode, q, k, v, caches, out)
-            }
-            _ => sala_model::backend::sparse_row_by_row(
-                self, shape, cfg, modes, q, k, v, caches, out,
-            ),
-        }
-    }
-
-    fn lightning_rows(
-        &self,
-        shape: AttnShape,
-        slopes: &CudaSlice<f32>,
-        q: &mut DevAct,
-        k: &mut DevAct,
-        v: &DevAct,
-        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
-        inv_freq: Option<&CudaSlice<f32>>,
-        positions: &[usize],
-        states: &mut [&mut DevLightningState],
-        out: &mut DevAct,
-    ) -> BResult<()> {
-        let rows = states.len();
-        if !Self::lightning_rows_fit(rows, shape.head_dim)
-            || positions.len() != rows
-            || q.rows != rows
-        {
-            return sala_model::backend::lightning_row_by_row(
-                self, shape, slopes, q, k, v, norms, inv_freq, positions, states, out,
-            );
-        }
-        self.lightning_decode_rows(
-            shape, slopes, q, k, v, norms, inv_freq, positions, states, out,
-        )
-    }
-
     fn rms_norm_gate(
         &self,
         x: &DevAct,
@@ -508,44 +445,41 @@ impl Backend for CudaBackend {
         &self,
         shape: AttnShape,
         slopes: &CudaSlice<f32>,
-        q: &DevAct,
-        k: &DevAct,
-        v: &DevAct,
-        state: &mut DevLightningState,
-        out: &mut DevAct,
+        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
+        inv_freq: Option<&CudaSlice<f32>>,
+        io: AttnIo<'_, DevAct>,
+        spans: &[Span],
+        states: &mut [&mut DevLightningState],
     ) -> BResult<()> {
-        let io = LightningIo {
-            shape,
-            slopes,
-            q,
-            k,
-            v,
-        };
-        self.lightning_layer(&io, state, out)
+        self.lightning_spans(shape, slopes, norms, inv_freq, io, spans, states)
     }
 
     fn sparse_attention(
         &self,
         shape: AttnShape,
         cfg: &SparseConfig,
-        mode: SparseMode,
-        q: &DevAct,
-        k: &DevAct,
-        v: &DevAct,
-        cache: &mut DevSparseCache,
-        out: &mut DevAct,
+        io: AttnIo<'_, DevAct>,
+        spans: &[Span],
+        modes: &[SparseMode],
+        caches: &mut [&mut DevSparseCache],
     ) -> BResult<()> {
-        self.sparse_layer(shape, cfg, mode, q, k, v, cache, out)
+        self.sparse_spans(shape, cfg, io, spans, modes, caches)
     }
 
     fn logits(
         &self,
         h: &DevAct,
-        rows: std::ops::Range<usize>,
+        rows: &[usize],
         lm_head: &DevMatrix,
         divisor: f32,
     ) -> BResult<Vec<f32>> {
         let (n, cols, vocab) = (rows.len(), h.cols, lm_head.rows);
+        if let Some(&bad) = rows.iter().find(|&&r| r >= h.rows) {
+            return Err(BackendError(format!(
+                "logits of row {bad} of {} rows",
+                h.rows
+            )));
+        }
         let (x, y) = {
             let mut s = self.scratch.borrow_mut();
             grow(&self.stream, &mut s.logits_in, n * cols)?;
@@ -555,12 +489,21 @@ impl Backend for CudaBackend {
                 self.ptr(s.logits_out.as_ref().expect("grown")),
             )
         };
-        self.scale_round(
-            self.ptr(&h.buf) + (rows.start * cols * 2) as u64,
-            x,
-            divisor,
-            n * cols,
-        )?;
+        // Each run of adjacent rows scaled in one launch, packed in order.
+        let mut i = 0;
+        while i < n {
+            let mut j = i + 1;
+            while j < n && rows[j] == rows[j - 1] + 1 {
+                j += 1;
+            }
+            self.scale_round(
+                self.row_ptr(h, rows[i]),
+                x + (i * cols * 2) as u64,
+                divisor,
+                (j - i) * cols,
+            )?;
+            i = j;
+        }
         let s = self.scratch.borrow();
         let (xs, ys) = (
             s.logits_in.as_ref().expect("grown"),
@@ -571,6 +514,9 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&self, a: &DevAct) -> BResult<Vec<f32>> {
-        self.download(&a.buf, a.rows * a.cols)
+        let (storage, off) = a.slice_at(0);
+        Ok(self
+            .download(storage, off + a.rows * a.cols)?
+            .split_off(off))
     }
 }

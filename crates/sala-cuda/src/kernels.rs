@@ -19,15 +19,14 @@ use std::cell::{Ref, RefCell};
 use std::sync::Arc;
 
 /// Rows of a batched decode step (`DecodeRows` of rows.cuh), passed by value: each row's
-/// lightning state and position.
+/// lightning state.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct DecodeRows {
     pub state: [u64; crate::plan::DECODE_ROWS],
-    pub pos: [i32; crate::plan::DECODE_ROWS],
 }
 
-// SAFETY: plain data with the layout of the kernel's struct (64 pointers, then 64 ints).
+// SAFETY: plain data with the layout of the kernel's struct (64 pointers).
 unsafe impl cudarc::driver::DeviceRepr for DecodeRows {}
 
 /// Sequences of a batched decode step in a sparse layer (`SeqRows` of rows.cuh), passed by
@@ -50,16 +49,12 @@ pub struct SeqRows {
 unsafe impl cudarc::driver::DeviceRepr for SeqRows {}
 
 impl DecodeRows {
-    /// The given state pointers and positions (each at most `DECODE_ROWS`).
-    pub fn new(states: &[u64], positions: &[usize]) -> Self {
+    /// The given state pointers (at most `DECODE_ROWS`).
+    pub fn new(states: &[u64]) -> Self {
         let mut t = Self {
             state: [0; crate::plan::DECODE_ROWS],
-            pos: [0; crate::plan::DECODE_ROWS],
         };
         t.state[..states.len()].copy_from_slice(states);
-        for (p, &x) in t.pos.iter_mut().zip(positions) {
-            *p = x as i32;
-        }
         t
     }
 }
@@ -177,7 +172,7 @@ kernel_table! {
     HeadNormRope = head_norm_rope in "elementwise.cu" (x: Ptr, total_heads: I32, head_dim: I32, norm_w: Ptr, eps: F32, inv_freq: Ptr, first_pos: I32, heads_per_row: I32, x2: Ptr, total_heads2: I32, norm_w2: Ptr, heads_per_row2: I32, table: Ptr);
     HeadNormRope128 = head_norm_rope128 in "elementwise.cu" (x: Ptr, total_heads: I32, norm_w: Ptr, eps: F32, heads_per_row: I32, x2: Ptr, total_heads2: I32, norm_w2: Ptr, heads_per_row2: I32, table: Ptr);
     RopeTable = rope_table in "elementwise.cu" (inv_freq: Ptr, first_pos: I32, rows: I32, half: I32, table: Ptr);
-    RopeTableRows = rope_table_rows in "elementwise.cu" (inv_freq: Ptr, rows: Rows, n_rows: I32, half: I32, table: Ptr);
+    RopeTableRows = rope_table_rows in "elementwise.cu" (inv_freq: Ptr, pos: Ptr, n_rows: I32, half: I32, table: Ptr);
     ScaleRound = scale_round in "elementwise.cu" (x: Ptr, out: Ptr, divisor: F32, n: U64);
     FillRandom = fill_random in "elementwise.cu" (out: Ptr, n: U64, seed: U64, mean: F32, std: F32);
     // Decode-sized products and the MLP's SiLU.
@@ -191,7 +186,6 @@ kernel_table! {
     SiluMulHalves8 = silu_mul_halves8 in "elementwise.cu" (gu: Ptr, out: Ptr, inter: I32);
     SiluMulHalves = silu_mul_halves in "elementwise.cu" (gu: Ptr, out: Ptr, rows: I32, inter: I32);
     // Lightning layers.
-    LightningDecode = lightning_decode in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, heads: I32, kv_heads: I32, d: I32, scale: F32);
     LightningDecodeRows = lightning_decode_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, rows: Rows, out: Ptr, slopes: Ptr, heads: I32, kv_heads: I32, d: I32, scale: F32);
     LightningChunked = lightning_chunked in "lightning/chunked.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32);
     LightningChunkState = lightning_chunk_state in "lightning/split.cu" (k: Ptr, v: Ptr, ds: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32);

@@ -5,19 +5,83 @@ use crate::pool;
 use crate::CudaBackend;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use sala_checkpoint::SparseConfig;
-use sala_model::{BResult, BackendError, HostDType, HostTensor};
+use sala_model::{AttnIo, BResult, BackendError, HostDType, HostTensor};
 use std::sync::Arc;
 
 pub(crate) fn be_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
     BackendError(format!("CUDA {what}: {e:?}"))
 }
 
-/// Activations `[rows, cols]` in bf16, with room for `cap_rows` rows.
+/// Activations `[rows, cols]` in bf16, with room for `cap_rows` rows. Ops see rows
+/// `first..first + rows` of the allocation as their rows `0..rows`: an attention call of a
+/// step runs on each sequence's rows through such a window ([`DevAct::window`]).
 pub struct DevAct {
-    pub buf: CudaSlice<u16>,
+    pub(crate) storage: CudaSlice<u16>,
     pub rows: usize,
     pub cols: usize,
+    pub(crate) first: usize,
     pub(crate) cap_rows: usize,
+}
+
+impl DevAct {
+    /// Shows rows `first..first + rows` of the allocation (absolute) as the rows of `self`.
+    pub(crate) fn window(&mut self, first: usize, rows: usize) {
+        assert!(first + rows <= self.cap_rows, "window past the allocation");
+        self.first = first;
+        self.rows = rows;
+    }
+
+    /// The window, to restore after a [`DevAct::window`].
+    pub(crate) fn current_window(&self) -> (usize, usize) {
+        (self.first, self.rows)
+    }
+
+    /// The allocation and the element offset of the window's first row (for copies).
+    pub(crate) fn slice_at(&self, row: usize) -> (&CudaSlice<u16>, usize) {
+        (&self.storage, (self.first + row) * self.cols)
+    }
+}
+
+/// An attention call's activations (q, k, v and out, the same rows), shown one run of rows at a
+/// time; the windows they came with are restored on drop.
+pub(crate) struct Windows<'a> {
+    acts: [&'a mut DevAct; 4],
+    saved: [(usize, usize); 4],
+}
+
+impl<'a> Windows<'a> {
+    pub(crate) fn new(io: AttnIo<'a, DevAct>) -> Self {
+        let acts = [io.q, io.k, io.v, io.out];
+        let saved = [0, 1, 2, 3].map(|i| acts[i].current_window());
+        Self { acts, saved }
+    }
+
+    /// The call's rows `first..first + rows`, as (q, k, v, out).
+    pub(crate) fn rows(
+        &mut self,
+        first: usize,
+        rows: usize,
+    ) -> (&DevAct, &DevAct, &DevAct, &mut DevAct) {
+        for (a, &(start, _)) in self.acts.iter_mut().zip(&self.saved) {
+            a.window(start + first, rows);
+        }
+        let [q, k, v, out] = &mut self.acts;
+        (&**q, &**k, &**v, &mut **out)
+    }
+}
+
+impl Drop for Windows<'_> {
+    fn drop(&mut self) {
+        for (a, &(first, rows)) in self.acts.iter_mut().zip(&self.saved) {
+            a.window(first, rows);
+        }
+    }
+}
+
+impl DevMem<u16> for DevAct {
+    fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64 {
+        self.storage.dev_ptr(stream) + (self.first * self.cols * 2) as u64
+    }
 }
 
 /// A bf16 matrix `[rows = out, cols = in]`.
@@ -93,6 +157,8 @@ pub(crate) struct Scratch {
     pub p: Option<CudaSlice<f32>>,
     pub blocks: Option<CudaSlice<i32>>,
     pub ids: Option<CudaSlice<u32>>,
+    /// Each row's position, for the RoPE table of a step of several sequences.
+    pub positions: Option<CudaSlice<i32>>,
     pub logits_in: Option<CudaSlice<u16>>,
     pub logits_out: Option<CudaSlice<u16>>,
     pub lightning: Option<CudaSlice<f32>>,
@@ -137,9 +203,14 @@ impl CudaBackend {
         s.dev_ptr(&self.stream)
     }
 
+    /// The device address of row 0 of `a`'s window.
+    pub(crate) fn act_ptr(&self, a: &DevAct) -> u64 {
+        self.ptr(a)
+    }
+
     /// The device address of row `row` of `a`.
     pub(crate) fn row_ptr(&self, a: &DevAct, row: usize) -> u64 {
-        self.ptr(&a.buf) + (row * a.cols * 2) as u64
+        self.ptr(a) + (row * a.cols * 2) as u64
     }
 
     /// The address of `scratch`'s slot `pick`, grown to at least `n` elements.
@@ -193,10 +264,11 @@ impl CudaBackend {
             .collect();
         let rows = data.len() / cols;
         Ok(DevAct {
-            buf: self
+            storage: self
                 .stream
                 .clone_htod(&bits)
                 .map_err(|e| be_err("upload", e))?,
+            first: 0,
             rows,
             cols,
             cap_rows: rows,

@@ -623,7 +623,7 @@ impl Planner {
                 let r = format!("{} rows", rows);
                 match self.lightning(rows, ld) {
                     LightningPlan::Decode => {
-                        add(K::LightningDecode, self.lightning_decode(lh, ld, 1), &r)
+                        add(K::LightningDecodeRows, self.lightning_decode(lh, ld, 1), &r)
                     }
                     LightningPlan::TwoPass => {
                         add(K::LightningStates, self.lightning_states(lh, ld), &r);
@@ -830,7 +830,7 @@ impl Planner {
         for rows in [8192usize, 100, 1] {
             let text = match self.lightning(rows, ld) {
                 LightningPlan::Decode => {
-                    self.describe_launch(K::LightningDecode, self.lightning_decode(lh, ld, 1))
+                    self.describe_launch(K::LightningDecodeRows, self.lightning_decode(lh, ld, 1))
                 }
                 LightningPlan::TwoPass => format!(
                     "two passes: {}; {}",

@@ -15,7 +15,9 @@ use sala_cuda::options::{Attention, DecodeGemv, LightningPrefill, SelectScores};
 use sala_cuda::{CudaBackend, CudaOptions, Store};
 use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
 use sala_model::oracle::{self, AttnShape, SparseMode};
-use sala_model::{Backend, HostDType, HostTensor, Model, WeightSource};
+use sala_model::{
+    AttnIo, Backend, HostDType, HostTensor, LogitRows, Model, Span, StepInput, WeightSource,
+};
 
 /// The options of this run: the environment's (`SALA_DEVICE_PROFILE` plans as that card).
 fn base_options() -> CudaOptions {
@@ -311,14 +313,13 @@ fn embed_matmul_head_norm_rope_match_cpu() {
         let ginv = g.upload_table(&inv).unwrap();
         for (norm, rope) in [(true, true), (false, true), (true, false)] {
             let mut c = cpu_act(&x, cols);
-            CpuBackend
-                .head_norm_rope(
-                    &mut c,
-                    d,
-                    norm.then_some((&cw, 1e-6)),
-                    rope.then_some((&inv, first)),
-                )
-                .unwrap();
+            sala_cpu::head_norm_rope(
+                &mut c.data,
+                cols,
+                d,
+                norm.then_some((cw.as_slice(), 1e-6)),
+                rope.then_some((inv.as_slice(), first)),
+            );
             let mut ga = g.act_from_host(&x, cols).unwrap();
             g.head_norm_rope(
                 &mut ga,
@@ -334,6 +335,16 @@ fn embed_matmul_head_norm_rope_match_cpu() {
                 5e-3,
             );
         }
+    }
+}
+
+/// The span of a call's `rows` rows, all of one sequence from position 0 (the positions matter
+/// only for RoPE, which these calls leave out).
+fn whole(rows: usize) -> Span {
+    Span {
+        first_row: 0,
+        len: rows,
+        pos: 0,
     }
 }
 
@@ -353,14 +364,20 @@ fn gpu_lightning(
     let mut out = g
         .act_from_host(&vec![0.0; rows * shape.q_width()], shape.q_width())
         .unwrap();
+    let io = AttnIo {
+        q: &mut g.act_from_host(q, shape.q_width()).unwrap(),
+        k: &mut g.act_from_host(k, shape.kv_width()).unwrap(),
+        v: &mut g.act_from_host(v, shape.kv_width()).unwrap(),
+        out: &mut out,
+    };
     g.lightning(
         shape,
         slopes,
-        &g.act_from_host(q, shape.q_width()).unwrap(),
-        &g.act_from_host(k, shape.kv_width()).unwrap(),
-        &g.act_from_host(v, shape.kv_width()).unwrap(),
-        &mut st,
-        &mut out,
+        None,
+        None,
+        io,
+        &[whole(rows)],
+        &mut [&mut st],
     )
     .unwrap();
     let Store::Own(st) = &st else { unreachable!() };
@@ -568,17 +585,14 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 let mut out = g
                     .act_from_host(&vec![0.0; c * shape.q_width()], shape.q_width())
                     .unwrap();
-                g.sparse_attention(
-                    shape,
-                    &cfg,
-                    mode,
-                    &g.act_from_host(&q[qa..qb], shape.q_width()).unwrap(),
-                    &g.act_from_host(&k[ka..kb], shape.kv_width()).unwrap(),
-                    &g.act_from_host(&v[ka..kb], shape.kv_width()).unwrap(),
-                    &mut gc,
-                    &mut out,
-                )
-                .unwrap();
+                let io = AttnIo {
+                    q: &mut g.act_from_host(&q[qa..qb], shape.q_width()).unwrap(),
+                    k: &mut g.act_from_host(&k[ka..kb], shape.kv_width()).unwrap(),
+                    v: &mut g.act_from_host(&v[ka..kb], shape.kv_width()).unwrap(),
+                    out: &mut out,
+                };
+                g.sparse_attention(shape, &cfg, io, &[whole(c)], &[mode], &mut [&mut gc])
+                    .unwrap();
                 close(
                     &format!("{mode:?} {attention:?} {shape:?} chunk at {at} len {c}"),
                     &g.to_host(&out).unwrap(),
@@ -675,15 +689,19 @@ fn fast_block_selection_matches_oracle_scores() {
                 let mut out = g
                     .act_from_host(&vec![0.0; c * shape.q_width()], shape.q_width())
                     .unwrap();
+                let io = AttnIo {
+                    q: &mut g.act_from_host(&q[qa..qb], shape.q_width()).unwrap(),
+                    k: &mut g.act_from_host(&k[ka..kb], shape.kv_width()).unwrap(),
+                    v: &mut g.act_from_host(&v[ka..kb], shape.kv_width()).unwrap(),
+                    out: &mut out,
+                };
                 g.sparse_attention(
                     shape,
                     &cfg,
-                    SparseMode::Sparse,
-                    &g.act_from_host(&q[qa..qb], shape.q_width()).unwrap(),
-                    &g.act_from_host(&k[ka..kb], shape.kv_width()).unwrap(),
-                    &g.act_from_host(&v[ka..kb], shape.kv_width()).unwrap(),
-                    &mut gc,
-                    &mut out,
+                    io,
+                    &[whole(c)],
+                    &[SparseMode::Sparse],
+                    &mut [&mut gc],
                 )
                 .unwrap();
                 let sel = g.last_selection(c * kvh * k_sel).unwrap();
@@ -862,8 +880,8 @@ fn small_model_matches_cpu() {
 
 /// Decodes `steps` random tokens after each prompt of the given lengths, alone and then all
 /// together in batched steps, on the tensor-core GEMVs and on the CUDA-core ones; every
-/// sequence must get the same logits, bit for bit. Returns how many sparse-layer calls ran
-/// batched (`sparse_rows_batched`).
+/// sequence must get the same logits, bit for bit. Returns how many sparse-layer calls of the
+/// batched steps ran batched (`sparse_rows_batched`).
 fn check_batched_decode(
     g: &CudaBackend,
     config: ModelConfig,
@@ -887,7 +905,7 @@ fn check_batched_decode(
         model.prefill(g, ws, &mut seq, p, &mut |_| {}).unwrap();
         seq
     };
-    let before = g.sparse_rows_batched_calls();
+    let mut batched_calls = 0;
     for gemv in [DecodeGemv::TensorCore, DecodeGemv::CudaCore] {
         set(g, |o| o.decode_gemv = gemv);
         let mut alone = Vec::new();
@@ -903,8 +921,20 @@ fn check_batched_decode(
         for step in 0..steps {
             let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
             let mut refs: Vec<_> = seqs.iter_mut().collect();
-            let logits = model.decode_batch(g, &mut ws, &mut refs, &toks).unwrap();
-            for (i, row) in logits.chunks(v).enumerate() {
+            let mut inputs: Vec<StepInput<'_, CudaBackend>> = refs
+                .iter_mut()
+                .zip(&toks)
+                .map(|(seq, t)| StepInput {
+                    mode: model.sparse_mode(seq.pos + 1),
+                    seq,
+                    tokens: std::slice::from_ref(t),
+                    logits: LogitRows::Last,
+                })
+                .collect();
+            let before = g.sparse_rows_batched_calls();
+            let logits = model.forward(g, &mut ws, &mut inputs).unwrap();
+            batched_calls += g.sparse_rows_batched_calls() - before;
+            for (i, row) in logits.iter().enumerate() {
                 assert!(
                     row == alone[i][step].as_slice(),
                     "{gemv:?} GEMVs: sequence {i} (prompt {}) step {step}: batched logits differ",
@@ -914,7 +944,22 @@ fn check_batched_decode(
         }
     }
     set(g, |o| o.decode_gemv = DecodeGemv::TensorCore);
-    g.sparse_rows_batched_calls() - before
+    batched_calls
+}
+
+/// A step mixing decode rows with prompt chunks gives every sequence the logits it gets run
+/// apart, bit for bit, on the GPU ([`sala_model::testing::check_mixed_step`]): the tiny model
+/// (head size 32: sparse rows one by one) and the small one (head size 128: batched).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn mixed_step_equals_running_apart_on_the_gpu() {
+    let g = gpu();
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 150;
+        let model = Model::random(&g, config, 9, &mut |_, _| {}).unwrap();
+        sala_model::testing::check_mixed_step(&g, &model).unwrap();
+    }
 }
 
 /// A batched decode step on the GPU gives every sequence the logits it gets decoded alone, bit

@@ -7,7 +7,7 @@
 use crate::generate::{request_tokens, Engine, EngineError, FinishReason, Step, TokenStream};
 use rayon::prelude::*;
 use sala_model::memory::MemoryPlan;
-use sala_model::{Backend, BackendError, LogitRows, SeqState};
+use sala_model::{Backend, BackendError, LogitRows, SeqState, StepInput};
 
 pub type RequestId = u64;
 
@@ -90,12 +90,6 @@ impl<B: Backend> Batch<B> {
 }
 
 impl<B: Backend> Engine<B> {
-    /// Most requests a batch on this engine may hold: a decode step needs a workspace row
-    /// per request.
-    pub fn max_batch(&self) -> usize {
-        self.prefill_chunk()
-    }
-
     /// Admits a request: checks it (an empty prompt, the context budget, and the memory plan
     /// of every sequence in the batch together with this one) and allocates its caches. Its
     /// prompt is read by the following [`Engine::step`]s.
@@ -161,36 +155,7 @@ impl<B: Backend> Engine<B> {
         ready: &dyn Fn(RequestId) -> bool,
         on_event: &mut dyn FnMut(RequestId, BatchEvent<'_>) -> bool,
     ) {
-        let (be, model) = (&self.backend, &self.model);
-        let ws = &mut self.workspace;
-        // 1. One chunk of the oldest prompt still being read.
-        if let Some(m) = batch
-            .members
-            .iter_mut()
-            .find(|m| m.done.is_none() && m.read < m.prompt.len())
-        {
-            let n = ws.max_rows.min(m.prompt.len() - m.read);
-            let last = m.read + n == m.prompt.len();
-            let mode = model.sparse_mode(m.prompt.len());
-            let rows = if last {
-                LogitRows::Last
-            } else {
-                LogitRows::None
-            };
-            let chunk = &m.prompt[m.read..m.read + n];
-            match model.forward(be, ws, &mut m.seq, chunk, mode, rows) {
-                Ok(logits) => {
-                    m.read += n;
-                    if last {
-                        m.logits = Some(logits);
-                        let prompt_tokens = m.prompt.len();
-                        on_event(m.id, BatchEvent::Prefilled { prompt_tokens });
-                    }
-                }
-                Err(e) => m.done = Some(Err(e.into())),
-            }
-        }
-        // 2. A token for every request whose logits are ready: sampled for all of them at
+        // 1. A token for every request whose logits are ready: sampled for all of them at
         // once (each stream has its own sampler, so the threads change no result), then
         // reported in batch order.
         let mut picked: Vec<(&mut Member<B>, Vec<f32>)> = batch
@@ -218,30 +183,101 @@ impl<B: Backend> Engine<B> {
                 Err(e) => m.done = Some(Err(e)),
             }
         }
-        // 3. One batched decode step for every token to feed.
-        let mut fed: Vec<&mut Member<B>> = batch
-            .members
-            .iter_mut()
-            .filter(|m| m.done.is_none() && m.feed.is_some())
-            .collect();
-        if !fed.is_empty() {
-            let tokens: Vec<u32> = fed.iter_mut().filter_map(|m| m.feed.take()).collect();
-            let mut seqs: Vec<&mut SeqState<B>> = fed.iter_mut().map(|m| &mut m.seq).collect();
-            match model.decode_batch(be, ws, &mut seqs, &tokens) {
-                Ok(logits) => {
-                    let vocab = logits.len() / tokens.len();
-                    for (m, row) in fed.iter_mut().zip(logits.chunks(vocab)) {
-                        m.logits = Some(row.to_vec());
+        // 2. One forward pass over the step's token budget (the workspace's rows): every
+        // token to feed first, then prompt chunks, oldest request first, each the next whole
+        // chunk of its prompt (cut where reading it alone cuts it, so its results are the
+        // same) while they fit. The budget holds a chunk beside a row for each request.
+        let (be, model) = (&self.backend, &self.model);
+        let (budget, chunk) = (self.workspace.max_rows, self.workspace.chunk);
+        let mut used = 0;
+        let mut plan: Vec<(usize, usize)> = Vec::new();
+        for (i, m) in batch.members.iter().enumerate() {
+            if m.done.is_none() && m.feed.is_some() && used < budget {
+                plan.push((i, 1));
+                used += 1;
+            }
+        }
+        for (i, m) in batch.members.iter().enumerate() {
+            let n = chunk.min(m.prompt.len() - m.read);
+            if m.done.is_none() && n > 0 && used + n <= budget {
+                plan.push((i, n));
+                used += n;
+            }
+        }
+        if plan.is_empty() {
+            return self.retire(batch, on_event);
+        }
+        let mut inputs = Vec::with_capacity(plan.len());
+        let mut order = plan.iter().map(|&(i, _)| i).peekable();
+        for (i, m) in batch.members.iter_mut().enumerate() {
+            if order.peek() != Some(&i) {
+                continue;
+            }
+            order.next();
+            let n = plan.iter().find(|p| p.0 == i).map_or(0, |p| p.1);
+            let (tokens, mode, last) = match &m.feed {
+                Some(t) => (
+                    std::slice::from_ref(t),
+                    model.sparse_mode(m.seq.pos + 1),
+                    true,
+                ),
+                None => (
+                    &m.prompt[m.read..m.read + n],
+                    model.sparse_mode(m.prompt.len()),
+                    m.read + n == m.prompt.len(),
+                ),
+            };
+            inputs.push((
+                i,
+                StepInput {
+                    seq: &mut m.seq,
+                    tokens,
+                    mode,
+                    logits: if last {
+                        LogitRows::Last
+                    } else {
+                        LogitRows::None
+                    },
+                },
+            ));
+        }
+        // Inputs in row order: the decode rows, then the prompt chunks.
+        let rank = |i: usize| plan.iter().position(|p| p.0 == i).unwrap_or(usize::MAX);
+        inputs.sort_by_key(|(i, _)| rank(*i));
+        let (who, mut step): (Vec<usize>, Vec<StepInput<'_, B>>) = inputs.into_iter().unzip();
+        let result = model.forward(be, &mut self.workspace, &mut step);
+        drop(step);
+        match result {
+            Ok(logits) => {
+                for (&i, logits) in who.iter().zip(logits) {
+                    let m = &mut batch.members[i];
+                    if m.feed.take().is_none() {
+                        let n = plan.iter().find(|p| p.0 == i).map_or(0, |p| p.1);
+                        m.read += n;
+                        if m.read < m.prompt.len() {
+                            continue;
+                        }
+                        let prompt_tokens = m.prompt.len();
+                        on_event(m.id, BatchEvent::Prefilled { prompt_tokens });
                     }
+                    m.logits = Some(logits);
                 }
-                Err(e) => {
-                    for m in fed.iter_mut() {
-                        m.done = Some(Err(BackendError(e.0.clone()).into()));
-                    }
+            }
+            Err(e) => {
+                for &i in &who {
+                    batch.members[i].done = Some(Err(BackendError(e.0.clone()).into()));
                 }
             }
         }
-        // 4. Ended requests leave the batch.
+        self.retire(batch, on_event)
+    }
+
+    /// Ended requests leave the batch, each with its `Done`.
+    fn retire(
+        &mut self,
+        batch: &mut Batch<B>,
+        on_event: &mut dyn FnMut(RequestId, BatchEvent<'_>) -> bool,
+    ) {
         let mut i = 0;
         while i < batch.members.len() {
             if batch.members[i].done.is_some() {

@@ -68,6 +68,8 @@ pub struct Engine<B: Backend> {
     pub tokenizer: Tokenizer,
     pub dir: PathBuf,
     pub(crate) workspace: Workspace<B>,
+    /// Most requests in a batch: the decode rows a step's workspace holds beside a chunk.
+    max_batch: usize,
     /// The limit every request's memory plan is checked against, and the plan's target.
     memory_limit: Option<(MemoryLimit, Target)>,
 }
@@ -213,20 +215,42 @@ impl<B: Backend> Engine<B> {
         dir: &Path,
         chunk: usize,
     ) -> Result<Self, EngineError> {
-        let workspace = model.workspace(&backend, chunk.max(1))?;
+        // One request (`generate`); batches ask for more rows with `set_max_batch`.
+        let workspace = model.step_workspace(&backend, chunk.max(1), 1)?;
         Ok(Self {
             backend,
             model,
             tokenizer,
             dir: dir.to_path_buf(),
             workspace,
+            max_batch: 1,
             memory_limit: None,
         })
     }
 
-    /// Rows of the prefill workspace.
+    /// Prompt tokens a prefill chunk reads.
     pub fn prefill_chunk(&self) -> usize {
-        self.workspace.max_rows
+        self.workspace.chunk
+    }
+
+    /// Most requests a batch on this engine may hold (each step holds a prompt chunk beside
+    /// a decode row for each).
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Lets batches hold `n` requests (at least 1): the workspace is made again for a
+    /// chunk beside `n` decode rows.
+    pub fn set_max_batch(&mut self, n: usize) -> Result<(), EngineError> {
+        let n = n.max(1);
+        if n != self.max_batch {
+            let chunk = self.workspace.chunk;
+            // The old workspace goes first, so the two are never held together.
+            self.workspace = self.model.step_workspace(&self.backend, chunk, 0)?;
+            self.workspace = self.model.step_workspace(&self.backend, chunk, n)?;
+            self.max_batch = n;
+        }
+        Ok(())
     }
 
     /// From now on, every request's [`MemoryPlan`] for `target` must fit `limit` (`None`

@@ -24,7 +24,9 @@ fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
     .unwrap();
     sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
     // 64-token prefill chunks: prompts longer than that take several steps to read.
-    Engine::load(CpuBackend, dir, 64, &mut |_, _| {}).unwrap()
+    let mut e = Engine::load(CpuBackend, dir, 64, &mut |_, _| {}).unwrap();
+    e.set_max_batch(32).unwrap();
+    e
 }
 
 fn opts(max_tokens: usize, temperature: f32, seed: u64) -> GenerateOptions {

@@ -75,7 +75,8 @@ fn a_request_over_the_memory_limit_is_refused_before_any_work() {
     let prompt = e.tokenizer.encode("The quick brown fox", true).unwrap();
     let o = opts(8, 4096);
     let plan = e.memory_plan(prompt.len() + 8, Target::Cpu);
-    assert_eq!(plan.chunk, e.prefill_chunk());
+    // The workspace of a step: a prompt chunk beside the batch's decode rows.
+    assert_eq!(plan.rows, e.prefill_chunk() + e.max_batch());
     assert_eq!(plan.context, prompt.len() + 8);
 
     // One byte short of the plan: refused, naming both sizes; nothing was prefilled.

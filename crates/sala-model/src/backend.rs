@@ -226,28 +226,6 @@ pub trait Backend {
     }
     /// `x = round(x · round(sigmoid(gate)))`.
     fn sigmoid_gate(&self, x: &mut Self::Act, gate: &Self::Act) -> BResult<()>;
-    /// Per head of `head_dim` features: optional RMSNorm with the shared weight `norm`, then
-    /// optional RoPE (rotate-half, positions `first_pos..`, inverse frequencies `inv_freq`).
-    fn head_norm_rope(
-        &self,
-        x: &mut Self::Act,
-        head_dim: usize,
-        norm: Option<(&Self::Vector, f32)>,
-        rope: Option<(&Self::Table, usize)>,
-    ) -> BResult<()>;
-    /// [`Backend::head_norm_rope`] on the queries and the keys of one layer (one launch where
-    /// the backend fuses them).
-    fn head_norm_rope_qk(
-        &self,
-        q: &mut Self::Act,
-        k: &mut Self::Act,
-        head_dim: usize,
-        norms: Option<(&Self::Vector, &Self::Vector, f32)>,
-        rope: Option<(&Self::Table, usize)>,
-    ) -> BResult<()> {
-        self.head_norm_rope(q, head_dim, norms.map(|(w, _, e)| (w, e)), rope)?;
-        self.head_norm_rope(k, head_dim, norms.map(|(_, w, e)| (w, e)), rope)
-    }
     /// `out = rms_norm(x, w)`, then, with a gate, `out = round(out · round(sigmoid(gate)))`.
     fn rms_norm_gate(
         &self,
@@ -263,81 +241,43 @@ pub trait Backend {
             None => Ok(()),
         }
     }
-    /// Lightning attention (Simple GLA, SPEC §4.2) of the chunk from `state`, which it
-    /// advances past the chunk; `out` gets `o` rounded to bf16.
+    /// Lightning attention (Simple GLA, SPEC §4.2) of a step's sequences: span `i` is the
+    /// rows of sequence `i`, advanced from `states[i]`. Per head of q and k, the optional
+    /// RMSNorm (`norms`: q weight, k weight, eps) then the optional RoPE at each row's
+    /// position; `out` gets `o` rounded to bf16. Each span's result does not depend on the
+    /// others.
     #[allow(clippy::too_many_arguments)]
     fn lightning(
         &self,
         shape: AttnShape,
         slopes: &Self::Table,
-        q: &Self::Act,
-        k: &Self::Act,
-        v: &Self::Act,
-        state: &mut Self::LightningState,
-        out: &mut Self::Act,
-    ) -> BResult<()>;
-    /// One decode step of a lightning layer for several sequences: row `r` of `q`, `k`, `v` is
-    /// the token at `positions[r]` of the sequence whose state is `states[r]`. Per row, as
-    /// [`Backend::head_norm_rope_qk`] (RoPE at the row's position when `inv_freq` is given)
-    /// then [`Backend::lightning`] of one token; row by row here, one launch each where the
-    /// backend batches them.
-    #[allow(clippy::too_many_arguments)]
-    fn lightning_rows(
-        &self,
-        shape: AttnShape,
-        slopes: &Self::Table,
-        q: &mut Self::Act,
-        k: &mut Self::Act,
-        v: &Self::Act,
         norms: Option<(&Self::Vector, &Self::Vector, f32)>,
         inv_freq: Option<&Self::Table>,
-        positions: &[usize],
+        io: AttnIo<'_, Self::Act>,
+        spans: &[Span],
         states: &mut [&mut Self::LightningState],
-        out: &mut Self::Act,
-    ) -> BResult<()> {
-        lightning_row_by_row(
-            self, shape, slopes, q, k, v, norms, inv_freq, positions, states, out,
-        )
-    }
-    /// One decode step of a sparse layer for several sequences: row `r` of `q`, `k`, `v` is the
-    /// next token of the sequence whose cache is `caches[r]`, attended with `modes[r]`; as
-    /// [`Backend::sparse_attention`] of one row each (row by row here; in a few launches for
-    /// all rows where the backend batches them, with each row's result unchanged).
-    #[allow(clippy::too_many_arguments)]
-    fn sparse_rows(
-        &self,
-        shape: AttnShape,
-        cfg: &SparseConfig,
-        modes: &[SparseMode],
-        q: &Self::Act,
-        k: &Self::Act,
-        v: &Self::Act,
-        caches: &mut [&mut Self::SparseCache],
-        out: &mut Self::Act,
-    ) -> BResult<()> {
-        sparse_row_by_row(self, shape, cfg, modes, q, k, v, caches, out)
-    }
-    /// Appends the chunk's K and V to `cache`, then attends the chunk's queries (positions
-    /// continue the cache) with `mode` (SPEC §5); `out` gets the result rounded to bf16.
+    ) -> BResult<()>;
+    /// Sparse attention (SPEC §5) of a step's sequences: span `i` appends its rows' K and V to
+    /// `caches[i]`, then attends its queries (positions continue the cache) with `modes[i]`;
+    /// `out` gets the result rounded to bf16. Each span's result does not depend on the
+    /// others.
     #[allow(clippy::too_many_arguments)]
     fn sparse_attention(
         &self,
         shape: AttnShape,
         cfg: &SparseConfig,
-        mode: SparseMode,
-        q: &Self::Act,
-        k: &Self::Act,
-        v: &Self::Act,
-        cache: &mut Self::SparseCache,
-        out: &mut Self::Act,
+        io: AttnIo<'_, Self::Act>,
+        spans: &[Span],
+        modes: &[SparseMode],
+        caches: &mut [&mut Self::SparseCache],
     ) -> BResult<()>;
-    /// Logits of the rows `rows` of `h` (final-normed hidden states): `round(h / divisor)`
-    /// times `lm_head`ᵀ, rounded to bf16 as the reference's bf16 output, returned as f32
-    /// `[rows.len(), vocab]`.
+    /// Logits of the rows `rows` of `h` (final-normed hidden states), in that order:
+    /// `round(h / divisor)` times `lm_head`ᵀ, rounded to bf16 as the reference's bf16
+    /// output, returned as f32 `[rows.len(), vocab]`.
     fn logits(
         &self,
         h: &Self::Act,
-        rows: std::ops::Range<usize>,
+        rows: &[usize],
         lm_head: &Self::Matrix,
         divisor: f32,
     ) -> BResult<Vec<f32>>;
@@ -345,94 +285,139 @@ pub trait Backend {
     fn to_host(&self, a: &Self::Act) -> BResult<Vec<f32>>;
 }
 
-/// Runs `attend(r, q, k, v, out)` for each of `rows` rows through one-row copies of row `r`
-/// of `q`, `k`, `v`, writing its `out` back to row `r` of `out`.
-fn each_row<B: Backend + ?Sized>(
-    be: &B,
-    shape: AttnShape,
-    rows: usize,
-    (q, k, v): (&B::Act, &B::Act, &B::Act),
-    out: &mut B::Act,
-    mut attend: impl FnMut(usize, &mut B::Act, &mut B::Act, &B::Act, &mut B::Act) -> BResult<()>,
-) -> BResult<()> {
-    let d = shape.head_dim;
-    let mut rq = be.alloc(1, shape.heads * d)?;
-    let mut rk = be.alloc(1, shape.kv_heads * d)?;
-    let mut rv = be.alloc(1, shape.kv_heads * d)?;
-    let mut ro = be.alloc(1, shape.heads * d)?;
-    for r in 0..rows {
-        be.copy_rows(q, r, &mut rq, 0, 1)?;
-        be.copy_rows(k, r, &mut rk, 0, 1)?;
-        be.copy_rows(v, r, &mut rv, 0, 1)?;
-        attend(r, &mut rq, &mut rk, &rv, &mut ro)?;
-        be.copy_rows(&ro, 0, out, r, 1)?;
+/// The activations an attention entry reads and writes: q `[rows, heads·d]`, k and v
+/// `[rows, kv_heads·d]` (q and k are normed and rotated in place), and `out`
+/// `[rows, heads·d]`.
+pub struct AttnIo<'a, A> {
+    pub q: &'a mut A,
+    pub k: &'a mut A,
+    pub v: &'a mut A,
+    pub out: &'a mut A,
+}
+
+/// One sequence's rows in a step: rows `first_row..first_row + len` of the step's
+/// activations are its tokens at positions `pos..pos + len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub first_row: usize,
+    pub len: usize,
+    pub pos: usize,
+}
+
+impl Span {
+    pub fn rows(&self) -> std::ops::Range<usize> {
+        self.first_row..self.first_row + self.len
+    }
+}
+
+/// How a backend runs a step's spans: runs of single-row spans on adjacent rows (decode rows,
+/// one launch for all where the backend batches them), and longer spans one by one (prompt
+/// chunks, verification spans).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SpanRun {
+    /// Spans `spans` (indices), one row each, on rows `first_row..first_row + spans.len()`.
+    Rows {
+        spans: std::ops::Range<usize>,
+        first_row: usize,
+    },
+    /// Span `i`, of several rows.
+    Chunk(usize),
+}
+
+/// Checks a step's spans against its activations (`rows` rows) and the number of states
+/// given (`states`): every span non-empty, inside the rows, and no two overlapping.
+pub fn check_spans(spans: &[Span], rows: usize, states: usize) -> BResult<()> {
+    if spans.len() != states {
+        return Err(BackendError(format!(
+            "{} spans for {states} sequence states",
+            spans.len()
+        )));
+    }
+    let mut sorted: Vec<&Span> = spans.iter().collect();
+    sorted.sort_by_key(|s| s.first_row);
+    let mut end = 0;
+    for s in sorted {
+        if s.len == 0 || s.first_row < end || s.first_row + s.len > rows {
+            return Err(BackendError(format!(
+                "span rows {:?} overlap another or leave the step's {rows} rows",
+                s.rows()
+            )));
+        }
+        end = s.first_row + s.len;
     }
     Ok(())
 }
 
-/// [`Backend::lightning_rows`] one row at a time, through one-row buffers.
-#[allow(clippy::too_many_arguments)]
-pub fn lightning_row_by_row<B: Backend + ?Sized>(
-    be: &B,
-    shape: AttnShape,
-    slopes: &B::Table,
-    q: &B::Act,
-    k: &B::Act,
-    v: &B::Act,
-    norms: Option<(&B::Vector, &B::Vector, f32)>,
-    inv_freq: Option<&B::Table>,
-    positions: &[usize],
-    states: &mut [&mut B::LightningState],
-    out: &mut B::Act,
-) -> BResult<()> {
-    if positions.len() != states.len() {
-        return Err(BackendError(format!(
-            "lightning_rows: {} positions for {} states",
-            positions.len(),
-            states.len()
-        )));
+/// The runs of `spans` (see [`SpanRun`]), in span order.
+pub fn span_runs(spans: &[Span]) -> Vec<SpanRun> {
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < spans.len() {
+        if spans[i].len != 1 {
+            runs.push(SpanRun::Chunk(i));
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i + 1 < spans.len()
+            && spans[i + 1].len == 1
+            && spans[i + 1].first_row == spans[i].first_row + 1
+        {
+            i += 1;
+        }
+        i += 1;
+        runs.push(SpanRun::Rows {
+            spans: start..i,
+            first_row: spans[start].first_row,
+        });
     }
-    let d = shape.head_dim;
-    each_row(
-        be,
-        shape,
-        states.len(),
-        (q, k, v),
-        out,
-        |r, rq, rk, rv, ro| {
-            let rope = inv_freq.map(|f| (f, positions[r]));
-            be.head_norm_rope_qk(rq, rk, d, norms, rope)?;
-            be.lightning(shape, slopes, rq, rk, rv, states[r], ro)
-        },
-    )
+    runs
 }
 
-/// [`Backend::sparse_rows`] one row at a time, through one-row buffers.
-#[allow(clippy::too_many_arguments)]
-pub fn sparse_row_by_row<B: Backend + ?Sized>(
-    be: &B,
-    shape: AttnShape,
-    cfg: &SparseConfig,
-    modes: &[SparseMode],
-    q: &B::Act,
-    k: &B::Act,
-    v: &B::Act,
-    caches: &mut [&mut B::SparseCache],
-    out: &mut B::Act,
-) -> BResult<()> {
-    if modes.len() != caches.len() {
-        return Err(BackendError(format!(
-            "sparse_rows: {} modes for {} caches",
-            modes.len(),
-            caches.len()
-        )));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(first_row: usize, len: usize) -> Span {
+        Span {
+            first_row,
+            len,
+            pos: 0,
+        }
     }
-    each_row(
-        be,
-        shape,
-        caches.len(),
-        (q, k, v),
-        out,
-        |r, rq, rk, rv, ro| be.sparse_attention(shape, cfg, modes[r], rq, rk, rv, caches[r], ro),
-    )
+
+    #[test]
+    fn runs_group_adjacent_single_rows() {
+        let spans = [span(0, 1), span(1, 1), span(2, 5), span(7, 1), span(9, 1)];
+        assert_eq!(
+            span_runs(&spans),
+            vec![
+                SpanRun::Rows {
+                    spans: 0..2,
+                    first_row: 0
+                },
+                SpanRun::Chunk(2),
+                SpanRun::Rows {
+                    spans: 3..4,
+                    first_row: 7
+                },
+                SpanRun::Rows {
+                    spans: 4..5,
+                    first_row: 9
+                },
+            ]
+        );
+        assert!(check_spans(&spans, 10, 5).is_ok());
+    }
+
+    #[test]
+    fn bad_spans_are_refused() {
+        assert!(
+            check_spans(&[span(0, 2), span(1, 1)], 4, 2).is_err(),
+            "overlap"
+        );
+        assert!(check_spans(&[span(3, 2)], 4, 1).is_err(), "past the rows");
+        assert!(check_spans(&[span(0, 0)], 4, 1).is_err(), "empty");
+        assert!(check_spans(&[span(0, 1)], 4, 2).is_err(), "state count");
+    }
 }

@@ -6,7 +6,8 @@ pub mod memory;
 pub mod model;
 pub mod numerics;
 pub mod oracle;
+pub mod testing;
 
-pub use backend::{BResult, Backend, BackendError, HostDType, HostTensor};
-pub use model::{tensor_count, LogitRows, Model, SeqState, WeightSource, Workspace};
+pub use backend::{AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, Span};
+pub use model::{tensor_count, LogitRows, Model, SeqState, StepInput, WeightSource, Workspace};
 pub use oracle::{AttnShape, SparseMode};

@@ -140,15 +140,15 @@ impl Target {
     }
 }
 
-/// Memory one sequence of `context` tokens needs on a backend, prefilled in chunks of
-/// `chunk` rows: the model's weights, the sequence's caches, the chunk workspace, and the
-/// backend's scratch and runtime.
+/// Memory one sequence of `context` tokens needs on a backend whose steps hold `rows` rows (a
+/// prompt chunk and the decode rows beside it): the model's weights, the sequence's caches,
+/// the step workspace, and the backend's scratch and runtime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct MemoryPlan {
     /// Tokens the sequence holds at most (prompt and generated).
     pub context: usize,
-    /// Rows of the chunk workspace.
-    pub chunk: usize,
+    /// Rows of the step workspace.
+    pub rows: usize,
     pub weights: usize,
     pub cache: CacheBytes,
     pub workspace: usize,
@@ -160,12 +160,12 @@ pub struct MemoryPlan {
 }
 
 impl MemoryPlan {
-    pub fn new(c: &ModelConfig, context: usize, chunk: usize, target: Target) -> Self {
+    pub fn new(c: &ModelConfig, context: usize, rows: usize, target: Target) -> Self {
         let vb = target.value_bytes();
         let row: usize = workspace_columns(c).iter().map(|(_, cols)| cols).sum();
         let (scratch, runtime) = match target {
             Target::Cuda | Target::CudaPool { .. } => {
-                let stacked = chunk * widest_stacked_projection(c) * BF16;
+                let stacked = rows * widest_stacked_projection(c) * BF16;
                 (
                     CUDA_SCRATCH_BYTES.max(stacked + CUDA_OTHER_SCRATCH),
                     CUDA_CONTEXT_BYTES
@@ -179,7 +179,7 @@ impl MemoryPlan {
         };
         Self {
             context,
-            chunk,
+            rows,
             weights: sala_checkpoint::expected_parameter_count(c) as usize * vb,
             cache: cache_bytes_with(
                 c,
@@ -190,7 +190,7 @@ impl MemoryPlan {
                     _ => None,
                 },
             ),
-            workspace: chunk * row * vb,
+            workspace: rows * row * vb,
             scratch,
             runtime,
         }
@@ -231,7 +231,7 @@ impl MemoryPlan {
             g(self.cache.compressed),
             g(self.cache.lightning_state),
             g(self.workspace),
-            self.chunk
+            self.rows
         );
         if self.scratch + self.runtime > 0 {
             s += &format!(

@@ -1,6 +1,6 @@
 //! The MiniCPM-SALA forward pass (SPEC §3–§7), written once over [`Backend`].
 
-use crate::backend::{BResult, Backend, BackendError, HostTensor};
+use crate::backend::{AttnIo, BResult, Backend, BackendError, HostTensor, Span};
 use crate::memory::{workspace_columns, WORKSPACE_BUFFERS};
 use crate::numerics::rope_inv_freq;
 use crate::oracle::{AttnShape, SparseMode};
@@ -62,31 +62,141 @@ enum LayerState<B: Backend> {
     Sparse(B::SparseCache),
 }
 
-/// Layer `i`'s lightning states and sparse caches over `seqs` (a layer has one kind, so one of
-/// the two is empty).
-#[allow(clippy::type_complexity)]
-fn layer_states<'a, B: Backend>(
-    seqs: &'a mut [&mut SeqState<B>],
-    i: usize,
-) -> (Vec<&'a mut B::LightningState>, Vec<&'a mut B::SparseCache>) {
-    let (mut lightning, mut sparse) = (Vec::new(), Vec::new());
-    for seq in seqs.iter_mut() {
-        match &mut seq.layers[i] {
-            LayerState::Lightning(st) => lightning.push(st),
-            LayerState::Sparse(cache) => sparse.push(cache),
-        }
-    }
-    (lightning, sparse)
-}
-
 fn state_mismatch() -> BackendError {
     BackendError("layer state does not match the layer kind".into())
+}
+
+/// One sequence's part of a step ([`Model::forward`]).
+pub struct StepInput<'a, B: Backend> {
+    pub seq: &'a mut SeqState<B>,
+    /// Its next tokens, fed at positions `seq.pos..`.
+    pub tokens: &'a [u32],
+    /// The attention of its sparse layers ([`Model::sparse_mode`]).
+    pub mode: SparseMode,
+    pub logits: LogitRows,
+}
+
+/// What every layer of a step shares.
+struct StepCtx<'a> {
+    spans: &'a [Span],
+    modes: &'a [SparseMode],
+    eps: f32,
+    /// The residual branches' scale.
+    res: f32,
+}
+
+impl<B: Backend> Layer<B> {
+    /// The layer on every row of the step: `ws.a` holds its input norm (made by the previous
+    /// layer's last add) and, on return, `next_norm` of its output, which is added into
+    /// `ws.h`.
+    fn forward(
+        &self,
+        m: &Model<B>,
+        be: &B,
+        step: &StepCtx<'_>,
+        ws: &mut Workspace<B>,
+        states: &mut [&mut LayerState<B>],
+        next_norm: &B::Vector,
+    ) -> BResult<()> {
+        let c = &m.config;
+        let eps = step.eps;
+        let (stacked, o_proj, gated) = match &self.mixer {
+            Mixer::Lightning { qkvz, o, gated, .. } => (qkvz, o, *gated),
+            Mixer::Sparse { qkvg, o, gated } => (qkvg, o, *gated),
+        };
+        let (k, v) = match self.mixer {
+            Mixer::Lightning { .. } => (&mut ws.kl, &mut ws.vl),
+            Mixer::Sparse { .. } => (&mut ws.ks, &mut ws.vs),
+        };
+        if gated {
+            be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v, &mut ws.z])?;
+        } else {
+            be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v])?;
+        }
+        let io = AttnIo {
+            q: &mut ws.q,
+            k,
+            v,
+            out: &mut ws.o,
+        };
+        match &self.mixer {
+            Mixer::Lightning { q_norm, k_norm, .. } => {
+                let mut lstates = states
+                    .iter_mut()
+                    .map(|s| match s {
+                        LayerState::Lightning(st) => Ok(st),
+                        LayerState::Sparse(_) => Err(state_mismatch()),
+                    })
+                    .collect::<BResult<Vec<_>>>()?;
+                let norms = q_norm
+                    .as_ref()
+                    .zip(k_norm.as_ref())
+                    .map(|(qw, kw)| (qw, kw, eps));
+                be.lightning(
+                    m.lightning_shape(),
+                    &m.slopes,
+                    norms,
+                    c.lightning_use_rope.then_some(&m.inv_freq),
+                    io,
+                    step.spans,
+                    &mut lstates,
+                )?;
+            }
+            Mixer::Sparse { .. } => {
+                let mut caches = states
+                    .iter_mut()
+                    .map(|s| match s {
+                        LayerState::Sparse(cache) => Ok(cache),
+                        LayerState::Lightning(_) => Err(state_mismatch()),
+                    })
+                    .collect::<BResult<Vec<_>>>()?;
+                be.sparse_attention(
+                    m.sparse_shape(),
+                    &c.sparse,
+                    io,
+                    step.spans,
+                    step.modes,
+                    &mut caches,
+                )?;
+            }
+        }
+        let normed = match &self.mixer {
+            Mixer::Lightning {
+                o_norm: Some(w), ..
+            } => {
+                be.rms_norm_gate(&ws.o, w, eps, gated.then_some(&ws.z), &mut ws.q)?;
+                &ws.q
+            }
+            _ => {
+                if gated {
+                    be.sigmoid_gate(&mut ws.o, &ws.z)?;
+                }
+                &ws.o
+            }
+        };
+        be.matmul(normed, o_proj, &mut ws.branch)?;
+        be.add_scaled_norm(
+            &mut ws.h,
+            &ws.branch,
+            step.res,
+            &self.post_norm,
+            eps,
+            &mut ws.a,
+        )?;
+        be.matmul_silu(&ws.a, &self.gate_up, &mut ws.gate_up, &mut ws.act)?;
+        be.matmul(&ws.act, &self.down_proj, &mut ws.branch)?;
+        be.add_scaled_norm(&mut ws.h, &ws.branch, step.res, next_norm, eps, &mut ws.a)
+    }
 }
 
 /// Scratch buffers for one chunk of up to `max_rows` tokens, allocated once: one per entry of
 /// [`workspace_columns`], in its order.
 pub struct Workspace<B: Backend> {
+    /// Rows a step may hold.
     pub max_rows: usize,
+    /// Prompt tokens a chunk reads ([`Model::prefill`]); the rest of the rows are for the
+    /// decode rows of the same step.
+    pub chunk: usize,
     h: B::Act,
     a: B::Act,
     branch: B::Act,
@@ -436,9 +546,21 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// Scratch buffers for chunks of up to `max_rows` tokens: exactly those of
-    /// [`workspace_columns`], which the memory plan counts.
-    pub fn workspace(&self, be: &B, max_rows: usize) -> BResult<Workspace<B>> {
+    /// Scratch buffers for steps of up to `chunk` tokens, prompts read in chunks of `chunk`.
+    pub fn workspace(&self, be: &B, chunk: usize) -> BResult<Workspace<B>> {
+        self.step_workspace(be, chunk, 0)
+    }
+
+    /// Scratch buffers for steps of a prompt chunk of up to `chunk` tokens beside up to
+    /// `decode_rows` decode rows: exactly those of [`workspace_columns`], which the memory plan
+    /// counts.
+    pub fn step_workspace(
+        &self,
+        be: &B,
+        chunk: usize,
+        decode_rows: usize,
+    ) -> BResult<Workspace<B>> {
+        let max_rows = chunk + decode_rows;
         let bufs = workspace_columns(&self.config)
             .iter()
             .map(|&(_, cols)| be.alloc(max_rows, cols))
@@ -450,6 +572,7 @@ impl<B: Backend> Model<B> {
         };
         Ok(Workspace {
             max_rows,
+            chunk,
             h,
             a,
             branch,
@@ -476,68 +599,43 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// Runs one chunk of `tokens` (at most `ws.max_rows`) through the model, advancing `seq`.
-    /// Returns the logits of the requested rows, `[rows, vocab]`.
+    /// One step: every input's tokens go through the model in one pass (rows in batch order,
+    /// so each weight is read once for the whole step), each advancing its own sequence.
+    /// Inputs may mix decode rows, prompt chunks and longer spans; a sequence's result does
+    /// not depend on the others in the step. Returns each input's logits (`[rows, vocab]`,
+    /// empty for [`LogitRows::None`]).
     pub fn forward(
         &self,
         be: &B,
         ws: &mut Workspace<B>,
-        seq: &mut SeqState<B>,
-        tokens: &[u32],
-        mode: SparseMode,
-        rows: LogitRows,
-    ) -> BResult<Vec<f32>> {
-        self.run(be, ws, &mut [seq], tokens, &[mode], rows)
-    }
-
-    /// One decode step of several sequences at once: `tokens[i]` is fed to `seqs[i]`. The
-    /// matrix products and norms run on all rows together, each sequence's attention on its
-    /// own row; every op treats rows independently, so a sequence's logits do not depend on
-    /// the others in the batch. Returns the logits `[seqs.len(), vocab]`.
-    pub fn decode_batch(
-        &self,
-        be: &B,
-        ws: &mut Workspace<B>,
-        seqs: &mut [&mut SeqState<B>],
-        tokens: &[u32],
-    ) -> BResult<Vec<f32>> {
-        if seqs.len() != tokens.len() {
-            return Err(BackendError(format!(
-                "decode_batch: {} sequences but {} tokens",
-                seqs.len(),
-                tokens.len()
-            )));
-        }
-        let modes: Vec<SparseMode> = seqs.iter().map(|s| self.sparse_mode(s.pos + 1)).collect();
-        self.run(be, ws, seqs, tokens, &modes, LogitRows::All)
-    }
-
-    /// The forward pass over `tokens`: with one sequence, all of them are its next tokens
-    /// (`modes[0]` for its sparse layers); with several, one token each (`modes[i]`).
-    fn run(
-        &self,
-        be: &B,
-        ws: &mut Workspace<B>,
-        seqs: &mut [&mut SeqState<B>],
-        tokens: &[u32],
-        modes: &[SparseMode],
-        rows: LogitRows,
-    ) -> BResult<Vec<f32>> {
+        batch: &mut [StepInput<'_, B>],
+    ) -> BResult<Vec<Vec<f32>>> {
         let c = &self.config;
-        let n = tokens.len();
-        if n == 0 || n > ws.max_rows {
+        let n: usize = batch.iter().map(|x| x.tokens.len()).sum();
+        if batch.is_empty() || n > ws.max_rows || batch.iter().any(|x| x.tokens.is_empty()) {
             return Err(BackendError(format!(
-                "a forward chunk must hold 1..={} tokens, got {n}",
-                ws.max_rows
+                "a step holds 1..={} tokens, each input at least one; got {n} tokens in {} \
+                 inputs",
+                ws.max_rows,
+                batch.len()
             )));
         }
-        let batched = seqs.len() > 1;
-        if modes.len() != seqs.len() || (batched && seqs.len() != n) || seqs.is_empty() {
-            return Err(BackendError(format!(
-                "a forward pass over {n} tokens for {} sequences and {} modes",
-                seqs.len(),
-                modes.len()
-            )));
+        let mut tokens = Vec::with_capacity(n);
+        let mut spans = Vec::with_capacity(batch.len());
+        let mut logit_rows = Vec::new();
+        for x in batch.iter() {
+            let span = Span {
+                first_row: tokens.len(),
+                len: x.tokens.len(),
+                pos: x.seq.pos,
+            };
+            logit_rows.extend(match x.logits {
+                LogitRows::None => 0..0,
+                LogitRows::Last => span.first_row + span.len - 1..span.first_row + span.len,
+                LogitRows::All => span.rows(),
+            });
+            tokens.extend_from_slice(x.tokens);
+            spans.push(span);
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(BackendError(format!(
@@ -548,162 +646,51 @@ impl<B: Backend> Model<B> {
         for buf in ws.buffers_mut() {
             be.set_rows(buf, n);
         }
-        let eps = c.rms_norm_eps as f32;
-        let res = c.residual_scale() as f32;
-        be.embed(&self.embed, tokens, c.scale_emb as f32, &mut ws.h)?;
+        let modes: Vec<SparseMode> = batch.iter().map(|x| x.mode).collect();
+        let step = StepCtx {
+            spans: &spans,
+            modes: &modes,
+            eps: c.rms_norm_eps as f32,
+            res: c.residual_scale() as f32,
+        };
+        be.embed(&self.embed, &tokens, c.scale_emb as f32, &mut ws.h)?;
         if let Some(first) = self.layers.first() {
-            be.rms_norm(&ws.h, &first.input_norm, eps, &mut ws.a)?;
+            be.rms_norm(&ws.h, &first.input_norm, step.eps, &mut ws.a)?;
         }
         for (i, layer) in self.layers.iter().enumerate() {
-            // `ws.a` holds this layer's input norm, made by the previous layer's last add.
-            let (stacked, o_proj, gated) = match &layer.mixer {
-                Mixer::Lightning { qkvz, o, gated, .. } => (qkvz, o, *gated),
-                Mixer::Sparse { qkvg, o, gated } => (qkvg, o, *gated),
-            };
-            let lightning = matches!(layer.mixer, Mixer::Lightning { .. });
-            {
-                let (k, v) = if lightning {
-                    (&mut ws.kl, &mut ws.vl)
-                } else {
-                    (&mut ws.ks, &mut ws.vs)
-                };
-                if gated {
-                    be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v, &mut ws.z])?;
-                } else {
-                    be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v])?;
-                }
-            }
-            if !batched {
-                let seq = &mut *seqs[0];
-                let (k, v) = if lightning {
-                    (&mut ws.kl, &ws.vl)
-                } else {
-                    (&mut ws.ks, &ws.vs)
-                };
-                let state = &mut seq.layers[i];
-                self.attend(
-                    be,
-                    &layer.mixer,
-                    state,
-                    seq.pos,
-                    modes[0],
-                    &mut ws.q,
-                    k,
-                    v,
-                    &mut ws.o,
-                )?;
-            } else if let Mixer::Lightning { q_norm, k_norm, .. } = &layer.mixer {
-                // All sequences' lightning steps at once, each from its own state.
-                let positions: Vec<usize> = seqs.iter().map(|s| s.pos).collect();
-                let (mut states, caches) = layer_states(seqs, i);
-                if !caches.is_empty() {
-                    return Err(state_mismatch());
-                }
-                let norms = q_norm
-                    .as_ref()
-                    .zip(k_norm.as_ref())
-                    .map(|(qw, kw)| (qw, kw, eps));
-                be.lightning_rows(
-                    self.lightning_shape(),
-                    &self.slopes,
-                    &mut ws.q,
-                    &mut ws.kl,
-                    &ws.vl,
-                    norms,
-                    c.lightning_use_rope.then_some(&self.inv_freq),
-                    &positions,
-                    &mut states,
-                    &mut ws.o,
-                )?;
-            } else {
-                // Sparse attention: each sequence's row over its own cache.
-                let (states, mut caches) = layer_states(seqs, i);
-                if !states.is_empty() {
-                    return Err(state_mismatch());
-                }
-                be.sparse_rows(
-                    self.sparse_shape(),
-                    &c.sparse,
-                    modes,
-                    &ws.q,
-                    &ws.ks,
-                    &ws.vs,
-                    &mut caches,
-                    &mut ws.o,
-                )?;
-            }
-            let normed = match &layer.mixer {
-                Mixer::Lightning {
-                    o_norm: Some(w), ..
-                } => {
-                    be.rms_norm_gate(&ws.o, w, eps, gated.then_some(&ws.z), &mut ws.q)?;
-                    &ws.q
-                }
-                _ => {
-                    if gated {
-                        be.sigmoid_gate(&mut ws.o, &ws.z)?;
-                    }
-                    &ws.o
-                }
-            };
-            be.matmul(normed, o_proj, &mut ws.branch)?;
-            be.add_scaled_norm(&mut ws.h, &ws.branch, res, &layer.post_norm, eps, &mut ws.a)?;
-            be.matmul_silu(&ws.a, &layer.gate_up, &mut ws.gate_up, &mut ws.act)?;
-            be.matmul(&ws.act, &layer.down_proj, &mut ws.branch)?;
+            let mut states: Vec<&mut LayerState<B>> =
+                batch.iter_mut().map(|x| &mut x.seq.layers[i]).collect();
             let next_norm = self
                 .layers
                 .get(i + 1)
                 .map_or(&self.final_norm, |l| &l.input_norm);
-            be.add_scaled_norm(&mut ws.h, &ws.branch, res, next_norm, eps, &mut ws.a)?;
+            layer.forward(self, be, &step, ws, &mut states, next_norm)?;
         }
-        for seq in seqs.iter_mut() {
-            seq.pos += if batched { 1 } else { n };
+        for x in batch.iter_mut() {
+            x.seq.pos += x.tokens.len();
         }
-        let range = match rows {
-            LogitRows::None => return Ok(Vec::new()),
-            LogitRows::Last => n - 1..n,
-            LogitRows::All => 0..n,
-        };
+        if logit_rows.is_empty() {
+            return Ok(vec![Vec::new(); batch.len()]);
+        }
         // `ws.a` holds the final norm of the last layer's output.
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        be.logits(&ws.a, range, head, c.logit_divisor() as f32)
-    }
-
-    /// One sequence's attention in layer `mixer` for the rows of `q`, `k`, `v` (its tokens at
-    /// positions `pos..`): lightning (q/k norm, RoPE, then the scan from its state) or sparse
-    /// attention over its cache with `mode`; the result goes to `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend(
-        &self,
-        be: &B,
-        mixer: &Mixer<B>,
-        state: &mut LayerState<B>,
-        pos: usize,
-        mode: SparseMode,
-        q: &mut B::Act,
-        k: &mut B::Act,
-        v: &B::Act,
-        out: &mut B::Act,
-    ) -> BResult<()> {
-        let c = &self.config;
-        match (mixer, state) {
-            (Mixer::Lightning { q_norm, k_norm, .. }, LayerState::Lightning(st)) => {
-                let rope = c.lightning_use_rope.then_some((&self.inv_freq, pos));
-                let norms = q_norm
-                    .as_ref()
-                    .zip(k_norm.as_ref())
-                    .map(|(qw, kw)| (qw, kw, c.rms_norm_eps as f32));
-                be.head_norm_rope_qk(q, k, c.head_dim, norms, rope)?;
-                be.lightning(self.lightning_shape(), &self.slopes, q, k, v, st, out)
-            }
-            (Mixer::Sparse { .. }, LayerState::Sparse(cache)) => {
-                be.sparse_attention(self.sparse_shape(), &c.sparse, mode, q, k, v, cache, out)
-            }
-            _ => Err(state_mismatch()),
+        let mut rest = be.logits(&ws.a, &logit_rows, head, c.logit_divisor() as f32)?;
+        let vocab = rest.len() / logit_rows.len();
+        let mut out = Vec::with_capacity(batch.len());
+        for x in batch.iter() {
+            let rows = match x.logits {
+                LogitRows::None => 0,
+                LogitRows::Last => 1,
+                LogitRows::All => x.tokens.len(),
+            };
+            let tail = rest.split_off(rows * vocab);
+            out.push(rest);
+            rest = tail;
         }
+        Ok(out)
     }
 
-    /// Prefills `tokens` in chunks of at most `ws.max_rows`, with the sparse mode of the whole
+    /// Prefills `tokens` in chunks of at most `ws.chunk`, with the sparse mode of the whole
     /// prompt; returns the last token's logits.
     pub fn prefill(
         &self,
@@ -718,15 +705,15 @@ impl<B: Backend> Model<B> {
         }
         let mode = self.sparse_mode(seq.pos + tokens.len());
         let mut logits = Vec::new();
-        let chunks = tokens.chunks(ws.max_rows);
+        let chunks = tokens.chunks(ws.chunk);
         let last = chunks.len() - 1;
-        for (i, chunk) in tokens.chunks(ws.max_rows).enumerate() {
+        for (i, chunk) in tokens.chunks(ws.chunk).enumerate() {
             let rows = if i == last {
                 LogitRows::Last
             } else {
                 LogitRows::None
             };
-            logits = self.forward(be, ws, seq, chunk, mode, rows)?;
+            logits = self.forward_one(be, ws, seq, chunk, mode, rows)?;
             progress(chunk.len());
         }
         Ok(logits)
@@ -741,6 +728,25 @@ impl<B: Backend> Model<B> {
         token: u32,
     ) -> BResult<Vec<f32>> {
         let mode = self.sparse_mode(seq.pos + 1);
-        self.forward(be, ws, seq, &[token], mode, LogitRows::Last)
+        self.forward_one(be, ws, seq, &[token], mode, LogitRows::Last)
+    }
+
+    /// [`Model::forward`] of one sequence's `tokens`.
+    pub fn forward_one(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        seq: &mut SeqState<B>,
+        tokens: &[u32],
+        mode: SparseMode,
+        logits: LogitRows,
+    ) -> BResult<Vec<f32>> {
+        let input = StepInput {
+            seq,
+            tokens,
+            mode,
+            logits,
+        };
+        Ok(self.forward(be, ws, &mut [input])?.remove(0))
     }
 }

@@ -135,7 +135,7 @@ pub struct EngineRunner {
     metrics: Arc<Metrics>,
     /// The cap on each request's memory plan, and the backend the plan is for.
     memory: Option<(MemoryLimit, Target)>,
-    /// Most requests decoded together (`None`: as many as the engine's workspace allows).
+    /// Most requests decoded together (`None`: [`DEFAULT_MAX_BATCH`]).
     max_batch: Option<usize>,
 }
 
@@ -147,6 +147,9 @@ pub struct EngineHandle {
     /// Shared with the engine thread.
     pub metrics: Arc<Metrics>,
 }
+
+/// Requests decoded together unless [`EngineRunner::max_batch`] says otherwise.
+pub const DEFAULT_MAX_BATCH: usize = 64;
 
 /// Events buffered per request before the engine waits for the client.
 const EVENT_BUFFER: usize = 64;
@@ -243,8 +246,8 @@ impl EngineRunner {
         self
     }
 
-    /// Decodes at most `n` requests together (at least 1; never more than the engine's
-    /// workspace allows).
+    /// Decodes at most `n` requests together (at least 1; the engine's workspace is made for
+    /// them).
     pub fn max_batch(mut self, n: usize) -> Self {
         self.max_batch = Some(n.max(1));
         self
@@ -253,6 +256,13 @@ impl EngineRunner {
     /// Serves queued requests with `engine` until every [`EngineHandle`] is dropped. With a
     /// memory limit that not even a two-token request fits, it reports that instead.
     pub fn run<B: Backend>(mut self, mut engine: Engine<B>) {
+        let n = self.max_batch.unwrap_or(DEFAULT_MAX_BATCH);
+        if let Err(e) = engine.set_max_batch(n) {
+            let _ = self
+                .ready
+                .send(Err(format!("a workspace for {n} requests: {e}")));
+            return;
+        }
         let max_context = self
             .max_context
             .unwrap_or(engine.model.config.max_position_embeddings)
@@ -276,10 +286,7 @@ impl EngineRunner {
         }
         let template = engine.tokenizer.chat_template().map_err(|e| e.to_string());
         let eos = engine.eos_ids();
-        let mut batch = Batch::new(
-            self.max_batch
-                .map_or(engine.max_batch(), |n| n.min(engine.max_batch())),
-        );
+        let mut batch = Batch::new(engine.max_batch());
         let mut live: HashMap<RequestId, Live> = HashMap::new();
         let mut open = true;
         while open || !batch.is_empty() {

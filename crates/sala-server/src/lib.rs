@@ -11,6 +11,6 @@ pub mod http;
 pub mod metrics;
 
 pub use api::ApiError;
-pub use engine::{spawn_engine, EngineHandle, EngineRunner, ModelInfo};
+pub use engine::{spawn_engine, EngineHandle, EngineRunner, ModelInfo, DEFAULT_MAX_BATCH};
 pub use http::{router, serve, ServerOptions};
 pub use metrics::{Metrics, Outcome};

@@ -478,7 +478,7 @@ fn measure<B: Backend + DeviceStats>(
             } else {
                 LogitRows::None
             };
-            logits = model.forward(be, &mut ws, &mut seq, piece, mode, logit_rows)?;
+            logits = model.forward_one(be, &mut ws, &mut seq, piece, mode, logit_rows)?;
             done += piece.len();
             peak = peak.max(be.memory_in_use());
             if let Some(limit) = time_limit.filter(|_| !last) {
@@ -652,12 +652,7 @@ fn concurrent<B: Backend + DeviceStats>(
     sala_tokenizer::write_test_tokenizer(tmp.path(), config.vocab_size)?;
     let tokenizer = sala_tokenizer::Tokenizer::from_dir(tmp.path())?;
     let mut engine = Engine::from_model(be, model, tokenizer, tmp.path(), args.prefill_chunk)?;
-    if engine.max_batch() < n {
-        bail!(
-            "--concurrent {n}: a batch holds at most --prefill-chunk ({}) requests",
-            engine.max_batch()
-        );
-    }
+    engine.set_max_batch(n)?;
     let opts = GenerateOptions {
         sampling: SamplingParams {
             temperature: 0.0,
@@ -843,7 +838,18 @@ fn lightning_op<B: Backend + DeviceStats>(
                 for a in [&mut q, &mut k, &mut v, &mut out] {
                     be.set_rows(a, n);
                 }
-                be.lightning(shape, &slopes, &q, &k, &v, &mut state, &mut out)?;
+                let io = sala_model::AttnIo {
+                    q: &mut q,
+                    k: &mut k,
+                    v: &mut v,
+                    out: &mut out,
+                };
+                let span = sala_model::Span {
+                    first_row: 0,
+                    len: n,
+                    pos: done,
+                };
+                be.lightning(shape, &slopes, None, None, io, &[span], &mut [&mut state])?;
                 done += n;
             }
             be.set_rows(&mut probe, 1);

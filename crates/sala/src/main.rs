@@ -70,7 +70,8 @@ struct ServeArgs {
     /// Prompt tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
-    /// Most requests generating together (continuous batching); at most --prefill-chunk.
+    /// Most requests generating together (continuous batching): each step holds a prompt
+    /// chunk beside a decode row for each.
     #[arg(long, default_value_t = 64)]
     max_batch: usize,
     /// Refuse (HTTP 400) a request whose memory plan exceeds SIZE (e.g. 30G, 30GiB, 28000M;
@@ -644,7 +645,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 let config = ModelConfig::from_file(&dir.join("config.json"))
                     .map_err(|e| format!("loading {}: {e}", dir.display()))?;
                 // The smallest request: one prompt token and one generated.
-                let plan = MemoryPlan::new(&config, 2, chunk, target);
+                let plan = MemoryPlan::new(&config, 2, chunk + max_batch, target);
                 plan.check(limit)
                     .map_err(|e| format!("no request can fit the memory limit: {e}"))?;
                 cap_caches(&be, Some(limit), &plan);

@@ -3,11 +3,10 @@
 #pragma once
 #include "common/types.cuh"
 
-// The sequences of a batched decode step: row r's lightning state (one layer's) and position.
+// The sequences of a batched decode step: row r's lightning state (one layer's).
 #define DECODE_ROWS 64
 struct DecodeRows {
     float* state[DECODE_ROWS];
-    int pos[DECODE_ROWS];
 };
 
 // The sequences of a batched decode step in a sparse layer, passed by value to the *_rows

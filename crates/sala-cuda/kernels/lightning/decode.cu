@@ -46,14 +46,7 @@ __device__ __forceinline__ void lightning_step(const bf16* q, const bf16* k, con
     }
 }
 
-// launch: grid = (heads, ceil(d / 32)), block = 256
-extern "C" __global__ void __launch_bounds__(256) lightning_decode(const bf16* q, const bf16* k, const bf16* v,
-                                                                   float* state, bf16* out, const float* slopes,
-                                                                   int heads, int kv_heads, int d, float scale) {
-    lightning_step(q, k, v, state, out, slopes, heads, kv_heads, d, scale);
-}
-
-// lightning_decode for the rows of a batched decode step, each with its own sequence's state:
+// One lightning decode step for each row of a decode step, each with its own sequence's state:
 // row z of q and out (heads·d apart) and of k and v (kv_heads·d apart) steps rows.state[z].
 // launch: grid = (heads, ceil(d / 32), rows ≤ DECODE_ROWS), block = 256
 extern "C" __global__ void __launch_bounds__(256)

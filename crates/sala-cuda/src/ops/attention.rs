@@ -3,14 +3,73 @@
 //! (`kernels/sparse/attention.cu`, `kernels/sparse/compress.cu`).
 
 use crate::kernels::SeqRows;
-use crate::memory::{DevAct, DevSparseCache};
+use crate::memory::{DevAct, DevSparseCache, Windows};
 use crate::ops::select::DecodeQueries;
 use crate::plan::{windows, AttentionPlan, SelectPlan, SEQ_ROWS};
 use crate::CudaBackend;
 use sala_checkpoint::SparseConfig;
-use sala_model::{AttnShape, BResult, SparseMode};
+use sala_model::backend::{check_spans, span_runs, SpanRun};
+use sala_model::{AttnIo, AttnShape, BResult, BackendError, Span, SparseMode};
 
 impl CudaBackend {
+    /// The sparse entry ([`sala_model::Backend::sparse_attention`]): each run of decode rows
+    /// in one launch per kernel where [`CudaBackend::sparse_rows_fit`] allows it, else row by
+    /// row; each longer span alone.
+    pub(crate) fn sparse_spans(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        io: AttnIo<'_, DevAct>,
+        spans: &[Span],
+        modes: &[SparseMode],
+        caches: &mut [&mut DevSparseCache],
+    ) -> BResult<()> {
+        check_spans(spans, io.q.rows, caches.len())?;
+        if modes.len() != spans.len() {
+            return Err(BackendError(format!(
+                "{} sparse modes for {} spans",
+                modes.len(),
+                spans.len()
+            )));
+        }
+        let mut w = Windows::new(io);
+        for run in span_runs(spans) {
+            let (idx, first_row) = match run {
+                SpanRun::Rows { spans, first_row } => (spans, first_row),
+                SpanRun::Chunk(i) => {
+                    let (q, k, v, out) = w.rows(spans[i].first_row, spans[i].len);
+                    self.sparse_layer(shape, cfg, modes[i], q, k, v, caches[i], out)?;
+                    continue;
+                }
+            };
+            for start in idx.clone().step_by(SEQ_ROWS) {
+                let end = (start + SEQ_ROWS).min(idx.end);
+                match self.sparse_rows_fit(shape, cfg, &modes[start..end], &caches[start..end]) {
+                    Some(mode) => {
+                        let (q, k, v, out) = w.rows(first_row + start - idx.start, end - start);
+                        self.sparse_rows_batched(
+                            shape,
+                            cfg,
+                            mode,
+                            q,
+                            k,
+                            v,
+                            &mut caches[start..end],
+                            out,
+                        )?;
+                    }
+                    None => {
+                        for i in start..end {
+                            let (q, k, v, out) = w.rows(spans[i].first_row, 1);
+                            self.sparse_layer(shape, cfg, modes[i], q, k, v, caches[i], out)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Appends the `t` rows of `k`, `v` to `cache`, selects blocks (sparse) and attends for the
     /// `t` queries of `q` into `out`.
     #[allow(clippy::too_many_arguments)]
@@ -29,8 +88,8 @@ impl CudaBackend {
         let kw = cache.kv_width;
         let first = cache.len;
         self.reserve(cache, first + t, cfg, false)?;
-        self.copy(&cache.k, first * kw, &k.buf, 0, t * kw)?;
-        self.copy(&cache.v, first * kw, &v.buf, 0, t * kw)?;
+        self.copy(&cache.k, first * kw, k, 0, t * kw)?;
+        self.copy(&cache.v, first * kw, v, 0, t * kw)?;
         cache.len += t;
         self.compress_new_windows(cache, cfg)?;
         let k_sel = cfg.selected_blocks();
@@ -44,10 +103,10 @@ impl CudaBackend {
         };
         let plan = self.k.planner().attention(shape, cfg, mode, t, cache.len);
         let (qp, kc, vc, op) = (
-            self.ptr(&q.buf),
+            self.act_ptr(q),
             self.ptr(&cache.k),
             self.ptr(&cache.v),
-            self.ptr(&out.buf),
+            self.act_ptr(out),
         );
         let (ti, fp, h, kvh, d, scale, ks) = (
             t as i32,
@@ -227,8 +286,8 @@ impl CudaBackend {
             let kw = cache.kv_width;
             let first = cache.len;
             self.reserve(cache, first + 1, cfg, false)?;
-            self.copy(&cache.k, first * kw, &k.buf, r * kw, kw)?;
-            self.copy(&cache.v, first * kw, &v.buf, r * kw, kw)?;
+            self.copy(&cache.k, first * kw, k, r * kw, kw)?;
+            self.copy(&cache.v, first * kw, v, r * kw, kw)?;
             cache.len += 1;
             self.compress_new_windows(cache, cfg)?;
             t.k[r] = self.ptr(&cache.k);
@@ -268,7 +327,7 @@ impl CudaBackend {
         let at = self.k.planner().attention_decode(pairs, split);
         self.k.attention_decode_rows(
             at,
-            self.ptr(&q.buf),
+            self.act_ptr(q),
             &t,
             part,
             rows as i32,
@@ -308,7 +367,7 @@ impl CudaBackend {
         self.k.attention_merge(
             at,
             part,
-            self.ptr(&out.buf),
+            self.act_ptr(out),
             t as i32,
             shape.heads as i32,
             shape.head_dim as i32,

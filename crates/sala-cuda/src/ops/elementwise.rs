@@ -1,9 +1,8 @@
 //! Embedding, norms, per-head norm and RoPE, element-wise products, random fills
 //! (`kernels/elementwise.cu`).
 
-use crate::kernels::DecodeRows;
 use crate::memory::{be_err, grow, DevAct, RopeKey};
-use crate::plan::{Launch, DECODE_ROWS};
+use crate::plan::Launch;
 use crate::CudaBackend;
 use cudarc::driver::CudaSlice;
 use sala_model::{BResult, BackendError};
@@ -62,7 +61,7 @@ impl CudaBackend {
             self.ptr(&table.buf),
             ids_ptr,
             scale,
-            self.ptr(&out.buf),
+            self.act_ptr(out),
             table.cols as i32,
         )
     }
@@ -78,12 +77,12 @@ impl CudaBackend {
     ) -> BResult<()> {
         self.k.rms_norm(
             Launch::new((x.rows, 1, 1), 512, 0),
-            self.ptr(&x.buf),
+            self.act_ptr(x),
             self.ptr(w),
             eps,
-            self.ptr(&out.buf),
+            self.act_ptr(out),
             x.cols as i32,
-            gate.map_or(0, |g| self.ptr(&g.buf)),
+            gate.map_or(0, |g| self.act_ptr(g)),
         )
     }
 
@@ -104,12 +103,12 @@ impl CudaBackend {
         }
         self.k.add_rms_norm(
             Launch::new((h.rows, 1, 1), 512, 0),
-            self.ptr(&h.buf),
-            self.ptr(&branch.buf),
+            self.act_ptr(h),
+            self.act_ptr(branch),
             scale,
             self.ptr(w),
             eps,
-            self.ptr(&out.buf),
+            self.act_ptr(out),
             h.cols as i32,
         )
     }
@@ -117,7 +116,7 @@ impl CudaBackend {
     /// An element-wise op of `a` (in place) with `b`.
     pub(crate) fn elementwise(&self, op: ElementOp, a: &DevAct, b: &DevAct) -> BResult<()> {
         let n = a.rows * a.cols;
-        let (at, x, y) = (Launch::linear(n, 256), self.ptr(&a.buf), self.ptr(&b.buf));
+        let (at, x, y) = (Launch::linear(n, 256), self.act_ptr(a), self.act_ptr(b));
         match op {
             ElementOp::SiluMul => self.k.silu_mul(at, x, y, n as u64),
             ElementOp::AddScaled(s) => self.k.add_scaled(at, x, y, s, n as u64),
@@ -127,7 +126,7 @@ impl CudaBackend {
 
     /// `out = round(silu(gate)) · up` for the two halves `[gate | up]` of each row of `gu`.
     pub(crate) fn silu_halves(&self, gu: &DevAct, out: &mut DevAct) -> BResult<()> {
-        let (g, o) = (self.ptr(&gu.buf), self.ptr(&out.buf));
+        let (g, o) = (self.act_ptr(gu), self.act_ptr(out));
         if out.cols.is_multiple_of(8) && out.rows <= 65535 {
             let at = Launch::new(((out.cols / 8).div_ceil(256), out.rows, 1), 256, 0);
             return self.k.silu_mul_halves8(at, g, o, out.cols as i32);
@@ -166,7 +165,7 @@ impl CudaBackend {
         };
         let (x2_ptr, total2, hpr2) = match &x2 {
             Some(b) => (
-                self.ptr(&b.buf),
+                self.act_ptr(b),
                 b.rows * (b.cols / head_dim),
                 b.cols / head_dim,
             ),
@@ -179,7 +178,7 @@ impl CudaBackend {
         if kernel == crate::kernels::K::HeadNormRope128 {
             return self.k.head_norm_rope128(
                 at,
-                self.ptr(&x.buf),
+                self.act_ptr(x),
                 total as i32,
                 w1,
                 eps,
@@ -193,7 +192,7 @@ impl CudaBackend {
         }
         self.k.head_norm_rope(
             at,
-            self.ptr(&x.buf),
+            self.act_ptr(x),
             total as i32,
             head_dim as i32,
             w1,
@@ -233,15 +232,24 @@ impl CudaBackend {
                         .rope_table(launch, f, pos as i32, rows as i32, half as i32, table)?
                 }
                 RopeAt::Rows(p) => {
-                    if p.len() != rows || rows > DECODE_ROWS {
+                    if p.len() != rows {
                         return Err(BackendError(format!(
-                            "rope_table: {} positions for {rows} rows (at most {DECODE_ROWS})",
+                            "rope_table: {} positions for {rows} rows",
                             p.len()
                         )));
                     }
-                    let t = DecodeRows::new(&[], p);
+                    let pos: Vec<i32> = p.iter().map(|&x| x as i32).collect();
+                    let pos_ptr = {
+                        let mut s = self.scratch.borrow_mut();
+                        grow(&self.stream, &mut s.positions, rows)?;
+                        let buf = s.positions.as_mut().expect("grown");
+                        self.stream
+                            .memcpy_htod(&pos, buf)
+                            .map_err(|e| be_err("positions", e))?;
+                        self.ptr(buf)
+                    };
                     self.k
-                        .rope_table_rows(launch, f, &t, rows as i32, half as i32, table)?
+                        .rope_table_rows(launch, f, pos_ptr, rows as i32, half as i32, table)?
                 }
             }
             self.scratch.borrow_mut().rope_key = Some(key);

@@ -2,13 +2,12 @@
 //! independent of the others), cuBLASLt for the rest.
 
 use crate::kernels::Launcher;
-use crate::memory::DevAct;
+use crate::memory::{DevAct, DevMem};
 use crate::options::DecodeGemv;
 use crate::plan::{
     Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS_PER_BLOCK,
 };
 use crate::{CudaBackend, DevMatrix};
-use cudarc::driver::CudaSlice;
 use sala_model::{BResult, BackendError};
 
 /// `gemv` and `gemv_narrow`: x, w, n, k, then up to four (output, count) parts.
@@ -27,7 +26,7 @@ impl CudaBackend {
     /// four; the counts add up to `w.rows`), at that row.
     pub(crate) fn gemv(
         &self,
-        x: &CudaSlice<u16>,
+        x: &impl DevMem<u16>,
         x_off: usize,
         w: &DevMatrix,
         outs: &[(u64, usize)],
@@ -87,7 +86,7 @@ impl CudaBackend {
     /// `y = x wᵀ` into the buffer at `y`: GEMVs for decode-sized batches, cuBLASLt otherwise.
     pub(crate) fn product(
         &self,
-        x: &CudaSlice<u16>,
+        x: &impl DevMem<u16>,
         x_off: usize,
         w: &DevMatrix,
         y: u64,
@@ -148,7 +147,7 @@ impl CudaBackend {
         while r < x.rows {
             let nb = group.min(x.rows - r);
             let (xp, wp) = (self.row_ptr(x, r), self.ptr(&w.buf));
-            let yp = self.ptr(&out.buf) + (r * inter * 2) as u64;
+            let yp = self.act_ptr(out) + (r * inter * 2) as u64;
             let (i, k) = (inter as i32, w.cols as i32);
             let at = |outs_per_block: usize, threads: u32| {
                 Launch::new((inter.div_ceil(outs_per_block), 1, 1), threads, 0)
@@ -177,7 +176,7 @@ impl CudaBackend {
                 x.rows, x.cols, w.rows, w.cols, out.rows, out.cols
             )));
         }
-        self.product(&x.buf, 0, w, self.ptr(&out.buf), x.rows)
+        self.product(x, 0, w, self.act_ptr(out), x.rows)
     }
 
     /// `x wᵀ` split by columns into `outs` (at most four, widths adding up to `w.rows`).
@@ -199,13 +198,13 @@ impl CudaBackend {
         }
         let rows = x.rows;
         if self.gemv_fits(rows, w) {
-            let parts: Vec<_> = outs.iter().map(|o| (self.ptr(&o.buf), o.cols)).collect();
-            return self.gemv(&x.buf, 0, w, &parts, rows);
+            let parts: Vec<_> = outs.iter().map(|o| (self.act_ptr(o), o.cols)).collect();
+            return self.gemv(x, 0, w, &parts, rows);
         }
         // Several rows: one product per output, straight into it (no split copy).
         let mut r0 = 0;
         for o in outs.iter() {
-            self.gemm_rows(self.ptr(&x.buf), w, r0, o.cols, self.ptr(&o.buf), rows)?;
+            self.gemm_rows(self.act_ptr(x), w, r0, o.cols, self.act_ptr(o), rows)?;
             r0 += o.cols;
         }
         Ok(())

@@ -2,12 +2,13 @@
 //! the plan picks (`kernels/lightning/`).
 
 use crate::kernels::DecodeRows;
-use crate::memory::{DevAct, DevLightningState};
+use crate::memory::{DevAct, DevLightningState, Windows};
 use crate::ops::elementwise::RopeAt;
 use crate::plan::{LightningPlan, DECODE_ROWS, LIGHTNING_CHUNK};
 use crate::CudaBackend;
 use cudarc::driver::CudaSlice;
-use sala_model::{AttnShape, BResult};
+use sala_model::backend::{check_spans, span_runs, SpanRun};
+use sala_model::{AttnIo, AttnShape, BResult, Span};
 
 /// A lightning call's inputs: q `[T, heads·d]`, k and v `[T, kv_heads·d]`, and `out`.
 pub(crate) struct LightningIo<'a> {
@@ -31,20 +32,7 @@ impl CudaBackend {
         let plan = self.k.planner().lightning(io.q.rows, d);
         match plan {
             LightningPlan::Decode => {
-                let at = self.k.planner().lightning_decode(shape.heads, d, 1);
-                self.k.lightning_decode(
-                    at,
-                    self.ptr(&io.q.buf),
-                    self.ptr(&io.k.buf),
-                    self.ptr(&io.v.buf),
-                    self.ptr(state),
-                    self.ptr(&out.buf),
-                    self.ptr(io.slopes),
-                    shape.heads as i32,
-                    shape.kv_heads as i32,
-                    d as i32,
-                    shape.scale() as f32,
-                )
+                self.lightning_decode_rows(shape, io.slopes, io.q, io.k, io.v, &mut [state], out)
             }
             LightningPlan::TwoPass => self.lightning_two_pass(io, state, out),
             LightningPlan::Fused { buffers } => self.lightning_fused(io, state, out, buffers),
@@ -53,11 +41,11 @@ impl CudaBackend {
                 let at = self.k.planner().lightning_chunked(shape.heads, d);
                 self.k.lightning_chunked(
                     at,
-                    self.ptr(&io.q.buf),
-                    self.ptr(&io.k.buf),
-                    self.ptr(&io.v.buf),
+                    self.act_ptr(io.q),
+                    self.act_ptr(io.k),
+                    self.act_ptr(io.v),
                     self.ptr(state),
-                    self.ptr(&out.buf),
+                    self.act_ptr(out),
                     self.ptr(io.slopes),
                     io.q.rows as i32,
                     shape.heads as i32,
@@ -69,40 +57,123 @@ impl CudaBackend {
         }
     }
 
-    /// One decode row per sequence (each its own state and position), q and k normed and
-    /// rotated first (the caller checked [`CudaBackend::lightning_rows_fit`]).
+    /// The lightning entry ([`sala_model::Backend::lightning`]): q and k of every row normed
+    /// and rotated in one launch, then each run of decode rows in one launch and each longer
+    /// span with the prefill kernels its length picks.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn lightning_spans(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
+        inv_freq: Option<&CudaSlice<f32>>,
+        io: AttnIo<'_, DevAct>,
+        spans: &[Span],
+        states: &mut [&mut DevLightningState],
+    ) -> BResult<()> {
+        check_spans(spans, io.q.rows, states.len())?;
+        let d = shape.head_dim;
+        let positions: Vec<usize>;
+        let at = match spans {
+            [one] if one.first_row == 0 && one.len == io.q.rows => RopeAt::From(one.pos),
+            _ => {
+                let mut p = vec![0; io.q.rows];
+                for s in spans {
+                    for (j, r) in s.rows().enumerate() {
+                        p[r] = s.pos + j;
+                    }
+                }
+                positions = p;
+                RopeAt::Rows(&positions)
+            }
+        };
+        if norms.is_some() || inv_freq.is_some() {
+            self.norm_rope(
+                io.q,
+                Some(io.k),
+                d,
+                norms.map(|(a, b, e)| (a, Some(b), e)),
+                inv_freq.map(|f| (f, at)),
+            )?;
+        }
+        let mut w = Windows::new(io);
+        for run in span_runs(spans) {
+            match run {
+                SpanRun::Rows {
+                    spans: idx,
+                    first_row,
+                } if Self::lightning_rows_fit(1, d) => {
+                    for start in idx.clone().step_by(DECODE_ROWS) {
+                        let end = (start + DECODE_ROWS).min(idx.end);
+                        let (q, k, v, out) = w.rows(first_row + start - idx.start, end - start);
+                        self.lightning_decode_rows(
+                            shape,
+                            slopes,
+                            q,
+                            k,
+                            v,
+                            &mut states[start..end],
+                            out,
+                        )?;
+                    }
+                }
+                SpanRun::Rows { spans: idx, .. } => {
+                    for i in idx {
+                        self.lightning_span(shape, slopes, &mut w, spans[i], states[i])?;
+                    }
+                }
+                SpanRun::Chunk(i) => {
+                    self.lightning_span(shape, slopes, &mut w, spans[i], states[i])?
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One span (q and k already normed and rotated) with the kernels its length picks.
+    fn lightning_span(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        w: &mut Windows<'_>,
+        span: Span,
+        state: &mut DevLightningState,
+    ) -> BResult<()> {
+        let (q, k, v, out) = w.rows(span.first_row, span.len);
+        let io = LightningIo {
+            shape,
+            slopes,
+            q,
+            k,
+            v,
+        };
+        self.lightning_layer(&io, state, out)
+    }
+
+    /// One decode row per sequence (each its own state; q and k normed and rotated), in one
+    /// launch.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn lightning_decode_rows(
         &self,
         shape: AttnShape,
         slopes: &CudaSlice<f32>,
-        q: &mut DevAct,
-        k: &mut DevAct,
+        q: &DevAct,
+        k: &DevAct,
         v: &DevAct,
-        norms: Option<(&CudaSlice<u16>, &CudaSlice<u16>, f32)>,
-        inv_freq: Option<&CudaSlice<f32>>,
-        positions: &[usize],
         states: &mut [&mut DevLightningState],
         out: &mut DevAct,
     ) -> BResult<()> {
         let (d, rows) = (shape.head_dim, states.len());
-        self.norm_rope(
-            q,
-            Some(k),
-            d,
-            norms.map(|(a, b, e)| (a, Some(b), e)),
-            inv_freq.map(|f| (f, RopeAt::Rows(positions))),
-        )?;
         let ptrs: Vec<u64> = states.iter().map(|st| self.ptr(&**st)).collect();
-        let t = DecodeRows::new(&ptrs, &[]);
+        let t = DecodeRows::new(&ptrs);
         let at = self.k.planner().lightning_decode(shape.heads, d, rows);
         self.k.lightning_decode_rows(
             at,
-            self.ptr(&q.buf),
-            self.ptr(&k.buf),
-            self.ptr(&v.buf),
+            self.act_ptr(q),
+            self.act_ptr(k),
+            self.act_ptr(v),
             &t,
-            self.ptr(&out.buf),
+            self.act_ptr(out),
             self.ptr(slopes),
             shape.heads as i32,
             shape.kv_heads as i32,
@@ -138,11 +209,11 @@ impl CudaBackend {
             let at = self.k.planner().lightning_fused(heads, d, ranges, buffers);
             self.k.lightning_fused(
                 at,
-                self.ptr(&io.q.buf),
-                self.ptr(&io.k.buf),
-                self.ptr(&io.v.buf),
+                self.act_ptr(io.q),
+                self.act_ptr(io.k),
+                self.act_ptr(io.v),
                 self.ptr(state),
-                self.ptr(&out.buf),
+                self.act_ptr(out),
                 self.ptr(io.slopes),
                 t as i32,
                 heads as i32,

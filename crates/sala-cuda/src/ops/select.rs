@@ -185,7 +185,7 @@ impl CudaBackend {
         let part = self.scratch_ptr(|s| &mut s.lse, pairs * n_split * shape.group() * 2)?;
         let p16 = self.scratch_ptr(|s| &mut s.p16, pairs * p_stride)?;
         let (qp, h, kvh, d, scale) = (
-            self.ptr(&q.buf),
+            self.act_ptr(q),
             shape.heads as i32,
             shape.kv_heads as i32,
             shape.head_dim as i32,
@@ -266,7 +266,7 @@ impl CudaBackend {
         let p_stride = cache.n1.max(1);
         let p = self.scratch_ptr(|s| &mut s.p, pairs * p_stride)?;
         let smem = self.k.planner().exact_select_smem(shape);
-        let (qp, k1, k2) = (self.ptr(&q.buf), self.ptr(&cache.k1), self.ptr(&cache.k2));
+        let (qp, k1, k2) = (self.act_ptr(q), self.ptr(&cache.k1), self.ptr(&cache.k2));
         let (n1, n2, ti, fp) = (cache.n1 as i32, cache.n2 as i32, t as i32, first as i32);
         let (h, kvh, d, scale) = (
             shape.heads as i32,

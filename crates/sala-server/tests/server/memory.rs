@@ -8,9 +8,11 @@ use sala_engine::generate::Engine;
 use sala_model::memory::{MemoryLimit, MemoryPlan, Target};
 use serde_json::json;
 
-/// The CPU plan of a `tokens`-token sequence on the test servers' 64-row workspace.
+/// The CPU plan of a `tokens`-token sequence on the test servers' workspace: a 64-token chunk
+/// beside a decode row for each request of a batch.
 fn plan(tokens: usize) -> MemoryPlan {
-    MemoryPlan::new(&preset("tiny").unwrap(), tokens, 64, Target::Cpu)
+    let rows = 64 + sala_server::DEFAULT_MAX_BATCH;
+    MemoryPlan::new(&preset("tiny").unwrap(), tokens, rows, Target::Cpu)
 }
 
 fn spawn_limited(bytes: usize) -> Result<sala_server::EngineHandle, String> {

@@ -1,0 +1,130 @@
+//! Checks every backend's tests run on a whole model: properties of [`Model::forward`] that
+//! must hold bit for bit whatever the backend.
+
+use crate::model::{LogitRows, Model, StepInput};
+use crate::numerics::TestRng;
+use crate::Backend;
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = TestRng::new(seed);
+    (0..n).map(|_| rng.below(vocab) as u32).collect()
+}
+
+/// A step mixing decode rows with prompt chunks gives every sequence the logits it gets run
+/// apart, bit for bit: two sequences decoding (prompts of 40 and 200 tokens, so past a
+/// `dense_len` of 150 the second uses sparse attention) while a third reads its 45-token
+/// prompt in two chunks (30, 15) beside them, then all three decoding together. Each step
+/// holds at most 32 rows, so on every backend products of one row do not depend on the others.
+pub fn check_mixed_step<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
+    let name = be.name();
+    let v = model.config.vocab_size;
+    let (old_lens, new_len, cut) = ([40usize, 200], 45usize, 30usize);
+    let olds: Vec<Vec<u32>> = old_lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| tokens(n, v, 300 + i as u64))
+        .collect();
+    let fresh = tokens(new_len, v, 310);
+    let steps = 4;
+    let feeds: Vec<Vec<u32>> = (0..3).map(|i| tokens(steps, v, 320 + i as u64)).collect();
+    let err = |e: crate::BackendError| format!("{name}: {e}");
+    let mut ws = model.workspace(be, 64).map_err(err)?;
+    let prefilled = |ws: &mut _, p: &[u32]| {
+        let mut seq = model.new_sequence(be)?;
+        model.prefill(be, ws, &mut seq, p, &mut |_| {})?;
+        Ok(seq)
+    };
+    // Apart: the decoding sequences one by one; the new prompt in the same two chunks.
+    let mut apart: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (p, f) in olds.iter().zip(&feeds) {
+        let mut seq = prefilled(&mut ws, p).map_err(err)?;
+        let rows = f
+            .iter()
+            .map(|&t| model.decode(be, &mut ws, &mut seq, t))
+            .collect::<Result<_, _>>()
+            .map_err(err)?;
+        apart.push(rows);
+    }
+    let mode = model.sparse_mode(new_len);
+    let mut seq = model.new_sequence(be).map_err(err)?;
+    let (a, b) = fresh.split_at(cut);
+    model
+        .forward_one(be, &mut ws, &mut seq, a, mode, LogitRows::None)
+        .map_err(err)?;
+    let mut fresh_apart = vec![model
+        .forward_one(be, &mut ws, &mut seq, b, mode, LogitRows::Last)
+        .map_err(err)?];
+    for &t in &feeds[2][..steps - 2] {
+        fresh_apart.push(model.decode(be, &mut ws, &mut seq, t).map_err(err)?);
+    }
+    // Mixed: steps 0 and 1 hold both decode rows and a chunk of the prompt.
+    let mut seqs = olds
+        .iter()
+        .map(|p| prefilled(&mut ws, p))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(err)?;
+    let mut fresh_seq = model.new_sequence(be).map_err(err)?;
+    let mut fresh_mixed = Vec::new();
+    for step in 0..steps {
+        let fed = [feeds[0][step], feeds[1][step]];
+        let mut inputs: Vec<StepInput<'_, B>> = seqs
+            .iter_mut()
+            .zip(fed.chunks(1))
+            .map(|(seq, t)| StepInput {
+                mode: model.sparse_mode(seq.pos + 1),
+                seq,
+                tokens: t,
+                logits: LogitRows::Last,
+            })
+            .collect();
+        let fresh_feed = [feeds[2][step.saturating_sub(2)]];
+        inputs.push(match [a, b].get(step) {
+            Some(chunk) => StepInput {
+                mode,
+                seq: &mut fresh_seq,
+                tokens: chunk,
+                logits: if step == 0 {
+                    LogitRows::None
+                } else {
+                    LogitRows::Last
+                },
+            },
+            None => StepInput {
+                mode: model.sparse_mode(fresh_seq.pos + 1),
+                seq: &mut fresh_seq,
+                tokens: &fresh_feed,
+                logits: LogitRows::Last,
+            },
+        });
+        let logits = model.forward(be, &mut ws, &mut inputs).map_err(err)?;
+        for (i, row) in logits.iter().take(2).enumerate() {
+            if *row != apart[i][step] {
+                return Err(format!(
+                    "{name}: sequence {i} step {step}: logits in a mixed step differ from \
+                     running apart"
+                ));
+            }
+        }
+        if step == 0 && !logits[2].is_empty() {
+            return Err(format!("{name}: logits of a chunk that asked for none"));
+        }
+        if step > 0 {
+            fresh_mixed.push(logits[2].clone());
+        }
+    }
+    for (i, (m, a)) in fresh_mixed.iter().zip(&fresh_apart).enumerate() {
+        if m != a {
+            return Err(format!(
+                "{name}: the prompt read beside decode rows: row {i} differs from running apart"
+            ));
+        }
+    }
+    if fresh_seq.pos != new_len + steps - 2
+        || seqs.iter().zip(old_lens).any(|(s, n)| s.pos != n + steps)
+    {
+        return Err(format!(
+            "{name}: positions did not advance by the tokens fed"
+        ));
+    }
+    Ok(())
+}
