@@ -6,6 +6,7 @@
 
 // launch: grid = rows, block = 256
 extern "C" __global__ void embed(const bf16* table, const u32* ids, float scale, bf16* out, int dim) {
+    pdl_start();
     const bf16* src = table + (u64)ids[blockIdx.x] * dim;
     bf16* dst = out + (u64)blockIdx.x * dim;
     for (int c = threadIdx.x; c < dim; c += blockDim.x) dst[c] = f2bf(bf2f(src[c]) * scale);
@@ -24,6 +25,7 @@ __device__ __forceinline__ float gated(float normed, const bf16* gate, u64 i) {
 
 extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const bf16* w, float eps, bf16* out, int dim,
                                                            const bf16* gate) {
+    pdl_start();
     __shared__ float scratch[32];
     const bf16* xr = x + (u64)blockIdx.x * dim;
     bf16* yr = out + (u64)blockIdx.x * dim;
@@ -81,6 +83,7 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
 // launch: grid = rows, block = 512
 extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf16* branch, float scale, const bf16* w,
                                                                float eps, bf16* out, int dim) {
+    pdl_start();
     __shared__ float scratch[32];
     bf16* hr = h + (u64)blockIdx.x * dim;
     const bf16* br = branch + (u64)blockIdx.x * dim;
@@ -129,6 +132,7 @@ extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf
 
 // launch: grid = ceil(n / 256), block = 256
 extern "C" __global__ void silu_mul(bf16* gate, const bf16* up, u64 n) {
+    pdl_start();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = bf2f(gate[i]);
@@ -138,6 +142,7 @@ extern "C" __global__ void silu_mul(bf16* gate, const bf16* up, u64 n) {
 // out[r, i] = round(round(silu(gu[r, i])) · gu[r, inter + i]) for gu = [rows, 2·inter].
 // launch: grid = ceil(rows * inter / 256), block = 256
 extern "C" __global__ void silu_mul_halves(const bf16* gu, bf16* out, int rows, int inter) {
+    pdl_start();
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)rows * inter) return;
     u64 r = idx / inter, i = idx % inter;
@@ -148,6 +153,7 @@ extern "C" __global__ void silu_mul_halves(const bf16* gu, bf16* out, int rows, 
 // silu_mul_halves, 8 values a thread with 16-byte loads and stores (inter a multiple of 8).
 // launch: grid = (ceil(inter / 8 / 256), rows), block = 256
 extern "C" __global__ void silu_mul_halves8(const bf16* gu, bf16* out, int inter) {
+    pdl_start();
     const int i = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= inter) return;
     const size_t r = blockIdx.y;
@@ -166,6 +172,7 @@ extern "C" __global__ void silu_mul_halves8(const bf16* gu, bf16* out, int inter
 
 // launch: grid = ceil(n / 256), block = 256
 extern "C" __global__ void add_scaled(bf16* h, const bf16* branch, float scale, u64 n) {
+    pdl_start();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     h[i] = f2bf(bf2f(h[i]) + round_bf(bf2f(branch[i]) * scale));
@@ -173,6 +180,7 @@ extern "C" __global__ void add_scaled(bf16* h, const bf16* branch, float scale, 
 
 // launch: grid = ceil(n / 256), block = 256
 extern "C" __global__ void sigmoid_gate(bf16* x, const bf16* gate, u64 n) {
+    pdl_start();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     x[i] = f2bf(bf2f(x[i]) * round_bf(1.0f / (1.0f + expf(-bf2f(gate[i])))));
@@ -200,6 +208,7 @@ extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim
                                           const float* inv_freq, int first_pos, int heads_per_row, bf16* x2,
                                           int total_heads2, const bf16* norm_w2, int heads_per_row2,
                                           const float* table) {
+    pdl_start();
     int hid = blockIdx.x * 4 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     bf16* base = x;
@@ -256,6 +265,7 @@ extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim
 extern "C" __global__ void __launch_bounds__(256)
 head_norm_rope128(bf16* x, int total_heads, const bf16* norm_w, float eps, int heads_per_row, bf16* x2,
                   int total_heads2, const bf16* norm_w2, int heads_per_row2, const float* table) {
+    pdl_start();
     int hid = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     bf16* base = x;
@@ -291,6 +301,7 @@ head_norm_rope128(bf16* x, int total_heads, const bf16* norm_w, float eps, int h
 // computes them, for rows < rows and i < half.
 // launch: grid = ceil(rows * half / 256), block = 256
 extern "C" __global__ void rope_table(const float* inv_freq, int first_pos, int rows, int half, float* table) {
+    pdl_start();
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= rows * half) return;
     const int row = idx / half, i = idx % half;
@@ -304,6 +315,7 @@ extern "C" __global__ void rope_table(const float* inv_freq, int first_pos, int 
 // launch: grid = ceil(n / 256) for n = rows · half, block = 256
 extern "C" __global__ void rope_table_rows(const float* inv_freq, const int* pos, int n_rows, int half,
                                            float* table) {
+    pdl_start();
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * half) return;
     const int row = idx / half, i = idx % half;
@@ -316,6 +328,7 @@ extern "C" __global__ void rope_table_rows(const float* inv_freq, const int* pos
 // out = round(x / divisor), the lm_head input.
 // launch: grid = ceil(n / 256), block = 256
 extern "C" __global__ void scale_round(const bf16* x, bf16* out, float divisor, u64 n) {
+    pdl_start();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2bf(bf2f(x[i]) / divisor);
 }
@@ -331,6 +344,7 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
 // [0.001, 6] so that no value is zero.
 // launch: grid = ceil(n / 256), block = 256
 extern "C" __global__ void fill_random(bf16* out, u64 n, u64 seed, float mean, float std) {
+    pdl_start();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     u64 r = splitmix64(seed ^ splitmix64(i));

@@ -84,6 +84,7 @@ __device__ __forceinline__ void gemv_store(float s, int o, int b, bf16* y0, int 
 // launch: grid = ceil(n / (GEMV_WARPS * GEMV_ROWS)), block = 32 * GEMV_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
 gemv(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    pdl_start();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
     const uint4* wr[GEMV_ROWS];
@@ -104,6 +105,7 @@ gemv(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* y1, int
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
 gemv_narrow(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
             bf16* y3) {
+    pdl_start();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * GEMV_WARPS + warp;
     const uint4* wr[1] = {(const uint4*)(w + (u64)min(row, n - 1) * k)};
@@ -119,6 +121,7 @@ gemv_narrow(const bf16* x, const bf16* w, int n, int k, bf16* y0, int n0, bf16* 
 // launch: grid = ceil(inter / (GEMV_WARPS * GEMV_ROWS / 2)), block = 32 * GEMV_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
 gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
+    pdl_start();
     constexpr int HALF = GEMV_ROWS / 2;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j0 = (blockIdx.x * GEMV_WARPS + warp) * HALF;
@@ -239,6 +242,7 @@ __device__ __forceinline__ void gemv_mma_body(const bf16* x, const bf16* w, int 
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_mma8(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
           bf16* y3) {
+    pdl_start();
     gemv_mma_body<1>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
@@ -246,6 +250,7 @@ gemv_mma8(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, 
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_mma16(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
            bf16* y3) {
+    pdl_start();
     gemv_mma_body<2>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
@@ -277,11 +282,13 @@ __device__ __forceinline__ void gemv_silu_mma_body(const bf16* x, const bf16* w,
 // launch: grid = ceil(inter / 8), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_mma8(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
+    pdl_start();
     gemv_silu_mma_body<1>(x, w, y, inter, k, nb);
 }
 
 // gemv_silu_mma8 for nb ≤ 16.
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
+    pdl_start();
     gemv_silu_mma_body<2>(x, w, y, inter, k, nb);
 }

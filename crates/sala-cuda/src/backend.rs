@@ -76,8 +76,13 @@ impl CudaBackend {
         } else {
             None
         };
+        // One stream of our own (the legacy default stream cannot be captured, nor overlap
+        // kernels through programmatic launches).
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| format!("cuda:{ordinal}: a stream: {e:?}"))?;
         let k = Launcher::load(
-            &ctx,
+            stream.clone(),
             modules,
             |attrs| Planner::new(limits, options, attrs),
             profiler,
@@ -87,7 +92,6 @@ impl CudaBackend {
                 eprintln!("kernel {line}");
             }
         }
-        let stream = ctx.default_stream();
         let gemm = gemm::Gemm::new(stream.clone())?;
         Ok(Self {
             ctx,
@@ -357,6 +361,10 @@ impl Backend for CudaBackend {
         // Each fp32 as two bf16 values: the high one sets its value (±RANDOM_STATE_STD), the
         // low one its last mantissa bits.
         self.fill_random(self.ptr(state), 2 * state.len(), seed, RANDOM_STATE_STD)
+    }
+
+    fn begin_step(&self, rows: usize) {
+        self.k.set_step_rows(rows);
     }
 
     fn embed(&self, table: &DevMatrix, ids: &[u32], scale: f32, out: &mut DevAct) -> BResult<()> {

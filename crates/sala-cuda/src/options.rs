@@ -80,6 +80,9 @@ pub struct CudaOptions {
     pub kv_pool_granules: usize,
     /// Per-kernel device time (CUDA events around every launch).
     pub profile_kernels: bool,
+    /// Programmatic dependent launch where the card has it (compute capability 9.0 on): each
+    /// kernel is scheduled while the previous one ends, and waits for its results.
+    pub pdl: bool,
 }
 
 impl Default for CudaOptions {
@@ -97,6 +100,7 @@ impl Default for CudaOptions {
             kv_pool: true,
             kv_pool_granules: 1,
             profile_kernels: false,
+            pdl: true,
         }
     }
 }
@@ -144,6 +148,9 @@ impl CudaOptions {
         }
         if let Some(on) = flag("SALA_PROFILE")? {
             o.profile_kernels = on;
+        }
+        if let Some(on) = flag("SALA_PDL")? {
+            o.pdl = on;
         }
         if let Some(v) = var("SALA_KV_POOL_GRANULES") {
             o.kv_pool_granules = v

@@ -163,6 +163,10 @@ pub trait Backend {
         )))
     }
 
+    /// A forward pass of `rows` rows begins (a backend may choose how to launch its work by
+    /// the step's size).
+    fn begin_step(&self, _rows: usize) {}
+
     /// `out[i] = round(table[ids[i]] * scale)`.
     fn embed(
         &self,

@@ -653,6 +653,7 @@ impl<B: Backend> Model<B> {
             eps: c.rms_norm_eps as f32,
             res: c.residual_scale() as f32,
         };
+        be.begin_step(n);
         be.embed(&self.embed, &tokens, c.scale_emb as f32, &mut ws.h)?;
         if let Some(first) = self.layers.first() {
             be.rms_norm(&ws.h, &first.input_norm, step.eps, &mut ws.a)?;

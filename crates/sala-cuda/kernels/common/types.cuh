@@ -7,6 +7,17 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// Programmatic dependent launch (sm_90 on): a kernel launched with the programmatic stream
+// serialization attribute may be scheduled before the previous kernel of the stream ends. Every
+// kernel calls this first: it waits for the previous kernel's results (its completion and
+// memory flush), then lets the next kernel be scheduled early in turn. A no-op below sm_90.
+__device__ __forceinline__ void pdl_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
 
 // Round to nearest even; NaN stays NaN (quiet).

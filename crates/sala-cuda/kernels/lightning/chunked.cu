@@ -71,6 +71,7 @@ __device__ __forceinline__ void lt_stage(bf16* dst, const bf16* src, size_t stri
 extern "C" __global__ void __launch_bounds__(LT_THREADS)
 lightning_chunked(const bf16* q, const bf16* k, const bf16* v, float* state, bf16* out,
                   const float* slopes, int T, int heads, int kv_heads, int d, float scale) {
+    pdl_start();
     __shared__ __align__(16) float S[LT_MAXD * LT_VS];   // state slice [a][e]
     __shared__ __align__(16) float Vs[LT_C * LT_VS];     // value slice of the chunk [j][e]
     __shared__ float pw[LT_C + 1];                       // γ^n, n = 0..64

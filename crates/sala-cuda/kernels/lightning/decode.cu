@@ -52,6 +52,7 @@ __device__ __forceinline__ void lightning_step(const bf16* q, const bf16* k, con
 extern "C" __global__ void __launch_bounds__(256)
 lightning_decode_rows(const bf16* q, const bf16* k, const bf16* v, DecodeRows rows, bf16* out, const float* slopes,
                       int heads, int kv_heads, int d, float scale) {
+    pdl_start();
     const u64 z = blockIdx.z, qd = (u64)heads * d, kd = (u64)kv_heads * d;
     lightning_step(q + z * qd, k + z * kd, v + z * kd, rows.state[z], out + z * qd, slopes, heads, kv_heads, d, scale);
 }

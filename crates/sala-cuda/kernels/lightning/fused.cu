@@ -95,6 +95,7 @@ extern "C" __global__ void __launch_bounds__(128)
 lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16* out, const float* slopes, int T,
                 int heads, int kv_heads, int d, float scale, int range_len, float* ranges, int state_only,
                 int buffers) {
+    pdl_start();
     extern __shared__ __align__(16) unsigned char lf_sm[];
     const int h = blockIdx.x, e0 = LF_VS * blockIdx.y;
     if (ranges) {
@@ -311,6 +312,7 @@ lightning_fused(const bf16* q, const bf16* k, const bf16* v, float* state, bf16*
 // launch: grid = ⌈heads·d·d / 256⌉, block = 256
 extern "C" __global__ void lightning_range_states(const float* state, float* ranges, const float* slopes, int heads,
                                                   int d, int n_ranges, int range_len) {
+    pdl_start();
     const size_t n = (size_t)heads * d * d, x = (size_t)blockIdx.x * 256 + threadIdx.x;
     if (x >= n) return;
     const float decay = lc_pow(-slopes[x / ((size_t)d * d)], range_len);

@@ -49,6 +49,7 @@ __device__ __forceinline__ void lc_pv_hilo(float (&acc)[16][4], u32 h0, u32 h1, 
 extern "C" __global__ void __launch_bounds__(256)
 lightning_chunk_state(const bf16* k, const bf16* v, float* ds, const float* slopes, int T, int heads, int kv_heads,
                       int d) {
+    pdl_start();
     __shared__ __align__(16) bf16 ks[LC_C * AT_MAXLD];
     __shared__ float dec[LC_C];
     const int c = blockIdx.x, h = blockIdx.y;
@@ -103,6 +104,7 @@ lightning_chunk_state(const bf16* k, const bf16* v, float* ds, const float* slop
 // launch: grid = (⌈heads·d·d / 256⌉), block = 256
 extern "C" __global__ void __launch_bounds__(256)
 lightning_chunk_scan(float* state, float* ds, const float* slopes, int n, int last_len, int heads, int d) {
+    pdl_start();
     const size_t dd = (size_t)d * d, total = (size_t)heads * dd;
     const size_t idx = (size_t)blockIdx.x * 256 + threadIdx.x;
     if (idx >= total) return;
@@ -133,6 +135,7 @@ lightning_chunk_scan(float* state, float* ds, const float* slopes, int n, int la
 extern "C" __global__ void __launch_bounds__(128)
 lightning_chunk_out(const bf16* q, const bf16* k, const bf16* v, const float* ds, bf16* out, const float* slopes,
                     int T, int heads, int kv_heads, int d, float scale) {
+    pdl_start();
     __shared__ float pw[LC_C + 1];  // γ^n, n = 0..64
     const int c = blockIdx.x, h = blockIdx.y;
     const int kvh = h / (heads / kv_heads);

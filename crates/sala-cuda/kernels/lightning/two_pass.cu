@@ -45,6 +45,7 @@ __device__ __forceinline__ void ls_issue(const bf16* k, const bf16* v, unsigned 
 extern "C" __global__ void __launch_bounds__(256)
 lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states, const float* slopes, int T,
                  int heads, int kv_heads, int d) {
+    pdl_start();
     extern __shared__ __align__(16) unsigned char ls_sm[];
     const int h = blockIdx.x, e0 = LS_VS * blockIdx.y;
     const int kvh = h / (heads / kv_heads);
@@ -154,6 +155,7 @@ __device__ __forceinline__ int lo_sw(int r, int p) { return 8 * (p ^ (r & 7)); }
 extern "C" __global__ void __launch_bounds__(128)
 lightning_outputs(const bf16* q, const bf16* k, const bf16* v, const bf16* chunk_states, bf16* out,
                   const float* slopes, int T, int heads, int kv_heads, int d, float scale) {
+    pdl_start();
     extern __shared__ __align__(16) unsigned char lo_sm[];
     const int c = blockIdx.x, h = blockIdx.y, e0 = LO_VS * blockIdx.z;
     const int j0 = c * LF_C, len = min(LF_C, T - j0);

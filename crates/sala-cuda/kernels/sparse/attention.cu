@@ -466,6 +466,7 @@ __device__ __forceinline__ void sp_attention_body(const bf16* q, const bf16* kca
 extern "C" __global__ void __launch_bounds__(AT_THREADS)
 attention(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos, int heads,
           int kv_heads, int d, float scale, const int* blocks, int k_sel, int block_size) {
+    pdl_start();
     sp_attention_body(q, kcache, vcache, out, 0, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel,
                       block_size, 0, 1);
 }
@@ -483,6 +484,7 @@ extern "C" __global__ void __launch_bounds__(AT_THREADS)
 attention_split(const bf16* q, const bf16* kcache, const bf16* vcache, float* part, int T, int first_pos,
                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int block_size,
                 int n_split) {
+    pdl_start();
     sp_attention_body(q, kcache, vcache, 0, part, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel,
                       block_size, blockIdx.z, n_split);
 }
@@ -491,6 +493,7 @@ attention_split(const bf16* q, const bf16* kcache, const bf16* vcache, float* pa
 // launch: grid = (T * heads), block = d, dynamic smem = 0 bytes
 extern "C" __global__ void __launch_bounds__(128)
 attention_merge(const float* part, bf16* out, int T, int heads, int d, int n_split) {
+    pdl_start();
     const int row = blockIdx.x, e = threadIdx.x;
     if (e >= d) return;
     const size_t zstride = (size_t)T * heads * (d + 2);
@@ -558,6 +561,7 @@ __device__ __forceinline__ void ap_pv(const float (&S)[8][4], float (&O)[16][4],
 extern "C" __global__ void __launch_bounds__(AP_WARPS * 32, 1)
 attention_prefill(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
                   int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel) {
+    pdl_start();
     extern __shared__ u32 ap_bits[];
     __shared__ __align__(16) bf16 ap_k[64 * AT_MAXLD];
     __shared__ __align__(16) bf16 ap_v[64 * AT_MAXLD];
@@ -898,6 +902,7 @@ __device__ __forceinline__ AgPair ag_pair(const bf16* q, int pair, int T, int fi
 extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
 attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
                  int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel) {
+    pdl_start();
     const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads;
     const int pair = blockIdx.x * AG_WARPS + (threadIdx.x >> 5);
     if (pair >= T * kv_heads) return;  // warp-uniform
@@ -959,6 +964,7 @@ __device__ __forceinline__ void attention_decode_pair(const bf16* q, const bf16*
 extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
 attention_decode(const bf16* q, const bf16* kcache, const bf16* vcache, float* part, int T, int first_pos,
                  int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int n_split) {
+    pdl_start();
     attention_decode_pair(q, kcache, vcache, part, T, first_pos + blockIdx.x / kv_heads, first_pos + T, heads,
                           kv_heads, d, scale, blocks, k_sel, n_split);
 }
@@ -970,6 +976,7 @@ attention_decode(const bf16* q, const bf16* kcache, const bf16* vcache, float* p
 extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
 attention_decode_rows(const bf16* q, SeqRows rows, float* part, int T, int heads, int kv_heads, int d, float scale,
                       const int* blocks, int k_sel, int n_split) {
+    pdl_start();
     const int i = blockIdx.x / kv_heads, g = blockIdx.x % kv_heads, G = heads / kv_heads;
     const int z = blockIdx.y * AG_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (z >= rows.split[i]) {  // warp-uniform

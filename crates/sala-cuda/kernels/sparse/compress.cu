@@ -8,6 +8,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 compress_keys(const bf16* keys, bf16* out, int first_window, int n_windows, int kv_width, int window,
               int stride) {
+    pdl_start();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n_windows * kv_width) return;
     const int w = first_window + (int)(idx / kv_width);

@@ -101,6 +101,7 @@ __device__ __forceinline__ void sd_lse_pair(const bf16* q, const bf16* k2, int n
 extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
 sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_heads, int d, float scale,
        int k2_window, int k2_stride, float* part) {
+    pdl_start();
     sd_lse_pair(q, k2, n2, first_pos + blockIdx.x / kv_heads, heads, kv_heads, d, scale, k2_window, k2_stride, part);
 }
 
@@ -110,6 +111,7 @@ sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_h
 extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
 sd_lse_rows(const bf16* q, SeqRows rows, int heads, int kv_heads, int d, float scale, int k2_window, int k2_stride,
             float* part) {
+    pdl_start();
     const int i = blockIdx.x / kv_heads;
     sd_lse_pair(q, rows.k2[i], rows.n2[i], rows.pos[i], heads, kv_heads, d, scale, k2_window, k2_stride, part);
 }
@@ -178,6 +180,7 @@ __device__ __forceinline__ void sd_p_pair(const bf16* q, const bf16* k1, int n1,
 extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
 sd_p(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_heads, int d, float scale,
      int k1_window, int k1_stride, const float* part, int n_split, u16* p16, int p_stride) {
+    pdl_start();
     sd_p_pair(q, k1, n1, first_pos + blockIdx.x / kv_heads, heads, kv_heads, d, scale, k1_window, k1_stride, part,
               n_split, p16, p_stride);
 }
@@ -187,6 +190,7 @@ sd_p(const bf16* q, const bf16* k1, int n1, int first_pos, int heads, int kv_hea
 extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
 sd_p_rows(const bf16* q, SeqRows rows, int heads, int kv_heads, int d, float scale, int k1_window, int k1_stride,
           const float* part, int n_split, u16* p16, int p_stride) {
+    pdl_start();
     const int i = blockIdx.x / kv_heads;
     sd_p_pair(q, rows.k1[i], rows.n1[i], rows.pos[i], heads, kv_heads, d, scale, k1_window, k1_stride, part,
               n_split, p16, p_stride);
@@ -314,6 +318,7 @@ __device__ __forceinline__ void sd_topk_pair(const u16* p16, int p_stride, int n
 extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
 sd_topk(const u16* p16, int p_stride, int n1, int first_pos, int kv_heads, int block_size, int k1_window,
         int k1_stride, int init_blocks, int local_blocks, int k_sel, int stage_p, u16* keys, int* blocks_out) {
+    pdl_start();
     sd_topk_pair(p16, p_stride, n1, first_pos + blockIdx.x / kv_heads, block_size, k1_window, k1_stride,
                  init_blocks, local_blocks, k_sel, stage_p, keys, blocks_out);
 }
@@ -323,6 +328,7 @@ sd_topk(const u16* p16, int p_stride, int n1, int first_pos, int kv_heads, int b
 extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
 sd_topk_rows(const u16* p16, int p_stride, SeqRows rows, int kv_heads, int block_size, int k1_window, int k1_stride,
              int init_blocks, int local_blocks, int k_sel, int stage_p, u16* keys, int* blocks_out) {
+    pdl_start();
     const int i = blockIdx.x / kv_heads;
     sd_topk_pair(p16, p_stride, rows.n1[i], rows.pos[i], block_size, k1_window, k1_stride, init_blocks,
                  local_blocks, k_sel, stage_p, keys, blocks_out);
@@ -336,6 +342,7 @@ sd_topk_rows(const u16* p16, int p_stride, SeqRows rows, int kv_heads, int block
 extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
 sd_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int init_blocks,
                int local_blocks, int k_sel, u16* keys, int* blocks_out) {
+    pdl_start();
     const float* row = bs + (size_t)blockIdx.x * bs_stride;
     u16* pair_keys = keys ? keys + (size_t)blockIdx.x * bs_stride : (u16*)0;
     sd_topk_body(first_pos + blockIdx.x / kv_heads, block_size, init_blocks, local_blocks, k_sel, pair_keys,

@@ -261,6 +261,7 @@ sparse_select(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int
               int heads, int kv_heads, int d, float scale, int block_size, int k1_window,
               int k1_stride, int k2_window, int k2_stride, int init_blocks, int local_blocks,
               int k_sel, float* p_scratch, int p_stride, int* blocks_out) {
+    pdl_start();
     extern __shared__ __align__(16) float ss_dyn[];
     __shared__ __align__(16) float ss_buf[SS_BUF];
     const int pair = blockIdx.x;
@@ -302,6 +303,7 @@ select_lse(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T,
            int heads, int kv_heads, int d, float scale, int block_size, int k1_window,
            int k1_stride, int k2_window, int k2_stride, int init_blocks, int local_blocks,
            int k_sel, float* p_scratch, int p_stride, int* blocks_out, float* lse) {
+    pdl_start();
     extern __shared__ __align__(16) float ss_dyn[];
     __shared__ __align__(16) float ss_buf[SS_BUF];
     const int pair = blockIdx.x;
@@ -326,6 +328,7 @@ select_scores(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int
               int heads, int kv_heads, int d, float scale, int block_size, int k1_window,
               int k1_stride, int k2_window, int k2_stride, int init_blocks, int local_blocks,
               int k_sel, float* p_scratch, int p_stride, int* blocks_out, const float* lse) {
+    pdl_start();
     extern __shared__ __align__(16) float ss_dyn[];
     const int pair = blockIdx.x;
     const int i = pair / kv_heads, g = pair % kv_heads;
@@ -355,6 +358,7 @@ select_topk(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T
             int heads, int kv_heads, int d, float scale, int block_size, int k1_window,
             int k1_stride, int k2_window, int k2_stride, int init_blocks, int local_blocks,
             int k_sel, float* p_scratch, int p_stride, int* blocks_out, const float* lse) {
+    pdl_start();
     __shared__ __align__(16) float ss_buf[SS_BUF];
     const int pair = blockIdx.x;
     const int i = pair / kv_heads;
@@ -378,6 +382,7 @@ select_topk(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T
 extern "C" __global__ void __launch_bounds__(SS_THREADS)
 select_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int k1_stride,
                    int init_blocks, int local_blocks, int k_sel, int* blocks_out) {
+    pdl_start();
     __shared__ __align__(16) float ss_buf[SS_BUF];
     const int pair = blockIdx.x;
     const int t = first_pos + pair / kv_heads;

@@ -146,6 +146,7 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
 select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
                   int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
                   int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
+    pdl_start();
     __shared__ __align__(16) bf16 sq_kv[2 * SQ_KC * AT_MAXLD];
     __shared__ float sq_p[SQ_WARPS * SQ_TW][SQ_KC + 1];
     const int G = heads / kv_heads, g = blockIdx.y;
@@ -339,6 +340,7 @@ extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32, 2)
 select_scores_t(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
                 int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
                 int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
+    pdl_start();
     __shared__ __align__(16) bf16 st_kv[2 * SQ_KC * AT_MAXLD];
     const int G = heads / kv_heads, g = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;

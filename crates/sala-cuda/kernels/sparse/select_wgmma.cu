@@ -128,6 +128,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
                  int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
                  int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
+    pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char sw_raw[];
     const u32 base = (sp_smem_addr(sw_raw) + 1023u) & ~1023u;
