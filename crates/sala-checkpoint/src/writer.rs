@@ -19,7 +19,8 @@
 use crate::config::ModelConfig;
 use crate::rng::{splitmix64, Rng};
 use crate::weights::{
-    expected_tensors, f32_to_bf16_bits, CheckpointError, DType, TensorSpec, INDEX_FILE, SINGLE_FILE,
+    expected_tensors, f32_to_bf16_bits, CheckpointError, DType, Role, TensorSpec, INDEX_FILE,
+    SINGLE_FILE,
 };
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -96,14 +97,14 @@ pub fn init_scale(config: &ModelConfig, spec: &TensorSpec) -> (f64, f64) {
     let hidden = config.hidden_size as f64;
     if spec.shape.len() == 1 {
         (1.0, 0.1)
-    } else if spec.name == "model.embed_tokens.weight" {
+    } else if spec.role == Role::Embed {
         let scale = if config.scale_emb > 0.0 {
             config.scale_emb
         } else {
             1.0
         };
         (0.0, 1.0 / scale)
-    } else if spec.name == "lm_head.weight" {
+    } else if spec.role == Role::LmHead {
         (0.0, config.logit_divisor() / hidden.sqrt())
     } else {
         let fan_in = spec.shape.last().copied().unwrap_or(1).max(1) as f64;
@@ -350,8 +351,9 @@ fn remove_old_weights(dir: &Path) -> Result<(), CheckpointError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::MixerKind;
     use crate::presets::preset;
-    use crate::weights::{expected_parameter_count, Checkpoint};
+    use crate::weights::{expected_parameter_count, Checkpoint, Place};
 
     fn tiny() -> ModelConfig {
         preset("tiny").unwrap()
@@ -505,6 +507,8 @@ mod tests {
         let spec = |n: usize| TensorSpec {
             name: format!("t{n}"),
             shape: vec![n],
+            role: Role::InputNorm,
+            place: Place::Layer(n, MixerKind::Sparse),
         };
         let specs = [spec(10), spec(10), spec(30), spec(5), spec(1)];
         assert_eq!(

@@ -27,7 +27,7 @@ impl RandomWeights {
                 let n: usize = spec.shape.iter().product();
                 let (lo, hi) = if spec.shape.len() == 1 {
                     (0.7, 1.3) // norm weights
-                } else if spec.name.contains("embed_tokens") {
+                } else if spec.role == sala_checkpoint::Role::Embed {
                     (-0.1, 0.1)
                 } else {
                     let a = (3.0 / spec.shape[1] as f32).sqrt();
@@ -363,6 +363,38 @@ fn decode_step<B: Backend>(
         })
         .collect();
     model.forward(be, ws, &mut inputs)
+}
+
+/// The model builder reads the checkpoint schema: it asks for every tensor `expected_tensors`
+/// lists, once each, and for no other, for configs with and without the optional tensors.
+#[test]
+fn the_model_loads_exactly_the_schema_tensors() {
+    struct Recording<'a>(&'a RandomWeights, std::cell::RefCell<Vec<String>>);
+    impl WeightSource for Recording<'_> {
+        fn tensor(&self, name: &str) -> Result<HostTensor<'_>, String> {
+            self.1.borrow_mut().push(name.to_string());
+            self.0.tensor(name)
+        }
+    }
+    let mut plain = tiny_config(150);
+    plain.qk_norm = false;
+    plain.use_output_gate = false;
+    plain.use_output_norm = false;
+    plain.attn_use_output_gate = false;
+    plain.tie_word_embeddings = true;
+    for config in [tiny_config(150), plain] {
+        let weights = RandomWeights::new(&config, 1);
+        let src = Recording(&weights, Default::default());
+        Model::load(&CpuBackend, config.clone(), &src, &mut |_, _| {}).unwrap();
+        let mut asked = src.1.take();
+        let mut want: Vec<String> = expected_tensors(&config)
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        asked.sort();
+        want.sort();
+        assert_eq!(asked, want);
+    }
 }
 
 /// A step mixing decode rows with prompt chunks gives every sequence the logits it gets run

@@ -9,5 +9,5 @@ pub mod oracle;
 pub mod testing;
 
 pub use backend::{AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, Span};
-pub use model::{tensor_count, LogitRows, Model, SeqState, StepInput, WeightSource, Workspace};
+pub use model::{LogitRows, Model, SeqState, StepInput, WeightSource, Workspace};
 pub use oracle::{AttnShape, SparseMode};

@@ -4,7 +4,9 @@ use crate::backend::{AttnIo, BResult, Backend, BackendError, HostTensor, Span};
 use crate::memory::{workspace_columns, WORKSPACE_BUFFERS};
 use crate::numerics::rope_inv_freq;
 use crate::oracle::{AttnShape, SparseMode};
-use sala_checkpoint::{expected_tensors, init_scale, MixerKind, ModelConfig, TensorSpec};
+use sala_checkpoint::{
+    expected_tensors, init_scale, tensor_name, MixerKind, ModelConfig, Place, Role, TensorSpec,
+};
 use std::collections::HashMap;
 
 /// Where weights come from: the tensor of a given name, already checked by the loader.
@@ -240,19 +242,6 @@ pub enum LogitRows {
     All,
 }
 
-/// How many tensors [`Model::load`] uploads for `c`.
-pub fn tensor_count(c: &ModelConfig) -> usize {
-    let per_layer = |k: &MixerKind| {
-        5 + match k {
-            MixerKind::Lightning => {
-                4 + c.use_output_gate as usize + 2 * c.qk_norm as usize + c.use_output_norm as usize
-            }
-            MixerKind::Sparse => 4 + c.attn_use_output_gate as usize,
-        }
-    };
-    2 + !c.tie_word_embeddings as usize + c.mixer_types.iter().map(per_layer).sum::<usize>()
-}
-
 /// Where [`Loader`] takes weights from.
 enum Source<'a> {
     Weights(&'a dyn WeightSource),
@@ -326,7 +315,8 @@ impl<B: Backend> Loader<'_, B> {
             }
         }
     }
-    fn mat(&mut self, name: &str) -> BResult<B::Matrix> {
+    fn mat(&mut self, role: Role, place: Place) -> BResult<B::Matrix> {
+        let name = &tensor_name(role, place);
         self.step();
         let be = self.be;
         match self.random_spec(name)? {
@@ -334,7 +324,8 @@ impl<B: Backend> Loader<'_, B> {
             None => be.upload_matrix(name, self.fetch(name)?),
         }
     }
-    fn vec(&mut self, name: &str) -> BResult<B::Vector> {
+    fn vec(&mut self, role: Role, place: Place) -> BResult<B::Vector> {
+        let name = &tensor_name(role, place);
         self.step();
         let be = self.be;
         match self.random_spec(name)? {
@@ -342,8 +333,8 @@ impl<B: Backend> Loader<'_, B> {
             None => be.upload_vector(name, self.fetch(name)?),
         }
     }
-    fn vec_if(&mut self, present: bool, name: &str) -> BResult<Option<B::Vector>> {
-        present.then(|| self.vec(name)).transpose()
+    fn vec_if(&mut self, present: bool, role: Role, place: Place) -> BResult<Option<B::Vector>> {
+        present.then(|| self.vec(role, place)).transpose()
     }
 }
 
@@ -394,66 +385,57 @@ impl<B: Backend> Model<B> {
             be,
             src,
             done: 0,
-            total: tensor_count(c),
+            total: expected_tensors(c).len(),
             progress,
         };
-        let embed = ld.mat("model.embed_tokens.weight")?;
+        let embed = ld.mat(Role::Embed, Place::Model)?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(ld.mat("lm_head.weight")?)
+            Some(ld.mat(Role::LmHead, Place::Model)?)
         };
-        let final_norm = ld.vec("model.norm.weight")?;
+        let final_norm = ld.vec(Role::FinalNorm, Place::Model)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for (i, kind) in c.mixer_types.iter().enumerate() {
-            let n = |rest: &str| format!("model.layers.{i}.{rest}");
-            let mut stacked = |names: &[&str], gate: Option<&str>| -> BResult<B::Matrix> {
-                let mut parts = names
-                    .iter()
-                    .map(|p| ld.mat(&n(p)))
-                    .collect::<BResult<Vec<_>>>()?;
-                if let Some(g) = gate {
-                    parts.push(ld.mat(&n(g))?);
-                }
-                be.concat_rows(parts)
+        for (i, &kind) in c.mixer_types.iter().enumerate() {
+            let at = Place::Layer(i, kind);
+            // q, k, v and, with an output gate, the gate: one stacked matrix.
+            let gated = match kind {
+                MixerKind::Lightning => c.use_output_gate,
+                MixerKind::Sparse => c.attn_use_output_gate,
             };
-            let qkv = [
-                "self_attn.q_proj.weight",
-                "self_attn.k_proj.weight",
-                "self_attn.v_proj.weight",
+            let mut parts = vec![
+                ld.mat(Role::QProj, at)?,
+                ld.mat(Role::KProj, at)?,
+                ld.mat(Role::VProj, at)?,
             ];
+            if gated {
+                parts.push(ld.mat(Role::OutputGate, at)?);
+            }
+            let qkv_gate = be.concat_rows(parts)?;
+            let o = ld.mat(Role::OProj, at)?;
             let mixer = match kind {
                 MixerKind::Lightning => Mixer::Lightning {
-                    qkvz: stacked(&qkv, c.use_output_gate.then_some("self_attn.z_proj.weight"))?,
-                    gated: c.use_output_gate,
-                    o: ld.mat(&n("self_attn.o_proj.weight"))?,
-                    q_norm: ld.vec_if(c.qk_norm, &n("self_attn.q_norm.weight"))?,
-                    k_norm: ld.vec_if(c.qk_norm, &n("self_attn.k_norm.weight"))?,
-                    o_norm: ld.vec_if(c.use_output_norm, &n("self_attn.o_norm.weight"))?,
+                    qkvz: qkv_gate,
+                    gated,
+                    o,
+                    q_norm: ld.vec_if(c.qk_norm, Role::QNorm, at)?,
+                    k_norm: ld.vec_if(c.qk_norm, Role::KNorm, at)?,
+                    o_norm: ld.vec_if(c.use_output_norm, Role::ONorm, at)?,
                 },
                 MixerKind::Sparse => Mixer::Sparse {
-                    qkvg: stacked(
-                        &qkv,
-                        c.attn_use_output_gate.then_some("self_attn.o_gate.weight"),
-                    )?,
-                    gated: c.attn_use_output_gate,
-                    o: ld.mat(&n("self_attn.o_proj.weight"))?,
+                    qkvg: qkv_gate,
+                    gated,
+                    o,
                 },
             };
-            let mut stacked = |names: &[&str]| -> BResult<B::Matrix> {
-                let parts = names
-                    .iter()
-                    .map(|p| ld.mat(&n(p)))
-                    .collect::<BResult<Vec<_>>>()?;
-                be.concat_rows(parts)
-            };
-            let gate_up = stacked(&["mlp.gate_proj.weight", "mlp.up_proj.weight"])?;
+            let gate_up =
+                be.concat_rows(vec![ld.mat(Role::GateProj, at)?, ld.mat(Role::UpProj, at)?])?;
             layers.push(Layer {
-                input_norm: ld.vec(&n("input_layernorm.weight"))?,
-                post_norm: ld.vec(&n("post_attention_layernorm.weight"))?,
+                input_norm: ld.vec(Role::InputNorm, at)?,
+                post_norm: ld.vec(Role::PostNorm, at)?,
                 mixer,
                 gate_up,
-                down_proj: ld.mat(&n("mlp.down_proj.weight"))?,
+                down_proj: ld.mat(Role::DownProj, at)?,
             });
         }
         Ok(Self {
