@@ -1,9 +1,14 @@
-//! Loading a checkpoint onto a backend, and generating text for one prompt: prefill in
-//! chunks, then decode with sampling until EOS, a stop string, or the token budget.
+//! The [`Engine`]: a checkpoint loaded onto a backend with its tokenizer and step workspace.
+//! [`Engine::generate`] runs one prompt to its end (EOS, a stop string, or the token budget)
+//! as a batch of one, through the same [`Engine::step`] as every batch; [`TokenStream`] is
+//! the per-token half of a request (sampling, stop strings, detokenization).
 
+use crate::cache::{CacheBudget, CacheProbe};
+pub use crate::request::FinishReason;
 use crate::sampling::{
     token_logprobs, SampledToken, Sampler, SamplingError, SamplingParams, TokenLogprobs,
 };
+use crate::step::StepEvent;
 use crate::stop::{StopError, StopMatcher};
 use sala_checkpoint::ModelConfig;
 use sala_checkpoint::{Checkpoint, CheckpointError, DType};
@@ -41,6 +46,11 @@ pub enum EngineError {
     /// The request's memory plan exceeds the memory limit.
     #[error(transparent)]
     OverBudget(#[from] OverBudget),
+    /// The request's plan fits the limit alone, but not beside the requests in flight.
+    #[error("the requests in flight hold the memory this one needs ({0})")]
+    MemoryBusy(OverBudget),
+    #[error("the batch is full ({requests} requests)")]
+    BatchFull { requests: usize },
 }
 
 /// Serves a [`Checkpoint`]'s tensors to [`Model::load`].
@@ -61,7 +71,7 @@ impl WeightSource for CheckpointSource<'_> {
     }
 }
 
-/// A model loaded on a backend, with its tokenizer and one sequence's workspace.
+/// A model loaded on a backend, with its tokenizer and the workspace of a step.
 pub struct Engine<B: Backend> {
     pub backend: B,
     pub model: Model<B>,
@@ -72,6 +82,8 @@ pub struct Engine<B: Backend> {
     max_batch: usize,
     /// The limit every request's memory plan is checked against, and the plan's target.
     memory_limit: Option<(MemoryLimit, Target)>,
+    /// How the backend counts the bytes its caches hold, where it can.
+    pub(crate) cache_probe: Option<Box<dyn CacheProbe<B>>>,
 }
 
 /// Everything about one generation except the prompt.
@@ -84,26 +96,6 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// Token ids that end generation (not shown in the text).
     pub eos_ids: Vec<u32>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An EOS token or a stop string.
-    Stop,
-    /// `max_tokens` or the context budget.
-    Length,
-    /// The caller asked to stop (see [`Engine::generate_cancellable`]).
-    Cancelled,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-            Self::Cancelled => "cancelled",
-        }
-    }
 }
 
 /// One generated token, as [`Engine::generate_steps`] reports it.
@@ -225,6 +217,7 @@ impl<B: Backend> Engine<B> {
             workspace,
             max_batch: 1,
             memory_limit: None,
+            cache_probe: None,
         })
     }
 
@@ -264,22 +257,39 @@ impl<B: Backend> Engine<B> {
         self.memory_limit.clone()
     }
 
-    /// The plan of a sequence of `total_tokens` tokens on this engine's workspace.
-    pub fn memory_plan(&self, total_tokens: usize, target: Target) -> MemoryPlan {
-        MemoryPlan::new(
-            &self.model.config,
-            total_tokens,
-            self.workspace.max_rows,
-            target,
-        )
+    /// An empty cache budget under this engine's memory limit, for its step workspace.
+    pub fn cache_budget(&self) -> CacheBudget {
+        let budget = CacheBudget::new(&self.model.config, self.workspace.max_rows);
+        match &self.memory_limit {
+            Some((limit, target)) => budget.with_limit(Some(limit.clone()), *target),
+            None => budget,
+        }
     }
 
-    /// Whether a sequence of `total_tokens` tokens fits the memory limit (always, without one).
+    /// Lets the cache budget ask the backend what its caches hold (see [`CacheProbe`]).
+    pub fn set_cache_probe(&mut self, probe: Option<Box<dyn CacheProbe<B>>>) {
+        self.cache_probe = probe;
+    }
+
+    /// What the caches of `batch` hold: by the memory formula, and by the backend's count
+    /// (or their plans where it cannot tell).
+    pub fn cache_report<C>(&self, batch: &crate::step::Batch<B, C>) -> (usize, usize) {
+        let probe = self
+            .cache_probe
+            .as_ref()
+            .and_then(|p| p.cache_bytes_in_use(&self.backend));
+        (batch.cache().held_bytes(), batch.cache().in_use(probe))
+    }
+
+    /// The plan of a sequence of `total_tokens` tokens on this engine's workspace.
+    pub fn memory_plan(&self, total_tokens: usize, target: Target) -> MemoryPlan {
+        self.cache_budget().plan(total_tokens, target)
+    }
+
+    /// Whether a sequence of `total_tokens` tokens fits the memory limit alone (always,
+    /// without one).
     pub fn check_memory(&self, total_tokens: usize) -> Result<(), EngineError> {
-        match &self.memory_limit {
-            Some((limit, target)) => Ok(self.memory_plan(total_tokens, *target).check(limit)?),
-            None => Ok(()),
-        }
+        Ok(self.cache_budget().check(total_tokens)?)
     }
 
     pub fn backend_name(&self) -> String {
@@ -332,10 +342,11 @@ impl<B: Backend> Engine<B> {
         )
     }
 
-    /// The generation loop. `on_step` is called once per generated token (EOS included),
-    /// then once with the final text (`token: None`); a token step that returns `false` ends
-    /// generation at once with [`FinishReason::Cancelled`]. With `logprobs: Some(n)`, each
-    /// token carries its raw log-probability and the `n` most likely tokens of its step.
+    /// Generates from `prompt` as a batch of one. `on_step` is called once per generated
+    /// token (EOS included), then once with the final text (`token: None`); a token step
+    /// that returns `false` ends generation at once with [`FinishReason::Cancelled`]. With
+    /// `logprobs: Some(n)`, each token carries its raw log-probability and the `n` most
+    /// likely tokens of its step.
     pub fn generate_steps(
         &mut self,
         prompt: &[u32],
@@ -344,35 +355,45 @@ impl<B: Backend> Engine<B> {
         on_step: &mut dyn FnMut(Step<'_>) -> bool,
         on_prefill: &mut dyn FnMut(usize),
     ) -> Result<Generation, EngineError> {
-        let total = request_tokens(prompt.len(), opts)?;
-        self.check_memory(total)?;
-        let mut stream = TokenStream::new(
-            &self.tokenizer,
-            self.model.config.vocab_size,
-            prompt,
-            opts,
-            total - prompt.len(),
-            logprobs,
-        )?;
-        let (be, model, ws) = (&self.backend, &self.model, &mut self.workspace);
         let start = Instant::now();
-        let mut seq = model.new_sequence(be)?;
-        model.reserve(be, &mut seq, total)?;
-        let mut logits = model.prefill(be, ws, &mut seq, prompt, on_prefill)?;
-        let prefill_time = start.elapsed();
-
-        let decode_start = Instant::now();
-        while let Some(next) = stream.accept(&logits, on_step)? {
-            logits = model.decode(be, ws, &mut seq, next)?;
+        let mut batch = self.batch();
+        let mut prefilled = None;
+        let mut done = None;
+        self.admit(
+            &mut batch,
+            prompt.to_vec(),
+            opts,
+            logprobs,
+            |ev: StepEvent<'_>| match ev {
+                StepEvent::Read { tokens } => {
+                    on_prefill(tokens);
+                    true
+                }
+                StepEvent::Prefilled { .. } => {
+                    prefilled = Some(Instant::now());
+                    true
+                }
+                StepEvent::Token(step) => on_step(step),
+                StepEvent::Done(result) => {
+                    done = Some(result);
+                    true
+                }
+            },
+        )?;
+        while !batch.is_empty() {
+            self.step(&mut batch);
         }
-        let finish = stream.finish(on_step)?;
+        drop(batch);
+        let end = Instant::now();
+        let finished = done.expect("a request ends with Done")?;
+        let prefilled = prefilled.unwrap_or(end);
         Ok(Generation {
-            text: stream.text,
-            tokens: stream.tokens,
-            finish,
+            text: finished.text,
+            tokens: finished.tokens,
+            finish: finished.finish,
             prompt_tokens: prompt.len(),
-            prefill_time,
-            decode_time: decode_start.elapsed(),
+            prefill_time: prefilled - start,
+            decode_time: end - prefilled,
         })
     }
 }
@@ -384,8 +405,9 @@ pub struct Choice {
 }
 
 /// The per-token half of one generation: sampling from each step's logits, EOS ids, stop
-/// strings, detokenization and the token budget. [`Engine::generate_steps`] drives one;
-/// a [`crate::batch::Batch`] drives one per request.
+/// strings, detokenization and the token budget. [`Engine::step`] drives one per request
+/// of its batch: [`TokenStream::choose`] (for many streams at once), then
+/// [`TokenStream::commit`].
 pub struct TokenStream {
     sampler: Sampler,
     stop: StopMatcher,
@@ -423,23 +445,9 @@ impl TokenStream {
         })
     }
 
-    /// Samples the next token from `logits` and reports it through `on_step` (see
-    /// [`Engine::generate_steps`]). Returns the token to feed the model next, or `None` once
-    /// generation has ended (EOS, a stop string, the budget, or `on_step` returning false).
-    pub fn accept(
-        &mut self,
-        logits: &[f32],
-        on_step: &mut dyn FnMut(Step<'_>) -> bool,
-    ) -> Result<Option<u32>, EngineError> {
-        match self.choose(logits)? {
-            Some(choice) => self.commit(choice, on_step),
-            None => Ok(None),
-        }
-    }
-
-    /// The sampling half of [`TokenStream::accept`]: the next token from `logits` (recorded
-    /// for the sampler's penalties) and its logprobs when asked for; `None` once the stream has
-    /// ended. It reports nothing, so a batch runs it for many streams at once.
+    /// The next token from `logits` (recorded for the sampler's penalties) and its logprobs
+    /// when asked for; `None` once the stream has ended. It reports nothing, so a batch runs
+    /// it for many streams at once.
     pub fn choose(&mut self, logits: &[f32]) -> Result<Option<Choice>, EngineError> {
         if self.finish.is_some() {
             return Ok(None);
@@ -455,8 +463,10 @@ impl TokenStream {
         }))
     }
 
-    /// The rest of [`TokenStream::accept`] for a token [`TokenStream::choose`] made: EOS, text,
-    /// stop strings, the budget, and the report through `on_step`.
+    /// The rest of a token [`TokenStream::choose`] made: EOS, text, stop strings, the budget,
+    /// and the report through `on_step` (see [`Engine::generate_steps`]). Returns the token to
+    /// feed the model next, or `None` once generation has ended (EOS, a stop string, the
+    /// budget, or `on_step` returning false).
     pub fn commit(
         &mut self,
         choice: Choice,

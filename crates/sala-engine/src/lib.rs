@@ -1,6 +1,19 @@
-//! Loading a model onto a backend and generating text: sampling, stop strings, the loop.
+//! The engine: a model loaded onto a backend, and the life of every request on it.
+//!
+//! - [`request`]: what a caller asks ([`request::Request`]) and hears back
+//!   ([`request::Event`]), and the typed errors a request may end with.
+//! - [`scheduler`]: the per-step token budget: decode rows first, then whole prompt chunks.
+//! - [`cache`]: the cache budget, the one place that admits memory and counts what is held.
+//! - [`step`]: one engine step over the [`step::Batch`] of requests in flight.
+//! - [`thread`]: the engine thread that owns the model and serves a bounded queue.
+//! - [`generate`]: the [`generate::Engine`] itself, and one request run to its end.
+//! - [`sampling`], [`stop`]: choosing tokens, and stop strings.
 
-pub mod batch;
+pub mod cache;
 pub mod generate;
+pub mod request;
 pub mod sampling;
+pub mod scheduler;
+pub mod step;
 pub mod stop;
+pub mod thread;

@@ -1,14 +1,17 @@
 //! Continuous batching on a tiny random checkpoint: a request's tokens are the same alone and
 //! among others (greedy and seeded sampling), requests join and leave at any step, a cancelled
-//! request leaves at once, and admission checks the memory of the whole batch.
+//! request leaves at once, admission checks the memory of the whole batch, and the cache
+//! budget counts what the batch holds until each request ends.
 
 use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
 use sala_cpu::CpuBackend;
-use sala_engine::batch::{Batch, BatchEvent, RequestId};
 use sala_engine::generate::{Engine, EngineError, FinishReason, GenerateOptions};
+use sala_engine::request::RequestId;
 use sala_engine::sampling::SamplingParams;
-use sala_model::memory::{MemoryLimit, Target};
+use sala_engine::step::StepEvent;
+use sala_model::memory::{cache_bytes, MemoryLimit, Target};
 use sala_model::numerics::TestRng;
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
@@ -77,37 +80,41 @@ fn batched(
     os: &[GenerateOptions],
     join: &[usize],
 ) -> Vec<(Vec<u32>, FinishReason)> {
-    let mut batch = Batch::new(e.max_batch());
-    let mut ids: HashMap<RequestId, usize> = HashMap::new();
-    let mut out: Vec<(Vec<u32>, Option<FinishReason>)> = vec![(Vec::new(), None); ps.len()];
+    let out: RefCell<Vec<(Vec<u32>, Option<FinishReason>)>> =
+        RefCell::new(vec![(Vec::new(), None); ps.len()]);
+    let mut batch = e.batch();
     let mut step = 0;
     loop {
         for (i, (p, o)) in ps.iter().zip(os).enumerate() {
             if join[i] == step {
-                let id = e.admit(&mut batch, p.clone(), o, None).unwrap();
-                ids.insert(id, i);
+                let (out, len) = (&out, p.len());
+                let client = move |ev: StepEvent<'_>| {
+                    let out = &mut out.borrow_mut()[i];
+                    match ev {
+                        StepEvent::Token(s) => {
+                            if let Some(t) = s.token {
+                                out.0.push(t.id);
+                            }
+                        }
+                        StepEvent::Done(r) => out.1 = Some(r.unwrap().finish),
+                        StepEvent::Prefilled { prompt_tokens } => assert_eq!(prompt_tokens, len),
+                        StepEvent::Read { .. } => {}
+                    }
+                    true
+                };
+                e.admit(&mut batch, p.clone(), o, None, client).unwrap();
             }
         }
         if batch.is_empty() && join.iter().all(|&j| j < step) {
             break;
         }
-        e.step(&mut batch, &|_| true, &mut |id, ev| {
-            let i = ids[&id];
-            match ev {
-                BatchEvent::Step(s) => {
-                    if let Some(t) = s.token {
-                        out[i].0.push(t.id);
-                    }
-                }
-                BatchEvent::Done(r) => out[i].1 = Some(r.unwrap().finish),
-                BatchEvent::Prefilled { prompt_tokens } => assert_eq!(prompt_tokens, ps[i].len()),
-            }
-            true
-        });
+        e.step(&mut batch);
         step += 1;
         assert!(step < 10_000, "the batch does not drain");
     }
-    out.into_iter()
+    drop(batch);
+    out.into_inner()
+        .into_iter()
         .map(|(t, f)| (t, f.expect("every request ends with Done")))
         .collect()
 }
@@ -152,37 +159,56 @@ fn a_cancelled_request_leaves_and_the_rest_go_on() {
     let ps = prompts(4, vocab);
     let os: Vec<_> = (0..4).map(|i| opts(10, 0.0, i)).collect();
     let want = alone(&mut e, &ps, &os);
-    let mut batch = Batch::new(e.max_batch());
+    let tokens: RefCell<HashMap<RequestId, Vec<u32>>> = RefCell::default();
+    let done: RefCell<HashMap<RequestId, FinishReason>> = RefCell::default();
+    let mut batch = e.batch();
+    // Request 1 stops after its third token (its client "disconnects"); request 2 is dropped
+    // from outside the step after the fifth step.
     let ids: Vec<RequestId> = ps
         .iter()
         .zip(&os)
-        .map(|(p, o)| e.admit(&mut batch, p.clone(), o, None).unwrap())
+        .enumerate()
+        .map(|(i, (p, o))| {
+            let (tokens, done) = (&tokens, &done);
+            let id = i as RequestId;
+            let client = move |ev: StepEvent<'_>| match ev {
+                StepEvent::Token(s) => {
+                    let mut tokens = tokens.borrow_mut();
+                    let mine = tokens.entry(id).or_default();
+                    if let Some(t) = s.token {
+                        mine.push(t.id);
+                    }
+                    !(i == 1 && mine.len() >= 3)
+                }
+                StepEvent::Done(r) => {
+                    done.borrow_mut().insert(id, r.unwrap().finish);
+                    true
+                }
+                StepEvent::Prefilled { .. } | StepEvent::Read { .. } => true,
+            };
+            let got = e.admit(&mut batch, p.clone(), o, None, client).unwrap();
+            assert_eq!(got, id, "ids count from 0 in admission order");
+            got
+        })
         .collect();
-    let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
-    let mut done: HashMap<RequestId, FinishReason> = HashMap::new();
     let mut steps = 0;
     while !batch.is_empty() {
-        // Request 1 stops after its third token (its client "disconnects"); request 2 is
-        // dropped from outside the step after the fifth step.
-        e.step(&mut batch, &|_| true, &mut |id, ev| match ev {
-            BatchEvent::Step(s) => {
-                if let Some(t) = s.token {
-                    tokens.entry(id).or_default().push(t.id);
-                }
-                !(id == ids[1] && tokens[&id].len() >= 3)
-            }
-            BatchEvent::Done(r) => {
-                done.insert(id, r.unwrap().finish);
-                true
-            }
-            BatchEvent::Prefilled { .. } => true,
-        });
+        e.step(&mut batch);
         steps += 1;
         if steps == 5 {
-            assert_eq!(batch.cancel_where(|id| id == ids[2]), vec![ids[2]]);
+            let gone: Vec<RequestId> = batch
+                .cancel_where(|id, _| id == ids[2])
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect();
+            assert_eq!(gone, vec![ids[2]]);
         }
         assert!(steps < 1000);
     }
+    assert_eq!(batch.cache().sequences(), 0);
+    assert_eq!(batch.cache().held_bytes(), 0);
+    drop(batch);
+    let (tokens, done) = (tokens.into_inner(), done.into_inner());
     assert_eq!(done[&ids[1]], FinishReason::Cancelled);
     assert_eq!(tokens[&ids[1]].len(), 3);
     assert!(
@@ -215,16 +241,86 @@ fn admission_checks_the_memory_of_the_whole_batch() {
         Target::Cpu,
     );
     let p: Vec<u32> = (0..300).map(|i| 3 + i % 200).collect();
-    let mut batch = Batch::new(e.max_batch());
-    e.admit(&mut batch, p.clone(), &o, None).unwrap();
-    match e.admit(&mut batch, p.clone(), &o, None) {
-        Err(EngineError::OverBudget(err)) => assert!(err.plan.total() > err.limit.bytes),
-        other => panic!("expected OverBudget, got {other:?}"),
+    let quiet = |_: StepEvent<'_>| true;
+    let mut batch = e.batch();
+    e.admit(&mut batch, p.clone(), &o, None, quiet).unwrap();
+    // It would fit alone: the memory is busy.
+    match e.admit(&mut batch, p.clone(), &o, None, quiet) {
+        Err(EngineError::MemoryBusy(err)) => assert!(err.plan.total() > err.limit.bytes),
+        other => panic!("expected MemoryBusy, got {other:?}"),
     }
     assert_eq!(batch.len(), 1, "a refused request is not admitted");
+    assert_eq!(batch.cache().sequences(), 1);
+    // Too large even alone: over budget, whatever is in flight.
+    let long = opts(1000, 0.0, 0);
+    assert!(matches!(
+        e.admit(&mut batch, p.clone(), &long, None, quiet),
+        Err(EngineError::OverBudget(_))
+    ));
     // Empty prompts and over-long prompts are refused too.
     assert!(matches!(
-        e.admit(&mut batch, Vec::new(), &o, None),
+        e.admit(&mut batch, Vec::new(), &o, None, quiet),
         Err(EngineError::EmptyPrompt)
     ));
+    // Once the first request leaves, the second fits.
+    batch.cancel_where(|_, _| true);
+    e.admit(&mut batch, p.clone(), &o, None, quiet).unwrap();
+}
+
+#[test]
+fn the_cache_budget_counts_what_each_request_holds_until_it_ends() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let config = e.model.config.clone();
+    let bytes = |n: usize| cache_bytes(&config, n).total();
+    let ps = prompts(3, config.vocab_size);
+    let generated: RefCell<Vec<usize>> = RefCell::new(vec![0; 3]);
+    let mut batch = e.batch();
+    for (i, p) in ps.iter().enumerate() {
+        let generated = &generated;
+        let client = move |ev: StepEvent<'_>| {
+            if matches!(ev, StepEvent::Token(s) if s.token.is_some()) {
+                generated.borrow_mut()[i] += 1;
+            }
+            true
+        };
+        e.admit(
+            &mut batch,
+            p.clone(),
+            &opts(8 + 4 * i, 0.0, 0),
+            None,
+            client,
+        )
+        .unwrap();
+    }
+    // Each sequence counts its prompt and every token sampled, by the memory formula.
+    let held = |live: &[usize], gen: &[usize]| -> usize {
+        live.iter().map(|&i| bytes(ps[i].len() + gen[i])).sum()
+    };
+    assert_eq!(batch.cache().held_bytes(), held(&[0, 1, 2], &[0, 0, 0]));
+    let mut steps = 0;
+    while batch.len() == 3 {
+        e.step(&mut batch);
+        steps += 1;
+        assert!(steps < 1000);
+        if batch.len() == 3 {
+            let gen = generated.borrow().clone();
+            assert_eq!(batch.cache().held_bytes(), held(&[0, 1, 2], &gen));
+        }
+    }
+    // Request 0 (8 tokens) finished first: its bytes are gone. Cancel request 2.
+    assert_eq!(batch.ids().collect::<Vec<_>>(), [1, 2]);
+    let gen = generated.borrow().clone();
+    assert_eq!(gen[0], 8);
+    assert_eq!(batch.cache().held_bytes(), held(&[1, 2], &gen));
+    assert_eq!(batch.cache().sequences(), 2);
+    batch.cancel_where(|id, _| id == 2);
+    assert_eq!(batch.cache().held_bytes(), held(&[1], &gen));
+    while !batch.is_empty() {
+        e.step(&mut batch);
+    }
+    assert_eq!(batch.cache().sequences(), 0);
+    assert_eq!(batch.cache().held_bytes(), 0);
+    assert_eq!(batch.cache().planned_bytes(), 0);
+    assert_eq!(generated.borrow()[1], 12);
 }

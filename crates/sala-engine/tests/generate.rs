@@ -267,3 +267,49 @@ fn an_eos_step_is_reported_and_a_false_step_cancels() {
     assert_eq!(gc.finish, FinishReason::Cancelled);
     assert_eq!(gc.tokens.len(), 2);
 }
+
+#[test]
+fn generate_is_the_plain_model_loop() {
+    // `generate` runs through the batch step; its tokens are those of the model's own
+    // chunked prefill and decode with one sampler, greedy and seeded.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let vocab = e.model.config.vocab_size;
+    let prompt: Vec<u32> = (0..50).map(|i| 3 + (i * 37) % (vocab as u32 - 3)).collect();
+    for sampling in [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.9,
+            top_p: 0.9,
+            repetition_penalty: 1.2,
+            seed: Some(5),
+            ..Default::default()
+        },
+    ] {
+        let mut o = opts(24);
+        o.sampling = sampling.clone();
+        let mut chunks = Vec::new();
+        let g = e
+            .generate(&prompt, &o, &mut |_| {}, &mut |n| chunks.push(n))
+            .unwrap();
+        assert_eq!(chunks, [16, 16, 16, 2], "prefill progress by chunk");
+
+        let (be, model) = (&e.backend, &e.model);
+        let mut ws = model.workspace(be, 16).unwrap();
+        let mut seq = model.new_sequence(be).unwrap();
+        model.reserve(be, &mut seq, prompt.len() + 24).unwrap();
+        let mut logits = model
+            .prefill(be, &mut ws, &mut seq, &prompt, &mut |_| {})
+            .unwrap();
+        let mut sampler = sala_engine::sampling::Sampler::new(sampling, vocab).unwrap();
+        sampler.add_prompt(&prompt).unwrap();
+        let mut want = Vec::new();
+        for _ in 0..24 {
+            let tok = sampler.sample(&logits).unwrap();
+            sampler.record_output(tok.id).unwrap();
+            want.push(tok);
+            logits = model.decode(be, &mut ws, &mut seq, tok.id).unwrap();
+        }
+        assert_eq!(g.tokens, want);
+    }
+}

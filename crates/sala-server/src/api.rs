@@ -2,6 +2,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use sala_engine::request::RequestError;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -54,6 +55,37 @@ impl ApiError {
                 "code": self.code,
             }
         })
+    }
+}
+
+/// The engine's errors as OpenAI's: a status, `type`, `code` and `param`.
+impl From<&RequestError> for ApiError {
+    fn from(e: &RequestError) -> Self {
+        let message = e.to_string();
+        match e {
+            RequestError::InvalidRequest { param, .. } => {
+                let err = Self::invalid(message);
+                match param {
+                    Some(p) => err.param(p.clone()),
+                    None => err,
+                }
+            }
+            RequestError::ContextLengthExceeded { .. } => {
+                Self::invalid(message).code("context_length_exceeded")
+            }
+            RequestError::MemoryBusy { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+                    .code("memory_busy")
+            }
+            RequestError::QueueFull => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+                    .code("queue_full")
+            }
+            RequestError::Stopped => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+            }
+            RequestError::Internal { .. } => Self::internal(message),
+        }
     }
 }
 

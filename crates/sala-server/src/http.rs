@@ -479,7 +479,7 @@ async fn handle(
     let mut events = admitted.events;
     match events.recv().await {
         Some(Event::Started { .. }) => {}
-        Some(Event::Error(e)) => return Err(e),
+        Some(Event::Error(e)) => return Err(ApiError::from(&e)),
         _ => {
             return Err(counted(ApiError::internal(
                 "the engine stopped before answering",
@@ -546,7 +546,7 @@ async fn handle(
                 }))
                 .into_response());
             }
-            Some(Event::Error(e)) => return Err(e),
+            Some(Event::Error(e)) => return Err(ApiError::from(&e)),
             Some(Event::Started { .. }) => {}
             None => {
                 return Err(counted(ApiError::internal(
@@ -692,7 +692,7 @@ fn stream_response(
                     }
                     Some(Event::Error(e)) => {
                         st.phase = Phase::DoneMarker;
-                        data(&e.body())
+                        data(&ApiError::from(&e).body())
                     }
                     None => {
                         st.phase = Phase::DoneMarker;

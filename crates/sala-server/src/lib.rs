@@ -1,9 +1,10 @@
-//! `sala serve`: an OpenAI-compatible HTTP API over one [`sala_engine::generate::Engine`].
+//! `sala serve`: an OpenAI-compatible HTTP API over the sala engine.
 //!
-//! One engine thread owns the model and serves requests one at a time from a bounded queue
-//! ([`spawn_engine`]); the HTTP side ([`router`], [`serve`]) parses and checks requests,
-//! queues them, and turns the engine's events into JSON responses or SSE streams. Both sides
-//! count into one [`Metrics`], served as Prometheus text at `/metrics`.
+//! The engine thread ([`sala_engine::thread`], started by [`spawn_engine`]) owns the model
+//! and the life of every request. This crate only translates: OpenAI request bodies to
+//! [`sala_engine::request::Request`]s ([`router`], [`serve`]), the engine's events to JSON
+//! responses or SSE streams, and its typed errors to OpenAI errors ([`ApiError`]). The
+//! engine's events feed one [`Metrics`], served as Prometheus text at `/metrics`.
 
 pub mod api;
 pub mod engine;

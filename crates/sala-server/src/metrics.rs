@@ -1,6 +1,11 @@
-//! Server metrics, written out in the Prometheus text format (version 0.0.4) by
-//! [`Metrics::render`] for `GET /metrics`.
+//! Server metrics, fed by the engine thread as its [`Observer`] and by the HTTP side, written
+//! out in the Prometheus text format (version 0.0.4) by [`Metrics::render`] for
+//! `GET /metrics`.
 
+use crate::api::ApiError;
+use sala_engine::generate::FinishReason;
+use sala_engine::request::RequestError;
+use sala_engine::thread::Observer;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -154,6 +159,7 @@ pub struct Metrics {
     running: AtomicI64,
     live_sequences: AtomicI64,
     cache_bytes: AtomicI64,
+    cache_bytes_in_use: AtomicI64,
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     ttft: Histogram,
@@ -175,6 +181,7 @@ impl Metrics {
             running: AtomicI64::new(0),
             live_sequences: AtomicI64::new(0),
             cache_bytes: AtomicI64::new(0),
+            cache_bytes_in_use: AtomicI64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BOUNDS),
@@ -196,26 +203,25 @@ impl Metrics {
     }
 
     /// A request starts generating: its prompt is counted and its sequence is live.
-    pub fn sequence_started(&self, prompt_tokens: usize, cache_bytes: usize) {
+    pub fn sequence_started(&self, prompt_tokens: usize) {
         self.prompt_tokens
             .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         self.running.fetch_add(1, Ordering::Relaxed);
         self.live_sequences.fetch_add(1, Ordering::Relaxed);
-        self.cache_bytes
-            .fetch_add(cache_bytes as i64, Ordering::Relaxed);
     }
 
-    /// A live sequence's cache grew or shrank by `delta` bytes.
-    pub fn cache_changed(&self, delta: i64) {
-        self.cache_bytes.fetch_add(delta, Ordering::Relaxed);
+    /// The live sequences' caches hold `held` bytes by the memory formula, `in_use` by the
+    /// backend's count.
+    pub fn set_cache_bytes(&self, held: usize, in_use: usize) {
+        self.cache_bytes.store(held as i64, Ordering::Relaxed);
+        self.cache_bytes_in_use
+            .store(in_use as i64, Ordering::Relaxed);
     }
 
-    /// A request's sequence is gone, holding `cache_bytes` until then.
-    pub fn sequence_ended(&self, cache_bytes: usize) {
+    /// A request's sequence is gone.
+    pub fn sequence_ended(&self) {
         self.running.fetch_sub(1, Ordering::Relaxed);
         self.live_sequences.fetch_sub(1, Ordering::Relaxed);
-        self.cache_bytes
-            .fetch_sub(cache_bytes as i64, Ordering::Relaxed);
     }
 
     /// One generated token at `now`; `since` is the request's arrival for its first token,
@@ -273,6 +279,13 @@ impl Metrics {
             self.cache_bytes.load(Ordering::Relaxed).to_string(),
         );
         metric(
+            "sala_cache_bytes_in_use",
+            "gauge",
+            "Bytes the backend's caches take by its own count (the page pool's mapped \
+             pages), or the live sequences' planned cache bytes where it cannot tell.",
+            self.cache_bytes_in_use.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
             "sala_prompt_tokens_total",
             "counter",
             "Prompt tokens of requests that started generating.",
@@ -315,6 +328,34 @@ impl Metrics {
             "Between consecutive generated tokens of a request.",
         );
         out
+    }
+}
+
+/// The engine thread's events, counted.
+impl Observer for Metrics {
+    fn admitted(&self, prompt_tokens: usize) {
+        self.sequence_started(prompt_tokens);
+    }
+
+    fn token(&self, now: Instant, since: Instant, first: bool) {
+        Metrics::token(self, now, since, first);
+    }
+
+    fn cache(&self, held: usize, in_use: usize) {
+        self.set_cache_bytes(held, in_use);
+    }
+
+    fn released(&self) {
+        self.sequence_ended();
+    }
+
+    fn finished(&self, outcome: Result<FinishReason, &RequestError>) {
+        self.request_done(match outcome {
+            Ok(FinishReason::Stop) => Outcome::Stop,
+            Ok(FinishReason::Length) => Outcome::Length,
+            Ok(FinishReason::Cancelled) => Outcome::Cancelled,
+            Err(e) => Outcome::of_status(ApiError::from(e).status.as_u16()),
+        });
     }
 }
 
@@ -362,15 +403,25 @@ mod tests {
     fn tokens_feed_the_histograms_and_counters() {
         let m = Metrics::new();
         let t0 = Instant::now();
-        m.sequence_started(7, 100);
+        m.sequence_started(7);
+        m.set_cache_bytes(100, 4096);
         m.token(t0 + Duration::from_millis(30), t0, true);
         m.token(
             t0 + Duration::from_millis(32),
             t0 + Duration::from_millis(30),
             false,
         );
-        m.cache_changed(20);
-        m.sequence_ended(120);
+        m.set_cache_bytes(120, 4096);
+        let text = m.render(0, 8);
+        for line in [
+            "sala_requests_running 1",
+            "sala_cache_bytes 120",
+            "sala_cache_bytes_in_use 4096",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
+        m.set_cache_bytes(0, 0);
+        m.sequence_ended();
         m.request_done(Outcome::Length);
         let text = m.render(2, 8);
         for line in [
@@ -380,6 +431,7 @@ mod tests {
             "sala_generation_tokens_total 2",
             "sala_requests_running 0",
             "sala_cache_bytes 0",
+            "sala_cache_bytes_in_use 0",
             "sala_requests_total{outcome=\"length\"} 1",
             "sala_requests_total{outcome=\"stop\"} 0",
             "sala_time_to_first_token_seconds_bucket{le=\"0.025\"} 0",

@@ -643,9 +643,10 @@ fn concurrent<B: Backend + DeviceStats>(
     n: usize,
     args: &BenchArgs,
 ) -> Result<Value> {
-    use sala_engine::batch::{Batch, BatchEvent};
     use sala_engine::generate::{Engine, GenerateOptions};
     use sala_engine::sampling::SamplingParams;
+    use sala_engine::step::StepEvent;
+    use std::cell::{Cell, RefCell};
     let name = be.name();
     let model = Model::random(&be, config.clone(), args.seed, &mut |_, _| {})?;
     let tmp = tempfile::tempdir()?;
@@ -679,12 +680,12 @@ fn concurrent<B: Backend + DeviceStats>(
             ..opts.clone()
         };
         engine.generate(warm, &o, &mut |_| {}, &mut |_| {})?;
-        let mut batch = Batch::new(n);
+        let mut batch = engine.batch();
         for _ in 0..n {
-            engine.admit(&mut batch, warm.to_vec(), &o, None)?;
+            engine.admit(&mut batch, warm.to_vec(), &o, None, |_: StepEvent<'_>| true)?;
         }
         while !batch.is_empty() {
-            engine.step(&mut batch, &|_| true, &mut |_, _| true);
+            engine.step(&mut batch);
         }
     }
     engine.backend.profile();
@@ -700,35 +701,40 @@ fn concurrent<B: Backend + DeviceStats>(
     }
     let one_by_one = start.elapsed().as_secs_f64();
     print_profile(&engine.backend, &format!("{n} requests one by one"));
-    let start = Instant::now();
-    let mut batch = Batch::new(n);
-    for p in &prompts {
-        engine.admit(&mut batch, p.clone(), &opts, None)?;
-    }
-    let mut batched_tokens = 0;
-    let mut failure = None;
-    // Steps after every prompt is read (no prompt chunk in them): tokens and time.
-    let (mut prefilled, mut batch_decode_tokens, mut batch_decode_s) = (0usize, 0usize, 0.0f64);
-    while !batch.is_empty() {
-        let decode_only = prefilled == n;
-        let (t0, tokens0) = (Instant::now(), batched_tokens);
-        engine.step(&mut batch, &|_| true, &mut |_, ev| {
-            match ev {
-                BatchEvent::Step(s) if s.token.is_some() => batched_tokens += 1,
-                BatchEvent::Prefilled { .. } => prefilled += 1,
-                BatchEvent::Done(Err(e)) => failure = Some(e.to_string()),
-                _ => {}
+    let (generated_batched, prefilled) = (Cell::new(0usize), Cell::new(0usize));
+    let failure = RefCell::new(None);
+    let client = |ev: StepEvent<'_>| {
+        match ev {
+            StepEvent::Token(s) if s.token.is_some() => {
+                generated_batched.set(generated_batched.get() + 1)
             }
-            true
-        });
+            StepEvent::Prefilled { .. } => prefilled.set(prefilled.get() + 1),
+            StepEvent::Done(Err(e)) => *failure.borrow_mut() = Some(e.to_string()),
+            _ => {}
+        }
+        true
+    };
+    let start = Instant::now();
+    let mut batch = engine.batch();
+    for p in &prompts {
+        engine.admit(&mut batch, p.clone(), &opts, None, client)?;
+    }
+    // Steps after every prompt is read (no prompt chunk in them): tokens and time.
+    let (mut batch_decode_tokens, mut batch_decode_s) = (0usize, 0.0f64);
+    while !batch.is_empty() {
+        let decode_only = prefilled.get() == n;
+        let (t0, tokens0) = (Instant::now(), generated_batched.get());
+        engine.step(&mut batch);
         if decode_only {
-            batch_decode_tokens += batched_tokens - tokens0;
+            batch_decode_tokens += generated_batched.get() - tokens0;
             batch_decode_s += t0.elapsed().as_secs_f64();
         }
     }
-    if let Some(e) = failure {
+    drop(batch);
+    if let Some(e) = failure.into_inner() {
         bail!("a batched request failed: {e}");
     }
+    let batched_tokens = generated_batched.get();
     let batched = start.elapsed().as_secs_f64();
     print_profile(&engine.backend, &format!("{n} requests batched"));
     let total = |gen: usize| (n * len + gen) as f64;

@@ -7,14 +7,15 @@ mod inspect;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use device::{
-    cap_caches, cuda_options, memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats,
-    Opened,
+    cuda_options, memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use sala_checkpoint::{preset, Checkpoint, DType, ModelConfig, WriteOptions};
+use sala_engine::cache::CacheBudget;
 use sala_engine::generate::{request_tokens, Engine, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
-use sala_model::memory::{MemoryLimit, MemoryPlan};
+use sala_engine::scheduler::step_rows;
+use sala_model::memory::MemoryLimit;
 use sala_model::Backend;
 use sala_tokenizer::Tokenizer;
 use std::io::{IsTerminal, Read, Write};
@@ -347,12 +348,17 @@ fn generate_on<B: Backend + DeviceStats>(
     } else {
         Some(tokenizer.encode(prompt, true)?)
     };
-    if let Some(limit) = &limit {
+    // The engine's cache budget (its workspace: a chunk beside one decode row), asked before
+    // any weight is loaded.
+    let budget = CacheBudget::new(&config, step_rows(args.prefill_chunk, 1))
+        .with_limit(limit.clone(), target);
+    if budget.limit().is_some() {
         // A chat turn holds at least one prompt token; each turn is checked again.
         let tokens = request_tokens(ids.as_ref().map_or(1, Vec::len), &opts)?;
-        let plan = MemoryPlan::new(&config, tokens, args.prefill_chunk, target);
-        plan.check(limit)?;
-        cap_caches(&backend, Some(limit), &plan);
+        budget.check(tokens)?;
+        if let Some(room) = budget.room_for_caches() {
+            backend.limit_cache_memory(room);
+        }
     }
     let mut engine = load_engine(backend, args, dir, checkpoint, tokenizer)?;
     engine.set_memory_limit(limit, target);
@@ -631,7 +637,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     eprintln!("loading {} ...", dir.display());
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
         /// Loads the model (unless no request could fit the memory limit) and serves it.
-        fn start<B: Backend + DeviceStats>(
+        fn start<B: Backend + DeviceStats + 'static>(
             runner: sala_server::EngineRunner,
             be: B,
             dir: &Path,
@@ -641,17 +647,25 @@ fn serve(args: ServeArgs) -> Result<()> {
         ) -> Result<(), String> {
             let limit = memory_limit(&be, user_limit);
             let target = be.target();
-            if let Some(limit) = &limit {
+            if limit.is_some() {
                 let config = ModelConfig::from_file(&dir.join("config.json"))
                     .map_err(|e| format!("loading {}: {e}", dir.display()))?;
-                // The smallest request: one prompt token and one generated.
-                let plan = MemoryPlan::new(&config, 2, chunk + max_batch, target);
-                plan.check(limit)
+                // The engine's cache budget, asked before any weight is loaded: the smallest
+                // request (one prompt token and one generated) must fit.
+                let budget = CacheBudget::new(&config, step_rows(chunk, max_batch))
+                    .with_limit(limit.clone(), target);
+                budget
+                    .check(2)
                     .map_err(|e| format!("no request can fit the memory limit: {e}"))?;
-                cap_caches(&be, Some(limit), &plan);
+                if let Some(room) = budget.room_for_caches() {
+                    be.limit_cache_memory(room);
+                }
             }
-            let engine = Engine::load(be, dir, chunk, &mut |_, _| {})
+            let mut engine = Engine::load(be, dir, chunk, &mut |_, _| {})
                 .map_err(|e| format!("loading {}: {e}", dir.display()))?;
+            // The page pool, where there is one, counts what the caches take.
+            let probe = |be: &B| be.page_pool().map(|(pages, bytes)| pages * bytes);
+            engine.set_cache_probe(Some(Box::new(probe)));
             runner
                 .memory_limit(limit, target)
                 .max_batch(max_batch)

@@ -1,0 +1,331 @@
+//! The cache budget: the one place that says whether a request's memory fits, and that counts
+//! the cache bytes the requests in flight hold.
+//!
+//! A request is admitted when the memory plan of its sequence (prompt + `max_tokens` within
+//! the context budget, on the step workspace), with the caches of every sequence in flight
+//! added, fits the memory limit. A refusal says whether the request could fit alone (the
+//! memory is busy: retry later) or not (it is too large). Each admitted sequence holds a
+//! [`Lease`] until it ends; the budget counts its bytes by the model's memory formula as it
+//! grows. A [`CacheProbe`] lets the backend report what its caches really hold.
+
+use crate::request::RequestId;
+use sala_checkpoint::ModelConfig;
+use sala_model::memory::{cache_bytes, CacheBytes, MemoryLimit, MemoryPlan, OverBudget, Target};
+
+/// The backend's own count of the bytes its caches hold (a page pool's pages, say).
+pub trait CacheProbe<B> {
+    /// Bytes the backend's caches take now (e.g. the pages a page pool has mapped, which may
+    /// include pages not yet handed back); `None` when it cannot tell (the budget's planned
+    /// bytes stand in).
+    fn cache_bytes_in_use(&self, backend: &B) -> Option<usize>;
+}
+
+impl<B, F: Fn(&B) -> Option<usize>> CacheProbe<B> for F {
+    fn cache_bytes_in_use(&self, backend: &B) -> Option<usize> {
+        self(backend)
+    }
+}
+
+/// Why a request's memory was refused.
+#[derive(Debug, Clone)]
+pub enum Refusal {
+    /// Its plan does not fit even alone.
+    TooLarge(OverBudget),
+    /// It fits alone but not beside the sequences in flight (the error is for them together).
+    Busy(OverBudget),
+}
+
+/// One admitted sequence's share of the budget; hand it back with [`CacheBudget::release`].
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a lease is held until it is released"]
+pub struct Lease {
+    id: RequestId,
+    /// Tokens the sequence may reach: what its memory was planned for.
+    total: usize,
+    planned: CacheBytes,
+    /// Tokens counted as held, and their bytes by the memory formula.
+    tokens: usize,
+    held: usize,
+}
+
+impl Lease {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Tokens the sequence may reach.
+    pub fn total_tokens(&self) -> usize {
+        self.total
+    }
+
+    /// Tokens counted as held.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Bytes held, by the memory formula.
+    pub fn held_bytes(&self) -> usize {
+        self.held
+    }
+}
+
+/// The memory limit, and the caches of the sequences admitted under it.
+#[derive(Debug, Clone)]
+pub struct CacheBudget {
+    config: ModelConfig,
+    /// Rows of the step workspace, for plans.
+    rows: usize,
+    limit: Option<MemoryLimit>,
+    target: Option<Target>,
+    /// The cache terms of the admitted sequences' plans, summed.
+    planned: CacheBytes,
+    /// Bytes the admitted sequences hold by the memory formula, summed.
+    held: usize,
+    live: usize,
+}
+
+const NO_BYTES: CacheBytes = CacheBytes {
+    kv: 0,
+    compressed: 0,
+    lightning_state: 0,
+};
+
+fn add(a: CacheBytes, b: CacheBytes) -> CacheBytes {
+    CacheBytes {
+        kv: a.kv + b.kv,
+        compressed: a.compressed + b.compressed,
+        lightning_state: a.lightning_state + b.lightning_state,
+    }
+}
+
+fn sub(a: CacheBytes, b: CacheBytes) -> CacheBytes {
+    CacheBytes {
+        kv: a.kv - b.kv,
+        compressed: a.compressed - b.compressed,
+        lightning_state: a.lightning_state - b.lightning_state,
+    }
+}
+
+impl CacheBudget {
+    /// An empty budget without a limit, for a model of `config` whose steps hold `rows` rows.
+    pub fn new(config: &ModelConfig, rows: usize) -> Self {
+        Self {
+            config: config.clone(),
+            rows,
+            limit: None,
+            target: None,
+            planned: NO_BYTES,
+            held: 0,
+            live: 0,
+        }
+    }
+
+    /// Plans for `target` must fit `limit` (`None`: no limit; plans are still for `target`).
+    pub fn with_limit(mut self, limit: Option<MemoryLimit>, target: Target) -> Self {
+        self.limit = limit;
+        self.target = Some(target);
+        self
+    }
+
+    /// The same limit and rows, with no sequence admitted.
+    pub fn empty(&self) -> Self {
+        Self {
+            planned: NO_BYTES,
+            held: 0,
+            live: 0,
+            ..self.clone()
+        }
+    }
+
+    pub fn limit(&self) -> Option<&MemoryLimit> {
+        self.limit.as_ref()
+    }
+
+    /// Rows of the step workspace the plans count.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The plan of one sequence of `total_tokens` tokens for `target`.
+    pub fn plan(&self, total_tokens: usize, target: Target) -> MemoryPlan {
+        MemoryPlan::new(&self.config, total_tokens, self.rows, target)
+    }
+
+    /// The cache terms a sequence of `total_tokens` tokens is planned for: by the limit's
+    /// target, or by the memory formula (bf16) without one.
+    fn planned_cache(&self, total_tokens: usize) -> CacheBytes {
+        match self.target {
+            Some(t) => self.plan(total_tokens, t).cache,
+            None => cache_bytes(&self.config, total_tokens),
+        }
+    }
+
+    /// Whether a sequence of `total_tokens` tokens fits the limit alone (always, without one).
+    pub fn check(&self, total_tokens: usize) -> Result<(), OverBudget> {
+        match (&self.limit, self.target) {
+            (Some(limit), Some(target)) => self.plan(total_tokens, target).check(limit),
+            _ => Ok(()),
+        }
+    }
+
+    /// Admits request `id`, whose sequence may reach `total_tokens` tokens and holds
+    /// `held_tokens` now, if its plan fits beside the caches of every sequence admitted.
+    pub fn admit(
+        &mut self,
+        id: RequestId,
+        total_tokens: usize,
+        held_tokens: usize,
+    ) -> Result<Lease, Refusal> {
+        self.check(total_tokens).map_err(Refusal::TooLarge)?;
+        if let (Some(limit), Some(target)) = (&self.limit, self.target) {
+            let mut plan = self.plan(total_tokens, target);
+            plan.cache = add(plan.cache, self.planned);
+            plan.check(limit).map_err(Refusal::Busy)?;
+        }
+        let planned = self.planned_cache(total_tokens);
+        let held = cache_bytes(&self.config, held_tokens).total();
+        self.planned = add(self.planned, planned);
+        self.held += held;
+        self.live += 1;
+        Ok(Lease {
+            id,
+            total: total_tokens,
+            planned,
+            tokens: held_tokens,
+            held,
+        })
+    }
+
+    /// `lease`'s sequence now holds `tokens` tokens.
+    pub fn grow(&mut self, lease: &mut Lease, tokens: usize) {
+        let held = cache_bytes(&self.config, tokens).total();
+        self.held = self.held - lease.held + held;
+        lease.tokens = tokens;
+        lease.held = held;
+    }
+
+    /// Ends `lease`: its sequence's memory is free. Returns the bytes it held.
+    pub fn release(&mut self, lease: Lease) -> usize {
+        self.planned = sub(self.planned, lease.planned);
+        self.held -= lease.held;
+        self.live -= 1;
+        lease.held
+    }
+
+    /// Sequences admitted and not released.
+    pub fn sequences(&self) -> usize {
+        self.live
+    }
+
+    /// Bytes the admitted sequences hold now, by the memory formula.
+    pub fn held_bytes(&self) -> usize {
+        self.held
+    }
+
+    /// Cache bytes the admitted sequences' plans count (what admission reserved).
+    pub fn planned_bytes(&self) -> usize {
+        self.planned.total()
+    }
+
+    /// What the caches hold by `probe`'s count, or by the plans where it cannot tell.
+    pub fn in_use(&self, probe: Option<usize>) -> usize {
+        probe.unwrap_or_else(|| self.planned_bytes())
+    }
+
+    /// Bytes the limit leaves for the caches of every sequence beside the rest of a plan
+    /// (weights, workspace, the backend's scratch and runtime); `None` without a limit.
+    pub fn room_for_caches(&self) -> Option<usize> {
+        let (limit, target) = (self.limit.as_ref()?, self.target?);
+        Some(self.plan(1, target).room_for_caches(limit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(limit: Option<usize>) -> CacheBudget {
+        let config = sala_checkpoint::preset("tiny").unwrap();
+        let limit = limit.map(|bytes| MemoryLimit {
+            bytes,
+            source: "test".into(),
+        });
+        CacheBudget::new(&config, 80).with_limit(limit, Target::Cpu)
+    }
+
+    #[test]
+    fn admits_while_the_plans_fit_and_says_why_not() {
+        let free = budget(None);
+        let one = free.plan(400, Target::Cpu);
+        // Room for one 400-token sequence and half the caches of another.
+        let mut b = budget(Some(one.total() + one.cache.total() / 2));
+        let a = b.admit(0, 400, 300).unwrap();
+        assert_eq!(b.planned_bytes(), one.cache.total());
+        match b.admit(1, 400, 300) {
+            Err(Refusal::Busy(e)) => {
+                // The error is for both sequences' caches together.
+                assert_eq!(e.plan.cache.total(), 2 * one.cache.total());
+                assert!(e.plan.total() > e.limit.bytes);
+            }
+            other => panic!("expected Busy, got {other:?}"),
+        }
+        // A smaller one fits beside it.
+        let small = b.admit(2, 100, 50).unwrap();
+        // A request too large alone is refused as such, whatever is in flight.
+        match b.admit(3, 4000, 10) {
+            Err(Refusal::TooLarge(e)) => assert_eq!(e.plan.context, 4000),
+            other => panic!("expected TooLarge, got {other:?}"),
+        }
+        assert_eq!(b.sequences(), 2);
+        b.release(small);
+        b.release(a);
+        // With the first released, the second fits.
+        let c = b.admit(1, 400, 300).unwrap();
+        assert_eq!(b.sequences(), 1);
+        b.release(c);
+        assert!(b.check(4000).is_err() && b.check(400).is_ok());
+    }
+
+    #[test]
+    fn counts_the_bytes_held_and_frees_them_on_release() {
+        let config = sala_checkpoint::preset("tiny").unwrap();
+        let bytes = |n| cache_bytes(&config, n).total();
+        let mut b = budget(None);
+        let mut x = b.admit(7, 100, 20).unwrap();
+        let mut y = b.admit(8, 50, 10).unwrap();
+        assert_eq!((x.id(), x.total_tokens(), x.tokens()), (7, 100, 20));
+        assert_eq!(b.held_bytes(), bytes(20) + bytes(10));
+        b.grow(&mut x, 21);
+        b.grow(&mut y, 30);
+        assert_eq!(x.held_bytes(), bytes(21));
+        assert_eq!(b.held_bytes(), bytes(21) + bytes(30));
+        assert_eq!(b.release(x), bytes(21));
+        assert_eq!(b.held_bytes(), bytes(30));
+        b.release(y);
+        assert_eq!(
+            (b.held_bytes(), b.planned_bytes(), b.sequences()),
+            (0, 0, 0)
+        );
+    }
+
+    #[test]
+    fn the_probe_speaks_for_the_backend_where_it_can() {
+        let mut b = budget(None);
+        let x = b.admit(0, 64, 8).unwrap();
+        assert_eq!(b.in_use(None), b.planned_bytes());
+        assert_eq!(b.in_use(Some(12345)), 12345);
+        let probe = |pages: &usize| Some(*pages * 4096);
+        assert_eq!(b.in_use(probe.cache_bytes_in_use(&3)), 3 * 4096);
+        b.release(x);
+    }
+
+    #[test]
+    fn room_for_caches_is_what_the_limit_leaves_beside_the_rest() {
+        assert_eq!(budget(None).room_for_caches(), None);
+        let plan = budget(None).plan(1, Target::Cpu);
+        let rest = plan.total() - plan.cache.total();
+        let b = budget(Some(rest + 1000));
+        assert_eq!(b.room_for_caches(), Some(1000));
+        assert_eq!(b.empty().room_for_caches(), Some(1000));
+    }
+}

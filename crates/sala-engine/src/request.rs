@@ -1,0 +1,235 @@
+//! What a caller asks of the engine and hears back: a [`Request`], its [`Event`]s, and the
+//! typed [`RequestError`]s it may end with. Nothing here knows a transport: the HTTP server
+//! maps errors to status codes itself.
+
+use crate::generate::EngineError;
+use crate::sampling::{SamplingParams, TokenLogprobs};
+use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
+
+/// A request's number, unique within its batch.
+pub type RequestId = u64;
+
+/// What to generate from.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Text, encoded with the tokenizer's BOS.
+    Text(String),
+    /// Messages through the model's chat template, ready for the assistant's reply.
+    Chat {
+        messages: Vec<ChatMessage>,
+        /// Extra template variables, e.g. `enable_thinking`.
+        kwargs: serde_json::Map<String, serde_json::Value>,
+    },
+    /// Token ids, as they are.
+    Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    /// The prompt's token ids; `template` is the model's chat template (or why it has none).
+    pub fn token_ids(
+        &self,
+        tokenizer: &Tokenizer,
+        template: &Result<ChatTemplate, String>,
+    ) -> Result<Vec<u32>, RequestError> {
+        let text = match self {
+            Prompt::Tokens(ids) => return Ok(ids.clone()),
+            Prompt::Text(t) => t.clone(),
+            Prompt::Chat { messages, kwargs } => {
+                let template = template.as_ref().map_err(|e| {
+                    RequestError::invalid(format!("this model has no usable chat template: {e}"))
+                })?;
+                let opts = ChatOptions {
+                    add_generation_prompt: true,
+                    tools: None,
+                    kwargs: kwargs.clone(),
+                };
+                template.render(messages, &opts).map_err(|e| {
+                    RequestError::invalid(format!("applying the chat template: {e}"))
+                        .param("messages")
+                })?
+            }
+        };
+        tokenizer
+            .encode(&text, true)
+            .map_err(|e| RequestError::invalid(format!("tokenizing the prompt: {e}")))
+    }
+}
+
+/// One request: a prompt and how to generate from it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Prompt,
+    pub sampling: SamplingParams,
+    /// Most tokens to generate (the context budget may stop it sooner).
+    pub max_tokens: usize,
+    /// Generation stops when one of these appears; it is not shown.
+    pub stop: Vec<String>,
+    /// Keep generating past EOS tokens.
+    pub ignore_eos: bool,
+    /// Report each token's logprob with this many alternatives (`None`: no logprobs).
+    pub logprobs: Option<usize>,
+}
+
+/// How a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS token or a stop string.
+    Stop,
+    /// `max_tokens` or the context budget.
+    Length,
+    /// The caller asked to stop, or its client left.
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A token as text: its bytes (one byte for a byte-fallback piece such as `<0xE4>`, else the
+/// piece with `▁` as a space) and those bytes as a string, lossily.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenText {
+    pub text: String,
+    pub bytes: Vec<u8>,
+}
+
+impl TokenText {
+    pub fn of(tokenizer: &Tokenizer, id: u32) -> Self {
+        let piece = tokenizer.id_to_token(id).unwrap_or_default();
+        let byte = piece
+            .strip_prefix("<0x")
+            .and_then(|p| p.strip_suffix('>'))
+            .filter(|hex| hex.len() == 2)
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        let bytes = match byte {
+            Some(b) => vec![b],
+            None => piece.replace('\u{2581}', " ").into_bytes(),
+        };
+        Self {
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+        }
+    }
+}
+
+/// One generated token's logprob and its step's most likely tokens (raw log-softmax).
+#[derive(Debug, Clone)]
+pub struct LogprobEntry {
+    pub token: TokenText,
+    pub logprob: f32,
+    pub top: Vec<(TokenText, f32)>,
+}
+
+impl LogprobEntry {
+    pub fn new(tokenizer: &Tokenizer, lp: &TokenLogprobs) -> Self {
+        Self {
+            token: TokenText::of(tokenizer, lp.id),
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .iter()
+                .map(|&(id, l)| (TokenText::of(tokenizer, id), l))
+                .collect(),
+        }
+    }
+}
+
+/// What the engine reports about a request, in order: `Started` or `Error`; then `Text`s;
+/// then `Done` or `Error`.
+#[derive(Debug)]
+pub enum Event {
+    Started {
+        prompt_tokens: usize,
+    },
+    /// Text that became final, with the logprobs of the tokens generated since the last
+    /// `Text` (when asked for; EOS tokens are left out). The text may be empty when only
+    /// logprobs are left at the end.
+    Text {
+        text: String,
+        logprobs: Vec<LogprobEntry>,
+    },
+    Done {
+        finish: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Error(RequestError),
+}
+
+/// Why a request failed or was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    /// The request cannot be served as asked; `param` names the field at fault.
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<String>,
+    },
+    /// The prompt, or the prompt with `max_tokens`, does not fit the context budget or the
+    /// memory limit even alone: a retry cannot help, a shorter request can.
+    #[error("{message}")]
+    ContextLengthExceeded { message: String },
+    /// The requests in flight hold the memory this one needs: retry later.
+    #[error("{message}")]
+    MemoryBusy { message: String },
+    /// Too many requests are waiting: retry later.
+    #[error("the server is busy: too many requests are waiting; retry later")]
+    QueueFull,
+    /// The engine thread has ended.
+    #[error("the engine has stopped")]
+    Stopped,
+    /// A failure of the engine, not of the request.
+    #[error("{message}")]
+    Internal { message: String },
+}
+
+impl RequestError {
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// The same error naming `param` (for [`RequestError::InvalidRequest`]; others are kept).
+    pub fn param(self, param: impl Into<String>) -> Self {
+        match self {
+            Self::InvalidRequest { message, .. } => Self::InvalidRequest {
+                message,
+                param: Some(param.into()),
+            },
+            e => e,
+        }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::Internal {
+            message: message.into(),
+        }
+    }
+}
+
+impl From<EngineError> for RequestError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Sampling(e) => Self::invalid(e.to_string()),
+            EngineError::Stop(e) => Self::invalid(e.to_string()).param("stop"),
+            EngineError::EmptyPrompt => Self::invalid(e.to_string()),
+            EngineError::PromptTooLong { .. } | EngineError::OverBudget(_) => {
+                Self::ContextLengthExceeded {
+                    message: e.to_string(),
+                }
+            }
+            EngineError::MemoryBusy(_) => Self::MemoryBusy {
+                message: format!("the server is busy: {e}; retry later"),
+            },
+            e => Self::internal(format!("generation failed: {e}")),
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! The per-step token budget: which rows one forward pass holds.
+//!
+//! A step holds at most `budget` rows (the step workspace's). Decode rows come first, one
+//! per request with a token to feed, oldest request first; then prompt chunks, oldest
+//! request first, each the next whole chunk of its prompt while it fits. A prompt is cut at
+//! multiples of `chunk` from its start, wherever it shares steps, so its results are those of
+//! reading it alone; a chunk that does not fit waits for a later step (a shorter one behind
+//! it may still go).
+
+/// What a request in flight asks of the next step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    /// Nothing: it has ended, or its logits wait to be sampled.
+    Nothing,
+    /// One row: the token it sampled last.
+    Decode,
+    /// The rest of its prompt: `read` of its `len` tokens are read.
+    Prompt { read: usize, len: usize },
+}
+
+/// Rows of one request in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Work {
+    /// One decode row.
+    Decode,
+    /// Prompt tokens `start..start + len`.
+    Chunk { start: usize, len: usize },
+}
+
+impl Work {
+    pub fn rows(self) -> usize {
+        match self {
+            Work::Decode => 1,
+            Work::Chunk { len, .. } => len,
+        }
+    }
+}
+
+/// One request's part of a step: its index among the wants, and its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    pub index: usize,
+    pub work: Work,
+}
+
+/// A step's rows, in row order: the decode rows, then the prompt chunks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub slots: Vec<Slot>,
+}
+
+impl StepPlan {
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Rows the step holds.
+    pub fn rows(&self) -> usize {
+        self.slots.iter().map(|s| s.work.rows()).sum()
+    }
+}
+
+/// Rows of a step's workspace: a prompt chunk beside a decode row for each of `max_batch`
+/// requests.
+pub fn step_rows(chunk: usize, max_batch: usize) -> usize {
+    chunk + max_batch
+}
+
+/// Plans steps within a token budget (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scheduler {
+    budget: usize,
+    chunk: usize,
+}
+
+impl Scheduler {
+    /// Steps of at most `budget` rows, reading prompts `chunk` tokens at a time (at least 1).
+    pub fn new(budget: usize, chunk: usize) -> Self {
+        Self {
+            budget,
+            chunk: chunk.max(1),
+        }
+    }
+
+    /// The next step for requests whose wants are `wants`, oldest first.
+    pub fn plan(&self, wants: &[Want]) -> StepPlan {
+        let mut used = 0;
+        let mut slots = Vec::new();
+        for (index, w) in wants.iter().enumerate() {
+            if *w == Want::Decode && used < self.budget {
+                slots.push(Slot {
+                    index,
+                    work: Work::Decode,
+                });
+                used += 1;
+            }
+        }
+        for (index, w) in wants.iter().enumerate() {
+            if let Want::Prompt { read, len } = *w {
+                let n = self.chunk.min(len.saturating_sub(read));
+                if n > 0 && used + n <= self.budget {
+                    slots.push(Slot {
+                        index,
+                        work: Work::Chunk {
+                            start: read,
+                            len: n,
+                        },
+                    });
+                    used += n;
+                }
+            }
+        }
+        StepPlan { slots }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(index: usize, start: usize, len: usize) -> Slot {
+        Slot {
+            index,
+            work: Work::Chunk { start, len },
+        }
+    }
+
+    fn decode(index: usize) -> Slot {
+        Slot {
+            index,
+            work: Work::Decode,
+        }
+    }
+
+    #[test]
+    fn decode_rows_come_first_then_chunks_oldest_first() {
+        let s = Scheduler::new(8 + 4, 8);
+        let wants = [
+            Want::Prompt { read: 0, len: 20 },
+            Want::Decode,
+            Want::Nothing,
+            Want::Decode,
+            Want::Prompt { read: 8, len: 30 },
+        ];
+        let plan = s.plan(&wants);
+        // Request 0's chunk fills the budget beside the decode rows; request 4 waits.
+        assert_eq!(plan.slots, [decode(1), decode(3), chunk(0, 0, 8)]);
+        assert_eq!(plan.rows(), 10);
+    }
+
+    #[test]
+    fn chunks_fill_the_budget_and_a_short_one_may_pass_a_long_one() {
+        let s = Scheduler::new(10, 8);
+        let wants = [
+            Want::Prompt { read: 0, len: 5 },
+            Want::Prompt { read: 0, len: 30 },
+            Want::Prompt { read: 16, len: 19 },
+        ];
+        // 5 rows used: request 1's 8-token chunk does not fit, request 2's last 3 tokens do.
+        assert_eq!(s.plan(&wants).slots, [chunk(0, 0, 5), chunk(2, 16, 3)]);
+    }
+
+    #[test]
+    fn decode_rows_stop_at_the_budget() {
+        let s = Scheduler::new(3, 2);
+        let plan = s.plan(&[Want::Decode; 5]);
+        assert_eq!(plan.slots, [decode(0), decode(1), decode(2)]);
+        assert!(s.plan(&[Want::Nothing; 3]).is_empty());
+    }
+
+    #[test]
+    fn a_prompt_is_cut_where_reading_it_alone_cuts_it() {
+        // However the budget is shared, every chunk starts at a multiple of the chunk length
+        // and is whole (the last one is the rest of the prompt).
+        let (chunk_len, len) = (16, 70);
+        let alone: Vec<Work> = {
+            let s = Scheduler::new(chunk_len, chunk_len);
+            let mut read = 0;
+            let mut out = Vec::new();
+            while read < len {
+                let plan = s.plan(&[Want::Prompt { read, len }]);
+                out.push(plan.slots[0].work);
+                read += plan.rows();
+            }
+            out
+        };
+        assert_eq!(alone.len(), 5);
+        for decodes in [0, 3, 7] {
+            let s = Scheduler::new(chunk_len + 7, chunk_len);
+            // A 40-token prompt ahead of ours and `decodes` decode rows share the steps.
+            let (mut ahead, mut read) = (0, 0);
+            let mut got = Vec::new();
+            let mut steps = 0;
+            while read < len {
+                let mut wants = vec![Want::Decode; decodes];
+                wants.push(Want::Prompt {
+                    read: ahead,
+                    len: 40,
+                });
+                wants.push(Want::Prompt { read, len });
+                for slot in s.plan(&wants).slots {
+                    if slot.index == decodes {
+                        ahead += slot.work.rows();
+                    } else if slot.index == decodes + 1 {
+                        got.push(slot.work);
+                        read += slot.work.rows();
+                    }
+                }
+                steps += 1;
+                assert!(steps < 100, "the prompt is never read");
+            }
+            assert_eq!(got, alone, "{decodes} decode rows");
+            for w in &got {
+                let Work::Chunk { start, .. } = *w else {
+                    panic!("{w:?}")
+                };
+                assert_eq!(start % chunk_len, 0);
+            }
+        }
+    }
+}

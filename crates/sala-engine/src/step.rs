@@ -1,0 +1,416 @@
+//! One engine step over the requests in flight, and the [`Batch`] that holds them.
+//!
+//! [`Engine::step`] samples a token for every request whose logits are ready (all at once:
+//! each request has its own sampler, so the threads change no result), then runs one forward
+//! pass over the rows the [`Scheduler`] plans: decode rows first, then whole prompt chunks.
+//! Each request's [`Client`] hears of its progress. A request's tokens do not depend on the
+//! others in the batch: every op treats rows independently, and a prompt is cut where reading
+//! it alone cuts it.
+
+use crate::cache::{CacheBudget, Lease, Refusal};
+use crate::generate::{request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream};
+use crate::request::{FinishReason, RequestId};
+use crate::sampling::SampledToken;
+use crate::scheduler::{Scheduler, Want, Work};
+use rayon::prelude::*;
+use sala_model::{Backend, BackendError, LogitRows, SeqState, StepInput};
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// The generated text and tokens.
+    pub text: String,
+    pub tokens: Vec<SampledToken>,
+}
+
+/// What a step reports about a request, in order: `Read` for each prompt chunk, `Prefilled`,
+/// then `Token`s (as [`Engine::generate_steps`] reports them, the flushed text last), then
+/// `Done`. After `Done` the request has left the batch.
+#[derive(Debug)]
+pub enum StepEvent<'a> {
+    /// A chunk of `tokens` prompt tokens was read.
+    Read {
+        tokens: usize,
+    },
+    /// The whole prompt is read.
+    Prefilled {
+        prompt_tokens: usize,
+    },
+    Token(Step<'a>),
+    Done(Result<Finished, EngineError>),
+}
+
+/// What a client may ask while it hears an event: the memory the batch's caches hold.
+pub struct StepContext<'a> {
+    cache: &'a CacheBudget,
+    probe: &'a dyn Fn() -> Option<usize>,
+}
+
+impl StepContext<'_> {
+    /// Bytes the caches of the requests in flight hold, by the memory formula.
+    pub fn cache_held(&self) -> usize {
+        self.cache.held_bytes()
+    }
+
+    /// Bytes the caches hold by the backend's count, or by their plans where it cannot tell.
+    pub fn cache_in_use(&self) -> usize {
+        self.cache.in_use((self.probe)())
+    }
+}
+
+/// Whoever waits for a request's results.
+pub trait Client {
+    /// Whether it can take a step's events now; a client that cannot pauses only its own
+    /// request (it generates nothing and keeps its place).
+    fn ready(&self) -> bool {
+        true
+    }
+
+    /// Hears of the request's progress. Returning `false` from a `Token` event cancels the
+    /// request at once.
+    fn event(&mut self, event: StepEvent<'_>, cx: &StepContext<'_>) -> bool;
+}
+
+impl<F: FnMut(StepEvent<'_>) -> bool> Client for F {
+    fn event(&mut self, event: StepEvent<'_>, _: &StepContext<'_>) -> bool {
+        self(event)
+    }
+}
+
+struct Member<B: Backend, C> {
+    id: RequestId,
+    seq: SeqState<B>,
+    prompt: Vec<u32>,
+    /// Prompt tokens read so far.
+    read: usize,
+    stream: TokenStream,
+    /// Its share of the cache budget, held while it is in the batch.
+    lease: Option<Lease>,
+    logits: Option<Vec<f32>>,
+    feed: Option<u32>,
+    /// Set when the request has ended (its `Done` is sent as the step ends).
+    done: Option<Result<FinishReason, EngineError>>,
+    client: C,
+}
+
+impl<B: Backend, C> Member<B, C> {
+    fn want(&self) -> Want {
+        match (&self.done, self.feed) {
+            (Some(_), _) => Want::Nothing,
+            (None, Some(_)) => Want::Decode,
+            (None, None) if self.read < self.prompt.len() => Want::Prompt {
+                read: self.read,
+                len: self.prompt.len(),
+            },
+            // Its logits wait to be sampled.
+            (None, None) => Want::Nothing,
+        }
+    }
+}
+
+/// The requests in flight, oldest first, each with its sequence, its sampler and its client:
+/// the one registry of requests. Its cache budget holds a lease for each.
+pub struct Batch<B: Backend, C> {
+    members: Vec<Member<B, C>>,
+    next_id: RequestId,
+    max_batch: usize,
+    cache: CacheBudget,
+}
+
+impl<B: Backend, C> Batch<B, C> {
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Most requests it may hold.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Whether another request may be admitted.
+    pub fn has_room(&self) -> bool {
+        self.members.len() < self.max_batch
+    }
+
+    /// The memory budget its requests were admitted under.
+    pub fn cache(&self) -> &CacheBudget {
+        &self.cache
+    }
+
+    /// Ids of the requests in flight, oldest first.
+    pub fn ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.members.iter().map(|m| m.id)
+    }
+
+    /// Whether any client can take events now.
+    pub fn any_ready(&self) -> bool
+    where
+        C: Client,
+    {
+        self.members.iter().any(|m| m.client.ready())
+    }
+
+    /// Drops at once the requests for which `gone(id, client)` is true (their memory is
+    /// freed) and returns them with their clients. No event is sent for them.
+    pub fn cancel_where(
+        &mut self,
+        mut gone: impl FnMut(RequestId, &C) -> bool,
+    ) -> Vec<(RequestId, C)> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.members.len() {
+            if gone(self.members[i].id, &self.members[i].client) {
+                let m = self.take(i);
+                out.push((m.id, m.client));
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
+    /// Removes member `i`, its lease released (its sequence is freed when the member drops).
+    fn take(&mut self, i: usize) -> Member<B, C> {
+        let mut m = self.members.remove(i);
+        if let Some(lease) = m.lease.take() {
+            self.cache.release(lease);
+        }
+        m
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// An empty batch for this engine: at most [`Engine::max_batch`] requests, admitted
+    /// under the engine's memory limit.
+    pub fn batch<C>(&self) -> Batch<B, C> {
+        Batch {
+            members: Vec::new(),
+            next_id: 0,
+            max_batch: self.max_batch(),
+            cache: self.cache_budget(),
+        }
+    }
+
+    /// Admits a request: checks it (an empty prompt, the context budget, and its memory
+    /// beside the batch's in the cache budget) and allocates its caches. Its prompt is read
+    /// by the following [`Engine::step`]s, and `client` hears of it.
+    pub fn admit<C>(
+        &mut self,
+        batch: &mut Batch<B, C>,
+        prompt: Vec<u32>,
+        opts: &GenerateOptions,
+        logprobs: Option<usize>,
+        client: C,
+    ) -> Result<RequestId, EngineError> {
+        if !batch.has_room() || batch.len() >= self.max_batch() {
+            return Err(EngineError::BatchFull {
+                requests: batch.len(),
+            });
+        }
+        let total = request_tokens(prompt.len(), opts)?;
+        let id = batch.next_id;
+        let lease = batch
+            .cache
+            .admit(id, total, prompt.len())
+            .map_err(|r| match r {
+                Refusal::TooLarge(e) => EngineError::OverBudget(e),
+                Refusal::Busy(e) => EngineError::MemoryBusy(e),
+            })?;
+        let started = (|| {
+            let stream = TokenStream::new(
+                &self.tokenizer,
+                self.model.config.vocab_size,
+                &prompt,
+                opts,
+                total - prompt.len(),
+                logprobs,
+            )?;
+            let mut seq = self.model.new_sequence(&self.backend)?;
+            self.model.reserve(&self.backend, &mut seq, total)?;
+            Ok::<_, EngineError>((stream, seq))
+        })();
+        let (stream, seq) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                batch.cache.release(lease);
+                return Err(e);
+            }
+        };
+        batch.next_id += 1;
+        batch.members.push(Member {
+            id,
+            seq,
+            prompt,
+            read: 0,
+            stream,
+            lease: Some(lease),
+            logits: None,
+            feed: None,
+            done: None,
+            client,
+        });
+        Ok(id)
+    }
+
+    /// One step (see the module docs). Requests that end leave the batch before it returns,
+    /// each with its `Done`.
+    pub fn step<C: Client>(&mut self, batch: &mut Batch<B, C>) {
+        let probe = || {
+            self.cache_probe
+                .as_ref()
+                .and_then(|p| p.cache_bytes_in_use(&self.backend))
+        };
+        let Batch { members, cache, .. } = batch;
+        // 1. A token for every request whose logits are ready and whose client can take it:
+        // sampled for all of them at once, then reported in batch order.
+        let mut picked: Vec<(&mut Member<B, C>, Vec<f32>)> = members
+            .iter_mut()
+            .filter(|m| m.done.is_none() && m.client.ready())
+            .filter_map(|m| m.logits.take().map(|l| (m, l)))
+            .collect();
+        let choices: Vec<_> = if picked.len() == 1 {
+            let (m, l) = &mut picked[0];
+            vec![m.stream.choose(l)]
+        } else {
+            picked
+                .iter_mut()
+                .map(|(m, l)| (&mut m.stream, l.as_slice()))
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .map(|(stream, logits)| stream.choose(logits))
+                .collect()
+        };
+        for ((m, _), choice) in picked.into_iter().zip(choices) {
+            let Member {
+                stream,
+                lease,
+                client,
+                ..
+            } = m;
+            let mut report = |s: Step<'_>| {
+                // The cache is counted for the prompt and every token sampled.
+                if let (Some(_), Some(lease)) = (s.token, lease.as_mut()) {
+                    let tokens = lease.tokens() + 1;
+                    cache.grow(lease, tokens);
+                }
+                let cx = StepContext {
+                    cache,
+                    probe: &probe,
+                };
+                client.event(StepEvent::Token(s), &cx)
+            };
+            let outcome = choice.and_then(|c| match c {
+                Some(c) => stream.commit(c, &mut report),
+                None => Ok(None),
+            });
+            match outcome {
+                Ok(Some(next)) => m.feed = Some(next),
+                Ok(None) => m.done = Some(stream.finish(&mut report)),
+                Err(e) => m.done = Some(Err(e)),
+            }
+        }
+
+        // 2. One forward pass over the rows the scheduler plans.
+        let ws = &mut self.workspace;
+        let wants: Vec<Want> = members.iter().map(Member::want).collect();
+        let plan = Scheduler::new(ws.max_rows, ws.chunk).plan(&wants);
+        if !plan.is_empty() {
+            let model = &self.model;
+            let mut slots: Vec<Option<&mut Member<B, C>>> = members.iter_mut().map(Some).collect();
+            let mut inputs = Vec::with_capacity(plan.slots.len());
+            for slot in &plan.slots {
+                let Some(Member {
+                    seq, prompt, feed, ..
+                }) = slots[slot.index].take()
+                else {
+                    unreachable!("a request has one slot in a step")
+                };
+                let (tokens, mode, last) = match (slot.work, feed.as_ref()) {
+                    (Work::Decode, Some(t)) => (
+                        std::slice::from_ref(t),
+                        model.sparse_mode(seq.pos + 1),
+                        true,
+                    ),
+                    (Work::Chunk { start, len }, _) => (
+                        &prompt[start..start + len],
+                        model.sparse_mode(prompt.len()),
+                        start + len == prompt.len(),
+                    ),
+                    (Work::Decode, None) => unreachable!("a decode row has a token to feed"),
+                };
+                inputs.push(StepInput {
+                    seq,
+                    tokens,
+                    mode,
+                    logits: if last {
+                        LogitRows::Last
+                    } else {
+                        LogitRows::None
+                    },
+                });
+            }
+            let result = model.forward(&self.backend, ws, &mut inputs);
+            drop(inputs);
+            match result {
+                Ok(logits) => {
+                    for (slot, logits) in plan.slots.iter().zip(logits) {
+                        let m = &mut members[slot.index];
+                        if let Work::Chunk { len, .. } = slot.work {
+                            m.read += len;
+                            let cx = StepContext {
+                                cache,
+                                probe: &probe,
+                            };
+                            m.client.event(StepEvent::Read { tokens: len }, &cx);
+                            if m.read < m.prompt.len() {
+                                continue;
+                            }
+                            let prompt_tokens = m.prompt.len();
+                            m.client.event(StepEvent::Prefilled { prompt_tokens }, &cx);
+                        }
+                        m.feed = None;
+                        m.logits = Some(logits);
+                    }
+                }
+                Err(e) => {
+                    for slot in &plan.slots {
+                        members[slot.index].done = Some(Err(BackendError(e.0.clone()).into()));
+                    }
+                }
+            }
+        }
+
+        // 3. Ended requests leave the batch, each with its `Done`.
+        let mut i = 0;
+        while i < batch.members.len() {
+            if batch.members[i].done.is_none() {
+                i += 1;
+                continue;
+            }
+            let mut m = batch.take(i);
+            let done = m
+                .done
+                .take()
+                .expect("checked above")
+                .map(|finish| Finished {
+                    finish,
+                    prompt_tokens: m.prompt.len(),
+                    completion_tokens: m.stream.tokens.len(),
+                    text: std::mem::take(&mut m.stream.text),
+                    tokens: std::mem::take(&mut m.stream.tokens),
+                });
+            let cx = StepContext {
+                cache: &batch.cache,
+                probe: &probe,
+            };
+            m.client.event(StepEvent::Done(done), &cx);
+        }
+    }
+}

@@ -1,0 +1,444 @@
+//! The engine thread: it owns the model and serves [`Request`]s from a bounded queue as one
+//! continuous batch.
+//!
+//! [`spawn`] starts it and returns a [`Handle`] once the model is loaded; [`Handle::submit`]
+//! queues a request and returns the receiver of its [`Event`]s. Dropping the receiver cancels
+//! the request. A client that does not read pauses only its own request. A panic in a step
+//! fails the requests in flight and the thread goes on. An [`Observer`] hears of every
+//! request's progress (for metrics), before its client does.
+
+use crate::generate::{Engine, GenerateOptions};
+use crate::request::{Event, FinishReason, LogprobEntry, Request, RequestError};
+use crate::step::{Batch, Client, StepContext, StepEvent};
+use sala_model::memory::{MemoryLimit, Target};
+use sala_model::Backend;
+use sala_tokenizer::Tokenizer;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Requests decoded together unless [`Runner::max_batch`] says otherwise.
+pub const DEFAULT_MAX_BATCH: usize = 64;
+
+/// Events buffered per request before the engine waits for the client.
+const EVENT_BUFFER: usize = 64;
+
+/// What the engine thread tells of its model once loaded.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    /// Most tokens one sequence may hold (prompt and output together).
+    pub max_context: usize,
+    pub backend: String,
+}
+
+/// Hears of every request's progress on the engine thread, before its client does. Every
+/// method does nothing by default.
+pub trait Observer: Send + Sync {
+    /// A request was admitted: it holds a sequence, and its prompt has `prompt_tokens` tokens.
+    fn admitted(&self, _prompt_tokens: usize) {}
+    /// A token was generated at `now`; `since` is the request's arrival for its first token,
+    /// else the previous token's time.
+    fn token(&self, _now: Instant, _since: Instant, _first: bool) {}
+    /// The caches of the requests in flight hold `held` bytes by the memory formula and
+    /// `in_use` by the backend's count (or their plans where it cannot tell).
+    fn cache(&self, _held: usize, _in_use: usize) {}
+    /// An admitted request's sequence is gone.
+    fn released(&self) {}
+    /// A request ended, admitted or not: how it finished, or why it failed.
+    fn finished(&self, _outcome: Result<FinishReason, &RequestError>) {}
+}
+
+/// An [`Observer`] that hears nothing.
+pub struct NoObserver;
+
+impl Observer for NoObserver {}
+
+struct Job {
+    request: Request,
+    events: mpsc::Sender<Event>,
+    /// When the request was queued: the start of its time to first token.
+    queued: Instant,
+}
+
+/// Handed to the factory of [`spawn`] on the engine thread; [`Runner::run`] serves the queue
+/// with an engine built there.
+pub struct Runner {
+    jobs: mpsc::Receiver<Job>,
+    ready: std::sync::mpsc::Sender<Result<EngineInfo, String>>,
+    max_context: Option<usize>,
+    observer: Arc<dyn Observer>,
+    /// The cap on the requests' memory plans, and the backend the plans are for.
+    memory: Option<(MemoryLimit, Target)>,
+    /// Most requests decoded together (`None`: [`DEFAULT_MAX_BATCH`]).
+    max_batch: Option<usize>,
+}
+
+/// The callers' end of the queue.
+#[derive(Clone)]
+pub struct Handle {
+    jobs: mpsc::Sender<Job>,
+    pub info: EngineInfo,
+}
+
+/// Starts the engine thread: `factory` runs there, builds the backend and the [`Engine`]
+/// (backends need not be `Send`), and calls [`Runner::run`]. Returns once the model is
+/// loaded, or with the factory's error. `max_context` caps each sequence (default: the
+/// model's); `queue` is how many requests may wait.
+pub fn spawn<F>(
+    max_context: Option<usize>,
+    queue: usize,
+    observer: Arc<dyn Observer>,
+    factory: F,
+) -> Result<Handle, String>
+where
+    F: FnOnce(Runner) -> Result<(), String> + Send + 'static,
+{
+    let (jobs_tx, jobs_rx) = mpsc::channel(queue.max(1));
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let failed = ready_tx.clone();
+    let runner = Runner {
+        jobs: jobs_rx,
+        ready: ready_tx,
+        max_context,
+        observer,
+        memory: None,
+        max_batch: None,
+    };
+    std::thread::Builder::new()
+        .name("sala-engine".into())
+        .spawn(move || {
+            if let Err(e) = factory(runner) {
+                let _ = failed.send(Err(e));
+            }
+        })
+        .map_err(|e| format!("starting the engine thread: {e}"))?;
+    match ready_rx.recv() {
+        Ok(Ok(info)) => Ok(Handle {
+            jobs: jobs_tx,
+            info,
+        }),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err("the engine thread ended before loading a model".into()),
+    }
+}
+
+impl Handle {
+    /// Queues a request; the receiver hears its events. Refused when the queue is full or
+    /// the engine has stopped.
+    pub fn submit(&self, request: Request) -> Result<mpsc::Receiver<Event>, RequestError> {
+        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        let job = Job {
+            request,
+            events: tx,
+            queued: Instant::now(),
+        };
+        match self.jobs.try_send(job) {
+            Ok(()) => Ok(rx),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(RequestError::QueueFull),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(RequestError::Stopped),
+        }
+    }
+
+    /// False once the engine thread has ended.
+    pub fn is_alive(&self) -> bool {
+        !self.jobs.is_closed()
+    }
+
+    /// Requests waiting in the queue.
+    pub fn queue_depth(&self) -> usize {
+        self.jobs.max_capacity() - self.jobs.capacity()
+    }
+
+    /// Most requests that may wait.
+    pub fn queue_capacity(&self) -> usize {
+        self.jobs.max_capacity()
+    }
+}
+
+impl Runner {
+    /// Caps the memory plan of every request (prompt + max_tokens within the context budget,
+    /// on the engine's workspace, for `target`); `None` leaves requests uncapped.
+    pub fn memory_limit(mut self, limit: Option<MemoryLimit>, target: Target) -> Self {
+        self.memory = limit.map(|l| (l, target));
+        self
+    }
+
+    /// Decodes at most `n` requests together (at least 1; the engine's workspace is made for
+    /// them).
+    pub fn max_batch(mut self, n: usize) -> Self {
+        self.max_batch = Some(n.max(1));
+        self
+    }
+
+    /// Serves queued requests with `engine` until every [`Handle`] is dropped. With a memory
+    /// limit that not even a two-token request fits, it reports that instead.
+    pub fn run<B: Backend>(mut self, mut engine: Engine<B>) {
+        let n = self.max_batch.unwrap_or(DEFAULT_MAX_BATCH);
+        if let Err(e) = engine.set_max_batch(n) {
+            let _ = self
+                .ready
+                .send(Err(format!("a workspace for {n} requests: {e}")));
+            return;
+        }
+        let max_context = self
+            .max_context
+            .unwrap_or(engine.model.config.max_position_embeddings)
+            .max(1);
+        if let Some((limit, target)) = self.memory.take() {
+            engine.set_memory_limit(Some(limit), target);
+            if let Err(e) = engine.check_memory(2) {
+                let _ = self
+                    .ready
+                    .send(Err(format!("no request can fit the memory limit: {e}")));
+                return;
+            }
+        }
+        let info = EngineInfo {
+            max_context,
+            backend: engine.backend_name(),
+        };
+        if self.ready.send(Ok(info)).is_err() {
+            return;
+        }
+        let mut serving = Serving {
+            template: engine.tokenizer.chat_template().map_err(|e| e.to_string()),
+            eos: engine.eos_ids(),
+            batch: engine.batch(),
+            max_context,
+            observer: self.observer.clone(),
+            engine,
+        };
+        let mut open = true;
+        while open || !serving.batch.is_empty() {
+            // Admit waiting requests while the batch has room; wait for one when idle.
+            while open && serving.batch.has_room() {
+                let job = if serving.batch.is_empty() {
+                    self.jobs.blocking_recv()
+                } else {
+                    match self.jobs.try_recv() {
+                        Ok(job) => Some(job),
+                        Err(mpsc::error::TryRecvError::Empty) => break,
+                        Err(mpsc::error::TryRecvError::Disconnected) => None,
+                    }
+                };
+                match job {
+                    Some(job) => serving.admit(job),
+                    None => open = false,
+                }
+            }
+            serving.step();
+        }
+    }
+}
+
+/// The engine thread's state between steps.
+struct Serving<B: Backend> {
+    /// The requests in flight, each with its client (dropped before the engine).
+    batch: Batch<B, Sink>,
+    engine: Engine<B>,
+    template: Result<sala_tokenizer::ChatTemplate, String>,
+    eos: Vec<u32>,
+    max_context: usize,
+    observer: Arc<dyn Observer>,
+}
+
+impl<B: Backend> Serving<B> {
+    fn report_cache(&self) {
+        let (held, in_use) = self.engine.cache_report(&self.batch);
+        self.observer.cache(held, in_use);
+    }
+
+    /// Checks a job and admits it into the batch; a job that fails its checks hears why.
+    fn admit(&mut self, job: Job) {
+        let Job {
+            request,
+            events,
+            queued,
+        } = job;
+        let observer = &self.observer;
+        if events.is_closed() {
+            // The client left while the request waited.
+            observer.finished(Ok(FinishReason::Cancelled));
+            return;
+        }
+        // Outcomes are counted before the client hears of them.
+        let fail = |e: RequestError| {
+            observer.finished(Err(&e));
+            let _ = events.blocking_send(Event::Error(e));
+        };
+        let ids = match request
+            .prompt
+            .token_ids(&self.engine.tokenizer, &self.template)
+        {
+            Ok(ids) => ids,
+            Err(e) => return fail(e),
+        };
+        if ids.is_empty() {
+            return fail(RequestError::invalid("the prompt is empty").param("prompt"));
+        }
+        let max_context = self.max_context;
+        if ids.len() >= max_context {
+            return fail(RequestError::ContextLengthExceeded {
+                message: format!(
+                    "the prompt has {} tokens, which leaves no room in the context budget of \
+                     {max_context} tokens",
+                    ids.len()
+                ),
+            });
+        }
+        let prompt_tokens = ids.len();
+        let opts = GenerateOptions {
+            sampling: request.sampling,
+            max_tokens: request.max_tokens,
+            max_context,
+            stop: request.stop,
+            eos_ids: if request.ignore_eos {
+                Vec::new()
+            } else {
+                self.eos.clone()
+            },
+        };
+        let sink = Sink {
+            events: events.clone(),
+            observer: observer.clone(),
+            tokenizer: self.engine.tokenizer.clone(),
+            queued,
+            last_token: None,
+            pending: Vec::new(),
+        };
+        // The cache budget checks this request's memory beside the batch's: too large even
+        // alone is `ContextLengthExceeded`, else busy memory is `MemoryBusy`.
+        let admitted = self
+            .engine
+            .admit(&mut self.batch, ids, &opts, request.logprobs, sink);
+        let id = match admitted {
+            Ok(id) => id,
+            Err(e) => return fail(e.into()),
+        };
+        observer.admitted(prompt_tokens);
+        self.report_cache();
+        if events
+            .blocking_send(Event::Started { prompt_tokens })
+            .is_err()
+        {
+            self.batch.cancel_where(|x, _| x == id);
+            self.report_cache();
+            self.observer.released();
+            self.observer.finished(Ok(FinishReason::Cancelled));
+        }
+    }
+
+    /// Drops the requests whose clients left, then runs a step; a panic fails every request
+    /// in flight.
+    fn step(&mut self) {
+        for _ in self.batch.cancel_where(|_, sink| sink.events.is_closed()) {
+            self.report_cache();
+            self.observer.released();
+            self.observer.finished(Ok(FinishReason::Cancelled));
+        }
+        if self.batch.is_empty() {
+            return;
+        }
+        if !self.batch.any_ready() {
+            // Everyone is paused: wait a little for a client to read, or a new request.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (engine, batch) = (&mut self.engine, &mut self.batch);
+        if catch_unwind(AssertUnwindSafe(|| engine.step(batch))).is_err() {
+            // A panic leaves the batch in an unknown state: every request in it fails.
+            for (_, sink) in self.batch.cancel_where(|_, _| true) {
+                self.report_cache();
+                self.observer.released();
+                sink.fail(RequestError::internal(
+                    "the engine panicked on this request",
+                ));
+            }
+        }
+    }
+}
+
+/// A request's client on the engine thread: where its events go, and what its metrics need.
+struct Sink {
+    events: mpsc::Sender<Event>,
+    observer: Arc<dyn Observer>,
+    tokenizer: Tokenizer,
+    queued: Instant,
+    last_token: Option<Instant>,
+    /// Logprobs of the tokens since the last `Text`.
+    pending: Vec<LogprobEntry>,
+}
+
+impl Sink {
+    /// Sends an event; false when the client has left.
+    fn send(&self, ev: Event) -> bool {
+        match self.events.try_send(ev) {
+            Ok(()) => true,
+            // Paused requests do not generate, so this is rare: wait for the client.
+            Err(mpsc::error::TrySendError::Full(ev)) => self.events.blocking_send(ev).is_ok(),
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+
+    fn fail(&self, e: RequestError) {
+        self.observer.finished(Err(&e));
+        let _ = self.send(Event::Error(e));
+    }
+}
+
+impl Client for Sink {
+    /// Whether the client has room for a step's events (a token's text, then the end).
+    fn ready(&self) -> bool {
+        self.events.capacity() >= 4
+    }
+
+    fn event(&mut self, event: StepEvent<'_>, cx: &StepContext<'_>) -> bool {
+        match event {
+            StepEvent::Read { .. } | StepEvent::Prefilled { .. } => !self.events.is_closed(),
+            StepEvent::Token(step) => {
+                if let Some(t) = step.token {
+                    let now = Instant::now();
+                    let since = self.last_token.unwrap_or(self.queued);
+                    self.observer.token(now, since, self.last_token.is_none());
+                    self.last_token = Some(now);
+                    self.observer.cache(cx.cache_held(), cx.cache_in_use());
+                    if let (false, Some(lp)) = (t.eos, &t.logprobs) {
+                        self.pending.push(LogprobEntry::new(&self.tokenizer, lp));
+                    }
+                }
+                if step.text.is_empty() {
+                    !self.events.is_closed()
+                } else {
+                    let logprobs = std::mem::take(&mut self.pending);
+                    self.send(Event::Text {
+                        text: step.text.to_string(),
+                        logprobs,
+                    })
+                }
+            }
+            StepEvent::Done(result) => {
+                self.observer.cache(cx.cache_held(), cx.cache_in_use());
+                self.observer.released();
+                match result {
+                    Ok(done) => {
+                        if !self.pending.is_empty() {
+                            let logprobs = std::mem::take(&mut self.pending);
+                            let _ = self.send(Event::Text {
+                                text: String::new(),
+                                logprobs,
+                            });
+                        }
+                        self.observer.finished(Ok(done.finish));
+                        let _ = self.send(Event::Done {
+                            finish: done.finish,
+                            prompt_tokens: done.prompt_tokens,
+                            completion_tokens: done.completion_tokens,
+                        });
+                    }
+                    Err(e) => self.fail(e.into()),
+                }
+                true
+            }
+        }
+    }
+}
