@@ -161,7 +161,9 @@ gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
 // Partial sums of this warp's slabs: c[nt][i] for weight rows (w_lo, w_hi) = rows g and g + 8
 // of the block's 16, activation rows nt·8 + 2t + (i & 1) (x rows k apart, nb of them). A slab
 // is 32·GM_P elements, lane t's GM_P packs of 8 consecutive ones.
-template <int NT>
+// U slabs a warp loads per iteration (GM_U, or 1 where registers are short): the slabs a warp
+// adds stay in the same order, so U changes no bit.
+template <int NT, int U = GM_U>
 __device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* w_lo, const bf16* w_hi, int k,
                                            float (&c)[NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -176,10 +178,10 @@ __device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* w_
     constexpr int SLAB = 32 * GM_P;
     const int slabs = (k + SLAB - 1) / SLAB;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * GM_U) {
-        uint4 a[GM_U][GM_P][2], b[GM_U][GM_P][NT];
+    for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * U) {
+        uint4 a[U][GM_P][2], b[U][GM_P][NT];
 #pragma unroll
-        for (int u = 0; u < GM_U; u++)
+        for (int u = 0; u < U; u++)
 #pragma unroll
             for (int p = 0; p < GM_P; p++) {
                 const int kk = (s0 + u * GM_WARPS) * SLAB + (t * GM_P + p) * 8;
@@ -191,7 +193,7 @@ __device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* w_
                     b[u][p][nt] = in && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
             }
 #pragma unroll
-        for (int u = 0; u < GM_U; u++)
+        for (int u = 0; u < U; u++)
 #pragma unroll
             for (int p = 0; p < GM_P; p++)
 #pragma unroll
@@ -221,21 +223,32 @@ __device__ __forceinline__ float gm_block_sum(float (*red)[NT * 128], const floa
 }
 
 // y[b, o] = round(x_b · w[o]) for o < n, b < nb ≤ 8·NT (outputs split over y0..y3 as in gemv,
-// row b of part j at y_j + b·n_j).
+// row b of part j at y_j + b·n_j). Over 16 rows, activation rows go in groups of 32 (4 tiles,
+// one slab a load): the block's weights come from DRAM once, then from L2.
 template <int NT>
 __device__ __forceinline__ void gemv_mma_body(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
                                               bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
-    __shared__ float red[GM_WARPS][NT * 128];
+    constexpr int G = NT <= 2 ? NT : 4;
+    constexpr int U = NT <= 2 ? GM_U : 1;
+    __shared__ float red[GM_WARPS][G * 128];
     const int lane = threadIdx.x & 31;
     const int m0 = blockIdx.x * 16, g = lane >> 2;
-    float c[NT][4];
-    gm_partial<NT>(x, nb, w + (u64)min(m0 + g, n - 1) * k, w + (u64)min(m0 + g + 8, n - 1) * k, k, c);
-    const int v = threadIdx.x;
-    const float s = gm_block_sum<NT>(red, c, v);
-    // Value v: tile nt = v / 128, fragment i = (v / 32) % 4, lane l = v % 32.
-    const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
-    const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
-    if (v < NT * 128 && o < n && b < nb) gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+    const bf16* w_lo = w + (u64)min(m0 + g, n - 1) * k;
+    const bf16* w_hi = w + (u64)min(m0 + g + 8, n - 1) * k;
+#pragma unroll
+    for (int t0 = 0; t0 < NT; t0 += G) {
+        const int rows = nb - t0 * 8;
+        if (rows <= 0) break;
+        float c[G][4];
+        gm_partial<G, U>(x + (u64)t0 * 8 * k, rows, w_lo, w_hi, k, c);
+        const int v = threadIdx.x;
+        const float s = gm_block_sum<G>(red, c, v);
+        // Value v: tile nt = v / 128, fragment i = (v / 32) % 4, lane l = v % 32.
+        const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
+        const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = (t0 + nt) * 8 + 2 * (l & 3) + (i & 1);
+        if (v < G * 128 && o < n && b < nb) gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+        __syncthreads();
+    }
 }
 
 // launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
@@ -254,29 +267,53 @@ gemv_mma16(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
     gemv_mma_body<2>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
+// gemv_mma8 for nb ≤ 32 (four N tiles, the weights read from DRAM once).
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_mma32(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
+           bf16* y3) {
+    pdl_start();
+    gemv_mma_body<4>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// gemv_mma8 for nb ≤ 64 (two groups of four N tiles; the second reads the weights from L2).
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_mma64(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
+           bf16* y3) {
+    pdl_start();
+    gemv_mma_body<8>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
 // The MLP's first half on tensor cores: w = [gate; up] ([2·inter, k]); a block owns outputs
 // j0 .. j0 + 7, its MMA rows 0..7 the gate rows and 8..15 the up rows, so a lane holds g_j and
 // u_j of the same output: y[b·inter + j] = round(round(silu(round(g))) · round(u)).
 template <int NT>
 __device__ __forceinline__ void gemv_silu_mma_body(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    __shared__ float red[GM_WARPS][NT * 128];
+    constexpr int G = NT <= 2 ? NT : 4;
+    constexpr int U = NT <= 2 ? GM_U : 1;
+    __shared__ float red[GM_WARPS][G * 128];
     const int lane = threadIdx.x & 31;
     const int j0 = blockIdx.x * 8, j = min(j0 + (lane >> 2), inter - 1);
-    float c[NT][4];
-    gm_partial<NT>(x, nb, w + (u64)j * k, w + (u64)(inter + j) * k, k, c);
-    // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane: thread v < NT·64 adds
-    // value (nt, i, l) of the gate and (nt, i + 2, l) of the up rows.
-    const int v = threadIdx.x;
-    const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31;
-    const int vg = nt * 128 + i * 32 + l;
-    const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128);
-    float us = 0.0f;
-    if (v < NT * 64)
 #pragma unroll
-        for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
-    const int jo = j0 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
-    if (v < NT * 64 && jo < inter && b < nb)
-        y[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(gs), round_bf(us)));
+    for (int t0 = 0; t0 < NT; t0 += G) {
+        const int rows = nb - t0 * 8;
+        if (rows <= 0) break;
+        float c[G][4];
+        gm_partial<G, U>(x + (u64)t0 * 8 * k, rows, w + (u64)j * k, w + (u64)(inter + j) * k, k, c);
+        // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane: thread v < G·64 adds
+        // value (nt, i, l) of the gate and (nt, i + 2, l) of the up rows.
+        const int v = threadIdx.x;
+        const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31;
+        const int vg = nt * 128 + i * 32 + l;
+        const float gs = gm_block_sum<G>(red, c, v < G * 64 ? vg : G * 128);
+        float us = 0.0f;
+        if (v < G * 64)
+#pragma unroll
+            for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
+        const int jo = j0 + (l >> 2), b = (t0 + nt) * 8 + 2 * (l & 3) + i;
+        if (v < G * 64 && jo < inter && b < nb)
+            y[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(gs), round_bf(us)));
+        __syncthreads();
+    }
 }
 
 // launch: grid = ceil(inter / 8), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
@@ -291,4 +328,18 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
     pdl_start();
     gemv_silu_mma_body<2>(x, w, y, inter, k, nb);
+}
+
+// gemv_silu_mma8 for nb ≤ 32.
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_silu_mma32(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
+    pdl_start();
+    gemv_silu_mma_body<4>(x, w, y, inter, k, nb);
+}
+
+// gemv_silu_mma8 for nb ≤ 64.
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_silu_mma64(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
+    pdl_start();
+    gemv_silu_mma_body<8>(x, w, y, inter, k, nb);
 }

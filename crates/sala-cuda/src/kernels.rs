@@ -179,8 +179,12 @@ kernel_table! {
     GemvSilu = gemv_silu in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32);
     GemvMma8 = gemv_mma8 in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvMma16 = gemv_mma16 in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvMma32 = gemv_mma32 in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvMma64 = gemv_mma64 in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvSiluMma8 = gemv_silu_mma8 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     GemvSiluMma16 = gemv_silu_mma16 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
+    GemvSiluMma32 = gemv_silu_mma32 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
+    GemvSiluMma64 = gemv_silu_mma64 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     SiluMulHalves8 = silu_mul_halves8 in "elementwise.cu" (gu: Ptr, out: Ptr, inter: I32);
     SiluMulHalves = silu_mul_halves in "elementwise.cu" (gu: Ptr, out: Ptr, rows: I32, inter: I32);
     // Lightning layers.

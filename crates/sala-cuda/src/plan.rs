@@ -95,8 +95,9 @@ pub const GEMV_NARROW_MAX_ROWS: usize = 12288;
 /// Up to this many rows (a batched decode step), products run as GEMVs whose result for a
 /// row does not depend on the other rows.
 pub const GEMV_BATCH_ROWS: usize = 64;
-/// Rows per launch of the tensor-core GEMVs, and their block (`32 * GM_WARPS`).
-pub const GEMV_MMA_ROWS: usize = 16;
+/// Rows per launch of the tensor-core GEMVs (`gemv_mma8` .. `gemv_mma64`), and their block
+/// (`32 * GM_WARPS`).
+pub const GEMV_MMA_ROWS: usize = 64;
 pub const GEMV_MMA_THREADS: u32 = 512;
 
 /// Most key splits of one staged attention (the merge reads every split's partial state).
@@ -953,6 +954,10 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::GemvMma16, GEMV_MMA_THREADS),
     (K::GemvSiluMma8, GEMV_MMA_THREADS),
     (K::GemvSiluMma16, GEMV_MMA_THREADS),
+    (K::GemvMma32, GEMV_MMA_THREADS),
+    (K::GemvMma64, GEMV_MMA_THREADS),
+    (K::GemvSiluMma32, GEMV_MMA_THREADS),
+    (K::GemvSiluMma64, GEMV_MMA_THREADS),
     (K::CompressKeys, 256),
     (K::LightningRangeStates, 256),
     (K::LightningChunkScan, 256),

@@ -964,7 +964,8 @@ fn mixed_step_equals_running_apart_on_the_gpu() {
 
 /// A batched decode step on the GPU gives every sequence the logits it gets decoded alone, bit
 /// for bit: the tiny model (sparse layers row by row: head size 32), sequences on both sides of
-/// dense_len in one batch; 19 of them, a full group of 16 GEMV rows (two MMA tiles), then 3.
+/// dense_len in one batch; batches of 19 (a 32-row GEMV: 4 MMA tiles) and 45 (the 64-row GEMV,
+/// its second group of tiles partly filled) sequences.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn batched_decode_equals_decoding_alone_on_the_gpu() {
@@ -974,7 +975,9 @@ fn batched_decode_equals_decoding_alone_on_the_gpu() {
     let lens = [
         5usize, 99, 100, 180, 33, 7, 64, 1, 120, 2, 50, 17, 130, 3, 98, 101, 64, 9, 77,
     ];
-    assert_eq!(check_batched_decode(&g, config, &lens, 4), 0);
+    assert_eq!(check_batched_decode(&g, config.clone(), &lens, 4), 0);
+    let many: Vec<usize> = (0..45).map(|i| 1 + (i * 37) % 190).collect();
+    assert_eq!(check_batched_decode(&g, config, &many, 2), 0);
 }
 
 /// The same on the release-shaped small model, whose sparse layers run batched (one launch per

@@ -57,11 +57,12 @@ impl CudaBackend {
                     .shaped(w.rows, w.cols)
             };
             if tc {
-                // Up to 8 rows, or up to 16 (two MMA tiles).
-                let launch = if nb > 8 {
-                    Launcher::gemv_mma16
-                } else {
-                    Launcher::gemv_mma8
+                // The kernel of the fewest MMA tiles (8 rows each) that hold the rows.
+                let launch = match nb {
+                    0..=8 => Launcher::gemv_mma8,
+                    9..=16 => Launcher::gemv_mma16,
+                    17..=32 => Launcher::gemv_mma32,
+                    _ => Launcher::gemv_mma64,
                 };
                 let at = grid(16, GEMV_MMA_THREADS);
                 launch(
@@ -156,12 +157,23 @@ impl CudaBackend {
             if !tc {
                 self.k
                     .gemv_silu(at(GEMV_ROWS_PER_BLOCK / 2, 128), xp, wp, yp, i, k)?;
-            } else if nb > 8 {
-                self.k
-                    .gemv_silu_mma16(at(8, GEMV_MMA_THREADS), xp, wp, yp, i, k, nb as i32)?;
             } else {
-                self.k
-                    .gemv_silu_mma8(at(8, GEMV_MMA_THREADS), xp, wp, yp, i, k, nb as i32)?;
+                let launch = match nb {
+                    0..=8 => Launcher::gemv_silu_mma8,
+                    9..=16 => Launcher::gemv_silu_mma16,
+                    17..=32 => Launcher::gemv_silu_mma32,
+                    _ => Launcher::gemv_silu_mma64,
+                };
+                launch(
+                    &self.k,
+                    at(8, GEMV_MMA_THREADS),
+                    xp,
+                    wp,
+                    yp,
+                    i,
+                    k,
+                    nb as i32,
+                )?;
             }
             r += nb;
         }
