@@ -657,19 +657,19 @@ impl<B: Backend> Model<B> {
         }
         // `ws.a` holds the final norm of the last layer's output.
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut rest = be.logits(&ws.a, &logit_rows, head, c.logit_divisor() as f32)?;
-        let vocab = rest.len() / logit_rows.len();
+        let mut all = be.logits(&ws.a, &logit_rows, head, c.logit_divisor() as f32)?;
+        let vocab = all.len() / logit_rows.len();
+        // Each input's rows, cut from the end so that every value is moved once.
         let mut out = Vec::with_capacity(batch.len());
-        for x in batch.iter() {
+        for x in batch.iter().rev() {
             let rows = match x.logits {
                 LogitRows::None => 0,
                 LogitRows::Last => 1,
                 LogitRows::All => x.tokens.len(),
             };
-            let tail = rest.split_off(rows * vocab);
-            out.push(rest);
-            rest = tail;
+            out.push(all.split_off(all.len() - rows * vocab));
         }
+        out.reverse();
         Ok(out)
     }
 
