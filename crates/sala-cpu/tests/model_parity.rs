@@ -6,11 +6,8 @@ use sala_checkpoint::{expected_tensors, ModelConfig};
 use sala_cpu::reference::ReferenceBackend;
 use sala_cpu::CpuBackend;
 use sala_model::numerics::{rel_l2, TestRng};
-use sala_model::testing::check_mixed_step;
-use sala_model::{
-    Backend, HostDType, HostTensor, LogitRows, Model, SeqState, SparseMode, StepInput,
-    WeightSource, Workspace,
-};
+use sala_model::testing::{check_mixed_step, decode_step};
+use sala_model::{Backend, HostDType, HostTensor, LogitRows, Model, SparseMode, WeightSource};
 use std::collections::HashMap;
 
 /// Random bf16 weights for every tensor of a config, held in memory.
@@ -342,27 +339,6 @@ fn batched_decode_equals_decoding_alone() {
     }
     check(&CpuBackend, "cpu");
     check(&ReferenceBackend, "reference");
-}
-
-/// One decode step of `seqs`, `tokens[i]` fed to `seqs[i]`, in one forward pass.
-fn decode_step<B: Backend>(
-    be: &B,
-    model: &Model<B>,
-    ws: &mut Workspace<B>,
-    seqs: &mut [&mut SeqState<B>],
-    tokens: &[u32],
-) -> sala_model::BResult<Vec<Vec<f32>>> {
-    let mut inputs: Vec<StepInput<'_, B>> = seqs
-        .iter_mut()
-        .zip(tokens)
-        .map(|(seq, t)| StepInput {
-            mode: model.sparse_mode(seq.pos + 1),
-            seq,
-            tokens: std::slice::from_ref(t),
-            logits: LogitRows::Last,
-        })
-        .collect();
-    model.forward(be, ws, &mut inputs)
 }
 
 /// The model builder reads the checkpoint schema: it asks for every tensor `expected_tensors`

@@ -15,9 +15,8 @@ use sala_cuda::options::{Attention, DecodeGemv, LightningPrefill, SelectScores};
 use sala_cuda::{CudaBackend, CudaOptions, Store};
 use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
 use sala_model::oracle::{self, AttnShape, SparseMode};
-use sala_model::{
-    AttnIo, Backend, HostDType, HostTensor, LogitRows, Model, Span, StepInput, WeightSource,
-};
+use sala_model::testing::decode_step;
+use sala_model::{AttnIo, Backend, HostDType, HostTensor, Model, Span, WeightSource};
 
 /// The options of this run: the environment's (`SALA_DEVICE_PROFILE` plans as that card).
 fn base_options() -> CudaOptions {
@@ -921,18 +920,8 @@ fn check_batched_decode(
         for step in 0..steps {
             let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
             let mut refs: Vec<_> = seqs.iter_mut().collect();
-            let mut inputs: Vec<StepInput<'_, CudaBackend>> = refs
-                .iter_mut()
-                .zip(&toks)
-                .map(|(seq, t)| StepInput {
-                    mode: model.sparse_mode(seq.pos + 1),
-                    seq,
-                    tokens: std::slice::from_ref(t),
-                    logits: LogitRows::Last,
-                })
-                .collect();
             let before = g.sparse_rows_batched_calls();
-            let logits = model.forward(g, &mut ws, &mut inputs).unwrap();
+            let logits = decode_step(g, &model, &mut ws, &mut refs, &toks).unwrap();
             batched_calls += g.sparse_rows_batched_calls() - before;
             for (i, row) in logits.iter().enumerate() {
                 assert!(

@@ -1,9 +1,31 @@
 //! Checks every backend's tests run on a whole model: properties of [`Model::forward`] that
 //! must hold bit for bit whatever the backend.
 
-use crate::model::{LogitRows, Model, StepInput};
+use crate::model::{LogitRows, Model, SeqState, StepInput, Workspace};
 use crate::numerics::TestRng;
-use crate::Backend;
+use crate::{BResult, Backend};
+
+/// One decode step of `seqs`, `tokens[i]` fed to `seqs[i]`, in one forward pass: each
+/// sequence's next-token logits.
+pub fn decode_step<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    ws: &mut Workspace<B>,
+    seqs: &mut [&mut SeqState<B>],
+    tokens: &[u32],
+) -> BResult<Vec<Vec<f32>>> {
+    let mut inputs: Vec<StepInput<'_, B>> = seqs
+        .iter_mut()
+        .zip(tokens)
+        .map(|(seq, t)| StepInput {
+            mode: model.sparse_mode(seq.pos + 1),
+            seq,
+            tokens: std::slice::from_ref(t),
+            logits: LogitRows::Last,
+        })
+        .collect();
+    model.forward(be, ws, &mut inputs)
+}
 
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut rng = TestRng::new(seed);
