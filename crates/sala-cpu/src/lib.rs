@@ -7,8 +7,9 @@ pub mod reference;
 
 use attention::SparseCache;
 use rayon::prelude::*;
-use sala_checkpoint::SparseConfig;
+use sala_checkpoint::{ModelConfig, SparseConfig};
 use sala_model::backend::{check_spans, RANDOM_KV_STD, RANDOM_STATE_STD};
+use sala_model::memory::{BackendMemory, F32};
 use sala_model::numerics::{bf16_round, random_normal};
 use sala_model::{AttnIo, AttnShape, BResult, Backend, BackendError, HostTensor, Span, SparseMode};
 
@@ -257,6 +258,17 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    /// Weights, activations and K/V widened to f32; the temporaries (a few rows per thread)
+    /// are not counted.
+    fn memory_facts(&self, _config: &ModelConfig, _rows: usize) -> BackendMemory {
+        BackendMemory {
+            value_bytes: F32,
+            cache_page: None,
+            scratch: 0,
+            runtime: 0,
+        }
     }
 
     fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<CpuMatrix> {

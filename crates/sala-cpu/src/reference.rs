@@ -3,7 +3,8 @@
 //! runs on it are the reference the fast backends are compared with.
 
 use crate::{check_modes, each_span, lightning_norm_rope, CpuAct, CpuBackend, CpuMatrix};
-use sala_checkpoint::SparseConfig;
+use sala_checkpoint::{ModelConfig, SparseConfig};
+use sala_model::memory::BackendMemory;
 use sala_model::numerics::bf16_round;
 use sala_model::oracle::{self, AttnShape, SparseMode};
 use sala_model::{AttnIo, BResult, Backend, HostTensor, Span};
@@ -41,6 +42,10 @@ impl Backend for ReferenceBackend {
 
     fn name(&self) -> String {
         "reference (oracle)".into()
+    }
+    /// The CPU backend's: f32 values, nothing else counted.
+    fn memory_facts(&self, config: &ModelConfig, rows: usize) -> BackendMemory {
+        CpuBackend.memory_facts(config, rows)
     }
     fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<CpuMatrix> {
         CpuBackend.upload_matrix(name, t)

@@ -9,8 +9,9 @@ use crate::options::CudaOptions;
 use crate::plan::Planner;
 use crate::{gemm, libs, pool, profile, registry};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use sala_checkpoint::SparseConfig;
+use sala_checkpoint::{ModelConfig, SparseConfig};
 use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
+use sala_model::memory::BackendMemory;
 use sala_model::{AttnIo, AttnShape, BResult, Backend, BackendError, HostTensor, Span, SparseMode};
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -226,6 +227,11 @@ impl Backend for CudaBackend {
     fn name(&self) -> String {
         let limits = &self.k.planner().limits;
         format!("cuda ({}, {})", limits.name, self.target)
+    }
+
+    fn memory_facts(&self, config: &ModelConfig, rows: usize) -> BackendMemory {
+        let page = self.page_pool().map(|p| p.borrow().page_bytes());
+        crate::memory::memory_facts(config, rows, page)
     }
 
     fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<DevMatrix> {

@@ -1,10 +1,12 @@
 //! Device memory: activations, weights, per-sequence caches and states (own allocations or
-//! ranges of the page pool, [`crate::pool`]), the scratch the ops share, and copies.
+//! ranges of the page pool, [`crate::pool`]), the scratch the ops share, and copies; and what
+//! a memory plan counts for this backend ([`memory_facts`]).
 
 use crate::pool;
 use crate::CudaBackend;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
-use sala_checkpoint::SparseConfig;
+use sala_checkpoint::{MixerKind, ModelConfig, SparseConfig};
+use sala_model::memory::{BackendMemory, BF16};
 use sala_model::{AttnIo, BResult, BackendError, HostDType, HostTensor};
 use std::sync::Arc;
 
@@ -147,6 +149,45 @@ pub struct DevSparseCache {
     pub(crate) n2: usize,
     pub(crate) cap: usize,
     pub(crate) kv_width: usize,
+}
+
+/// The backend's own scratch, allowed for on top of the model's buffers: the stacked product
+/// of `matmul_split` (chunk rows × the widest stacked projection: 256 MiB at 8192 rows of the
+/// released shape), block-selection scratch (block scores capped at 128 MiB, selected block
+/// lists, LSE, split-attention partials), the 64 MiB of chunk states of the two-pass lightning
+/// prefill and the 32 MiB cuBLASLt workspace. Larger chunks add the stacked product's excess.
+pub const SCRATCH_BYTES: usize = 576 << 20;
+/// The part of [`SCRATCH_BYTES`] that is not the stacked product (selection scratch,
+/// lightning chunk states, cuBLASLt workspace and the rest).
+const OTHER_SCRATCH_BYTES: usize = 320 << 20;
+/// Fixed device memory of a CUDA context: the context itself, the loaded kernel modules and
+/// the cuBLAS/cuBLASLt handles (counted in the device's used memory, not by us).
+pub const CONTEXT_BYTES: usize = 600 << 20;
+/// Device memory the page pool costs beyond its pages (measured at 1M tokens on an H200: peak
+/// 0.19 GiB above own allocations, the pages' rounding being 0.04 of it; counted with margin).
+pub const POOL_BYTES: usize = 256 << 20;
+
+/// What a memory plan counts for this backend with a model of `c` and a step workspace of
+/// `rows` rows: bf16 values, caches in pages of `pool_page` bytes when the page pool is on,
+/// the scratch (more than [`SCRATCH_BYTES`] for chunks whose stacked product outgrows it),
+/// the context and the pool's own cost.
+pub fn memory_facts(c: &ModelConfig, rows: usize, pool_page: Option<usize>) -> BackendMemory {
+    let stacked = rows * widest_stacked_projection(c) * BF16;
+    BackendMemory {
+        value_bytes: BF16,
+        cache_page: pool_page,
+        scratch: SCRATCH_BYTES.max(stacked + OTHER_SCRATCH_BYTES),
+        runtime: CONTEXT_BYTES + pool_page.map_or(0, |_| POOL_BYTES),
+    }
+}
+
+/// Columns of the widest stacked projection `matmul_split` computes into scratch.
+fn widest_stacked_projection(c: &ModelConfig) -> usize {
+    let hd = c.num_attention_heads * c.head_dim;
+    let lightning = hd + 2 * c.lightning_kv_dim() + hd * c.use_output_gate as usize;
+    let sparse = hd + 2 * c.kv_dim() + hd * c.attn_use_output_gate as usize;
+    let has = |k| c.layer_count(k) > 0;
+    (has(MixerKind::Lightning) as usize * lightning).max(has(MixerKind::Sparse) as usize * sparse)
 }
 
 /// Scratch the ops share, grown on demand and never shrunk, so steady decoding allocates
@@ -434,5 +475,102 @@ impl CudaBackend {
         if let Some(p) = &self.pool {
             p.borrow_mut().set_limit(bytes);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sala_cpu::CpuBackend;
+    use sala_model::memory::{MemoryLimit, MemoryPlan};
+    use sala_model::Backend;
+
+    const MIB: usize = 1 << 20;
+    const GIB: f64 = (1u64 << 30) as f64;
+
+    fn released() -> ModelConfig {
+        sala_checkpoint::preset("minicpm-sala-9b").unwrap()
+    }
+
+    #[test]
+    fn facts_of_the_released_preset_at_8192_rows() {
+        let c = released();
+        assert_eq!(
+            memory_facts(&c, 8192, None),
+            BackendMemory {
+                value_bytes: 2,
+                cache_page: None,
+                scratch: 576 * MIB,
+                runtime: 600 * MIB,
+            }
+        );
+        assert_eq!(
+            memory_facts(&c, 8192, Some(2 * MIB)),
+            BackendMemory {
+                value_bytes: 2,
+                cache_page: Some(2 * MIB),
+                scratch: 576 * MIB,
+                runtime: (600 + 256) * MIB,
+            }
+        );
+    }
+
+    #[test]
+    fn plan_at_1m_tokens_matches_perf_md() {
+        let c = released();
+        let p = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, None));
+        let gib = |b: usize| b as f64 / GIB;
+        // PERF.md: weights 17.65 GiB, K/V 8 GiB, lightning state 48 MiB.
+        assert!((gib(p.weights) - 17.65).abs() < 0.005, "{}", gib(p.weights));
+        assert_eq!(p.cache.kv, 8 << 30);
+        assert_eq!(p.cache.lightning_state, 48 * MIB);
+        // PERF.md's memory line says "~0.6 GiB" of compressed keys; its decode line, "~335
+        // MB": both tiers of keys, one bf16 K row per window, are the latter.
+        assert!(gib(p.cache.compressed) < 0.6, "{}", gib(p.cache.compressed));
+        assert!(
+            (p.cache.compressed as f64 / 1e6 - 335.0).abs() < 2.0,
+            "{}",
+            p.cache.compressed
+        );
+        // 12 buffers of 8192 bf16 rows: 3 x 4096 + 3 x 4096 + 2 x 256 + 2 x 4096 + 32768 + 16384.
+        assert_eq!(p.workspace, 8192 * 82_432 * 2);
+        assert_eq!((p.scratch, p.runtime), (576 * MIB, 600 * MIB));
+        // PERF.md's goal: a 1M-token context in under 30 GiB.
+        assert!(gib(p.total()) < 30.0, "{}", gib(p.total()));
+        assert!(gib(p.total()) > 28.0, "{}", gib(p.total()));
+        let limit = |gib: usize| MemoryLimit {
+            bytes: gib << 30,
+            source: "--max-memory test".into(),
+        };
+        assert!(p.check(&limit(30)).is_ok() && p.check(&limit(20)).is_err());
+    }
+
+    #[test]
+    fn plan_grows_with_the_chunk_and_differs_from_the_cpus() {
+        let c = released();
+        let p = |ctx, rows| MemoryPlan::new(&c, ctx, rows, &memory_facts(&c, rows, None));
+        assert!(p(4096, 8192).total() < p(8192, 8192).total());
+        // A 16K-row chunk's stacked product (4 x 4096 columns, bf16) outgrows the constant.
+        assert_eq!(p(4096, 16384).scratch, 16384 * 16384 * 2 + 320 * MIB);
+        // The CPU holds f32 values and no CUDA allowances.
+        let cpu = MemoryPlan::new(&c, 4096, 8192, &CpuBackend.memory_facts(&c, 8192));
+        let gpu = p(4096, 8192);
+        assert_eq!(cpu.weights, 2 * gpu.weights);
+        assert_eq!(cpu.cache.kv, 2 * gpu.cache.kv);
+        assert_eq!(cpu.cache.lightning_state, gpu.cache.lightning_state);
+        assert_eq!(cpu.workspace, 2 * gpu.workspace);
+        assert_eq!((cpu.scratch, cpu.runtime), (0, 0));
+    }
+
+    #[test]
+    fn the_pool_costs_its_pages_and_its_own_bytes() {
+        let c = released();
+        let page = 2 * MIB;
+        let plain = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, None));
+        let pool = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, Some(page)));
+        assert_eq!(pool.cache.kv, plain.cache.kv);
+        assert!(pool.cache.compressed > plain.cache.compressed);
+        assert_eq!(pool.scratch, plain.scratch);
+        assert_eq!(pool.runtime, plain.runtime + POOL_BYTES);
     }
 }

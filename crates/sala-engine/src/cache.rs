@@ -10,7 +10,10 @@
 
 use crate::request::RequestId;
 use sala_checkpoint::ModelConfig;
-use sala_model::memory::{cache_bytes, CacheBytes, MemoryLimit, MemoryPlan, OverBudget, Target};
+use sala_model::memory::{
+    cache_bytes, BackendMemory, CacheBytes, MemoryLimit, MemoryPlan, OverBudget,
+};
+use sala_model::Backend;
 
 /// The backend's own count of the bytes its caches hold (a page pool's pages, say).
 pub trait CacheProbe<B> {
@@ -75,8 +78,9 @@ pub struct CacheBudget {
     config: ModelConfig,
     /// Rows of the step workspace, for plans.
     rows: usize,
+    /// What the backend holds beside the model's buffers, for those rows.
+    facts: BackendMemory,
     limit: Option<MemoryLimit>,
-    target: Option<Target>,
     /// The cache terms of the admitted sequences' plans, summed.
     planned: CacheBytes,
     /// Bytes the admitted sequences hold by the memory formula, summed.
@@ -107,23 +111,23 @@ fn sub(a: CacheBytes, b: CacheBytes) -> CacheBytes {
 }
 
 impl CacheBudget {
-    /// An empty budget without a limit, for a model of `config` whose steps hold `rows` rows.
-    pub fn new(config: &ModelConfig, rows: usize) -> Self {
+    /// An empty budget without a limit, for a model of `config` on `backend` whose steps hold
+    /// `rows` rows.
+    pub fn new<B: Backend>(config: &ModelConfig, rows: usize, backend: &B) -> Self {
         Self {
             config: config.clone(),
             rows,
+            facts: backend.memory_facts(config, rows),
             limit: None,
-            target: None,
             planned: NO_BYTES,
             held: 0,
             live: 0,
         }
     }
 
-    /// Plans for `target` must fit `limit` (`None`: no limit; plans are still for `target`).
-    pub fn with_limit(mut self, limit: Option<MemoryLimit>, target: Target) -> Self {
+    /// Plans must fit `limit` (`None`: no limit).
+    pub fn with_limit(mut self, limit: Option<MemoryLimit>) -> Self {
         self.limit = limit;
-        self.target = Some(target);
         self
     }
 
@@ -146,25 +150,25 @@ impl CacheBudget {
         self.rows
     }
 
-    /// The plan of one sequence of `total_tokens` tokens for `target`.
-    pub fn plan(&self, total_tokens: usize, target: Target) -> MemoryPlan {
-        MemoryPlan::new(&self.config, total_tokens, self.rows, target)
+    /// The plan of one sequence of `total_tokens` tokens on the backend.
+    pub fn plan(&self, total_tokens: usize) -> MemoryPlan {
+        MemoryPlan::new(&self.config, total_tokens, self.rows, &self.facts)
     }
 
-    /// The cache terms a sequence of `total_tokens` tokens is planned for: by the limit's
-    /// target, or by the memory formula (bf16) without one.
+    /// The cache terms a sequence of `total_tokens` tokens is planned for: by its plan under
+    /// a limit, or by the memory formula (bf16) without one.
     fn planned_cache(&self, total_tokens: usize) -> CacheBytes {
-        match self.target {
-            Some(t) => self.plan(total_tokens, t).cache,
+        match self.limit {
+            Some(_) => self.plan(total_tokens).cache,
             None => cache_bytes(&self.config, total_tokens),
         }
     }
 
     /// Whether a sequence of `total_tokens` tokens fits the limit alone (always, without one).
     pub fn check(&self, total_tokens: usize) -> Result<(), OverBudget> {
-        match (&self.limit, self.target) {
-            (Some(limit), Some(target)) => self.plan(total_tokens, target).check(limit),
-            _ => Ok(()),
+        match &self.limit {
+            Some(limit) => self.plan(total_tokens).check(limit),
+            None => Ok(()),
         }
     }
 
@@ -177,8 +181,8 @@ impl CacheBudget {
         held_tokens: usize,
     ) -> Result<Lease, Refusal> {
         self.check(total_tokens).map_err(Refusal::TooLarge)?;
-        if let (Some(limit), Some(target)) = (&self.limit, self.target) {
-            let mut plan = self.plan(total_tokens, target);
+        if let Some(limit) = &self.limit {
+            let mut plan = self.plan(total_tokens);
             plan.cache = add(plan.cache, self.planned);
             plan.check(limit).map_err(Refusal::Busy)?;
         }
@@ -235,8 +239,8 @@ impl CacheBudget {
     /// Bytes the limit leaves for the caches of every sequence beside the rest of a plan
     /// (weights, workspace, the backend's scratch and runtime); `None` without a limit.
     pub fn room_for_caches(&self) -> Option<usize> {
-        let (limit, target) = (self.limit.as_ref()?, self.target?);
-        Some(self.plan(1, target).room_for_caches(limit))
+        let limit = self.limit.as_ref()?;
+        Some(self.plan(1).room_for_caches(limit))
     }
 }
 
@@ -250,13 +254,13 @@ mod tests {
             bytes,
             source: "test".into(),
         });
-        CacheBudget::new(&config, 80).with_limit(limit, Target::Cpu)
+        CacheBudget::new(&config, 80, &sala_cpu::CpuBackend).with_limit(limit)
     }
 
     #[test]
     fn admits_while_the_plans_fit_and_says_why_not() {
         let free = budget(None);
-        let one = free.plan(400, Target::Cpu);
+        let one = free.plan(400);
         // Room for one 400-token sequence and half the caches of another.
         let mut b = budget(Some(one.total() + one.cache.total() / 2));
         let a = b.admit(0, 400, 300).unwrap();
@@ -322,7 +326,7 @@ mod tests {
     #[test]
     fn room_for_caches_is_what_the_limit_leaves_beside_the_rest() {
         assert_eq!(budget(None).room_for_caches(), None);
-        let plan = budget(None).plan(1, Target::Cpu);
+        let plan = budget(None).plan(1);
         let rest = plan.total() - plan.cache.total();
         let b = budget(Some(rest + 1000));
         assert_eq!(b.room_for_caches(), Some(1000));

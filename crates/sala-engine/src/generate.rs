@@ -12,7 +12,7 @@ use crate::step::StepEvent;
 use crate::stop::{StopError, StopMatcher};
 use sala_checkpoint::ModelConfig;
 use sala_checkpoint::{Checkpoint, CheckpointError, DType};
-use sala_model::memory::{MemoryLimit, MemoryPlan, OverBudget, Target};
+use sala_model::memory::{MemoryLimit, MemoryPlan, OverBudget};
 use sala_model::{Backend, BackendError, HostDType, HostTensor, Model, WeightSource, Workspace};
 use sala_tokenizer::{Detokenizer, Tokenizer, TokenizerError};
 use std::path::{Path, PathBuf};
@@ -80,8 +80,8 @@ pub struct Engine<B: Backend> {
     pub(crate) workspace: Workspace<B>,
     /// Most requests in a batch: the decode rows a step's workspace holds beside a chunk.
     max_batch: usize,
-    /// The limit every request's memory plan is checked against, and the plan's target.
-    memory_limit: Option<(MemoryLimit, Target)>,
+    /// The limit every request's memory plan is checked against.
+    memory_limit: Option<MemoryLimit>,
     /// How the backend counts the bytes its caches hold, where it can.
     pub(crate) cache_probe: Option<Box<dyn CacheProbe<B>>>,
 }
@@ -246,24 +246,21 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// From now on, every request's [`MemoryPlan`] for `target` must fit `limit` (`None`
-    /// lifts it).
-    pub fn set_memory_limit(&mut self, limit: Option<MemoryLimit>, target: Target) {
-        self.memory_limit = limit.map(|l| (l, target));
+    /// From now on, every request's [`MemoryPlan`] must fit `limit` (`None` lifts it).
+    pub fn set_memory_limit(&mut self, limit: Option<MemoryLimit>) {
+        self.memory_limit = limit;
     }
 
-    /// The memory limit requests are checked against, if any, and the plan's target.
-    pub fn memory_limit(&self) -> Option<(MemoryLimit, Target)> {
+    /// The memory limit requests are checked against, if any.
+    pub fn memory_limit(&self) -> Option<MemoryLimit> {
         self.memory_limit.clone()
     }
 
-    /// An empty cache budget under this engine's memory limit, for its step workspace.
+    /// An empty cache budget under this engine's memory limit, for its step workspace on its
+    /// backend.
     pub fn cache_budget(&self) -> CacheBudget {
-        let budget = CacheBudget::new(&self.model.config, self.workspace.max_rows);
-        match &self.memory_limit {
-            Some((limit, target)) => budget.with_limit(Some(limit.clone()), *target),
-            None => budget,
-        }
+        CacheBudget::new(&self.model.config, self.workspace.max_rows, &self.backend)
+            .with_limit(self.memory_limit.clone())
     }
 
     /// Lets the cache budget ask the backend what its caches hold (see [`CacheProbe`]).
@@ -281,9 +278,9 @@ impl<B: Backend> Engine<B> {
         (batch.cache().held_bytes(), batch.cache().in_use(probe))
     }
 
-    /// The plan of a sequence of `total_tokens` tokens on this engine's workspace.
-    pub fn memory_plan(&self, total_tokens: usize, target: Target) -> MemoryPlan {
-        self.cache_budget().plan(total_tokens, target)
+    /// The plan of a sequence of `total_tokens` tokens on this engine's workspace and backend.
+    pub fn memory_plan(&self, total_tokens: usize) -> MemoryPlan {
+        self.cache_budget().plan(total_tokens)
     }
 
     /// Whether a sequence of `total_tokens` tokens fits the memory limit alone (always,

@@ -10,7 +10,7 @@
 use crate::generate::{Engine, GenerateOptions};
 use crate::request::{Event, FinishReason, LogprobEntry, Request, RequestError};
 use crate::step::{Batch, Client, StepContext, StepEvent};
-use sala_model::memory::{MemoryLimit, Target};
+use sala_model::memory::MemoryLimit;
 use sala_model::Backend;
 use sala_tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -68,8 +68,8 @@ pub struct Runner {
     ready: std::sync::mpsc::Sender<Result<EngineInfo, String>>,
     max_context: Option<usize>,
     observer: Arc<dyn Observer>,
-    /// The cap on the requests' memory plans, and the backend the plans are for.
-    memory: Option<(MemoryLimit, Target)>,
+    /// The cap on the requests' memory plans.
+    memory: Option<MemoryLimit>,
     /// Most requests decoded together (`None`: [`DEFAULT_MAX_BATCH`]).
     max_batch: Option<usize>,
 }
@@ -158,9 +158,9 @@ impl Handle {
 
 impl Runner {
     /// Caps the memory plan of every request (prompt + max_tokens within the context budget,
-    /// on the engine's workspace, for `target`); `None` leaves requests uncapped.
-    pub fn memory_limit(mut self, limit: Option<MemoryLimit>, target: Target) -> Self {
-        self.memory = limit.map(|l| (l, target));
+    /// on the engine's workspace and backend); `None` leaves requests uncapped.
+    pub fn memory_limit(mut self, limit: Option<MemoryLimit>) -> Self {
+        self.memory = limit;
         self
     }
 
@@ -185,8 +185,8 @@ impl Runner {
             .max_context
             .unwrap_or(engine.model.config.max_position_embeddings)
             .max(1);
-        if let Some((limit, target)) = self.memory.take() {
-            engine.set_memory_limit(Some(limit), target);
+        if let Some(limit) = self.memory.take() {
+            engine.set_memory_limit(Some(limit));
             if let Err(e) = engine.check_memory(2) {
                 let _ = self
                     .ready

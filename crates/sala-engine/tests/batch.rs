@@ -9,7 +9,7 @@ use sala_engine::generate::{Engine, EngineError, FinishReason, GenerateOptions};
 use sala_engine::request::RequestId;
 use sala_engine::sampling::SamplingParams;
 use sala_engine::step::StepEvent;
-use sala_model::memory::{cache_bytes, MemoryLimit, Target};
+use sala_model::memory::{cache_bytes, MemoryLimit};
 use sala_model::numerics::TestRng;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -231,15 +231,12 @@ fn admission_checks_the_memory_of_the_whole_batch() {
     let o = opts(100, 0.0, 0);
     let total = 300 + 100;
     // Room for one request of 400 tokens but not two.
-    let one = e.memory_plan(total, Target::Cpu).total();
-    let cache = e.memory_plan(total, Target::Cpu).cache.total();
-    e.set_memory_limit(
-        Some(MemoryLimit {
-            bytes: one + cache / 2,
-            source: "test".into(),
-        }),
-        Target::Cpu,
-    );
+    let one = e.memory_plan(total).total();
+    let cache = e.memory_plan(total).cache.total();
+    e.set_memory_limit(Some(MemoryLimit {
+        bytes: one + cache / 2,
+        source: "test".into(),
+    }));
     let p: Vec<u32> = (0..300).map(|i| 3 + i % 200).collect();
     let quiet = |_: StepEvent<'_>| true;
     let mut batch = e.batch();

@@ -5,8 +5,8 @@ use sala_checkpoint::{preset, write_random_checkpoint, ModelConfig, WriteOptions
 use sala_cpu::CpuBackend;
 use sala_engine::generate::{request_tokens, Engine, EngineError, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
-use sala_model::memory::{workspace_columns, MemoryLimit, MemoryPlan, Target};
-use sala_model::Model;
+use sala_model::memory::{workspace_columns, MemoryLimit, MemoryPlan};
+use sala_model::{Backend, Model};
 
 /// Every buffer `Model::workspace` allocates is one of `workspace_columns`, at its width, and
 /// the CPU plan's workspace term is their size (f32).
@@ -23,7 +23,7 @@ fn check_workspace(config: ModelConfig, rows: usize) {
         assert_eq!(buf.data.len(), rows * want, "buffer {name}");
         values += buf.data.len();
     }
-    let plan = MemoryPlan::new(&config, 1000, rows, Target::Cpu);
+    let plan = MemoryPlan::new(&config, 1000, rows, &be.memory_facts(&config, rows));
     assert_eq!(plan.workspace, 4 * values);
 }
 
@@ -74,7 +74,7 @@ fn a_request_over_the_memory_limit_is_refused_before_any_work() {
     let mut e = engine(tmp.path());
     let prompt = e.tokenizer.encode("The quick brown fox", true).unwrap();
     let o = opts(8, 4096);
-    let plan = e.memory_plan(prompt.len() + 8, Target::Cpu);
+    let plan = e.memory_plan(prompt.len() + 8);
     // The workspace of a step: a prompt chunk beside the batch's decode rows.
     assert_eq!(plan.rows, e.prefill_chunk() + e.max_batch());
     assert_eq!(plan.context, prompt.len() + 8);
@@ -84,7 +84,7 @@ fn a_request_over_the_memory_limit_is_refused_before_any_work() {
         bytes,
         source: "a test limit".into(),
     };
-    e.set_memory_limit(Some(limit(plan.total() - 1)), Target::Cpu);
+    e.set_memory_limit(Some(limit(plan.total() - 1)));
     let mut prefilled = 0;
     let err = e
         .generate(&prompt, &o, &mut |_| {}, &mut |n| prefilled += n)
@@ -99,7 +99,7 @@ fn a_request_over_the_memory_limit_is_refused_before_any_work() {
     assert_eq!(prefilled, 0);
 
     // Exactly the plan fits; so does no limit.
-    e.set_memory_limit(Some(limit(plan.total())), Target::Cpu);
+    e.set_memory_limit(Some(limit(plan.total())));
     let g = e
         .generate(&prompt, &o, &mut |_| {}, &mut |n| prefilled += n)
         .unwrap();
@@ -109,7 +109,7 @@ fn a_request_over_the_memory_limit_is_refused_before_any_work() {
     assert!(e
         .generate(&prompt, &opts(9, 4096), &mut |_| {}, &mut |_| {})
         .is_err());
-    e.set_memory_limit(None, Target::Cpu);
+    e.set_memory_limit(None);
     assert!(e
         .generate(&prompt, &opts(9, 4096), &mut |_| {}, &mut |_| {})
         .is_ok());

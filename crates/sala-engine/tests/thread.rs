@@ -291,9 +291,7 @@ fn the_thread_reports_a_limit_no_request_fits_and_a_failed_factory() {
             bytes: 1 << 20,
             source: "a test limit".into(),
         };
-        runner
-            .memory_limit(Some(limit), sala_model::memory::Target::Cpu)
-            .run(load());
+        runner.memory_limit(Some(limit)).run(load());
         Ok(())
     })
     .err()

@@ -5,8 +5,9 @@
 //! chunk. Every op stores its result rounded to bf16, as the reference's bf16 tensors are,
 //! except where a method says otherwise. Linear weights are `[out, in]`, `y = x Wᵀ`.
 
+use crate::memory::BackendMemory;
 use crate::oracle::{AttnShape, SparseMode};
-use sala_checkpoint::SparseConfig;
+use sala_checkpoint::{ModelConfig, SparseConfig};
 
 /// An error from a backend (a device failure, a buffer that does not fit).
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +93,11 @@ pub trait Backend {
     type Table;
 
     fn name(&self) -> String;
+
+    /// What this backend holds for a model of `config` whose step workspace has `rows` rows:
+    /// its value width, cache pages, scratch and runtime ([`crate::memory::MemoryPlan`] sums
+    /// them with the model's buffers).
+    fn memory_facts(&self, config: &ModelConfig, rows: usize) -> BackendMemory;
 
     fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Matrix>;
     fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Vector>;

@@ -1,32 +1,30 @@
 //! What a model needs in memory: weights, and per sequence the sparse layers' K/V with their
 //! compressed tiers plus the lightning layers' fixed-size states (SPEC §4.4, §5.7); and a
-//! [`MemoryPlan`] adding the chunk workspace and the backend's own allowances, which a request
-//! is checked against before any work.
+//! [`MemoryPlan`] adding the chunk workspace and what the backend states of its own memory
+//! ([`BackendMemory`]), which a request is checked against before any work.
 
 use sala_checkpoint::{MixerKind, ModelConfig};
 
 /// Bytes of one bf16 value.
-const BF16: usize = 2;
+pub const BF16: usize = 2;
 /// Bytes of one f32 value.
-const F32: usize = 4;
+pub const F32: usize = 4;
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// The CUDA backend's own scratch, allowed for on top of the model's buffers: the stacked
-/// product of `matmul_split` (chunk rows × the widest stacked projection: 256 MiB at 8192
-/// rows of the released shape), block-selection scratch (block scores capped at 128 MiB,
-/// selected block lists, LSE, split-attention partials), the 64 MiB of chunk states of the
-/// two-pass lightning prefill and the 32 MiB cuBLASLt workspace.
-/// For larger chunks the plan grows it by the stacked product's excess (see [`MemoryPlan`]).
-pub const CUDA_SCRATCH_BYTES: usize = 576 << 20;
-/// Fixed device memory of a CUDA context: the context itself, the loaded kernel modules and
-/// the cuBLAS/cuBLASLt handles (it is counted in the device's used memory, not by us).
-pub const CUDA_CONTEXT_BYTES: usize = 600 << 20;
-/// The part of [`CUDA_SCRATCH_BYTES`] that is not the stacked product (selection scratch,
-/// lightning chunk states, cuBLASLt workspace and the rest).
-const CUDA_OTHER_SCRATCH: usize = 320 << 20;
-/// Device memory the page pool costs beyond its pages (measured at 1M tokens on an H200: peak
-/// 0.19 GiB above own allocations, the pages' rounding being 0.04 of it; counted with margin).
-pub const CUDA_POOL_BYTES: usize = 256 << 20;
+/// What a backend says of its own memory ([`crate::Backend::memory_facts`]), for a workspace
+/// of a given number of rows; a [`MemoryPlan`] adds these to the model's buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendMemory {
+    /// Bytes of one stored value of the weights, caches and workspace.
+    pub value_bytes: usize,
+    /// With caches in a page pool, its page's bytes: each buffer of a sequence is taken in
+    /// whole pages. `None`: caches take exactly their bytes.
+    pub cache_page: Option<usize>,
+    /// The backend's own scratch for a workspace of those rows.
+    pub scratch: usize,
+    /// Fixed runtime bytes (e.g. a GPU context).
+    pub runtime: usize,
+}
 
 /// Bytes of one sequence's cache at `context` tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -51,8 +49,8 @@ pub fn cache_bytes(c: &ModelConfig, context: usize) -> CacheBytes {
 }
 
 /// Cache bytes with K, V and compressed keys stored in `value_bytes` each; with `page`, each
-/// buffer (a sparse layer's K, V, level-1 and level-2 keys sized as the CUDA backend reserves
-/// them, a lightning layer's state) rounded up to whole pages of the pool.
+/// buffer (a sparse layer's K and V, its level-1 and level-2 keys with one spare row each as
+/// a reserved cache holds them, a lightning layer's state) rounded up to whole pages.
 fn cache_bytes_with(
     c: &ModelConfig,
     context: usize,
@@ -119,27 +117,6 @@ pub fn workspace_columns(c: &ModelConfig) -> [(&'static str, usize); WORKSPACE_B
     ]
 }
 
-/// Which backend a plan is for: how wide its stored values are and what it holds itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Target {
-    /// bf16 weights, activations and K/V; [`CUDA_SCRATCH_BYTES`] and [`CUDA_CONTEXT_BYTES`].
-    Cuda,
-    /// [`Target::Cuda`] with caches and lightning states in a pool of `page`-byte pages.
-    CudaPool { page: usize },
-    /// The CPU backend widens weights, activations and K/V to f32; its temporaries (a few
-    /// rows per thread) are not counted.
-    Cpu,
-}
-
-impl Target {
-    fn value_bytes(self) -> usize {
-        match self {
-            Self::Cuda | Self::CudaPool { .. } => BF16,
-            Self::Cpu => F32,
-        }
-    }
-}
-
 /// Memory one sequence of `context` tokens needs on a backend whose steps hold `rows` rows (a
 /// prompt chunk and the decode rows beside it): the model's weights, the sequence's caches,
 /// the step workspace, and the backend's scratch and runtime.
@@ -152,47 +129,25 @@ pub struct MemoryPlan {
     pub weights: usize,
     pub cache: CacheBytes,
     pub workspace: usize,
-    /// The backend's own scratch (CUDA: [`CUDA_SCRATCH_BYTES`], more for chunks whose
-    /// stacked product outgrows it).
+    /// The backend's own scratch ([`BackendMemory::scratch`]).
     pub scratch: usize,
-    /// Fixed runtime cost (CUDA: [`CUDA_CONTEXT_BYTES`], and [`CUDA_POOL_BYTES`] with the pool).
+    /// The backend's fixed runtime cost ([`BackendMemory::runtime`]).
     pub runtime: usize,
 }
 
 impl MemoryPlan {
-    pub fn new(c: &ModelConfig, context: usize, rows: usize, target: Target) -> Self {
-        let vb = target.value_bytes();
+    /// The plan on a backend whose `facts` are for a workspace of `rows` rows.
+    pub fn new(c: &ModelConfig, context: usize, rows: usize, facts: &BackendMemory) -> Self {
+        let vb = facts.value_bytes;
         let row: usize = workspace_columns(c).iter().map(|(_, cols)| cols).sum();
-        let (scratch, runtime) = match target {
-            Target::Cuda | Target::CudaPool { .. } => {
-                let stacked = rows * widest_stacked_projection(c) * BF16;
-                (
-                    CUDA_SCRATCH_BYTES.max(stacked + CUDA_OTHER_SCRATCH),
-                    CUDA_CONTEXT_BYTES
-                        + match target {
-                            Target::CudaPool { .. } => CUDA_POOL_BYTES,
-                            _ => 0,
-                        },
-                )
-            }
-            Target::Cpu => (0, 0),
-        };
         Self {
             context,
             rows,
             weights: sala_checkpoint::expected_parameter_count(c) as usize * vb,
-            cache: cache_bytes_with(
-                c,
-                context,
-                vb,
-                match target {
-                    Target::CudaPool { page } => Some(page),
-                    _ => None,
-                },
-            ),
+            cache: cache_bytes_with(c, context, vb, facts.cache_page),
             workspace: rows * row * vb,
-            scratch,
-            runtime,
+            scratch: facts.scratch,
+            runtime: facts.runtime,
         }
     }
 
@@ -242,15 +197,6 @@ impl MemoryPlan {
         }
         s
     }
-}
-
-/// Columns of the widest stacked projection `matmul_split` computes into scratch.
-fn widest_stacked_projection(c: &ModelConfig) -> usize {
-    let hd = c.num_attention_heads * c.head_dim;
-    let lightning = hd + 2 * c.lightning_kv_dim() + hd * c.use_output_gate as usize;
-    let sparse = hd + 2 * c.kv_dim() + hd * c.attn_use_output_gate as usize;
-    let has = |k| c.layer_count(k) > 0;
-    (has(MixerKind::Lightning) as usize * lightning).max(has(MixerKind::Sparse) as usize * sparse)
 }
 
 /// A cap on the memory one plan may use, and what set it (for messages).
@@ -343,63 +289,55 @@ mod tests {
         assert!((ratio - (1.0 / 16.0 + 1.0 / 64.0)).abs() < 1e-3, "{ratio}");
     }
 
-    #[test]
-    fn plan_at_1m_tokens_matches_perf_md() {
-        let c = released();
-        let p = MemoryPlan::new(&c, 1 << 20, 8192, Target::Cuda);
-        let gib = |b: usize| b as f64 / GIB;
-        // PERF.md: weights 17.65 GiB, K/V 8 GiB, lightning state 48 MiB.
-        assert!((gib(p.weights) - 17.65).abs() < 0.005, "{}", gib(p.weights));
-        assert_eq!(p.cache.kv, 8 << 30);
-        assert_eq!(p.cache.lightning_state, 48 * MIB);
-        // PERF.md's memory line says "~0.6 GiB" of compressed keys; its decode line, "~335
-        // MB": both tiers of keys, one bf16 K row per window, are the latter.
-        assert!(gib(p.cache.compressed) < 0.6, "{}", gib(p.cache.compressed));
-        assert!(
-            (p.cache.compressed as f64 / 1e6 - 335.0).abs() < 2.0,
-            "{}",
-            p.cache.compressed
-        );
-        // 12 buffers of 8192 bf16 rows: 3 x 4096 + 3 x 4096 + 2 x 256 + 2 x 4096 + 32768 + 16384.
-        assert_eq!(p.workspace, 8192 * 82_432 * 2);
-        assert_eq!((p.scratch, p.runtime), (576 * MIB, 600 * MIB));
-        let terms = p.weights
-            + p.cache.kv
-            + p.cache.compressed
-            + p.cache.lightning_state
-            + p.workspace
-            + p.scratch
-            + p.runtime;
-        assert_eq!(p.total(), terms);
-        // PERF.md's goal: a 1M-token context in under 30 GiB.
-        assert!(gib(p.total()) < 30.0, "{}", gib(p.total()));
-        assert!(gib(p.total()) > 28.0, "{}", gib(p.total()));
+    /// Facts of a backend storing `value_bytes`-byte values, with `page`, and no allowances.
+    fn facts(value_bytes: usize, page: Option<usize>) -> BackendMemory {
+        BackendMemory {
+            value_bytes,
+            cache_page: page,
+            scratch: 0,
+            runtime: 0,
+        }
     }
 
     #[test]
-    fn plan_grows_with_context_and_chunk() {
+    fn plan_sums_the_backends_facts() {
         let c = released();
-        let p = |ctx, chunk| MemoryPlan::new(&c, ctx, chunk, Target::Cuda);
+        let bf16 = BackendMemory {
+            scratch: 5 * MIB,
+            runtime: 7 * MIB,
+            ..facts(BF16, None)
+        };
+        let p = |ctx, chunk| MemoryPlan::new(&c, ctx, chunk, &bf16);
         assert!(p(4096, 8192).total() < p(8192, 8192).total());
         assert_eq!(p(4096, 1024).workspace * 8, p(4096, 8192).workspace);
-        // A 16K-row chunk's stacked product (4 x 4096 columns, bf16) outgrows the constant.
-        assert_eq!(p(4096, 16384).scratch, 16384 * 16384 * 2 + 320 * MIB);
-        // The CPU holds f32 values and no CUDA allowances.
-        let cpu = MemoryPlan::new(&c, 4096, 8192, Target::Cpu);
-        let gpu = p(4096, 8192);
-        assert_eq!(cpu.weights, 2 * gpu.weights);
-        assert_eq!(cpu.cache.kv, 2 * gpu.cache.kv);
-        assert_eq!(cpu.cache.lightning_state, gpu.cache.lightning_state);
-        assert_eq!(cpu.workspace, 2 * gpu.workspace);
-        assert_eq!((cpu.scratch, cpu.runtime), (0, 0));
+        // 12 buffers of 8192 bf16 rows: 3 x 4096 + 3 x 4096 + 2 x 256 + 2 x 4096 + 32768 + 16384.
+        assert_eq!(p(4096, 8192).workspace, 8192 * 82_432 * 2);
+        // f32 values double the weights, K/V and workspace; the states are f32 anyway.
+        let wide = MemoryPlan::new(&c, 4096, 8192, &facts(F32, None));
+        let narrow = p(4096, 8192);
+        assert_eq!(wide.weights, 2 * narrow.weights);
+        assert_eq!(wide.cache.kv, 2 * narrow.cache.kv);
+        assert_eq!(wide.cache.lightning_state, narrow.cache.lightning_state);
+        assert_eq!(wide.workspace, 2 * narrow.workspace);
+        // The backend's scratch and runtime are taken as stated.
+        assert_eq!((narrow.scratch, narrow.runtime), (5 * MIB, 7 * MIB));
+        assert_eq!((wide.scratch, wide.runtime), (0, 0));
+        let terms = narrow.weights
+            + narrow.cache.kv
+            + narrow.cache.compressed
+            + narrow.cache.lightning_state
+            + narrow.workspace
+            + narrow.scratch
+            + narrow.runtime;
+        assert_eq!(narrow.total(), terms);
     }
 
     #[test]
     fn pool_plan_rounds_each_buffer_to_pages() {
         let c = released();
         let page = 2 * MIB;
-        let plain = |ctx| MemoryPlan::new(&c, ctx, 8192, Target::Cuda);
-        let pool = |ctx| MemoryPlan::new(&c, ctx, 8192, Target::CudaPool { page });
+        let plain = |ctx| MemoryPlan::new(&c, ctx, 8192, &facts(BF16, None));
+        let pool = |ctx| MemoryPlan::new(&c, ctx, 8192, &facts(BF16, Some(page)));
         // 1M tokens: K and V are whole pages (512 MiB each); the tiers get one more row and
         // round up; the 2 MiB states are one page each.
         let (a, b) = (plain(1 << 20), pool(1 << 20));
@@ -414,8 +352,6 @@ mod tests {
         assert_eq!(short.kv, 16 * page);
         assert_eq!(short.compressed, 16 * page);
         assert_eq!(short.lightning_state, 24 * page);
-        assert_eq!(b.scratch, a.scratch);
-        assert_eq!(b.runtime, a.runtime + CUDA_POOL_BYTES);
     }
 
     #[test]
@@ -425,7 +361,7 @@ mod tests {
             bytes: 30 << 30,
             source: "--max-memory 30G".into(),
         };
-        let p = |ctx| MemoryPlan::new(&c, ctx, 8192, Target::CudaPool { page: 2 * MIB });
+        let p = |ctx| MemoryPlan::new(&c, ctx, 8192, &facts(BF16, Some(2 * MIB)));
         // Whatever the context, the same room: the caches are what it leaves out.
         let room = p(4096).room_for_caches(&limit);
         assert_eq!(room, p(1 << 20).room_for_caches(&limit));
@@ -444,7 +380,7 @@ mod tests {
     #[test]
     fn check_names_needed_and_allowed() {
         let c = released();
-        let p = MemoryPlan::new(&c, 1 << 20, 8192, Target::Cuda);
+        let p = MemoryPlan::new(&c, 1 << 20, 8192, &facts(BF16, None));
         let limit = |gib: usize| MemoryLimit {
             bytes: gib << 30,
             source: "--max-memory test".into(),

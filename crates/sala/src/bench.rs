@@ -265,7 +265,12 @@ fn bench_on<B: Backend + DeviceStats>(
     let longest = max_ctx + args.decode_tokens;
     let limit = memory_limit(be, user_limit);
     let plan = |c: &ModelConfig, len: usize| {
-        MemoryPlan::new(c, len + args.decode_tokens, chunk, be.target())
+        MemoryPlan::new(
+            c,
+            len + args.decode_tokens,
+            chunk,
+            &be.memory_facts(c, chunk),
+        )
     };
     let (config, name) = if args.all_dense {
         (

@@ -4,7 +4,7 @@ use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use sala_cpu::CpuBackend;
 use sala_cuda::{CudaBackend, CudaOptions};
-use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan, Target};
+use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan};
 use sala_model::Backend;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,8 +101,6 @@ pub trait DeviceStats {
     fn memory_in_use(&self) -> Option<usize>;
     /// The device's total memory (GPUs only: a plan larger than it is refused).
     fn total_memory(&self) -> Option<usize>;
-    /// What a memory plan for this backend counts.
-    fn target(&self) -> Target;
     /// Time the host spent waiting for the device so far.
     fn host_wait(&self) -> Option<std::time::Duration>;
     /// Waits for the work queued so far (a no-op on the CPU, which works synchronously).
@@ -133,9 +131,6 @@ impl DeviceStats for CpuBackend {
     fn memory_in_use(&self) -> Option<usize> {
         resident_bytes()
     }
-    fn target(&self) -> Target {
-        Target::Cpu
-    }
     fn total_memory(&self) -> Option<usize> {
         None
     }
@@ -150,14 +145,6 @@ impl DeviceStats for CudaBackend {
     }
     fn total_memory(&self) -> Option<usize> {
         self.memory().ok().map(|m| m.1)
-    }
-    fn target(&self) -> Target {
-        match CudaBackend::page_pool(self) {
-            Some(pool) => Target::CudaPool {
-                page: pool.borrow().page_bytes(),
-            },
-            None => Target::Cuda,
-        }
     }
     fn host_wait(&self) -> Option<std::time::Duration> {
         Some(CudaBackend::host_wait(self))

@@ -8,7 +8,7 @@ use sala_checkpoint::{preset, Checkpoint, MixerKind, ModelConfig};
 use sala_cuda::plan::CheckShape;
 use sala_cuda::CudaBackend;
 use sala_model::memory::{cache_bytes, weight_bytes, MemoryPlan};
-use sala_model::AttnShape;
+use sala_model::{AttnShape, Backend};
 use std::path::{Path, PathBuf};
 
 #[derive(Args)]
@@ -106,7 +106,8 @@ fn describe_gpu(be: &CudaBackend, c: &ModelConfig, chunk: usize) -> Result<()> {
         gib(be.total_memory().unwrap_or(l.memory_bytes))
     );
     for (label, n) in [("8K", 8usize << 10), ("128K", 128 << 10), ("1M", 1 << 20)] {
-        let plan = MemoryPlan::new(c, n, chunk.min(n), be.target());
+        let rows = chunk.min(n);
+        let plan = MemoryPlan::new(c, n, rows, &be.memory_facts(c, rows));
         let fits = be.total_memory().is_none_or(|t| plan.total() <= t);
         println!(
             "  {label:>5}  {}  {}: {}",

@@ -328,7 +328,6 @@ fn generate_on<B: Backend + DeviceStats>(
     user_limit: Option<MemoryLimit>,
 ) -> Result<()> {
     let limit = memory_limit(&backend, user_limit);
-    let target = backend.target();
     // The checkpoint and the tokenizer first: the request is sized, and checked against the
     // memory limit, before any weight is uploaded.
     let checkpoint = Checkpoint::open(dir).with_context(|| format!("loading {}", dir.display()))?;
@@ -350,8 +349,8 @@ fn generate_on<B: Backend + DeviceStats>(
     };
     // The engine's cache budget (its workspace: a chunk beside one decode row), asked before
     // any weight is loaded.
-    let budget = CacheBudget::new(&config, step_rows(args.prefill_chunk, 1))
-        .with_limit(limit.clone(), target);
+    let budget = CacheBudget::new(&config, step_rows(args.prefill_chunk, 1), &backend)
+        .with_limit(limit.clone());
     if budget.limit().is_some() {
         // A chat turn holds at least one prompt token; each turn is checked again.
         let tokens = request_tokens(ids.as_ref().map_or(1, Vec::len), &opts)?;
@@ -361,7 +360,7 @@ fn generate_on<B: Backend + DeviceStats>(
         }
     }
     let mut engine = load_engine(backend, args, dir, checkpoint, tokenizer)?;
-    engine.set_memory_limit(limit, target);
+    engine.set_memory_limit(limit);
     let Some(ids) = ids else {
         return chat_loop(&mut engine, args, &opts, prompt);
     };
@@ -646,14 +645,13 @@ fn serve(args: ServeArgs) -> Result<()> {
             user_limit: Option<MemoryLimit>,
         ) -> Result<(), String> {
             let limit = memory_limit(&be, user_limit);
-            let target = be.target();
             if limit.is_some() {
                 let config = ModelConfig::from_file(&dir.join("config.json"))
                     .map_err(|e| format!("loading {}: {e}", dir.display()))?;
                 // The engine's cache budget, asked before any weight is loaded: the smallest
                 // request (one prompt token and one generated) must fit.
-                let budget = CacheBudget::new(&config, step_rows(chunk, max_batch))
-                    .with_limit(limit.clone(), target);
+                let budget = CacheBudget::new(&config, step_rows(chunk, max_batch), &be)
+                    .with_limit(limit.clone());
                 budget
                     .check(2)
                     .map_err(|e| format!("no request can fit the memory limit: {e}"))?;
@@ -666,10 +664,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             // The page pool, where there is one, counts what the caches take.
             let probe = |be: &B| be.page_pool().map(|(pages, bytes)| pages * bytes);
             engine.set_cache_probe(Some(Box::new(probe)));
-            runner
-                .memory_limit(limit, target)
-                .max_batch(max_batch)
-                .run(engine);
+            runner.memory_limit(limit).max_batch(max_batch).run(engine);
             Ok(())
         }
         match device.open_with(options).map_err(|e| format!("{e:#}"))? {

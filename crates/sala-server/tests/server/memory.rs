@@ -5,14 +5,21 @@ use crate::common::*;
 use sala_checkpoint::preset;
 use sala_cpu::CpuBackend;
 use sala_engine::generate::Engine;
-use sala_model::memory::{MemoryLimit, MemoryPlan, Target};
+use sala_model::memory::{MemoryLimit, MemoryPlan};
+use sala_model::Backend;
 use serde_json::json;
 
 /// The CPU plan of a `tokens`-token sequence on the test servers' workspace: a 64-token chunk
 /// beside a decode row for each request of a batch.
 fn plan(tokens: usize) -> MemoryPlan {
     let rows = 64 + sala_server::DEFAULT_MAX_BATCH;
-    MemoryPlan::new(&preset("tiny").unwrap(), tokens, rows, Target::Cpu)
+    let config = preset("tiny").unwrap();
+    MemoryPlan::new(
+        &config,
+        tokens,
+        rows,
+        &CpuBackend.memory_facts(&config, rows),
+    )
 }
 
 fn spawn_limited(bytes: usize) -> Result<sala_server::EngineHandle, String> {
@@ -24,7 +31,7 @@ fn spawn_limited(bytes: usize) -> Result<sala_server::EngineHandle, String> {
             bytes,
             source: "--max-memory test".into(),
         };
-        runner.memory_limit(Some(limit), Target::Cpu).run(engine);
+        runner.memory_limit(Some(limit)).run(engine);
         Ok(())
     })
 }
