@@ -76,6 +76,9 @@ pub struct BenchArgs {
     /// one after another, then all at once through the server's continuous batch.
     #[arg(long, value_name = "N")]
     concurrent: Option<usize>,
+    /// With --concurrent: the batched run alone, without the one-after-another baseline.
+    #[arg(long, requires = "concurrent")]
+    batched_only: bool,
 }
 
 fn parse_len(s: &str) -> Result<usize> {
@@ -698,14 +701,17 @@ fn concurrent<B: Backend + DeviceStats>(
     let mut generated = 0;
     // Decode steps alone (after each prompt's first token): tokens and time.
     let (mut decode_tokens, mut decode_s) = (0usize, 0.0f64);
-    for p in &prompts {
+    let baseline = !args.batched_only;
+    for p in prompts.iter().filter(|_| baseline) {
         let g = engine.generate(p, &opts, &mut |_| {}, &mut |_| {})?;
         generated += g.tokens.len();
         decode_tokens += g.tokens.len().saturating_sub(1);
         decode_s += g.decode_time.as_secs_f64();
     }
     let one_by_one = start.elapsed().as_secs_f64();
-    print_profile(&engine.backend, &format!("{n} requests one by one"));
+    if baseline {
+        print_profile(&engine.backend, &format!("{n} requests one by one"));
+    }
     let (generated_batched, prefilled) = (Cell::new(0usize), Cell::new(0usize));
     let failure = RefCell::new(None);
     let client = |ev: StepEvent<'_>| {
@@ -751,37 +757,46 @@ fn concurrent<B: Backend + DeviceStats>(
         "{:>14} {:>9} {:>16} {:>18}",
         "", "time s", "generated tok/s", "prompt+gen tok/s"
     );
-    for (label, t, gen) in [
+    let runs = [
         ("one by one", one_by_one, generated),
         ("batched", batched, batched_tokens),
-    ] {
+    ];
+    for &(label, t, gen) in runs.iter().skip(usize::from(!baseline)) {
         println!(
             "{label:>14} {t:>9.3} {:>16.1} {:>18.0}",
             gen as f64 / t,
             total(gen) / t
         );
     }
-    let ratio = (total(batched_tokens) / batched) / (total(generated) / one_by_one);
-    println!("batched / one by one, total tokens/s: {ratio:.2}x");
     // The decode phase alone, where batching can pay (prefill work is the same either way).
     let rate = |t: usize, s: f64| t as f64 / s.max(1e-9);
-    let (alone_rate, batch_rate) = (
-        rate(decode_tokens, decode_s),
-        rate(batch_decode_tokens, batch_decode_s),
-    );
-    println!(
-        "decode steps: one by one {alone_rate:.1} tok/s, batched {batch_rate:.1} tok/s \
-         ({batch_decode_tokens} tokens after every prompt was read): {:.2}x",
-        batch_rate / alone_rate.max(1e-9)
-    );
+    let batch_rate = rate(batch_decode_tokens, batch_decode_s);
+    let (ratio, alone_rate) = if baseline {
+        let ratio = (total(batched_tokens) / batched) / (total(generated) / one_by_one);
+        let alone_rate = rate(decode_tokens, decode_s);
+        println!("batched / one by one, total tokens/s: {ratio:.2}x");
+        println!(
+            "decode steps: one by one {alone_rate:.1} tok/s, batched {batch_rate:.1} tok/s \
+             ({batch_decode_tokens} tokens after every prompt was read): {:.2}x",
+            batch_rate / alone_rate.max(1e-9)
+        );
+        (json!(ratio), json!(alone_rate))
+    } else {
+        println!(
+            "decode steps: batched {batch_rate:.1} tok/s ({batch_decode_tokens} tokens after \
+             every prompt was read)"
+        );
+        (Value::Null, Value::Null)
+    };
+    let baseline_value = |v: Value| if baseline { v } else { Value::Null };
     Ok(json!({
         "device": name,
         "requests": n,
         "prompt_tokens": len,
         "decode_tokens": args.decode_tokens,
-        "one_by_one_s": one_by_one,
+        "one_by_one_s": baseline_value(json!(one_by_one)),
         "batched_s": batched,
-        "generated_one_by_one": generated,
+        "generated_one_by_one": baseline_value(json!(generated)),
         "generated_batched": batched_tokens,
         "ratio_total_tokens_per_s": ratio,
         "decode_tok_s_one_by_one": alone_rate,

@@ -717,6 +717,26 @@ fn bench_measures_batched_against_one_by_one_throughput() {
     let phase = v["decode_tokens_batched_phase"].as_u64().unwrap();
     assert!(phase > 0 && phase < 16, "{v}");
     assert!(String::from_utf8_lossy(&o.stdout).contains("decode steps: one by one"));
+    // The batched run alone: no baseline figures, the same generated tokens.
+    let o = bench(
+        &[&args[..], &["--batched-only"]].concat(),
+        &json,
+        tmp.path(),
+    );
+    ok(&o);
+    let v = read_json(&json);
+    assert_eq!(v["generated_batched"], 16);
+    assert!(
+        v["one_by_one_s"].is_null() && v["ratio_total_tokens_per_s"].is_null(),
+        "{v}"
+    );
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("one by one"));
+    let o = bench(&["--batched-only"], &json, tmp.path());
+    assert!(
+        !o.status.success() && stderr(&o).contains("--concurrent"),
+        "{}",
+        stderr(&o)
+    );
     // No request is an error, not a panic.
     let o = bench(
         &["--concurrent", "0", "--context", "150"],
