@@ -102,7 +102,7 @@ impl CudaBackend {
                 SpanRun::Rows {
                     spans: idx,
                     first_row,
-                } if Self::lightning_rows_fit(1, d) => {
+                } if Self::lightning_decode_fits(d) => {
                     for start in idx.clone().step_by(DECODE_ROWS) {
                         let end = (start + DECODE_ROWS).min(idx.end);
                         let (q, k, v, out) = w.rows(first_row + start - idx.start, end - start);
@@ -182,9 +182,10 @@ impl CudaBackend {
         )
     }
 
-    /// Whether [`CudaBackend::lightning_decode_rows`] takes `rows` rows of head size `d`.
-    pub(crate) fn lightning_rows_fit(rows: usize, d: usize) -> bool {
-        rows <= DECODE_ROWS && d <= 256
+    /// Whether [`CudaBackend::lightning_decode_rows`] takes heads of size `d` (each launch
+    /// takes at most `DECODE_ROWS` rows).
+    pub(crate) fn lightning_decode_fits(d: usize) -> bool {
+        d <= 256
     }
 
     /// Lightning prefill in one pass a block (`lightning_fused`). A long chunk is cut into
