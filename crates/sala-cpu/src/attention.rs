@@ -127,21 +127,31 @@ impl SparseCache {
         }
     }
 
-    /// Makes room for `tokens` tokens in all (K, V and both compressed tiers) at once.
-    pub fn reserve(&mut self, cfg: &SparseConfig, tokens: usize) {
+    /// Makes room for `tokens` tokens in all (K, V and both compressed tiers) at once; an
+    /// error (nothing lost) when the host cannot give that much memory.
+    pub fn reserve(&mut self, cfg: &SparseConfig, tokens: usize) -> Result<(), String> {
         let kw = self.shape.kv_width();
-        let more =
-            |v: &mut Vec<f32>, rows: usize| v.reserve_exact((rows * kw).saturating_sub(v.len()));
-        more(&mut self.k, tokens);
-        more(&mut self.v, tokens);
+        let more = |v: &mut Vec<f32>, rows: usize| {
+            let want = rows.saturating_mul(kw);
+            v.try_reserve_exact(want.saturating_sub(v.len()))
+                .map_err(|_| {
+                    format!(
+                        "the CPU cannot hold a cache of {tokens} tokens: {} bytes for one of its \
+                         buffers are not available",
+                        want.saturating_mul(4)
+                    )
+                })
+        };
+        more(&mut self.k, tokens)?;
+        more(&mut self.v, tokens)?;
         more(
             &mut self.k1,
             visible_windows(tokens.saturating_sub(1), cfg.k1_window(), cfg.k1_stride()),
-        );
+        )?;
         more(
             &mut self.k2,
             visible_windows(tokens.saturating_sub(1), cfg.k2_window(), cfg.k2_stride()),
-        );
+        )
     }
 
     /// Tokens held.
@@ -352,7 +362,7 @@ mod tests {
             .collect();
         let mut grown = SparseCache::new(shape, &cfg);
         let mut reserved = SparseCache::new(shape, &cfg);
-        reserved.reserve(&cfg, n);
+        reserved.reserve(&cfg, n).unwrap();
         let ptrs = |c: &SparseCache| [c.k.as_ptr(), c.v.as_ptr(), c.k1.as_ptr(), c.k2.as_ptr()];
         let before = ptrs(&reserved);
         for chunk in keys.chunks(37 * kw) {
@@ -365,5 +375,21 @@ mod tests {
             (&reserved.k, &reserved.k1, &reserved.k2),
             (&grown.k, &grown.k1, &grown.k2)
         );
+    }
+
+    /// A cache larger than any host is an error, not an abort, and the cache is untouched.
+    #[test]
+    fn an_impossible_reservation_is_an_error() {
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+        };
+        let cfg = SparseConfig::default();
+        let mut cache = SparseCache::new(shape, &cfg);
+        let e = cache.reserve(&cfg, usize::MAX / 64).unwrap_err();
+        assert!(e.contains("cannot hold a cache"), "{e}");
+        assert!(cache.is_empty());
+        cache.reserve(&cfg, 100).unwrap();
     }
 }

@@ -132,6 +132,19 @@ pub fn each_span(
     Ok(())
 }
 
+/// `n` zeros, or an error naming `what` when the host cannot give the memory (never an abort).
+fn zeros(n: usize, what: &str) -> BResult<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        BackendError(format!(
+            "the CPU cannot hold {what} of {} bytes",
+            n.saturating_mul(4)
+        ))
+    })?;
+    v.resize(n, 0.0);
+    Ok(v)
+}
+
 /// Checks that a sparse call has one mode per span.
 pub fn check_modes(modes: &[SparseMode], spans: &[Span]) -> BResult<()> {
     if modes.len() != spans.len() {
@@ -313,7 +326,7 @@ impl Backend for CpuBackend {
 
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<CpuAct> {
         Ok(CpuAct {
-            data: vec![0.0; max_rows * cols],
+            data: zeros(max_rows.saturating_mul(cols), "an activation buffer")?,
             rows: max_rows,
             cols,
             cap_rows: max_rows,
@@ -348,7 +361,7 @@ impl Backend for CpuBackend {
     }
 
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Vec<f32>> {
-        Ok(vec![0.0; heads * head_dim * head_dim])
+        zeros(heads * head_dim * head_dim, "a lightning state")
     }
 
     fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<SparseCache> {
@@ -361,8 +374,7 @@ impl Backend for CpuBackend {
         cfg: &SparseConfig,
         tokens: usize,
     ) -> BResult<()> {
-        cache.reserve(cfg, tokens);
-        Ok(())
+        cache.reserve(cfg, tokens).map_err(BackendError)
     }
 
     fn fill_sparse_cache_random(
@@ -380,7 +392,7 @@ impl Backend for CpuBackend {
         let n = tokens * cache.shape.kv_width();
         let k = self.random_vector(n, seed, 0.0, RANDOM_KV_STD)?;
         let v = self.random_vector(n, seed ^ 1, 0.0, RANDOM_KV_STD)?;
-        cache.reserve(cfg, tokens);
+        cache.reserve(cfg, tokens).map_err(BackendError)?;
         cache.append(&k, &v);
         Ok(())
     }

@@ -414,3 +414,24 @@ fn random_context_is_seeded_and_decodes() {
         .to_string();
     assert!(e.contains("already holds 1 tokens"), "{e}");
 }
+
+/// Caches for more tokens than any host holds are an error, not an abort, and the sequence
+/// still works after it; so is a workspace no host holds.
+#[test]
+fn an_impossible_reservation_is_an_error_not_an_abort() {
+    let config = tiny_config(150);
+    let model = load(&CpuBackend, &config, 3);
+    let mut seq = model.new_sequence(&CpuBackend).unwrap();
+    let e = model
+        .reserve(&CpuBackend, &mut seq, usize::MAX / 1024)
+        .unwrap_err();
+    assert!(e.0.contains("cannot hold"), "{e}");
+    let mut ws = model.workspace(&CpuBackend, 16).unwrap();
+    let logits = model.decode(&CpuBackend, &mut ws, &mut seq, 1).unwrap();
+    assert!(logits.iter().all(|x| x.is_finite()));
+    let e = model
+        .workspace(&CpuBackend, usize::MAX / 1024)
+        .err()
+        .expect("no host holds it");
+    assert!(e.0.contains("cannot hold"), "{e}");
+}

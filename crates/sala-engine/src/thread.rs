@@ -181,10 +181,17 @@ impl Runner {
                 .send(Err(format!("a workspace for {n} requests: {e}")));
             return;
         }
-        let max_context = self
-            .max_context
-            .unwrap_or(engine.model.config.max_position_embeddings)
-            .max(1);
+        let model_limit = engine.model.config.max_position_embeddings;
+        let max_context = match self.max_context {
+            Some(n) if n > model_limit => {
+                let _ = self.ready.send(Err(format!(
+                    "--max-context {n} is above the model's limit of {model_limit} tokens \
+                     (max_position_embeddings)"
+                )));
+                return;
+            }
+            n => n.unwrap_or(model_limit).max(1),
+        };
         if let Some(limit) = self.memory.take() {
             engine.set_memory_limit(Some(limit));
             if let Err(e) = engine.check_memory(2) {

@@ -99,8 +99,12 @@ pub trait DeviceStats {
     /// Bytes of memory in use now, when known: on a GPU the device's (all processes), on the
     /// CPU this process's resident memory.
     fn memory_in_use(&self) -> Option<usize>;
-    /// The device's total memory (GPUs only: a plan larger than it is refused).
+    /// The memory a plan may take on this device, and what it is: a GPU's total memory; on the
+    /// CPU, what the host has available now plus what this process holds. A plan larger is
+    /// refused.
     fn total_memory(&self) -> Option<usize>;
+    /// What [`DeviceStats::total_memory`] measures, for messages.
+    fn total_memory_source(&self) -> String;
     /// Time the host spent waiting for the device so far.
     fn host_wait(&self) -> Option<std::time::Duration>;
     /// Waits for the work queued so far (a no-op on the CPU, which works synchronously).
@@ -132,7 +136,10 @@ impl DeviceStats for CpuBackend {
         resident_bytes()
     }
     fn total_memory(&self) -> Option<usize> {
-        None
+        Some(host_available_bytes()? + resident_bytes().unwrap_or(0))
+    }
+    fn total_memory_source(&self) -> String {
+        "the memory available on this host".into()
     }
     fn host_wait(&self) -> Option<std::time::Duration> {
         None
@@ -145,6 +152,9 @@ impl DeviceStats for CudaBackend {
     }
     fn total_memory(&self) -> Option<usize> {
         self.memory().ok().map(|m| m.1)
+    }
+    fn total_memory_source(&self) -> String {
+        format!("the total memory of {}", self.name())
     }
     fn host_wait(&self) -> Option<std::time::Duration> {
         Some(CudaBackend::host_wait(self))
@@ -165,6 +175,14 @@ impl DeviceStats for CudaBackend {
 }
 
 /// This process's resident memory (`VmRSS` of /proc/self/status), where there is one.
+/// The host memory available for new work (`MemAvailable` of /proc/meminfo; Linux only).
+fn host_available_bytes() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
 fn resident_bytes() -> Option<usize> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
@@ -184,14 +202,15 @@ pub fn user_memory_limit(arg: Option<&str>) -> Result<Option<MemoryLimit>> {
     .transpose()
 }
 
-/// The limit a plan on `be` must fit: `user`'s, and on a GPU its total memory too.
+/// The limit a plan on `be` must fit: `user`'s, and the device's memory (a GPU's total, the
+/// host's available memory on the CPU) too.
 pub fn memory_limit<B: Backend + DeviceStats>(
     be: &B,
     user: Option<MemoryLimit>,
 ) -> Option<MemoryLimit> {
     let device = be.total_memory().map(|bytes| MemoryLimit {
         bytes,
-        source: format!("the total memory of {}", be.name()),
+        source: be.total_memory_source(),
     });
     MemoryLimit::tighter(user, device)
 }

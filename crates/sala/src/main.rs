@@ -425,7 +425,14 @@ fn generate_options(
             seed: args.seed,
         },
         max_tokens: args.max_tokens,
-        max_context: args.max_context.unwrap_or(config.max_position_embeddings),
+        max_context: match args.max_context {
+            Some(n) if n > config.max_position_embeddings => bail!(
+                "--max-context {n} is above the model's limit of {} tokens \
+                 (max_position_embeddings)",
+                config.max_position_embeddings
+            ),
+            n => n.unwrap_or(config.max_position_embeddings),
+        },
         stop: args.stop.clone(),
         eos_ids: if args.ignore_eos {
             Vec::new()

@@ -794,3 +794,35 @@ fn generate_traces_each_token_with_its_runner_up() {
         tok.decode(&ids, true).unwrap().trim_end()
     );
 }
+
+/// A `--max-context` above the model's limit is an error at start, for every command that
+/// takes it, naming the flag and the limit.
+#[test]
+fn max_context_above_the_model_limit_is_refused_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), "m", &[]);
+    let d = dir.to_str().unwrap();
+    let too_long = ["--max-context", "99999999"];
+    let cpu = ["--device", "cpu", "-m", d];
+    for cmd in ["generate", "serve"] {
+        let mut args = vec![cmd];
+        args.extend_from_slice(&cpu);
+        args.extend_from_slice(&too_long);
+        if cmd == "generate" {
+            args.push("hello");
+        } else {
+            args.extend_from_slice(&["--port", "0"]);
+        }
+        fails_with(
+            &sala(&args, tmp.path()),
+            &["--max-context 99999999", "65536", "max_position_embeddings"],
+        );
+    }
+    let mut args = vec!["chat"];
+    args.extend_from_slice(&cpu);
+    args.extend_from_slice(&too_long);
+    fails_with(
+        &sala_with_stdin(&args, b"hello\n", tmp.path()),
+        &["--max-context 99999999", "65536"],
+    );
+}
