@@ -284,6 +284,15 @@ impl<B: Backend> Serving<B> {
         if ids.is_empty() {
             return fail(RequestError::invalid("the prompt is empty").param("prompt"));
         }
+        let vocab = self.engine.model.config.vocab_size;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return fail(
+                RequestError::invalid(format!(
+                    "the prompt holds token id {bad}, outside the vocabulary of {vocab} tokens"
+                ))
+                .param("prompt"),
+            );
+        }
         let max_context = self.max_context;
         if ids.len() >= max_context {
             return fail(RequestError::ContextLengthExceeded {

@@ -163,12 +163,14 @@ pub struct ChatBody {
     pub top_logprobs: Option<u64>,
 }
 
-/// `prompt`: a string, or a list holding exactly one string.
+/// `prompt`: a string, token ids, or a list holding exactly one of those.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum PromptField {
     One(String),
+    Tokens(Vec<u32>),
     Many(Vec<String>),
+    ManyTokens(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -187,13 +189,34 @@ pub struct CompletionBody {
 /// Most alternatives `top_logprobs` (chat) or `logprobs` (completions) may ask for.
 pub const MAX_TOP_LOGPROBS: u64 = 20;
 
+/// Most stop strings a request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Most messages a chat request may hold.
+pub const MAX_MESSAGES: usize = 4096;
+
+/// What a field that takes several shapes must be, in our words (serde's name the Rust type).
+fn expected_shape(path: &str) -> Option<&'static str> {
+    Some(match path {
+        "prompt" => "a string, a list of token ids, or a list holding one of those",
+        "stop" => "a string or a list of strings",
+        "seed" => "an integer",
+        _ if path.starts_with("messages") && path.ends_with("content") => {
+            "a string or a list of content parts"
+        }
+        _ => return None,
+    })
+}
+
 /// Parses a request body: JSON, an object, then `T` with the failing field named.
 pub fn parse_body<T: serde::de::DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner();
+        let inner = e.into_inner().to_string();
         if path == "." {
             ApiError::invalid(format!("invalid request body: {inner}"))
+        } else if let Some(shape) = expected_shape(&path).filter(|_| inner.contains("untagged")) {
+            ApiError::invalid(format!("invalid field `{path}`: it must be {shape}")).param(path)
         } else {
             ApiError::invalid(format!("invalid field `{path}`: {inner}")).param(path)
         }

@@ -1,8 +1,9 @@
-//! Routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`.
+//! Routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`,
+//! `/health`, `/metrics`.
 
 use crate::api::{
     parse_body, parse_json, ApiError, ChatBody, CommonParams, CompletionBody, PromptField,
-    StopField, MAX_TOP_LOGPROBS,
+    StopField, MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
 };
 use crate::engine::{EngineHandle, Event, LogprobEntry, Prompt, Request};
 use crate::metrics::Outcome;
@@ -70,9 +71,11 @@ pub fn router(engine: EngineHandle, opts: &ServerOptions) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(axum::middleware::map_response(method_not_allowed))
         .layer(DefaultBodyLimit::max(opts.max_body_bytes))
         .with_state(state)
 }
@@ -91,8 +94,32 @@ async fn not_found() -> ApiError {
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         "no such route; this server has POST /v1/chat/completions, POST /v1/completions, \
-         GET /v1/models, GET /health and GET /metrics",
+         GET /v1/models, GET /v1/models/{id}, GET /health and GET /metrics",
     )
+}
+
+/// A route asked with a method it does not take: the OpenAI error body, beside the `Allow`
+/// header axum sets.
+async fn method_not_allowed(res: Response) -> Response {
+    if res.status() != StatusCode::METHOD_NOT_ALLOWED {
+        return res;
+    }
+    let allow = res.headers().get(header::ALLOW).cloned();
+    let methods = allow
+        .as_ref()
+        .and_then(|a| a.to_str().ok())
+        .unwrap_or("another method")
+        .to_string();
+    let mut out = ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("this route does not take that method; it takes {methods}"),
+    )
+    .into_response();
+    if let Some(a) = allow {
+        out.headers_mut().insert(header::ALLOW, a);
+    }
+    out
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
@@ -121,18 +148,41 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+/// The model as `/v1/models` lists it.
+fn model_card(st: &AppState) -> Value {
     let info = &st.engine.info;
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": info.id,
-            "object": "model",
-            "created": st.started,
-            "owned_by": "sala",
-            "max_model_len": info.max_context,
-        }]
-    }))
+    json!({
+        "id": info.id,
+        "object": "model",
+        "created": st.started,
+        "owned_by": "sala",
+        "max_model_len": info.max_context,
+    })
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_card(&st)]}))
+}
+
+async fn model(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if id == st.engine.info.id {
+        Json(model_card(&st)).into_response()
+    } else {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!(
+                "the model `{id}` does not exist; this server serves `{}`",
+                st.engine.info.id
+            ),
+        )
+        .param("model")
+        .code("model_not_found")
+        .into_response()
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -231,6 +281,12 @@ fn check_common(
     if p.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
         return Err(ApiError::invalid("logit_bias is not supported").param("logit_bias"));
     }
+    if let Some(t) = p.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
+        return Err(
+            ApiError::invalid(format!("temperature is {t}; it must be in [0, 2]"))
+                .param("temperature"),
+        );
+    }
     let sampling = SamplingParams {
         temperature: p.temperature.unwrap_or(1.0),
         top_k,
@@ -256,6 +312,13 @@ fn check_common(
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::invalid("stop strings must not be empty").param("stop"));
     }
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(format!(
+            "stop has {} strings; at most {MAX_STOP_STRINGS} are allowed",
+            stop.len()
+        ))
+        .param("stop"));
+    }
     Ok(Checked {
         request: Request {
             prompt,
@@ -276,6 +339,14 @@ fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
     if body.messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty").param("messages"));
     }
+    if body.messages.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid(format!(
+            "messages holds {} messages; at most {MAX_MESSAGES} are allowed",
+            body.messages.len()
+        ))
+        .param("messages"));
+    }
+
     for (i, m) in body.messages.iter().enumerate() {
         m.text().map_err(|e| {
             ApiError::invalid(format!("messages[{i}]: {e}")).param(format!("messages[{i}]"))
@@ -296,8 +367,15 @@ fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
         (true, n) => Some(n.unwrap_or(0) as usize),
         (false, _) => None,
     };
+    // OpenAI's `developer` role is the system prompt of models that have no such role.
+    let mut messages = body.messages;
+    for m in &mut messages {
+        if m.role == "developer" {
+            m.role = "system".into();
+        }
+    }
     let prompt = Prompt::Chat {
-        messages: body.messages,
+        messages,
         kwargs: body.chat_template_kwargs.unwrap_or_default(),
     };
     check_common(st, common, prompt, logprobs)
@@ -306,18 +384,28 @@ fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
 fn check_completion(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
     let common: CommonParams = parse_body(value)?;
     let body: CompletionBody = parse_body(value)?;
-    let prompt = match body.prompt {
-        PromptField::One(s) => s,
-        PromptField::Many(mut v) if v.len() == 1 => v.pop().unwrap_or_default(),
-        PromptField::Many(v) => {
-            return Err(ApiError::invalid(format!(
-                "prompt is a list of {} strings; only one prompt per request is supported",
-                v.len()
-            ))
-            .param("prompt"))
-        }
+    let many = |n: usize| {
+        ApiError::invalid(format!(
+            "prompt is a list of {n} prompts; only one prompt per request is supported"
+        ))
+        .param("prompt")
     };
-    if prompt.is_empty() {
+    let prompt = match body.prompt {
+        PromptField::One(s) => Prompt::Text(s),
+        PromptField::Tokens(ids) => Prompt::Tokens(ids),
+        PromptField::Many(mut v) if v.len() == 1 => Prompt::Text(v.pop().unwrap_or_default()),
+        PromptField::ManyTokens(mut v) if v.len() == 1 => {
+            Prompt::Tokens(v.pop().unwrap_or_default())
+        }
+        PromptField::Many(v) => return Err(many(v.len())),
+        PromptField::ManyTokens(v) => return Err(many(v.len())),
+    };
+    let empty = match &prompt {
+        Prompt::Text(s) => s.is_empty(),
+        Prompt::Tokens(ids) => ids.is_empty(),
+        Prompt::Chat { .. } => false,
+    };
+    if empty {
         return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
     }
     if body.echo == Some(true) {
@@ -338,7 +426,7 @@ fn check_completion(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
         }
         n => n.map(|n| n as usize),
     };
-    check_common(st, common, Prompt::Text(prompt), logprobs)
+    check_common(st, common, prompt, logprobs)
 }
 
 async fn chat_completions(

@@ -1,6 +1,7 @@
 //! The real server on 127.0.0.1 with the tiny random model on the CPU, driven by a small
 //! HTTP/1.1 client over `TcpStream` (and, in `openai_client`, by the official Python client).
 
+mod api_edges;
 mod common;
 mod load;
 mod logprobs;

@@ -1,0 +1,118 @@
+//! What users meet at the edges of the API: methods, model lookups, parameter ranges, the
+//! `developer` role, prompts as token ids, and errors in our own words.
+
+use crate::common::*;
+use serde_json::json;
+
+#[test]
+fn a_wrong_method_gets_an_openai_error_and_allow() {
+    for (method, path, allow) in [
+        ("GET", "/v1/completions", "post"),
+        ("DELETE", "/v1/chat/completions", "post"),
+        ("POST", "/v1/models", "get"),
+        ("PUT", "/health", "get"),
+    ] {
+        let (status, head, body) = request_full(server(), method, path, b"{}");
+        assert_error(status, &body, 405, None, &format!("{method} {path}"));
+        let line = head
+            .lines()
+            .find(|l| l.starts_with("allow:"))
+            .unwrap_or_else(|| panic!("{method} {path}: no Allow header in {head}"));
+        assert!(line.contains(allow), "{method} {path}: {line}");
+    }
+}
+
+#[test]
+fn one_model_is_listed_and_found_by_id() {
+    let (status, body) = request("GET", "/v1/models", b"");
+    assert_eq!(status, 200, "{body}");
+    let list: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let id = list["data"][0]["id"].as_str().unwrap().to_string();
+    let (status, body) = request("GET", &format!("/v1/models/{id}"), b"");
+    assert_eq!(status, 200, "{body}");
+    let card: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(card, list["data"][0]);
+    let (status, body) = request("GET", "/v1/models/gpt-nothing", b"");
+    assert_error(status, &body, 404, Some("model"), "an unknown model");
+    assert!(
+        body.contains("model_not_found") && body.contains("gpt-nothing"),
+        "{body}"
+    );
+}
+
+#[test]
+fn parameters_out_of_range_are_named() {
+    let base = |extra: serde_json::Value| {
+        let mut b = json!({"prompt": "Hello", "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    for (extra, param, words) in [
+        (json!({"temperature": 2.5}), "temperature", "[0, 2]"),
+        (json!({"temperature": -0.1}), "temperature", "[0, 2]"),
+        (json!({"stop": vec!["x"; 17]}), "stop", "at most 16"),
+        (
+            json!({"prompt": 12}),
+            "prompt",
+            "a string, a list of token ids",
+        ),
+        (
+            json!({"prompt": [1, "a"]}),
+            "prompt",
+            "a string, a list of token ids",
+        ),
+        (json!({"stop": 3}), "stop", "a string or a list of strings"),
+        (json!({"prompt": ["a", "b"]}), "prompt", "only one prompt"),
+        (
+            json!({"prompt": [[1, 2], [3]]}),
+            "prompt",
+            "only one prompt",
+        ),
+        (json!({"prompt": []}), "prompt", "must not be empty"),
+        (
+            json!({"prompt": [4_000_000_000u64]}),
+            "prompt",
+            "outside the vocabulary",
+        ),
+    ] {
+        let (status, v) = post("/v1/completions", &base(extra.clone()));
+        let text = v.to_string();
+        assert_error(status, &text, 400, Some(param), &extra.to_string());
+        assert!(text.contains(words), "{extra}: {text}");
+        assert!(
+            !text.contains("untagged") && !text.contains("PromptField"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn prompts_as_token_ids_and_the_developer_role_are_served() {
+    for prompt in [json!([5, 6, 7, 8]), json!([[5, 6, 7, 8]])] {
+        let (status, v) = post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 3, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["prompt_tokens"], 4, "{v}");
+    }
+    let chat = |role: &str| {
+        post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": role, "content": "Be brief."},
+                                 {"role": "user", "content": "Hi"}],
+                    "max_tokens": 3, "temperature": 0}),
+        )
+    };
+    let (status, dev) = chat("developer");
+    assert_eq!(status, 200, "{dev}");
+    let (_, sys) = chat("system");
+    // The developer message is the system prompt: the same tokens in, the same answer out.
+    assert_eq!(dev["usage"], sys["usage"], "{dev} {sys}");
+    assert_eq!(
+        dev["choices"][0]["message"]["content"],
+        sys["choices"][0]["message"]["content"]
+    );
+}
