@@ -184,6 +184,9 @@ pub enum RequestError {
     /// The engine thread has ended.
     #[error("the engine has stopped")]
     Stopped,
+    /// The server is shutting down: the request was not finished in time, or came too late.
+    #[error("the server is shutting down")]
+    ShuttingDown,
     /// A failure of the engine, not of the request.
     #[error("{message}")]
     Internal { message: String },

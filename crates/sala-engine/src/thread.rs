@@ -14,6 +14,7 @@ use sala_model::memory::MemoryLimit;
 use sala_model::Backend;
 use sala_tokenizer::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -64,6 +65,8 @@ struct Job {
 /// Handed to the factory of [`spawn`] on the engine thread; [`Runner::run`] serves the queue
 /// with an engine built there.
 pub struct Runner {
+    /// Set by [`Handle::end_all`]: fail everything in flight and waiting.
+    ending: Arc<AtomicBool>,
     jobs: mpsc::Receiver<Job>,
     ready: std::sync::mpsc::Sender<Result<EngineInfo, String>>,
     max_context: Option<usize>,
@@ -79,6 +82,8 @@ pub struct Runner {
 pub struct Handle {
     jobs: mpsc::Sender<Job>,
     pub info: EngineInfo,
+    /// Set by [`Handle::end_all`].
+    ending: Arc<AtomicBool>,
 }
 
 /// Starts the engine thread: `factory` runs there, builds the backend and the [`Engine`]
@@ -97,7 +102,9 @@ where
     let (jobs_tx, jobs_rx) = mpsc::channel(queue.max(1));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let failed = ready_tx.clone();
+    let ending = Arc::new(AtomicBool::new(false));
     let runner = Runner {
+        ending: ending.clone(),
         jobs: jobs_rx,
         ready: ready_tx,
         max_context,
@@ -117,6 +124,7 @@ where
         Ok(Ok(info)) => Ok(Handle {
             jobs: jobs_tx,
             info,
+            ending,
         }),
         Ok(Err(e)) => Err(e),
         Err(_) => Err("the engine thread ended before loading a model".into()),
@@ -127,6 +135,9 @@ impl Handle {
     /// Queues a request; the receiver hears its events. Refused when the queue is full or
     /// the engine has stopped.
     pub fn submit(&self, request: Request) -> Result<mpsc::Receiver<Event>, RequestError> {
+        if self.ending.load(Ordering::Relaxed) {
+            return Err(RequestError::ShuttingDown);
+        }
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let job = Job {
             request,
@@ -138,6 +149,13 @@ impl Handle {
             Err(mpsc::error::TrySendError::Full(_)) => Err(RequestError::QueueFull),
             Err(mpsc::error::TrySendError::Closed(_)) => Err(RequestError::Stopped),
         }
+    }
+
+    /// Ends every request in flight or waiting with [`RequestError::ShuttingDown`], now and
+    /// from then on (the end of a graceful shutdown's grace).
+    pub fn end_all(&self) {
+        // An idle engine thread holds nothing to end; a busy one sees the flag between steps.
+        self.ending.store(true, Ordering::Relaxed);
     }
 
     /// False once the engine thread has ended.
@@ -218,6 +236,15 @@ impl Runner {
         };
         let mut open = true;
         while open || !serving.batch.is_empty() {
+            if self.ending.load(Ordering::Relaxed) {
+                serving.end_all();
+                while let Ok(job) = self.jobs.try_recv() {
+                    serving.observer.finished(Err(&RequestError::ShuttingDown));
+                    let _ = job
+                        .events
+                        .blocking_send(Event::Error(RequestError::ShuttingDown));
+                }
+            }
             // Admit waiting requests while the batch has room; wait for one when idle.
             while open && serving.batch.has_room() {
                 let job = if serving.batch.is_empty() {
@@ -347,6 +374,15 @@ impl<B: Backend> Serving<B> {
 
     /// Drops the requests whose clients left, then runs a step; a panic fails every request
     /// in flight.
+    /// Fails every request in flight: the server is shutting down.
+    fn end_all(&mut self) {
+        for (_, sink) in self.batch.cancel_where(|_, _| true) {
+            self.report_cache();
+            self.observer.released();
+            sink.fail(RequestError::ShuttingDown);
+        }
+    }
+
     fn step(&mut self) {
         for _ in self.batch.cancel_where(|_, sink| sink.events.is_closed()) {
             self.report_cache();

@@ -84,6 +84,10 @@ impl From<&RequestError> for ApiError {
             RequestError::Stopped => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
             }
+            RequestError::ShuttingDown => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+                    .code("shutting_down")
+            }
             RequestError::Internal { .. } => Self::internal(message),
         }
     }

@@ -4,7 +4,9 @@
 
 use crate::api::ApiError;
 use crate::metrics::Metrics;
+use sala_engine::request::RequestError;
 use sala_engine::thread::{self, Runner};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -28,6 +30,8 @@ pub struct EngineHandle {
     pub info: ModelInfo,
     /// Fed by the engine thread.
     pub metrics: Arc<Metrics>,
+    /// Set when a graceful shutdown begins: new requests are refused, `/health` says so.
+    draining: Arc<AtomicBool>,
 }
 
 /// Starts the engine thread ([`sala_engine::thread::spawn`]) serving `model_id`, with fresh
@@ -54,13 +58,31 @@ where
         engine,
         info,
         metrics,
+        draining: Arc::new(AtomicBool::new(false)),
     })
 }
 
 impl EngineHandle {
-    /// Queues a request; a full queue is 429, a stopped engine 503.
+    /// Queues a request; a full queue is 429, a stopped or draining engine 503.
     pub fn submit(&self, request: Request) -> Result<mpsc::Receiver<Event>, ApiError> {
+        if self.is_draining() {
+            return Err(ApiError::from(&RequestError::ShuttingDown));
+        }
         self.engine.submit(request).map_err(|e| ApiError::from(&e))
+    }
+
+    /// Begins a graceful shutdown: requests from now on are refused; those in flight go on.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Ends every request still in flight or waiting with a "shutting down" error.
+    pub fn end_all(&self) {
+        self.engine.end_all();
     }
 
     /// False once the engine thread has ended.

@@ -30,12 +30,15 @@ use tokio::sync::mpsc;
 pub struct ServerOptions {
     /// Largest request body in bytes; larger ones get 413.
     pub max_body_bytes: usize,
+    /// How long a graceful shutdown lets the requests in flight run before ending them.
+    pub shutdown_timeout: std::time::Duration,
 }
 
 impl Default for ServerOptions {
     fn default() -> Self {
         Self {
             max_body_bytes: 4 << 20,
+            shutdown_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -89,6 +92,40 @@ pub async fn serve(
     axum::serve(listener, router(engine, opts)).await
 }
 
+/// Serves until `shutdown` resolves, then shuts down gracefully: new requests get a 503 and
+/// `/health` reports draining, while the requests in flight run on, for at most
+/// `opts.shutdown_timeout`; then the rest end with an error (an error event on a stream, a 503
+/// otherwise), the listener closes, and this returns once every connection has closed.
+pub async fn serve_until(
+    listener: tokio::net::TcpListener,
+    engine: EngineHandle,
+    opts: &ServerOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = router(engine.clone(), opts);
+    let grace = opts.shutdown_timeout;
+    let begin = async move {
+        shutdown.await;
+        engine.drain();
+        let idle = |e: &EngineHandle| e.metrics.running() == 0 && e.queue_depth() == 0;
+        let deadline = tokio::time::Instant::now() + grace;
+        while !idle(&engine) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        if !idle(&engine) {
+            engine.end_all();
+            // The engine ends them between steps; their clients hear it.
+            let settle = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+            while !idle(&engine) && tokio::time::Instant::now() < settle {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(begin)
+        .await
+}
+
 async fn not_found() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -123,7 +160,13 @@ async fn method_not_allowed(res: Response) -> Response {
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Response {
-    if st.engine.is_alive() {
+    if st.engine.is_draining() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response()
+    } else if st.engine.is_alive() {
         Json(json!({"status": "ok"})).into_response()
     } else {
         ApiError::new(

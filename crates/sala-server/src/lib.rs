@@ -13,5 +13,5 @@ pub mod metrics;
 
 pub use api::ApiError;
 pub use engine::{spawn_engine, EngineHandle, EngineRunner, ModelInfo, DEFAULT_MAX_BATCH};
-pub use http::{router, serve, ServerOptions};
+pub use http::{router, serve, serve_until, ServerOptions};
 pub use metrics::{Metrics, Outcome};

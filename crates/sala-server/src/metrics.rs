@@ -202,6 +202,11 @@ impl Metrics {
         self.requests[outcome as usize].load(Ordering::Relaxed)
     }
 
+    /// Requests generating now.
+    pub fn running(&self) -> i64 {
+        self.running.load(Ordering::Relaxed)
+    }
+
     /// A request starts generating: its prompt is counted and its sequence is live.
     pub fn sequence_started(&self, prompt_tokens: usize) {
         self.prompt_tokens

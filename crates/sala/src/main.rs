@@ -79,6 +79,10 @@ struct ServeArgs {
     /// powers of 1024). On a GPU its total memory is a limit anyway.
     #[arg(long, value_name = "SIZE")]
     max_memory: Option<String>,
+    /// On SIGTERM or Ctrl-C: seconds the requests in flight may run on before they are ended
+    /// with an error; no new request is taken meanwhile.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    shutdown_timeout: f64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -611,6 +615,29 @@ pub(crate) fn human_bytes(n: usize) -> String {
     }
 }
 
+/// Resolves on SIGTERM or SIGINT (Ctrl-C), saying so: the start of a graceful shutdown.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    eprintln!("shutting down: finishing the requests in flight, taking no new ones");
+}
+
 fn serve(args: ServeArgs) -> Result<()> {
     let device = Device::parse(&args.device.device)?;
     let options = cuda_options(args.device.device_profile.as_deref())?;
@@ -621,6 +648,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         bail!("--max-context must be at least 1");
     }
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
+    let shutdown_timeout = std::time::Duration::try_from_secs_f64(args.shutdown_timeout)
+        .map_err(|_| anyhow::anyhow!("--shutdown-timeout must be a number of seconds ≥ 0"))?;
     let (dir, id) = match &args.model {
         Some(dir) => {
             let id = std::fs::canonicalize(dir)
@@ -694,8 +723,14 @@ fn serve(args: ServeArgs) -> Result<()> {
             engine.info.max_context,
             listener.local_addr()?
         );
-        sala_server::serve(listener, engine, &sala_server::ServerOptions::default())
+        let opts = sala_server::ServerOptions {
+            shutdown_timeout,
+            ..Default::default()
+        };
+        sala_server::serve_until(listener, engine, &opts, shutdown_signal())
             .await
-            .context("serving")
+            .context("serving")?;
+        eprintln!("stopped");
+        Ok(())
     })
 }

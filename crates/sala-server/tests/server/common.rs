@@ -58,6 +58,7 @@ pub fn serve(engine: sala_server::EngineHandle) -> SocketAddr {
             tx.send(listener.local_addr().unwrap()).unwrap();
             let opts = sala_server::ServerOptions {
                 max_body_bytes: BODY_LIMIT,
+                ..Default::default()
             };
             sala_server::serve(listener, engine, &opts).await.unwrap();
         });

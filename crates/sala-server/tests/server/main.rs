@@ -8,6 +8,7 @@ mod logprobs;
 mod memory;
 mod metrics;
 mod openai_client;
+mod shutdown;
 
 use common::*;
 use sala_engine::generate::{FinishReason, GenerateOptions};
