@@ -8,7 +8,7 @@
 //! request's progress (for metrics), before its client does.
 
 use crate::generate::{Engine, GenerateOptions};
-use crate::request::{Event, FinishReason, LogprobEntry, Request, RequestError};
+use crate::request::{Event, FinishReason, LogprobEntry, Prompt, Request, RequestError};
 use crate::step::{Batch, Client, StepContext, StepEvent};
 use sala_model::memory::MemoryLimit;
 use sala_model::Backend;
@@ -31,6 +31,10 @@ pub struct EngineInfo {
     /// Most tokens one sequence may hold (prompt and output together).
     pub max_context: usize,
     pub backend: String,
+    /// The model's tokenizer and chat template (or why it has none), so that callers can turn
+    /// prompts into token ids off the engine thread ([`Handle::token_ids`]).
+    pub tokenizer: Tokenizer,
+    pub template: Arc<Result<sala_tokenizer::ChatTemplate, String>>,
 }
 
 /// Hears of every request's progress on the engine thread, before its client does. Every
@@ -151,6 +155,13 @@ impl Handle {
         }
     }
 
+    /// A prompt's token ids (the chat template applied), computed on the calling thread: a
+    /// caller that does this on threads of its own keeps long prompts off the engine thread
+    /// and submits [`Prompt::Tokens`].
+    pub fn token_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, RequestError> {
+        prompt.token_ids(&self.info.tokenizer, &self.info.template)
+    }
+
     /// Ends every request in flight or waiting with [`RequestError::ShuttingDown`], now and
     /// from then on (the end of a graceful shutdown's grace).
     pub fn end_all(&self) {
@@ -219,7 +230,10 @@ impl Runner {
                 return;
             }
         }
+        let template = Arc::new(engine.tokenizer.chat_template().map_err(|e| e.to_string()));
         let info = EngineInfo {
+            tokenizer: engine.tokenizer.clone(),
+            template: template.clone(),
             max_context,
             backend: engine.backend_name(),
         };
@@ -227,7 +241,7 @@ impl Runner {
             return;
         }
         let mut serving = Serving {
-            template: engine.tokenizer.chat_template().map_err(|e| e.to_string()),
+            template,
             eos: engine.eos_ids(),
             batch: engine.batch(),
             max_context,
@@ -271,7 +285,7 @@ struct Serving<B: Backend> {
     /// The requests in flight, each with its client (dropped before the engine).
     batch: Batch<B, Sink>,
     engine: Engine<B>,
-    template: Result<sala_tokenizer::ChatTemplate, String>,
+    template: Arc<Result<sala_tokenizer::ChatTemplate, String>>,
     eos: Vec<u32>,
     max_context: usize,
     observer: Arc<dyn Observer>,

@@ -71,6 +71,11 @@ impl EngineHandle {
         self.engine.submit(request).map_err(|e| ApiError::from(&e))
     }
 
+    /// A prompt's token ids (the chat template applied), computed on the calling thread.
+    pub fn token_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, RequestError> {
+        self.engine.token_ids(prompt)
+    }
+
     /// Begins a graceful shutdown: requests from now on are refused; those in flight go on.
     pub fn drain(&self) {
         self.draining.store(true, Ordering::Relaxed);

@@ -573,17 +573,29 @@ struct Admitted {
     logprobs: bool,
 }
 
-fn admit(
+async fn admit(
     st: &AppState,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
 ) -> Result<Admitted, ApiError> {
     let bytes = body_bytes(body)?;
     let value = parse_json(&bytes)?;
-    let checked = match kind {
+    let mut checked = match kind {
         Kind::Chat => check_chat(st, &value)?,
         Kind::Completion => check_completion(st, &value)?,
     };
+    drop(value);
+    // The template and the tokenizer run on a blocking thread of their own, never on the
+    // engine thread: a long prompt delays no other request.
+    if !matches!(checked.request.prompt, Prompt::Tokens(_)) {
+        let engine = st.engine.clone();
+        let prompt = std::mem::replace(&mut checked.request.prompt, Prompt::Tokens(Vec::new()));
+        let ids = tokio::task::spawn_blocking(move || engine.token_ids(&prompt))
+            .await
+            .map_err(|e| ApiError::internal(format!("preparing the prompt: {e}")))?
+            .map_err(|e| ApiError::from(&e))?;
+        checked.request.prompt = Prompt::Tokens(ids);
+    }
     let logprobs = checked.request.logprobs.is_some();
     let events = st.engine.submit(checked.request)?;
     Ok(Admitted {
@@ -606,7 +618,7 @@ async fn handle(
             .request_done(Outcome::of_status(e.status.as_u16()));
         e
     };
-    let admitted = admit(&st, body, kind).map_err(counted)?;
+    let admitted = admit(&st, body, kind).await.map_err(counted)?;
     let mut events = admitted.events;
     match events.recv().await {
         Some(Event::Started { .. }) => {}

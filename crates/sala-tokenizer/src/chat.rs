@@ -263,6 +263,14 @@ fn chat_input(message: String) -> TokenizerError {
 
 /// Maps a render error, recognising `raise_exception` anywhere in the source chain.
 fn render_error(err: Error) -> TokenizerError {
+    if err.kind() == minijinja::ErrorKind::OutOfFuel {
+        return TokenizerError::TemplateRender {
+            message: format!(
+                "the chat template ran past its limit of {TEMPLATE_FUEL} steps (a template that \
+                 loops without end, or a conversation far too long for it)"
+            ),
+        };
+    }
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&err);
     while let Some(e) = cur {
         if let Some(raised) = e.downcast_ref::<RaisedException>() {
@@ -282,6 +290,10 @@ fn render_error(err: Error) -> TokenizerError {
     TokenizerError::TemplateRender { message }
 }
 
+/// Steps a template render may take (minijinja's fuel): far beyond any real conversation's
+/// render, so that a template that loops without end fails its request instead of hanging.
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+
 impl ChatTemplate {
     /// Compiles `source`; a template that does not parse is a [`TokenizerError::TemplateSyntax`].
     pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self> {
@@ -295,6 +307,7 @@ impl ChatTemplate {
                 message: e.to_string(),
             })?;
         env.set_syntax(syntax);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_auto_escape_callback(|_| AutoEscape::None);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
@@ -387,6 +400,22 @@ fn json_to_value(v: &serde_json::Value) -> Value {
 
 #[cfg(test)]
 mod tests {
+    /// A template that loops without end fails its render with an error naming the limit, in
+    /// bounded time; a real conversation's render takes a sliver of the fuel.
+    #[test]
+    fn a_template_that_does_not_end_runs_out_of_fuel() {
+        let looping = "{% for a in range(100000) %}{% for b in range(100000) %}{{ a }}\
+                       {% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(looping, None, None).unwrap();
+        let start = std::time::Instant::now();
+        let e = t
+            .render(&[ChatMessage::new("user", "hi")], &ChatOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("limit of"), "{e}");
+        assert!(start.elapsed().as_secs() < 30, "{:?}", start.elapsed());
+    }
+
     use super::*;
     use serde_json::json;
 

@@ -2,6 +2,7 @@
 
 use crate::common::*;
 use serde_json::json;
+use std::time::{Duration, Instant};
 
 const STREAMS: usize = 64;
 const MAX_TOKENS: u64 = 6;
@@ -141,4 +142,46 @@ fn greedy_answers_are_the_same_alone_and_among_sixteen_others() {
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a, t, "request {i}: alone and among 16 others");
     }
+}
+
+/// Tokenizing a prompt of megabytes runs beside the engine, not on it: a small request sent
+/// while it is being tokenized is answered about as fast as alone (it used to wait ~1.8 s).
+#[test]
+fn a_huge_prompt_does_not_hold_up_a_small_request() {
+    let engine = spawn_engine(8);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap()).unwrap();
+            // The default body limit (4 MiB), not the tests' small one.
+            let opts = sala_server::ServerOptions::default();
+            sala_server::serve(listener, engine, &opts).await.unwrap();
+        });
+    });
+    let addr = rx.recv().unwrap();
+    let small = || {
+        let body = json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0});
+        let t = Instant::now();
+        let (status, text) =
+            request_to(addr, "POST", "/v1/completions", body.to_string().as_bytes());
+        assert_eq!(status, 200, "{text}");
+        t.elapsed()
+    };
+    let alone = (0..3).map(|_| small()).min().unwrap();
+    let huge = "many words of a very long prompt ".repeat(110_000); // ~3.6 MB
+    let big = std::thread::spawn(move || {
+        let body = json!({"prompt": huge, "max_tokens": 2});
+        request_to(addr, "POST", "/v1/completions", body.to_string().as_bytes())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let beside = small();
+    let (status, text) = big.join().unwrap();
+    // Far longer than the context budget: refused, after tokenizing.
+    assert_error(status, &text, 400, None, "a prompt of megabytes");
+    assert!(
+        beside < alone + Duration::from_millis(500),
+        "a small request took {beside:?} beside a huge prompt, {alone:?} alone"
+    );
 }
