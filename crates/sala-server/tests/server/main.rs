@@ -3,6 +3,7 @@
 
 mod api_edges;
 mod common;
+mod fuzz;
 mod load;
 mod logprobs;
 mod memory;
