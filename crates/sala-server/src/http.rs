@@ -32,6 +32,9 @@ pub struct ServerOptions {
     pub max_body_bytes: usize,
     /// How long a graceful shutdown lets the requests in flight run before ending them.
     pub shutdown_timeout: std::time::Duration,
+    /// How long a connection may take to send a request's headers, or stay idle between
+    /// requests; then it is closed.
+    pub header_timeout: std::time::Duration,
 }
 
 impl Default for ServerOptions {
@@ -39,6 +42,7 @@ impl Default for ServerOptions {
         Self {
             max_body_bytes: 4 << 20,
             shutdown_timeout: std::time::Duration::from_secs(30),
+            header_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -89,7 +93,7 @@ pub async fn serve(
     engine: EngineHandle,
     opts: &ServerOptions,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(engine, opts)).await
+    serve_until(listener, engine, opts, std::future::pending()).await
 }
 
 /// Serves until `shutdown` resolves, then shuts down gracefully: new requests get a 503 and
@@ -121,9 +125,61 @@ pub async fn serve_until(
             }
         }
     };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(begin)
-        .await
+    accept_until(listener, app, opts.header_timeout, begin).await;
+    Ok(())
+}
+
+/// Serves `app` on every connection `listener` accepts (HTTP/1.1, headers within
+/// `header_timeout`, idle keep-alive connections closed after it) until `stop` resolves; then
+/// closes the listener, lets each connection finish its response, and returns when all have
+/// closed.
+async fn accept_until(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    header_timeout: std::time::Duration,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
+    // Each connection holds a sender; all dropped means all closed.
+    let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
+    tokio::pin!(stop);
+    loop {
+        let stream = tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of file descriptors and the like: wait a little, keep serving.
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let mut closing = closing_rx.clone();
+        let open = open_tx.clone();
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = closing.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+            drop(open);
+        });
+    }
+    drop(listener);
+    let _ = closing_tx.send(true);
+    drop(open_tx);
+    let _ = open_rx.recv().await;
 }
 
 async fn not_found() -> ApiError {

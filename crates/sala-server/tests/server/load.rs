@@ -185,3 +185,56 @@ fn a_huge_prompt_does_not_hold_up_a_small_request() {
         "a small request took {beside:?} beside a huge prompt, {alone:?} alone"
     );
 }
+
+/// A connection that does not finish its headers, or idles between requests, is closed after
+/// the header timeout (slow-loris clients hold nothing for long).
+#[test]
+fn slow_and_idle_connections_are_closed() {
+    use std::io::{Read, Write};
+    let engine = spawn_engine(8);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(listener.local_addr().unwrap()).unwrap();
+            let opts = sala_server::ServerOptions {
+                header_timeout: Duration::from_millis(300),
+                ..Default::default()
+            };
+            sala_server::serve(listener, engine, &opts).await.unwrap();
+        });
+    });
+    let addr = rx.recv().unwrap();
+    // Reads until the server closes the connection; what it sent, and when it closed.
+    let until_closed = |s: &mut std::net::TcpStream| {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let t = Instant::now();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        (String::from_utf8_lossy(&got).into_owned(), t.elapsed())
+    };
+    let mut slow = std::net::TcpStream::connect(addr).unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let (_, waited) = until_closed(&mut slow);
+    assert!(
+        waited < Duration::from_secs(5),
+        "a half-sent request held on for {waited:?}"
+    );
+    let mut idle = std::net::TcpStream::connect(addr).unwrap();
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let (answer, waited) = until_closed(&mut idle);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        waited < Duration::from_secs(5),
+        "an idle connection held on for {waited:?}"
+    );
+}
