@@ -14,14 +14,41 @@ pub type RequestId = u64;
 pub enum Prompt {
     /// Text, encoded with the tokenizer's BOS.
     Text(String),
-    /// Messages through the model's chat template, ready for the assistant's reply.
+    /// Messages through the model's chat template.
     Chat {
         messages: Vec<ChatMessage>,
         /// Extra template variables, e.g. `enable_thinking`.
         kwargs: serde_json::Map<String, serde_json::Value>,
+        /// How the prompt ends: ready for the assistant's reply, inside the final (assistant)
+        /// message so that the reply continues it, or as the template leaves it.
+        ending: ChatEnding,
     },
     /// Token ids, as they are.
     Tokens(Vec<u32>),
+}
+
+/// `rendered` cut just after the final message's content, so that generation continues it
+/// (the final message must be the assistant's, its content found in the render).
+fn continue_final(rendered: String, messages: &[ChatMessage]) -> Result<String, RequestError> {
+    let refuse = |why: &str| {
+        Err(RequestError::invalid(format!("continue_final_message: {why}")).param("messages"))
+    };
+    let Some(last) = messages.last().filter(|m| m.role == "assistant") else {
+        return refuse("the final message must be the assistant's");
+    };
+    let content = match last.text() {
+        Ok(Some(t)) if !t.trim().is_empty() => t,
+        _ => return refuse("the final message has no text to continue"),
+    };
+    // Templates may trim the content: look for it as rendered, then trimmed.
+    for needle in [content.as_str(), content.trim_end(), content.trim()] {
+        if let Some(at) = rendered.rfind(needle) {
+            let mut text = rendered;
+            text.truncate(at + needle.len());
+            return Ok(text);
+        }
+    }
+    refuse("the chat template does not show the final message's text")
 }
 
 impl Prompt {
@@ -34,25 +61,47 @@ impl Prompt {
         let text = match self {
             Prompt::Tokens(ids) => return Ok(ids.clone()),
             Prompt::Text(t) => t.clone(),
-            Prompt::Chat { messages, kwargs } => {
+            Prompt::Chat {
+                messages,
+                kwargs,
+                ending,
+            } => {
                 let template = template.as_ref().map_err(|e| {
                     RequestError::invalid(format!("this model has no usable chat template: {e}"))
                 })?;
                 let opts = ChatOptions {
-                    add_generation_prompt: true,
+                    add_generation_prompt: *ending == ChatEnding::GenerationPrompt,
                     tools: None,
                     kwargs: kwargs.clone(),
                 };
-                template.render(messages, &opts).map_err(|e| {
+                let text = template.render(messages, &opts).map_err(|e| {
                     RequestError::invalid(format!("applying the chat template: {e}"))
                         .param("messages")
-                })?
+                })?;
+                if *ending == ChatEnding::ContinueFinal {
+                    continue_final(text, messages)?
+                } else {
+                    text
+                }
             }
         };
         tokenizer
             .encode(&text, true)
             .map_err(|e| RequestError::invalid(format!("tokenizing the prompt: {e}")))
     }
+}
+
+/// How a chat prompt ends ([`Prompt::Chat`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChatEnding {
+    /// The assistant's header follows the messages (`add_generation_prompt`).
+    #[default]
+    GenerationPrompt,
+    /// The final message, an assistant's, is left open: the reply continues it
+    /// (`continue_final_message`).
+    ContinueFinal,
+    /// The messages as the template renders them, nothing added.
+    AsRendered,
 }
 
 /// One request: a prompt and how to generate from it.

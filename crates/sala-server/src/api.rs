@@ -161,6 +161,10 @@ pub struct ChatBody {
     pub messages: Vec<sala_tokenizer::ChatMessage>,
     /// Extra chat template variables (vLLM's extension), e.g. `enable_thinking`.
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// Append the assistant's header (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// Leave the final (assistant) message open, so that the reply continues it.
+    pub continue_final_message: Option<bool>,
     /// Return each output token's logprob.
     pub logprobs: Option<bool>,
     /// With `logprobs`: how many most likely tokens to list per position (0..=20).

@@ -17,6 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
 use sala_engine::generate::FinishReason;
+use sala_engine::request::ChatEnding;
 use sala_engine::sampling::SamplingParams;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -473,7 +474,19 @@ fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
             m.role = "system".into();
         }
     }
+    let ending = match (body.add_generation_prompt, body.continue_final_message) {
+        (Some(true), Some(true)) => {
+            return Err(ApiError::invalid(
+                "add_generation_prompt and continue_final_message cannot both be true",
+            )
+            .param("continue_final_message"))
+        }
+        (_, Some(true)) => ChatEnding::ContinueFinal,
+        (Some(false), _) => ChatEnding::AsRendered,
+        _ => ChatEnding::GenerationPrompt,
+    };
     let prompt = Prompt::Chat {
+        ending,
         messages,
         kwargs: body.chat_template_kwargs.unwrap_or_default(),
     };

@@ -116,3 +116,45 @@ fn prompts_as_token_ids_and_the_developer_role_are_served() {
         sys["choices"][0]["message"]["content"]
     );
 }
+
+#[test]
+fn a_chat_may_end_open_for_the_reply_to_continue() {
+    let chat = |extra: serde_json::Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "Name a colour."},
+                                        {"role": "assistant", "content": "The colour is"}],
+                           "max_tokens": 2, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post("/v1/chat/completions", &b)
+    };
+    let tokens = |v: &serde_json::Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let (s1, default) = chat(json!({}));
+    let (s2, rendered) = chat(json!({"add_generation_prompt": false}));
+    let (s3, open) = chat(json!({"continue_final_message": true, "add_generation_prompt": false}));
+    assert_eq!((s1, s2, s3), (200, 200, 200), "{default} {rendered} {open}");
+    // Without the assistant header fewer tokens; left open, fewer still (no end of turn).
+    assert!(tokens(&rendered) < tokens(&default), "{rendered} {default}");
+    assert!(tokens(&open) < tokens(&rendered), "{open} {rendered}");
+    let (status, v) = chat(json!({"continue_final_message": true, "add_generation_prompt": true}));
+    assert_error(
+        status,
+        &v.to_string(),
+        400,
+        Some("continue_final_message"),
+        "both",
+    );
+    let (status, v) = post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}],
+                "continue_final_message": true, "max_tokens": 2}),
+    );
+    assert_error(
+        status,
+        &v.to_string(),
+        400,
+        Some("messages"),
+        "a user message to continue",
+    );
+    assert!(v.to_string().contains("assistant"), "{v}");
+}
