@@ -7,6 +7,7 @@ use crate::api::{
 };
 use crate::engine::{EngineHandle, Event, LogprobEntry, Prompt, Request};
 use crate::metrics::Outcome;
+use crate::reasoning::ReasoningSplit;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
@@ -732,12 +733,22 @@ async fn handle(
                     (true, Kind::Completion) => completion_logprobs(&entries, &mut 0),
                 };
                 let choice = match kind {
-                    Kind::Chat => json!({
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs,
-                        "finish_reason": finish_str(finish),
-                    }),
+                    Kind::Chat => {
+                        let mut split = ReasoningSplit::new();
+                        let (a, b) = (split.push(&text), split.finish());
+                        let mut message = json!({"role": "assistant",
+                                                 "content": a.content + &b.content});
+                        let reasoning = a.reasoning + &b.reasoning;
+                        if !reasoning.is_empty() {
+                            message["reasoning_content"] = reasoning.into();
+                        }
+                        json!({
+                            "index": 0,
+                            "message": message,
+                            "logprobs": logprobs,
+                            "finish_reason": finish_str(finish),
+                        })
+                    }
                     Kind::Completion => json!({
                         "index": 0,
                         "text": text,
@@ -788,11 +799,26 @@ impl Meta {
         logprobs: Value,
         finish: Option<&str>,
     ) -> Value {
+        self.chunk_with(None, text, role, logprobs, finish)
+    }
+
+    /// [`Meta::chunk`] with the delta's `reasoning_content` (chat).
+    fn chunk_with(
+        &self,
+        reasoning: Option<&str>,
+        text: Option<&str>,
+        role: bool,
+        logprobs: Value,
+        finish: Option<&str>,
+    ) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
                 if role {
                     delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(r) = reasoning {
+                    delta.insert("reasoning_content".into(), r.into());
                 }
                 if let Some(t) = text {
                     delta.insert("content".into(), t.into());
@@ -822,6 +848,8 @@ impl Meta {
 enum Phase {
     Role,
     Body,
+    /// The finish chunk, then the usage (when asked for) or the end.
+    Finish(Value, Option<Value>),
     Usage(Value),
     DoneMarker,
     End,
@@ -834,6 +862,8 @@ struct StreamState {
     phase: Phase,
     /// Characters of completion text so far (`text_offset` of the legacy logprobs).
     offset: usize,
+    /// A chat reply's reasoning apart from its content.
+    split: ReasoningSplit,
 }
 
 fn data(v: &Value) -> SseEvent {
@@ -857,6 +887,7 @@ fn stream_response(
         events,
         include_usage,
         offset: 0,
+        split: ReasoningSplit::new(),
     };
     Sse::new(stream::unfold(state, |mut st| async move {
         loop {
@@ -879,7 +910,20 @@ fn stream_response(
                                 completion_logprobs(&logprobs, &mut st.offset)
                             }
                         };
-                        data(&st.meta.chunk(Some(&text), false, lp, None))
+                        if st.meta.kind == Kind::Completion {
+                            data(&st.meta.chunk(Some(&text), false, lp, None))
+                        } else {
+                            let s = st.split.push(&text);
+                            if s.reasoning.is_empty() && s.content.is_empty() && lp.is_null() {
+                                continue;
+                            }
+                            let some = |t: &str| (!t.is_empty()).then(|| t.to_string());
+                            let (r, c) = (some(&s.reasoning), some(&s.content));
+                            data(
+                                &st.meta
+                                    .chunk_with(r.as_deref(), c.as_deref(), false, lp, None),
+                            )
+                        }
                     }
                     Some(Event::Started { .. }) => {
                         st.phase = Phase::Body;
@@ -890,17 +934,34 @@ fn stream_response(
                         prompt_tokens,
                         completion_tokens,
                     }) => {
-                        st.phase = if st.include_usage {
-                            Phase::Usage(usage(prompt_tokens, completion_tokens))
-                        } else {
-                            Phase::DoneMarker
-                        };
                         let text = match st.meta.kind {
                             Kind::Chat => None,
                             Kind::Completion => Some(""),
                         };
                         let finish = Some(finish_str(finish));
-                        data(&st.meta.chunk(text, false, Value::Null, finish))
+                        let last = st.meta.chunk(text, false, Value::Null, finish);
+                        let usage = st
+                            .include_usage
+                            .then(|| usage(prompt_tokens, completion_tokens));
+                        // A chat reply's held-back text goes out before its finish chunk.
+                        let rest = st.split.finish();
+                        if st.meta.kind == Kind::Chat
+                            && !(rest.reasoning.is_empty() && rest.content.is_empty())
+                        {
+                            st.phase = Phase::Finish(last, usage);
+                            let some = |t: &str| (!t.is_empty()).then(|| t.to_string());
+                            let (r, c) = (some(&rest.reasoning), some(&rest.content));
+                            data(&st.meta.chunk_with(
+                                r.as_deref(),
+                                c.as_deref(),
+                                false,
+                                Value::Null,
+                                None,
+                            ))
+                        } else {
+                            st.phase = usage.map_or(Phase::DoneMarker, Phase::Usage);
+                            data(&last)
+                        }
                     }
                     Some(Event::Error(e)) => {
                         st.phase = Phase::DoneMarker;
@@ -911,6 +972,10 @@ fn stream_response(
                         data(&ApiError::internal("the engine stopped mid-generation").body())
                     }
                 },
+                Phase::Finish(last, usage) => {
+                    st.phase = usage.map_or(Phase::DoneMarker, Phase::Usage);
+                    data(&last)
+                }
                 Phase::Usage(u) => {
                     st.phase = Phase::DoneMarker;
                     let mut chunk = st.meta.chunk(None, false, Value::Null, None);
@@ -924,4 +989,77 @@ fn stream_response(
             return Some((Ok(event), st));
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SSE data lines of a streamed chat reply made of `pieces`.
+    async fn streamed(pieces: &[&str]) -> Vec<Value> {
+        let (tx, rx) = mpsc::channel(64);
+        for p in pieces {
+            tx.send(Event::Text {
+                text: p.to_string(),
+                logprobs: Vec::new(),
+            })
+            .await
+            .unwrap();
+        }
+        tx.send(Event::Done {
+            finish: FinishReason::Stop,
+            prompt_tokens: 3,
+            completion_tokens: pieces.len(),
+        })
+        .await
+        .unwrap();
+        drop(tx);
+        let meta = Meta {
+            id: "chatcmpl-test".into(),
+            created: 0,
+            model: "m".into(),
+            kind: Kind::Chat,
+            logprobs: false,
+        };
+        let body = stream_response(meta, rx, true).into_response().into_body();
+        let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        text.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    /// A streamed chat reply's `<think>` text arrives as `reasoning_content` deltas, the rest
+    /// as `content`, with the finish and usage chunks after; the same split as unstreamed.
+    #[tokio::test]
+    async fn streamed_reasoning_goes_to_reasoning_content() {
+        let chunks = streamed(&["<thi", "nk>Two and", " two</th", "ink>\n\nFour", "."]).await;
+        let field = |f: &str| -> String {
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"][f].as_str())
+                .collect()
+        };
+        assert_eq!(field("reasoning_content"), "Two and two");
+        assert_eq!(field("content"), "Four.");
+        let finish: Vec<_> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+            .collect();
+        assert_eq!(finish, ["stop"]);
+        assert!(chunks.last().unwrap()["usage"].is_object(), "{chunks:?}");
+        // Held text released at the end still comes before the finish chunk.
+        let chunks = streamed(&["<think>unfinished</thi"]).await;
+        let at_finish = chunks
+            .iter()
+            .position(|c| c["choices"][0]["finish_reason"].is_string())
+            .unwrap();
+        let reasoning: String = chunks[..at_finish]
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["reasoning_content"].as_str())
+            .collect();
+        assert_eq!(reasoning, "unfinished</thi");
+    }
 }

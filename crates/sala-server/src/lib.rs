@@ -10,6 +10,7 @@ pub mod api;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+pub mod reasoning;
 
 pub use api::ApiError;
 pub use engine::{spawn_engine, EngineHandle, EngineRunner, ModelInfo, DEFAULT_MAX_BATCH};
