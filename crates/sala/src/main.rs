@@ -533,8 +533,15 @@ fn stream_generation<B: Backend>(
     Ok(gen)
 }
 
+/// The commands of `sala chat`, for `/help`.
+const CHAT_HELP: &str = "commands: /reset forgets the conversation, /exit (or /quit, or end of \
+                         input) quits, /help shows this; any other line is a message";
+
 /// `sala chat`: one user message per line of standard input; `/reset` forgets the
-/// conversation, `/exit` (or end of input) quits. Each turn runs the whole conversation.
+/// conversation, `/exit` (or end of input) quits, `/help` lists the commands; a line that is
+/// one word starting with `/` and not a command is an error. Each turn runs the whole
+/// conversation; when it outgrows the context, the oldest turns are dropped (and the user
+/// told).
 fn chat_loop<B: Backend>(
     engine: &mut Engine<B>,
     args: &GenerateArgs,
@@ -573,10 +580,35 @@ fn chat_loop<B: Backend>(
                 eprintln!("(conversation cleared)");
                 continue;
             }
+            "/help" => {
+                eprintln!("{CHAT_HELP}");
+                continue;
+            }
+            cmd if cmd.starts_with('/') && !cmd.contains(char::is_whitespace) => {
+                eprintln!("error: unknown command {cmd}; /help lists the commands");
+                continue;
+            }
             _ => {}
         }
         messages.push(sala_tokenizer::ChatMessage::new("user", line.trim()));
-        let ids = chat_ids(&engine.tokenizer, &messages, args)?;
+        let mut ids = chat_ids(&engine.tokenizer, &messages, args)?;
+        // Past the context, the oldest turns go (the system prompt and this message stay).
+        let first_turn = usize::from(args.system.is_some());
+        let mut dropped = 0;
+        while ids.len() >= opts.max_context && messages.len() > first_turn + 1 {
+            let turn_end = (first_turn + 1..messages.len() - 1)
+                .find(|&i| messages[i].role == "user")
+                .unwrap_or(messages.len() - 1);
+            dropped += messages.drain(first_turn..turn_end).count();
+            ids = chat_ids(&engine.tokenizer, &messages, args)?;
+        }
+        if dropped > 0 {
+            eprintln!(
+                "(the conversation outgrew the context of {} tokens: its oldest {dropped} \
+                 messages were dropped)",
+                opts.max_context
+            );
+        }
         match stream_generation(engine, &ids, opts, args.prefill_chunk, None) {
             Ok(gen) => {
                 println!();

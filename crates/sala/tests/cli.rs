@@ -826,3 +826,39 @@ fn max_context_above_the_model_limit_is_refused_at_start() {
         &["--max-context 99999999", "65536"],
     );
 }
+
+/// `sala chat`: `/help` lists the commands, an unknown one is an error that ends nothing, and a
+/// conversation past the context drops its oldest turns, says so, and goes on.
+#[test]
+fn chat_commands_and_a_conversation_past_the_context() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), "m", &[]);
+    let d = dir.to_str().unwrap();
+    let input = "hello there friend\n/help\n/nope\nsecond message here\nthird message now\n\
+                 fourth one\nfifth\n";
+    let args = [
+        "chat",
+        "--device",
+        "cpu",
+        "-m",
+        d,
+        "--max-context",
+        "60",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+    ];
+    let o = sala_with_stdin(&args, input.as_bytes(), tmp.path());
+    ok(&o);
+    let e = stderr(&o);
+    assert!(e.contains("/reset") && e.contains("/exit"), "{e}");
+    assert!(e.contains("unknown command /nope"), "{e}");
+    assert!(e.contains("outgrew the context of 60 tokens"), "{e}");
+    assert!(!e.contains("error: the prompt"), "{e}");
+    assert_eq!(
+        stdout(&o).lines().count(),
+        5,
+        "a reply per message: {}",
+        stdout(&o)
+    );
+}
