@@ -20,6 +20,8 @@ use sala_model::Backend;
 use sala_tokenizer::Tokenizer;
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -374,6 +376,7 @@ fn generate_on<B: Backend + DeviceStats>(
         &opts,
         args.prefill_chunk,
         args.trace_tokens.as_deref(),
+        None,
     )?;
     println!();
     eprintln!(
@@ -478,6 +481,7 @@ fn stream_generation<B: Backend>(
     opts: &GenerateOptions,
     chunk: usize,
     trace: Option<&Path>,
+    stop: Option<&AtomicBool>,
 ) -> Result<sala_engine::generate::Generation> {
     let prefill_bar = progress_bar(ids.len(), "prefill");
     if ids.len() <= chunk {
@@ -513,7 +517,7 @@ fn stream_generation<B: Backend>(
                     write_err = Some(e);
                 }
             }
-            true
+            !stop.is_some_and(|s| s.load(Ordering::Relaxed))
         },
         &mut |n| {
             prefill_bar.inc(n as u64);
@@ -558,6 +562,24 @@ fn chat_loop<B: Backend>(
     };
     let mut messages = start();
     let mut pending: Option<String> = (!first.trim().is_empty()).then(|| first.to_string());
+    // Ctrl-C stops the reply under way, not the session (/exit or end of input ends it).
+    let interrupted = Arc::new(AtomicBool::new(false));
+    {
+        let flag = interrupted.clone();
+        std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                while tokio::signal::ctrl_c().await.is_ok() {
+                    flag.store(true, Ordering::Relaxed);
+                }
+            });
+        });
+    }
     let mut lines = std::io::stdin().lines();
     loop {
         let line = match pending.take() {
@@ -609,9 +631,20 @@ fn chat_loop<B: Backend>(
                 opts.max_context
             );
         }
-        match stream_generation(engine, &ids, opts, args.prefill_chunk, None) {
+        interrupted.store(false, Ordering::Relaxed);
+        match stream_generation(
+            engine,
+            &ids,
+            opts,
+            args.prefill_chunk,
+            None,
+            Some(&interrupted),
+        ) {
             Ok(gen) => {
                 println!();
+                if gen.finish == sala_engine::generate::FinishReason::Cancelled {
+                    eprintln!("(stopped)");
+                }
                 messages.push(sala_tokenizer::ChatMessage::new(
                     "assistant",
                     gen.text.trim(),

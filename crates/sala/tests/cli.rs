@@ -862,3 +862,38 @@ fn chat_commands_and_a_conversation_past_the_context() {
         stdout(&o)
     );
 }
+
+/// Ctrl-C (SIGINT) during a reply stops that reply; the session goes on to the next message.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_stops_the_reply_not_the_chat() {
+    use std::io::Write;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), "m", &[]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sala"))
+        .args(["chat", "--device", "cpu", "-m", dir.to_str().unwrap()])
+        .args(["--max-tokens", "60000", "--ignore-eos"])
+        .env("XDG_CACHE_HOME", tmp.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"tell me a very long story\n").unwrap();
+    stdin.flush().unwrap();
+    // The reply runs for a long while; interrupt it.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    stdin.write_all(b"/exit\n").unwrap();
+    drop(stdin);
+    let o = child.wait_with_output().unwrap();
+    ok(&o);
+    assert!(stderr(&o).contains("(stopped)"), "{}", stderr(&o));
+}
