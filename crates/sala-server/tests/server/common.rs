@@ -48,18 +48,27 @@ pub fn spawn_engine_batched(queue: usize, max_batch: usize) -> sala_server::Engi
     .unwrap()
 }
 
-/// Serves `engine` on a free port of 127.0.0.1 from a thread of its own.
+/// Serves `engine` on a free port of 127.0.0.1 from a thread of its own, with the tests'
+/// small body limit.
 pub fn serve(engine: sala_server::EngineHandle) -> SocketAddr {
+    let opts = sala_server::ServerOptions {
+        max_body_bytes: BODY_LIMIT,
+        ..Default::default()
+    };
+    serve_with(engine, opts)
+}
+
+/// [`serve`] with `opts`.
+pub fn serve_with(
+    engine: sala_server::EngineHandle,
+    opts: sala_server::ServerOptions,
+) -> SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             tx.send(listener.local_addr().unwrap()).unwrap();
-            let opts = sala_server::ServerOptions {
-                max_body_bytes: BODY_LIMIT,
-                ..Default::default()
-            };
             sala_server::serve(listener, engine, &opts).await.unwrap();
         });
     });

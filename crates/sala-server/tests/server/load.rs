@@ -148,19 +148,8 @@ fn greedy_answers_are_the_same_alone_and_among_sixteen_others() {
 /// while it is being tokenized is answered about as fast as alone (it used to wait ~1.8 s).
 #[test]
 fn a_huge_prompt_does_not_hold_up_a_small_request() {
-    let engine = spawn_engine(8);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(listener.local_addr().unwrap()).unwrap();
-            // The default body limit (4 MiB), not the tests' small one.
-            let opts = sala_server::ServerOptions::default();
-            sala_server::serve(listener, engine, &opts).await.unwrap();
-        });
-    });
-    let addr = rx.recv().unwrap();
+    // The default body limit (4 MiB), not the tests' small one.
+    let addr = serve_with(spawn_engine(8), sala_server::ServerOptions::default());
     let small = || {
         let body = json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0});
         let t = Instant::now();
@@ -191,21 +180,11 @@ fn a_huge_prompt_does_not_hold_up_a_small_request() {
 #[test]
 fn slow_and_idle_connections_are_closed() {
     use std::io::{Read, Write};
-    let engine = spawn_engine(8);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(listener.local_addr().unwrap()).unwrap();
-            let opts = sala_server::ServerOptions {
-                header_timeout: Duration::from_millis(300),
-                ..Default::default()
-            };
-            sala_server::serve(listener, engine, &opts).await.unwrap();
-        });
-    });
-    let addr = rx.recv().unwrap();
+    let opts = sala_server::ServerOptions {
+        header_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let addr = serve_with(spawn_engine(8), opts);
     // Reads until the server closes the connection; what it sent, and when it closed.
     let until_closed = |s: &mut std::net::TcpStream| {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
