@@ -4,7 +4,7 @@
 
 use crate::generate::EngineError;
 use crate::sampling::{SamplingParams, TokenLogprobs};
-use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
+use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, MessageContent, Tokenizer};
 
 /// A request's number, unique within its batch.
 pub type RequestId = u64;
@@ -51,6 +51,69 @@ fn continue_final(rendered: String, messages: &[ChatMessage]) -> Result<String, 
     refuse("the chat template does not show the final message's text")
 }
 
+/// Where a message's content stood in the template's input: it is encoded as plain text.
+const HIDDEN_OPEN: char = '\u{E000}';
+const HIDDEN_CLOSE: char = '\u{E001}';
+
+/// `messages` with every content that holds special-token text replaced by a placeholder,
+/// and those contents in placeholder order.
+fn hide_special_text<'a>(
+    tokenizer: &Tokenizer,
+    messages: &'a [ChatMessage],
+) -> (std::borrow::Cow<'a, [ChatMessage]>, Vec<String>) {
+    let mut hidden = Vec::new();
+    let mut out: Option<Vec<ChatMessage>> = None;
+    for (i, m) in messages.iter().enumerate() {
+        let Ok(Some(text)) = m.text() else { continue };
+        if !tokenizer.has_special_text(&text) {
+            continue;
+        }
+        let msgs = out.get_or_insert_with(|| messages.to_vec());
+        msgs[i].content = Some(MessageContent::Text(format!(
+            "{HIDDEN_OPEN}{}{HIDDEN_CLOSE}",
+            hidden.len()
+        )));
+        hidden.push(text);
+    }
+    match out {
+        Some(m) => (std::borrow::Cow::Owned(m), hidden),
+        None => (std::borrow::Cow::Borrowed(messages), hidden),
+    }
+}
+
+/// The ids of a rendered prompt whose placeholders stand for `hidden` contents: the template's
+/// text with special tokens read, each content as plain text.
+fn encode_with_plain_contents(
+    tokenizer: &Tokenizer,
+    text: &str,
+    hidden: &[String],
+) -> Result<Vec<u32>, RequestError> {
+    let enc = |e: sala_tokenizer::TokenizerError| {
+        RequestError::invalid(format!("tokenizing the prompt: {e}"))
+    };
+    let mut ids = Vec::new();
+    let mut rest = text;
+    let mut first = true;
+    while let Some((before, after)) = rest.split_once(HIDDEN_OPEN) {
+        ids.extend(tokenizer.encode(before, first).map_err(enc)?);
+        first = false;
+        let (index, tail) = after.split_once(HIDDEN_CLOSE).ok_or_else(|| {
+            RequestError::invalid("the chat template cut a message's content apart")
+        })?;
+        let content = index
+            .parse::<usize>()
+            .ok()
+            .and_then(|i| hidden.get(i))
+            .ok_or_else(|| {
+                RequestError::invalid("the chat template changed a message's content")
+            })?;
+        ids.extend(tokenizer.encode_plain(content).map_err(enc)?);
+        rest = tail;
+    }
+    ids.extend(tokenizer.encode(rest, first).map_err(enc)?);
+    Ok(ids)
+}
+
 impl Prompt {
     /// The prompt's token ids; `template` is the model's chat template (or why it has none).
     pub fn token_ids(
@@ -74,15 +137,22 @@ impl Prompt {
                     tools: None,
                     kwargs: kwargs.clone(),
                 };
-                let text = template.render(messages, &opts).map_err(|e| {
+                // Contents that read as special tokens go through the template as placeholders
+                // and are encoded as plain text: a user cannot forge a turn.
+                let (messages, forged) = hide_special_text(tokenizer, messages);
+                let text = template.render(&messages, &opts).map_err(|e| {
                     RequestError::invalid(format!("applying the chat template: {e}"))
                         .param("messages")
                 })?;
-                if *ending == ChatEnding::ContinueFinal {
-                    continue_final(text, messages)?
+                let text = if *ending == ChatEnding::ContinueFinal {
+                    continue_final(text, &messages)?
                 } else {
                     text
+                };
+                if !forged.is_empty() {
+                    return encode_with_plain_contents(tokenizer, &text, &forged);
                 }
+                text
             }
         };
         tokenizer

@@ -32,6 +32,10 @@ pub struct Tokenizer {
 
 struct Inner {
     tok: tokenizers::Tokenizer,
+    /// The same, with special-token text encoded as plain text ([`Tokenizer::encode_plain`]).
+    plain: tokenizers::Tokenizer,
+    /// The text of every special added token.
+    special_texts: Vec<String>,
     /// One more than the largest id.
     vocab_size: usize,
     kinds: Vec<TokenKind>,
@@ -154,8 +158,17 @@ impl Tokenizer {
             })
             .collect();
 
+        let special_texts = added
+            .values()
+            .filter(|t| t.special)
+            .map(|t| t.content.clone())
+            .collect();
+        let mut plain = tok.clone();
+        plain.set_encode_special_tokens(true);
         Ok(Self {
             inner: Arc::new(Inner {
+                plain,
+                special_texts,
                 tok,
                 vocab_size,
                 kinds,
@@ -185,6 +198,25 @@ impl Tokenizer {
             }
         }
         Ok(ids)
+    }
+
+    /// Encodes `text` as plain text: special-token text in it (such as `<|im_end|>` typed by a
+    /// user) becomes ordinary pieces, never the special token. No BOS.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .plain
+            .encode_fast(text, false)
+            .map_err(|source| TokenizerError::Encode { source })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Whether `text` holds the text of a special token.
+    pub fn has_special_text(&self, text: &str) -> bool {
+        self.inner
+            .special_texts
+            .iter()
+            .any(|s| text.contains(s.as_str()))
     }
 
     /// Decodes ids to text (with the tokenizer's decoder: for SentencePiece-style tokenizers the
