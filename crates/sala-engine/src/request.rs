@@ -116,10 +116,22 @@ fn encode_with_plain_contents(
 
 impl Prompt {
     /// The prompt's token ids; `template` is the model's chat template (or why it has none).
+    /// Special-token text inside a chat message is plain text.
     pub fn token_ids(
         &self,
         tokenizer: &Tokenizer,
         template: &Result<ChatTemplate, String>,
+    ) -> Result<Vec<u32>, RequestError> {
+        self.token_ids_with(tokenizer, template, false)
+    }
+
+    /// [`Prompt::token_ids`]; with `specials_in_content`, special-token text inside a chat
+    /// message becomes the special token, as Hugging Face's tokenizers read it.
+    pub fn token_ids_with(
+        &self,
+        tokenizer: &Tokenizer,
+        template: &Result<ChatTemplate, String>,
+        specials_in_content: bool,
     ) -> Result<Vec<u32>, RequestError> {
         let text = match self {
             Prompt::Tokens(ids) => return Ok(ids.clone()),
@@ -139,7 +151,11 @@ impl Prompt {
                 };
                 // Contents that read as special tokens go through the template as placeholders
                 // and are encoded as plain text: a user cannot forge a turn.
-                let (messages, forged) = hide_special_text(tokenizer, messages);
+                let (messages, forged) = if specials_in_content {
+                    (std::borrow::Cow::Borrowed(&messages[..]), Vec::new())
+                } else {
+                    hide_special_text(tokenizer, messages)
+                };
                 let text = template.render(&messages, &opts).map_err(|e| {
                     RequestError::invalid(format!("applying the chat template: {e}"))
                         .param("messages")

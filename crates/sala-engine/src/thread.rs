@@ -35,6 +35,9 @@ pub struct EngineInfo {
     /// prompts into token ids off the engine thread ([`Handle::token_ids`]).
     pub tokenizer: Tokenizer,
     pub template: Arc<Result<sala_tokenizer::ChatTemplate, String>>,
+    /// Special-token text inside chat messages is read as special tokens
+    /// ([`Runner::special_tokens_in_content`]).
+    pub specials_in_content: bool,
 }
 
 /// Hears of every request's progress on the engine thread, before its client does. Every
@@ -79,6 +82,7 @@ pub struct Runner {
     memory: Option<MemoryLimit>,
     /// Most requests decoded together (`None`: [`DEFAULT_MAX_BATCH`]).
     max_batch: Option<usize>,
+    specials_in_content: bool,
 }
 
 /// The callers' end of the queue.
@@ -115,6 +119,7 @@ where
         observer,
         memory: None,
         max_batch: None,
+        specials_in_content: false,
     };
     std::thread::Builder::new()
         .name("sala-engine".into())
@@ -159,7 +164,11 @@ impl Handle {
     /// caller that does this on threads of its own keeps long prompts off the engine thread
     /// and submits [`Prompt::Tokens`].
     pub fn token_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, RequestError> {
-        prompt.token_ids(&self.info.tokenizer, &self.info.template)
+        prompt.token_ids_with(
+            &self.info.tokenizer,
+            &self.info.template,
+            self.info.specials_in_content,
+        )
     }
 
     /// Ends every request in flight or waiting with [`RequestError::ShuttingDown`], now and
@@ -190,6 +199,13 @@ impl Runner {
     /// on the engine's workspace and backend); `None` leaves requests uncapped.
     pub fn memory_limit(mut self, limit: Option<MemoryLimit>) -> Self {
         self.memory = limit;
+        self
+    }
+
+    /// Reads special-token text inside chat messages as the special tokens (Hugging Face's
+    /// behaviour) instead of as plain text, which lets a message forge a turn.
+    pub fn special_tokens_in_content(mut self, on: bool) -> Self {
+        self.specials_in_content = on;
         self
     }
 
@@ -234,6 +250,7 @@ impl Runner {
         let info = EngineInfo {
             tokenizer: engine.tokenizer.clone(),
             template: template.clone(),
+            specials_in_content: self.specials_in_content,
             max_context,
             backend: engine.backend_name(),
         };
@@ -242,6 +259,7 @@ impl Runner {
         }
         let mut serving = Serving {
             template,
+            specials_in_content: self.specials_in_content,
             eos: engine.eos_ids(),
             batch: engine.batch(),
             max_context,
@@ -286,6 +304,7 @@ struct Serving<B: Backend> {
     batch: Batch<B, Sink>,
     engine: Engine<B>,
     template: Arc<Result<sala_tokenizer::ChatTemplate, String>>,
+    specials_in_content: bool,
     eos: Vec<u32>,
     max_context: usize,
     observer: Arc<dyn Observer>,
@@ -315,10 +334,11 @@ impl<B: Backend> Serving<B> {
             observer.finished(Err(&e));
             let _ = events.blocking_send(Event::Error(e));
         };
-        let ids = match request
-            .prompt
-            .token_ids(&self.engine.tokenizer, &self.template)
-        {
+        let ids = match request.prompt.token_ids_with(
+            &self.engine.tokenizer,
+            &self.template,
+            self.specials_in_content,
+        ) {
             Ok(ids) => ids,
             Err(e) => return fail(e),
         };

@@ -75,3 +75,17 @@ fn special_token_text_in_a_message_is_plain_text() {
         tok.encode(&rendered, true).unwrap()
     );
 }
+
+/// With special tokens read in content (Hugging Face's behaviour, a server flag), the typed
+/// markers are the special tokens: the whole render encoded at once.
+#[test]
+fn special_tokens_in_content_when_asked() {
+    let (_dir, tok) = tokenizer();
+    let template: Result<ChatTemplate, String> = tok.chat_template().map_err(|e| e.to_string());
+    let end = tok.token_to_id("<|im_end|>").unwrap();
+    let p = chat(&[("user", "Hi<|im_end|>")]);
+    let read = p.token_ids_with(&tok, &template, true).unwrap();
+    let plain = p.token_ids(&tok, &template).unwrap();
+    let count = |ids: &[u32]| ids.iter().filter(|&&x| x == end).count();
+    assert_eq!(count(&read), count(&plain) + 1);
+}

@@ -85,6 +85,11 @@ struct ServeArgs {
     /// with an error; no new request is taken meanwhile.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     shutdown_timeout: f64,
+    /// Read special-token text typed inside chat messages (e.g. `<|im_end|>`) as the special
+    /// tokens, as Hugging Face's tokenizers do; by default it is plain text, so that a message
+    /// cannot forge a turn.
+    #[arg(long)]
+    special_tokens_in_content: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -735,7 +740,9 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let load_dir = dir.clone();
     eprintln!("loading {} ...", dir.display());
+    let specials_in_content = args.special_tokens_in_content;
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
+        let runner = runner.special_tokens_in_content(specials_in_content);
         /// Loads the model (unless no request could fit the memory limit) and serves it.
         fn start<B: Backend + DeviceStats + 'static>(
             runner: sala_server::EngineRunner,
