@@ -4,15 +4,18 @@
 pub mod config;
 pub mod presets;
 pub mod rng;
+pub mod schema;
 pub mod weights;
 pub mod writer;
 
 pub use config::{alibi_slopes, ConfigError, MixerKind, ModelConfig, SparseConfig};
 pub use presets::{preset, preset_names, PresetError};
+pub use schema::{
+    expected_parameter_count, expected_tensors, tensor_name, Place, Role, TensorSpec,
+};
 pub use weights::{
-    bf16_bits_to_f32, expected_parameter_count, expected_tensors, f32_to_bf16_bits, tensor_name,
-    Checkpoint, CheckpointError, DType, Place, Problem, Role, TensorInfo, TensorSpec, TensorView,
-    INDEX_FILE, SINGLE_FILE,
+    bf16_bits_to_f32, f32_to_bf16_bits, Checkpoint, CheckpointError, DType, Problem, TensorInfo,
+    TensorView, INDEX_FILE, SINGLE_FILE,
 };
 pub use writer::{
     init_scale, random_tensor_values, write_checkpoint_with, write_config_only,

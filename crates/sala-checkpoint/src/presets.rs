@@ -139,7 +139,8 @@ fn small_json() -> serde_json::Value {
 mod tests {
     use super::*;
     use crate::config::MixerKind;
-    use crate::weights::{expected_parameter_count, expected_tensors, Checkpoint, DType};
+    use crate::schema::{expected_parameter_count, expected_tensors};
+    use crate::weights::{Checkpoint, DType};
     use crate::writer::{random_tensor_values, write_random_checkpoint, WriteOptions};
 
     fn sparse_layers(c: &ModelConfig) -> Vec<usize> {

@@ -18,10 +18,8 @@
 
 use crate::config::ModelConfig;
 use crate::rng::{splitmix64, Rng};
-use crate::weights::{
-    expected_tensors, f32_to_bf16_bits, CheckpointError, DType, Role, TensorSpec, INDEX_FILE,
-    SINGLE_FILE,
-};
+use crate::schema::{expected_tensors, Role, TensorSpec};
+use crate::weights::{f32_to_bf16_bits, CheckpointError, DType, INDEX_FILE, SINGLE_FILE};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -353,7 +351,8 @@ mod tests {
     use super::*;
     use crate::config::MixerKind;
     use crate::presets::preset;
-    use crate::weights::{expected_parameter_count, Checkpoint, Place};
+    use crate::schema::{expected_parameter_count, Place};
+    use crate::weights::Checkpoint;
 
     fn tiny() -> ModelConfig {
         preset("tiny").unwrap()
