@@ -4,6 +4,7 @@
 pub mod config;
 pub mod presets;
 pub mod rng;
+mod safetensors;
 pub mod schema;
 pub mod weights;
 pub mod writer;

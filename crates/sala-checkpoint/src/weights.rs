@@ -3,13 +3,13 @@
 //! that `config.json` implies before anything reads them.
 
 use crate::config::{ConfigError, ModelConfig};
+use crate::safetensors::{map_file, parse_header, safe_relative};
 use crate::schema::expected_tensors;
 use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::fs::File;
 use std::ops::Range;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 /// File name of a single-file checkpoint.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -203,14 +203,14 @@ fn list_problems(problems: &[Problem]) -> String {
     s
 }
 
-fn file_err(file: &Path, msg: impl Into<String>) -> CheckpointError {
+pub(crate) fn file_err(file: &Path, msg: impl Into<String>) -> CheckpointError {
     CheckpointError::File {
         file: file.to_path_buf(),
         msg: msg.into(),
     }
 }
 
-fn tensor_err(file: &Path, tensor: &str, msg: impl Into<String>) -> CheckpointError {
+pub(crate) fn tensor_err(file: &Path, tensor: &str, msg: impl Into<String>) -> CheckpointError {
     CheckpointError::Tensor {
         file: file.to_path_buf(),
         tensor: tensor.to_string(),
@@ -228,7 +228,7 @@ pub struct TensorInfo {
     pub file: PathBuf,
     /// Byte range in that file (header included in the offsets).
     pub byte_range: Range<usize>,
-    shard: usize,
+    pub(crate) shard: usize,
 }
 
 impl TensorInfo {
@@ -305,9 +305,9 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
 }
 
 /// One memory-mapped safetensors file.
-struct Shard {
-    path: PathBuf,
-    map: Mmap,
+pub(crate) struct Shard {
+    pub(crate) path: PathBuf,
+    pub(crate) map: Mmap,
 }
 
 /// An opened, validated checkpoint directory.
@@ -477,190 +477,6 @@ impl Checkpoint {
     pub fn parameter_count(&self) -> u64 {
         self.tensors.iter().map(|t| t.numel() as u64).sum()
     }
-}
-
-fn map_file(path: &Path) -> Result<Shard, CheckpointError> {
-    let io = |source| CheckpointError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let file = File::open(path).map_err(io)?;
-    let len = file.metadata().map_err(io)?.len();
-    if len < 8 {
-        return Err(file_err(
-            path,
-            format!("{len} bytes is too short for a safetensors file (8-byte header length first)"),
-        ));
-    }
-    // SAFETY: the map is read-only; like every memory-mapped loader we rely on nobody
-    // truncating or rewriting the file while it is open.
-    let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-    Ok(Shard {
-        path: path.to_path_buf(),
-        map,
-    })
-}
-
-/// A tensor entry of a safetensors header, before it is placed in a shard list.
-struct Entry {
-    name: String,
-    dtype: DType,
-    shape: Vec<usize>,
-    range: Range<usize>,
-}
-
-impl Entry {
-    fn into_info(self, file: &Path, shard: usize) -> TensorInfo {
-        TensorInfo {
-            name: self.name,
-            dtype: self.dtype,
-            shape: self.shape,
-            file: file.to_path_buf(),
-            byte_range: self.range,
-            shard,
-        }
-    }
-}
-
-/// Parses and checks a safetensors header: every tensor of an accepted dtype, its byte range
-/// inside the file, its length equal to dtype size × shape, no two ranges overlapping.
-fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, CheckpointError> {
-    let file_len = bytes.len();
-    if file_len < 8 {
-        return Err(file_err(
-            path,
-            format!("{file_len} bytes is too short for a safetensors file"),
-        ));
-    }
-    let mut len8 = [0u8; 8];
-    len8.copy_from_slice(&bytes[..8]);
-    let header_len = u64::from_le_bytes(len8);
-    let data_start = usize::try_from(header_len)
-        .ok()
-        .and_then(|n| n.checked_add(8))
-        .filter(|&end| end <= file_len)
-        .ok_or_else(|| {
-            file_err(
-                path,
-                format!(
-                    "header length {header_len} runs past the end of the file ({file_len} bytes): truncated or not a safetensors file"
-                ),
-            )
-        })?;
-    let data_len = file_len - data_start;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..data_start])
-        .map_err(|e| file_err(path, format!("header is not valid JSON: {e}")))?;
-    let obj = header
-        .as_object()
-        .ok_or_else(|| file_err(path, "header is not a JSON object"))?;
-
-    let mut entries = Vec::with_capacity(obj.len());
-    for (name, v) in obj {
-        if name == "__metadata__" {
-            continue;
-        }
-        let t = v
-            .as_object()
-            .ok_or_else(|| tensor_err(path, name, format!("header entry is not an object: {v}")))?;
-        let dtype_str = t
-            .get("dtype")
-            .and_then(|d| d.as_str())
-            .ok_or_else(|| tensor_err(path, name, "header entry has no string `dtype`"))?;
-        let dtype = DType::from_safetensors_name(dtype_str).ok_or_else(|| {
-            tensor_err(
-                path,
-                name,
-                format!("dtype {dtype_str} is not supported (expected BF16, F16 or F32)"),
-            )
-        })?;
-        let shape = t
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .and_then(|a| {
-                a.iter()
-                    .map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
-                    .collect::<Option<Vec<usize>>>()
-            })
-            .ok_or_else(|| {
-                tensor_err(
-                    path,
-                    name,
-                    "header entry has no `shape` list of non-negative integers",
-                )
-            })?;
-        let offsets = t
-            .get("data_offsets")
-            .and_then(|s| s.as_array())
-            .filter(|a| a.len() == 2)
-            .and_then(|a| {
-                let b = usize::try_from(a[0].as_u64()?).ok()?;
-                let e = usize::try_from(a[1].as_u64()?).ok()?;
-                Some((b, e))
-            })
-            .ok_or_else(|| {
-                tensor_err(
-                    path,
-                    name,
-                    "header entry has no `data_offsets` [begin, end] pair",
-                )
-            })?;
-        let (begin, end) = offsets;
-        if begin > end {
-            return Err(tensor_err(
-                path,
-                name,
-                format!("data_offsets [{begin}, {end}] end before they begin"),
-            ));
-        }
-        if end > data_len {
-            return Err(tensor_err(
-                path,
-                name,
-                format!(
-                    "data_offsets [{begin}, {end}] reach past the end of the data ({data_len} bytes after the header): file truncated or corrupt"
-                ),
-            ));
-        }
-        let want = shape
-            .iter()
-            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| tensor_err(path, name, format!("shape {shape:?} overflows")))?;
-        if end - begin != want {
-            return Err(tensor_err(
-                path,
-                name,
-                format!(
-                    "holds {} bytes but dtype {dtype} x shape {shape:?} needs {want}",
-                    end - begin
-                ),
-            ));
-        }
-        entries.push(Entry {
-            name: name.clone(),
-            dtype,
-            shape,
-            range: data_start + begin..data_start + end,
-        });
-    }
-
-    let mut by_start: Vec<&Entry> = entries.iter().filter(|e| !e.range.is_empty()).collect();
-    by_start.sort_by_key(|e| e.range.start);
-    for w in by_start.windows(2) {
-        if w[1].range.start < w[0].range.end {
-            return Err(tensor_err(
-                path,
-                &w[1].name,
-                format!("bytes overlap those of tensor `{}`", w[0].name),
-            ));
-        }
-    }
-    Ok(entries)
-}
-
-/// A shard name of the index must be a plain relative path inside the checkpoint directory.
-fn safe_relative(name: &str) -> bool {
-    let p = Path::new(name);
-    !name.is_empty() && p.components().all(|c| matches!(c, Component::Normal(_)))
 }
 
 /// Reads `model.safetensors.index.json`, maps every shard it names and checks that the index
