@@ -2,6 +2,7 @@
 //! ([`crate::ops`]).
 
 use crate::device::DeviceLimits;
+use crate::graphs::{StepGraphs, StepKey, GRAPH_MAX_ROWS};
 use crate::kernels::Launcher;
 use crate::memory::{be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Scratch};
 use crate::ops::elementwise::{ElementOp, RopeAt};
@@ -12,7 +13,9 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use sala_checkpoint::{ModelConfig, SparseConfig};
 use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::memory::BackendMemory;
-use sala_model::{AttnIo, AttnShape, BResult, Backend, BackendError, HostTensor, Span, SparseMode};
+use sala_model::{
+    AttnIo, AttnShape, BResult, Backend, BackendError, HostTensor, Span, SparseMode, StepInfo,
+};
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
@@ -32,6 +35,11 @@ pub struct CudaBackend {
     pub(crate) sparse_rows_batched: Cell<usize>,
     /// Where per-sequence caches and states live: the page pool, or one allocation each.
     pub(crate) pool: Option<pool::SharedPool>,
+    /// CUDA graphs of repeated decode steps.
+    pub(crate) graphs: RefCell<StepGraphs>,
+    /// The step under way is a graph step: its token ids and positions are in their device
+    /// buffers already ([`CudaBackend::preload_step`]).
+    pub(crate) preloaded: Cell<bool>,
 }
 
 /// The limits plans use under `options`: the driver's, or its device profile's.
@@ -94,6 +102,7 @@ impl CudaBackend {
             }
         }
         let gemm = gemm::Gemm::new(stream.clone())?;
+        let graphs = RefCell::new(StepGraphs::new(stream.clone()));
         Ok(Self {
             ctx,
             stream,
@@ -102,6 +111,8 @@ impl CudaBackend {
             scratch: RefCell::new(Scratch::default()),
             driver_limits,
             target,
+            graphs,
+            preloaded: Cell::new(false),
             waited: Default::default(),
             sparse_rows_batched: Default::default(),
             pool,
@@ -112,6 +123,8 @@ impl CudaBackend {
     /// live: see [`CudaBackend::use_page_pool`]).
     pub fn set_options(&self, options: CudaOptions) -> Result<(), String> {
         let limits = planned_limits(&self.driver_limits, &options)?;
+        // Captured steps used the old plans' kernels.
+        self.graphs.borrow_mut().clear();
         self.k.replan(limits, options)
     }
 
@@ -191,6 +204,50 @@ impl CudaBackend {
     ) -> BResult<()> {
         let rope = rope.map(|(f, p)| (f, RopeAt::From(p)));
         self.norm_rope(x, None, head_dim, norm.map(|(w, e)| (w, None, e)), rope)
+    }
+
+    /// A graph step's token ids and each row's position, written to their device buffers
+    /// before any of its work (a replay reads them there).
+    fn preload_step(&self, step: &StepInfo<'_>) -> BResult<()> {
+        let rows = step.tokens.len();
+        let mut pos = vec![0i32; rows];
+        for s in step.spans {
+            for (j, r) in s.rows().enumerate() {
+                pos[r] = (s.pos + j) as i32;
+            }
+        }
+        let mut s = self.scratch.borrow_mut();
+        grow(&self.stream, &mut s.ids, rows)?;
+        grow(&self.stream, &mut s.positions, rows)?;
+        self.stream
+            .memcpy_htod(step.tokens, s.ids.as_mut().expect("grown"))
+            .map_err(|e| be_err("token ids", e))?;
+        self.stream
+            .memcpy_htod(&pos, s.positions.as_mut().expect("grown"))
+            .map_err(|e| be_err("positions", e))?;
+        // The step's RoPE table is made anew (in its first stretch, as when it was captured).
+        s.rope_key = None;
+        self.preloaded.set(true);
+        Ok(())
+    }
+
+    /// Decode steps captured into CUDA graphs, and steps replayed from them, so far.
+    pub fn graph_steps(&self) -> (usize, usize) {
+        self.graphs.borrow().stats()
+    }
+
+    /// Closes the graph stretch under way, so that what follows runs eagerly.
+    pub(crate) fn graph_pause(&self) -> BResult<()> {
+        let paused = self.graphs.borrow_mut().pause(self.k.launched());
+        self.k.set_skip(self.graphs.borrow().skipping());
+        paused
+    }
+
+    /// Opens the next graph stretch after eager work.
+    pub(crate) fn graph_resume(&self) -> BResult<()> {
+        let resumed = self.graphs.borrow_mut().resume(self.k.launched());
+        self.k.set_skip(self.graphs.borrow().skipping());
+        resumed
     }
 
     pub fn device_name(&self) -> &str {
@@ -369,8 +426,33 @@ impl Backend for CudaBackend {
         self.fill_random(self.ptr(state), 2 * state.len(), seed, RANDOM_STATE_STD)
     }
 
-    fn begin_step(&self, rows: usize) {
+    fn begin_step(&self, step: &StepInfo<'_>) -> BResult<()> {
+        let rows = step.tokens.len();
         self.k.set_step_rows(rows);
+        let o = self.options();
+        let graph_step = o.cuda_graphs && !o.profile_kernels && rows <= GRAPH_MAX_ROWS;
+        self.preloaded.set(false);
+        let key = if graph_step {
+            self.preload_step(step)?;
+            Some(StepKey {
+                spans: step.spans.iter().map(|s| (s.first_row, s.len)).collect(),
+                seqs: step.seq_ids.to_vec(),
+                scratch: self.scratch.borrow().fingerprint(&self.stream),
+            })
+        } else {
+            None
+        };
+        let began = self.graphs.borrow_mut().begin(key, self.k.launched());
+        self.k.set_skip(self.graphs.borrow().skipping());
+        began.map(|_| ())
+    }
+
+    fn end_step(&self, ok: bool) -> BResult<()> {
+        let scratch = self.scratch.borrow().fingerprint(&self.stream);
+        let ended = self.graphs.borrow_mut().end(ok, self.k.launched(), scratch);
+        self.k.set_skip(false);
+        self.preloaded.set(false);
+        ended
     }
 
     fn embed(&self, table: &DevMatrix, ids: &[u32], scale: f32, out: &mut DevAct) -> BResult<()> {
@@ -524,6 +606,7 @@ impl Backend for CudaBackend {
             s.logits_out.as_ref().expect("grown"),
         );
         self.product(xs, 0, lm_head, y, n)?;
+        self.graph_pause()?;
         self.download(ys, n * vocab)
     }
 

@@ -238,6 +238,10 @@ pub struct Launcher {
     profiler: Option<Profiler>,
     /// Rows of the forward pass under way ([`Launcher::set_step_rows`]).
     step_rows: Cell<usize>,
+    /// Launches (and other stream work) asked for so far, skipped or not.
+    launched: Cell<usize>,
+    /// Launches are counted but not made (a replayed graph does their work).
+    skip: Cell<bool>,
 }
 
 /// Steps of up to this many rows (decode steps) launch their kernels to overlap each one's
@@ -288,6 +292,8 @@ impl Launcher {
             stream,
             profiler,
             step_rows: Cell::new(1),
+            launched: Cell::new(0),
+            skip: Cell::new(false),
         };
         launcher.opt_in()?;
         Ok(launcher)
@@ -327,6 +333,23 @@ impl Launcher {
     /// launch) when they are at most [`PDL_MAX_ROWS`].
     pub fn set_step_rows(&self, rows: usize) {
         self.step_rows.set(rows);
+    }
+
+    /// Counts one launch or other stream operation; whether to make it (false while a graph
+    /// replay does the work).
+    pub(crate) fn enqueue(&self) -> bool {
+        self.launched.set(self.launched.get() + 1);
+        !self.skip.get()
+    }
+
+    /// Launches and other stream operations asked for so far.
+    pub(crate) fn launched(&self) -> usize {
+        self.launched.get()
+    }
+
+    /// From now on, count launches without making them (`true`) or make them.
+    pub(crate) fn set_skip(&self, skip: bool) {
+        self.skip.set(skip);
     }
 
     pub fn planner(&self) -> Ref<'_, Planner> {
@@ -443,6 +466,9 @@ impl Launcher {
             && planner.limits.cc >= (9, 0)
             && self.step_rows.get() <= PDL_MAX_ROWS;
         drop(planner);
+        if !self.enqueue() {
+            return Ok(());
+        }
         let t0 = self.profiler.as_ref().and_then(|p| p.start(&self.stream));
         // SAFETY: the arguments follow the kernel's signature (the table is checked against
         // the sources), and the plan fits the kernel's limits (checked above).

@@ -16,6 +16,7 @@ mod backend;
 pub mod check;
 pub mod device;
 pub mod gemm;
+mod graphs;
 pub mod kernels;
 pub mod libs;
 pub mod memory;

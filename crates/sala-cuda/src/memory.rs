@@ -215,6 +215,32 @@ pub(crate) struct Scratch {
     pub rope_key: Option<RopeKey>,
 }
 
+impl Scratch {
+    /// The address and length of every buffer, hashed: it changes when one grows (a graph
+    /// captured over the old buffers must not be replayed).
+    pub fn fingerprint(&self, stream: &Arc<CudaStream>) -> u64 {
+        fn mix<T>(h: u64, s: &Option<CudaSlice<T>>, stream: &Arc<CudaStream>) -> u64 {
+            let (p, n) = s
+                .as_ref()
+                .map_or((0, 0), |b| (b.dev_ptr(stream), b.len() as u64));
+            (h ^ p).wrapping_mul(0x100000001b3) ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        }
+        let mut h = 0xcbf29ce484222325u64;
+        h = mix(h, &self.p, stream);
+        h = mix(h, &self.blocks, stream);
+        h = mix(h, &self.ids, stream);
+        h = mix(h, &self.positions, stream);
+        h = mix(h, &self.logits_in, stream);
+        h = mix(h, &self.logits_out, stream);
+        h = mix(h, &self.lightning, stream);
+        h = mix(h, &self.attn_part, stream);
+        h = mix(h, &self.lse, stream);
+        h = mix(h, &self.p16, stream);
+        h = mix(h, &self.topk_keys, stream);
+        mix(h, &self.rope, stream)
+    }
+}
+
 /// What the cached RoPE table was made for: the inv_freq pointer, half the head size, and the
 /// positions (a run of rows from a first one, or each row's own).
 #[derive(PartialEq)]
@@ -355,7 +381,7 @@ impl CudaBackend {
         n: usize,
     ) -> BResult<()> {
         let sz = std::mem::size_of::<T>();
-        if n == 0 {
+        if n == 0 || !self.k.enqueue() {
             return Ok(());
         }
         // SAFETY: both ranges lie inside live device buffers of at least these sizes.

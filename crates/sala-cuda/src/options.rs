@@ -83,6 +83,8 @@ pub struct CudaOptions {
     /// Programmatic dependent launch where the card has it (compute capability 9.0 on): each
     /// kernel is scheduled while the previous one ends, and waits for its results.
     pub pdl: bool,
+    /// Decode steps (up to 64 rows) that repeat are captured into CUDA graphs and replayed.
+    pub cuda_graphs: bool,
 }
 
 impl Default for CudaOptions {
@@ -101,6 +103,7 @@ impl Default for CudaOptions {
             kv_pool_granules: 1,
             profile_kernels: false,
             pdl: true,
+            cuda_graphs: true,
         }
     }
 }
@@ -151,6 +154,9 @@ impl CudaOptions {
         }
         if let Some(on) = flag("SALA_PDL")? {
             o.pdl = on;
+        }
+        if let Some(on) = flag("SALA_CUDA_GRAPHS")? {
+            o.cuda_graphs = on;
         }
         if let Some(v) = var("SALA_KV_POOL_GRANULES") {
             o.kv_pool_granules = v

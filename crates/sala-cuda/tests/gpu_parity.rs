@@ -936,6 +936,69 @@ fn check_batched_decode(
     batched_calls
 }
 
+/// Decode steps replayed from CUDA graphs give the logits eager steps give, bit for bit: one
+/// sequence, then four decoded together (the batch repeats, so its steps are captured the
+/// second time and replayed after), on the tiny model (sparse layers row by row) and the small
+/// one (batched), with the sparse layers past `dense_len` (their attention runs between the
+/// graphs). Graph steps must have been captured and replayed.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn cuda_graph_decode_equals_eager_on_the_gpu() {
+    let g = gpu();
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 100;
+        let v = config.vocab_size;
+        let model = Model::random(&g, config, 11, &mut |_, _| {}).unwrap();
+        let mut rng = TestRng::new(5);
+        let lens = [150usize, 40, 333, 7];
+        let prompts: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        // The token each sequence is fed, step by step.
+        let feeds: Vec<Vec<u32>> = (0..6)
+            .map(|_| lens.iter().map(|_| rng.below(v) as u32).collect())
+            .collect();
+        let mut ws = model.workspace(&g, 512).unwrap();
+        // Every sequence alone then all together, as `graphs` says; the logits of each.
+        let mut run = |graphs: bool| {
+            set(&g, |o| o.cuda_graphs = graphs);
+            let mut out = Vec::new();
+            for batch in [&[0usize][..], &[0, 1, 2, 3]] {
+                let mut seqs: Vec<_> = batch
+                    .iter()
+                    .map(|&i| {
+                        let mut s = model.new_sequence(&g).unwrap();
+                        model
+                            .prefill(&g, &mut ws, &mut s, &prompts[i], &mut |_| {})
+                            .unwrap();
+                        s
+                    })
+                    .collect();
+                for feed in &feeds {
+                    let toks: Vec<u32> = batch.iter().map(|&i| feed[i]).collect();
+                    let mut refs: Vec<_> = seqs.iter_mut().collect();
+                    out.push(decode_step(&g, &model, &mut ws, &mut refs, &toks).unwrap());
+                }
+            }
+            out
+        };
+        let eager = run(false);
+        let (captured0, replayed0) = g.graph_steps();
+        let replayed = run(true);
+        let (captured, replays) = g.graph_steps();
+        assert!(
+            captured > captured0 && replays >= replayed0 + 4,
+            "{name}: captured {captured0} -> {captured}, replayed {replayed0} -> {replays}"
+        );
+        for (i, (a, b)) in eager.iter().zip(&replayed).enumerate() {
+            assert!(a == b, "{name}: step {i}: logits with CUDA graphs differ");
+        }
+    }
+    set(&g, |o| o.cuda_graphs = true);
+}
+
 /// A step mixing decode rows with prompt chunks gives every sequence the logits it gets run
 /// apart, bit for bit, on the GPU ([`sala_model::testing::check_mixed_step`]): the tiny model
 /// (head size 32: sparse rows one by one) and the small one (head size 128: batched).

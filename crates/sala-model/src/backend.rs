@@ -169,9 +169,18 @@ pub trait Backend {
         )))
     }
 
-    /// A forward pass of `rows` rows begins (a backend may choose how to launch its work by
-    /// the step's size).
-    fn begin_step(&self, _rows: usize) {}
+    /// A forward pass begins: its tokens, its spans (one per sequence, in row order) and the
+    /// sequences' ids. A backend may choose how to launch the step's work from them (and, for
+    /// a step it has seen before, replay it).
+    fn begin_step(&self, _step: &StepInfo<'_>) -> BResult<()> {
+        Ok(())
+    }
+
+    /// The forward pass begun by [`Backend::begin_step`] has ended, well (`ok`) or with an
+    /// error.
+    fn end_step(&self, _ok: bool) -> BResult<()> {
+        Ok(())
+    }
 
     /// `out[i] = round(table[ids[i]] * scale)`.
     fn embed(
@@ -303,6 +312,15 @@ pub struct AttnIo<'a, A> {
     pub k: &'a mut A,
     pub v: &'a mut A,
     pub out: &'a mut A,
+}
+
+/// What [`Backend::begin_step`] is told of a step.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInfo<'a> {
+    pub tokens: &'a [u32],
+    pub spans: &'a [Span],
+    /// Each span's sequence ([`crate::SeqState`]'s id).
+    pub seq_ids: &'a [u64],
 }
 
 /// One sequence's rows in a step: rows `first_row..first_row + len` of the step's

@@ -8,6 +8,6 @@ pub mod numerics;
 pub mod oracle;
 pub mod testing;
 
-pub use backend::{AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, Span};
+pub use backend::{AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, Span, StepInfo};
 pub use model::{LogitRows, Model, SeqState, StepInput, WeightSource, Workspace};
 pub use oracle::{AttnShape, SparseMode};

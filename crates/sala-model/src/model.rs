@@ -1,6 +1,6 @@
 //! The MiniCPM-SALA forward pass (SPEC §3–§7), written once over [`Backend`].
 
-use crate::backend::{AttnIo, BResult, Backend, BackendError, HostTensor, Span};
+use crate::backend::{AttnIo, BResult, Backend, BackendError, HostTensor, Span, StepInfo};
 use crate::memory::{workspace_columns, WORKSPACE_BUFFERS};
 use crate::numerics::rope_inv_freq;
 use crate::oracle::{AttnShape, SparseMode};
@@ -56,8 +56,13 @@ pub struct Model<B: Backend> {
 /// The per-sequence state: how many tokens it holds, and each layer's cache or state.
 pub struct SeqState<B: Backend> {
     pub pos: usize,
+    /// Unique among the sequences of a process (a backend may key per-sequence work on it).
+    id: u64,
     layers: Vec<LayerState<B>>,
 }
+
+/// The next [`SeqState`] id.
+static NEXT_SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 enum LayerState<B: Backend> {
     Lightning(B::LightningState),
@@ -483,7 +488,8 @@ impl<B: Backend> Model<B> {
                 })
             })
             .collect::<BResult<Vec<_>>>()?;
-        Ok(SeqState { pos: 0, layers })
+        let id = NEXT_SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(SeqState { pos: 0, id, layers })
     }
 
     /// Allocates `seq`'s caches for `total_tokens` tokens now (prompt plus generated), so the
@@ -635,8 +641,34 @@ impl<B: Backend> Model<B> {
             eps: c.rms_norm_eps as f32,
             res: c.residual_scale() as f32,
         };
-        be.begin_step(n);
-        be.embed(&self.embed, &tokens, c.scale_emb as f32, &mut ws.h)?;
+        let seq_ids: Vec<u64> = batch.iter().map(|x| x.seq.id).collect();
+        be.begin_step(&StepInfo {
+            tokens: &tokens,
+            spans: &spans,
+            seq_ids: &seq_ids,
+        })?;
+        let logits = self.run_step(be, ws, batch, &tokens, &step, &logit_rows);
+        let ended = be.end_step(logits.is_ok());
+        let logits = logits?;
+        ended?;
+        for x in batch.iter_mut() {
+            x.seq.pos += x.tokens.len();
+        }
+        Ok(logits)
+    }
+
+    /// The layers and the logits of a step [`Model::forward`] laid out.
+    fn run_step(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        batch: &mut [StepInput<'_, B>],
+        tokens: &[u32],
+        step: &StepCtx<'_>,
+        logit_rows: &[usize],
+    ) -> BResult<Vec<Vec<f32>>> {
+        let c = &self.config;
+        be.embed(&self.embed, tokens, c.scale_emb as f32, &mut ws.h)?;
         if let Some(first) = self.layers.first() {
             be.rms_norm(&ws.h, &first.input_norm, step.eps, &mut ws.a)?;
         }
@@ -647,17 +679,14 @@ impl<B: Backend> Model<B> {
                 .layers
                 .get(i + 1)
                 .map_or(&self.final_norm, |l| &l.input_norm);
-            layer.forward(self, be, &step, ws, &mut states, next_norm)?;
-        }
-        for x in batch.iter_mut() {
-            x.seq.pos += x.tokens.len();
+            layer.forward(self, be, step, ws, &mut states, next_norm)?;
         }
         if logit_rows.is_empty() {
             return Ok(vec![Vec::new(); batch.len()]);
         }
         // `ws.a` holds the final norm of the last layer's output.
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut all = be.logits(&ws.a, &logit_rows, head, c.logit_divisor() as f32)?;
+        let mut all = be.logits(&ws.a, logit_rows, head, c.logit_divisor() as f32)?;
         let vocab = all.len() / logit_rows.len();
         // Each input's rows, cut from the end so that every value is moved once.
         let mut out = Vec::with_capacity(batch.len());

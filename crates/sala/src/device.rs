@@ -75,11 +75,24 @@ pub struct DeviceArgs {
     /// cap. Cards: a100, a6000, rtx4090, l40s, h100, h200, b200, rtx5090, rtxpro6000.
     #[arg(long, value_name = "CARD")]
     pub device_profile: Option<String>,
+    /// Launch every decode step's kernels one by one instead of replaying CUDA graphs of
+    /// repeated steps.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
 }
 
 impl DeviceArgs {
     pub fn open(&self) -> Result<Opened> {
-        Device::parse(&self.device)?.open_with(cuda_options(self.device_profile.as_deref())?)
+        Device::parse(&self.device)?.open_with(self.cuda_options()?)
+    }
+
+    /// The CUDA options of the environment and these flags.
+    pub fn cuda_options(&self) -> Result<CudaOptions> {
+        let mut o = cuda_options(self.device_profile.as_deref())?;
+        if self.no_cuda_graphs {
+            o.cuda_graphs = false;
+        }
+        Ok(o)
     }
 }
 

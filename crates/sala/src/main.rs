@@ -6,9 +6,7 @@ mod inspect;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use device::{
-    cuda_options, memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened,
-};
+use device::{memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened};
 use indicatif::{ProgressBar, ProgressStyle};
 use sala_checkpoint::{preset, Checkpoint, DType, ModelConfig, WriteOptions};
 use sala_engine::cache::CacheBudget;
@@ -292,7 +290,7 @@ fn progress_bar(len: usize, what: &str) -> ProgressBar {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let device = Device::parse(&args.device.device)?;
-    let options = cuda_options(args.device.device_profile.as_deref())?;
+    let options = args.device.cuda_options()?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
@@ -710,7 +708,7 @@ async fn shutdown_signal() {
 
 fn serve(args: ServeArgs) -> Result<()> {
     let device = Device::parse(&args.device.device)?;
-    let options = cuda_options(args.device.device_profile.as_deref())?;
+    let options = args.device.cuda_options()?;
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }

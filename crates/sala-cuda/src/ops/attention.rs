@@ -32,6 +32,22 @@ impl CudaBackend {
                 spans.len()
             )));
         }
+        // The caches' lengths move every step: this runs outside any graph.
+        self.graph_pause()?;
+        self.sparse_runs(shape, cfg, io, spans, modes, caches)?;
+        self.graph_resume()
+    }
+
+    /// [`CudaBackend::sparse_spans`]'s work, run by run.
+    fn sparse_runs(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        io: AttnIo<'_, DevAct>,
+        spans: &[Span],
+        modes: &[SparseMode],
+        caches: &mut [&mut DevSparseCache],
+    ) -> BResult<()> {
         let mut w = Windows::new(io);
         for run in span_runs(spans) {
             let (idx, first_row) = match run {

@@ -49,12 +49,14 @@ impl CudaBackend {
         }
         let ids_ptr = {
             let mut s = self.scratch.borrow_mut();
-            grow(&self.stream, &mut s.ids, ids.len())?;
-            let buf = s.ids.as_mut().expect("grown");
-            self.stream
-                .memcpy_htod(ids, buf)
-                .map_err(|e| be_err("token ids", e))?;
-            self.ptr(buf)
+            if !self.preloaded.get() {
+                grow(&self.stream, &mut s.ids, ids.len())?;
+                let buf = s.ids.as_mut().expect("grown");
+                self.stream
+                    .memcpy_htod(ids, buf)
+                    .map_err(|e| be_err("token ids", e))?;
+            }
+            self.ptr(s.ids.as_ref().expect("uploaded"))
         };
         self.k.embed(
             Launch::new((ids.len(), 1, 1), 256, 0),
@@ -238,15 +240,18 @@ impl CudaBackend {
                             p.len()
                         )));
                     }
-                    let pos: Vec<i32> = p.iter().map(|&x| x as i32).collect();
                     let pos_ptr = {
                         let mut s = self.scratch.borrow_mut();
-                        grow(&self.stream, &mut s.positions, rows)?;
-                        let buf = s.positions.as_mut().expect("grown");
-                        self.stream
-                            .memcpy_htod(&pos, buf)
-                            .map_err(|e| be_err("positions", e))?;
-                        self.ptr(buf)
+                        // A graph step's positions are on the device already.
+                        if !self.preloaded.get() {
+                            let pos: Vec<i32> = p.iter().map(|&x| x as i32).collect();
+                            grow(&self.stream, &mut s.positions, rows)?;
+                            let buf = s.positions.as_mut().expect("grown");
+                            self.stream
+                                .memcpy_htod(&pos, buf)
+                                .map_err(|e| be_err("positions", e))?;
+                        }
+                        self.ptr(s.positions.as_ref().expect("uploaded"))
                     };
                     self.k
                         .rope_table_rows(launch, f, pos_ptr, rows as i32, half as i32, table)?

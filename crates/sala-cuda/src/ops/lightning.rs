@@ -75,7 +75,10 @@ impl CudaBackend {
         let d = shape.head_dim;
         let positions: Vec<usize>;
         let at = match spans {
-            [one] if one.first_row == 0 && one.len == io.q.rows => RopeAt::From(one.pos),
+            // A graph step reads every row's position from the device.
+            [one] if one.first_row == 0 && one.len == io.q.rows && !self.preloaded.get() => {
+                RopeAt::From(one.pos)
+            }
             _ => {
                 let mut p = vec![0; io.q.rows];
                 for s in spans {
