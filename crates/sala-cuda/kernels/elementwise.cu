@@ -2,6 +2,7 @@
 // rounding to bf16 wherever the reference stores a bf16 tensor (see sala-model's Backend docs).
 
 #include "common/types.cuh"
+#include "common/head_norm.cuh"
 #include "common/rows.cuh"
 
 // launch: grid = rows, block = 256
@@ -258,43 +259,20 @@ extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim
     for (int e = lane; e < head_dim; e += 32) p[e] = f2bf(hb[e]);
 }
 
-// head_norm_rope for head_dim = 128 with the RoPE table (table != NULL when rotating): lane l
-// holds elements 4l .. 4l + 3 (8-byte loads and stores), and element e ± 64 is in lane l ^ 16.
-// Same arguments as head_norm_rope (head_dim, inv_freq and first_pos are implied or unused).
+// head_norm_rope for head_dim ∈ {32, 64, 128, 256} with the RoPE table (table != NULL when
+// rotating): one warp a head, head_norm_rope_warp (the lightning decode kernel's own).
 // launch: grid = ceil((total_heads + total_heads2) / 8), block = 256 (one warp per head)
 extern "C" __global__ void __launch_bounds__(256)
-head_norm_rope128(bf16* x, int total_heads, const bf16* norm_w, float eps, int heads_per_row, bf16* x2,
-                  int total_heads2, const bf16* norm_w2, int heads_per_row2, const float* table) {
+head_norm_rope_lanes(bf16* x, int total_heads, int head_dim, const bf16* norm_w, float eps, int heads_per_row,
+                     bf16* x2, int total_heads2, const bf16* norm_w2, int heads_per_row2, const float* table) {
     pdl_start();
     int hid = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     bf16* base = x;
     if (!hnr_head(hid, base, norm_w, heads_per_row, total_heads, x2, total_heads2, norm_w2, heads_per_row2)) return;
-    bf16* p = base + (u64)hid * 128 + 4 * lane;
-    const uint2 raw = *(const uint2*)p;
-    float v[4] = {bf2f(raw.x & 0xffff), bf2f(raw.x >> 16), bf2f(raw.y & 0xffff), bf2f(raw.y >> 16)};
-    if (norm_w) {
-        const float r = rsqrtf(warp_sum(v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]) / 128.0f + eps);
-        const uint2 wr = *(const uint2*)(norm_w + 4 * lane);
-        const float w[4] = {bf2f(wr.x & 0xffff), bf2f(wr.x >> 16), bf2f(wr.y & 0xffff), bf2f(wr.y >> 16)};
-#pragma unroll
-        for (int i = 0; i < 4; i++) v[i] = round_bf(round_bf(v[i] * r) * w[i]);
-    }
-    if (table) {
-        const int row = hid / heads_per_row;
-        const float* cs = table + 2 * (row * 64 + ((4 * lane) & 63));
-        const float4 a = *(const float4*)cs, b = *(const float4*)(cs + 4);
-        const float c[4] = {a.x, a.z, b.x, b.z}, sn[4] = {a.y, a.w, b.y, b.w};
-        float o[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float partner = __shfl_xor_sync(0xffffffffu, v[i], 16);
-            o[i] = round_bf(v[i] * c[i] + (lane < 16 ? -partner : partner) * sn[i]);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++) v[i] = o[i];
-    }
-    *(uint2*)p = make_uint2((u32)f2bf(v[0]) | ((u32)f2bf(v[1]) << 16), (u32)f2bf(v[2]) | ((u32)f2bf(v[3]) << 16));
+    const int row = hid / heads_per_row;
+    const float* cs = table ? table + (u64)row * head_dim : nullptr;
+    head_norm_rope_any(base + (u64)hid * head_dim, head_dim, lane, norm_w, eps, cs, nullptr);
 }
 
 // table[2·(row·half + i)] = cos, [.. + 1] = sin of (first_pos + row)·inv_freq[i], as head_norm_rope

@@ -168,7 +168,7 @@ kernel_table! {
     AddScaled = add_scaled in "elementwise.cu" (h: Ptr, branch: Ptr, scale: F32, n: U64);
     SigmoidGate = sigmoid_gate in "elementwise.cu" (x: Ptr, gate: Ptr, n: U64);
     HeadNormRope = head_norm_rope in "elementwise.cu" (x: Ptr, total_heads: I32, head_dim: I32, norm_w: Ptr, eps: F32, inv_freq: Ptr, first_pos: I32, heads_per_row: I32, x2: Ptr, total_heads2: I32, norm_w2: Ptr, heads_per_row2: I32, table: Ptr);
-    HeadNormRope128 = head_norm_rope128 in "elementwise.cu" (x: Ptr, total_heads: I32, norm_w: Ptr, eps: F32, heads_per_row: I32, x2: Ptr, total_heads2: I32, norm_w2: Ptr, heads_per_row2: I32, table: Ptr);
+    HeadNormRopeLanes = head_norm_rope_lanes in "elementwise.cu" (x: Ptr, total_heads: I32, head_dim: I32, norm_w: Ptr, eps: F32, heads_per_row: I32, x2: Ptr, total_heads2: I32, norm_w2: Ptr, heads_per_row2: I32, table: Ptr);
     RopeTable = rope_table in "elementwise.cu" (inv_freq: Ptr, first_pos: I32, rows: I32, half: I32, table: Ptr);
     RopeTableRows = rope_table_rows in "elementwise.cu" (inv_freq: Ptr, pos: Ptr, n_rows: I32, half: I32, table: Ptr);
     ScaleRound = scale_round in "elementwise.cu" (x: Ptr, out: Ptr, divisor: F32, n: U64);
@@ -188,7 +188,7 @@ kernel_table! {
     SiluMulHalves8 = silu_mul_halves8 in "elementwise.cu" (gu: Ptr, out: Ptr, inter: I32);
     SiluMulHalves = silu_mul_halves in "elementwise.cu" (gu: Ptr, out: Ptr, rows: I32, inter: I32);
     // Lightning layers.
-    LightningDecodeRows = lightning_decode_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, rows: Rows, out: Ptr, slopes: Ptr, heads: I32, kv_heads: I32, d: I32, scale: F32);
+    LightningDecodeRows = lightning_decode_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, rows: Rows, out: Ptr, slopes: Ptr, heads: I32, kv_heads: I32, d: I32, scale: F32, q_norm: Ptr, k_norm: Ptr, eps: F32, table: Ptr);
     LightningChunked = lightning_chunked in "lightning/chunked.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32);
     LightningChunkState = lightning_chunk_state in "lightning/split.cu" (k: Ptr, v: Ptr, ds: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32);
     LightningChunkScan = lightning_chunk_scan in "lightning/split.cu" (state: Ptr, ds: Ptr, slopes: Ptr, n: I32, last_len: I32, heads: I32, d: I32);

@@ -604,9 +604,18 @@ impl Planner {
         rows <= GEMV_BATCH_ROWS && k.is_multiple_of(8) && k <= GEMV_MAX_K
     }
 
+    /// Head sizes the one-warp-a-head norm/RoPE code takes (`head_norm_rope_lanes`, and the
+    /// lightning decode kernel that norms and rotates its own q and k).
+    pub fn head_norm_rope_lanes_fits(d: usize) -> bool {
+        matches!(d, 32 | 64 | 128 | 256)
+    }
+
     pub fn head_norm_rope(&self, heads: usize, d: usize) -> (K, Launch) {
-        if d == 128 {
-            (K::HeadNormRope128, Launch::linear(heads, 8).with_block(256))
+        if Self::head_norm_rope_lanes_fits(d) {
+            (
+                K::HeadNormRopeLanes,
+                Launch::linear(heads, 8).with_block(256),
+            )
         } else {
             (K::HeadNormRope, Launch::linear(heads, 4).with_block(128))
         }

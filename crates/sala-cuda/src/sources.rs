@@ -17,6 +17,7 @@ pub const HEADERS: &[(&str, &str)] = kernel_sources![
     "common/types.cuh",
     "common/mma.cuh",
     "common/rows.cuh",
+    "common/head_norm.cuh",
     "lightning/common.cuh",
     "sparse/common.cuh",
 ];

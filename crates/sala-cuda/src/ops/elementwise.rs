@@ -177,11 +177,12 @@ impl CudaBackend {
         let eps = norm.map_or(0.0, |(_, _, e)| e);
         let w2 = norm.and_then(|(_, w2, _)| w2).map_or(0, |w| self.ptr(w));
         let (kernel, at) = self.k.planner().head_norm_rope(total + total2, head_dim);
-        if kernel == crate::kernels::K::HeadNormRope128 {
-            return self.k.head_norm_rope128(
+        if kernel == crate::kernels::K::HeadNormRopeLanes {
+            return self.k.head_norm_rope_lanes(
                 at,
                 self.act_ptr(x),
                 total as i32,
+                head_dim as i32,
                 w1,
                 eps,
                 hpr as i32,
@@ -212,7 +213,7 @@ impl CudaBackend {
 
     /// The RoPE table of `rows` rows (cos, sin of pos·inv_freq[i] for i < half, the row's
     /// position from `at`), made once for all layers that ask for the same one.
-    fn rope_table(
+    pub(crate) fn rope_table(
         &self,
         inv_freq: &CudaSlice<f32>,
         at: RopeAt<'_>,

@@ -19,6 +19,28 @@ pub(crate) struct LightningIo<'a> {
     pub v: &'a DevAct,
 }
 
+/// What the lightning decode kernel does to q and k before its step (`QkPrep` of
+/// kernels/lightning/decode.cu): per-head norm weights (device pointers, 0 for none) and the
+/// RoPE table of the launch's first row (0: no rotation).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct QkPrep {
+    q_norm: u64,
+    k_norm: u64,
+    eps: f32,
+    table: u64,
+}
+
+impl QkPrep {
+    /// The same, for a launch starting at row `row` of the step (the table has `d` floats a row).
+    fn at_row(self, row: usize, d: usize) -> Self {
+        let table = match self.table {
+            0 => 0,
+            t => t + (row * d * std::mem::size_of::<f32>()) as u64,
+        };
+        Self { table, ..self }
+    }
+}
+
 impl CudaBackend {
     /// Lightning attention of `io.q.rows` tokens from `state` (advanced in place) into `out`,
     /// with the kernels the plan picks for the shape.
@@ -32,7 +54,17 @@ impl CudaBackend {
         let plan = self.k.planner().lightning(io.q.rows, d);
         match plan {
             LightningPlan::Decode => {
-                self.lightning_decode_rows(shape, io.slopes, io.q, io.k, io.v, &mut [state], out)
+                let none = QkPrep::default();
+                self.lightning_decode_rows(
+                    shape,
+                    io.slopes,
+                    io.q,
+                    io.k,
+                    io.v,
+                    &mut [state],
+                    out,
+                    none,
+                )
             }
             LightningPlan::TwoPass => self.lightning_two_pass(io, state, out),
             LightningPlan::Fused { buffers } => self.lightning_fused(io, state, out, buffers),
@@ -90,7 +122,25 @@ impl CudaBackend {
                 RopeAt::Rows(&positions)
             }
         };
-        if norms.is_some() || inv_freq.is_some() {
+        let runs = span_runs(spans);
+        // A step of decode rows only: each row's q and k are normed and rotated inside the
+        // lightning decode kernel (one launch fewer a layer).
+        let fused = crate::plan::Planner::head_norm_rope_lanes_fits(d)
+            && runs
+                .iter()
+                .all(|r| matches!(r, SpanRun::Rows { .. }) && Self::lightning_decode_fits(d));
+        let mut prep = QkPrep::default();
+        if fused {
+            prep = QkPrep {
+                q_norm: norms.map_or(0, |(w, _, _)| self.ptr(w)),
+                k_norm: norms.map_or(0, |(_, w, _)| self.ptr(w)),
+                eps: norms.map_or(0.0, |(_, _, e)| e),
+                table: match inv_freq {
+                    Some(f) => self.rope_table(f, at, io.q.rows, d / 2)?,
+                    None => 0,
+                },
+            };
+        } else if norms.is_some() || inv_freq.is_some() {
             self.norm_rope(
                 io.q,
                 Some(io.k),
@@ -100,7 +150,7 @@ impl CudaBackend {
             )?;
         }
         let mut w = Windows::new(io);
-        for run in span_runs(spans) {
+        for run in runs {
             match run {
                 SpanRun::Rows {
                     spans: idx,
@@ -108,7 +158,8 @@ impl CudaBackend {
                 } if Self::lightning_decode_fits(d) => {
                     for start in idx.clone().step_by(DECODE_ROWS) {
                         let end = (start + DECODE_ROWS).min(idx.end);
-                        let (q, k, v, out) = w.rows(first_row + start - idx.start, end - start);
+                        let row = first_row + start - idx.start;
+                        let (q, k, v, out) = w.rows(row, end - start);
                         self.lightning_decode_rows(
                             shape,
                             slopes,
@@ -117,6 +168,7 @@ impl CudaBackend {
                             v,
                             &mut states[start..end],
                             out,
+                            prep.at_row(row, d),
                         )?;
                     }
                 }
@@ -153,8 +205,8 @@ impl CudaBackend {
         self.lightning_layer(&io, state, out)
     }
 
-    /// One decode row per sequence (each its own state; q and k normed and rotated), in one
-    /// launch.
+    /// One decode row per sequence (each its own state), in one launch; q and k normed and
+    /// rotated already, or by the kernel as `prep` says.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn lightning_decode_rows(
         &self,
@@ -165,6 +217,7 @@ impl CudaBackend {
         v: &DevAct,
         states: &mut [&mut DevLightningState],
         out: &mut DevAct,
+        prep: QkPrep,
     ) -> BResult<()> {
         let (d, rows) = (shape.head_dim, states.len());
         let ptrs: Vec<u64> = states.iter().map(|st| self.ptr(&**st)).collect();
@@ -182,6 +235,10 @@ impl CudaBackend {
             shape.kv_heads as i32,
             d as i32,
             shape.scale() as f32,
+            prep.q_norm,
+            prep.k_norm,
+            prep.eps,
+            prep.table,
         )
     }
 
