@@ -490,6 +490,8 @@ fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
         ending,
         messages,
         kwargs: body.chat_template_kwargs.unwrap_or_default(),
+        tools: None,
+        reply_prefix: String::new(),
     };
     check_common(st, common, prompt, logprobs)
 }
