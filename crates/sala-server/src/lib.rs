@@ -7,10 +7,14 @@
 //! engine's events feed one [`Metrics`], served as Prometheus text at `/metrics`.
 
 pub mod api;
+mod chat;
+mod completion;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+mod params;
 pub mod reasoning;
+mod respond;
 
 pub use api::ApiError;
 pub use engine::{spawn_engine, EngineHandle, EngineRunner, ModelInfo, DEFAULT_MAX_BATCH};
