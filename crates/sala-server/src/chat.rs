@@ -1,16 +1,20 @@
-//! `POST /v1/chat/completions`: messages through the chat template.
+//! `POST /v1/chat/completions`: messages through the chat template, the reply read for
+//! reasoning and tool calls ([`crate::reply`], [`crate::tools`]).
 
 use crate::api::{parse_body, ApiError, ChatBody, CommonParams, MAX_MESSAGES, MAX_TOP_LOGPROBS};
 use crate::engine::Prompt;
 use crate::http::AppState;
 use crate::params::{check_common, Checked, Kind};
+use crate::reply::{ReplyPiece, ReplySetup};
 use crate::respond::handle;
+use crate::tools::{self, parse::ParsedCall};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use sala_engine::generate::FinishReason;
 use sala_engine::request::ChatEnding;
-use serde_json::Value;
+use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
 pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
@@ -65,14 +69,26 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
         (Some(false), _) => ChatEnding::AsRendered,
         _ => ChatEnding::GenerationPrompt,
     };
+    tools::prepare_messages(&mut messages)?;
+    let tools = tools::check_tools(
+        body.tools,
+        body.tool_choice.as_ref(),
+        body.parallel_tool_calls,
+        ending,
+    )?;
     let prompt = Prompt::Chat {
         ending,
         messages,
         kwargs: body.chat_template_kwargs.unwrap_or_default(),
-        tools: None,
-        reply_prefix: String::new(),
+        tools: tools.template_tools,
+        reply_prefix: tools.reply_prefix.clone(),
     };
-    check_common(st, common, prompt, logprobs)
+    let mut checked = check_common(st, common, prompt, logprobs)?;
+    checked.reply = Some(ReplySetup {
+        prefix: tools.reply_prefix,
+        calls: tools.reading,
+    });
+    Ok(checked)
 }
 
 pub(crate) async fn chat_completions(
@@ -82,4 +98,75 @@ pub(crate) async fn chat_completions(
     handle(st, body, Kind::Chat)
         .await
         .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// A call as OpenAI's `tool_calls` entry, with a new id.
+fn call_json(call: &ParsedCall) -> Value {
+    json!({
+        "id": tools::call_id(),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    })
+}
+
+/// The finish reason of a reply that made `calls` calls: `tool_calls` when it made any and
+/// was not cut off by its length.
+pub(crate) fn chat_finish(finish: FinishReason, calls: usize) -> &'static str {
+    match finish {
+        FinishReason::Stop | FinishReason::Cancelled if calls > 0 => "tool_calls",
+        f => crate::respond::finish_str(f),
+    }
+}
+
+/// The `message` of a whole reply: its content (null when empty and there are calls, as
+/// OpenAI writes it), `reasoning_content` when there was reasoning, `tool_calls` when calls
+/// were made.
+pub(crate) fn chat_message(reply: &ReplyPiece) -> Value {
+    let content = if reply.content.is_empty() && !reply.calls.is_empty() {
+        Value::Null
+    } else {
+        reply.content.clone().into()
+    };
+    let mut message = json!({"role": "assistant", "content": content});
+    if !reply.reasoning.is_empty() {
+        message["reasoning_content"] = reply.reasoning.clone().into();
+    }
+    if !reply.calls.is_empty() {
+        message["tool_calls"] = reply.calls.iter().map(call_json).collect();
+    }
+    message
+}
+
+/// The stream deltas of a piece of a reply: one with its reasoning and content (when it has
+/// any), then two per call, as OpenAI streams them: the call's `index`, `id`, `type` and
+/// name with empty `arguments`, then the arguments. `calls` counts the calls streamed so far.
+pub(crate) fn chat_deltas(piece: &ReplyPiece, calls: &mut usize) -> Vec<Map<String, Value>> {
+    let mut out = Vec::new();
+    if !(piece.reasoning.is_empty() && piece.content.is_empty()) {
+        let mut delta = Map::new();
+        if !piece.reasoning.is_empty() {
+            delta.insert("reasoning_content".into(), piece.reasoning.clone().into());
+        }
+        if !piece.content.is_empty() {
+            delta.insert("content".into(), piece.content.clone().into());
+        }
+        out.push(delta);
+    }
+    for call in &piece.calls {
+        let index = *calls;
+        *calls += 1;
+        let head = json!([{
+            "index": index,
+            "id": tools::call_id(),
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }]);
+        let args = json!([{"index": index, "function": {"arguments": call.arguments}}]);
+        for part in [head, args] {
+            let mut delta = Map::new();
+            delta.insert("tool_calls".into(), part);
+            out.push(delta);
+        }
+    }
+    out
 }

@@ -4,6 +4,7 @@
 use crate::api::{ApiError, CommonParams, StopField, MAX_STOP_STRINGS};
 use crate::engine::{Prompt, Request};
 use crate::http::AppState;
+use crate::reply::ReplySetup;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
@@ -21,6 +22,8 @@ pub(crate) struct Checked {
     pub(crate) request: Request,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
+    /// How to read a chat reply (chat only).
+    pub(crate) reply: Option<ReplySetup>,
 }
 
 pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
@@ -155,5 +158,6 @@ pub(crate) fn check_common(
         },
         stream: p.stream.unwrap_or(false),
         include_usage: p.stream_options.is_some_and(|o| o.include_usage),
+        reply: None,
     })
 }
