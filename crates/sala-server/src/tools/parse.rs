@@ -11,7 +11,8 @@
 //!        | TEXT up to '</param>'    (trimmed, the five XML entities decoded)
 //! ```
 //!
-//! `Q` is `"` or `'`. A call is taken when it is whole, names one of the request's tools and
+//! `Q` is `"` or `'`; `NAME` is letters, digits, `_` and `-` (as tool names are); `KEY` has no
+//! `<`, `>`, line break or its quote. A call is taken when it is whole, names one of the request's tools and
 //! names no argument twice; its values are typed by that tool's schema ([`super::args`]).
 //! Anything else, a call cut off by the end of the reply included, stays content, as
 //! written: a reply never fails for its calls. Whitespace next to a taken call (between
@@ -134,8 +135,8 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    /// `name=` and a quoted, non-empty name without markup or line breaks.
-    fn name_attr(&mut self) -> Read<&'a str> {
+    /// `name=` and a quoted, non-empty name of characters `allowed` (never the quote).
+    fn name_attr(&mut self, allowed: fn(char) -> bool) -> Read<&'a str> {
         self.lit("name=")?;
         let quote = match self.rest().chars().next() {
             None => return Err(Stop::Incomplete),
@@ -144,7 +145,7 @@ impl<'a> Cursor<'a> {
         };
         self.i += 1;
         let rest = self.rest();
-        let Some(end) = rest.find([quote, '<', '>', '\n']) else {
+        let Some(end) = rest.find(|c| c == quote || !allowed(c)) else {
             return Err(Stop::Incomplete);
         };
         if end == 0 || !rest[end..].starts_with(quote) {
@@ -155,9 +156,9 @@ impl<'a> Cursor<'a> {
     }
 
     /// A tag's name attribute and its end: `WS name="X" WS? >`.
-    fn tag_name(&mut self) -> Read<&'a str> {
+    fn tag_name(&mut self, allowed: fn(char) -> bool) -> Read<&'a str> {
         self.ws1()?;
-        let name = self.name_attr()?;
+        let name = self.name_attr(allowed)?;
         self.ws();
         self.lit(">")?;
         Ok(name)
@@ -222,7 +223,10 @@ fn decode_entities(s: &str) -> String {
 fn read_call(s: &str) -> Read<Verdict> {
     let mut c = Cursor { s, i: 0 };
     c.lit(CALL_OPEN)?;
-    let name = c.tag_name()?.to_string();
+    // A function's name is known to be none of the tools' as soon as it holds a character
+    // no tool name may (see `valid_name`): such text is released at once.
+    let name = c.tag_name(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')?;
+    let name = name.to_string();
     let mut params: Vec<RawParam> = Vec::new();
     loop {
         c.ws();
@@ -234,7 +238,7 @@ fn read_call(s: &str) -> Read<Verdict> {
             });
         }
         c.lit(PARAM_OPEN)?;
-        let key = c.tag_name()?.to_string();
+        let key = c.tag_name(|c| !matches!(c, '<' | '>' | '\n'))?.to_string();
         if params.iter().any(|p| p.key == key) {
             return Err(Stop::NoCall);
         }
@@ -555,6 +559,11 @@ mod tests {
         let out = p.push("</function>");
         assert_eq!((out.content.as_str(), out.calls.len()), ("", 1));
         assert_eq!(p.push(" \n ok").content, "ok");
+        // A name no tool can have is known at once.
+        assert_eq!(
+            p.push(" <function name=\"天").content,
+            " <function name=\"天"
+        );
         assert_eq!(p.finish(), Parsed::default());
     }
 }
