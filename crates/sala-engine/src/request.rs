@@ -22,6 +22,14 @@ pub enum Prompt {
         /// How the prompt ends: ready for the assistant's reply, inside the final (assistant)
         /// message so that the reply continues it, or as the template leaves it.
         ending: ChatEnding,
+        /// Tool definitions for the template's `tools` (OpenAI's shape, `{"type": "function",
+        /// "function": {...}}`, as Hugging Face passes them); `None` renders as `none`.
+        tools: Option<Vec<serde_json::Value>>,
+        /// Text the reply must begin with, appended to the rendered prompt (after the
+        /// generation prompt): it is part of the prompt, and the generated text continues it.
+        /// A server forces a tool call this way (`tool_choice` required or named). Empty for
+        /// none.
+        reply_prefix: String,
     },
     /// Token ids, as they are.
     Tokens(Vec<u32>),
@@ -140,13 +148,15 @@ impl Prompt {
                 messages,
                 kwargs,
                 ending,
+                tools,
+                reply_prefix,
             } => {
                 let template = template.as_ref().map_err(|e| {
                     RequestError::invalid(format!("this model has no usable chat template: {e}"))
                 })?;
                 let opts = ChatOptions {
                     add_generation_prompt: *ending == ChatEnding::GenerationPrompt,
-                    tools: None,
+                    tools: tools.clone(),
                     kwargs: kwargs.clone(),
                 };
                 // Contents that read as special tokens go through the template as placeholders
@@ -160,11 +170,12 @@ impl Prompt {
                     RequestError::invalid(format!("applying the chat template: {e}"))
                         .param("messages")
                 })?;
-                let text = if *ending == ChatEnding::ContinueFinal {
+                let mut text = if *ending == ChatEnding::ContinueFinal {
                     continue_final(text, &messages)?
                 } else {
                     text
                 };
+                text.push_str(reply_prefix);
                 if !forged.is_empty() {
                     return encode_with_plain_contents(tokenizer, &text, &forged);
                 }

@@ -19,6 +19,8 @@ fn chat(contents: &[(&str, &str)]) -> Prompt {
             .collect(),
         kwargs: Default::default(),
         ending: ChatEnding::GenerationPrompt,
+        tools: None,
+        reply_prefix: String::new(),
     }
 }
 
@@ -88,4 +90,39 @@ fn special_tokens_in_content_when_asked() {
     let plain = p.token_ids(&tok, &template).unwrap();
     let count = |ids: &[u32]| ids.iter().filter(|&&x| x == end).count();
     assert_eq!(count(&read), count(&plain) + 1);
+}
+
+/// `tools` reach the template as its `tools` variable, and a reply prefix follows the
+/// generation prompt: the prompt is the render with the prefix appended, encoded at once.
+#[test]
+fn tools_reach_the_template_and_the_reply_prefix_ends_the_prompt() {
+    let (_dir, tok) = tokenizer();
+    let template: Result<ChatTemplate, String> = tok.chat_template().map_err(|e| e.to_string());
+    let tool = serde_json::json!({"type": "function", "function": {"name": "get_weather"}});
+    let Prompt::Chat { messages, .. } = chat(&[("user", "Weather in Paris?")]) else {
+        unreachable!()
+    };
+    let prompt = Prompt::Chat {
+        messages: messages.clone(),
+        kwargs: Default::default(),
+        ending: ChatEnding::GenerationPrompt,
+        tools: Some(vec![tool.clone()]),
+        reply_prefix: "<function name=\"get_weather\">".into(),
+    };
+    let rendered = template
+        .as_ref()
+        .unwrap()
+        .render(
+            &messages,
+            &sala_tokenizer::ChatOptions {
+                add_generation_prompt: true,
+                tools: Some(vec![tool]),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert!(rendered.contains("\"name\": \"get_weather\""), "{rendered}");
+    let ids = prompt.token_ids(&tok, &template).unwrap();
+    let want = format!("{rendered}<function name=\"get_weather\">");
+    assert_eq!(ids, tok.encode(&want, true).unwrap());
 }

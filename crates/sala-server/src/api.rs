@@ -169,6 +169,13 @@ pub struct ChatBody {
     pub logprobs: Option<bool>,
     /// With `logprobs`: how many most likely tokens to list per position (0..=20).
     pub top_logprobs: Option<u64>,
+    /// Functions the model may call (OpenAI's `{"type": "function", "function": {...}}`),
+    /// checked by [`crate::tools::check_tools`].
+    pub tools: Option<Vec<Value>>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
+    /// False: keep only the first call of a reply.
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `prompt`: a string, token ids, or a list holding exactly one of those.
@@ -202,6 +209,9 @@ pub const MAX_STOP_STRINGS: usize = 16;
 
 /// Most messages a chat request may hold.
 pub const MAX_MESSAGES: usize = 4096;
+
+/// Most tools a chat request may give (OpenAI's limit).
+pub const MAX_TOOLS: usize = 128;
 
 /// What a field that takes several shapes must be, in our words (serde's name the Rust type).
 fn expected_shape(path: &str) -> Option<&'static str> {

@@ -5,12 +5,21 @@
 //! [`sala_engine::request::Request`]s ([`router`], [`serve`]), the engine's events to JSON
 //! responses or SSE streams, and its typed errors to OpenAI errors ([`ApiError`]). The
 //! engine's events feed one [`Metrics`], served as Prometheus text at `/metrics`.
+//!
+//! A chat reply is read for reasoning ([`reasoning`]) and for tool calls in the model's own
+//! dialect ([`tools`]), both streaming ([`reply`]).
 
 pub mod api;
+mod chat;
+mod completion;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+mod params;
 pub mod reasoning;
+pub mod reply;
+mod respond;
+pub mod tools;
 
 pub use api::ApiError;
 pub use engine::{spawn_engine, EngineHandle, EngineRunner, ModelInfo, DEFAULT_MAX_BATCH};

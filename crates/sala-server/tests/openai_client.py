@@ -1,14 +1,17 @@
 """Drives a sala server with the official `openai` client; prints what it got as JSON.
 
-Usage: python openai_client.py BASE_URL MODEL_ID (the Rust test `openai_client` runs it).
+Usage: python openai_client.py BASE_URL MODEL_ID TOOLS_BASE_URL (the Rust test
+`openai_client` runs it); TOOLS_BASE_URL serves the same model with a context long enough
+for tool definitions.
 """
 
 import json
 import sys
 
 import openai
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
-base_url, model = sys.argv[1], sys.argv[2]
+base_url, model, tools_url = sys.argv[1], sys.argv[2], sys.argv[3]
 client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
 out = {"version": openai.__version__}
 messages = [{"role": "user", "content": "Tell me about the sea."}]
@@ -125,6 +128,89 @@ out["n2"] = error(
 )
 out["empty_messages"] = error(
     lambda: client.chat.completions.create(model=model, messages=[])
+)
+
+# Tools: a call and its result in the history, the next call forced by name. The random
+# model does not finish the call, so the reply is content that begins with the call's start.
+tools_client = openai.OpenAI(base_url=tools_url, api_key="unused", max_retries=0, timeout=60)
+tools = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+history = [
+    {"role": "user", "content": "Weather in Paris, then in Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
+]
+forced = {"type": "function", "function": {"name": "get_weather"}}
+ask = {
+    "model": model,
+    "messages": history,
+    "tools": tools,
+    "tool_choice": forced,
+    "parallel_tool_calls": False,
+    **fixed,
+}
+
+
+def tool_reply(m, finish, u):
+    return {
+        "role": m.role,
+        "content": m.content,
+        "tool_calls": [c.to_dict() for c in m.tool_calls or []],
+        "finish": finish,
+        "usage": usage(u),
+    }
+
+
+r = tools_client.chat.completions.create(**ask)
+out["tools"] = tool_reply(r.choices[0].message, r.choices[0].finish_reason, r.usage)
+# Accumulated as the client's helpers do (they refuse to finish a reply cut by its length,
+# so the state is fed by hand and its snapshot read).
+state = ChatCompletionStreamState()
+for chunk in tools_client.chat.completions.create(
+    stream=True, stream_options={"include_usage": True}, **ask
+):
+    state.handle_chunk(chunk)
+final = state.current_completion_snapshot
+out["tools_stream"] = tool_reply(
+    final.choices[0].message, final.choices[0].finish_reason, final.usage
+)
+out["tool_choice_alone"] = error(
+    lambda: tools_client.chat.completions.create(
+        model=model, messages=messages, tool_choice="required"
+    )
+)
+out["too_many_tools"] = error(
+    lambda: tools_client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[
+            {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)
+        ],
+    )
 )
 
 print(json.dumps(out))

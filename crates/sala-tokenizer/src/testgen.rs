@@ -49,11 +49,17 @@ const SPACE: char = '▁';
 const MAX_PIECE_CHARS: usize = 16;
 const CORPUS: &str = include_str!("corpus.txt");
 
-/// The chat template written into the test `tokenizer_config.json`: SALA-style (starts with
-/// `{{- bos_token }}`, SPEC §14), ChatML turns, a tools system turn rendered with
-/// `tojson(ensure_ascii=False)`, `add_generation_prompt`, and `enable_thinking=false`
-/// appending `<think>\n\n</think>\n\n` after the assistant header. The tools wording after
-/// `<tools>` is a stand-in: the real template text is not known (SPEC §13.1).
+/// The chat template written into the test `tokenizer_config.json`, with the semantics of
+/// MiniCPM's tools template (SPEC §9b) in words of its own (the real text is not known, SPEC
+/// §13.1): `{{- bos_token }}` first (SPEC §14); ChatML turns; with `tools`, a system turn
+/// holding the system message, the tools as JSON (`tojson(ensure_ascii=False)`) inside
+/// `<tools></tools>`, and how to call them: `<function name="NAME"><param name="ARG">VALUE
+/// </param>...</function>`, a value holding `<`, `&` or a line break as `<![CDATA[...]]>`.
+/// An assistant turn's `tool_calls` are written back in that form (object arguments; string
+/// values as they are, others as JSON), several joined by newlines; `tool` messages are
+/// `<tool_response>` blocks in a user turn, consecutive ones sharing it.
+/// `add_generation_prompt` adds the assistant header, and `enable_thinking=false`
+/// `<think>\n\n</think>\n\n` after it.
 pub const TEST_CHAT_TEMPLATE: &str = r#"{{- bos_token }}
 {%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -65,10 +71,45 @@ pub const TEST_CHAT_TEMPLATE: &str = r#"{{- bos_token }}
         {{- '\n' }}
         {{- tool | tojson(ensure_ascii=False) }}
     {%- endfor %}
-    {{- '\n</tools><|im_end|>\n' }}
+    {{- '\n</tools>\n\nTo call a function, write <function name="NAME"> followed by each argument as <param name="ARGUMENT">VALUE</param>, then </function>. Write a value that holds <, & or a line break as <![CDATA[VALUE]]>. Several calls may follow one another, one per line.<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
-    {%- if not (tools and loop.first and message.role == 'system') %}
+    {%- if tools and loop.first and message.role == 'system' %}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + (message.content or '') + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- elif message.role == 'assistant' and message.tool_calls %}
+        {{- '<|im_start|>assistant\n' + (message.content or '') }}
+        {%- for call in message.tool_calls %}
+            {%- set fn = call.function if call.function is defined else call %}
+            {%- if message.content or not loop.first %}
+                {{- '\n' }}
+            {%- endif %}
+            {{- '<function name="' + fn.name + '">' }}
+            {%- if fn.arguments is mapping %}
+                {%- for key, value in fn.arguments.items() %}
+                    {{- '<param name="' + key + '">' }}
+                    {%- if value is string %}
+                        {%- if '<' in value or '&' in value or '\n' in value %}
+                            {{- '<![CDATA[' + value + ']]>' }}
+                        {%- else %}
+                            {{- value }}
+                        {%- endif %}
+                    {%- else %}
+                        {{- value | tojson(ensure_ascii=False) }}
+                    {%- endif %}
+                    {{- '</param>' }}
+                {%- endfor %}
+            {%- endif %}
+            {{- '</function>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- else %}
         {{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}
     {%- endif %}
 {%- endfor %}
@@ -656,9 +697,52 @@ mod tests {
         let text = tmpl.render(&msgs, &opts).unwrap();
         let want = "<s><|im_start|>system\nYou help.\n\n# Tools\n\nYou are provided with function \
                     signatures within <tools></tools> XML tags:\n<tools>\n\
-                    {\"description\": \"查询天气\", \"name\": \"weather\"}\n</tools><|im_end|>\n\
+                    {\"description\": \"查询天气\", \"name\": \"weather\"}\n</tools>\n\nTo call \
+                    a function, write <function name=\"NAME\"> followed by each argument as \
+                    <param name=\"ARGUMENT\">VALUE</param>, then </function>. Write a value \
+                    that holds <, & or a line break as <![CDATA[VALUE]]>. Several calls may \
+                    follow one another, one per line.<|im_end|>\n\
                     <|im_start|>user\n天气?<|im_end|>\n<|im_start|>assistant\n";
         assert_eq!(text, want);
+    }
+
+    /// An assistant turn's tool calls are written back in the calling dialect (CDATA for a
+    /// value with `&` or a line break, JSON for other types), and consecutive tool results
+    /// share one user turn.
+    #[test]
+    fn chat_template_tool_calls_and_results() {
+        let (_dir, tok) = load(500);
+        let tmpl = tok.chat_template().unwrap();
+        let msgs: Vec<ChatMessage> = serde_json::from_value(json!([
+            {"role": "user", "content": "Paris and Rome?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                  "arguments": {"city": "Paris", "days": 3}}},
+                {"id": "call_2", "type": "function", "function": {"name": "get_weather",
+                  "arguments": {"city": "Rome & co\n", "units": ["c"], "hot": true}}}
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+            {"role": "assistant", "content": "Sunny, then rain."}
+        ]))
+        .unwrap();
+        let opts = ChatOptions {
+            tools: Some(vec![
+                json!({"type": "function", "function": {"name": "get_weather"}}),
+            ]),
+            ..Default::default()
+        };
+        let text = tmpl.render(&msgs, &opts).unwrap();
+        let (_, turns) = text.split_once("one per line.<|im_end|>\n").unwrap();
+        let want = "<|im_start|>user\nParis and Rome?<|im_end|>\n<|im_start|>assistant\n\
+                    <function name=\"get_weather\"><param name=\"city\">Paris</param>\
+                    <param name=\"days\">3</param></function>\n\
+                    <function name=\"get_weather\"><param name=\"city\"><![CDATA[Rome & co\n]]>\
+                    </param><param name=\"units\">[\"c\"]</param><param name=\"hot\">true\
+                    </param></function><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n\
+                    </tool_response>\n<tool_response>\nrain\n</tool_response><|im_end|>\n\
+                    <|im_start|>assistant\nSunny, then rain.<|im_end|>\n";
+        assert_eq!(turns, want);
     }
 
     #[test]

@@ -38,8 +38,17 @@ pub fn spawn_engine(queue: usize) -> sala_server::EngineHandle {
 
 /// An engine whose batch holds at most `max_batch` requests.
 pub fn spawn_engine_batched(queue: usize, max_batch: usize) -> sala_server::EngineHandle {
+    spawn_engine_sized(queue, max_batch, MAX_CONTEXT)
+}
+
+/// An engine whose batch holds at most `max_batch` requests of at most `context` tokens.
+pub fn spawn_engine_sized(
+    queue: usize,
+    max_batch: usize,
+    context: usize,
+) -> sala_server::EngineHandle {
     let dir = model_dir().to_path_buf();
-    sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), queue, move |runner| {
+    sala_server::spawn_engine(MODEL_ID.into(), Some(context), queue, move |runner| {
         let engine =
             Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
         runner.max_batch(max_batch).run(engine);
@@ -79,6 +88,12 @@ pub fn serve_with(
 pub fn server() -> SocketAddr {
     static ADDR: OnceLock<SocketAddr> = OnceLock::new();
     *ADDR.get_or_init(|| serve(spawn_engine(64)))
+}
+
+/// A server for long prompts (tool definitions): 2048 tokens of context.
+pub fn long_server() -> SocketAddr {
+    static ADDR: OnceLock<SocketAddr> = OnceLock::new();
+    *ADDR.get_or_init(|| serve(spawn_engine_sized(16, 16, 2048)))
 }
 
 /// Undoes `Transfer-Encoding: chunked`.

@@ -22,7 +22,18 @@ fn any_value(rng: &mut TestRng, depth: usize) -> Value {
                 .collect(),
         ),
         _ => {
-            let keys = ["role", "content", "type", "text", "name", "x"];
+            let keys = [
+                "role",
+                "content",
+                "type",
+                "text",
+                "name",
+                "x",
+                "function",
+                "parameters",
+                "arguments",
+                "tool_calls",
+            ];
             Value::Object(
                 (0..rng.below(4))
                     .map(|_| {
@@ -37,7 +48,7 @@ fn any_value(rng: &mut TestRng, depth: usize) -> Value {
     }
 }
 
-const FIELDS: [&str; 24] = [
+const FIELDS: [&str; 27] = [
     "model",
     "prompt",
     "messages",
@@ -62,6 +73,9 @@ const FIELDS: [&str; 24] = [
     "echo",
     "best_of",
     "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 ];
 
 #[test]

@@ -34,6 +34,7 @@ fn the_official_openai_client_works_streaming_and_not() {
         .arg(script)
         .arg(format!("http://{addr}/v1"))
         .arg(MODEL_ID)
+        .arg(format!("http://{}/v1", long_server()))
         .output()
         .unwrap_or_else(|e| panic!("running {}: {e}", py.display()));
     let stderr = String::from_utf8_lossy(&run.stderr);
@@ -124,5 +125,32 @@ fn the_official_openai_client_works_streaming_and_not() {
         assert_eq!(e["param"], param, "{key}");
         assert_eq!(e["type"], "invalid_request_error", "{key}");
         assert!(!e["message"].as_str().unwrap().is_empty());
+    }
+
+    // Tools through the client: a call history, a named call forced. The random model does
+    // not finish the call: the reply is content beginning with the call's start, whole and
+    // streamed alike, accumulated by the client's stream state without error.
+    let t = &out["tools"];
+    assert_eq!(t["role"], "assistant", "{t}");
+    let content = t["content"].as_str().unwrap();
+    assert!(
+        content.starts_with("<function name=\"get_weather\">"),
+        "{t}"
+    );
+    assert_eq!(t["tool_calls"], json!([]), "{t}");
+    assert_eq!(t["finish"], "length", "{t}");
+    assert_eq!(t["usage"][1], 12, "{t}");
+    let s = &out["tools_stream"];
+    assert_eq!(s["content"], t["content"], "{s}");
+    assert_eq!(s["tool_calls"], json!([]), "{s}");
+    assert_eq!(s["finish"], "length", "{s}");
+    assert_eq!(s["usage"], t["usage"], "{s}");
+    for (key, param) in [
+        ("tool_choice_alone", "tool_choice"),
+        ("too_many_tools", "tools"),
+    ] {
+        let e = &out[key];
+        assert_eq!(e["class"], "BadRequestError", "{key}: {e}");
+        assert_eq!(e["param"], param, "{key}: {e}");
     }
 }

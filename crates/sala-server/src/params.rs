@@ -1,0 +1,163 @@
+//! The parameters both completion routes share, checked against the model and mapped to an
+//! engine [`Request`].
+
+use crate::api::{ApiError, CommonParams, StopField, MAX_STOP_STRINGS};
+use crate::engine::{Prompt, Request};
+use crate::http::AppState;
+use crate::reply::ReplySetup;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use sala_engine::sampling::SamplingParams;
+
+/// Which route a request came by.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Chat,
+    Completion,
+}
+
+/// A request checked and ready to queue.
+pub(crate) struct Checked {
+    pub(crate) request: Request,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
+    /// How to read a chat reply (chat only).
+    pub(crate) reply: Option<ReplySetup>,
+}
+
+pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| {
+        let status = r.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "the request body is too large".to_string()
+        } else {
+            format!("reading the request body: {}", r.body_text())
+        };
+        ApiError::new(status, "invalid_request_error", message)
+    })
+}
+
+/// Checks the shared parameters against the model and maps them to a [`Request`];
+/// `logprobs` comes checked from the endpoint's own fields.
+pub(crate) fn check_common(
+    st: &AppState,
+    p: CommonParams,
+    prompt: Prompt,
+    logprobs: Option<usize>,
+) -> Result<Checked, ApiError> {
+    let info = &st.engine.info;
+    if let Some(model) = &p.model {
+        if *model != info.id {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!(
+                    "the model `{model}` does not exist; this server serves `{}`",
+                    info.id
+                ),
+            )
+            .param("model")
+            .code("model_not_found"));
+        }
+    }
+    if let Some(n) = p.n {
+        if n != 1 {
+            return Err(
+                ApiError::invalid(format!("n is {n}, but only n = 1 is supported")).param("n"),
+            );
+        }
+    }
+    let (max_name, max) = match (p.max_completion_tokens, p.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    let max_tokens = match max {
+        None => info.max_context,
+        Some(0) => {
+            return Err(ApiError::invalid(format!("{max_name} must be at least 1")).param(max_name))
+        }
+        Some(m) if m > info.max_context as u64 => {
+            return Err(ApiError::invalid(format!(
+                "{max_name} is {m}, more than the context budget of {} tokens",
+                info.max_context
+            ))
+            .param(max_name))
+        }
+        Some(m) => m as usize,
+    };
+    let top_k = match p.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid(format!(
+                "top_k is {k}; it must be positive, or 0 or -1 to disable it"
+            ))
+            .param("top_k"))
+        }
+    };
+    for (name, value) in [
+        ("presence_penalty", p.presence_penalty),
+        ("frequency_penalty", p.frequency_penalty),
+    ] {
+        if let Some(v) = value.filter(|v| !(-2.0..=2.0).contains(v)) {
+            return Err(
+                ApiError::invalid(format!("{name} is {v}; it must be in [-2, 2]")).param(name),
+            );
+        }
+    }
+    if p.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(ApiError::invalid("logit_bias is not supported").param("logit_bias"));
+    }
+    if let Some(t) = p.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
+        return Err(
+            ApiError::invalid(format!("temperature is {t}; it must be in [0, 2]"))
+                .param("temperature"),
+        );
+    }
+    let sampling = SamplingParams {
+        temperature: p.temperature.unwrap_or(1.0),
+        top_k,
+        top_p: p.top_p.unwrap_or(1.0),
+        min_p: p.min_p.unwrap_or(0.0),
+        repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: p.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
+        seed: p.seed.map(|s| s.value()),
+    };
+    sampling.validate().map_err(|e| {
+        let err = ApiError::invalid(e.to_string());
+        match e {
+            sala_engine::sampling::SamplingError::InvalidParam { param, .. } => err.param(param),
+            _ => err,
+        }
+    })?;
+    let stop = match p.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s],
+        Some(StopField::Many(v)) => v,
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop strings must not be empty").param("stop"));
+    }
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(format!(
+            "stop has {} strings; at most {MAX_STOP_STRINGS} are allowed",
+            stop.len()
+        ))
+        .param("stop"));
+    }
+    Ok(Checked {
+        request: Request {
+            prompt,
+            sampling,
+            max_tokens,
+            stop,
+            ignore_eos: p.ignore_eos.unwrap_or(false),
+            logprobs,
+        },
+        stream: p.stream.unwrap_or(false),
+        include_usage: p.stream_options.is_some_and(|o| o.include_usage),
+        reply: None,
+    })
+}

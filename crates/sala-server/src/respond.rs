@@ -1,0 +1,446 @@
+//! A checked request queued on the engine, and its events as a response: one JSON body, or
+//! an SSE stream of chunks.
+
+use crate::api::{parse_json, ApiError};
+use crate::chat::{chat_deltas, chat_finish, chat_message, check_chat};
+use crate::completion::check_completion;
+use crate::engine::{Event, LogprobEntry, Prompt};
+use crate::http::{now, AppState};
+use crate::metrics::Outcome;
+use crate::params::{body_bytes, Kind};
+use crate::reply::{ReplyPiece, ReplyReader, ReplySetup};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream};
+use sala_engine::generate::FinishReason;
+use serde_json::{json, Map, Value};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// A request that passed the checks and is queued.
+struct Admitted {
+    events: mpsc::Receiver<Event>,
+    stream: bool,
+    include_usage: bool,
+    logprobs: bool,
+    reply: Option<ReplySetup>,
+}
+
+async fn admit(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Result<Admitted, ApiError> {
+    let bytes = body_bytes(body)?;
+    let value = parse_json(&bytes)?;
+    let mut checked = match kind {
+        Kind::Chat => check_chat(st, &value)?,
+        Kind::Completion => check_completion(st, &value)?,
+    };
+    drop(value);
+    // The template and the tokenizer run on a blocking thread of their own, never on the
+    // engine thread: a long prompt delays no other request.
+    if !matches!(checked.request.prompt, Prompt::Tokens(_)) {
+        let engine = st.engine.clone();
+        let prompt = std::mem::replace(&mut checked.request.prompt, Prompt::Tokens(Vec::new()));
+        let ids = tokio::task::spawn_blocking(move || engine.token_ids(&prompt))
+            .await
+            .map_err(|e| ApiError::internal(format!("preparing the prompt: {e}")))?
+            .map_err(|e| ApiError::from(&e))?;
+        checked.request.prompt = Prompt::Tokens(ids);
+    }
+    let logprobs = checked.request.logprobs.is_some();
+    let events = st.engine.submit(checked.request)?;
+    Ok(Admitted {
+        events,
+        stream: checked.stream,
+        include_usage: checked.include_usage,
+        logprobs,
+        reply: checked.reply,
+    })
+}
+
+/// Answers one completion request (`kind`): checks it, queues it, and answers with the
+/// whole reply or a stream.
+pub(crate) async fn handle(
+    st: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    // Errors from the engine thread are counted there; these are counted here.
+    let counted = |e: ApiError| {
+        st.engine
+            .metrics
+            .request_done(Outcome::of_status(e.status.as_u16()));
+        e
+    };
+    let admitted = admit(&st, body, kind).await.map_err(counted)?;
+    let mut events = admitted.events;
+    match events.recv().await {
+        Some(Event::Started { .. }) => {}
+        Some(Event::Error(e)) => return Err(ApiError::from(&e)),
+        _ => {
+            return Err(counted(ApiError::internal(
+                "the engine stopped before answering",
+            )))
+        }
+    }
+    let id = st.new_id(match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Completion => "cmpl",
+    });
+    let meta = Meta {
+        id,
+        created: now(),
+        model: st.engine.info.id.clone(),
+        kind,
+        logprobs: admitted.logprobs,
+    };
+    let reply = admitted.reply.unwrap_or_default();
+    if admitted.stream {
+        let stream = stream_response(meta, events, admitted.include_usage, &reply);
+        return Ok(stream.into_response());
+    }
+    match whole_response(&meta, &mut events, &reply).await {
+        Ok(body) => Ok(Json(body).into_response()),
+        Err(Failed::Engine(e)) => Err(e),
+        Err(Failed::Here(e)) => Err(counted(e)),
+    }
+}
+
+/// Why a whole response failed: the engine said so (and counted it), or it is found here.
+enum Failed {
+    Engine(ApiError),
+    Here(ApiError),
+}
+
+/// The response body of a request answered whole: its events read to the end.
+async fn whole_response(
+    meta: &Meta,
+    events: &mut mpsc::Receiver<Event>,
+    reply: &ReplySetup,
+) -> Result<Value, Failed> {
+    let kind = meta.kind;
+    let mut reader = ReplyReader::new(reply);
+    let mut read = ReplyPiece::default();
+    let mut text = String::new();
+    let mut entries = Vec::new();
+    loop {
+        match events.recv().await {
+            Some(Event::Text { text: t, logprobs }) => {
+                match kind {
+                    Kind::Chat => read.append(reader.push(&t)),
+                    Kind::Completion => text.push_str(&t),
+                }
+                entries.extend(logprobs);
+            }
+            Some(Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
+                let logprobs = match (meta.logprobs, kind) {
+                    (false, _) => Value::Null,
+                    (true, Kind::Chat) => chat_logprobs(&entries),
+                    (true, Kind::Completion) => completion_logprobs(&entries, &mut 0),
+                };
+                let choice = match kind {
+                    Kind::Chat => {
+                        read.append(reader.finish());
+                        json!({
+                            "index": 0,
+                            "message": chat_message(&read),
+                            "logprobs": logprobs,
+                            "finish_reason": chat_finish(finish, read.calls.len()),
+                        })
+                    }
+                    Kind::Completion => json!({
+                        "index": 0,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": finish_str(finish),
+                    }),
+                };
+                return Ok(json!({
+                    "id": meta.id,
+                    "object": match kind {
+                        Kind::Chat => "chat.completion",
+                        Kind::Completion => "text_completion",
+                    },
+                    "created": meta.created,
+                    "model": meta.model,
+                    "choices": [choice],
+                    "usage": usage(prompt_tokens, completion_tokens),
+                }));
+            }
+            Some(Event::Error(e)) => return Err(Failed::Engine(ApiError::from(&e))),
+            Some(Event::Started { .. }) => {}
+            None => {
+                return Err(Failed::Here(ApiError::internal(
+                    "the engine stopped mid-generation",
+                )))
+            }
+        }
+    }
+}
+
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+    /// Whether the request asked for logprobs.
+    logprobs: bool,
+}
+
+impl Meta {
+    /// One chunk: a chat `delta` or a completion's `text`, the chunk's logprobs (or null) and
+    /// a finish reason.
+    fn chunk(
+        &self,
+        delta: Map<String, Value>,
+        text: &str,
+        logprobs: Value,
+        finish: Option<&str>,
+    ) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+            }
+            Kind::Completion => json!({
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": match self.kind {
+                Kind::Chat => "chat.completion.chunk",
+                Kind::Completion => "text_completion",
+            },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+}
+
+struct StreamState {
+    meta: Meta,
+    events: mpsc::Receiver<Event>,
+    include_usage: bool,
+    /// Chunks ready to send, then (once `ended`) nothing more from the engine.
+    queue: VecDeque<SseEvent>,
+    ended: bool,
+    /// Characters of completion text so far (`text_offset` of the legacy logprobs).
+    offset: usize,
+    /// A chat reply's reasoning, content and calls apart.
+    reader: ReplyReader,
+    /// Tool calls streamed so far.
+    calls: usize,
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+impl StreamState {
+    fn send(&mut self, chunk: Value) {
+        self.queue.push_back(data(&chunk));
+    }
+
+    /// The chunks of a chat reply's piece; `logprobs` go with the first (or alone).
+    fn send_piece(&mut self, piece: &ReplyPiece, mut logprobs: Value) {
+        for delta in chat_deltas(piece, &mut self.calls) {
+            let lp = std::mem::take(&mut logprobs);
+            self.send(self.meta.chunk(delta, "", lp, None));
+        }
+        if !logprobs.is_null() {
+            self.send(self.meta.chunk(Map::new(), "", logprobs, None));
+        }
+    }
+
+    /// Queues what one engine event makes.
+    fn on_event(&mut self, event: Option<Event>) {
+        let kind = self.meta.kind;
+        match event {
+            Some(Event::Text { text, logprobs }) => {
+                if text.is_empty() && logprobs.is_empty() {
+                    return;
+                }
+                let lp = match (self.meta.logprobs, kind) {
+                    (false, _) => Value::Null,
+                    (true, Kind::Chat) => chat_logprobs(&logprobs),
+                    (true, Kind::Completion) => completion_logprobs(&logprobs, &mut self.offset),
+                };
+                match kind {
+                    Kind::Completion => self.send(self.meta.chunk(Map::new(), &text, lp, None)),
+                    Kind::Chat => {
+                        let piece = self.reader.push(&text);
+                        self.send_piece(&piece, lp);
+                    }
+                }
+            }
+            Some(Event::Started { .. }) => {}
+            Some(Event::Done {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            }) => {
+                // A chat reply's held-back text goes out before its finish chunk.
+                let finish = match kind {
+                    Kind::Chat => {
+                        let rest = self.reader.finish();
+                        self.send_piece(&rest, Value::Null);
+                        chat_finish(finish, self.calls)
+                    }
+                    Kind::Completion => finish_str(finish),
+                };
+                self.send(self.meta.chunk(Map::new(), "", Value::Null, Some(finish)));
+                if self.include_usage {
+                    let mut chunk = self.meta.chunk(Map::new(), "", Value::Null, None);
+                    chunk["choices"] = json!([]);
+                    chunk["usage"] = usage(prompt_tokens, completion_tokens);
+                    self.send(chunk);
+                }
+                self.end();
+            }
+            Some(Event::Error(e)) => {
+                self.send(ApiError::from(&e).body());
+                self.end();
+            }
+            None => {
+                self.send(ApiError::internal("the engine stopped mid-generation").body());
+                self.end();
+            }
+        }
+    }
+
+    fn end(&mut self) {
+        self.queue.push_back(SseEvent::default().data("[DONE]"));
+        self.ended = true;
+    }
+}
+
+/// The SSE stream of one request; dropping it (the client left) closes the event channel,
+/// which stops the generation.
+fn stream_response(
+    meta: Meta,
+    events: mpsc::Receiver<Event>,
+    include_usage: bool,
+    reply: &ReplySetup,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let mut state = StreamState {
+        meta,
+        events,
+        include_usage,
+        queue: VecDeque::new(),
+        ended: false,
+        offset: 0,
+        reader: ReplyReader::new(reply),
+        calls: 0,
+    };
+    if state.meta.kind == Kind::Chat {
+        let mut role = Map::new();
+        role.insert("role".into(), "assistant".into());
+        role.insert("content".into(), "".into());
+        state.send(state.meta.chunk(role, "", Value::Null, None));
+    }
+    Sse::new(stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(event) = st.queue.pop_front() {
+                return Some((Ok(event), st));
+            }
+            if st.ended {
+                return None;
+            }
+            let event = st.events.recv().await;
+            st.on_event(event);
+        }
+    }))
+}
+
+pub(crate) fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Length => "length",
+        FinishReason::Stop | FinishReason::Cancelled => "stop",
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    })
+}
+
+/// A logprob as JSON; a non-finite one (a token the model rules out) is -9999, OpenAI's
+/// value for very unlikely tokens.
+fn logprob_value(x: f32) -> Value {
+    if x.is_finite() {
+        json!(x)
+    } else {
+        json!(-9999.0)
+    }
+}
+
+/// The chat shape: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let top: Vec<Value> = e
+                .top
+                .iter()
+                .map(|(t, l)| json!({"token": t.text, "logprob": logprob_value(*l), "bytes": t.bytes}))
+                .collect();
+            json!({
+                "token": e.token.text,
+                "logprob": logprob_value(e.logprob),
+                "bytes": e.token.bytes,
+                "top_logprobs": top,
+            })
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// The legacy completions shape: `tokens`, `token_logprobs`, `top_logprobs` (the most likely
+/// tokens plus the sampled one, by text) and `text_offset` (characters from the start of the
+/// completion; `offset` carries it across stream chunks).
+fn completion_logprobs(entries: &[LogprobEntry], offset: &mut usize) -> Value {
+    let mut tokens = Vec::with_capacity(entries.len());
+    let mut token_logprobs = Vec::with_capacity(entries.len());
+    let mut top_logprobs = Vec::with_capacity(entries.len());
+    let mut text_offset = Vec::with_capacity(entries.len());
+    for e in entries {
+        tokens.push(json!(e.token.text));
+        token_logprobs.push(logprob_value(e.logprob));
+        let mut top = serde_json::Map::new();
+        let sampled = (&e.token, e.logprob);
+        for (t, l) in e.top.iter().map(|(t, l)| (t, *l)).chain([sampled]) {
+            top.entry(t.text.clone())
+                .or_insert_with(|| logprob_value(l));
+        }
+        top_logprobs.push(Value::Object(top));
+        text_offset.push(json!(*offset));
+        *offset += e.token.text.chars().count();
+    }
+    json!({
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,319 @@
+//! A tool call's argument values, from the text the model wrote to JSON, typed by the tool's
+//! JSON schema.
+//!
+//! The model writes every value as text: strings as they are, other values as Python's
+//! `str()` would (`True`, `None`, `{'a': 1}`) or as JSON. A parameter whose schema type is
+//! only `string` keeps the text; any other is read as JSON, then as a Python literal, and the
+//! result is kept when its type is one the schema allows (or the schema names none). A value
+//! that reads as neither, or as a type the schema does not allow while it allows strings,
+//! stays the text: the client sees what the model wrote, never an error.
+
+use serde_json::{Map, Number, Value};
+
+/// The JSON types (`"string"`, `"integer"`, ...) a parameter's schema allows: its `type` (a
+/// name or a list) and those of its `anyOf`/`oneOf` alternatives. Empty when it names none.
+pub fn schema_types(schema: Option<&Value>) -> Vec<String> {
+    let mut out = Vec::new();
+    let Some(schema) = schema else { return out };
+    let mut add = |t: &Value| match t {
+        Value::String(s) => out.push(s.clone()),
+        Value::Array(list) => out.extend(list.iter().filter_map(|t| t.as_str().map(String::from))),
+        _ => {}
+    };
+    if let Some(t) = schema.get("type") {
+        add(t);
+    }
+    for key in ["anyOf", "oneOf"] {
+        if let Some(Value::Array(alts)) = schema.get(key) {
+            for alt in alts {
+                if let Some(t) = alt.get("type") {
+                    add(t);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether `v` is of the JSON schema type `t`.
+fn is_of_type(v: &Value, t: &str) -> bool {
+    match t {
+        "string" => v.is_string(),
+        "integer" => v.is_i64() || v.is_u64(),
+        "number" => v.is_number(),
+        "boolean" => v.is_boolean(),
+        "object" => v.is_object(),
+        "array" => v.is_array(),
+        "null" => v.is_null(),
+        _ => false,
+    }
+}
+
+/// The value of an argument the model wrote as `text`, for a parameter whose schema allows
+/// `types` (see the module docs).
+pub fn typed_value(text: &str, types: &[String]) -> Value {
+    if !types.is_empty() && types.iter().all(|t| t == "string") {
+        return Value::String(text.to_string());
+    }
+    let read = serde_json::from_str::<Value>(text.trim())
+        .ok()
+        .or_else(|| python_literal(text));
+    match read {
+        Some(v) if types.is_empty() || types.iter().any(|t| is_of_type(&v, t)) => v,
+        _ if types.iter().any(|t| t == "string") => Value::String(text.to_string()),
+        Some(v) => v,
+        None => Value::String(text.to_string()),
+    }
+}
+
+/// Deepest nesting a Python literal may have: far beyond any real argument, and the reader
+/// recurses.
+const MAX_DEPTH: usize = 64;
+
+/// `text` read as a Python literal (`None`, `True`, numbers, quoted strings, lists, tuples,
+/// dicts), as JSON; `None` when it is not one.
+pub fn python_literal(text: &str) -> Option<Value> {
+    let mut r = PyReader {
+        s: text.as_bytes(),
+        i: 0,
+    };
+    let v = r.value(0)?;
+    r.skip_ws();
+    (r.i == r.s.len()).then_some(v)
+}
+
+struct PyReader<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl PyReader<'_> {
+    fn skip_ws(&mut self) {
+        while self.s.get(self.i).is_some_and(|b| b.is_ascii_whitespace()) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, b: u8) -> bool {
+        self.skip_ws();
+        if self.s.get(self.i) == Some(&b) {
+            self.i += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn value(&mut self, depth: usize) -> Option<Value> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.skip_ws();
+        match *self.s.get(self.i)? {
+            b'[' => {
+                self.i += 1;
+                Some(Value::Array(self.items(b']', depth)?))
+            }
+            b'(' => {
+                self.i += 1;
+                Some(Value::Array(self.items(b')', depth)?))
+            }
+            b'{' => {
+                self.i += 1;
+                self.dict(depth)
+            }
+            b'\'' | b'"' => self.string().map(Value::String),
+            b'-' | b'+' | b'.' | b'0'..=b'9' => self.number(),
+            _ => {
+                let rest = &self.s[self.i..];
+                let word_end = rest
+                    .iter()
+                    .position(|b| !(b.is_ascii_alphanumeric() || *b == b'_'))
+                    .unwrap_or(rest.len());
+                let v = match &rest[..word_end] {
+                    b"None" => Value::Null,
+                    b"True" => Value::Bool(true),
+                    b"False" => Value::Bool(false),
+                    _ => return None,
+                };
+                self.i += word_end;
+                Some(v)
+            }
+        }
+    }
+
+    /// Values up to `close`, comma-separated, a trailing comma allowed.
+    fn items(&mut self, close: u8, depth: usize) -> Option<Vec<Value>> {
+        let mut out = Vec::new();
+        loop {
+            if self.eat(close) {
+                return Some(out);
+            }
+            out.push(self.value(depth + 1)?);
+            if !self.eat(b',') {
+                return self.eat(close).then_some(out);
+            }
+        }
+    }
+
+    fn dict(&mut self, depth: usize) -> Option<Value> {
+        let mut out = Map::new();
+        loop {
+            if self.eat(b'}') {
+                return Some(Value::Object(out));
+            }
+            let key = match self.value(depth + 1)? {
+                Value::String(s) => s,
+                Value::Number(n) => n.to_string(),
+                Value::Bool(b) => if b { "True" } else { "False" }.to_string(),
+                Value::Null => "None".to_string(),
+                _ => return None,
+            };
+            if !self.eat(b':') {
+                return None;
+            }
+            out.insert(key, self.value(depth + 1)?);
+            if !self.eat(b',') {
+                return self.eat(b'}').then(|| Value::Object(out));
+            }
+        }
+    }
+
+    /// A quoted string (either quote) with Python's common escapes.
+    fn string(&mut self) -> Option<String> {
+        let quote = self.s[self.i];
+        self.i += 1;
+        let mut out = Vec::new();
+        loop {
+            let b = *self.s.get(self.i)?;
+            self.i += 1;
+            match b {
+                _ if b == quote => break,
+                b'\\' => {
+                    let e = *self.s.get(self.i)?;
+                    self.i += 1;
+                    let c = match e {
+                        b'n' => '\n',
+                        b't' => '\t',
+                        b'r' => '\r',
+                        b'0' => '\0',
+                        b'\\' | b'\'' | b'"' => e as char,
+                        b'u' | b'x' => {
+                            let n = if e == b'u' { 4 } else { 2 };
+                            let hex = std::str::from_utf8(self.s.get(self.i..self.i + n)?).ok()?;
+                            self.i += n;
+                            char::from_u32(u32::from_str_radix(hex, 16).ok()?)?
+                        }
+                        _ => return None,
+                    };
+                    let mut buf = [0; 4];
+                    out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                }
+                _ => out.push(b),
+            }
+        }
+        String::from_utf8(out).ok()
+    }
+
+    fn number(&mut self) -> Option<Value> {
+        let start = self.i;
+        while self
+            .s
+            .get(self.i)
+            .is_some_and(|b| b.is_ascii_alphanumeric() || b"+-._".contains(b))
+        {
+            self.i += 1;
+        }
+        let text = std::str::from_utf8(&self.s[start..self.i])
+            .ok()?
+            .replace('_', "");
+        let text = text.strip_prefix('+').unwrap_or(&text);
+        if let Ok(n) = text.parse::<i64>() {
+            return Some(Value::Number(n.into()));
+        }
+        if let Ok(n) = text.parse::<u64>() {
+            return Some(Value::Number(n.into()));
+        }
+        // Rust reads "inf" and "nan", which are no JSON numbers; Python's str() writes them so.
+        let x: f64 = text.parse().ok()?;
+        Number::from_f64(x).map(Value::Number)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn types(t: &[&str]) -> Vec<String> {
+        t.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn values_follow_the_schema_type() {
+        assert_eq!(typed_value("3", &types(&["integer"])), json!(3));
+        assert_eq!(typed_value(" 3 ", &types(&["number"])), json!(3));
+        assert_eq!(typed_value("2.5", &types(&["number"])), json!(2.5));
+        assert_eq!(typed_value("3", &types(&["string"])), json!("3"));
+        assert_eq!(typed_value("true", &types(&["boolean"])), json!(true));
+        assert_eq!(typed_value("False", &types(&["boolean"])), json!(false));
+        assert_eq!(typed_value("None", &types(&["null"])), json!(null));
+        assert_eq!(
+            typed_value("{'a': [1, 'x'], \"b\": None}", &types(&["object"])),
+            json!({"a": [1, "x"], "b": null})
+        );
+        assert_eq!(typed_value("[1, 2,]", &types(&["array"])), json!([1, 2]));
+        assert_eq!(typed_value("(1, 2)", &types(&["array"])), json!([1, 2]));
+        // A union with string: the typed reading when it fits, else the text.
+        assert_eq!(typed_value("7", &types(&["integer", "string"])), json!(7));
+        assert_eq!(
+            typed_value("seven", &types(&["integer", "string"])),
+            json!("seven")
+        );
+        assert_eq!(
+            typed_value("[1]", &types(&["integer", "string"])),
+            json!("[1]")
+        );
+        // No type: whatever reads, else the text.
+        assert_eq!(typed_value("{\"x\": 1}", &[]), json!({"x": 1}));
+        assert_eq!(typed_value("Paris", &[]), json!("Paris"));
+        // A value that does not read as the type is kept as the model wrote it.
+        assert_eq!(typed_value("three", &types(&["integer"])), json!("three"));
+        assert_eq!(typed_value("2.5", &types(&["integer"])), json!(2.5));
+    }
+
+    #[test]
+    fn schema_types_read_type_lists_and_alternatives() {
+        assert_eq!(schema_types(Some(&json!({"type": "string"}))), ["string"]);
+        assert_eq!(
+            schema_types(Some(&json!({"type": ["integer", "null"]}))),
+            ["integer", "null"]
+        );
+        assert_eq!(
+            schema_types(Some(
+                &json!({"anyOf": [{"type": "number"}, {"type": "boolean"}]})
+            )),
+            ["number", "boolean"]
+        );
+        assert!(schema_types(Some(&json!({"enum": ["a"]}))).is_empty());
+        assert!(schema_types(None).is_empty());
+    }
+
+    #[test]
+    fn python_literals_read_or_refuse() {
+        assert_eq!(
+            python_literal("{'k': 'it\\'s', 1: -2.5e3, 'u': '\\u00e9'}"),
+            Some(json!({"k": "it's", "1": -2500.0, "u": "é"}))
+        );
+        assert_eq!(python_literal("1_000"), Some(json!(1000)));
+        assert_eq!(python_literal("'日本'"), Some(json!("日本")));
+        for bad in [
+            "", "[1, 2", "{'a' 1}", "none", "'open", "nan", "1 2", "[1,,2]", "{[1]: 2}",
+        ] {
+            assert_eq!(python_literal(bad), None, "{bad:?}");
+        }
+        // Deep nesting is refused, not a stack overflow.
+        let deep = "[".repeat(100_000);
+        assert_eq!(python_literal(&deep), None);
+    }
+}
