@@ -158,20 +158,23 @@ gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
 #define GM_U 2
 #define GM_P 2
 
-// Partial sums of this warp's slabs: c[nt][i] for weight rows (w_lo, w_hi) = rows g and g + 8
-// of the block's 16, activation rows nt·8 + 2t + (i & 1) (x rows k apart, nb of them). A slab
-// is 32·GM_P elements, lane t's GM_P packs of 8 consecutive ones.
-// U slabs a warp loads per iteration (GM_U, or 1 where registers are short): the slabs a warp
-// adds stay in the same order, so U changes no bit.
-template <int NT, int U = GM_U>
-__device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* w_lo, const bf16* w_hi, int k,
-                                           float (&c)[NT][4]) {
+// Partial sums of this warp's slabs: c[r][nt][i] for M-tile r's weight rows (w_lo[r],
+// w_hi[r]) = rows g and g + 8 of its 16, activation rows nt·8 + 2t + (i & 1) (x rows k apart,
+// nb of them). A slab is 32·GM_P elements, lane t's GM_P packs of 8 consecutive ones.
+// U slabs a warp loads per iteration (GM_U, or 1 where registers are short) and R, the M-tiles
+// that share each load of the activations, change no bit: each tile's sums are added in the
+// same order.
+template <int NT, int R = 1, int U = GM_U>
+__device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* const (&w_lo)[R],
+                                           const bf16* const (&w_hi)[R], int k, float (&c)[R][NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[r][nt][i] = 0.0f;
     const bf16* xr[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? x + (size_t)(nt * 8 + g) * k : nullptr;
@@ -179,15 +182,18 @@ __device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* w_
     const int slabs = (k + SLAB - 1) / SLAB;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * U) {
-        uint4 a[U][GM_P][2], b[U][GM_P][NT];
+        uint4 a[U][GM_P][R][2], b[U][GM_P][NT];
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int p = 0; p < GM_P; p++) {
                 const int kk = (s0 + u * GM_WARPS) * SLAB + (t * GM_P + p) * 8;
                 const bool in = kk < k;
-                a[u][p][0] = in ? __ldg((const uint4*)(w_lo + kk)) : zero;
-                a[u][p][1] = in ? __ldg((const uint4*)(w_hi + kk)) : zero;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    a[u][p][r][0] = in ? __ldg((const uint4*)(w_lo[r] + kk)) : zero;
+                    a[u][p][r][1] = in ? __ldg((const uint4*)(w_hi[r] + kk)) : zero;
+                }
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
                     b[u][p][nt] = in && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
@@ -197,11 +203,13 @@ __device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* w_
 #pragma unroll
             for (int p = 0; p < GM_P; p++)
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const uint4 lo = a[u][p][0], hi = a[u][p][1], x8 = b[u][p][nt];
-                    sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                    sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-                }
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint4 lo = a[u][p][r][0], hi = a[u][p][r][1], x8 = b[u][p][nt];
+                        sp_mma(c[r][nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                        sp_mma(c[r][nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+                    }
     }
 }
 
@@ -223,31 +231,39 @@ __device__ __forceinline__ float gm_block_sum(float (*red)[NT * 128], const floa
 }
 
 // y[b, o] = round(x_b · w[o]) for o < n, b < nb ≤ 8·NT (outputs split over y0..y3 as in gemv,
-// row b of part j at y_j + b·n_j). Over 16 rows, activation rows go in groups of 32 (4 tiles,
-// one slab a load): the block's weights come from DRAM once, then from L2.
-template <int NT>
+// row b of part j at y_j + b·n_j). A block owns R M-tiles (16·R weight rows), which share each
+// load of the activations. Over 16 rows, activation rows go in groups of 32 (4 tiles, one slab
+// a load): the block's weights come from DRAM once, then from L2.
+template <int NT, int R = 1>
 __device__ __forceinline__ void gemv_mma_body(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
                                               bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     constexpr int G = NT <= 2 ? NT : 4;
-    constexpr int U = NT <= 2 ? GM_U : 1;
+    constexpr int U = NT <= 2 && R == 1 ? GM_U : 1;
     __shared__ float red[GM_WARPS][G * 128];
     const int lane = threadIdx.x & 31;
-    const int m0 = blockIdx.x * 16, g = lane >> 2;
-    const bf16* w_lo = w + (u64)min(m0 + g, n - 1) * k;
-    const bf16* w_hi = w + (u64)min(m0 + g + 8, n - 1) * k;
+    const int m0 = blockIdx.x * 16 * R, g = lane >> 2;
+    const bf16 *w_lo[R], *w_hi[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        w_lo[r] = w + (u64)min(m0 + 16 * r + g, n - 1) * k;
+        w_hi[r] = w + (u64)min(m0 + 16 * r + g + 8, n - 1) * k;
+    }
 #pragma unroll
     for (int t0 = 0; t0 < NT; t0 += G) {
         const int rows = nb - t0 * 8;
         if (rows <= 0) break;
-        float c[G][4];
-        gm_partial<G, U>(x + (u64)t0 * 8 * k, rows, w_lo, w_hi, k, c);
-        const int v = threadIdx.x;
-        const float s = gm_block_sum<G>(red, c, v);
-        // Value v: tile nt = v / 128, fragment i = (v / 32) % 4, lane l = v % 32.
-        const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
-        const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = (t0 + nt) * 8 + 2 * (l & 3) + (i & 1);
-        if (v < G * 128 && o < n && b < nb) gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
-        __syncthreads();
+        float c[R][G][4];
+        gm_partial<G, R, U>(x + (u64)t0 * 8 * k, rows, w_lo, w_hi, k, c);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int v = threadIdx.x;
+            const float s = gm_block_sum<G>(red, c[r], v);
+            // Value v: tile nt = v / 128, fragment i = (v / 32) % 4, lane l = v % 32.
+            const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
+            const int o = m0 + 16 * r + (l >> 2) + (i >= 2 ? 8 : 0), b = (t0 + nt) * 8 + 2 * (l & 3) + (i & 1);
+            if (v < G * 128 && o < n && b < nb) gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+            __syncthreads();
+        }
     }
 }
 
@@ -267,52 +283,66 @@ gemv_mma16(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
     gemv_mma_body<2>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// gemv_mma8 for nb ≤ 32 (four N tiles, the weights read from DRAM once).
+// gemv_mma8 for nb ≤ 32 (four N tiles, the weights read from DRAM once); a block owns
+// GM_WIDE M-tiles, so the activations are read from L2 half as often.
+// launch: grid = ceil(n / (16 · GM_WIDE)), block = 32 * GM_WARPS, dynamic smem = 0
+#define GM_WIDE 2
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_mma32(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
            bf16* y3) {
     pdl_start();
-    gemv_mma_body<4>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_mma_body<4, GM_WIDE>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// gemv_mma8 for nb ≤ 64 (two groups of four N tiles; the second reads the weights from L2).
+// gemv_mma32 for nb ≤ 64 (two groups of four N tiles; the second reads the weights from L2).
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_mma64(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
            bf16* y3) {
     pdl_start();
-    gemv_mma_body<8>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_mma_body<8, GM_WIDE>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// The MLP's first half on tensor cores: w = [gate; up] ([2·inter, k]); a block owns outputs
-// j0 .. j0 + 7, its MMA rows 0..7 the gate rows and 8..15 the up rows, so a lane holds g_j and
-// u_j of the same output: y[b·inter + j] = round(round(silu(round(g))) · round(u)).
-template <int NT>
+// The MLP's first half on tensor cores: w = [gate; up] ([2·inter, k]); M-tile r of a block owns
+// outputs j0 + 8r .. j0 + 8r + 7, its MMA rows 0..7 the gate rows and 8..15 the up rows, so a
+// lane holds g_j and u_j of the same output: y[b·inter + j] = round(round(silu(round(g))) ·
+// round(u)).
+template <int NT, int R = 1>
 __device__ __forceinline__ void gemv_silu_mma_body(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
     constexpr int G = NT <= 2 ? NT : 4;
-    constexpr int U = NT <= 2 ? GM_U : 1;
+    constexpr int U = NT <= 2 && R == 1 ? GM_U : 1;
     __shared__ float red[GM_WARPS][G * 128];
     const int lane = threadIdx.x & 31;
-    const int j0 = blockIdx.x * 8, j = min(j0 + (lane >> 2), inter - 1);
+    const int j0 = blockIdx.x * 8 * R;
+    const bf16 *w_gate[R], *w_up[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int j = min(j0 + 8 * r + (lane >> 2), inter - 1);
+        w_gate[r] = w + (u64)j * k;
+        w_up[r] = w + (u64)(inter + j) * k;
+    }
 #pragma unroll
     for (int t0 = 0; t0 < NT; t0 += G) {
         const int rows = nb - t0 * 8;
         if (rows <= 0) break;
-        float c[G][4];
-        gm_partial<G, U>(x + (u64)t0 * 8 * k, rows, w + (u64)j * k, w + (u64)(inter + j) * k, k, c);
-        // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane: thread v < G·64 adds
-        // value (nt, i, l) of the gate and (nt, i + 2, l) of the up rows.
-        const int v = threadIdx.x;
-        const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31;
-        const int vg = nt * 128 + i * 32 + l;
-        const float gs = gm_block_sum<G>(red, c, v < G * 64 ? vg : G * 128);
-        float us = 0.0f;
-        if (v < G * 64)
+        float c[R][G][4];
+        gm_partial<G, R, U>(x + (u64)t0 * 8 * k, rows, w_gate, w_up, k, c);
 #pragma unroll
-            for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
-        const int jo = j0 + (l >> 2), b = (t0 + nt) * 8 + 2 * (l & 3) + i;
-        if (v < G * 64 && jo < inter && b < nb)
-            y[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(gs), round_bf(us)));
-        __syncthreads();
+        for (int r = 0; r < R; r++) {
+            // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane: thread v < G·64
+            // adds value (nt, i, l) of the gate and (nt, i + 2, l) of the up rows.
+            const int v = threadIdx.x;
+            const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31;
+            const int vg = nt * 128 + i * 32 + l;
+            const float gs = gm_block_sum<G>(red, c[r], v < G * 64 ? vg : G * 128);
+            float us = 0.0f;
+            if (v < G * 64)
+#pragma unroll
+                for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
+            const int jo = j0 + 8 * r + (l >> 2), b = (t0 + nt) * 8 + 2 * (l & 3) + i;
+            if (v < G * 64 && jo < inter && b < nb)
+                y[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(gs), round_bf(us)));
+            __syncthreads();
+        }
     }
 }
 
@@ -330,16 +360,17 @@ gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb)
     gemv_silu_mma_body<2>(x, w, y, inter, k, nb);
 }
 
-// gemv_silu_mma8 for nb ≤ 32.
+// gemv_silu_mma8 for nb ≤ 32, GM_WIDE M-tiles a block.
+// launch: grid = ceil(inter / (8 · GM_WIDE)), block = 32 * GM_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_mma32(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
     pdl_start();
-    gemv_silu_mma_body<4>(x, w, y, inter, k, nb);
+    gemv_silu_mma_body<4, GM_WIDE>(x, w, y, inter, k, nb);
 }
 
-// gemv_silu_mma8 for nb ≤ 64.
+// gemv_silu_mma32 for nb ≤ 64.
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_mma64(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
     pdl_start();
-    gemv_silu_mma_body<8>(x, w, y, inter, k, nb);
+    gemv_silu_mma_body<8, GM_WIDE>(x, w, y, inter, k, nb);
 }

@@ -100,6 +100,17 @@ pub const GEMV_BATCH_ROWS: usize = 64;
 pub const GEMV_MMA_ROWS: usize = 64;
 pub const GEMV_MMA_THREADS: u32 = 512;
 
+/// M-tiles (16 weight rows; 8 outputs of the SiLU product) a block of the tensor-core GEMV for
+/// `nb` activation rows owns: over 16 rows, two (`GM_WIDE` of gemv.cu), which share each load
+/// of the activations (read from L2 once per block, so half as often).
+pub fn gemv_mma_tiles(nb: usize) -> usize {
+    if nb > 16 {
+        2
+    } else {
+        1
+    }
+}
+
 /// Most key splits of one staged attention (the merge reads every split's partial state).
 pub const MAX_ATTENTION_SPLIT: usize = 32;
 /// `attention_decode`: at most this many warps (64-key walks) per (query, group).

@@ -5,7 +5,8 @@ use crate::kernels::Launcher;
 use crate::memory::{DevAct, DevMem};
 use crate::options::DecodeGemv;
 use crate::plan::{
-    Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS_PER_BLOCK,
+    gemv_mma_tiles, Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS,
+    GEMV_ROWS_PER_BLOCK,
 };
 use crate::{CudaBackend, DevMatrix};
 use sala_model::{BResult, BackendError};
@@ -64,7 +65,7 @@ impl CudaBackend {
                     17..=32 => Launcher::gemv_mma32,
                     _ => Launcher::gemv_mma64,
                 };
-                let at = grid(16, GEMV_MMA_THREADS);
+                let at = grid(16 * gemv_mma_tiles(nb), GEMV_MMA_THREADS);
                 launch(
                     &self.k, at, xp, wp, n, kk, nb as i32, y0, n0, y1, n1, y2, n2, y3,
                 )?;
@@ -166,7 +167,7 @@ impl CudaBackend {
                 };
                 launch(
                     &self.k,
-                    at(8, GEMV_MMA_THREADS),
+                    at(8 * gemv_mma_tiles(nb), GEMV_MMA_THREADS),
                     xp,
                     wp,
                     yp,
