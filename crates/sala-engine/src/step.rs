@@ -9,6 +9,7 @@
 
 use crate::cache::{CacheBudget, Lease, Refusal};
 use crate::generate::{request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream};
+use crate::grammar::Constraint;
 use crate::request::{FinishReason, RequestId};
 use crate::sampling::SampledToken;
 use crate::scheduler::{Scheduler, Want, Work};
@@ -281,7 +282,7 @@ impl<B: Backend> Engine<B> {
         } else {
             picked
                 .iter_mut()
-                .map(|(m, l)| (&mut m.stream, l.as_slice()))
+                .map(|(m, l)| (&mut m.stream, l.as_mut_slice()))
                 .collect::<Vec<_>>()
                 .into_par_iter()
                 .map(|(stream, logits)| stream.choose(logits))
@@ -317,7 +318,8 @@ impl<B: Backend> Engine<B> {
             }
         }
 
-        // 2. One forward pass over the rows the scheduler plans.
+        // 2. One forward pass over the rows the scheduler plans; the grammars of the requests
+        // whose logits it makes compute their masks meanwhile, on another thread.
         let ws = &mut self.workspace;
         let wants: Vec<Want> = members.iter().map(Member::want).collect();
         let plan = Scheduler::new(ws.max_rows, ws.chunk).plan(&wants);
@@ -325,9 +327,14 @@ impl<B: Backend> Engine<B> {
             let model = &self.model;
             let mut slots: Vec<Option<&mut Member<B, C>>> = members.iter_mut().map(Some).collect();
             let mut inputs = Vec::with_capacity(plan.slots.len());
+            let mut masks = Vec::new();
             for slot in &plan.slots {
                 let Some(Member {
-                    seq, prompt, feed, ..
+                    seq,
+                    prompt,
+                    feed,
+                    stream,
+                    ..
                 }) = slots[slot.index].take()
                 else {
                     unreachable!("a request has one slot in a step")
@@ -345,6 +352,9 @@ impl<B: Backend> Engine<B> {
                     ),
                     (Work::Decode, None) => unreachable!("a decode row has a token to feed"),
                 };
+                if last {
+                    masks.extend(stream.pending_constraint());
+                }
                 inputs.push(StepInput {
                     seq,
                     tokens,
@@ -356,7 +366,8 @@ impl<B: Backend> Engine<B> {
                     },
                 });
             }
-            let result = model.forward(&self.backend, ws, &mut inputs);
+            let backend = &self.backend;
+            let result = beside(masks, || model.forward(backend, ws, &mut inputs));
             drop(inputs);
             match result {
                 Ok(logits) => {
@@ -412,5 +423,73 @@ impl<B: Backend> Engine<B> {
             };
             m.client.event(StepEvent::Done(done), &cx);
         }
+    }
+}
+
+/// Runs `forward` on this thread while the masks of `constraints` are computed on another
+/// (in parallel among themselves), so that on a GPU a mask costs no time of its own: the
+/// forward pass waits for the device meanwhile.
+fn beside<R>(constraints: Vec<&mut Constraint>, forward: impl FnOnce() -> R) -> R {
+    run_beside(constraints, Constraint::compute_mask, forward)
+}
+
+/// Runs `forward` on this thread while `work` runs on another for each of `jobs` (in
+/// parallel, on rayon's threads, when there are several); returns once both are done. A panic
+/// in `work` resumes here.
+fn run_beside<J: Send, R>(
+    jobs: Vec<J>,
+    work: impl Fn(J) + Send + Sync,
+    forward: impl FnOnce() -> R,
+) -> R {
+    if jobs.is_empty() {
+        return forward();
+    }
+    std::thread::scope(|s| {
+        let done = s.spawn(move || {
+            if jobs.len() == 1 {
+                jobs.into_iter().for_each(&work);
+            } else {
+                jobs.into_par_iter().for_each(&work);
+            }
+        });
+        let out = forward();
+        if let Err(panic) = done.join() {
+            std::panic::resume_unwind(panic);
+        }
+        out
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run_beside;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[test]
+    fn the_work_runs_while_the_forward_pass_does() {
+        // The "forward pass" waits for every job to have started: it would wait forever if
+        // they ran after it.
+        let (tx, rx) = mpsc::channel();
+        let tx = std::sync::Mutex::new(tx);
+        let got = run_beside(
+            vec![1, 2, 3],
+            |j| tx.lock().unwrap().send(j).unwrap(),
+            || {
+                let mut seen: Vec<i32> = (0..3)
+                    .map(|_| rx.recv_timeout(Duration::from_secs(20)).unwrap())
+                    .collect();
+                seen.sort_unstable();
+                seen
+            },
+        );
+        assert_eq!(got, [1, 2, 3]);
+        assert_eq!(run_beside(Vec::<()>::new(), |_| {}, || 7), 7);
+    }
+
+    #[test]
+    #[should_panic(expected = "job 2")]
+    fn a_panic_in_the_work_reaches_the_caller() {
+        run_beside(vec![2], |j| panic!("job {j}"), || ());
     }
 }

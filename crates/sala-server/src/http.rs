@@ -428,6 +428,7 @@ fn check_common(
             stop,
             ignore_eos: p.ignore_eos.unwrap_or(false),
             logprobs,
+            grammar: None,
         },
         stream: p.stream.unwrap_or(false),
         include_usage: p.stream_options.is_some_and(|o| o.include_usage),

@@ -451,6 +451,7 @@ fn generate_options(
         } else {
             sala_engine::generate::eos_ids(config, tokenizer)
         },
+        grammar: None,
     };
     opts.sampling.validate()?;
     Ok(opts)
