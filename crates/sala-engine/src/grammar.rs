@@ -133,19 +133,18 @@ impl Grammars {
     /// Compiles `spec`; a schema that is too large, invalid, unsupported or unsatisfiable is
     /// an [`RequestError::InvalidRequest`] naming `response_format`.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Grammar, RequestError> {
-        let invalid = |m: String| RequestError::invalid(m).param(PARAM);
+        let invalid = |m: &str| RequestError::invalid(format!("{PARAM}: {m}")).param(PARAM);
         let mut schema = match spec {
             GrammarSpec::JsonObject => serde_json::json!({"type": "object"}),
             GrammarSpec::JsonSchema(s) => {
                 let size = serde_json::to_string(s).map_or(usize::MAX, |t| t.len());
                 if size > MAX_SCHEMA_BYTES {
-                    return Err(invalid(format!(
-                        "the JSON schema takes {size} bytes; at most {MAX_SCHEMA_BYTES} are \
-                         allowed"
+                    return Err(invalid(&format!(
+                        "the JSON schema takes {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed"
                     )));
                 }
                 if !s.is_object() {
-                    return Err(invalid("the JSON schema must be a JSON object".into()));
+                    return Err(invalid("the JSON schema must be a JSON object"));
                 }
                 s.clone()
             }
@@ -159,17 +158,17 @@ impl Grammars {
             }
             .apply_to(&mut schema);
         }
-        let factory = self.factory()?;
-        let parser = factory
+        let bad_schema =
+            |e: &dyn std::fmt::Display| invalid(&format!("invalid JSON schema: {}", brief(e)));
+        let parser = self
+            .factory()?
             .create_parser(TopLevelGrammar::from_json_schema(schema))
-            .map_err(|e| invalid(format!("invalid JSON schema: {}", brief(&e))))?;
+            .map_err(|e| bad_schema(&e))?;
         let mut matcher = Matcher::new(Ok(parser));
-        let first_mask = matcher
-            .compute_mask()
-            .map_err(|e| invalid(format!("invalid JSON schema: {}", brief(&e))))?;
+        let first_mask = matcher.compute_mask().map_err(|e| bad_schema(&e))?;
         if first_mask.is_zero() {
             return Err(invalid(
-                "no token of this model can begin output that matches the JSON schema".into(),
+                "no token of this model can begin output that matches the JSON schema",
             ));
         }
         Ok(Grammar {
@@ -180,7 +179,7 @@ impl Grammars {
 }
 
 /// An llguidance error's message on one line, cut to a readable length.
-fn brief(e: &impl std::fmt::Display) -> String {
+fn brief(e: &(impl std::fmt::Display + ?Sized)) -> String {
     const MAX_CHARS: usize = 400;
     let s = e.to_string();
     let mut line = s.split_whitespace().collect::<Vec<_>>().join(" ");

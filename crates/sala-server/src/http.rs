@@ -18,6 +18,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream};
 use sala_engine::generate::FinishReason;
+use sala_engine::grammar::GrammarSpec;
 use sala_engine::request::ChatEnding;
 use sala_engine::sampling::SamplingParams;
 use serde_json::{json, Value};
@@ -295,6 +296,8 @@ enum Kind {
 /// A request checked and ready to queue.
 struct Checked {
     request: Request,
+    /// `response_format`, compiled into `request` by [`admit`].
+    grammar: Option<GrammarSpec>,
     stream: bool,
     include_usage: bool,
 }
@@ -420,7 +423,12 @@ fn check_common(
         ))
         .param("stop"));
     }
+    let grammar = match p.response_format {
+        Some(f) => f.grammar()?,
+        None => None,
+    };
     Ok(Checked {
+        grammar,
         request: Request {
             prompt,
             sampling,
@@ -666,6 +674,15 @@ async fn admit(
             .map_err(|e| ApiError::internal(format!("preparing the prompt: {e}")))?
             .map_err(|e| ApiError::from(&e))?;
         checked.request.prompt = Prompt::Tokens(ids);
+    }
+    // So is a grammar's compilation: an invalid schema is a 400 before any engine work.
+    if let Some(spec) = checked.grammar.take() {
+        let engine = st.engine.clone();
+        let grammar = tokio::task::spawn_blocking(move || engine.grammar(&spec))
+            .await
+            .map_err(|e| ApiError::internal(format!("compiling response_format: {e}")))?
+            .map_err(|e| ApiError::from(&e))?;
+        checked.request.grammar = Some(grammar);
     }
     let logprobs = checked.request.logprobs.is_some();
     let events = st.engine.submit(checked.request)?;

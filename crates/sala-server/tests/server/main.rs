@@ -10,6 +10,7 @@ mod memory;
 mod metrics;
 mod openai_client;
 mod shutdown;
+mod structured;
 
 use common::*;
 use sala_engine::generate::{FinishReason, GenerateOptions};
