@@ -266,3 +266,77 @@ impl Constraint {
         Ok(self.matcher.is_stopped())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grammars() -> (tempfile::TempDir, Grammars, Tokenizer) {
+        let dir = tempfile::tempdir().unwrap();
+        sala_tokenizer::write_test_tokenizer(dir.path(), 1024).unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        // Two ids past the tokenizer's, as a model's padded vocabulary has.
+        let g = Grammars::new(tok.clone(), 1026, tok.eos_ids());
+        (dir, g, tok)
+    }
+
+    fn id(tok: &Tokenizer, piece: &str) -> u32 {
+        tok.token_to_id(piece)
+            .unwrap_or_else(|| panic!("{piece:?}"))
+    }
+
+    #[test]
+    fn the_mask_allows_what_may_come_next_and_the_grammar_ends_itself() {
+        let (_dir, g, tok) = grammars();
+        let spec = GrammarSpec::JsonSchema(serde_json::json!({"enum": ["yes", "no"]}));
+        let mut c = Constraint::from(g.compile(&spec).unwrap());
+        let mut logits = vec![0.0f32; 1026];
+        c.apply(&mut logits).unwrap();
+        let allowed: Vec<usize> = (0..logits.len()).filter(|&i| logits[i] == 0.0).collect();
+        // Only tokens that begin `"yes"` or `"no"` (no space: the layout is fixed).
+        assert!(!allowed.is_empty());
+        let bytes = tok.vocab_bytes();
+        for &i in &allowed {
+            let piece = String::from_utf8_lossy(&bytes[i].bytes);
+            assert!(
+                ["\"yes\"", "\"no\""].iter().any(|w| w.starts_with(&*piece)),
+                "{piece:?} allowed"
+            );
+        }
+        assert!(logits[1024..].iter().all(|&x| x == f32::NEG_INFINITY));
+        // `"`, `n`, `o`, `"`: complete after the closing quote, and nothing may follow.
+        assert!(c.needs_mask(), "apply uses the mask up");
+        for (i, piece) in ["\"", "n", "o"].iter().enumerate() {
+            assert!(!c.advance(id(&tok, piece)).unwrap(), "token {i}");
+            assert!(c.needs_mask());
+        }
+        assert!(c.advance(id(&tok, "\"")).unwrap(), "complete");
+        assert!(!c.needs_mask());
+    }
+
+    #[test]
+    fn a_disallowed_token_is_an_error_and_stays_one() {
+        let (_dir, g, tok) = grammars();
+        let mut c = Constraint::from(g.compile(&GrammarSpec::JsonObject).unwrap());
+        let e = c.advance(id(&tok, "a")).unwrap_err();
+        assert!(!e.0.is_empty());
+        assert!(
+            e.to_string().starts_with("structured output failed: "),
+            "{e}"
+        );
+        let mut logits = vec![0.0f32; 1026];
+        assert!(c.apply(&mut logits).is_err());
+    }
+
+    #[test]
+    fn the_eos_ids_must_exist() {
+        let (_dir, _, tok) = grammars();
+        let g = Grammars::new(tok, 1024, Vec::new());
+        match g.compile(&GrammarSpec::JsonObject) {
+            Err(RequestError::Internal { message }) => {
+                assert!(message.contains("EOS"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
