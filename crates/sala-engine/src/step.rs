@@ -3,6 +3,8 @@
 //! [`Engine::step`] samples a token for every request whose logits are ready (all at once:
 //! each request has its own sampler, so the threads change no result), then runs one forward
 //! pass over the rows the [`Scheduler`] plans: decode rows first, then whole prompt chunks.
+//! Meanwhile the grammars of the requests whose logits it makes (structured output) compute
+//! their next masks on rayon's threads, so that sampling finds them ready.
 //! Each request's [`Client`] hears of its progress. A request's tokens do not depend on the
 //! others in the batch: every op treats rows independently, and a prompt is cut where reading
 //! it alone cuts it.
