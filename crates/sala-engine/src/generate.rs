@@ -4,6 +4,7 @@
 //! the per-token half of a request (sampling, stop strings, detokenization).
 
 use crate::cache::{CacheBudget, CacheProbe};
+use crate::grammar::{Constraint, Grammar, GrammarError, Grammars};
 pub use crate::request::FinishReason;
 use crate::sampling::{
     token_logprobs, SampledToken, Sampler, SamplingError, SamplingParams, TokenLogprobs,
@@ -30,6 +31,8 @@ pub enum EngineError {
     Sampling(#[from] SamplingError),
     #[error(transparent)]
     Stop(#[from] StopError),
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
     #[error("{dir}: the tokenizer has {tokenizer} tokens but the model's vocab_size is {model}")]
     VocabMismatch {
         dir: PathBuf,
@@ -84,6 +87,8 @@ pub struct Engine<B: Backend> {
     memory_limit: Option<MemoryLimit>,
     /// How the backend counts the bytes its caches hold, where it can.
     pub(crate) cache_probe: Option<Box<dyn CacheProbe<B>>>,
+    /// Structured output's token environment, built on first use.
+    grammars: std::sync::Arc<Grammars>,
 }
 
 /// Everything about one generation except the prompt.
@@ -96,6 +101,9 @@ pub struct GenerateOptions {
     pub stop: Vec<String>,
     /// Token ids that end generation (not shown in the text).
     pub eos_ids: Vec<u32>,
+    /// What the output must match ([`Engine::grammars`] compiles it); generation stops when
+    /// it is complete.
+    pub grammar: Option<Grammar>,
 }
 
 /// One generated token, as [`Engine::generate_steps`] reports it.
@@ -209,7 +217,13 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Self, EngineError> {
         // One request (`generate`); batches ask for more rows with `set_max_batch`.
         let workspace = model.step_workspace(&backend, chunk.max(1), 1)?;
+        let grammars = Grammars::new(
+            tokenizer.clone(),
+            model.config.vocab_size,
+            eos_ids(&model.config, &tokenizer),
+        );
         Ok(Self {
+            grammars: std::sync::Arc::new(grammars),
             backend,
             model,
             tokenizer,
@@ -296,6 +310,11 @@ impl<B: Backend> Engine<B> {
     /// EOS ids of the config and the tokenizer, deduplicated.
     pub fn eos_ids(&self) -> Vec<u32> {
         eos_ids(&self.model.config, &self.tokenizer)
+    }
+
+    /// Structured output's grammars for this model ([`GenerateOptions::grammar`]).
+    pub fn grammars(&self) -> std::sync::Arc<Grammars> {
+        self.grammars.clone()
     }
 
     /// Generates from `prompt` (token ids), calling `on_text` with each piece of text as it
@@ -401,12 +420,13 @@ pub struct Choice {
     logprobs: Option<TokenLogprobs>,
 }
 
-/// The per-token half of one generation: sampling from each step's logits, EOS ids, stop
-/// strings, detokenization and the token budget. [`Engine::step`] drives one per request
+/// The per-token half of one generation: sampling from each step's logits (under its grammar,
+/// if any), EOS ids, stop strings, detokenization and the token budget. [`Engine::step`] drives one per request
 /// of its batch: [`TokenStream::choose`] (for many streams at once), then
 /// [`TokenStream::commit`].
 pub struct TokenStream {
     sampler: Sampler,
+    constraint: Option<Constraint>,
     stop: StopMatcher,
     detok: Detokenizer,
     eos_ids: Vec<u32>,
@@ -431,6 +451,7 @@ impl TokenStream {
         sampler.add_prompt(prompt)?;
         Ok(Self {
             sampler,
+            constraint: opts.grammar.clone().map(Constraint::from),
             stop: StopMatcher::new(opts.stop.clone())?,
             detok: Detokenizer::new(tokenizer, true),
             eos_ids: opts.eos_ids.clone(),
@@ -443,11 +464,15 @@ impl TokenStream {
     }
 
     /// The next token from `logits` (recorded for the sampler's penalties) and its logprobs
-    /// when asked for; `None` once the stream has ended. It reports nothing, so a batch runs
-    /// it for many streams at once.
-    pub fn choose(&mut self, logits: &[f32]) -> Result<Option<Choice>, EngineError> {
+    /// when asked for; `None` once the stream has ended. A grammar first sets the logits it
+    /// disallows to `-inf` (so logprobs are those of the allowed tokens). It reports nothing,
+    /// so a batch runs it for many streams at once.
+    pub fn choose(&mut self, logits: &mut [f32]) -> Result<Option<Choice>, EngineError> {
         if self.finish.is_some() {
             return Ok(None);
+        }
+        if let Some(c) = &mut self.constraint {
+            c.apply(logits)?;
         }
         let tok = self.sampler.sample(logits)?;
         self.sampler.record_output(tok.id)?;
@@ -460,10 +485,18 @@ impl TokenStream {
         }))
     }
 
-    /// The rest of a token [`TokenStream::choose`] made: EOS, text, stop strings, the budget,
-    /// and the report through `on_step` (see [`Engine::generate_steps`]). Returns the token to
-    /// feed the model next, or `None` once generation has ended (EOS, a stop string, the
-    /// budget, or `on_step` returning false).
+    /// The grammar whose next mask is still to be computed, if any ([`crate::step`] computes
+    /// it beside the forward pass).
+    pub fn pending_constraint(&mut self) -> Option<&mut Constraint> {
+        self.constraint
+            .as_mut()
+            .filter(|c| self.finish.is_none() && c.needs_mask())
+    }
+
+    /// The rest of a token [`TokenStream::choose`] made: EOS, the grammar, text, stop strings,
+    /// the budget, and the report through `on_step` (see [`Engine::generate_steps`]). Returns
+    /// the token to feed the model next, or `None` once generation has ended (EOS, a complete
+    /// grammar, a stop string, the budget, or `on_step` returning false).
     pub fn commit(
         &mut self,
         choice: Choice,
@@ -484,6 +517,10 @@ impl TokenStream {
             self.finish = Some(FinishReason::Stop);
             return Ok(None);
         }
+        let complete = match &mut self.constraint {
+            Some(c) => c.advance(tok.id)?,
+            None => false,
+        };
         let piece = self.detok.push(tok.id)?.unwrap_or_default();
         let stopped = self.stop.push(&piece);
         let go_on = on_step(Step {
@@ -493,7 +530,7 @@ impl TokenStream {
         self.text.push_str(&stopped.text);
         self.finish = if !go_on {
             Some(FinishReason::Cancelled)
-        } else if stopped.stopped() {
+        } else if stopped.stopped() || complete {
             Some(FinishReason::Stop)
         } else if self.tokens.len() >= self.budget {
             Some(FinishReason::Length)

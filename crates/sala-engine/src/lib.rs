@@ -8,9 +8,11 @@
 //! - [`thread`]: the engine thread that owns the model and serves a bounded queue.
 //! - [`generate`]: the [`generate::Engine`] itself, and one request run to its end.
 //! - [`sampling`], [`stop`]: choosing tokens, and stop strings.
+//! - [`grammar`]: structured output, a JSON schema enforced by constrained decoding.
 
 pub mod cache;
 pub mod generate;
+pub mod grammar;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

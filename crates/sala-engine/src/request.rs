@@ -214,6 +214,8 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Report each token's logprob with this many alternatives (`None`: no logprobs).
     pub logprobs: Option<usize>,
+    /// What the output must match, compiled ([`crate::thread::Handle::grammar`]).
+    pub grammar: Option<crate::grammar::Grammar>,
 }
 
 /// How a generation ended.
@@ -369,6 +371,7 @@ impl From<EngineError> for RequestError {
         match e {
             EngineError::Sampling(e) => Self::invalid(e.to_string()),
             EngineError::Stop(e) => Self::invalid(e.to_string()).param("stop"),
+            EngineError::Grammar(e) => Self::invalid(e.to_string()).param("response_format"),
             EngineError::EmptyPrompt => Self::invalid(e.to_string()),
             EngineError::PromptTooLong { .. } | EngineError::OverBudget(_) => {
                 Self::ContextLengthExceeded {

@@ -3,12 +3,15 @@
 //! [`Engine::step`] samples a token for every request whose logits are ready (all at once:
 //! each request has its own sampler, so the threads change no result), then runs one forward
 //! pass over the rows the [`Scheduler`] plans: decode rows first, then whole prompt chunks.
+//! Meanwhile the grammars of the requests whose logits it makes (structured output) compute
+//! their next masks on rayon's threads, so that sampling finds them ready.
 //! Each request's [`Client`] hears of its progress. A request's tokens do not depend on the
 //! others in the batch: every op treats rows independently, and a prompt is cut where reading
 //! it alone cuts it.
 
 use crate::cache::{CacheBudget, Lease, Refusal};
 use crate::generate::{request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream};
+use crate::grammar::Constraint;
 use crate::request::{FinishReason, RequestId};
 use crate::sampling::SampledToken;
 use crate::scheduler::{Scheduler, Want, Work};
@@ -281,7 +284,7 @@ impl<B: Backend> Engine<B> {
         } else {
             picked
                 .iter_mut()
-                .map(|(m, l)| (&mut m.stream, l.as_slice()))
+                .map(|(m, l)| (&mut m.stream, l.as_mut_slice()))
                 .collect::<Vec<_>>()
                 .into_par_iter()
                 .map(|(stream, logits)| stream.choose(logits))
@@ -317,7 +320,8 @@ impl<B: Backend> Engine<B> {
             }
         }
 
-        // 2. One forward pass over the rows the scheduler plans.
+        // 2. One forward pass over the rows the scheduler plans; the grammars of the requests
+        // whose logits it makes compute their masks meanwhile, on another thread.
         let ws = &mut self.workspace;
         let wants: Vec<Want> = members.iter().map(Member::want).collect();
         let plan = Scheduler::new(ws.max_rows, ws.chunk).plan(&wants);
@@ -325,9 +329,14 @@ impl<B: Backend> Engine<B> {
             let model = &self.model;
             let mut slots: Vec<Option<&mut Member<B, C>>> = members.iter_mut().map(Some).collect();
             let mut inputs = Vec::with_capacity(plan.slots.len());
+            let mut masks = Vec::new();
             for slot in &plan.slots {
                 let Some(Member {
-                    seq, prompt, feed, ..
+                    seq,
+                    prompt,
+                    feed,
+                    stream,
+                    ..
                 }) = slots[slot.index].take()
                 else {
                     unreachable!("a request has one slot in a step")
@@ -345,6 +354,9 @@ impl<B: Backend> Engine<B> {
                     ),
                     (Work::Decode, None) => unreachable!("a decode row has a token to feed"),
                 };
+                if last {
+                    masks.extend(stream.pending_constraint());
+                }
                 inputs.push(StepInput {
                     seq,
                     tokens,
@@ -356,7 +368,8 @@ impl<B: Backend> Engine<B> {
                     },
                 });
             }
-            let result = model.forward(&self.backend, ws, &mut inputs);
+            let backend = &self.backend;
+            let result = beside(masks, || model.forward(backend, ws, &mut inputs));
             drop(inputs);
             match result {
                 Ok(logits) => {
@@ -412,5 +425,66 @@ impl<B: Backend> Engine<B> {
             };
             m.client.event(StepEvent::Done(done), &cx);
         }
+    }
+}
+
+/// Runs `forward` on this thread while the masks of `constraints` are computed on rayon's
+/// threads (in parallel among themselves), so that on a GPU a mask costs no time of its own:
+/// the forward pass waits for the device meanwhile.
+fn beside<R>(constraints: Vec<&mut Constraint>, forward: impl FnOnce() -> R) -> R {
+    run_beside(constraints, Constraint::compute_mask, forward)
+}
+
+/// Runs `forward` on this thread (a backend may be bound to it) while `work` runs for each of
+/// `jobs` on rayon's threads; returns once all are done. A panic in `work` resumes here.
+/// Handing jobs to rayon's waiting threads costs ~10 µs; a thread of their own would cost more.
+fn run_beside<J: Send, R>(
+    jobs: Vec<J>,
+    work: impl Fn(J) + Send + Sync,
+    forward: impl FnOnce() -> R,
+) -> R {
+    if jobs.is_empty() {
+        return forward();
+    }
+    let work = &work;
+    rayon::in_place_scope(|s| {
+        for job in jobs {
+            s.spawn(move |_| work(job));
+        }
+        forward()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run_beside;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[test]
+    fn the_work_runs_while_the_forward_pass_does() {
+        // The "forward pass" waits for every job to have started: it would wait forever if
+        // they ran after it.
+        let (tx, rx) = mpsc::channel();
+        let tx = std::sync::Mutex::new(tx);
+        let got = run_beside(
+            vec![1, 2, 3],
+            |j| tx.lock().unwrap().send(j).unwrap(),
+            || {
+                let mut seen: Vec<i32> = (0..3)
+                    .map(|_| rx.recv_timeout(Duration::from_secs(20)).unwrap())
+                    .collect();
+                seen.sort_unstable();
+                seen
+            },
+        );
+        assert_eq!(got, [1, 2, 3]);
+        assert_eq!(run_beside(Vec::<()>::new(), |_| {}, || 7), 7);
+    }
+
+    #[test]
+    #[should_panic(expected = "job 2")]
+    fn a_panic_in_the_work_reaches_the_caller() {
+        run_beside(vec![2], |j| panic!("job {j}"), || ());
     }
 }

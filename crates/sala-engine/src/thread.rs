@@ -8,6 +8,7 @@
 //! request's progress (for metrics), before its client does.
 
 use crate::generate::{Engine, GenerateOptions};
+use crate::grammar::{Grammar, GrammarSpec, Grammars};
 use crate::request::{Event, FinishReason, LogprobEntry, Prompt, Request, RequestError};
 use crate::step::{Batch, Client, StepContext, StepEvent};
 use sala_model::memory::MemoryLimit;
@@ -38,6 +39,9 @@ pub struct EngineInfo {
     /// Special-token text inside chat messages is read as special tokens
     /// ([`Runner::special_tokens_in_content`]).
     pub specials_in_content: bool,
+    /// Structured output's grammars for the model, so that callers compile a request's
+    /// grammar off the engine thread ([`Handle::grammar`]).
+    pub grammars: Arc<Grammars>,
 }
 
 /// Hears of every request's progress on the engine thread, before its client does. Every
@@ -171,6 +175,13 @@ impl Handle {
         )
     }
 
+    /// `spec` compiled for the model, on the calling thread (it may take milliseconds): a
+    /// caller that does this on threads of its own keeps it off the engine thread. An invalid
+    /// schema is [`RequestError::InvalidRequest`].
+    pub fn grammar(&self, spec: &GrammarSpec) -> Result<Grammar, RequestError> {
+        self.info.grammars.compile(spec)
+    }
+
     /// Ends every request in flight or waiting with [`RequestError::ShuttingDown`], now and
     /// from then on (the end of a graceful shutdown's grace).
     pub fn end_all(&self) {
@@ -253,6 +264,7 @@ impl Runner {
             specials_in_content: self.specials_in_content,
             max_context,
             backend: engine.backend_name(),
+            grammars: engine.grammars(),
         };
         if self.ready.send(Ok(info)).is_err() {
             return;
@@ -375,6 +387,7 @@ impl<B: Backend> Serving<B> {
             } else {
                 self.eos.clone()
             },
+            grammar: request.grammar,
         };
         let sink = Sink {
             events: events.clone(),

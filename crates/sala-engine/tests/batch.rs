@@ -43,6 +43,7 @@ fn opts(max_tokens: usize, temperature: f32, seed: u64) -> GenerateOptions {
         max_context: 4096,
         stop: Vec::new(),
         eos_ids: Vec::new(),
+        grammar: None,
     }
 }
 

@@ -27,6 +27,7 @@ fn opts(max_tokens: usize) -> GenerateOptions {
         max_context: 4096,
         stop: Vec::new(),
         eos_ids: Vec::new(),
+        grammar: None,
     }
 }
 

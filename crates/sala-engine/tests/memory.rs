@@ -51,6 +51,7 @@ fn opts(max_tokens: usize, max_context: usize) -> GenerateOptions {
         max_context,
         stop: Vec::new(),
         eos_ids: Vec::new(),
+        grammar: None,
     }
 }
 

@@ -2,6 +2,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use sala_engine::grammar::GrammarSpec;
 use sala_engine::request::RequestError;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -154,6 +155,46 @@ pub struct CommonParams {
     pub ignore_eos: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Structured output: `text` (free), `json_object` or `json_schema`.
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `response_format`: what the output must be.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+/// `response_format.json_schema`. The schema is enforced whether `strict` is true or not.
+#[derive(Debug, Clone, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub schema: Option<Value>,
+    pub strict: Option<bool>,
+}
+
+impl ResponseFormat {
+    /// The grammar the output must match (`None` for free text).
+    pub fn grammar(self) -> Result<Option<GrammarSpec>, ApiError> {
+        Ok(match self {
+            ResponseFormat::Text => None,
+            ResponseFormat::JsonObject => Some(GrammarSpec::JsonObject),
+            ResponseFormat::JsonSchema { json_schema } => match json_schema.schema {
+                Some(schema) => Some(GrammarSpec::JsonSchema(schema)),
+                None => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema.schema is required: the JSON schema the \
+                         output must match",
+                    )
+                    .param("response_format"))
+                }
+            },
+        })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -219,6 +260,10 @@ fn expected_shape(path: &str) -> Option<&'static str> {
         "prompt" => "a string, a list of token ids, or a list holding one of those",
         "stop" => "a string or a list of strings",
         "seed" => "an integer",
+        "response_format" => {
+            "an object whose `type` is `text`, `json_object` or `json_schema` (with \
+             `json_schema.schema`)"
+        }
         _ if path.starts_with("messages") && path.ends_with("content") => {
             "a string or a list of content parts"
         }
@@ -233,7 +278,8 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(value: &Value) -> Result<T, Ap
         let inner = e.into_inner().to_string();
         if path == "." {
             ApiError::invalid(format!("invalid request body: {inner}"))
-        } else if let Some(shape) = expected_shape(&path).filter(|_| inner.contains("untagged")) {
+        } else if let Some(shape) = expected_shape(&path).filter(|_| inner.contains("tagged enum"))
+        {
             ApiError::invalid(format!("invalid field `{path}`: it must be {shape}")).param(path)
         } else {
             ApiError::invalid(format!("invalid field `{path}`: {inner}")).param(path)

@@ -4,6 +4,7 @@
 
 use crate::api::ApiError;
 use crate::metrics::Metrics;
+use sala_engine::grammar::{Grammar, GrammarSpec};
 use sala_engine::request::RequestError;
 use sala_engine::thread::{self, Runner};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,6 +75,11 @@ impl EngineHandle {
     /// A prompt's token ids (the chat template applied), computed on the calling thread.
     pub fn token_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, RequestError> {
         self.engine.token_ids(prompt)
+    }
+
+    /// `spec` compiled for the model, on the calling thread.
+    pub fn grammar(&self, spec: &GrammarSpec) -> Result<Grammar, RequestError> {
+        self.engine.grammar(spec)
     }
 
     /// Begins a graceful shutdown: requests from now on are refused; those in flight go on.

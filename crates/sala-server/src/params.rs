@@ -8,6 +8,7 @@ use crate::reply::ReplySetup;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
+use sala_engine::grammar::GrammarSpec;
 use sala_engine::sampling::SamplingParams;
 
 /// Which route a request came by.
@@ -20,6 +21,8 @@ pub(crate) enum Kind {
 /// A request checked and ready to queue.
 pub(crate) struct Checked {
     pub(crate) request: Request,
+    /// `response_format`, compiled into `request` when it is admitted.
+    pub(crate) grammar: Option<GrammarSpec>,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
     /// How to read a chat reply (chat only).
@@ -147,7 +150,12 @@ pub(crate) fn check_common(
         ))
         .param("stop"));
     }
+    let grammar = match p.response_format {
+        Some(f) => f.grammar()?,
+        None => None,
+    };
     Ok(Checked {
+        grammar,
         request: Request {
             prompt,
             sampling,
@@ -155,6 +163,7 @@ pub(crate) fn check_common(
             stop,
             ignore_eos: p.ignore_eos.unwrap_or(false),
             logprobs,
+            grammar: None,
         },
         stream: p.stream.unwrap_or(false),
         include_usage: p.stream_options.is_some_and(|o| o.include_usage),

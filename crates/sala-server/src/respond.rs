@@ -54,6 +54,15 @@ async fn admit(
             .map_err(|e| ApiError::from(&e))?;
         checked.request.prompt = Prompt::Tokens(ids);
     }
+    // So is a grammar's compilation: an invalid schema is a 400 before any engine work.
+    if let Some(spec) = checked.grammar.take() {
+        let engine = st.engine.clone();
+        let grammar = tokio::task::spawn_blocking(move || engine.grammar(&spec))
+            .await
+            .map_err(|e| ApiError::internal(format!("compiling response_format: {e}")))?
+            .map_err(|e| ApiError::from(&e))?;
+        checked.request.grammar = Some(grammar);
+    }
     let logprobs = checked.request.logprobs.is_some();
     let events = st.engine.submit(checked.request)?;
     Ok(Admitted {

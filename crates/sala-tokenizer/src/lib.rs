@@ -8,6 +8,7 @@
 //! * [`write_test_tokenizer`]: a deterministic small tokenizer laid out like the real vocab,
 //!   for tests and random checkpoints.
 
+mod bytes;
 mod chat;
 mod detok;
 mod error;
@@ -15,6 +16,7 @@ mod pyjson;
 mod testgen;
 mod tokenizer;
 
+pub use bytes::TokenBytes;
 pub use chat::{
     ChatMessage, ChatOptions, ChatTemplate, ContentPart, MessageContent, CHATML_TEMPLATE,
 };

@@ -671,6 +671,7 @@ fn concurrent<B: Backend + DeviceStats>(
         max_context: len + args.decode_tokens + 1,
         stop: Vec::new(),
         eos_ids: Vec::new(),
+        grammar: None,
     };
     let mut rng = TestRng::new(args.seed ^ 0xc0c0);
     let prompts: Vec<Vec<u32>> = (0..n)

@@ -161,6 +161,13 @@ struct GenerateArgs {
     /// Keep generating past EOS tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Constrain the output to a JSON object (constrained decoding; generation stops when
+    /// the object is complete, or cut short at --max-tokens).
+    #[arg(long, conflicts_with = "json_schema")]
+    json: bool,
+    /// Constrain the output to JSON matching the JSON schema in FILE.
+    #[arg(long, value_name = "FILE")]
+    json_schema: Option<PathBuf>,
     #[command(flatten)]
     device: DeviceArgs,
     /// Prompt tokens per prefill chunk.
@@ -449,9 +456,45 @@ fn generate_options(
         } else {
             sala_engine::generate::eos_ids(config, tokenizer)
         },
+        grammar: grammar(args, config, tokenizer)?,
     };
     opts.sampling.validate()?;
     Ok(opts)
+}
+
+/// The grammar of `--json` or `--json-schema`, compiled (before any weight is loaded).
+fn grammar(
+    args: &GenerateArgs,
+    config: &ModelConfig,
+    tokenizer: &Tokenizer,
+) -> Result<Option<sala_engine::grammar::Grammar>> {
+    use sala_engine::grammar::{GrammarSpec, Grammars};
+    let spec = match (&args.json_schema, args.json) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --json-schema {}", path.display()))?;
+            let schema = serde_json::from_str(&text)
+                .with_context(|| format!("--json-schema {}: not JSON", path.display()))?;
+            GrammarSpec::JsonSchema(schema)
+        }
+        (None, true) => GrammarSpec::JsonObject,
+        (None, false) => return Ok(None),
+    };
+    let eos = sala_engine::generate::eos_ids(config, tokenizer);
+    let grammars = Grammars::new(tokenizer.clone(), config.vocab_size, eos);
+    let grammar = grammars.compile(&spec).map_err(|e| {
+        let flag = match &args.json_schema {
+            Some(p) => format!("--json-schema {}", p.display()),
+            None => "--json".into(),
+        };
+        // The engine names the API's parameter; here the flag is at fault.
+        let message = e.to_string();
+        let message = message
+            .strip_prefix("response_format: ")
+            .unwrap_or(&message);
+        anyhow::anyhow!("{flag}: {message}")
+    })?;
+    Ok(Some(grammar))
 }
 
 /// The token ids of `messages` through the checkpoint's chat template, ready for the reply.

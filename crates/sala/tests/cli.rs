@@ -897,3 +897,65 @@ fn ctrl_c_stops_the_reply_not_the_chat() {
     ok(&o);
     assert!(stderr(&o).contains("(stopped)"), "{}", stderr(&o));
 }
+
+#[test]
+fn generate_json_and_json_schema_constrain_the_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let schema = tmp.path().join("schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "n": {"type": "integer", "minimum": 1, "maximum": 9},
+            "ok": {"type": "boolean"}},
+          "required": ["name", "n", "ok"], "additionalProperties": false}"#,
+    )
+    .unwrap();
+    let schema_arg = schema.to_str().unwrap();
+    let o = sala(
+        &[
+            "generate",
+            "A record:",
+            "--max-tokens",
+            "300",
+            "--json-schema",
+            schema_arg,
+        ],
+        tmp.path(),
+    );
+    ok(&o);
+    let v: serde_json::Value =
+        serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["name", "n", "ok"], "{v}");
+    assert!((1..=9).contains(&v["n"].as_i64().unwrap()), "{v}");
+    assert!(stderr(&o).contains("finish: stop"), "{}", stderr(&o));
+
+    let o = sala(
+        &[
+            "generate",
+            "An object:",
+            "--max-tokens",
+            "300",
+            "--json",
+            "--temperature",
+            "1",
+            "--seed",
+            "3",
+        ],
+        tmp.path(),
+    );
+    ok(&o);
+    let v: serde_json::Value =
+        serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    assert!(v.is_object(), "{v}");
+
+    std::fs::write(&schema, r#"{"type": "strin"}"#).unwrap();
+    let o = sala(&["generate", "x", "--json-schema", schema_arg], tmp.path());
+    fails_with(&o, &["--json-schema", "invalid JSON schema", "strin"]);
+    let o = sala(
+        &["generate", "x", "--json-schema", "/no/such/schema.json"],
+        tmp.path(),
+    );
+    fails_with(&o, &["--json-schema", "/no/such/schema.json"]);
+}

@@ -19,6 +19,7 @@ fn engine_steps(prompt: &str, sampling: SamplingParams, max_tokens: usize, n: us
         max_context: MAX_CONTEXT,
         stop: Vec::new(),
         eos_ids: Vec::new(),
+        grammar: None,
     };
     let tokenizer = engine.tokenizer.clone();
     let mut out = Vec::new();

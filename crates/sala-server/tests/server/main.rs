@@ -10,6 +10,7 @@ mod memory;
 mod metrics;
 mod openai_client;
 mod shutdown;
+mod structured;
 mod tools;
 
 use common::*;
@@ -540,6 +541,7 @@ fn generation_stops_when_on_text_says_so() {
         max_context: MAX_CONTEXT,
         stop: Vec::new(),
         eos_ids: Vec::new(),
+        grammar: None,
     };
     let mut calls = 0;
     let g = engine
@@ -569,6 +571,7 @@ fn a_full_queue_is_429_and_abandoned_requests_are_dropped() {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        grammar: None,
     };
     // A keeps the engine busy: nobody reads its events, so the engine waits once they fill.
     let mut a = engine.submit(req(200)).unwrap();

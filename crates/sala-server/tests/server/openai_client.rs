@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::Command;
 
-fn python() -> PathBuf {
+pub fn python() -> PathBuf {
     let path = std::env::var_os("SALA_TEST_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| {

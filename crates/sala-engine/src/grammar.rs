@@ -1,0 +1,342 @@
+//! Structured output: a request's JSON schema (or "any JSON object") enforced by constrained
+//! decoding with [`llguidance`].
+//!
+//! - [`Grammars`]: the model's token environment (a token trie of every token's bytes, the
+//!   specials marked, the EOS ids), built on first use and shared by every request.
+//! - [`Grammars::compile`] turns a [`GrammarSpec`] into a [`Grammar`] at request time, off the
+//!   engine thread: a bad schema is the request's error before any engine work.
+//! - [`Constraint`]: a request's grammar while it generates. Each step its mask of allowed
+//!   tokens is computed beside the forward pass ([`crate::step`]), applied to the logits before
+//!   sampling (disallowed tokens become `-inf`), and the sampled token advances it. When the
+//!   grammar is complete and nothing may follow, generation stops.
+//!
+//! JSON is generated in one fixed layout: `", "` between items, `": "` after keys, no other
+//! whitespace (a schema's `x-guidance` may say otherwise). Free whitespace would let a model
+//! emit spaces and newlines forever; the fixed layout is also Python's `json.dumps`, which
+//! models know.
+
+use crate::request::RequestError;
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId};
+use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
+use sala_tokenizer::Tokenizer;
+use std::sync::{Arc, OnceLock};
+
+/// Most bytes a request's JSON schema may take (as compact JSON).
+pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+
+/// The request parameter that structured output answers to.
+const PARAM: &str = "response_format";
+
+/// What the output must be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GrammarSpec {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON matching this schema.
+    JsonSchema(serde_json::Value),
+}
+
+/// A compiled grammar, ready to constrain one request (cloning it is cheap: the parser's
+/// tables are shared).
+#[derive(Clone)]
+pub struct Grammar {
+    matcher: Matcher,
+    /// The mask of the first token, computed when it was compiled.
+    first_mask: SimpleVob,
+}
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammar")
+            .field("first_allowed", &self.first_mask.num_set())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The model's token environment for grammars, built on first use.
+pub struct Grammars {
+    tokenizer: Tokenizer,
+    vocab_size: usize,
+    eos_ids: Vec<u32>,
+    factory: OnceLock<Result<ParserFactory, String>>,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars")
+            .field("vocab_size", &self.vocab_size)
+            .field("eos_ids", &self.eos_ids)
+            .field("built", &self.factory.get().is_some())
+            .finish()
+    }
+}
+
+/// The token trie of `tokenizer` over `vocab_size` ids (the model's: ids past the tokenizer's
+/// have no bytes and are never allowed), with `eos_ids` as its end tokens.
+fn token_trie(
+    tokenizer: &Tokenizer,
+    vocab_size: usize,
+    eos_ids: &[u32],
+) -> Result<TokTrie, String> {
+    let mut words: Vec<Vec<u8>> = tokenizer
+        .vocab_bytes()
+        .into_iter()
+        .map(|t| {
+            if t.special {
+                // llguidance's mark for a special token: never text, named in grammars.
+                let mut b = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                b.extend(t.bytes);
+                b
+            } else {
+                t.bytes
+            }
+        })
+        .collect();
+    words.resize(vocab_size.max(words.len()), Vec::new());
+    let vocab = u32::try_from(words.len()).map_err(|_| "the vocabulary is too large")?;
+    let eos: Vec<TokenId> = eos_ids.iter().copied().filter(|&id| id < vocab).collect();
+    let Some(&first) = eos.first() else {
+        return Err("the model has no EOS token to end structured output with".into());
+    };
+    let info = TokRxInfo::new(vocab, first);
+    Ok(TokTrie::from(&info, &words).with_eos_tokens(&eos))
+}
+
+impl Grammars {
+    /// Grammars over `tokenizer` for a model of `vocab_size` logits that ends text with
+    /// `eos_ids`. Nothing is built until the first [`Grammars::compile`].
+    pub fn new(tokenizer: Tokenizer, vocab_size: usize, eos_ids: Vec<u32>) -> Self {
+        Self {
+            tokenizer,
+            vocab_size,
+            eos_ids,
+            factory: OnceLock::new(),
+        }
+    }
+
+    fn factory(&self) -> Result<&ParserFactory, RequestError> {
+        self.factory
+            .get_or_init(|| {
+                let trie = token_trie(&self.tokenizer, self.vocab_size, &self.eos_ids)?;
+                let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+                let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+                factory.quiet();
+                // Errors name the problem, not the parser's whole state.
+                factory.limits_mut().verbose_errors = false;
+                Ok(factory)
+            })
+            .as_ref()
+            .map_err(|e| RequestError::internal(format!("structured output is unavailable: {e}")))
+    }
+
+    /// Compiles `spec`; a schema that is too large, invalid, unsupported or unsatisfiable is
+    /// an [`RequestError::InvalidRequest`] naming `response_format`.
+    pub fn compile(&self, spec: &GrammarSpec) -> Result<Grammar, RequestError> {
+        let invalid = |m: &str| RequestError::invalid(format!("{PARAM}: {m}")).param(PARAM);
+        let mut schema = match spec {
+            GrammarSpec::JsonObject => serde_json::json!({"type": "object"}),
+            GrammarSpec::JsonSchema(s) => {
+                let size = serde_json::to_string(s).map_or(usize::MAX, |t| t.len());
+                if size > MAX_SCHEMA_BYTES {
+                    return Err(invalid(&format!(
+                        "the JSON schema takes {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed"
+                    )));
+                }
+                if !s.is_object() {
+                    return Err(invalid("the JSON schema must be a JSON object"));
+                }
+                s.clone()
+            }
+        };
+        if schema.get("x-guidance").is_none() {
+            JsonCompileOptions {
+                item_separator: ", ".into(),
+                key_separator: ": ".into(),
+                whitespace_flexible: false,
+                ..JsonCompileOptions::default()
+            }
+            .apply_to(&mut schema);
+        }
+        let bad_schema =
+            |e: &dyn std::fmt::Display| invalid(&format!("invalid JSON schema: {}", brief(e)));
+        let parser = self
+            .factory()?
+            .create_parser(TopLevelGrammar::from_json_schema(schema))
+            .map_err(|e| bad_schema(&e))?;
+        let mut matcher = Matcher::new(Ok(parser));
+        let first_mask = matcher.compute_mask().map_err(|e| bad_schema(&e))?;
+        if first_mask.is_zero() {
+            return Err(invalid(
+                "no token of this model can begin output that matches the JSON schema",
+            ));
+        }
+        Ok(Grammar {
+            matcher,
+            first_mask,
+        })
+    }
+}
+
+/// An llguidance error's message on one line, cut to a readable length.
+fn brief(e: &(impl std::fmt::Display + ?Sized)) -> String {
+    const MAX_CHARS: usize = 400;
+    let s = e.to_string();
+    let mut line = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if let Some((cut, _)) = line.char_indices().nth(MAX_CHARS) {
+        line.truncate(cut);
+        line.push_str(" …");
+    }
+    line
+}
+
+/// Why a request's constraint failed while it generated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("structured output failed: {0}")]
+pub struct GrammarError(pub String);
+
+/// One request's grammar as it generates: the matcher and the mask of its next token.
+pub struct Constraint {
+    matcher: Matcher,
+    mask: Option<Result<SimpleVob, GrammarError>>,
+}
+
+impl From<Grammar> for Constraint {
+    fn from(g: Grammar) -> Self {
+        Self {
+            matcher: g.matcher,
+            mask: Some(Ok(g.first_mask)),
+        }
+    }
+}
+
+impl Constraint {
+    /// Whether the next token's mask is still to be computed.
+    pub fn needs_mask(&self) -> bool {
+        self.mask.is_none() && !self.matcher.is_stopped()
+    }
+
+    /// Computes the next token's mask (it may take a millisecond: [`crate::step`] runs it
+    /// beside the forward pass).
+    pub fn compute_mask(&mut self) {
+        let mask = self
+            .matcher
+            .compute_mask()
+            .map_err(|e| GrammarError(brief(&e)));
+        self.mask = Some(match mask {
+            Ok(m) if m.is_zero() => Err(GrammarError(
+                "the grammar allows no token of this model here".into(),
+            )),
+            m => m,
+        });
+    }
+
+    /// Sets every logit the grammar disallows to `-inf` (the mask is computed here if it is
+    /// not yet). The mask is used up: the next token needs a new one.
+    pub fn apply(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
+        if self.mask.is_none() {
+            self.compute_mask();
+        }
+        let mask = self.mask.take().expect("computed above")?;
+        for (word, chunk) in mask.as_slice().iter().zip(logits.chunks_mut(32)) {
+            if *word == u32::MAX {
+                continue;
+            }
+            for (bit, x) in chunk.iter_mut().enumerate() {
+                if word & (1 << bit) == 0 {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        // Logits past the grammar's vocabulary (none, when the model's is the trie's).
+        let covered = mask.as_slice().len() * 32;
+        if logits.len() > covered {
+            logits[covered..].fill(f32::NEG_INFINITY);
+        }
+        Ok(())
+    }
+
+    /// Advances the grammar by a sampled token. Returns whether the grammar is complete and
+    /// nothing may follow (generation should stop).
+    pub fn advance(&mut self, token: u32) -> Result<bool, GrammarError> {
+        self.mask = None;
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| GrammarError(brief(&e)))?;
+        Ok(self.matcher.is_stopped())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grammars() -> (tempfile::TempDir, Grammars, Tokenizer) {
+        let dir = tempfile::tempdir().unwrap();
+        sala_tokenizer::write_test_tokenizer(dir.path(), 1024).unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        // Two ids past the tokenizer's, as a model's padded vocabulary has.
+        let g = Grammars::new(tok.clone(), 1026, tok.eos_ids());
+        (dir, g, tok)
+    }
+
+    fn id(tok: &Tokenizer, piece: &str) -> u32 {
+        tok.token_to_id(piece)
+            .unwrap_or_else(|| panic!("{piece:?}"))
+    }
+
+    #[test]
+    fn the_mask_allows_what_may_come_next_and_the_grammar_ends_itself() {
+        let (_dir, g, tok) = grammars();
+        let spec = GrammarSpec::JsonSchema(serde_json::json!({"enum": ["yes", "no"]}));
+        let mut c = Constraint::from(g.compile(&spec).unwrap());
+        let mut logits = vec![0.0f32; 1026];
+        c.apply(&mut logits).unwrap();
+        let allowed: Vec<usize> = (0..logits.len()).filter(|&i| logits[i] == 0.0).collect();
+        // Only tokens that begin `"yes"` or `"no"` (no space: the layout is fixed).
+        assert!(!allowed.is_empty());
+        let bytes = tok.vocab_bytes();
+        for &i in &allowed {
+            let piece = String::from_utf8_lossy(&bytes[i].bytes);
+            assert!(
+                ["\"yes\"", "\"no\""].iter().any(|w| w.starts_with(&*piece)),
+                "{piece:?} allowed"
+            );
+        }
+        assert!(logits[1024..].iter().all(|&x| x == f32::NEG_INFINITY));
+        // `"`, `n`, `o`, `"`: complete after the closing quote, and nothing may follow.
+        assert!(c.needs_mask(), "apply uses the mask up");
+        for (i, piece) in ["\"", "n", "o"].iter().enumerate() {
+            assert!(!c.advance(id(&tok, piece)).unwrap(), "token {i}");
+            assert!(c.needs_mask());
+        }
+        assert!(c.advance(id(&tok, "\"")).unwrap(), "complete");
+        assert!(!c.needs_mask());
+    }
+
+    #[test]
+    fn a_disallowed_token_is_an_error_and_stays_one() {
+        let (_dir, g, tok) = grammars();
+        let mut c = Constraint::from(g.compile(&GrammarSpec::JsonObject).unwrap());
+        let e = c.advance(id(&tok, "a")).unwrap_err();
+        assert!(!e.0.is_empty());
+        assert!(
+            e.to_string().starts_with("structured output failed: "),
+            "{e}"
+        );
+        let mut logits = vec![0.0f32; 1026];
+        assert!(c.apply(&mut logits).is_err());
+    }
+
+    #[test]
+    fn the_eos_ids_must_exist() {
+        let (_dir, _, tok) = grammars();
+        let g = Grammars::new(tok, 1024, Vec::new());
+        match g.compile(&GrammarSpec::JsonObject) {
+            Err(RequestError::Internal { message }) => {
+                assert!(message.contains("EOS"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
