@@ -8,27 +8,15 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 // Programmatic dependent launch (sm_90 on): a kernel launched with the programmatic stream
-// serialization attribute may be scheduled before the previous kernel of the stream ends.
-// pdl_wait waits for the previous kernel's results (its completion and memory flush);
-// pdl_trigger lets the next kernel be scheduled early in turn. Both are no-ops below sm_90 and
-// for a kernel launched plainly. Every kernel calls pdl_start first (wait, then trigger).
-// (Loading a GEMV's first weights between trigger and wait was tried: 4K decode 175 → 169
-// tok/s.)
-__device__ __forceinline__ void pdl_wait() {
+// serialization attribute may be scheduled before the previous kernel of the stream ends. Every
+// kernel calls this first: it waits for the previous kernel's results (its completion and
+// memory flush), then lets the next kernel be scheduled early in turn. A no-op below sm_90.
+// (Loading a GEMV's first weights before the wait was tried: 4K decode 175 -> 169 tok/s.)
+__device__ __forceinline__ void pdl_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-
-__device__ __forceinline__ void pdl_start() {
-    pdl_wait();
-    pdl_trigger();
 }
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
