@@ -199,6 +199,10 @@ pub struct GrammarError(pub String);
 pub struct Constraint {
     matcher: Matcher,
     mask: Option<Result<SimpleVob, GrammarError>>,
+    /// The message of a panic while the mask was computed beside the forward pass: raised
+    /// again by [`Constraint::apply`], inside the request's own sampling, so that it fails
+    /// that request only.
+    panicked: Option<String>,
 }
 
 impl From<Grammar> for Constraint {
@@ -206,6 +210,7 @@ impl From<Grammar> for Constraint {
         Self {
             matcher: g.matcher,
             mask: Some(Ok(g.first_mask)),
+            panicked: None,
         }
     }
 }
@@ -214,6 +219,17 @@ impl Constraint {
     /// Whether the next token's mask is still to be computed.
     pub fn needs_mask(&self) -> bool {
         self.mask.is_none() && !self.matcher.is_stopped()
+    }
+
+    /// [`Constraint::compute_mask`], a panic inside it kept for [`Constraint::apply`] to raise
+    /// (so that one on another thread, beside the forward pass, fails this request only).
+    pub fn compute_mask_isolated(&mut self) {
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.compute_mask()));
+        if let Err(p) = run {
+            self.mask = None;
+            self.panicked =
+                Some(crate::generate::EngineError::from_panic("the grammar", p).to_string());
+        }
     }
 
     /// Computes the next token's mask (it may take a millisecond: [`crate::step`] runs it
@@ -234,6 +250,9 @@ impl Constraint {
     /// Sets every logit the grammar disallows to `-inf` (the mask is computed here if it is
     /// not yet). The mask is used up: the next token needs a new one.
     pub fn apply(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
+        if let Some(message) = self.panicked.take() {
+            panic!("{message}");
+        }
         if self.mask.is_none() {
             self.compute_mask();
         }

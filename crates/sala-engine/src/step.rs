@@ -8,9 +8,15 @@
 //! Each request's [`Client`] hears of its progress. A request's tokens do not depend on the
 //! others in the batch: every op treats rows independently, and a prompt is cut where reading
 //! it alone cuts it.
+//!
+//! A panic inside one request's work (its sampling, its grammar's mask, its text, stop strings
+//! and events) fails that request only, with [`EngineError::Panicked`]; one inside the shared
+//! forward pass fails the requests it served in that step, and the others go on.
 
 use crate::cache::{CacheBudget, Lease, Refusal};
-use crate::generate::{request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream};
+use crate::generate::{
+    isolated, request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream,
+};
 use crate::grammar::Constraint;
 use crate::request::{FinishReason, RequestId};
 use crate::sampling::SampledToken;
@@ -280,14 +286,14 @@ impl<B: Backend> Engine<B> {
             .collect();
         let choices: Vec<_> = if picked.len() == 1 {
             let (m, l) = &mut picked[0];
-            vec![m.stream.choose(l)]
+            vec![isolated("sampling", || m.stream.choose(l))]
         } else {
             picked
                 .iter_mut()
                 .map(|(m, l)| (&mut m.stream, l.as_mut_slice()))
                 .collect::<Vec<_>>()
                 .into_par_iter()
-                .map(|(stream, logits)| stream.choose(logits))
+                .map(|(stream, logits)| isolated("sampling", || stream.choose(logits)))
                 .collect()
         };
         for ((m, _), choice) in picked.into_iter().zip(choices) {
@@ -309,13 +315,18 @@ impl<B: Backend> Engine<B> {
                 };
                 client.event(StepEvent::Token(s), &cx)
             };
+            // A panic in the request's own work (its text, stop strings, events) fails it only.
             let outcome = choice.and_then(|c| match c {
-                Some(c) => stream.commit(c, &mut report),
+                Some(c) => isolated("the request's output", || stream.commit(c, &mut report)),
                 None => Ok(None),
             });
             match outcome {
                 Ok(Some(next)) => m.feed = Some(next),
-                Ok(None) => m.done = Some(stream.finish(&mut report)),
+                Ok(None) => {
+                    m.done = Some(isolated("the request's output", || {
+                        stream.finish(&mut report)
+                    }))
+                }
                 Err(e) => m.done = Some(Err(e)),
             }
         }
@@ -369,7 +380,12 @@ impl<B: Backend> Engine<B> {
                 });
             }
             let backend = &self.backend;
-            let result = beside(masks, || model.forward(backend, ws, &mut inputs));
+            // A panic in the shared forward pass fails the requests it served; the rest go on.
+            let result = isolated("the forward pass", || {
+                #[cfg(test)]
+                tests::forward_hook();
+                beside(masks, || model.forward(backend, ws, &mut inputs)).map_err(Into::into)
+            });
             drop(inputs);
             match result {
                 Ok(logits) => {
@@ -381,12 +397,22 @@ impl<B: Backend> Engine<B> {
                                 cache,
                                 probe: &probe,
                             };
-                            m.client.event(StepEvent::Read { tokens: len }, &cx);
+                            let (read, client) = (m.read, &mut m.client);
+                            let heard = isolated("the request's events", || {
+                                client.event(StepEvent::Read { tokens: len }, &cx);
+                                if read == m.prompt.len() {
+                                    let prompt_tokens = m.prompt.len();
+                                    client.event(StepEvent::Prefilled { prompt_tokens }, &cx);
+                                }
+                                Ok(())
+                            });
+                            if let Err(e) = heard {
+                                m.done = Some(Err(e));
+                                continue;
+                            }
                             if m.read < m.prompt.len() {
                                 continue;
                             }
-                            let prompt_tokens = m.prompt.len();
-                            m.client.event(StepEvent::Prefilled { prompt_tokens }, &cx);
                         }
                         m.feed = None;
                         m.logits = Some(logits);
@@ -394,7 +420,11 @@ impl<B: Backend> Engine<B> {
                 }
                 Err(e) => {
                     for slot in &plan.slots {
-                        members[slot.index].done = Some(Err(BackendError(e.0.clone()).into()));
+                        members[slot.index].done = Some(Err(match &e {
+                            EngineError::Backend(b) => BackendError(b.0.clone()).into(),
+                            EngineError::Panicked(p) => EngineError::Panicked(p.clone()),
+                            other => EngineError::Panicked(other.to_string()),
+                        }));
                     }
                 }
             }
@@ -423,7 +453,12 @@ impl<B: Backend> Engine<B> {
                 cache: &batch.cache,
                 probe: &probe,
             };
-            m.client.event(StepEvent::Done(done), &cx);
+            // A panic here leaves the client without its end: its channel closes as it drops.
+            let client = &mut m.client;
+            let _ = isolated("the request's events", || {
+                client.event(StepEvent::Done(done), &cx);
+                Ok(())
+            });
         }
     }
 }
@@ -432,7 +467,7 @@ impl<B: Backend> Engine<B> {
 /// threads (in parallel among themselves), so that on a GPU a mask costs no time of its own:
 /// the forward pass waits for the device meanwhile.
 fn beside<R>(constraints: Vec<&mut Constraint>, forward: impl FnOnce() -> R) -> R {
-    run_beside(constraints, Constraint::compute_mask, forward)
+    run_beside(constraints, Constraint::compute_mask_isolated, forward)
 }
 
 /// Runs `forward` on this thread (a backend may be bound to it) while `work` runs for each of
@@ -456,7 +491,10 @@ fn run_beside<J: Send, R>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests;
+
+#[cfg(test)]
+mod beside_tests {
     use super::run_beside;
     use std::sync::mpsc;
     use std::time::Duration;

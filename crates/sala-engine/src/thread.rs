@@ -3,8 +3,10 @@
 //!
 //! [`spawn`] starts it and returns a [`Handle`] once the model is loaded; [`Handle::submit`]
 //! queues a request and returns the receiver of its [`Event`]s. Dropping the receiver cancels
-//! the request. A client that does not read pauses only its own request. A panic in a step
-//! fails the requests in flight and the thread goes on. An [`Observer`] hears of every
+//! the request. A client that does not read pauses only its own request. A panic in one
+//! request's work (admission, sampling, its grammar, its text and events) fails that request
+//! only; one in the forward pass fails the requests of that step; anything else that panics in
+//! a step fails the requests in flight. The thread goes on. An [`Observer`] hears of every
 //! request's progress (for metrics), before its client does.
 
 use crate::generate::{Engine, GenerateOptions};
@@ -301,7 +303,7 @@ impl Runner {
                     }
                 };
                 match job {
-                    Some(job) => serving.admit(job),
+                    Some(job) => serving.admit_isolated(job),
                     None => open = false,
                 }
             }
@@ -326,6 +328,19 @@ impl<B: Backend> Serving<B> {
     fn report_cache(&self) {
         let (held, in_use) = self.engine.cache_report(&self.batch);
         self.observer.cache(held, in_use);
+    }
+
+    /// [`Serving::admit`], a panic inside it failing that job only.
+    fn admit_isolated(&mut self, job: Job) {
+        let events = job.events.clone();
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| self.admit(job))) {
+            let e = RequestError::from(crate::generate::EngineError::from_panic(
+                "admitting the request",
+                p,
+            ));
+            self.observer.finished(Err(&e));
+            let _ = events.blocking_send(Event::Error(e));
+        }
     }
 
     /// Checks a job and admits it into the batch; a job that fails its checks hears why.
@@ -419,8 +434,6 @@ impl<B: Backend> Serving<B> {
         }
     }
 
-    /// Drops the requests whose clients left, then runs a step; a panic fails every request
-    /// in flight.
     /// Fails every request in flight: the server is shutting down.
     fn end_all(&mut self) {
         for (_, sink) in self.batch.cancel_where(|_, _| true) {
@@ -430,6 +443,8 @@ impl<B: Backend> Serving<B> {
         }
     }
 
+    /// Drops the requests whose clients left, then runs a step; a panic that the step does
+    /// not isolate to a request fails every request in flight.
     fn step(&mut self) {
         for _ in self.batch.cancel_where(|_, sink| sink.events.is_closed()) {
             self.report_cache();
