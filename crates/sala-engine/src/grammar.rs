@@ -35,6 +35,9 @@ pub enum GrammarSpec {
     JsonObject,
     /// JSON matching this schema.
     JsonSchema(serde_json::Value),
+    /// Text matching a grammar in llguidance's Lark syntax, built by the caller (e.g. the
+    /// tool calls a `tool_choice` requires); its errors name `param`.
+    Lark { grammar: String, param: String },
 }
 
 /// A compiled grammar, ready to constrain one request (cloning it is cheap: the parser's
@@ -133,8 +136,28 @@ impl Grammars {
     /// Compiles `spec`; a schema that is too large, invalid, unsupported or unsatisfiable is
     /// an [`RequestError::InvalidRequest`] naming `response_format`.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Grammar, RequestError> {
+        if let GrammarSpec::Lark { grammar, param } = spec {
+            let invalid = |e: &dyn std::fmt::Display| {
+                RequestError::invalid(format!("{param}: its grammar failed: {}", brief(e)))
+                    .param(param.clone())
+            };
+            let parser = self
+                .factory()?
+                .create_parser(TopLevelGrammar::from_lark(grammar.clone()))
+                .map_err(|e| invalid(&e))?;
+            let mut matcher = Matcher::new(Ok(parser));
+            let first_mask = matcher.compute_mask().map_err(|e| invalid(&e))?;
+            if first_mask.is_zero() {
+                return Err(invalid(&"no token of this model can begin its output"));
+            }
+            return Ok(Grammar {
+                matcher,
+                first_mask,
+            });
+        }
         let invalid = |m: &str| RequestError::invalid(format!("{PARAM}: {m}")).param(PARAM);
         let mut schema = match spec {
+            GrammarSpec::Lark { .. } => unreachable!("compiled above"),
             GrammarSpec::JsonObject => serde_json::json!({"type": "object"}),
             GrammarSpec::JsonSchema(s) => {
                 let size = serde_json::to_string(s).map_or(usize::MAX, |t| t.len());
