@@ -102,6 +102,9 @@ struct Member<B: Backend, C> {
     feed: Option<u32>,
     /// Set when the request has ended (its `Done` is sent as the step ends).
     done: Option<Result<FinishReason, EngineError>>,
+    /// The request whose state this one copies once that one has read the (same) prompt,
+    /// instead of reading it again ([`Engine::admit_copy`]).
+    copy_of: Option<RequestId>,
     client: C,
 }
 
@@ -110,6 +113,8 @@ impl<B: Backend, C> Member<B, C> {
         match (&self.done, self.feed) {
             (Some(_), _) => Want::Nothing,
             (None, Some(_)) => Want::Decode,
+            // It waits for the prompt's state to copy.
+            (None, None) if self.copy_of.is_some() => Want::Nothing,
             (None, None) if self.read < self.prompt.len() => Want::Prompt {
                 read: self.read,
                 len: self.prompt.len(),
@@ -263,8 +268,34 @@ impl<B: Backend> Engine<B> {
             logits: None,
             feed: None,
             done: None,
+            copy_of: None,
             client,
         });
+        Ok(id)
+    }
+
+    /// [`Engine::admit`] for another choice of request `of`'s prompt: when `of` is in the
+    /// batch with the same prompt, still unread, this request waits for it to be read and
+    /// then copies its state and logits (the prompt is read once), or reads it itself where
+    /// the backend cannot copy states or `of` fails first. Its tokens are the same either way.
+    pub fn admit_copy<C>(
+        &mut self,
+        batch: &mut Batch<B, C>,
+        of: RequestId,
+        prompt: Vec<u32>,
+        opts: &GenerateOptions,
+        logprobs: Option<usize>,
+        client: C,
+    ) -> Result<RequestId, EngineError> {
+        let unread = batch.members.iter().any(|m| {
+            m.id == of && m.prompt == prompt && m.done.is_none() && m.read == 0 && m.feed.is_none()
+        });
+        let id = self.admit(batch, prompt, opts, logprobs, client)?;
+        if unread {
+            if let Some(m) = batch.members.last_mut() {
+                m.copy_of = Some(of);
+            }
+        }
         Ok(id)
     }
 
@@ -277,6 +308,14 @@ impl<B: Backend> Engine<B> {
                 .and_then(|p| p.cache_bytes_in_use(&self.backend))
         };
         let Batch { members, cache, .. } = batch;
+        // 0. A copy whose source is gone or failed reads its prompt itself.
+        for i in 0..members.len() {
+            if let Some(of) = members[i].copy_of {
+                if !members.iter().any(|m| m.id == of && m.done.is_none()) {
+                    members[i].copy_of = None;
+                }
+            }
+        }
         // 1. A token for every request whose logits are ready and whose client can take it:
         // sampled for all of them at once, then reported in batch order.
         let mut picked: Vec<(&mut Member<B, C>, Vec<f32>)> = members
@@ -389,6 +428,7 @@ impl<B: Backend> Engine<B> {
             drop(inputs);
             match result {
                 Ok(logits) => {
+                    let mut prefilled = Vec::new();
                     for (slot, logits) in plan.slots.iter().zip(logits) {
                         let m = &mut members[slot.index];
                         if let Work::Chunk { len, .. } = slot.work {
@@ -414,8 +454,49 @@ impl<B: Backend> Engine<B> {
                                 continue;
                             }
                         }
+                        if matches!(slot.work, Work::Chunk { .. }) {
+                            prefilled.push(slot.index);
+                        }
                         m.feed = None;
                         m.logits = Some(logits);
+                    }
+                    // Requests waiting for these prompts copy their state and logits.
+                    for p in prefilled {
+                        for c in 0..members.len() {
+                            if c == p || members[c].copy_of != Some(members[p].id) {
+                                continue;
+                            }
+                            let (src, dst) = if p < c {
+                                let (a, b) = members.split_at_mut(c);
+                                (&a[p], &mut b[0])
+                            } else {
+                                let (a, b) = members.split_at_mut(p);
+                                (&b[0], &mut a[c])
+                            };
+                            dst.copy_of = None;
+                            if model
+                                .copy_sequence(backend, &src.seq, &mut dst.seq)
+                                .is_err()
+                            {
+                                // It reads the prompt itself from the next step.
+                                continue;
+                            }
+                            dst.read = dst.prompt.len();
+                            dst.logits = src.logits.clone();
+                            let cx = StepContext {
+                                cache,
+                                probe: &probe,
+                            };
+                            let (client, len) = (&mut dst.client, dst.prompt.len());
+                            let heard = isolated("the request's events", || {
+                                client.event(StepEvent::Read { tokens: len }, &cx);
+                                client.event(StepEvent::Prefilled { prompt_tokens: len }, &cx);
+                                Ok(())
+                            });
+                            if let Err(e) = heard {
+                                dst.done = Some(Err(e));
+                            }
+                        }
                     }
                 }
                 Err(e) => {

@@ -320,3 +320,27 @@ fn the_thread_reports_a_limit_no_request_fits_and_a_failed_factory() {
     .unwrap();
     assert_eq!(e, "no device");
 }
+
+#[test]
+fn the_choices_of_a_prompt_are_each_a_seeds_request_even_past_the_batch() {
+    // Three choices of one prompt on a batch of two: the third waits for room and reads the
+    // prompt itself; each is what a request of its seed alone gives.
+    let engine = spawn(8, 2, Arc::new(Counts::default()));
+    let seeded = |seed: u64| {
+        let mut r = request(Prompt::Text("a story".into()), 8);
+        r.sampling.temperature = 1.0;
+        r.sampling.seed = Some(seed);
+        r
+    };
+    let alone: Vec<_> = (0..3)
+        .map(|s| drain(&mut engine.submit(seeded(s)).unwrap()))
+        .collect();
+    let mut rxs = engine.submit_choices((0..3).map(seeded).collect()).unwrap();
+    assert_eq!(rxs.len(), 3);
+    for (rx, want) in rxs.iter_mut().zip(&alone) {
+        let got = drain(rx);
+        assert_eq!(got.0, want.0);
+        assert_eq!(got.1.as_ref().unwrap(), want.1.as_ref().unwrap());
+    }
+    assert!(alone.iter().any(|a| a.0 != alone[0].0));
+}

@@ -76,18 +76,22 @@ async fn admit(
         checked.request.grammar = Some(grammar);
     }
     let logprobs = checked.request.logprobs.is_some();
-    // Each choice is a request of its own (its prompt read again: sequences do not share
-    // state yet), sampled with the seed plus its index among its prompt's choices.
+    // Each choice is a request of its own, sampled with the seed plus its index among its
+    // prompt's choices; a prompt's choices are queued together, so that the engine reads the
+    // prompt once and copies its state to the others.
     let n = checked.n;
     let mut events = Vec::with_capacity(prompts.len() * n);
     for prompt in prompts {
-        for j in 0..n {
-            let mut request = checked.request.clone();
-            request.prompt = prompt.clone();
-            request.sampling.seed = request.sampling.seed.map(|s| s.wrapping_add(j as u64));
-            // A refusal drops the choices queued before it, which cancels them.
-            events.push(st.engine.submit(request)?);
-        }
+        let choices = (0..n)
+            .map(|j| {
+                let mut request = checked.request.clone();
+                request.prompt = prompt.clone();
+                request.sampling.seed = request.sampling.seed.map(|s| s.wrapping_add(j as u64));
+                request
+            })
+            .collect();
+        // A refusal drops the choices queued before it, which cancels them.
+        events.extend(st.engine.submit_choices(choices)?);
     }
     Ok(Admitted {
         events,

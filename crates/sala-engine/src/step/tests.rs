@@ -165,3 +165,46 @@ fn a_panic_in_the_forward_pass_fails_that_step_and_the_engine_goes_on() {
     }
     assert_eq!(ok(run(&mut e, &reqs, |_| {})), want);
 }
+
+#[test]
+fn copies_of_a_prompt_read_it_once_and_sample_as_if_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let p = prompt(150, 9);
+    let seeds = [11, 12, 13];
+    let alone: Vec<Outcome> = seeds
+        .iter()
+        .map(|&s| run(&mut e, &[(p.clone(), opts(s), None)], |_| {}).remove(0))
+        .collect();
+    let out: RefCell<Vec<Option<Outcome>>> = RefCell::new(vec![None, None, None]);
+    let mut batch = e.batch();
+    let mut first = None;
+    for (i, &seed) in seeds.iter().enumerate() {
+        let out = &out;
+        let client = move |ev: StepEvent<'_>| {
+            if let StepEvent::Done(r) = ev {
+                out.borrow_mut()[i] =
+                    Some(r.map(|f| (f.tokens.iter().map(|t| t.id).collect(), f.finish)));
+            }
+            true
+        };
+        let id = match first {
+            None => e.admit(&mut batch, p.clone(), &opts(seed), None, client),
+            Some(of) => e.admit_copy(&mut batch, of, p.clone(), &opts(seed), None, client),
+        };
+        first = first.or(Some(id.unwrap()));
+    }
+    e.step(&mut batch);
+    // The first read a chunk; the copies wait.
+    let reads: Vec<usize> = batch.members.iter().map(|m| m.read).collect();
+    assert_eq!(reads, [64, 0, 0]);
+    while !batch.is_empty() {
+        e.step(&mut batch);
+    }
+    drop(batch);
+    let got: Vec<Outcome> = out.into_inner().into_iter().map(Option::unwrap).collect();
+    for (g, a) in got.iter().zip(&alone) {
+        assert_eq!(g.as_ref().unwrap(), a.as_ref().unwrap());
+    }
+    assert_ne!(got[0].as_ref().unwrap(), got[1].as_ref().unwrap());
+}
