@@ -154,6 +154,30 @@ impl SparseCache {
         )
     }
 
+    /// Makes this cache (of the same shape) hold what `src` holds, keeping its reservation
+    /// where it is large enough; an error (nothing lost) when the host cannot give the memory.
+    pub fn copy_from(&mut self, src: &SparseCache) -> Result<(), String> {
+        if self.shape.kv_width() != src.shape.kv_width() {
+            return Err("copy_sparse_cache: the caches' shapes differ".into());
+        }
+        for (dst, src) in [
+            (&mut self.k, &src.k),
+            (&mut self.v, &src.v),
+            (&mut self.k1, &src.k1),
+            (&mut self.k2, &src.k2),
+        ] {
+            dst.clear();
+            dst.try_reserve_exact(src.len()).map_err(|_| {
+                format!(
+                    "the CPU cannot hold a copy of a cache: {} bytes are not available",
+                    src.len() * 4
+                )
+            })?;
+            dst.extend_from_slice(src);
+        }
+        Ok(())
+    }
+
     /// Tokens held.
     pub fn len(&self) -> usize {
         self.k.len() / self.shape.kv_width()

@@ -397,6 +397,22 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy_lightning_state(&self, src: &Vec<f32>, dst: &mut Vec<f32>) -> BResult<()> {
+        if src.len() != dst.len() {
+            return Err(BackendError(format!(
+                "copy_lightning_state: {} values into a state of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_sparse_cache(&self, src: &SparseCache, dst: &mut SparseCache) -> BResult<()> {
+        dst.copy_from(src).map_err(BackendError)
+    }
+
     fn fill_lightning_state_random(&self, state: &mut Vec<f32>, seed: u64) -> BResult<()> {
         *state = self.random_vector(state.len(), seed, 0.0, RANDOM_STATE_STD)?;
         Ok(())

@@ -54,6 +54,32 @@ pub enum EngineError {
     MemoryBusy(OverBudget),
     #[error("the batch is full ({requests} requests)")]
     BatchFull { requests: usize },
+    /// A panic inside this request's work (or the forward pass it was part of): the request
+    /// fails, the engine goes on.
+    #[error("the engine failed on this request ({0})")]
+    Panicked(String),
+}
+
+impl EngineError {
+    /// A panic's payload as an [`EngineError::Panicked`] naming `what` was running.
+    pub fn from_panic(what: &str, payload: Box<dyn std::any::Any + Send>) -> Self {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Self::Panicked(format!("a panic in {what}: {message}"))
+    }
+}
+
+/// Runs `f`, turning a panic inside it into an [`EngineError::Panicked`] naming `what` (a
+/// request's own work fails that request only).
+pub(crate) fn isolated<T>(
+    what: &str,
+    f: impl FnOnce() -> Result<T, EngineError>,
+) -> Result<T, EngineError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|p| Err(EngineError::from_panic(what, p)))
 }
 
 /// Serves a [`Checkpoint`]'s tensors to [`Model::load`].
@@ -470,6 +496,10 @@ impl TokenStream {
     pub fn choose(&mut self, logits: &mut [f32]) -> Result<Option<Choice>, EngineError> {
         if self.finish.is_some() {
             return Ok(None);
+        }
+        #[cfg(test)]
+        if self.sampler.params().seed == Some(crate::step::tests::PANIC_SEED) {
+            panic!("injected panic in sampling");
         }
         if let Some(c) = &mut self.constraint {
             c.apply(logits)?;

@@ -35,6 +35,9 @@ pub enum GrammarSpec {
     JsonObject,
     /// JSON matching this schema.
     JsonSchema(serde_json::Value),
+    /// Text matching a grammar in llguidance's Lark syntax, built by the caller (e.g. the
+    /// tool calls a `tool_choice` requires); its errors name `param`.
+    Lark { grammar: String, param: String },
 }
 
 /// A compiled grammar, ready to constrain one request (cloning it is cheap: the parser's
@@ -133,8 +136,28 @@ impl Grammars {
     /// Compiles `spec`; a schema that is too large, invalid, unsupported or unsatisfiable is
     /// an [`RequestError::InvalidRequest`] naming `response_format`.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Grammar, RequestError> {
+        if let GrammarSpec::Lark { grammar, param } = spec {
+            let invalid = |e: &dyn std::fmt::Display| {
+                RequestError::invalid(format!("{param}: its grammar failed: {}", brief(e)))
+                    .param(param.clone())
+            };
+            let parser = self
+                .factory()?
+                .create_parser(TopLevelGrammar::from_lark(grammar.clone()))
+                .map_err(|e| invalid(&e))?;
+            let mut matcher = Matcher::new(Ok(parser));
+            let first_mask = matcher.compute_mask().map_err(|e| invalid(&e))?;
+            if first_mask.is_zero() {
+                return Err(invalid(&"no token of this model can begin its output"));
+            }
+            return Ok(Grammar {
+                matcher,
+                first_mask,
+            });
+        }
         let invalid = |m: &str| RequestError::invalid(format!("{PARAM}: {m}")).param(PARAM);
         let mut schema = match spec {
+            GrammarSpec::Lark { .. } => unreachable!("compiled above"),
             GrammarSpec::JsonObject => serde_json::json!({"type": "object"}),
             GrammarSpec::JsonSchema(s) => {
                 let size = serde_json::to_string(s).map_or(usize::MAX, |t| t.len());
@@ -199,6 +222,10 @@ pub struct GrammarError(pub String);
 pub struct Constraint {
     matcher: Matcher,
     mask: Option<Result<SimpleVob, GrammarError>>,
+    /// The message of a panic while the mask was computed beside the forward pass: raised
+    /// again by [`Constraint::apply`], inside the request's own sampling, so that it fails
+    /// that request only.
+    panicked: Option<String>,
 }
 
 impl From<Grammar> for Constraint {
@@ -206,6 +233,7 @@ impl From<Grammar> for Constraint {
         Self {
             matcher: g.matcher,
             mask: Some(Ok(g.first_mask)),
+            panicked: None,
         }
     }
 }
@@ -214,6 +242,17 @@ impl Constraint {
     /// Whether the next token's mask is still to be computed.
     pub fn needs_mask(&self) -> bool {
         self.mask.is_none() && !self.matcher.is_stopped()
+    }
+
+    /// [`Constraint::compute_mask`], a panic inside it kept for [`Constraint::apply`] to raise
+    /// (so that one on another thread, beside the forward pass, fails this request only).
+    pub fn compute_mask_isolated(&mut self) {
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.compute_mask()));
+        if let Err(p) = run {
+            self.mask = None;
+            self.panicked =
+                Some(crate::generate::EngineError::from_panic("the grammar", p).to_string());
+        }
     }
 
     /// Computes the next token's mask (it may take a millisecond: [`crate::step`] runs it
@@ -234,6 +273,9 @@ impl Constraint {
     /// Sets every logit the grammar disallows to `-inf` (the mask is computed here if it is
     /// not yet). The mask is used up: the next token needs a new one.
     pub fn apply(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
+        if let Some(message) = self.panicked.take() {
+            panic!("{message}");
+        }
         if self.mask.is_none() {
             self.compute_mask();
         }

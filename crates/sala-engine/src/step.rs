@@ -8,9 +8,15 @@
 //! Each request's [`Client`] hears of its progress. A request's tokens do not depend on the
 //! others in the batch: every op treats rows independently, and a prompt is cut where reading
 //! it alone cuts it.
+//!
+//! A panic inside one request's work (its sampling, its grammar's mask, its text, stop strings
+//! and events) fails that request only, with [`EngineError::Panicked`]; one inside the shared
+//! forward pass fails the requests it served in that step, and the others go on.
 
 use crate::cache::{CacheBudget, Lease, Refusal};
-use crate::generate::{request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream};
+use crate::generate::{
+    isolated, request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream,
+};
 use crate::grammar::Constraint;
 use crate::request::{FinishReason, RequestId};
 use crate::sampling::SampledToken;
@@ -96,6 +102,9 @@ struct Member<B: Backend, C> {
     feed: Option<u32>,
     /// Set when the request has ended (its `Done` is sent as the step ends).
     done: Option<Result<FinishReason, EngineError>>,
+    /// The request whose state this one copies once that one has read the (same) prompt,
+    /// instead of reading it again ([`Engine::admit_copy`]).
+    copy_of: Option<RequestId>,
     client: C,
 }
 
@@ -104,6 +113,8 @@ impl<B: Backend, C> Member<B, C> {
         match (&self.done, self.feed) {
             (Some(_), _) => Want::Nothing,
             (None, Some(_)) => Want::Decode,
+            // It waits for the prompt's state to copy.
+            (None, None) if self.copy_of.is_some() => Want::Nothing,
             (None, None) if self.read < self.prompt.len() => Want::Prompt {
                 read: self.read,
                 len: self.prompt.len(),
@@ -257,8 +268,34 @@ impl<B: Backend> Engine<B> {
             logits: None,
             feed: None,
             done: None,
+            copy_of: None,
             client,
         });
+        Ok(id)
+    }
+
+    /// [`Engine::admit`] for another choice of request `of`'s prompt: when `of` is in the
+    /// batch with the same prompt, still unread, this request waits for it to be read and
+    /// then copies its state and logits (the prompt is read once), or reads it itself where
+    /// the backend cannot copy states or `of` fails first. Its tokens are the same either way.
+    pub fn admit_copy<C>(
+        &mut self,
+        batch: &mut Batch<B, C>,
+        of: RequestId,
+        prompt: Vec<u32>,
+        opts: &GenerateOptions,
+        logprobs: Option<usize>,
+        client: C,
+    ) -> Result<RequestId, EngineError> {
+        let unread = batch.members.iter().any(|m| {
+            m.id == of && m.prompt == prompt && m.done.is_none() && m.read == 0 && m.feed.is_none()
+        });
+        let id = self.admit(batch, prompt, opts, logprobs, client)?;
+        if unread {
+            if let Some(m) = batch.members.last_mut() {
+                m.copy_of = Some(of);
+            }
+        }
         Ok(id)
     }
 
@@ -271,6 +308,14 @@ impl<B: Backend> Engine<B> {
                 .and_then(|p| p.cache_bytes_in_use(&self.backend))
         };
         let Batch { members, cache, .. } = batch;
+        // 0. A copy whose source is gone or failed reads its prompt itself.
+        for i in 0..members.len() {
+            if let Some(of) = members[i].copy_of {
+                if !members.iter().any(|m| m.id == of && m.done.is_none()) {
+                    members[i].copy_of = None;
+                }
+            }
+        }
         // 1. A token for every request whose logits are ready and whose client can take it:
         // sampled for all of them at once, then reported in batch order.
         let mut picked: Vec<(&mut Member<B, C>, Vec<f32>)> = members
@@ -280,14 +325,14 @@ impl<B: Backend> Engine<B> {
             .collect();
         let choices: Vec<_> = if picked.len() == 1 {
             let (m, l) = &mut picked[0];
-            vec![m.stream.choose(l)]
+            vec![isolated("sampling", || m.stream.choose(l))]
         } else {
             picked
                 .iter_mut()
                 .map(|(m, l)| (&mut m.stream, l.as_mut_slice()))
                 .collect::<Vec<_>>()
                 .into_par_iter()
-                .map(|(stream, logits)| stream.choose(logits))
+                .map(|(stream, logits)| isolated("sampling", || stream.choose(logits)))
                 .collect()
         };
         for ((m, _), choice) in picked.into_iter().zip(choices) {
@@ -309,13 +354,18 @@ impl<B: Backend> Engine<B> {
                 };
                 client.event(StepEvent::Token(s), &cx)
             };
+            // A panic in the request's own work (its text, stop strings, events) fails it only.
             let outcome = choice.and_then(|c| match c {
-                Some(c) => stream.commit(c, &mut report),
+                Some(c) => isolated("the request's output", || stream.commit(c, &mut report)),
                 None => Ok(None),
             });
             match outcome {
                 Ok(Some(next)) => m.feed = Some(next),
-                Ok(None) => m.done = Some(stream.finish(&mut report)),
+                Ok(None) => {
+                    m.done = Some(isolated("the request's output", || {
+                        stream.finish(&mut report)
+                    }))
+                }
                 Err(e) => m.done = Some(Err(e)),
             }
         }
@@ -369,10 +419,16 @@ impl<B: Backend> Engine<B> {
                 });
             }
             let backend = &self.backend;
-            let result = beside(masks, || model.forward(backend, ws, &mut inputs));
+            // A panic in the shared forward pass fails the requests it served; the rest go on.
+            let result = isolated("the forward pass", || {
+                #[cfg(test)]
+                tests::forward_hook();
+                beside(masks, || model.forward(backend, ws, &mut inputs)).map_err(Into::into)
+            });
             drop(inputs);
             match result {
                 Ok(logits) => {
+                    let mut prefilled = Vec::new();
                     for (slot, logits) in plan.slots.iter().zip(logits) {
                         let m = &mut members[slot.index];
                         if let Work::Chunk { len, .. } = slot.work {
@@ -381,20 +437,75 @@ impl<B: Backend> Engine<B> {
                                 cache,
                                 probe: &probe,
                             };
-                            m.client.event(StepEvent::Read { tokens: len }, &cx);
+                            let (read, client) = (m.read, &mut m.client);
+                            let heard = isolated("the request's events", || {
+                                client.event(StepEvent::Read { tokens: len }, &cx);
+                                if read == m.prompt.len() {
+                                    let prompt_tokens = m.prompt.len();
+                                    client.event(StepEvent::Prefilled { prompt_tokens }, &cx);
+                                }
+                                Ok(())
+                            });
+                            if let Err(e) = heard {
+                                m.done = Some(Err(e));
+                                continue;
+                            }
                             if m.read < m.prompt.len() {
                                 continue;
                             }
-                            let prompt_tokens = m.prompt.len();
-                            m.client.event(StepEvent::Prefilled { prompt_tokens }, &cx);
+                        }
+                        if matches!(slot.work, Work::Chunk { .. }) {
+                            prefilled.push(slot.index);
                         }
                         m.feed = None;
                         m.logits = Some(logits);
                     }
+                    // Requests waiting for these prompts copy their state and logits.
+                    for p in prefilled {
+                        for c in 0..members.len() {
+                            if c == p || members[c].copy_of != Some(members[p].id) {
+                                continue;
+                            }
+                            let (src, dst) = if p < c {
+                                let (a, b) = members.split_at_mut(c);
+                                (&a[p], &mut b[0])
+                            } else {
+                                let (a, b) = members.split_at_mut(p);
+                                (&b[0], &mut a[c])
+                            };
+                            dst.copy_of = None;
+                            if model
+                                .copy_sequence(backend, &src.seq, &mut dst.seq)
+                                .is_err()
+                            {
+                                // It reads the prompt itself from the next step.
+                                continue;
+                            }
+                            dst.read = dst.prompt.len();
+                            dst.logits = src.logits.clone();
+                            let cx = StepContext {
+                                cache,
+                                probe: &probe,
+                            };
+                            let (client, len) = (&mut dst.client, dst.prompt.len());
+                            let heard = isolated("the request's events", || {
+                                client.event(StepEvent::Read { tokens: len }, &cx);
+                                client.event(StepEvent::Prefilled { prompt_tokens: len }, &cx);
+                                Ok(())
+                            });
+                            if let Err(e) = heard {
+                                dst.done = Some(Err(e));
+                            }
+                        }
+                    }
                 }
                 Err(e) => {
                     for slot in &plan.slots {
-                        members[slot.index].done = Some(Err(BackendError(e.0.clone()).into()));
+                        members[slot.index].done = Some(Err(match &e {
+                            EngineError::Backend(b) => BackendError(b.0.clone()).into(),
+                            EngineError::Panicked(p) => EngineError::Panicked(p.clone()),
+                            other => EngineError::Panicked(other.to_string()),
+                        }));
                     }
                 }
             }
@@ -423,7 +534,12 @@ impl<B: Backend> Engine<B> {
                 cache: &batch.cache,
                 probe: &probe,
             };
-            m.client.event(StepEvent::Done(done), &cx);
+            // A panic here leaves the client without its end: its channel closes as it drops.
+            let client = &mut m.client;
+            let _ = isolated("the request's events", || {
+                client.event(StepEvent::Done(done), &cx);
+                Ok(())
+            });
         }
     }
 }
@@ -432,7 +548,7 @@ impl<B: Backend> Engine<B> {
 /// threads (in parallel among themselves), so that on a GPU a mask costs no time of its own:
 /// the forward pass waits for the device meanwhile.
 fn beside<R>(constraints: Vec<&mut Constraint>, forward: impl FnOnce() -> R) -> R {
-    run_beside(constraints, Constraint::compute_mask, forward)
+    run_beside(constraints, Constraint::compute_mask_isolated, forward)
 }
 
 /// Runs `forward` on this thread (a backend may be bound to it) while `work` runs for each of
@@ -456,7 +572,10 @@ fn run_beside<J: Send, R>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests;
+
+#[cfg(test)]
+mod beside_tests {
     use super::run_beside;
     use std::sync::mpsc;
     use std::time::Duration;

@@ -3,18 +3,24 @@
 //!
 //! [`spawn`] starts it and returns a [`Handle`] once the model is loaded; [`Handle::submit`]
 //! queues a request and returns the receiver of its [`Event`]s. Dropping the receiver cancels
-//! the request. A client that does not read pauses only its own request. A panic in a step
-//! fails the requests in flight and the thread goes on. An [`Observer`] hears of every
+//! the request. A client that does not read pauses only its own request. A panic in one
+//! request's work (admission, sampling, its grammar, its text and events) fails that request
+//! only; one in the forward pass fails the requests of that step; anything else that panics in
+//! a step fails the requests in flight. The thread goes on. An [`Observer`] hears of every
 //! request's progress (for metrics), before its client does.
 
 use crate::generate::{Engine, GenerateOptions};
 use crate::grammar::{Grammar, GrammarSpec, Grammars};
+use crate::request::RequestId;
 use crate::request::{Event, FinishReason, LogprobEntry, Prompt, Request, RequestError};
 use crate::step::{Batch, Client, StepContext, StepEvent};
 use sala_model::memory::MemoryLimit;
 use sala_model::Backend;
 use sala_tokenizer::Tokenizer;
+use std::cell::Cell;
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -71,6 +77,8 @@ struct Job {
     events: mpsc::Sender<Event>,
     /// When the request was queued: the start of its time to first token.
     queued: Instant,
+    /// Other choices of the same prompt ([`Handle::submit_choices`]).
+    also: Vec<(Request, mpsc::Sender<Event>)>,
 }
 
 /// Handed to the factory of [`spawn`] on the engine thread; [`Runner::run`] serves the queue
@@ -151,14 +159,41 @@ impl Handle {
         if self.ending.load(Ordering::Relaxed) {
             return Err(RequestError::ShuttingDown);
         }
-        let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+        self.submit_choices(vec![request])
+            .map(|mut rx| rx.remove(0))
+    }
+
+    /// Queues requests for several choices of one prompt (they differ in their sampling):
+    /// the prompt is read once and its state copied to the others where the backend can copy
+    /// states. Each receiver hears its own request's events, in order.
+    pub fn submit_choices(
+        &self,
+        requests: Vec<Request>,
+    ) -> Result<Vec<mpsc::Receiver<Event>>, RequestError> {
+        if self.ending.load(Ordering::Relaxed) {
+            return Err(RequestError::ShuttingDown);
+        }
+        let mut receivers = Vec::with_capacity(requests.len());
+        let mut jobs: Vec<(Request, mpsc::Sender<Event>)> = requests
+            .into_iter()
+            .map(|r| {
+                let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+                receivers.push(rx);
+                (r, tx)
+            })
+            .collect();
+        if jobs.is_empty() {
+            return Ok(receivers);
+        }
+        let (request, events) = jobs.remove(0);
         let job = Job {
             request,
-            events: tx,
+            events,
             queued: Instant::now(),
+            also: jobs,
         };
         match self.jobs.try_send(job) {
-            Ok(()) => Ok(rx),
+            Ok(()) => Ok(receivers),
             Err(mpsc::error::TrySendError::Full(_)) => Err(RequestError::QueueFull),
             Err(mpsc::error::TrySendError::Closed(_)) => Err(RequestError::Stopped),
         }
@@ -277,20 +312,32 @@ impl Runner {
             max_context,
             observer: self.observer.clone(),
             engine,
+            waiting: VecDeque::new(),
         };
         let mut open = true;
-        while open || !serving.batch.is_empty() {
+        while open || !serving.batch.is_empty() || !serving.waiting.is_empty() {
             if self.ending.load(Ordering::Relaxed) {
                 serving.end_all();
                 while let Ok(job) = self.jobs.try_recv() {
+                    serving.expand(job);
+                }
+                for w in std::mem::take(&mut serving.waiting) {
                     serving.observer.finished(Err(&RequestError::ShuttingDown));
-                    let _ = job
+                    let _ = w
                         .events
                         .blocking_send(Event::Error(RequestError::ShuttingDown));
                 }
             }
-            // Admit waiting requests while the batch has room; wait for one when idle.
-            while open && serving.batch.has_room() {
+            // Admit waiting requests (a job's choices one by one), then queued jobs, while the
+            // batch has room; wait for a job when idle.
+            while serving.batch.has_room() {
+                if let Some(w) = serving.waiting.pop_front() {
+                    serving.admit_waiting(w);
+                    continue;
+                }
+                if !open {
+                    break;
+                }
                 let job = if serving.batch.is_empty() {
                     self.jobs.blocking_recv()
                 } else {
@@ -301,7 +348,7 @@ impl Runner {
                     }
                 };
                 match job {
-                    Some(job) => serving.admit(job),
+                    Some(job) => serving.expand(job),
                     None => open = false,
                 }
             }
@@ -320,31 +367,109 @@ struct Serving<B: Backend> {
     eos: Vec<u32>,
     max_context: usize,
     observer: Arc<dyn Observer>,
+    /// Requests taken from the queue, waiting for room in the batch.
+    waiting: VecDeque<Waiting>,
 }
 
+/// A request taken from the queue; the choices of one job share a [`Group`].
+struct Waiting {
+    request: Request,
+    events: mpsc::Sender<Event>,
+    queued: Instant,
+    group: Group,
+    lead: bool,
+}
+
+/// The id of a job's first request once admitted: the others copy its prompt's state.
+type Group = Rc<Cell<Option<RequestId>>>;
+
 impl<B: Backend> Serving<B> {
+    /// A job's requests, waiting for room in the batch.
+    fn expand(&mut self, job: Job) {
+        let group = Group::default();
+        let Job {
+            request,
+            events,
+            queued,
+            also,
+        } = job;
+        self.waiting.push_back(Waiting {
+            request,
+            events,
+            queued,
+            group: group.clone(),
+            lead: true,
+        });
+        for (request, events) in also {
+            self.waiting.push_back(Waiting {
+                request,
+                events,
+                queued,
+                group: group.clone(),
+                lead: false,
+            });
+        }
+    }
+
+    /// Admits a waiting request: the first of its job reads the prompt, the others copy it.
+    fn admit_waiting(&mut self, w: Waiting) {
+        let copy_of = if w.lead { None } else { w.group.get() };
+        let id = self.admit_one(w.request, w.events, w.queued, copy_of);
+        if w.lead {
+            w.group.set(id);
+        }
+    }
+
     fn report_cache(&self) {
         let (held, in_use) = self.engine.cache_report(&self.batch);
         self.observer.cache(held, in_use);
     }
 
-    /// Checks a job and admits it into the batch; a job that fails its checks hears why.
-    fn admit(&mut self, job: Job) {
-        let Job {
-            request,
-            events,
-            queued,
-        } = job;
+    /// [`Serving::admit`] under `catch_unwind`; returns the request's id once admitted.
+    fn admit_one(
+        &mut self,
+        request: Request,
+        events: mpsc::Sender<Event>,
+        queued: Instant,
+        copy_of: Option<RequestId>,
+    ) -> Option<RequestId> {
+        let sender = events.clone();
+        match catch_unwind(AssertUnwindSafe(|| {
+            self.admit(request, events, queued, copy_of)
+        })) {
+            Ok(id) => id,
+            Err(p) => {
+                let e = RequestError::from(crate::generate::EngineError::from_panic(
+                    "admitting the request",
+                    p,
+                ));
+                self.observer.finished(Err(&e));
+                let _ = sender.blocking_send(Event::Error(e));
+                None
+            }
+        }
+    }
+
+    /// Checks a request and admits it into the batch (as a copy of `copy_of`'s prompt state
+    /// when given, see [`Engine::admit_copy`]); a request that fails its checks hears why.
+    fn admit(
+        &mut self,
+        request: Request,
+        events: mpsc::Sender<Event>,
+        queued: Instant,
+        copy_of: Option<RequestId>,
+    ) -> Option<RequestId> {
         let observer = &self.observer;
         if events.is_closed() {
             // The client left while the request waited.
             observer.finished(Ok(FinishReason::Cancelled));
-            return;
+            return None;
         }
         // Outcomes are counted before the client hears of them.
         let fail = |e: RequestError| {
             observer.finished(Err(&e));
             let _ = events.blocking_send(Event::Error(e));
+            None
         };
         let ids = match request.prompt.token_ids_with(
             &self.engine.tokenizer,
@@ -399,9 +524,15 @@ impl<B: Backend> Serving<B> {
         };
         // The cache budget checks this request's memory beside the batch's: too large even
         // alone is `ContextLengthExceeded`, else busy memory is `MemoryBusy`.
-        let admitted = self
-            .engine
-            .admit(&mut self.batch, ids, &opts, request.logprobs, sink);
+        let admitted = match copy_of {
+            Some(of) => {
+                self.engine
+                    .admit_copy(&mut self.batch, of, ids, &opts, request.logprobs, sink)
+            }
+            None => self
+                .engine
+                .admit(&mut self.batch, ids, &opts, request.logprobs, sink),
+        };
         let id = match admitted {
             Ok(id) => id,
             Err(e) => return fail(e.into()),
@@ -416,11 +547,11 @@ impl<B: Backend> Serving<B> {
             self.report_cache();
             self.observer.released();
             self.observer.finished(Ok(FinishReason::Cancelled));
+            return None;
         }
+        Some(id)
     }
 
-    /// Drops the requests whose clients left, then runs a step; a panic fails every request
-    /// in flight.
     /// Fails every request in flight: the server is shutting down.
     fn end_all(&mut self) {
         for (_, sink) in self.batch.cancel_where(|_, _| true) {
@@ -430,6 +561,8 @@ impl<B: Backend> Serving<B> {
         }
     }
 
+    /// Drops the requests whose clients left, then runs a step; a panic that the step does
+    /// not isolate to a request fails every request in flight.
     fn step(&mut self) {
         for _ in self.batch.cancel_where(|_, sink| sink.events.is_closed()) {
             self.report_cache();

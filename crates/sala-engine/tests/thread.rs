@@ -259,7 +259,9 @@ fn a_paused_client_pauses_only_its_own_request_and_dropping_it_cancels() {
 }
 
 #[test]
-fn a_panic_in_a_step_fails_the_requests_in_flight_and_the_engine_goes_on() {
+fn a_panic_in_one_requests_work_fails_it_only_and_the_engine_goes_on() {
+    // The observer hears each token inside the request's own work: the request whose token is
+    // the third fails, the one beside it finishes.
     let counts = Arc::new(Counts {
         panic_at: Some(3),
         ..Default::default()
@@ -268,21 +270,28 @@ fn a_panic_in_a_step_fails_the_requests_in_flight_and_the_engine_goes_on() {
     let mut a = engine
         .submit(request(Prompt::Text("one".into()), 10))
         .unwrap();
-    match drain(&mut a).1 {
+    let mut c = engine
+        .submit(request(Prompt::Text("three".into()), 10))
+        .unwrap();
+    let (ra, rc) = (drain(&mut a).1, drain(&mut c).1);
+    let (failed, ok): (Vec<_>, Vec<_>) = [ra, rc].into_iter().partition(Result::is_err);
+    assert_eq!((failed.len(), ok.len()), (1, 1), "{failed:?} {ok:?}");
+    match &failed[0] {
         Err(RequestError::Internal { message }) => {
-            assert_eq!(message, "the engine panicked on this request")
+            assert!(message.contains("a test panic in the step"), "{message}")
         }
         other => panic!("{other:?}"),
     }
+    assert_eq!(ok[0].as_ref().unwrap().2, 10);
     assert!(engine.is_alive());
     let mut b = engine
         .submit(request(Prompt::Text("two".into()), 4))
         .unwrap();
     assert_eq!(drain(&mut b).1.unwrap().2, 4);
-    eventually("both are counted", || {
-        counts.finished.lock().unwrap().len() == 2
+    eventually("all are counted", || {
+        counts.finished.lock().unwrap().len() == 3
     });
-    assert_eq!(counts.released.load(Ordering::SeqCst), 2);
+    assert_eq!(counts.released.load(Ordering::SeqCst), 3);
     assert_eq!(counts.held.load(Ordering::SeqCst), 0);
 }
 
@@ -310,4 +319,28 @@ fn the_thread_reports_a_limit_no_request_fits_and_a_failed_factory() {
     .err()
     .unwrap();
     assert_eq!(e, "no device");
+}
+
+#[test]
+fn the_choices_of_a_prompt_are_each_a_seeds_request_even_past_the_batch() {
+    // Three choices of one prompt on a batch of two: the third waits for room and reads the
+    // prompt itself; each is what a request of its seed alone gives.
+    let engine = spawn(8, 2, Arc::new(Counts::default()));
+    let seeded = |seed: u64| {
+        let mut r = request(Prompt::Text("a story".into()), 8);
+        r.sampling.temperature = 1.0;
+        r.sampling.seed = Some(seed);
+        r
+    };
+    let alone: Vec<_> = (0..3)
+        .map(|s| drain(&mut engine.submit(seeded(s)).unwrap()))
+        .collect();
+    let mut rxs = engine.submit_choices((0..3).map(seeded).collect()).unwrap();
+    assert_eq!(rxs.len(), 3);
+    for (rx, want) in rxs.iter_mut().zip(&alone) {
+        let got = drain(rx);
+        assert_eq!(got.0, want.0);
+        assert_eq!(got.1.as_ref().unwrap(), want.1.as_ref().unwrap());
+    }
+    assert!(alone.iter().any(|a| a.0 != alone[0].0));
 }

@@ -169,6 +169,31 @@ pub trait Backend {
         )))
     }
 
+    /// Makes `dst` (a fresh lightning state of the same shape) hold what `src` holds: the
+    /// state of another sequence that read the same tokens (`n` choices of one prompt).
+    fn copy_lightning_state(
+        &self,
+        _src: &Self::LightningState,
+        _dst: &mut Self::LightningState,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: copying a sequence's state is not supported",
+            self.name()
+        )))
+    }
+    /// Makes `dst` (an empty cache of the same shape, perhaps reserved) hold what `src` holds:
+    /// K, V and the compressed tiers. Its reservation is kept.
+    fn copy_sparse_cache(
+        &self,
+        _src: &Self::SparseCache,
+        _dst: &mut Self::SparseCache,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: copying a sequence's state is not supported",
+            self.name()
+        )))
+    }
+
     /// A forward pass begins: its tokens, its spans (one per sequence, in row order) and the
     /// sequences' ids. A backend may choose how to launch the step's work from them (and, for
     /// a step it has seen before, replay it).

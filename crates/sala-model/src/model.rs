@@ -492,6 +492,28 @@ impl<B: Backend> Model<B> {
         Ok(SeqState { pos: 0, id, layers })
     }
 
+    /// Makes `dst` (a new sequence of this model, perhaps reserved) hold what `src` holds, so
+    /// that it decodes exactly as `src` would: a prompt read once serves several choices.
+    /// Backends that cannot copy states say so.
+    pub fn copy_sequence(&self, be: &B, src: &SeqState<B>, dst: &mut SeqState<B>) -> BResult<()> {
+        if dst.pos != 0 || src.layers.len() != dst.layers.len() {
+            return Err(BackendError(
+                "copy_sequence: the target is not a new sequence of this model".into(),
+            ));
+        }
+        for (s, d) in src.layers.iter().zip(&mut dst.layers) {
+            match (s, d) {
+                (LayerState::Lightning(s), LayerState::Lightning(d)) => {
+                    be.copy_lightning_state(s, d)?
+                }
+                (LayerState::Sparse(s), LayerState::Sparse(d)) => be.copy_sparse_cache(s, d)?,
+                _ => return Err(state_mismatch()),
+            }
+        }
+        dst.pos = src.pos;
+        Ok(())
+    }
+
     /// Allocates `seq`'s caches for `total_tokens` tokens now (prompt plus generated), so the
     /// memory a request needs is taken before any work and never grows by copying.
     pub fn reserve(&self, be: &B, seq: &mut SeqState<B>, total_tokens: usize) -> BResult<()> {

@@ -13,6 +13,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use sala_engine::generate::FinishReason;
+use sala_engine::grammar::GrammarSpec;
 use sala_engine::request::ChatEnding;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
@@ -84,6 +85,18 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
         reply_prefix: tools.reply_prefix.clone(),
     };
     let mut checked = check_common(st, common, prompt, logprobs)?;
+    if let Some(grammar) = tools.grammar {
+        if checked.grammar.is_some() {
+            return Err(ApiError::invalid(
+                "a required or named tool_choice makes the reply tool calls; it cannot be                  combined with response_format",
+            )
+            .param("tool_choice"));
+        }
+        checked.grammar = Some(GrammarSpec::Lark {
+            grammar,
+            param: "tool_choice".into(),
+        });
+    }
     checked.reply = Some(ReplySetup {
         prefix: tools.reply_prefix,
         calls: tools.reading,

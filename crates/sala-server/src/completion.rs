@@ -1,4 +1,5 @@
-//! `POST /v1/completions`: a prompt (text or token ids) continued.
+//! `POST /v1/completions`: a prompt (text or token ids), or a list of them, continued; prompt
+//! `p`'s choice `j` is `choices[p * n + j]`.
 
 use crate::api::{
     parse_body, ApiError, CommonParams, CompletionBody, PromptField, MAX_TOP_LOGPROBS,
@@ -12,34 +13,43 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
+
+/// Most prompts in one completion request (each has `n` choices).
+pub(crate) const MAX_PROMPTS: usize = 64;
 use std::sync::Arc;
 
 pub(crate) fn check_completion(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
     let common: CommonParams = parse_body(value)?;
     let body: CompletionBody = parse_body(value)?;
-    let many = |n: usize| {
-        ApiError::invalid(format!(
-            "prompt is a list of {n} prompts; only one prompt per request is supported"
+    let prompts: Vec<Prompt> = match body.prompt {
+        PromptField::One(s) => vec![Prompt::Text(s)],
+        PromptField::Tokens(ids) => vec![Prompt::Tokens(ids)],
+        PromptField::Many(v) => v.into_iter().map(Prompt::Text).collect(),
+        PromptField::ManyTokens(v) => v.into_iter().map(Prompt::Tokens).collect(),
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::invalid("prompt must not be an empty list").param("prompt"));
+    }
+    if prompts.len() > MAX_PROMPTS {
+        return Err(ApiError::invalid(format!(
+            "prompt is a list of {} prompts; at most {MAX_PROMPTS} are allowed",
+            prompts.len()
         ))
-        .param("prompt")
-    };
-    let prompt = match body.prompt {
-        PromptField::One(s) => Prompt::Text(s),
-        PromptField::Tokens(ids) => Prompt::Tokens(ids),
-        PromptField::Many(mut v) if v.len() == 1 => Prompt::Text(v.pop().unwrap_or_default()),
-        PromptField::ManyTokens(mut v) if v.len() == 1 => {
-            Prompt::Tokens(v.pop().unwrap_or_default())
+        .param("prompt"));
+    }
+    for (i, prompt) in prompts.iter().enumerate() {
+        let empty = match prompt {
+            Prompt::Text(s) => s.is_empty(),
+            Prompt::Tokens(ids) => ids.is_empty(),
+            Prompt::Chat { .. } => false,
+        };
+        if empty {
+            let message = match prompts.len() {
+                1 => "prompt must not be empty".to_string(),
+                _ => format!("prompt[{i}] must not be empty"),
+            };
+            return Err(ApiError::invalid(message).param("prompt"));
         }
-        PromptField::Many(v) => return Err(many(v.len())),
-        PromptField::ManyTokens(v) => return Err(many(v.len())),
-    };
-    let empty = match &prompt {
-        Prompt::Text(s) => s.is_empty(),
-        Prompt::Tokens(ids) => ids.is_empty(),
-        Prompt::Chat { .. } => false,
-    };
-    if empty {
-        return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
     }
     if body.echo == Some(true) {
         return Err(ApiError::invalid("echo is not supported").param("echo"));
@@ -59,7 +69,11 @@ pub(crate) fn check_completion(st: &AppState, value: &Value) -> Result<Checked, 
         }
         n => n.map(|n| n as usize),
     };
-    check_common(st, common, prompt, logprobs)
+    let mut prompts = prompts.into_iter();
+    let first = prompts.next().expect("checked above");
+    let mut checked = check_common(st, common, first, logprobs)?;
+    checked.more_prompts = prompts.collect();
+    Ok(checked)
 }
 
 pub(crate) async fn completions(

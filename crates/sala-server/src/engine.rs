@@ -72,6 +72,20 @@ impl EngineHandle {
         self.engine.submit(request).map_err(|e| ApiError::from(&e))
     }
 
+    /// Queues the choices of one prompt (the prompt read once where the backend can copy
+    /// states); errors as [`EngineHandle::submit`].
+    pub fn submit_choices(
+        &self,
+        requests: Vec<Request>,
+    ) -> Result<Vec<mpsc::Receiver<Event>>, ApiError> {
+        if self.is_draining() {
+            return Err(ApiError::from(&RequestError::ShuttingDown));
+        }
+        self.engine
+            .submit_choices(requests)
+            .map_err(|e| ApiError::from(&e))
+    }
+
     /// A prompt's token ids (the chat template applied), computed on the calling thread.
     pub fn token_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, RequestError> {
         self.engine.token_ids(prompt)

@@ -11,6 +11,9 @@ use axum::http::StatusCode;
 use sala_engine::grammar::GrammarSpec;
 use sala_engine::sampling::SamplingParams;
 
+/// Most choices (`n`) per prompt.
+pub(crate) const MAX_N: usize = 8;
+
 /// Which route a request came by.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -20,7 +23,13 @@ pub(crate) enum Kind {
 
 /// A request checked and ready to queue.
 pub(crate) struct Checked {
+    /// The request of the first prompt's first choice; the others differ in their prompt
+    /// and seed.
     pub(crate) request: Request,
+    /// The prompts after the first (a completion's list of prompts).
+    pub(crate) more_prompts: Vec<Prompt>,
+    /// Choices per prompt.
+    pub(crate) n: usize,
     /// `response_format`, compiled into `request` when it is admitted.
     pub(crate) grammar: Option<GrammarSpec>,
     pub(crate) stream: bool,
@@ -64,13 +73,15 @@ pub(crate) fn check_common(
             .code("model_not_found"));
         }
     }
-    if let Some(n) = p.n {
-        if n != 1 {
+    let n = match p.n {
+        None => 1,
+        Some(n) if (1..=MAX_N as u64).contains(&n) => n as usize,
+        Some(n) => {
             return Err(
-                ApiError::invalid(format!("n is {n}, but only n = 1 is supported")).param("n"),
-            );
+                ApiError::invalid(format!("n is {n}; it must be in 1..={MAX_N}")).param("n"),
+            )
         }
-    }
+    };
     let (max_name, max) = match (p.max_completion_tokens, p.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),
         (None, m) => ("max_tokens", m),
@@ -155,6 +166,8 @@ pub(crate) fn check_common(
         None => None,
     };
     Ok(Checked {
+        more_prompts: Vec::new(),
+        n,
         grammar,
         request: Request {
             prompt,

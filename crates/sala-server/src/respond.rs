@@ -14,7 +14,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, Stream};
+use futures_util::stream::{self, Stream, StreamExt};
 use sala_engine::generate::FinishReason;
 use serde_json::{json, Map, Value};
 use std::collections::VecDeque;
@@ -22,9 +22,11 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
-/// A request that passed the checks and is queued.
+/// A request that passed the checks and is queued: one engine request per choice (prompt
+/// `p`'s choice `j` is choice `p * n + j`).
 struct Admitted {
-    events: mpsc::Receiver<Event>,
+    events: Vec<mpsc::Receiver<Event>>,
+    n: usize,
     stream: bool,
     include_usage: bool,
     logprobs: bool,
@@ -45,14 +47,24 @@ async fn admit(
     drop(value);
     // The template and the tokenizer run on a blocking thread of their own, never on the
     // engine thread: a long prompt delays no other request.
-    if !matches!(checked.request.prompt, Prompt::Tokens(_)) {
+    let first = std::mem::replace(&mut checked.request.prompt, Prompt::Tokens(Vec::new()));
+    let mut prompts: Vec<Prompt> = std::iter::once(first)
+        .chain(std::mem::take(&mut checked.more_prompts))
+        .collect();
+    if prompts.iter().any(|p| !matches!(p, Prompt::Tokens(_))) {
         let engine = st.engine.clone();
-        let prompt = std::mem::replace(&mut checked.request.prompt, Prompt::Tokens(Vec::new()));
-        let ids = tokio::task::spawn_blocking(move || engine.token_ids(&prompt))
-            .await
-            .map_err(|e| ApiError::internal(format!("preparing the prompt: {e}")))?
-            .map_err(|e| ApiError::from(&e))?;
-        checked.request.prompt = Prompt::Tokens(ids);
+        prompts = tokio::task::spawn_blocking(move || {
+            prompts
+                .into_iter()
+                .map(|p| match p {
+                    Prompt::Tokens(_) => Ok(p),
+                    p => engine.token_ids(&p).map(Prompt::Tokens),
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the prompt: {e}")))?
+        .map_err(|e| ApiError::from(&e))?;
     }
     // So is a grammar's compilation: an invalid schema is a 400 before any engine work.
     if let Some(spec) = checked.grammar.take() {
@@ -64,9 +76,26 @@ async fn admit(
         checked.request.grammar = Some(grammar);
     }
     let logprobs = checked.request.logprobs.is_some();
-    let events = st.engine.submit(checked.request)?;
+    // Each choice is a request of its own, sampled with the seed plus its index among its
+    // prompt's choices; a prompt's choices are queued together, so that the engine reads the
+    // prompt once and copies its state to the others.
+    let n = checked.n;
+    let mut events = Vec::with_capacity(prompts.len() * n);
+    for prompt in prompts {
+        let choices = (0..n)
+            .map(|j| {
+                let mut request = checked.request.clone();
+                request.prompt = prompt.clone();
+                request.sampling.seed = request.sampling.seed.map(|s| s.wrapping_add(j as u64));
+                request
+            })
+            .collect();
+        // A refusal drops the choices queued before it, which cancels them.
+        events.extend(st.engine.submit_choices(choices)?);
+    }
     Ok(Admitted {
         events,
+        n,
         stream: checked.stream,
         include_usage: checked.include_usage,
         logprobs,
@@ -90,13 +119,15 @@ pub(crate) async fn handle(
     };
     let admitted = admit(&st, body, kind).await.map_err(counted)?;
     let mut events = admitted.events;
-    match events.recv().await {
-        Some(Event::Started { .. }) => {}
-        Some(Event::Error(e)) => return Err(ApiError::from(&e)),
-        _ => {
-            return Err(counted(ApiError::internal(
-                "the engine stopped before answering",
-            )))
+    for choice in &mut events {
+        match choice.recv().await {
+            Some(Event::Started { .. }) => {}
+            Some(Event::Error(e)) => return Err(ApiError::from(&e)),
+            _ => {
+                return Err(counted(ApiError::internal(
+                    "the engine stopped before answering",
+                )))
+            }
         }
     }
     let id = st.new_id(match kind {
@@ -109,13 +140,14 @@ pub(crate) async fn handle(
         model: st.engine.info.id.clone(),
         kind,
         logprobs: admitted.logprobs,
+        n: admitted.n,
     };
     let reply = admitted.reply.unwrap_or_default();
     if admitted.stream {
         let stream = stream_response(meta, events, admitted.include_usage, &reply);
         return Ok(stream.into_response());
     }
-    match whole_response(&meta, &mut events, &reply).await {
+    match whole_response(&meta, events, &reply).await {
         Ok(body) => Ok(Json(body).into_response()),
         Err(Failed::Engine(e)) => Err(e),
         Err(Failed::Here(e)) => Err(counted(e)),
@@ -128,12 +160,46 @@ enum Failed {
     Here(ApiError),
 }
 
-/// The response body of a request answered whole: its events read to the end.
+/// The response body of a request answered whole: every choice's events read to the end
+/// (together, so that none waits for its reader).
 async fn whole_response(
     meta: &Meta,
-    events: &mut mpsc::Receiver<Event>,
+    events: Vec<mpsc::Receiver<Event>>,
     reply: &ReplySetup,
 ) -> Result<Value, Failed> {
+    let reads = events
+        .into_iter()
+        .enumerate()
+        .map(|(index, mut rx)| async move { whole_choice(meta, index, &mut rx, reply).await });
+    // The first failure drops the other choices, which cancels them.
+    let choices = futures_util::future::try_join_all(reads).await?;
+    let (mut prompt, mut completion) = (0, 0);
+    for (i, (_, p, c)) in choices.iter().enumerate() {
+        if i.is_multiple_of(meta.n) {
+            prompt += p;
+        }
+        completion += c;
+    }
+    Ok(json!({
+        "id": meta.id,
+        "object": match meta.kind {
+            Kind::Chat => "chat.completion",
+            Kind::Completion => "text_completion",
+        },
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices.into_iter().map(|(c, _, _)| c).collect::<Vec<_>>(),
+        "usage": usage(prompt, completion),
+    }))
+}
+
+/// One choice of a whole response, its prompt tokens and its completion tokens.
+async fn whole_choice(
+    meta: &Meta,
+    index: usize,
+    events: &mut mpsc::Receiver<Event>,
+    reply: &ReplySetup,
+) -> Result<(Value, usize, usize), Failed> {
     let kind = meta.kind;
     let mut reader = ReplyReader::new(reply);
     let mut read = ReplyPiece::default();
@@ -162,30 +228,20 @@ async fn whole_response(
                     Kind::Chat => {
                         read.append(reader.finish());
                         json!({
-                            "index": 0,
+                            "index": index,
                             "message": chat_message(&read),
                             "logprobs": logprobs,
                             "finish_reason": chat_finish(finish, read.calls.len()),
                         })
                     }
                     Kind::Completion => json!({
-                        "index": 0,
+                        "index": index,
                         "text": text,
                         "logprobs": logprobs,
                         "finish_reason": finish_str(finish),
                     }),
                 };
-                return Ok(json!({
-                    "id": meta.id,
-                    "object": match kind {
-                        Kind::Chat => "chat.completion",
-                        Kind::Completion => "text_completion",
-                    },
-                    "created": meta.created,
-                    "model": meta.model,
-                    "choices": [choice],
-                    "usage": usage(prompt_tokens, completion_tokens),
-                }));
+                return Ok((choice, prompt_tokens, completion_tokens));
             }
             Some(Event::Error(e)) => return Err(Failed::Engine(ApiError::from(&e))),
             Some(Event::Started { .. }) => {}
@@ -205,6 +261,8 @@ struct Meta {
     kind: Kind,
     /// Whether the request asked for logprobs.
     logprobs: bool,
+    /// Choices per prompt.
+    n: usize,
 }
 
 impl Meta {
@@ -212,6 +270,7 @@ impl Meta {
     /// a finish reason.
     fn chunk(
         &self,
+        index: usize,
         delta: Map<String, Value>,
         text: &str,
         logprobs: Value,
@@ -219,10 +278,10 @@ impl Meta {
     ) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Completion => json!({
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish,
@@ -241,19 +300,42 @@ impl Meta {
     }
 }
 
-struct StreamState {
-    meta: Meta,
-    events: mpsc::Receiver<Event>,
-    include_usage: bool,
-    /// Chunks ready to send, then (once `ended`) nothing more from the engine.
-    queue: VecDeque<SseEvent>,
-    ended: bool,
+/// A choice's events, tagged with its index; `None` once its channel has closed.
+type Tagged = futures_util::stream::BoxStream<'static, (usize, Option<Event>)>;
+
+fn tagged(index: usize, rx: mpsc::Receiver<Event>) -> Tagged {
+    Box::pin(stream::unfold(Some(rx), move |rx| async move {
+        let mut rx = rx?;
+        match rx.recv().await {
+            Some(e) => Some(((index, Some(e)), Some(rx))),
+            None => Some(((index, None), None)),
+        }
+    }))
+}
+
+/// What a stream keeps of one choice.
+struct ChoiceState {
     /// Characters of completion text so far (`text_offset` of the legacy logprobs).
     offset: usize,
     /// A chat reply's reasoning, content and calls apart.
     reader: ReplyReader,
     /// Tool calls streamed so far.
     calls: usize,
+    done: bool,
+}
+
+struct StreamState {
+    meta: Meta,
+    events: futures_util::stream::SelectAll<Tagged>,
+    include_usage: bool,
+    /// Chunks ready to send, then (once `ended`) nothing more from the engine.
+    queue: VecDeque<SseEvent>,
+    ended: bool,
+    choices: Vec<ChoiceState>,
+    /// Choices not yet done.
+    left: usize,
+    prompt_tokens: usize,
+    completion_tokens: usize,
 }
 
 fn data(v: &Value) -> SseEvent {
@@ -265,19 +347,20 @@ impl StreamState {
         self.queue.push_back(data(&chunk));
     }
 
-    /// The chunks of a chat reply's piece; `logprobs` go with the first (or alone).
-    fn send_piece(&mut self, piece: &ReplyPiece, mut logprobs: Value) {
-        for delta in chat_deltas(piece, &mut self.calls) {
+    /// The chunks of a chat reply's piece for choice `i`; `logprobs` go with the first (or
+    /// alone).
+    fn send_piece(&mut self, i: usize, piece: &ReplyPiece, mut logprobs: Value) {
+        for delta in chat_deltas(piece, &mut self.choices[i].calls) {
             let lp = std::mem::take(&mut logprobs);
-            self.send(self.meta.chunk(delta, "", lp, None));
+            self.send(self.meta.chunk(i, delta, "", lp, None));
         }
         if !logprobs.is_null() {
-            self.send(self.meta.chunk(Map::new(), "", logprobs, None));
+            self.send(self.meta.chunk(i, Map::new(), "", logprobs, None));
         }
     }
 
-    /// Queues what one engine event makes.
-    fn on_event(&mut self, event: Option<Event>) {
+    /// Queues what one engine event of choice `i` makes.
+    fn on_event(&mut self, i: usize, event: Option<Event>) {
         let kind = self.meta.kind;
         match event {
             Some(Event::Text { text, logprobs }) => {
@@ -287,13 +370,15 @@ impl StreamState {
                 let lp = match (self.meta.logprobs, kind) {
                     (false, _) => Value::Null,
                     (true, Kind::Chat) => chat_logprobs(&logprobs),
-                    (true, Kind::Completion) => completion_logprobs(&logprobs, &mut self.offset),
+                    (true, Kind::Completion) => {
+                        completion_logprobs(&logprobs, &mut self.choices[i].offset)
+                    }
                 };
                 match kind {
-                    Kind::Completion => self.send(self.meta.chunk(Map::new(), &text, lp, None)),
+                    Kind::Completion => self.send(self.meta.chunk(i, Map::new(), &text, lp, None)),
                     Kind::Chat => {
-                        let piece = self.reader.push(&text);
-                        self.send_piece(&piece, lp);
+                        let piece = self.choices[i].reader.push(&text);
+                        self.send_piece(i, &piece, lp);
                     }
                 }
             }
@@ -306,17 +391,29 @@ impl StreamState {
                 // A chat reply's held-back text goes out before its finish chunk.
                 let finish = match kind {
                     Kind::Chat => {
-                        let rest = self.reader.finish();
-                        self.send_piece(&rest, Value::Null);
-                        chat_finish(finish, self.calls)
+                        let rest = self.choices[i].reader.finish();
+                        self.send_piece(i, &rest, Value::Null);
+                        chat_finish(finish, self.choices[i].calls)
                     }
                     Kind::Completion => finish_str(finish),
                 };
-                self.send(self.meta.chunk(Map::new(), "", Value::Null, Some(finish)));
+                self.send(
+                    self.meta
+                        .chunk(i, Map::new(), "", Value::Null, Some(finish)),
+                );
+                self.choices[i].done = true;
+                self.left -= 1;
+                if i.is_multiple_of(self.meta.n) {
+                    self.prompt_tokens += prompt_tokens;
+                }
+                self.completion_tokens += completion_tokens;
+                if self.left > 0 {
+                    return;
+                }
                 if self.include_usage {
-                    let mut chunk = self.meta.chunk(Map::new(), "", Value::Null, None);
+                    let mut chunk = self.meta.chunk(0, Map::new(), "", Value::Null, None);
                     chunk["choices"] = json!([]);
-                    chunk["usage"] = usage(prompt_tokens, completion_tokens);
+                    chunk["usage"] = usage(self.prompt_tokens, self.completion_tokens);
                     self.send(chunk);
                 }
                 self.end();
@@ -325,6 +422,8 @@ impl StreamState {
                 self.send(ApiError::from(&e).body());
                 self.end();
             }
+            // A choice's channel closes after its end.
+            None if self.choices[i].done => {}
             None => {
                 self.send(ApiError::internal("the engine stopped mid-generation").body());
                 self.end();
@@ -338,29 +437,41 @@ impl StreamState {
     }
 }
 
-/// The SSE stream of one request; dropping it (the client left) closes the event channel,
-/// which stops the generation.
+/// The SSE stream of one request, its choices' chunks as they come; dropping it (the client
+/// left, or a choice failed) closes the event channels, which stops the generation.
 fn stream_response(
     meta: Meta,
-    events: mpsc::Receiver<Event>,
+    events: Vec<mpsc::Receiver<Event>>,
     include_usage: bool,
     reply: &ReplySetup,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let choices: Vec<ChoiceState> = events
+        .iter()
+        .map(|_| ChoiceState {
+            offset: 0,
+            reader: ReplyReader::new(reply),
+            calls: 0,
+            done: false,
+        })
+        .collect();
     let mut state = StreamState {
         meta,
-        events,
+        left: choices.len(),
+        choices,
+        events: stream::select_all(events.into_iter().enumerate().map(|(i, rx)| tagged(i, rx))),
         include_usage,
         queue: VecDeque::new(),
         ended: false,
-        offset: 0,
-        reader: ReplyReader::new(reply),
-        calls: 0,
+        prompt_tokens: 0,
+        completion_tokens: 0,
     };
     if state.meta.kind == Kind::Chat {
-        let mut role = Map::new();
-        role.insert("role".into(), "assistant".into());
-        role.insert("content".into(), "".into());
-        state.send(state.meta.chunk(role, "", Value::Null, None));
+        for i in 0..state.choices.len() {
+            let mut role = Map::new();
+            role.insert("role".into(), "assistant".into());
+            role.insert("content".into(), "".into());
+            state.send(state.meta.chunk(i, role, "", Value::Null, None));
+        }
     }
     Sse::new(stream::unfold(state, |mut st| async move {
         loop {
@@ -370,8 +481,10 @@ fn stream_response(
             if st.ended {
                 return None;
             }
-            let event = st.events.recv().await;
-            st.on_event(event);
+            match st.events.next().await {
+                Some((i, event)) => st.on_event(i, event),
+                None => st.on_event(0, None),
+            }
         }
     }))
 }

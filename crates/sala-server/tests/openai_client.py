@@ -124,7 +124,7 @@ out["unknown_model"] = error(
     lambda: client.chat.completions.create(model="no-such-model", messages=messages)
 )
 out["n2"] = error(
-    lambda: client.chat.completions.create(model=model, messages=messages, n=2)
+    lambda: client.chat.completions.create(model=model, messages=messages, n=9)
 )
 out["empty_messages"] = error(
     lambda: client.chat.completions.create(model=model, messages=[])

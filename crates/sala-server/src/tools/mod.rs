@@ -11,16 +11,17 @@
 //!   model is not told of any tool, and all it writes is content.
 //! - `auto` (the default with tools): the tools are in the prompt; calls in the reply are
 //!   parsed ([`parse`]).
-//! - `required` and a named function: the reply is made to begin a call by appending its
-//!   start to the prompt, `<function name="` or `<function name="NAME">` after the
-//!   assistant's header (a prefix the generated text continues; the parser reads the reply as
-//!   that prefix plus the generated text). It is a strong nudge, not a guarantee: without
-//!   constrained decoding a model may still write something that is no call, which then
-//!   stays content (`finish_reason` "stop" or "length", no `tool_calls`).
+//! - `required` and a named function: the reply begins a call: its start ends the prompt,
+//!   `<function name="` or `<function name="NAME">` after the assistant's header (a prefix
+//!   the generated text continues; the parser reads the reply as that prefix plus the
+//!   generated text), and the generated text is constrained ([`grammar`], llguidance) to
+//!   finish that call and make only calls after it, to the tools (the named one) with their
+//!   schemas' parameters. A reply cut by `max_tokens` may still end inside a call.
 //!
 //! `parallel_tool_calls: false` keeps the first call of a reply and drops the rest.
 
 pub mod args;
+pub mod grammar;
 pub mod parse;
 
 use crate::api::{ApiError, MAX_TOOLS};
@@ -191,6 +192,8 @@ pub struct ToolRequest {
     pub reply_prefix: String,
     /// How to read the reply for calls; `None`: it is all content.
     pub reading: Option<CallReading>,
+    /// The grammar that makes the reply calls (`required`, named; [`grammar`]).
+    pub grammar: Option<String>,
 }
 
 /// Checks `tools`, `tool_choice` and `parallel_tool_calls` (see the module docs). An empty
@@ -245,6 +248,7 @@ pub fn check_tools(
     Ok(ToolRequest {
         template_tools: Some(tools),
         reply_prefix,
+        grammar: grammar::call_grammar(&set, &choice, max_calls),
         reading: Some(CallReading {
             tools: Arc::new(set),
             max_calls,

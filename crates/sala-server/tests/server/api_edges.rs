@@ -64,12 +64,13 @@ fn parameters_out_of_range_are_named() {
             "a string, a list of token ids",
         ),
         (json!({"stop": 3}), "stop", "a string or a list of strings"),
-        (json!({"prompt": ["a", "b"]}), "prompt", "only one prompt"),
+        (json!({"prompt": vec!["a"; 65]}), "prompt", "at most 64"),
         (
-            json!({"prompt": [[1, 2], [3]]}),
+            json!({"prompt": ["a", ""]}),
             "prompt",
-            "only one prompt",
+            "prompt[1] must not be empty",
         ),
+        (json!({"n": 9}), "n", "1..=8"),
         (json!({"prompt": []}), "prompt", "must not be empty"),
         (
             json!({"prompt": [4_000_000_000u64]}),

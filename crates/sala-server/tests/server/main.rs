@@ -2,6 +2,7 @@
 //! HTTP/1.1 client over `TcpStream` (and, in `openai_client`, by the official Python client).
 
 mod api_edges;
+mod choices;
 mod common;
 mod fuzz;
 mod load;
@@ -236,9 +237,9 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
             Some("min_p"),
         ),
         (
-            "n = 2",
+            "n = 9",
             comp,
-            json!({"prompt": "hi", "n": 2}).to_string().into_bytes(),
+            json!({"prompt": "hi", "n": 9}).to_string().into_bytes(),
             400,
             Some("n"),
         ),
@@ -355,9 +356,9 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
             Some("n"),
         ),
         (
-            "n = 4 on chat",
+            "n = 9 on chat",
             chat,
-            json!({"messages": msgs, "n": 4}).to_string().into_bytes(),
+            json!({"messages": msgs, "n": 9}).to_string().into_bytes(),
             400,
             Some("n"),
         ),
@@ -448,9 +449,9 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
             Some("logit_bias"),
         ),
         (
-            "two prompts",
+            "65 prompts",
             comp,
-            json!({"prompt": ["a", "b"]}).to_string().into_bytes(),
+            json!({"prompt": vec!["a"; 65]}).to_string().into_bytes(),
             400,
             Some("prompt"),
         ),

@@ -1,7 +1,8 @@
 //! Tool calling through the real server: the request's tools checked, rendered by the
 //! checkpoint's template (the test template has MiniCPM's tools semantics), a tool-call
 //! history accepted, and `tool_choice` shaping the prompt. The random model writes no calls
-//! of its own: the parsing of calls is tested on scripted replies (the crate's unit tests).
+//! of its own (the parsing of calls is tested on scripted replies, the crate's unit tests),
+//! except where a required or named `tool_choice` constrains its reply to calls.
 
 use crate::common::*;
 use serde_json::{json, Value};
@@ -68,6 +69,12 @@ fn tool_requests_are_checked() {
             json!({"tools": [weather()], "tool_choice": named("get_time")}),
             "tool_choice",
             "not among the tools",
+        ),
+        (
+            json!({"tools": [weather()], "tool_choice": "required",
+                   "response_format": {"type": "json_object"}}),
+            "tool_choice",
+            "response_format",
         ),
         (
             json!({"tools": [weather()], "tool_choice": "always"}),
@@ -164,5 +171,110 @@ fn tool_choice_shapes_the_prompt_and_the_reply() {
             .collect();
         assert_eq!(finish, ["length"]);
         assert_eq!(chunks.last().unwrap()["usage"], forced["usage"]);
+    }
+}
+
+/// Tools whose parameters a random model can finish: numbers, booleans, an enum, none.
+fn countable() -> Vec<Value> {
+    vec![
+        json!({"type": "function", "function": {"name": "set_count", "parameters": {
+            "type": "object", "properties": {
+                "count": {"type": "integer"}, "fast": {"type": "boolean"},
+                "mode": {"enum": ["up", "down"]}},
+            "required": ["count", "mode"]}}}),
+        json!({"type": "function", "function": {"name": "ping",
+            "parameters": {"type": "object", "properties": {}}}}),
+    ]
+}
+
+/// Checks one call's name and arguments against [`countable`]; returns its name.
+fn check_call(call: &Value, what: &str) -> String {
+    let f = &call["function"];
+    let name = f["name"].as_str().unwrap().to_string();
+    let args: Value = serde_json::from_str(f["arguments"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("{what}: {e}: {call}"));
+    match name.as_str() {
+        "set_count" => {
+            assert!(
+                args["count"].is_i64() || args["count"].is_u64(),
+                "{what}: {args}"
+            );
+            assert!(
+                ["up", "down"].contains(&args["mode"].as_str().unwrap()),
+                "{what}"
+            );
+            assert!(
+                args.get("fast").is_none_or(Value::is_boolean),
+                "{what}: {args}"
+            );
+        }
+        "ping" => assert_eq!(args, json!({}), "{what}"),
+        other => panic!("{what}: a call to {other}"),
+    }
+    name
+}
+
+/// With `required` or a named function the reply is constrained to calls: even the random
+/// model's comes back as parsed `tool_calls` with `finish_reason` "tool_calls", whole and
+/// streamed; a named choice calls that function; `parallel_tool_calls: false` makes one.
+/// With parallel calls the random model may go on making calls until `max_tokens` cuts it
+/// (finish "length", the unfinished call as content), but the finished ones are parsed.
+#[test]
+fn a_required_or_named_choice_makes_the_reply_tool_calls() {
+    let named = json!({"type": "function", "function": {"name": "set_count"}});
+    for (choice, parallel, seed) in [
+        (named.clone(), false, 1),
+        (json!("required"), false, 2),
+        (named, true, 3),
+        (json!("required"), true, 4),
+    ] {
+        let what = format!("{choice} parallel {parallel}");
+        let body = json!({
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": "Count up to three."}],
+            "tools": countable(), "tool_choice": choice, "parallel_tool_calls": parallel,
+            "max_tokens": 200, "temperature": 1.0, "seed": seed,
+        });
+        let v = chat(&body);
+        let c = &v["choices"][0];
+        let finish = if parallel && c["finish_reason"] == "length" {
+            "length"
+        } else {
+            "tool_calls"
+        };
+        assert_eq!(c["finish_reason"], finish, "{what}: {v}");
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty(), "{what}: {v}");
+        if !parallel {
+            assert_eq!(calls.len(), 1, "{what}: {v}");
+        }
+        let names: Vec<String> = calls.iter().map(|x| check_call(x, &what)).collect();
+        if choice.is_object() {
+            assert!(names.iter().all(|n| n == "set_count"), "{what}: {names:?}");
+        }
+
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (status, text) = request_to(
+            long_server(),
+            "POST",
+            "/v1/chat/completions",
+            streamed.to_string().as_bytes(),
+        );
+        assert_eq!(status, 200, "{text}");
+        let chunks = sse_chunks(&text);
+        let heads: Vec<String> = chunks
+            .iter()
+            .filter_map(|ch| {
+                ch["choices"][0]["delta"]["tool_calls"][0]["function"]["name"].as_str()
+            })
+            .map(String::from)
+            .collect();
+        assert_eq!(heads, names, "{what}: {text}");
+        let finishes: Vec<_> = chunks
+            .iter()
+            .filter_map(|ch| ch["choices"][0]["finish_reason"].as_str())
+            .collect();
+        assert_eq!(finishes, [finish], "{what}");
     }
 }
