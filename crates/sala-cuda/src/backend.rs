@@ -426,6 +426,25 @@ impl Backend for CudaBackend {
         self.fill_random(self.ptr(state), 2 * state.len(), seed, RANDOM_STATE_STD)
     }
 
+    fn copy_lightning_state(
+        &self,
+        src: &DevLightningState,
+        dst: &mut DevLightningState,
+    ) -> BResult<()> {
+        if src.len() != dst.len() {
+            return Err(BackendError(format!(
+                "copy_lightning_state: {} values into a state of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        self.copy(dst, 0, src, 0, src.len())
+    }
+
+    fn copy_sparse_cache(&self, src: &DevSparseCache, dst: &mut DevSparseCache) -> BResult<()> {
+        self.copy_cache(src, dst)
+    }
+
     fn begin_step(&self, step: &StepInfo<'_>) -> BResult<()> {
         let rows = step.tokens.len();
         self.k.set_step_rows(rows);

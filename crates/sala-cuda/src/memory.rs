@@ -424,6 +424,31 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Makes `dst` (an empty cache of the same width) hold what `src` holds; `dst` keeps its
+    /// reservation where it is large enough, else takes `src`'s capacity.
+    pub(crate) fn copy_cache(&self, src: &DevSparseCache, dst: &mut DevSparseCache) -> BResult<()> {
+        if src.kv_width != dst.kv_width || dst.len != 0 {
+            return Err(BackendError(
+                "copy_sparse_cache: the target is not an empty cache of the same shape".into(),
+            ));
+        }
+        if dst.cap < src.cap {
+            // The source's buffers are sized for its capacity: the same sizes fit it here.
+            self.grow_store(&mut dst.k, 0, src.k.len())?;
+            self.grow_store(&mut dst.v, 0, src.v.len())?;
+            self.grow_store(&mut dst.k1, 0, src.k1.len())?;
+            self.grow_store(&mut dst.k2, 0, src.k2.len())?;
+            dst.cap = src.cap;
+        }
+        let kw = src.kv_width;
+        self.copy(&dst.k, 0, &src.k, 0, src.len * kw)?;
+        self.copy(&dst.v, 0, &src.v, 0, src.len * kw)?;
+        self.copy(&dst.k1, 0, &src.k1, 0, src.n1 * kw)?;
+        self.copy(&dst.k2, 0, &src.k2, 0, src.n2 * kw)?;
+        (dst.len, dst.n1, dst.n2) = (src.len, src.n1, src.n2);
+        Ok(())
+    }
+
     /// Makes `store` hold `n` elements, keeping its first `kept`: in place in the page pool,
     /// else by a new allocation and a copy.
     fn grow_store(&self, store: &mut Store<u16>, kept: usize, n: usize) -> BResult<()> {

@@ -1139,3 +1139,55 @@ fn page_pool_caches_match_own_allocations() {
     g.limit_cache_memory(1 << 30);
     assert!(run(&g) == own);
 }
+
+/// A sequence's state copied on the device (a prompt read once for `n` choices) decodes
+/// exactly as the original, bit for bit: with caches in the page pool and in their own
+/// allocations, into a sequence reserved for the whole request and into a bare one (which then
+/// takes the source's capacity), on both sides of `dense_len`.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn a_copied_sequence_decodes_exactly_as_the_original_on_the_gpu() {
+    let mut g = gpu();
+    let mut config = preset("small").unwrap();
+    config.sparse.dense_len = 100;
+    config.sparse.topk = 4;
+    config.sparse.window_size = 256;
+    let v = config.vocab_size;
+    let model = Model::random(&g, config, 21, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(41);
+    let check = |g: &CudaBackend, rng: &mut TestRng| {
+        let mut ws = model.workspace(g, 512).unwrap();
+        for len in [5usize, 90, 700, 1500] {
+            let prompt: Vec<u32> = (0..len).map(|_| rng.below(v) as u32).collect();
+            let feed: Vec<u32> = (0..6).map(|_| rng.below(v) as u32).collect();
+            let mut a = model.new_sequence(g).unwrap();
+            model.reserve(g, &mut a, len + feed.len()).unwrap();
+            model
+                .prefill(g, &mut ws, &mut a, &prompt, &mut |_| {})
+                .unwrap();
+            let mut reserved = model.new_sequence(g).unwrap();
+            model.reserve(g, &mut reserved, len + feed.len()).unwrap();
+            model.copy_sequence(g, &a, &mut reserved).unwrap();
+            let mut bare = model.new_sequence(g).unwrap();
+            model.copy_sequence(g, &a, &mut bare).unwrap();
+            assert!(
+                model.copy_sequence(g, &a, &mut bare).is_err(),
+                "a copy into a sequence holding tokens is refused"
+            );
+            for (i, &t) in feed.iter().enumerate() {
+                let want = model.decode(g, &mut ws, &mut a, t).unwrap();
+                for (name, seq) in [("reserved", &mut reserved), ("bare", &mut bare)] {
+                    let got = model.decode(g, &mut ws, seq, t).unwrap();
+                    assert!(
+                        got == want,
+                        "prompt {len}, step {i}: the {name} copy differs"
+                    );
+                }
+            }
+        }
+    };
+    g.use_own_allocations();
+    check(&g, &mut rng);
+    g.use_page_pool(1 << 30).unwrap();
+    check(&g, &mut rng);
+}

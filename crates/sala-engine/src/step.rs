@@ -277,7 +277,7 @@ impl<B: Backend> Engine<B> {
     /// [`Engine::admit`] for another choice of request `of`'s prompt: when `of` is in the
     /// batch with the same prompt, still unread, this request waits for it to be read and
     /// then copies its state and logits (the prompt is read once), or reads it itself where
-    /// the backend cannot copy states or `of` fails first. Its tokens are the same either way.
+    /// `of` fails first. Its tokens are the same either way.
     pub fn admit_copy<C>(
         &mut self,
         batch: &mut Batch<B, C>,
@@ -474,11 +474,9 @@ impl<B: Backend> Engine<B> {
                                 (&b[0], &mut a[c])
                             };
                             dst.copy_of = None;
-                            if model
-                                .copy_sequence(backend, &src.seq, &mut dst.seq)
-                                .is_err()
-                            {
-                                // It reads the prompt itself from the next step.
+                            if let Err(e) = model.copy_sequence(backend, &src.seq, &mut dst.seq) {
+                                // Part of the state may have been copied: no reading it again.
+                                dst.done = Some(Err(e.into()));
                                 continue;
                             }
                             dst.read = dst.prompt.len();
