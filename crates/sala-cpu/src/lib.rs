@@ -11,7 +11,10 @@ use sala_checkpoint::{ModelConfig, SparseConfig};
 use sala_model::backend::{check_spans, RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::memory::{BackendMemory, F32};
 use sala_model::numerics::{bf16_round, random_normal};
-use sala_model::{AttnIo, AttnShape, BResult, Backend, BackendError, HostTensor, Span, SparseMode};
+use sala_model::{
+    AttnIo, AttnShape, BResult, Backend, BackendError, GreedyPick, HostTensor, LogitsOut, Span,
+    SparseMode,
+};
 
 /// Activations `[rows, cols]` with room for `cap_rows` rows.
 #[derive(Debug, Clone)]
@@ -554,14 +557,33 @@ impl Backend for CpuBackend {
         &self,
         h: &CpuAct,
         rows: &[usize],
+        keep: &[bool],
         lm_head: &CpuMatrix,
         divisor: f32,
-    ) -> BResult<Vec<f32>> {
+    ) -> BResult<LogitsOut> {
+        if keep.len() != rows.len() {
+            return Err(BackendError(format!(
+                "logits: {} keep flags for {} rows",
+                keep.len(),
+                rows.len()
+            )));
+        }
         let x = lm_head_input(h, rows, divisor);
-        let mut y = vec![0f32; rows.len() * lm_head.rows];
+        let vocab = lm_head.rows;
+        let mut y = vec![0f32; rows.len() * vocab];
         matmul_f32(&x, rows.len(), lm_head, &mut y);
         y.par_iter_mut().for_each(|v| *v = bf16_round(*v));
-        Ok(y)
+        let picks = y.par_chunks(vocab.max(1)).map(GreedyPick::of).collect();
+        let kept = if keep.iter().all(|&k| k) {
+            y
+        } else {
+            y.chunks(vocab.max(1))
+                .zip(keep)
+                .filter(|(_, &k)| k)
+                .flat_map(|(r, _)| r.iter().copied())
+                .collect()
+        };
+        Ok(LogitsOut { rows: kept, picks })
     }
 
     fn to_host(&self, a: &CpuAct) -> BResult<Vec<f32>> {

@@ -7,7 +7,7 @@ use sala_checkpoint::{ModelConfig, SparseConfig};
 use sala_model::memory::BackendMemory;
 use sala_model::numerics::bf16_round;
 use sala_model::oracle::{self, AttnShape, SparseMode};
-use sala_model::{AttnIo, BResult, Backend, HostTensor, Span};
+use sala_model::{AttnIo, BResult, Backend, GreedyPick, HostTensor, LogitsOut, Span};
 
 pub struct ReferenceBackend;
 
@@ -175,14 +175,25 @@ impl Backend for ReferenceBackend {
         &self,
         h: &CpuAct,
         rows: &[usize],
+        keep: &[bool],
         lm_head: &CpuMatrix,
         divisor: f32,
-    ) -> BResult<Vec<f32>> {
+    ) -> BResult<LogitsOut> {
         let x = crate::lm_head_input(h, rows, divisor);
-        Ok(naive_matmul(&x, rows.len(), lm_head)
+        let y: Vec<f32> = naive_matmul(&x, rows.len(), lm_head)
             .into_iter()
             .map(bf16_round)
-            .collect())
+            .collect();
+        let vocab = lm_head.rows.max(1);
+        Ok(LogitsOut {
+            picks: y.chunks(vocab).map(GreedyPick::of).collect(),
+            rows: y
+                .chunks(vocab)
+                .zip(keep)
+                .filter(|(_, &k)| k)
+                .flat_map(|(r, _)| r.iter().copied())
+                .collect(),
+        })
     }
     fn to_host(&self, a: &CpuAct) -> BResult<Vec<f32>> {
         Ok(a.data.clone())

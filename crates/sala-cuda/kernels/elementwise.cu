@@ -311,6 +311,52 @@ extern "C" __global__ void scale_round(const bf16* x, bf16* out, float divisor, 
     if (i < n) out[i] = f2bf(bf2f(x[i]) / divisor);
 }
 
+// A logit as the host sampler reads it: NaN as -inf, +inf as the largest float.
+#define NEG_INF (-__int_as_float(0x7f800000))
+__device__ __forceinline__ float sampled_logit(bf16 b) {
+    float x = bf2f(b);
+    return x != x ? NEG_INF : fminf(x, 3.402823466e38f);
+}
+
+// Each row's greedy token: the first index of its maximum, and that token's log-probability
+// -log sum exp(x - max); id -1 where no logit is a number. As the host sampler picks it.
+// launch: grid = rows, block = 1024
+extern "C" __global__ void __launch_bounds__(1024) greedy_rows(const bf16* logits, int vocab, int* ids,
+                                                               float* logprobs) {
+    pdl_start();
+    __shared__ float best_of[32];
+    __shared__ int at_of[32];
+    __shared__ float scratch[32];
+    const bf16* row = logits + (u64)blockIdx.x * vocab;
+    float best = NEG_INF;
+    int at = 0x7fffffff;
+    // Each thread walks its indices upward, so a strict > keeps its first maximum.
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float x = sampled_logit(row[i]);
+        if (x > best) best = x, at = i;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        float b = __shfl_xor_sync(0xffffffffu, best, o);
+        int a = __shfl_xor_sync(0xffffffffu, at, o);
+        if (b > best || (b == best && a < at)) best = b, at = a;
+    }
+    if (lane == 0) best_of[warp] = best, at_of[warp] = at;
+    __syncthreads();
+    best = best_of[0], at = at_of[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+        if (best_of[w] > best || (best_of[w] == best && at_of[w] < at)) best = best_of[w], at = at_of[w];
+    float sum = 0.0f;
+    if (best > NEG_INF)
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(sampled_logit(row[i]) - best);
+    sum = block_sum(sum, scratch);
+    if (threadIdx.x == 0) {
+        bool any = best > NEG_INF;
+        ids[blockIdx.x] = any ? at : -1;
+        logprobs[blockIdx.x] = any ? -logf(sum) : 0.0f;
+    }
+}
+
 __device__ __forceinline__ u64 splitmix64(u64 z) {
     z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

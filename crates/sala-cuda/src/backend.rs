@@ -7,14 +7,15 @@ use crate::kernels::Launcher;
 use crate::memory::{be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Scratch};
 use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
-use crate::plan::Planner;
+use crate::plan::{Launch, Planner};
 use crate::{gemm, libs, pool, profile, registry};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use sala_checkpoint::{ModelConfig, SparseConfig};
 use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::memory::BackendMemory;
 use sala_model::{
-    AttnIo, AttnShape, BResult, Backend, BackendError, HostTensor, Span, SparseMode, StepInfo,
+    AttnIo, AttnShape, BResult, Backend, BackendError, GreedyPick, HostTensor, LogitsOut, Span,
+    SparseMode, StepInfo,
 };
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -585,9 +586,10 @@ impl Backend for CudaBackend {
         &self,
         h: &DevAct,
         rows: &[usize],
+        keep: &[bool],
         lm_head: &DevMatrix,
         divisor: f32,
-    ) -> BResult<Vec<f32>> {
+    ) -> BResult<LogitsOut> {
         let (n, cols, vocab) = (rows.len(), h.cols, lm_head.rows);
         if let Some(&bad) = rows.iter().find(|&&r| r >= h.rows) {
             return Err(BackendError(format!(
@@ -595,13 +597,21 @@ impl Backend for CudaBackend {
                 h.rows
             )));
         }
-        let (x, y) = {
+        if keep.len() != n || n == 0 {
+            return Err(BackendError(format!(
+                "logits: {} keep flags for {n} rows",
+                keep.len()
+            )));
+        }
+        let (x, y, picks) = {
             let mut s = self.scratch.borrow_mut();
             grow(&self.stream, &mut s.logits_in, n * cols)?;
             grow(&self.stream, &mut s.logits_out, n * vocab)?;
+            grow(&self.stream, &mut s.picks, 2 * n)?;
             (
                 self.ptr(s.logits_in.as_ref().expect("grown")),
                 self.ptr(s.logits_out.as_ref().expect("grown")),
+                self.ptr(s.picks.as_ref().expect("grown")),
             )
         };
         // Each run of adjacent rows scaled in one launch, packed in order.
@@ -620,13 +630,52 @@ impl Backend for CudaBackend {
             i = j;
         }
         let s = self.scratch.borrow();
-        let (xs, ys) = (
+        let (xs, ys, ps) = (
             s.logits_in.as_ref().expect("grown"),
             s.logits_out.as_ref().expect("grown"),
+            s.picks.as_ref().expect("grown"),
         );
         self.product(xs, 0, lm_head, y, n)?;
+        // Every row's pick, whichever rows the host keeps: a step's launches depend on its
+        // rows only (a CUDA graph replays them).
+        self.k.greedy_rows(
+            Launch::new((n, 1, 1), 1024, 0),
+            y,
+            vocab as i32,
+            picks,
+            picks + 4 * n as u64,
+        )?;
         self.graph_pause()?;
-        self.download(ys, n * vocab)
+        let start = std::time::Instant::now();
+        self.synchronize()?;
+        self.waited.set(self.waited.get() + start.elapsed());
+        let mut raw = vec![0u32; 2 * n];
+        self.stream
+            .memcpy_dtoh(&ps.slice(..2 * n), &mut raw)
+            .map_err(|e| be_err("download", e))?;
+        let picks = (0..n)
+            .map(|r| GreedyPick {
+                id: u32::try_from(raw[r] as i32).ok(),
+                logprob: f32::from_bits(raw[n + r]),
+            })
+            .collect();
+        // The kept rows, a run of adjacent ones per copy.
+        let kept = keep.iter().filter(|&&k| k).count();
+        let mut out = Vec::with_capacity(kept * vocab);
+        let mut i = 0;
+        while i < n {
+            if !keep[i] {
+                i += 1;
+                continue;
+            }
+            let mut j = i + 1;
+            while j < n && keep[j] {
+                j += 1;
+            }
+            out.extend(self.download_bf16(ys, i * vocab, (j - i) * vocab)?);
+            i = j;
+        }
+        Ok(LogitsOut { rows: out, picks })
     }
 
     fn to_host(&self, a: &DevAct) -> BResult<Vec<f32>> {

@@ -202,6 +202,8 @@ pub(crate) struct Scratch {
     pub positions: Option<CudaSlice<i32>>,
     pub logits_in: Option<CudaSlice<u16>>,
     pub logits_out: Option<CudaSlice<u16>>,
+    /// Each logit row's greedy pick: ids (i32), then log-probabilities (f32).
+    pub picks: Option<CudaSlice<u32>>,
     pub lightning: Option<CudaSlice<f32>>,
     pub attn_part: Option<CudaSlice<f32>>,
     pub lse: Option<CudaSlice<f32>>,
@@ -232,6 +234,7 @@ impl Scratch {
         h = mix(h, &self.positions, stream);
         h = mix(h, &self.logits_in, stream);
         h = mix(h, &self.logits_out, stream);
+        h = mix(h, &self.picks, stream);
         h = mix(h, &self.lightning, stream);
         h = mix(h, &self.attn_part, stream);
         h = mix(h, &self.lse, stream);
@@ -356,16 +359,33 @@ impl CudaBackend {
             .map_err(|e| be_err("download", e))
     }
 
-    /// Copies device bf16 values to the host as f32.
+    /// Copies device bf16 values to the host as f32 (the first `n`).
     pub fn download(&self, buf: &CudaSlice<u16>, n: usize) -> BResult<Vec<f32>> {
-        let mut bits = vec![0u16; buf.len()];
         let start = std::time::Instant::now();
         self.synchronize()?;
         self.waited.set(self.waited.get() + start.elapsed());
+        self.download_bf16(buf, 0, n)
+    }
+
+    /// Copies `n` bf16 values from `off` on to the host as f32, in stream order (no wait
+    /// counted).
+    pub(crate) fn download_bf16(
+        &self,
+        buf: &CudaSlice<u16>,
+        off: usize,
+        n: usize,
+    ) -> BResult<Vec<f32>> {
+        if off + n > buf.len() {
+            return Err(BackendError(format!(
+                "download of {n} values at {off} from a buffer of {}",
+                buf.len()
+            )));
+        }
+        let mut bits = vec![0u16; n];
         self.stream
-            .memcpy_dtoh(buf, &mut bits)
+            .memcpy_dtoh(&buf.slice(off..off + n), &mut bits)
             .map_err(|e| be_err("download", e))?;
-        Ok(bits[..n]
+        Ok(bits
             .iter()
             .map(|&b| half::bf16::from_bits(b).to_f32())
             .collect())

@@ -962,6 +962,7 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::AddScaled, 256),
     (K::SigmoidGate, 256),
     (K::ScaleRound, 256),
+    (K::GreedyRows, 1024),
     (K::FillRandom, 256),
     (K::RopeTable, 256),
     (K::RopeTableRows, 256),

@@ -16,7 +16,7 @@ use sala_cuda::{CudaBackend, CudaOptions, Store};
 use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
 use sala_model::oracle::{self, AttnShape, SparseMode};
 use sala_model::testing::decode_step;
-use sala_model::{AttnIo, Backend, HostDType, HostTensor, Model, Span, WeightSource};
+use sala_model::{AttnIo, Backend, GreedyPick, HostDType, HostTensor, Model, Span, WeightSource};
 
 /// The options of this run: the environment's (`SALA_DEVICE_PROFILE` plans as that card).
 fn base_options() -> CudaOptions {
@@ -1190,4 +1190,77 @@ fn a_copied_sequence_decodes_exactly_as_the_original_on_the_gpu() {
     check(&g, &mut rng);
     g.use_page_pool(1 << 30).unwrap();
     check(&g, &mut rng);
+}
+
+/// Greedy picks made on the GPU equal the host's pick from the same logits: the first index
+/// of the maximum where many logits tie (head rows that are multiples of one vector), NaN
+/// logits read as -inf, +inf ones as the largest float, and no pick where no logit is a
+/// number; kept rows come back whole, the others not at all. Then in whole models' steps
+/// ([`sala_model::testing::check_greedy_picks`]).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn greedy_picks_match_the_host() {
+    let g = gpu();
+    let mut rng = TestRng::new(61);
+    let (cols, vocab, rows) = (64usize, 5000usize, 6usize);
+    let u = rng.bf16_vec(cols, -1.0, 1.0);
+    // Head row j is c_j · u with c_j from a few values: every h row's logits tie in groups.
+    let mut w: Vec<f32> = (0..vocab)
+        .flat_map(|j| {
+            let c = [0.5f32, -0.25, 1.0, 0.125, -1.0][(j * 7 + j / 3) % 5];
+            u.iter().map(move |&x| c * x).collect::<Vec<_>>()
+        })
+        .collect();
+    w[17 * cols] = f32::NAN; // logit 17 of every row is NaN
+    w[4000 * cols..4001 * cols].fill(3e38); // logit 4000 overflows to ±inf
+    let x = rng.bf16_vec(rows * cols, -1.0, 1.0);
+    let check = |w: &[f32], keep: &[bool], what: &str| {
+        let ht = HostTensor {
+            dtype: HostDType::Bf16,
+            shape: &[vocab, cols],
+            bytes: &bf16_bytes(w),
+        };
+        let gw = g.upload_matrix("head", ht).unwrap();
+        let h = g.act_from_host(&x, cols).unwrap();
+        let all: Vec<usize> = (0..rows).collect();
+        let full = g.logits(&h, &all, &[true; 6], &gw, 1.0).unwrap();
+        let out = g.logits(&h, &all, keep, &gw, 1.0).unwrap();
+        let kept: Vec<f32> = full
+            .rows
+            .chunks(vocab)
+            .zip(keep)
+            .filter(|(_, &k)| k)
+            .flat_map(|(r, _)| r.iter().copied())
+            .collect();
+        assert!(
+            out.rows
+                .iter()
+                .zip(&kept)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && out.rows.len() == kept.len(),
+            "{what}: the kept rows differ"
+        );
+        for (r, row) in full.rows.chunks(vocab).enumerate() {
+            let want = GreedyPick::of(row);
+            let got = out.picks[r];
+            assert!(
+                got.id == want.id
+                    && (got.logprob - want.logprob).abs() <= 1e-5 * want.logprob.abs().max(1.0),
+                "{what}: row {r}: picked {got:?}, the host picks {want:?}"
+            );
+        }
+        out.picks
+    };
+    let picks = check(&w, &[false, true, false, false, true, true], "ties");
+    assert!(picks.iter().all(|p| p.id.is_some()));
+    let nan = vec![f32::NAN; vocab * cols];
+    let picks = check(&nan, &[true, false, true, false, false, false], "all NaN");
+    assert!(picks.iter().all(|p| p.id.is_none()));
+
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 100;
+        let model = Model::random(&g, config, 13, &mut |_, _| {}).unwrap();
+        sala_model::testing::check_greedy_picks(&g, &model).unwrap();
+    }
 }

@@ -14,7 +14,9 @@ use crate::stop::{StopError, StopMatcher};
 use sala_checkpoint::ModelConfig;
 use sala_checkpoint::{Checkpoint, CheckpointError, DType};
 use sala_model::memory::{MemoryLimit, MemoryPlan, OverBudget};
-use sala_model::{Backend, BackendError, HostDType, HostTensor, Model, WeightSource, Workspace};
+use sala_model::{
+    Backend, BackendError, HostDType, HostTensor, Model, StepLogits, WeightSource, Workspace,
+};
 use sala_tokenizer::{Detokenizer, Tokenizer, TokenizerError};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -493,7 +495,7 @@ impl TokenStream {
     /// when asked for; `None` once the stream has ended. A grammar first sets the logits it
     /// disallows to `-inf` (so logprobs are those of the allowed tokens). It reports nothing,
     /// so a batch runs it for many streams at once.
-    pub fn choose(&mut self, logits: &mut [f32]) -> Result<Option<Choice>, EngineError> {
+    pub fn choose(&mut self, logits: &mut StepLogits) -> Result<Option<Choice>, EngineError> {
         if self.finish.is_some() {
             return Ok(None);
         }
@@ -501,6 +503,23 @@ impl TokenStream {
         if self.sampler.params().seed == Some(crate::step::tests::PANIC_SEED) {
             panic!("injected panic in sampling");
         }
+        let logits = match logits {
+            StepLogits::Rows(rows) => rows.as_mut_slice(),
+            StepLogits::Greedy(pick) if self.takes_greedy_pick() => {
+                let tok = SampledToken {
+                    id: pick.id.ok_or(SamplingError::NoValidLogits)?,
+                    logprob: pick.logprob,
+                };
+                self.sampler.record_output(tok.id)?;
+                return Ok(Some(Choice {
+                    tok,
+                    logprobs: None,
+                }));
+            }
+            StepLogits::Greedy(_) => {
+                return Err(BackendError("a greedy pick for a request that samples".into()).into())
+            }
+        };
         if let Some(c) = &mut self.constraint {
             c.apply(logits)?;
         }
@@ -513,6 +532,13 @@ impl TokenStream {
                 .logprobs
                 .and_then(|n| token_logprobs(logits, tok.id, n)),
         }))
+    }
+
+    /// True when this stream's next token is the argmax of the raw logits (greedy, no penalty,
+    /// grammar or logprobs): the step then asks the backend for that pick
+    /// ([`LogitRows::Greedy`](sala_model::LogitRows::Greedy)) instead of the logits.
+    pub fn takes_greedy_pick(&self) -> bool {
+        self.constraint.is_none() && self.logprobs.is_none() && self.sampler.is_plain_argmax()
     }
 
     /// The grammar whose next mask is still to be computed, if any ([`crate::step`] computes

@@ -538,6 +538,14 @@ impl Sampler {
         Ok(())
     }
 
+    /// True when the next token is the first argmax of the raw logits (greedy, no penalty),
+    /// so that a backend's greedy pick serves instead of the logits.
+    pub fn is_plain_argmax(&self) -> bool {
+        self.params.is_greedy()
+            && !self.params.uses_repetition_penalty()
+            && !self.params.uses_count_penalties()
+    }
+
     /// Samples the next token from `logits` (one per vocabulary entry). The
     /// token is not recorded; call [`Sampler::record_output`] to accept it.
     pub fn sample(&mut self, logits: &[f32]) -> Result<SampledToken, SamplingError> {

@@ -22,7 +22,7 @@ use crate::request::{FinishReason, RequestId};
 use crate::sampling::SampledToken;
 use crate::scheduler::{Scheduler, Want, Work};
 use rayon::prelude::*;
-use sala_model::{Backend, BackendError, LogitRows, SeqState, StepInput};
+use sala_model::{Backend, BackendError, LogitRows, SeqState, StepInput, StepLogits};
 
 /// How a request ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -98,7 +98,7 @@ struct Member<B: Backend, C> {
     stream: TokenStream,
     /// Its share of the cache budget, held while it is in the batch.
     lease: Option<Lease>,
-    logits: Option<Vec<f32>>,
+    logits: Option<StepLogits>,
     feed: Option<u32>,
     /// Set when the request has ended (its `Done` is sent as the step ends).
     done: Option<Result<FinishReason, EngineError>>,
@@ -318,7 +318,7 @@ impl<B: Backend> Engine<B> {
         }
         // 1. A token for every request whose logits are ready and whose client can take it:
         // sampled for all of them at once, then reported in batch order.
-        let mut picked: Vec<(&mut Member<B, C>, Vec<f32>)> = members
+        let mut picked: Vec<(&mut Member<B, C>, StepLogits)> = members
             .iter_mut()
             .filter(|m| m.done.is_none() && m.client.ready())
             .filter_map(|m| m.logits.take().map(|l| (m, l)))
@@ -329,7 +329,7 @@ impl<B: Backend> Engine<B> {
         } else {
             picked
                 .iter_mut()
-                .map(|(m, l)| (&mut m.stream, l.as_mut_slice()))
+                .map(|(m, l)| (&mut m.stream, l))
                 .collect::<Vec<_>>()
                 .into_par_iter()
                 .map(|(stream, logits)| isolated("sampling", || stream.choose(logits)))
@@ -404,6 +404,7 @@ impl<B: Backend> Engine<B> {
                     ),
                     (Work::Decode, None) => unreachable!("a decode row has a token to feed"),
                 };
+                let greedy = stream.takes_greedy_pick();
                 if last {
                     masks.extend(stream.pending_constraint());
                 }
@@ -411,10 +412,10 @@ impl<B: Backend> Engine<B> {
                     seq,
                     tokens,
                     mode,
-                    logits: if last {
-                        LogitRows::Last
-                    } else {
-                        LogitRows::None
+                    logits: match (last, greedy) {
+                        (false, _) => LogitRows::None,
+                        (true, false) => LogitRows::Last,
+                        (true, true) => LogitRows::Greedy,
                     },
                 });
             }

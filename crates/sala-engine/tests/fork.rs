@@ -34,7 +34,10 @@ fn a_copied_sequence_decodes_exactly_as_the_original() {
                 mode: m.sparse_mode(total),
                 logits: LogitRows::Last,
             }];
-            m.forward(be, &mut ws, &mut input).unwrap().remove(0)
+            m.forward(be, &mut ws, &mut input)
+                .unwrap()
+                .remove(0)
+                .into_rows()
         };
         let mut a = m.new_sequence(be).unwrap();
         m.reserve(be, &mut a, len + 16).unwrap();

@@ -6,6 +6,7 @@
 //! except where a method says otherwise. Linear weights are `[out, in]`, `y = x Wᵀ`.
 
 use crate::memory::BackendMemory;
+use crate::model::GreedyPick;
 use crate::oracle::{AttnShape, SparseMode};
 use sala_checkpoint::{ModelConfig, SparseConfig};
 
@@ -317,16 +318,25 @@ pub trait Backend {
     ) -> BResult<()>;
     /// Logits of the rows `rows` of `h` (final-normed hidden states), in that order:
     /// `round(h / divisor)` times `lm_head`ᵀ, rounded to bf16 as the reference's bf16
-    /// output, returned as f32 `[rows.len(), vocab]`.
+    /// output. Returns as f32 `[k, vocab]` the rows whose `keep` is set (in order), and every
+    /// row's greedy pick ([`GreedyPick::of`] of its logits).
     fn logits(
         &self,
         h: &Self::Act,
         rows: &[usize],
+        keep: &[bool],
         lm_head: &Self::Matrix,
         divisor: f32,
-    ) -> BResult<Vec<f32>>;
+    ) -> BResult<LogitsOut>;
     /// Copies an activation buffer to the host (tests and debugging).
     fn to_host(&self, a: &Self::Act) -> BResult<Vec<f32>>;
+}
+
+/// What [`Backend::logits`] gives back: the kept rows' logits and every row's greedy pick.
+#[derive(Debug, Clone, Default)]
+pub struct LogitsOut {
+    pub rows: Vec<f32>,
+    pub picks: Vec<GreedyPick>,
 }
 
 /// The activations an attention entry reads and writes: q `[rows, heads·d]`, k and v

@@ -8,6 +8,10 @@ pub mod numerics;
 pub mod oracle;
 pub mod testing;
 
-pub use backend::{AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, Span, StepInfo};
-pub use model::{LogitRows, Model, SeqState, StepInput, WeightSource, Workspace};
+pub use backend::{
+    AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, LogitsOut, Span, StepInfo,
+};
+pub use model::{
+    GreedyPick, LogitRows, Model, SeqState, StepInput, StepLogits, WeightSource, Workspace,
+};
 pub use oracle::{AttnShape, SparseMode};

@@ -245,6 +245,61 @@ pub enum LogitRows {
     None,
     Last,
     All,
+    /// The last row's greedy token only ([`GreedyPick`]): no logits leave the device.
+    Greedy,
+}
+
+/// The greedy token of one row of logits, as the host sampler picks it: the first index of the
+/// maximum (NaN read as `-inf`, `+inf` as `f32::MAX`), and its log-probability
+/// `-ln Σ exp(x - max)`. `id` is `None` when no logit is a number.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GreedyPick {
+    pub id: Option<u32>,
+    pub logprob: f32,
+}
+
+impl GreedyPick {
+    /// The pick of one row of logits, on the host.
+    pub fn of(row: &[f32]) -> Self {
+        let read = |x: f32| {
+            if x.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                x.min(f32::MAX)
+            }
+        };
+        let (mut best, mut at) = (f32::NEG_INFINITY, None);
+        for (i, &x) in row.iter().enumerate() {
+            let x = read(x);
+            if x > best {
+                (best, at) = (x, Some(i as u32));
+            }
+        }
+        let sum: f64 = row.iter().map(|&x| ((read(x) - best) as f64).exp()).sum();
+        Self {
+            id: at,
+            logprob: if at.is_some() { -sum.ln() as f32 } else { 0.0 },
+        }
+    }
+}
+
+/// One input's share of a step's output, as its [`LogitRows`] asked.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepLogits {
+    /// `[rows, vocab]` (no rows for [`LogitRows::None`]).
+    Rows(Vec<f32>),
+    /// The last row's greedy token ([`LogitRows::Greedy`]).
+    Greedy(GreedyPick),
+}
+
+impl StepLogits {
+    /// The logits; none for a greedy pick.
+    pub fn into_rows(self) -> Vec<f32> {
+        match self {
+            StepLogits::Rows(r) => r,
+            StepLogits::Greedy(_) => Vec::new(),
+        }
+    }
 }
 
 /// Where [`Loader`] takes weights from.
@@ -612,14 +667,14 @@ impl<B: Backend> Model<B> {
     /// One step: every input's tokens go through the model in one pass (rows in batch order,
     /// so each weight is read once for the whole step), each advancing its own sequence.
     /// Inputs may mix decode rows, prompt chunks and longer spans; a sequence's result does
-    /// not depend on the others in the step. Returns each input's logits (`[rows, vocab]`,
-    /// empty for [`LogitRows::None`]).
+    /// not depend on the others in the step. Returns each input's logits as its
+    /// [`LogitRows`] asked.
     pub fn forward(
         &self,
         be: &B,
         ws: &mut Workspace<B>,
         batch: &mut [StepInput<'_, B>],
-    ) -> BResult<Vec<Vec<f32>>> {
+    ) -> BResult<Vec<StepLogits>> {
         let c = &self.config;
         let n: usize = batch.iter().map(|x| x.tokens.len()).sum();
         if batch.is_empty() || n > ws.max_rows || batch.iter().any(|x| x.tokens.is_empty()) {
@@ -641,7 +696,9 @@ impl<B: Backend> Model<B> {
             };
             logit_rows.extend(match x.logits {
                 LogitRows::None => 0..0,
-                LogitRows::Last => span.first_row + span.len - 1..span.first_row + span.len,
+                LogitRows::Last | LogitRows::Greedy => {
+                    span.first_row + span.len - 1..span.first_row + span.len
+                }
                 LogitRows::All => span.rows(),
             });
             tokens.extend_from_slice(x.tokens);
@@ -688,7 +745,7 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         step: &StepCtx<'_>,
         logit_rows: &[usize],
-    ) -> BResult<Vec<Vec<f32>>> {
+    ) -> BResult<Vec<StepLogits>> {
         let c = &self.config;
         be.embed(&self.embed, tokens, c.scale_emb as f32, &mut ws.h)?;
         if let Some(first) = self.layers.first() {
@@ -704,24 +761,52 @@ impl<B: Backend> Model<B> {
             layer.forward(self, be, step, ws, &mut states, next_norm)?;
         }
         if logit_rows.is_empty() {
-            return Ok(vec![Vec::new(); batch.len()]);
+            return Ok(vec![StepLogits::Rows(Vec::new()); batch.len()]);
         }
+        // Rows whose logits the host gets; the others only their greedy pick.
+        let keep: Vec<bool> = batch
+            .iter()
+            .flat_map(|x| match x.logits {
+                LogitRows::None => vec![],
+                LogitRows::Last => vec![true],
+                LogitRows::Greedy => vec![false],
+                LogitRows::All => vec![true; x.tokens.len()],
+            })
+            .collect();
         // `ws.a` holds the final norm of the last layer's output.
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut all = be.logits(&ws.a, logit_rows, head, c.logit_divisor() as f32)?;
-        let vocab = all.len() / logit_rows.len();
-        // Each input's rows, cut from the end so that every value is moved once.
-        let mut out = Vec::with_capacity(batch.len());
-        for x in batch.iter().rev() {
-            let rows = match x.logits {
-                LogitRows::None => 0,
-                LogitRows::Last => 1,
-                LogitRows::All => x.tokens.len(),
-            };
-            out.push(all.split_off(all.len() - rows * vocab));
+        let out = be.logits(&ws.a, logit_rows, &keep, head, c.logit_divisor() as f32)?;
+        let (mut all, mut picks) = (out.rows, out.picks);
+        let vocab = c.vocab_size;
+        let kept = keep.iter().filter(|&&k| k).count();
+        if all.len() != kept * vocab || picks.len() != logit_rows.len() {
+            return Err(BackendError(format!(
+                "the backend gave {} logits and {} picks for {kept} rows kept of {}",
+                all.len(),
+                picks.len(),
+                logit_rows.len()
+            )));
         }
-        out.reverse();
-        Ok(out)
+        // Each input's rows, cut from the end so that every value is moved once.
+        let mut res = Vec::with_capacity(batch.len());
+        for x in batch.iter().rev() {
+            res.push(match x.logits {
+                LogitRows::None => StepLogits::Rows(Vec::new()),
+                LogitRows::Last => {
+                    picks.pop();
+                    StepLogits::Rows(all.split_off(all.len() - vocab))
+                }
+                LogitRows::All => {
+                    picks.truncate(picks.len() - x.tokens.len());
+                    StepLogits::Rows(all.split_off(all.len() - x.tokens.len() * vocab))
+                }
+                LogitRows::Greedy => StepLogits::Greedy(picks.pop().ok_or_else(|| {
+                    BackendError("the backend gave fewer greedy picks than rows".into())
+                })?),
+            });
+        }
+        res.reverse();
+        Ok(res)
     }
 
     /// Prefills `tokens` in chunks of at most `ws.chunk`, with the sparse mode of the whole
@@ -765,6 +850,28 @@ impl<B: Backend> Model<B> {
         self.forward_one(be, ws, seq, &[token], mode, LogitRows::Last)
     }
 
+    /// One decode step that returns the greedy pick of the next token, made where the logits
+    /// are ([`LogitRows::Greedy`]).
+    pub fn decode_greedy(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        seq: &mut SeqState<B>,
+        token: u32,
+    ) -> BResult<GreedyPick> {
+        let mode = self.sparse_mode(seq.pos + 1);
+        let input = StepInput {
+            seq,
+            tokens: &[token],
+            mode,
+            logits: LogitRows::Greedy,
+        };
+        match self.forward(be, ws, &mut [input])?.remove(0) {
+            StepLogits::Greedy(pick) => Ok(pick),
+            StepLogits::Rows(_) => Err(BackendError("logits where a pick was asked".into())),
+        }
+    }
+
     /// [`Model::forward`] of one sequence's `tokens`.
     pub fn forward_one(
         &self,
@@ -781,6 +888,6 @@ impl<B: Backend> Model<B> {
             mode,
             logits,
         };
-        Ok(self.forward(be, ws, &mut [input])?.remove(0))
+        Ok(self.forward(be, ws, &mut [input])?.remove(0).into_rows())
     }
 }

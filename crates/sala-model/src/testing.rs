@@ -1,7 +1,7 @@
 //! Checks every backend's tests run on a whole model: properties of [`Model::forward`] that
 //! must hold bit for bit whatever the backend.
 
-use crate::model::{LogitRows, Model, SeqState, StepInput, Workspace};
+use crate::model::{GreedyPick, LogitRows, Model, SeqState, StepInput, StepLogits, Workspace};
 use crate::numerics::TestRng;
 use crate::{BResult, Backend};
 
@@ -24,7 +24,11 @@ pub fn decode_step<B: Backend>(
             logits: LogitRows::Last,
         })
         .collect();
-    model.forward(be, ws, &mut inputs)
+    Ok(model
+        .forward(be, ws, &mut inputs)?
+        .into_iter()
+        .map(StepLogits::into_rows)
+        .collect())
 }
 
 fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -118,7 +122,12 @@ pub fn check_mixed_step<B: Backend>(be: &B, model: &Model<B>) -> Result<(), Stri
                 logits: LogitRows::Last,
             },
         });
-        let logits = model.forward(be, &mut ws, &mut inputs).map_err(err)?;
+        let logits: Vec<Vec<f32>> = model
+            .forward(be, &mut ws, &mut inputs)
+            .map_err(err)?
+            .into_iter()
+            .map(StepLogits::into_rows)
+            .collect();
         for (i, row) in logits.iter().take(2).enumerate() {
             if *row != apart[i][step] {
                 return Err(format!(
@@ -147,6 +156,98 @@ pub fn check_mixed_step<B: Backend>(be: &B, model: &Model<B>) -> Result<(), Stri
         return Err(format!(
             "{name}: positions did not advance by the tokens fed"
         ));
+    }
+    Ok(())
+}
+
+/// Greedy picks made where the logits are ([`LogitRows::Greedy`]) equal the host's pick from
+/// the logits themselves: the same token, bit for bit, and its log-probability within float
+/// rounding. Three sequences decode side by side twice, once returning logits and once with a
+/// changing mix of greedy and logit rows in each step (a prompt chunk among them).
+pub fn check_greedy_picks<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
+    let err = |e: crate::BackendError| e.0;
+    let vocab = model.config.vocab_size;
+    let prompts = [
+        tokens(7, vocab, 1),
+        tokens(130, vocab, 2),
+        tokens(40, vocab, 3),
+    ];
+    let feeds: Vec<Vec<u32>> = (0..6).map(|s| tokens(3, vocab, 10 + s)).collect();
+    let mut ws = model.workspace(be, 256).map_err(err)?;
+    // Each step's rows for the three sequences: logits when `greedy` says no.
+    let mut run = |greedy: &dyn Fn(usize, usize) -> bool| -> Result<Vec<Vec<StepLogits>>, String> {
+        let mut seqs = Vec::new();
+        for p in &prompts[..2] {
+            let mut seq = model.new_sequence(be).map_err(err)?;
+            model
+                .prefill(be, &mut ws, &mut seq, p, &mut |_| {})
+                .map_err(err)?;
+            seqs.push(seq);
+        }
+        seqs.push(model.new_sequence(be).map_err(err)?);
+        let mut out = Vec::new();
+        for (step, feed) in feeds.iter().enumerate() {
+            let mode_of = |i: usize, pos: usize| {
+                if i == 2 && step == 0 {
+                    model.sparse_mode(prompts[2].len())
+                } else {
+                    model.sparse_mode(pos + 1)
+                }
+            };
+            let rows = |i| {
+                if greedy(step, i) {
+                    LogitRows::Greedy
+                } else {
+                    LogitRows::Last
+                }
+            };
+            let mut inputs: Vec<StepInput<'_, B>> = seqs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, seq)| StepInput {
+                    mode: mode_of(i, seq.pos),
+                    tokens: if i == 2 && step == 0 {
+                        &prompts[2]
+                    } else {
+                        std::slice::from_ref(&feed[i])
+                    },
+                    seq,
+                    logits: rows(i),
+                })
+                .collect();
+            out.push(model.forward(be, &mut ws, &mut inputs).map_err(err)?);
+        }
+        Ok(out)
+    };
+    let plain = run(&|_, _| false)?;
+    let mixed = run(&|step, i| (step + i) % 2 == 0 || step == 5)?;
+    let mut greedy = 0;
+    for (step, (p, m)) in plain.iter().zip(&mixed).enumerate() {
+        for (i, (p, m)) in p.iter().zip(m).enumerate() {
+            let (StepLogits::Rows(row), m) = (p, m) else {
+                return Err("logits asked for, a pick given".into());
+            };
+            let want = GreedyPick::of(row);
+            match m {
+                StepLogits::Rows(r) if r == row => {}
+                StepLogits::Rows(_) => {
+                    return Err(format!("step {step} sequence {i}: the logits differ"))
+                }
+                StepLogits::Greedy(got) => {
+                    greedy += 1;
+                    let close =
+                        (got.logprob - want.logprob).abs() <= 1e-5 * want.logprob.abs().max(1.0);
+                    if got.id != want.id || !close {
+                        return Err(format!(
+                            "step {step} sequence {i}: picked {got:?}, the logits give {want:?}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    if greedy < 9 {
+        return Err(format!("only {greedy} greedy picks were made"));
     }
     Ok(())
 }

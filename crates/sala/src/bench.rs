@@ -524,9 +524,12 @@ fn measure<B: Backend + DeviceStats>(
         print_profile(be, &format!("prefill of {len}"));
         let waited_before = be.host_wait();
         let start = Instant::now();
+        // Greedy, as the engine decodes a greedy request: the pick made on the device.
         for _ in 0..args.decode_tokens {
-            logits = model.decode(be, &mut ws, &mut seq, next)?;
-            next = argmax(&logits);
+            next = model
+                .decode_greedy(be, &mut ws, &mut seq, next)?
+                .id
+                .unwrap_or(0);
         }
         let decode = start.elapsed().as_secs_f64();
         if let (Some(a), Some(b)) = (waited_before, be.host_wait()) {
