@@ -176,6 +176,7 @@ pub(crate) fn check_common(
             stop,
             ignore_eos: p.ignore_eos.unwrap_or(false),
             logprobs,
+            prompt_logprobs: None,
             grammar: None,
         },
         stream: p.stream.unwrap_or(false),

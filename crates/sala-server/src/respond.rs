@@ -244,7 +244,7 @@ async fn whole_choice(
                 return Ok((choice, prompt_tokens, completion_tokens));
             }
             Some(Event::Error(e)) => return Err(Failed::Engine(ApiError::from(&e))),
-            Some(Event::Started { .. }) => {}
+            Some(Event::Started { .. } | Event::Prompt { .. }) => {}
             None => {
                 return Err(Failed::Here(ApiError::internal(
                     "the engine stopped mid-generation",
@@ -382,7 +382,7 @@ impl StreamState {
                     }
                 }
             }
-            Some(Event::Started { .. }) => {}
+            Some(Event::Started { .. } | Event::Prompt { .. }) => {}
             Some(Event::Done {
                 finish,
                 prompt_tokens,

@@ -457,6 +457,7 @@ fn generate_options(
             sala_engine::generate::eos_ids(config, tokenizer)
         },
         grammar: grammar(args, config, tokenizer)?,
+        prompt_logprobs: None,
     };
     opts.sampling.validate()?;
     Ok(opts)

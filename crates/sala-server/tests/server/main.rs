@@ -543,6 +543,7 @@ fn generation_stops_when_on_text_says_so() {
         stop: Vec::new(),
         eos_ids: Vec::new(),
         grammar: None,
+        prompt_logprobs: None,
     };
     let mut calls = 0;
     let g = engine
@@ -572,6 +573,7 @@ fn a_full_queue_is_429_and_abandoned_requests_are_dropped() {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        prompt_logprobs: None,
         grammar: None,
     };
     // A keeps the engine busy: nobody reads its events, so the engine waits once they fill.
