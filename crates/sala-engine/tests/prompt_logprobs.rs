@@ -408,7 +408,10 @@ fn perplexity_is_the_exponent_of_the_mean_nll_of_each_windows_new_tokens() {
     assert!((got.nll_sum - sum).abs() < 1e-9, "{} vs {sum}", got.nll_sum);
     // Windows side by side: each one's first token has nothing before it, and is not scored.
     let flat = e.perplexity(&text, 100, 100, &mut |_| {}).unwrap();
-    assert_eq!((flat.windows, flat.tokens_scored, flat.tokens_read), (3, 227, 230));
+    assert_eq!(
+        (flat.windows, flat.tokens_scored, flat.tokens_read),
+        (3, 227, 230)
+    );
     // Shorter windows see less context: a different figure.
     assert!((got.perplexity() - one.perplexity()).abs() > 1e-6);
 }

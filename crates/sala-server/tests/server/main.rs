@@ -4,6 +4,7 @@
 mod api_edges;
 mod choices;
 mod common;
+mod echo;
 mod fuzz;
 mod load;
 mod logprobs;
@@ -428,9 +429,11 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
             Some("logprobs"),
         ),
         (
-            "echo",
-            comp,
-            json!({"prompt": "hi", "echo": true}).to_string().into_bytes(),
+            "echo on chat",
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "echo": true})
+                .to_string()
+                .into_bytes(),
             400,
             Some("echo"),
         ),
