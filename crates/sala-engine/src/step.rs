@@ -456,9 +456,9 @@ impl<B: Backend> Engine<B> {
                                 // prompt's last row stays, for sampling.
                                 let next =
                                     &m.prompt[start + 1..(start + len + 1).min(m.prompt.len())];
-                                let top = lp.top;
+                                let (top, vocab) = (lp.top, model.config.vocab_size);
                                 let scored = isolated("the prompt's logprobs", || {
-                                    Ok(score_rows(&logits, len, next, top))
+                                    score_rows(&logits, len, vocab, next, top)
                                 });
                                 match scored {
                                     Ok(rows) => lp.tokens.extend(rows),
@@ -467,9 +467,8 @@ impl<B: Backend> Engine<B> {
                                         continue;
                                     }
                                 }
-                                let last_row = logits.len() - logits.len() / len;
                                 logits = if start + len == m.prompt.len() {
-                                    logits.split_off(last_row)
+                                    logits.split_off((len - 1) * vocab)
                                 } else {
                                     Vec::new()
                                 };
@@ -604,13 +603,25 @@ impl<B: Backend> Engine<B> {
 
 /// The logprob of each row's next prompt token (`next[i]` follows row `i` of the `rows` rows
 /// of `logits`; the last row has none when the prompt ends there), rows in parallel.
-fn score_rows(logits: &[f32], rows: usize, next: &[u32], top: usize) -> Vec<PromptTokenLogprobs> {
-    let vocab = logits.len() / rows.max(1);
-    logits
-        .par_chunks(vocab.max(1))
+fn score_rows(
+    logits: &[f32],
+    rows: usize,
+    vocab: usize,
+    next: &[u32],
+    top: usize,
+) -> Result<Vec<PromptTokenLogprobs>, EngineError> {
+    if logits.len() != rows * vocab || vocab == 0 {
+        return Err(BackendError(format!(
+            "the forward pass gave {} logits for {rows} rows of {vocab}",
+            logits.len()
+        ))
+        .into());
+    }
+    Ok(logits
+        .par_chunks(vocab)
         .zip(next.par_iter())
         .map(|(row, &id)| prompt_token_logprobs(row, id, top))
-        .collect()
+        .collect())
 }
 
 /// Runs `forward` on this thread while the masks of `constraints` are computed on rayon's
