@@ -6,6 +6,7 @@
 use crate::cache::{CacheBudget, CacheProbe};
 use crate::grammar::{Constraint, Grammar, GrammarError, Grammars};
 pub use crate::request::FinishReason;
+use crate::request::PromptLogprobs;
 use crate::sampling::{
     token_logprobs, SampledToken, Sampler, SamplingError, SamplingParams, TokenLogprobs,
 };
@@ -43,6 +44,8 @@ pub enum EngineError {
     },
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error(transparent)]
+    Window(#[from] crate::perplexity::WindowError),
     #[error(
         "the prompt has {prompt} tokens, which leaves no room in the context budget of {budget} \
          tokens (raise --max-context, or shorten the prompt)"
@@ -132,6 +135,9 @@ pub struct GenerateOptions {
     /// What the output must match ([`Engine::grammars`] compiles it); generation stops when
     /// it is complete.
     pub grammar: Option<Grammar>,
+    /// Report each prompt token's log-probability with this many alternatives
+    /// ([`PromptLogprobs`]); `None`: none.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// One generated token, as [`Engine::generate_steps`] reports it.
@@ -439,6 +445,48 @@ impl<B: Backend> Engine<B> {
             prefill_time: prefilled - start,
             decode_time: end - prefilled,
         })
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// The log-probability of each token of `prompt` given the tokens before it, with the
+    /// `top` most likely tokens at each position: the prompt read as a batch of one through
+    /// the same [`Engine::step`] as every batch, nothing generated. `on_read(tokens)` is
+    /// called as prompt chunks are read. The prompt must be shorter than the model's
+    /// `max_position_embeddings`.
+    pub fn prompt_logprobs(
+        &mut self,
+        prompt: &[u32],
+        top: usize,
+        on_read: &mut dyn FnMut(usize),
+    ) -> Result<PromptLogprobs, EngineError> {
+        let opts = GenerateOptions {
+            sampling: SamplingParams::default(),
+            max_tokens: 0,
+            max_context: self.model.config.max_position_embeddings,
+            stop: Vec::new(),
+            eos_ids: Vec::new(),
+            grammar: None,
+            prompt_logprobs: Some(top),
+        };
+        let mut batch = self.batch();
+        let (mut scores, mut done) = (None, None);
+        let client = |ev: StepEvent<'_>| {
+            match ev {
+                StepEvent::Read { tokens } => on_read(tokens),
+                StepEvent::Prefilled { logprobs, .. } => scores = logprobs.cloned(),
+                StepEvent::Done(result) => done = Some(result),
+                StepEvent::Token(_) => {}
+            }
+            true
+        };
+        self.admit(&mut batch, prompt.to_vec(), &opts, None, client)?;
+        while !batch.is_empty() {
+            self.step(&mut batch);
+        }
+        drop(batch);
+        done.expect("a request ends with Done")?;
+        scores.ok_or_else(|| EngineError::Panicked("the prompt's logprobs were not made".into()))
     }
 }
 

@@ -9,10 +9,12 @@
 //! - [`generate`]: the [`generate::Engine`] itself, and one request run to its end.
 //! - [`sampling`], [`stop`]: choosing tokens, and stop strings.
 //! - [`grammar`]: structured output, a JSON schema enforced by constrained decoding.
+//! - [`perplexity`]: sliding-window perplexity of a text, from its prompt log-probabilities.
 
 pub mod cache;
 pub mod generate;
 pub mod grammar;
+pub mod perplexity;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

@@ -3,7 +3,7 @@
 //! maps errors to status codes itself.
 
 use crate::generate::EngineError;
-use crate::sampling::{SamplingParams, TokenLogprobs};
+use crate::sampling::{PromptTokenLogprobs, SamplingParams, TokenLogprobs};
 use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, MessageContent, Tokenizer};
 
 /// A request's number, unique within its batch.
@@ -214,6 +214,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Report each token's logprob with this many alternatives (`None`: no logprobs).
     pub logprobs: Option<usize>,
+    /// Report each prompt token's logprob with this many alternatives ([`Event::Prompt`];
+    /// `None`: none).
+    pub prompt_logprobs: Option<usize>,
     /// What the output must match, compiled ([`crate::thread::Handle::grammar`]).
     pub grammar: Option<crate::grammar::Grammar>,
 }
@@ -288,12 +291,25 @@ impl LogprobEntry {
     }
 }
 
-/// What the engine reports about a request, in order: `Started` or `Error`; then `Text`s;
-/// then `Done` or `Error`.
+/// The log-probabilities of a prompt's tokens under the raw log-softmax of the model's
+/// logits: entry `i` is token `i + 1` given the tokens before it (the first token has none).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PromptLogprobs {
+    /// Alternatives listed at each position (fewer where the model rules tokens out).
+    pub top: usize,
+    pub tokens: Vec<PromptTokenLogprobs>,
+}
+
+/// What the engine reports about a request, in order: `Started` or `Error`; then `Prompt`
+/// when asked for; then `Text`s; then `Done` or `Error`.
 #[derive(Debug)]
 pub enum Event {
     Started {
         prompt_tokens: usize,
+    },
+    /// The whole prompt is read: its tokens' log-probabilities.
+    Prompt {
+        logprobs: PromptLogprobs,
     },
     /// Text that became final, with the logprobs of the tokens generated since the last
     /// `Text` (when asked for; EOS tokens are left out). The text may be empty when only

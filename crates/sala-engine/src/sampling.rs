@@ -361,6 +361,45 @@ pub fn token_logprobs(logits: &[f32], id: u32, n: usize) -> Option<TokenLogprobs
     })
 }
 
+/// A prompt token's log-probability given the tokens before it (raw log-softmax, as
+/// [`TokenLogprobs`]), its rank (1 + the tokens strictly more likely) and the most likely
+/// tokens at its position, most likely first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptTokenLogprobs {
+    pub id: u32,
+    pub logprob: f32,
+    pub rank: u32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`PromptTokenLogprobs`] of token `id` (below `logits.len()`) with the `n` most likely
+/// tokens, from the logits of the position before it. When every logit is `-inf` or NaN the
+/// logprob is `-inf` and no alternative is listed.
+pub fn prompt_token_logprobs(logits: &[f32], id: u32, n: usize) -> PromptTokenLogprobs {
+    let x = logits
+        .get(id as usize)
+        .map_or(f32::NEG_INFINITY, |&x| sanitize(x));
+    let rank = 1 + logits.iter().filter(|&&v| sanitize(v) > x).count() as u32;
+    let Some((max, log_z)) = log_normalizer(logits) else {
+        return PromptTokenLogprobs {
+            id,
+            logprob: f32::NEG_INFINITY,
+            rank,
+            top: Vec::new(),
+        };
+    };
+    let top = top_n_logits(logits, n.min(logits.len()))
+        .into_iter()
+        .map(|(i, v)| (i, (v as f64 - max as f64 - log_z) as f32))
+        .collect();
+    PromptTokenLogprobs {
+        id,
+        logprob: (x as f64 - max as f64 - log_z) as f32,
+        rank,
+        top,
+    }
+}
+
 /// Which tokens survive truncation, and their total weight.
 #[derive(Debug, Clone, Copy)]
 enum Support {
@@ -1490,5 +1529,44 @@ mod tests {
         assert!(t.logprob.is_finite());
         assert!(token_logprobs(&[1.0, 2.0], 2, 1).is_none());
         assert!(token_logprobs(&[f32::NAN, f32::NEG_INFINITY], 0, 1).is_none());
+    }
+
+    #[test]
+    fn prompt_token_logprobs_rank_and_top_follow_the_raw_log_softmax() {
+        let mut rng = Rng::seed_from_u64(9);
+        let mut logits: Vec<f32> = (0..1000)
+            .map(|_| (rng.next_f64() as f32 - 0.5) * 30.0)
+            .collect();
+        logits[7] = f32::NAN;
+        logits[11] = logits[12];
+        let lp = log_softmax(&logits.iter().map(|&x| sanitize(x)).collect::<Vec<_>>());
+        for id in [0u32, 7, 11, 12, 500, 999] {
+            let t = prompt_token_logprobs(&logits, id, 4);
+            assert_eq!(t.id, id);
+            if id == 7 {
+                assert_eq!(t.logprob, f32::NEG_INFINITY);
+            } else {
+                assert!((t.logprob as f64 - lp[id as usize]).abs() < 1e-5, "{id}");
+            }
+            let above = lp.iter().filter(|&&l| l > lp[id as usize]).count();
+            assert_eq!(t.rank as usize, above + 1, "{id}");
+            // The same alternatives as a generated token's.
+            assert_eq!(t.top, token_logprobs(&logits, id, 4).unwrap().top);
+        }
+        // Ties share a rank; the most likely token is rank 1.
+        assert_eq!(
+            prompt_token_logprobs(&logits, 11, 0).rank,
+            prompt_token_logprobs(&logits, 12, 0).rank
+        );
+        let best = top_logprobs(&logits, 1)[0].0;
+        assert_eq!(prompt_token_logprobs(&logits, best, 0).rank, 1);
+        // No usable logit: -inf, no alternatives; more alternatives than tokens: all of them.
+        let none = prompt_token_logprobs(&[f32::NAN, f32::NEG_INFINITY], 1, 3);
+        assert_eq!(none.logprob, f32::NEG_INFINITY);
+        assert!(none.top.is_empty());
+        assert_eq!(
+            prompt_token_logprobs(&[1.0, 2.0], 0, usize::MAX).top.len(),
+            2
+        );
     }
 }

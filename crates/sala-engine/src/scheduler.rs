@@ -14,8 +14,12 @@ pub enum Want {
     Nothing,
     /// One row: the token it sampled last.
     Decode,
-    /// The rest of its prompt: `read` of its `len` tokens are read.
-    Prompt { read: usize, len: usize },
+    /// The rest of its prompt: `read` of its `len` tokens are read, at most `chunk` a step.
+    Prompt {
+        read: usize,
+        len: usize,
+        chunk: usize,
+    },
 }
 
 /// Rows of one request in a step.
@@ -96,8 +100,8 @@ impl Scheduler {
             }
         }
         for (index, w) in wants.iter().enumerate() {
-            if let Want::Prompt { read, len } = *w {
-                let n = self.chunk.min(len.saturating_sub(read));
+            if let Want::Prompt { read, len, chunk } = *w {
+                let n = self.chunk.min(chunk).min(len.saturating_sub(read));
                 if n > 0 && used + n <= self.budget {
                     slots.push(Slot {
                         index,
@@ -136,11 +140,19 @@ mod tests {
     fn decode_rows_come_first_then_chunks_oldest_first() {
         let s = Scheduler::new(8 + 4, 8);
         let wants = [
-            Want::Prompt { read: 0, len: 20 },
+            Want::Prompt {
+                read: 0,
+                len: 20,
+                chunk: usize::MAX,
+            },
             Want::Decode,
             Want::Nothing,
             Want::Decode,
-            Want::Prompt { read: 8, len: 30 },
+            Want::Prompt {
+                read: 8,
+                len: 30,
+                chunk: usize::MAX,
+            },
         ];
         let plan = s.plan(&wants);
         // Request 0's chunk fills the budget beside the decode rows; request 4 waits.
@@ -152,9 +164,21 @@ mod tests {
     fn chunks_fill_the_budget_and_a_short_one_may_pass_a_long_one() {
         let s = Scheduler::new(10, 8);
         let wants = [
-            Want::Prompt { read: 0, len: 5 },
-            Want::Prompt { read: 0, len: 30 },
-            Want::Prompt { read: 16, len: 19 },
+            Want::Prompt {
+                read: 0,
+                len: 5,
+                chunk: usize::MAX,
+            },
+            Want::Prompt {
+                read: 0,
+                len: 30,
+                chunk: usize::MAX,
+            },
+            Want::Prompt {
+                read: 16,
+                len: 19,
+                chunk: usize::MAX,
+            },
         ];
         // 5 rows used: request 1's 8-token chunk does not fit, request 2's last 3 tokens do.
         assert_eq!(s.plan(&wants).slots, [chunk(0, 0, 5), chunk(2, 16, 3)]);
@@ -178,7 +202,11 @@ mod tests {
             let mut read = 0;
             let mut out = Vec::new();
             while read < len {
-                let plan = s.plan(&[Want::Prompt { read, len }]);
+                let plan = s.plan(&[Want::Prompt {
+                    read,
+                    len,
+                    chunk: usize::MAX,
+                }]);
                 out.push(plan.slots[0].work);
                 read += plan.rows();
             }
@@ -196,8 +224,13 @@ mod tests {
                 wants.push(Want::Prompt {
                     read: ahead,
                     len: 40,
+                    chunk: usize::MAX,
                 });
-                wants.push(Want::Prompt { read, len });
+                wants.push(Want::Prompt {
+                    read,
+                    len,
+                    chunk: usize::MAX,
+                });
                 for slot in s.plan(&wants).slots {
                     if slot.index == decodes {
                         ahead += slot.work.rows();
@@ -217,5 +250,30 @@ mod tests {
                 assert_eq!(start % chunk_len, 0);
             }
         }
+    }
+
+    #[test]
+    fn a_request_with_a_smaller_chunk_reads_at_most_that_a_step() {
+        let s = Scheduler::new(64, 32);
+        let plan = s.plan(&[
+            Want::Prompt {
+                read: 3,
+                len: 100,
+                chunk: 5,
+            },
+            Want::Prompt {
+                read: 0,
+                len: 100,
+                chunk: usize::MAX,
+            },
+        ]);
+        let works: Vec<Work> = plan.slots.iter().map(|s| s.work).collect();
+        assert_eq!(
+            works,
+            [
+                Work::Chunk { start: 3, len: 5 },
+                Work::Chunk { start: 0, len: 32 }
+            ]
+        );
     }
 }

@@ -513,6 +513,7 @@ impl<B: Backend> Serving<B> {
                 self.eos.clone()
             },
             grammar: request.grammar,
+            prompt_logprobs: request.prompt_logprobs,
         };
         let sink = Sink {
             events: events.clone(),
@@ -626,6 +627,12 @@ impl Client for Sink {
 
     fn event(&mut self, event: StepEvent<'_>, cx: &StepContext<'_>) -> bool {
         match event {
+            StepEvent::Prefilled {
+                logprobs: Some(logprobs),
+                ..
+            } => self.send(Event::Prompt {
+                logprobs: logprobs.clone(),
+            }),
             StepEvent::Read { .. } | StepEvent::Prefilled { .. } => !self.events.is_closed(),
             StepEvent::Token(step) => {
                 if let Some(t) = step.token {

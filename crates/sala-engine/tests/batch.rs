@@ -44,6 +44,7 @@ fn opts(max_tokens: usize, temperature: f32, seed: u64) -> GenerateOptions {
         stop: Vec::new(),
         eos_ids: Vec::new(),
         grammar: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -98,7 +99,13 @@ fn batched(
                             }
                         }
                         StepEvent::Done(r) => out.1 = Some(r.unwrap().finish),
-                        StepEvent::Prefilled { prompt_tokens } => assert_eq!(prompt_tokens, len),
+                        StepEvent::Prefilled {
+                            prompt_tokens,
+                            logprobs,
+                        } => {
+                            assert_eq!(prompt_tokens, len);
+                            assert!(logprobs.is_none());
+                        }
                         StepEvent::Read { .. } => {}
                     }
                     true

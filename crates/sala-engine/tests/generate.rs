@@ -28,6 +28,7 @@ fn opts(max_tokens: usize) -> GenerateOptions {
         stop: Vec::new(),
         eos_ids: Vec::new(),
         grammar: None,
+        prompt_logprobs: None,
     }
 }
 

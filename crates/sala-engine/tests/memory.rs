@@ -52,6 +52,7 @@ fn opts(max_tokens: usize, max_context: usize) -> GenerateOptions {
         stop: Vec::new(),
         eos_ids: Vec::new(),
         grammar: None,
+        prompt_logprobs: None,
     }
 }
 

@@ -41,6 +41,7 @@ fn opts(e: &Engine<CpuBackend>, temperature: f32, seed: u64) -> GenerateOptions 
         stop: Vec::new(),
         eos_ids: e.eos_ids(),
         grammar: None,
+        prompt_logprobs: None,
     }
 }
 

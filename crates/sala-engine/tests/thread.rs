@@ -83,6 +83,7 @@ fn request(prompt: Prompt, max_tokens: usize) -> Request {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        prompt_logprobs: None,
         grammar: None,
     }
 }
@@ -148,6 +149,7 @@ fn requests_get_their_text_in_order_and_the_observer_hears_all() {
             stop: Vec::new(),
             eos_ids: Vec::new(),
             grammar: None,
+            prompt_logprobs: None,
         };
         let g = local
             .generate(&ids, &opts, &mut |_| {}, &mut |_| {})

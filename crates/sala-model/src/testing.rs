@@ -39,10 +39,30 @@ fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 /// A step mixing decode rows with prompt chunks gives every sequence the logits it gets run
 /// apart, bit for bit: two sequences decoding (prompts of 40 and 200 tokens, so past a
 /// `dense_len` of 150 the second uses sparse attention) while a third reads its 45-token
-/// prompt in two chunks (30, 15) beside them, then all three decoding together. Each step
+/// prompt in two chunks (30, 15) beside them, then all three decoding together; once with the
+/// prompt's last logits, once with every prompt row's (prompt log-probabilities). Each step
 /// holds at most 32 rows, so on every backend products of one row do not depend on the others.
 pub fn check_mixed_step<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
-    let name = be.name();
+    check_mixed_step_rows(be, model, false)?;
+    check_mixed_step_rows(be, model, true)
+}
+
+/// [`check_mixed_step`]; with `all_rows`, the new prompt's chunks ask for every row's logits.
+fn check_mixed_step_rows<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    all_rows: bool,
+) -> Result<(), String> {
+    let name = format!(
+        "{}{}",
+        be.name(),
+        if all_rows { ", every prompt row" } else { "" }
+    );
+    let prompt_rows = |last: bool| match (all_rows, last) {
+        (true, _) => LogitRows::All,
+        (false, true) => LogitRows::Last,
+        (false, false) => LogitRows::None,
+    };
     let v = model.config.vocab_size;
     let (old_lens, new_len, cut) = ([40usize, 200], 45usize, 30usize);
     let olds: Vec<Vec<u32>> = old_lens
@@ -74,12 +94,15 @@ pub fn check_mixed_step<B: Backend>(be: &B, model: &Model<B>) -> Result<(), Stri
     let mode = model.sparse_mode(new_len);
     let mut seq = model.new_sequence(be).map_err(err)?;
     let (a, b) = fresh.split_at(cut);
-    model
-        .forward_one(be, &mut ws, &mut seq, a, mode, LogitRows::None)
+    let first = model
+        .forward_one(be, &mut ws, &mut seq, a, mode, prompt_rows(false))
         .map_err(err)?;
-    let mut fresh_apart = vec![model
-        .forward_one(be, &mut ws, &mut seq, b, mode, LogitRows::Last)
-        .map_err(err)?];
+    let mut fresh_apart: Vec<Vec<f32>> = all_rows.then_some(first).into_iter().collect();
+    fresh_apart.push(
+        model
+            .forward_one(be, &mut ws, &mut seq, b, mode, prompt_rows(true))
+            .map_err(err)?,
+    );
     for &t in &feeds[2][..steps - 2] {
         fresh_apart.push(model.decode(be, &mut ws, &mut seq, t).map_err(err)?);
     }
@@ -109,11 +132,7 @@ pub fn check_mixed_step<B: Backend>(be: &B, model: &Model<B>) -> Result<(), Stri
                 mode,
                 seq: &mut fresh_seq,
                 tokens: chunk,
-                logits: if step == 0 {
-                    LogitRows::None
-                } else {
-                    LogitRows::Last
-                },
+                logits: prompt_rows(step == 1),
             },
             None => StepInput {
                 mode: model.sparse_mode(fresh_seq.pos + 1),
@@ -136,10 +155,19 @@ pub fn check_mixed_step<B: Backend>(be: &B, model: &Model<B>) -> Result<(), Stri
                 ));
             }
         }
-        if step == 0 && !logits[2].is_empty() {
-            return Err(format!("{name}: logits of a chunk that asked for none"));
+        let rows = logits[2].len() / v;
+        let want_rows = match (all_rows, step) {
+            (true, 0) => cut,
+            (true, 1) => new_len - cut,
+            (false, 0) => 0,
+            _ => 1,
+        };
+        if rows != want_rows || logits[2].len() % v != 0 {
+            return Err(format!(
+                "{name}: step {step}: {rows} rows of logits for the prompt, not {want_rows}"
+            ));
         }
-        if step > 0 {
+        if step > 0 || all_rows {
             fresh_mixed.push(logits[2].clone());
         }
     }
@@ -149,6 +177,9 @@ pub fn check_mixed_step<B: Backend>(be: &B, model: &Model<B>) -> Result<(), Stri
                 "{name}: the prompt read beside decode rows: row {i} differs from running apart"
             ));
         }
+    }
+    if fresh_mixed.len() != fresh_apart.len() {
+        return Err(format!("{name}: the prompt's logits were not all made"));
     }
     if fresh_seq.pos != new_len + steps - 2
         || seqs.iter().zip(old_lens).any(|(s, n)| s.pos != n + steps)

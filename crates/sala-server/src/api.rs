@@ -217,6 +217,10 @@ pub struct ChatBody {
     pub tool_choice: Option<Value>,
     /// False: keep only the first call of a reply.
     pub parallel_tool_calls: Option<bool>,
+    /// Not supported here (a completion's `echo`): an error when true.
+    pub echo: Option<bool>,
+    /// Not supported here (a completion's `prompt_logprobs`): an error when given.
+    pub prompt_logprobs: Option<Value>,
 }
 
 /// `prompt`: a string, token ids, or a list holding exactly one of those.
@@ -232,10 +236,14 @@ pub enum PromptField {
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionBody {
     pub prompt: PromptField,
-    /// Return each output token's logprob with this many most likely tokens (0..=20).
+    /// Return each output token's logprob with this many most likely tokens (0..=20); with
+    /// `echo`, each prompt token's too.
     pub logprobs: Option<u64>,
-    /// Not supported: an error when true.
+    /// Return the prompt before the completion (and, with `logprobs`, its tokens' logprobs).
     pub echo: Option<bool>,
+    /// vLLM's extension: each prompt token's logprob with this many most likely tokens
+    /// (0..=20), as a `prompt_logprobs` list in each choice.
+    pub prompt_logprobs: Option<i64>,
     /// Not supported: an error above 1.
     pub best_of: Option<u64>,
     /// Not supported: an error unless absent or empty.

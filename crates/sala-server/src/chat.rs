@@ -32,6 +32,22 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
         .param("messages"));
     }
 
+    // The prompt's own logprobs and its echo are the legacy completions' (vLLM's chat echo
+    // and prompt_logprobs are not offered).
+    if body.echo == Some(true) {
+        return Err(ApiError::invalid(
+            "echo is not supported by /v1/chat/completions; send the prompt to /v1/completions \
+             with echo",
+        )
+        .param("echo"));
+    }
+    if body.prompt_logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "prompt_logprobs is not supported by /v1/chat/completions; send the prompt to \
+             /v1/completions with prompt_logprobs (or echo and logprobs)",
+        )
+        .param("prompt_logprobs"));
+    }
     for (i, m) in body.messages.iter().enumerate() {
         m.text().map_err(|e| {
             ApiError::invalid(format!("messages[{i}]: {e}")).param(format!("messages[{i}]"))
@@ -84,7 +100,7 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
         tools: tools.template_tools,
         reply_prefix: tools.reply_prefix.clone(),
     };
-    let mut checked = check_common(st, common, prompt, logprobs)?;
+    let mut checked = check_common(st, common, prompt, logprobs, false)?;
     if let Some(grammar) = tools.grammar {
         if checked.grammar.is_some() {
             return Err(ApiError::invalid(

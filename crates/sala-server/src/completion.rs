@@ -51,9 +51,6 @@ pub(crate) fn check_completion(st: &AppState, value: &Value) -> Result<Checked, 
             return Err(ApiError::invalid(message).param("prompt"));
         }
     }
-    if body.echo == Some(true) {
-        return Err(ApiError::invalid("echo is not supported").param("echo"));
-    }
     if body.best_of.is_some_and(|b| b != 1) {
         return Err(ApiError::invalid("only best_of = 1 is supported").param("best_of"));
     }
@@ -69,10 +66,34 @@ pub(crate) fn check_completion(st: &AppState, value: &Value) -> Result<Checked, 
         }
         n => n.map(|n| n as usize),
     };
+    let echo = body.echo.unwrap_or(false);
+    let prompt_logprobs = match body.prompt_logprobs {
+        None => None,
+        Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+        Some(n) => {
+            return Err(ApiError::invalid(format!(
+                "prompt_logprobs is {n}; it must be in 0..={MAX_TOP_LOGPROBS}"
+            ))
+            .param("prompt_logprobs"))
+        }
+    };
+    if prompt_logprobs.is_some() && common.stream == Some(true) {
+        return Err(ApiError::invalid(
+            "prompt_logprobs cannot be streamed; stream with echo and logprobs instead (the \
+             first chunk of each choice holds the prompt's)",
+        )
+        .param("prompt_logprobs"));
+    }
     let mut prompts = prompts.into_iter();
     let first = prompts.next().expect("checked above");
-    let mut checked = check_common(st, common, first, logprobs)?;
+    let scores_prompt = echo || prompt_logprobs.is_some();
+    let mut checked = check_common(st, common, first, logprobs, scores_prompt)?;
     checked.more_prompts = prompts.collect();
+    checked.echo = echo;
+    checked.prompt_logprobs = prompt_logprobs;
+    // The engine lists as many alternatives as either shows.
+    let shown = [prompt_logprobs, logprobs.filter(|_| echo)];
+    checked.request.prompt_logprobs = shown.into_iter().flatten().max();
     Ok(checked)
 }
 

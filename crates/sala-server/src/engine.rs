@@ -91,6 +91,11 @@ impl EngineHandle {
         self.engine.token_ids(prompt)
     }
 
+    /// The model's tokenizer.
+    pub fn tokenizer(&self) -> &sala_tokenizer::Tokenizer {
+        &self.engine.info.tokenizer
+    }
+
     /// `spec` compiled for the model, on the calling thread.
     pub fn grammar(&self, spec: &GrammarSpec) -> Result<Grammar, RequestError> {
         self.engine.grammar(spec)

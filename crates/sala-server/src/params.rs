@@ -36,6 +36,12 @@ pub(crate) struct Checked {
     pub(crate) include_usage: bool,
     /// How to read a chat reply (chat only).
     pub(crate) reply: Option<ReplySetup>,
+    /// `echo`: each prompt's text (and with `logprobs` its tokens) before its choices' own
+    /// (completions only).
+    pub(crate) echo: bool,
+    /// vLLM's `prompt_logprobs`: alternatives listed at each prompt position (completions
+    /// only).
+    pub(crate) prompt_logprobs: Option<usize>,
 }
 
 pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
@@ -51,12 +57,14 @@ pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, A
 }
 
 /// Checks the shared parameters against the model and maps them to a [`Request`];
-/// `logprobs` comes checked from the endpoint's own fields.
+/// `logprobs` comes checked from the endpoint's own fields. `max_tokens` may be 0 only with
+/// `scores_prompt` (the request asks for its prompt back).
 pub(crate) fn check_common(
     st: &AppState,
     p: CommonParams,
     prompt: Prompt,
     logprobs: Option<usize>,
+    scores_prompt: bool,
 ) -> Result<Checked, ApiError> {
     let info = &st.engine.info;
     if let Some(model) = &p.model {
@@ -88,8 +96,13 @@ pub(crate) fn check_common(
     };
     let max_tokens = match max {
         None => info.max_context,
+        Some(0) if scores_prompt => 0,
         Some(0) => {
-            return Err(ApiError::invalid(format!("{max_name} must be at least 1")).param(max_name))
+            return Err(ApiError::invalid(format!(
+                "{max_name} must be at least 1 (0, nothing generated, only with echo or \
+                 prompt_logprobs on /v1/completions)"
+            ))
+            .param(max_name))
         }
         Some(m) if m > info.max_context as u64 => {
             return Err(ApiError::invalid(format!(
@@ -176,10 +189,13 @@ pub(crate) fn check_common(
             stop,
             ignore_eos: p.ignore_eos.unwrap_or(false),
             logprobs,
+            prompt_logprobs: None,
             grammar: None,
         },
         stream: p.stream.unwrap_or(false),
         include_usage: p.stream_options.is_some_and(|o| o.include_usage),
         reply: None,
+        echo: false,
+        prompt_logprobs: None,
     })
 }

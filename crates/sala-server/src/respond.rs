@@ -4,7 +4,7 @@
 use crate::api::{parse_json, ApiError};
 use crate::chat::{chat_deltas, chat_finish, chat_message, check_chat};
 use crate::completion::check_completion;
-use crate::engine::{Event, LogprobEntry, Prompt};
+use crate::engine::{Event, LogprobEntry, Prompt, TokenText};
 use crate::http::{now, AppState};
 use crate::metrics::Outcome;
 use crate::params::{body_bytes, Kind};
@@ -16,6 +16,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use sala_engine::generate::FinishReason;
+use sala_engine::request::{PromptLogprobs, RequestError};
+use sala_tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -31,6 +33,67 @@ struct Admitted {
     include_usage: bool,
     logprobs: bool,
     reply: Option<ReplySetup>,
+    prompt: Option<PromptReport>,
+}
+
+/// What a completion shows of its prompts: with `echo`, each prompt's text before its
+/// choices' text (and with `logprobs` its tokens' before theirs); with `prompt_logprobs`,
+/// vLLM's `prompt_logprobs` list in each choice.
+pub(crate) struct PromptReport {
+    /// With `echo`: each prompt's text (as sent, or its token ids decoded) and first token.
+    echo: Option<Vec<(String, u32)>>,
+    /// Alternatives `logprobs` lists at each position.
+    top: usize,
+    /// Alternatives `prompt_logprobs` lists at each position, when asked for.
+    vllm: Option<usize>,
+    tokenizer: Tokenizer,
+}
+
+impl PromptReport {
+    /// The echo of prompt `p`: its text and first token.
+    fn echo(&self, p: usize) -> Option<&(String, u32)> {
+        self.echo.as_ref().and_then(|e| e.get(p))
+    }
+
+    /// The prompt's tokens in the legacy shape: the first (no logprob), then each with its
+    /// logprob and the `top` most likely tokens.
+    fn legacy(&self, first: u32, lp: &PromptLogprobs, out: &mut Legacy, offset: &mut usize) {
+        let text = |id| TokenText::of(&self.tokenizer, id);
+        out.push(&text(first), None, offset);
+        for t in &lp.tokens {
+            let top: Vec<(TokenText, f32)> = t
+                .top
+                .iter()
+                .take(self.top)
+                .map(|&(id, l)| (text(id), l))
+                .collect();
+            out.push(&text(t.id), Some((t.logprob, &top)), offset);
+        }
+    }
+
+    /// vLLM's `prompt_logprobs`: `null` for the first token, then for each token a map from
+    /// token ids (the token's and the `n` most likely) to `{logprob, rank, decoded_token}`.
+    fn vllm(&self, lp: &PromptLogprobs, n: usize) -> Value {
+        let entry = |id: u32, logprob: f32, rank: usize| {
+            json!({
+                "logprob": logprob_value(logprob),
+                "rank": rank,
+                "decoded_token": TokenText::of(&self.tokenizer, id).text,
+            })
+        };
+        let mut list = Vec::with_capacity(lp.tokens.len() + 1);
+        list.push(Value::Null);
+        for t in &lp.tokens {
+            let mut m = Map::new();
+            m.insert(t.id.to_string(), entry(t.id, t.logprob, t.rank as usize));
+            for (i, &(id, l)) in t.top.iter().take(n).enumerate() {
+                m.entry(id.to_string())
+                    .or_insert_with(|| entry(id, l, i + 1));
+            }
+            list.push(Value::Object(m));
+        }
+        Value::Array(list)
+    }
 }
 
 async fn admit(
@@ -46,26 +109,49 @@ async fn admit(
     };
     drop(value);
     // The template and the tokenizer run on a blocking thread of their own, never on the
-    // engine thread: a long prompt delays no other request.
+    // engine thread: a long prompt delays no other request. So does an echo's text.
     let first = std::mem::replace(&mut checked.request.prompt, Prompt::Tokens(Vec::new()));
     let mut prompts: Vec<Prompt> = std::iter::once(first)
         .chain(std::mem::take(&mut checked.more_prompts))
         .collect();
-    if prompts.iter().any(|p| !matches!(p, Prompt::Tokens(_))) {
+    let echo = checked.echo;
+    let mut echoed = Vec::new();
+    if echo || prompts.iter().any(|p| !matches!(p, Prompt::Tokens(_))) {
         let engine = st.engine.clone();
-        prompts = tokio::task::spawn_blocking(move || {
-            prompts
+        (prompts, echoed) = tokio::task::spawn_blocking(move || {
+            let mut echoed = Vec::new();
+            let prompts = prompts
                 .into_iter()
-                .map(|p| match p {
-                    Prompt::Tokens(_) => Ok(p),
-                    p => engine.token_ids(&p).map(Prompt::Tokens),
+                .map(|p| {
+                    let ids = match &p {
+                        Prompt::Tokens(ids) => ids.clone(),
+                        p => engine.token_ids(p)?,
+                    };
+                    if echo {
+                        let text = match p {
+                            Prompt::Text(text) => text,
+                            _ => engine.tokenizer().decode(&ids, true).map_err(|e| {
+                                RequestError::invalid(format!("decoding the prompt to echo: {e}"))
+                                    .param("prompt")
+                            })?,
+                        };
+                        echoed.push((text, ids.first().copied().unwrap_or_default()));
+                    }
+                    Ok(Prompt::Tokens(ids))
                 })
-                .collect::<Result<Vec<_>, _>>()
+                .collect::<Result<Vec<_>, RequestError>>()?;
+            Ok::<_, RequestError>((prompts, echoed))
         })
         .await
         .map_err(|e| ApiError::internal(format!("preparing the prompt: {e}")))?
         .map_err(|e| ApiError::from(&e))?;
     }
+    let prompt = (echo || checked.prompt_logprobs.is_some()).then(|| PromptReport {
+        echo: echo.then_some(echoed),
+        top: checked.request.logprobs.unwrap_or(0),
+        vllm: checked.prompt_logprobs,
+        tokenizer: st.engine.tokenizer().clone(),
+    });
     // So is a grammar's compilation: an invalid schema is a 400 before any engine work.
     if let Some(spec) = checked.grammar.take() {
         let engine = st.engine.clone();
@@ -100,6 +186,7 @@ async fn admit(
         include_usage: checked.include_usage,
         logprobs,
         reply: checked.reply,
+        prompt,
     })
 }
 
@@ -141,6 +228,7 @@ pub(crate) async fn handle(
         kind,
         logprobs: admitted.logprobs,
         n: admitted.n,
+        prompt: admitted.prompt,
     };
     let reply = admitted.reply.unwrap_or_default();
     if admitted.stream {
@@ -205,8 +293,10 @@ async fn whole_choice(
     let mut read = ReplyPiece::default();
     let mut text = String::new();
     let mut entries = Vec::new();
+    let mut prompt_lp = None;
     loop {
         match events.recv().await {
+            Some(Event::Prompt { logprobs }) => prompt_lp = Some(logprobs),
             Some(Event::Text { text: t, logprobs }) => {
                 match kind {
                     Kind::Chat => read.append(reader.push(&t)),
@@ -219,12 +309,32 @@ async fn whole_choice(
                 prompt_tokens,
                 completion_tokens,
             }) => {
+                let report = meta.prompt.as_ref();
+                let wants_scores = report.is_some_and(|r| r.vllm.is_some())
+                    || (meta.logprobs && report.and_then(|r| r.echo(index / meta.n)).is_some());
+                if wants_scores && prompt_lp.is_none() {
+                    return Err(Failed::Here(ApiError::internal(
+                        "the engine did not report the prompt's logprobs",
+                    )));
+                }
+                let mut legacy = Legacy::default();
+                let mut offset = 0;
+                // An echo: the prompt's text and tokens come first.
+                if let Some((echo, first)) = report.and_then(|r| r.echo(index / meta.n)) {
+                    text.insert_str(0, echo);
+                    if let (true, Some(r), Some(lp)) = (meta.logprobs, report, &prompt_lp) {
+                        r.legacy(*first, lp, &mut legacy, &mut offset);
+                    }
+                }
                 let logprobs = match (meta.logprobs, kind) {
                     (false, _) => Value::Null,
                     (true, Kind::Chat) => chat_logprobs(&entries),
-                    (true, Kind::Completion) => completion_logprobs(&entries, &mut 0),
+                    (true, Kind::Completion) => {
+                        legacy.extend(&entries, &mut offset);
+                        legacy.json()
+                    }
                 };
-                let choice = match kind {
+                let mut choice = match kind {
                     Kind::Chat => {
                         read.append(reader.finish());
                         json!({
@@ -241,6 +351,11 @@ async fn whole_choice(
                         "finish_reason": finish_str(finish),
                     }),
                 };
+                if let (Some(r), Some(n), Some(lp)) =
+                    (report, report.and_then(|r| r.vllm), &prompt_lp)
+                {
+                    choice["prompt_logprobs"] = r.vllm(lp, n);
+                }
                 return Ok((choice, prompt_tokens, completion_tokens));
             }
             Some(Event::Error(e)) => return Err(Failed::Engine(ApiError::from(&e))),
@@ -263,6 +378,8 @@ struct Meta {
     logprobs: bool,
     /// Choices per prompt.
     n: usize,
+    /// What a completion shows of its prompts.
+    prompt: Option<PromptReport>,
 }
 
 impl Meta {
@@ -383,6 +500,19 @@ impl StreamState {
                 }
             }
             Some(Event::Started { .. }) => {}
+            // An echo with logprobs: the prompt's text and tokens, before any generated.
+            Some(Event::Prompt { logprobs }) => {
+                let meta = &self.meta;
+                let echo = meta.prompt.as_ref().filter(|_| meta.logprobs);
+                let Some((r, (text, first))) = echo.and_then(|r| Some((r, r.echo(i / meta.n)?)))
+                else {
+                    return;
+                };
+                let mut legacy = Legacy::default();
+                r.legacy(*first, &logprobs, &mut legacy, &mut self.choices[i].offset);
+                let chunk = meta.chunk(i, Map::new(), text, legacy.json(), None);
+                self.send(chunk);
+            }
             Some(Event::Done {
                 finish,
                 prompt_tokens,
@@ -465,6 +595,17 @@ fn stream_response(
         prompt_tokens: 0,
         completion_tokens: 0,
     };
+    // An echo without logprobs: the prompt's text first (with them it comes with its
+    // tokens' logprobs, once the prompt is read).
+    if let (false, Some(r)) = (state.meta.logprobs, state.meta.prompt.as_ref()) {
+        let chunks: Vec<Value> = (0..state.choices.len())
+            .filter_map(|i| {
+                let (echo, _) = r.echo(i / state.meta.n)?;
+                Some(state.meta.chunk(i, Map::new(), echo, Value::Null, None))
+            })
+            .collect();
+        chunks.into_iter().for_each(|c| state.send(c));
+    }
     if state.meta.kind == Kind::Chat {
         for i in 0..state.choices.len() {
             let mut role = Map::new();
@@ -536,32 +677,67 @@ fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
 }
 
 /// The legacy completions shape: `tokens`, `token_logprobs`, `top_logprobs` (the most likely
-/// tokens plus the sampled one, by text) and `text_offset` (characters from the start of the
-/// completion; `offset` carries it across stream chunks).
+/// tokens plus the token itself, by text) and `text_offset` (characters from the start of the
+/// text, counted by token; `offset` carries it across stream chunks).
 fn completion_logprobs(entries: &[LogprobEntry], offset: &mut usize) -> Value {
-    let mut tokens = Vec::with_capacity(entries.len());
-    let mut token_logprobs = Vec::with_capacity(entries.len());
-    let mut top_logprobs = Vec::with_capacity(entries.len());
-    let mut text_offset = Vec::with_capacity(entries.len());
-    for e in entries {
-        tokens.push(json!(e.token.text));
-        token_logprobs.push(logprob_value(e.logprob));
-        let mut top = serde_json::Map::new();
-        let sampled = (&e.token, e.logprob);
-        for (t, l) in e.top.iter().map(|(t, l)| (t, *l)).chain([sampled]) {
-            top.entry(t.text.clone())
-                .or_insert_with(|| logprob_value(l));
+    let mut legacy = Legacy::default();
+    legacy.extend(entries, offset);
+    legacy.json()
+}
+
+/// [`completion_logprobs`]'s lists, built token by token.
+#[derive(Default)]
+pub(crate) struct Legacy {
+    tokens: Vec<Value>,
+    token_logprobs: Vec<Value>,
+    top_logprobs: Vec<Value>,
+    text_offset: Vec<Value>,
+}
+
+impl Legacy {
+    /// One token, with its logprob and the most likely tokens at its position (`None` for a
+    /// prompt's first token: `null`s).
+    fn push(
+        &mut self,
+        token: &TokenText,
+        scored: Option<(f32, &[(TokenText, f32)])>,
+        offset: &mut usize,
+    ) {
+        self.tokens.push(json!(token.text));
+        match scored {
+            None => {
+                self.token_logprobs.push(Value::Null);
+                self.top_logprobs.push(Value::Null);
+            }
+            Some((logprob, top)) => {
+                self.token_logprobs.push(logprob_value(logprob));
+                let mut map = Map::new();
+                for (t, l) in top.iter().map(|(t, l)| (t, *l)).chain([(token, logprob)]) {
+                    map.entry(t.text.clone())
+                        .or_insert_with(|| logprob_value(l));
+                }
+                self.top_logprobs.push(Value::Object(map));
+            }
         }
-        top_logprobs.push(Value::Object(top));
-        text_offset.push(json!(*offset));
-        *offset += e.token.text.chars().count();
+        self.text_offset.push(json!(*offset));
+        *offset += token.text.chars().count();
     }
-    json!({
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
-    })
+
+    /// Generated tokens.
+    fn extend(&mut self, entries: &[LogprobEntry], offset: &mut usize) {
+        for e in entries {
+            self.push(&e.token, Some((e.logprob, &e.top)), offset);
+        }
+    }
+
+    fn json(self) -> Value {
+        json!({
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        })
+    }
 }
 
 #[cfg(test)]

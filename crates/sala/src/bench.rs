@@ -675,6 +675,7 @@ fn concurrent<B: Backend + DeviceStats>(
         stop: Vec::new(),
         eos_ids: Vec::new(),
         grammar: None,
+        prompt_logprobs: None,
     };
     let mut rng = TestRng::new(args.seed ^ 0xc0c0);
     let prompts: Vec<Vec<u32>> = (0..n)

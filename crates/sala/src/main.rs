@@ -3,6 +3,7 @@
 mod bench;
 mod device;
 mod inspect;
+mod perplexity;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -48,6 +49,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models).
     Serve(ServeArgs),
+    /// Perplexity of a text file: windows of --context tokens every --stride tokens, each
+    /// scoring the tokens the one before it did not.
+    Perplexity(perplexity::PerplexityArgs),
 }
 
 #[derive(Args)]
@@ -201,6 +205,7 @@ fn main() {
         Command::Init(args) => init(args),
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve(args),
+        Command::Perplexity(args) => perplexity::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -457,6 +462,7 @@ fn generate_options(
             sala_engine::generate::eos_ids(config, tokenizer)
         },
         grammar: grammar(args, config, tokenizer)?,
+        prompt_logprobs: None,
     };
     opts.sampling.validate()?;
     Ok(opts)

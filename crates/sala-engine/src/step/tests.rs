@@ -56,6 +56,7 @@ fn opts(seed: u64) -> GenerateOptions {
         stop: Vec::new(),
         eos_ids: Vec::new(),
         grammar: None,
+        prompt_logprobs: None,
     }
 }
 

@@ -37,6 +37,7 @@ fn chat_meta() -> Meta {
         kind: Kind::Chat,
         logprobs: false,
         n: 1,
+        prompt: None,
     }
 }
 

@@ -48,7 +48,7 @@ fn any_value(rng: &mut TestRng, depth: usize) -> Value {
     }
 }
 
-const FIELDS: [&str; 27] = [
+const FIELDS: [&str; 28] = [
     "model",
     "prompt",
     "messages",
@@ -71,6 +71,7 @@ const FIELDS: [&str; 27] = [
     "logprobs",
     "top_logprobs",
     "echo",
+    "prompt_logprobs",
     "best_of",
     "chat_template_kwargs",
     "tools",

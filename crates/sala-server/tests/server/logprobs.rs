@@ -20,6 +20,7 @@ fn engine_steps(prompt: &str, sampling: SamplingParams, max_tokens: usize, n: us
         stop: Vec::new(),
         eos_ids: Vec::new(),
         grammar: None,
+        prompt_logprobs: None,
     };
     let tokenizer = engine.tokenizer.clone();
     let mut out = Vec::new();

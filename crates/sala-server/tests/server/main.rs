@@ -4,6 +4,7 @@
 mod api_edges;
 mod choices;
 mod common;
+mod echo;
 mod fuzz;
 mod load;
 mod logprobs;
@@ -428,9 +429,11 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
             Some("logprobs"),
         ),
         (
-            "echo",
-            comp,
-            json!({"prompt": "hi", "echo": true}).to_string().into_bytes(),
+            "echo on chat",
+            chat,
+            json!({"messages": [{"role": "user", "content": "hi"}], "echo": true})
+                .to_string()
+                .into_bytes(),
             400,
             Some("echo"),
         ),
@@ -543,6 +546,7 @@ fn generation_stops_when_on_text_says_so() {
         stop: Vec::new(),
         eos_ids: Vec::new(),
         grammar: None,
+        prompt_logprobs: None,
     };
     let mut calls = 0;
     let g = engine
@@ -572,6 +576,7 @@ fn a_full_queue_is_429_and_abandoned_requests_are_dropped() {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        prompt_logprobs: None,
         grammar: None,
     };
     // A keeps the engine busy: nobody reads its events, so the engine waits once they fill.

@@ -111,6 +111,7 @@ fn a_full_queue_over_http_is_429_and_metrics_show_the_backlog() {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        prompt_logprobs: None,
         grammar: None,
     };
     // A fills the batch: nobody reads its events, so it pauses once they fill.
