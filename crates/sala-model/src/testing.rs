@@ -162,7 +162,7 @@ fn check_mixed_step_rows<B: Backend>(
             (false, 0) => 0,
             _ => 1,
         };
-        if rows != want_rows || logits[2].len() % v != 0 {
+        if rows != want_rows || !logits[2].len().is_multiple_of(v) {
             return Err(format!(
                 "{name}: step {step}: {rows} rows of logits for the prompt, not {want_rows}"
             ));
