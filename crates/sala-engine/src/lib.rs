@@ -9,10 +9,12 @@
 //! - [`generate`]: the [`generate::Engine`] itself, and one request run to its end.
 //! - [`sampling`], [`stop`]: choosing tokens, and stop strings.
 //! - [`grammar`]: structured output, a JSON schema enforced by constrained decoding.
+//! - `plain`: special-token text in a chat request's own text kept as plain text.
 
 pub mod cache;
 pub mod generate;
 pub mod grammar;
+mod plain;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

@@ -83,9 +83,10 @@ struct ServeArgs {
     /// with an error; no new request is taken meanwhile.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     shutdown_timeout: f64,
-    /// Read special-token text typed inside chat messages (e.g. `<|im_end|>`) as the special
-    /// tokens, as Hugging Face's tokenizers do; by default it is plain text, so that a message
-    /// cannot forge a turn.
+    /// Read special-token text in a chat request (e.g. `<|im_end|>` in a message, a tool
+    /// definition, tool-call arguments or template kwargs) as the special tokens, as Hugging
+    /// Face's tokenizers do; by default it is plain text, so that a request cannot forge a
+    /// turn.
     #[arg(long)]
     special_tokens_in_content: bool,
 }
