@@ -5,6 +5,7 @@
 //! except where a required or named `tool_choice` constrains its reply to calls.
 
 use crate::common::*;
+use sala_model::numerics::TestRng;
 use serde_json::{json, Value};
 
 fn weather() -> Value {
@@ -277,4 +278,166 @@ fn a_required_or_named_choice_makes_the_reply_tool_calls() {
             .collect();
         assert_eq!(finishes, [finish], "{what}");
     }
+}
+
+/// A random schema a random model can finish: bounded strings, numbers and arrays, nested up
+/// to `depth`. `text_ok`: strings may be free text (a strict function's bounds hold there);
+/// else they are enums.
+fn random_schema(rng: &mut TestRng, depth: usize, text_ok: bool) -> Value {
+    let max_len = 1 + rng.below(6);
+    match rng.below(if depth == 0 { 7 } else { 9 }) {
+        0 if text_ok => json!({"type": "string", "maxLength": max_len}),
+        0 | 1 => {
+            let words = ["up", "down", "a < b", " pad", "1"];
+            json!({"enum": &words[..2 + rng.below(4)]})
+        }
+        2 => json!({"type": "integer", "minimum": -50, "maximum": 500}),
+        3 => json!({"type": "number", "minimum": 0, "maximum": 10}),
+        4 => json!({"type": "boolean"}),
+        5 => json!({"type": ["integer", "null"], "minimum": 0, "maximum": 9}),
+        6 => {
+            let values = [json!("x"), json!(3), json!(true)];
+            json!({"const": values[rng.below(3)].clone()})
+        }
+        7 => json!({"type": "array", "maxItems": 2,
+                    "items": random_schema(rng, depth - 1, true)}),
+        _ => {
+            let mut props = serde_json::Map::new();
+            let mut required = Vec::new();
+            for i in 0..1 + rng.below(2) {
+                let key = format!("k{i}");
+                if rng.below(2) == 0 {
+                    required.push(key.clone());
+                }
+                props.insert(key, random_schema(rng, depth - 1, true));
+            }
+            json!({"type": "object", "properties": props, "required": required,
+                   "additionalProperties": false})
+        }
+    }
+}
+
+/// Why `v` does not match `schema` (the keywords [`random_schema`] uses), or `None`.
+fn mismatch(v: &Value, schema: &Value) -> Option<String> {
+    let why = |what: &str| Some(format!("{v} is {what} of {schema}"));
+    if let Some(options) = schema.get("enum").and_then(Value::as_array) {
+        return (!options.contains(v)).then(|| format!("{v} not in {schema}"));
+    }
+    if let Some(c) = schema.get("const") {
+        return (c != v).then(|| format!("{v} is not {c}"));
+    }
+    let types: Vec<&str> = match &schema["type"] {
+        Value::String(t) => vec![t.as_str()],
+        Value::Array(ts) => ts.iter().filter_map(Value::as_str).collect(),
+        _ => return None,
+    };
+    let num = |k: &str| schema.get(k).and_then(Value::as_f64);
+    let in_range =
+        |x: f64| num("minimum").is_none_or(|m| x >= m) && num("maximum").is_none_or(|m| x <= m);
+    let fits = |t: &str| match (t, v) {
+        ("null", Value::Null) | ("boolean", Value::Bool(_)) => true,
+        ("integer", Value::Number(n)) => n.is_i64() && in_range(n.as_f64().unwrap()),
+        ("number", Value::Number(n)) => in_range(n.as_f64().unwrap()),
+        ("string", Value::String(s)) => {
+            num("maxLength").is_none_or(|m| s.chars().count() as f64 <= m)
+        }
+        ("array", Value::Array(items)) => {
+            num("maxItems").is_none_or(|m| items.len() as f64 <= m)
+                && items
+                    .iter()
+                    .all(|x| mismatch(x, &schema["items"]).is_none())
+        }
+        ("object", Value::Object(map)) => {
+            let props = schema["properties"].as_object().unwrap();
+            map.iter()
+                .all(|(k, x)| props.get(k).is_some_and(|s| mismatch(x, s).is_none()))
+                && schema["required"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|k| map.contains_key(k.as_str().unwrap()))
+        }
+        _ => false,
+    };
+    if types.iter().any(|t| fits(t)) {
+        None
+    } else {
+        why("not")
+    }
+}
+
+/// Random tools, the random model and a required or named `tool_choice`: every reply is calls
+/// that the parser reads back, each argument matching its parameter's schema, the required
+/// ones present, no others. Strict functions' strings keep their `maxLength`; objects and
+/// arrays their own schemas.
+#[test]
+fn forced_calls_of_random_tools_read_back_to_their_schemas() {
+    let mut rng = TestRng::new(16);
+    for trial in 0..10 {
+        let tools: Vec<Value> = (0..1 + rng.below(3))
+            .map(|t| {
+                let strict = rng.below(2) == 1;
+                let params = random_schema_object(&mut rng, strict);
+                json!({"type": "function", "function": {"name": format!("tool_{t}"),
+                       "strict": strict, "parameters": params}})
+            })
+            .collect();
+        let named = rng.below(2) == 1;
+        let choice = if named {
+            json!({"type": "function", "function": {"name": "tool_0"}})
+        } else {
+            json!("required")
+        };
+        let parallel = rng.below(3) == 0;
+        let body = json!({
+            "model": MODEL_ID,
+            "messages": [{"role": "user", "content": "Go."}],
+            "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
+            "max_tokens": 400, "temperature": 1.0, "seed": trial,
+        });
+        let what = format!("trial {trial}: {body}");
+        let v = chat(&body);
+        let c = &v["choices"][0];
+        let calls = c["message"]["tool_calls"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if !parallel || c["finish_reason"] != "length" {
+            assert_eq!(c["finish_reason"], "tool_calls", "{what}: {v}");
+            assert!(c["message"]["content"].is_null(), "{what}: {v}");
+        }
+        assert!(!calls.is_empty(), "{what}: {v}");
+        if !parallel {
+            assert_eq!(calls.len(), 1, "{what}: {v}");
+        }
+        for call in &calls {
+            let name = call["function"]["name"].as_str().unwrap();
+            if named {
+                assert_eq!(name, "tool_0", "{what}");
+            }
+            let tool = tools
+                .iter()
+                .find(|t| t["function"]["name"] == name)
+                .unwrap();
+            let args: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            let params = &tool["function"]["parameters"];
+            assert_eq!(mismatch(&args, params), None, "{what}: {call}");
+        }
+    }
+}
+
+/// A function's parameters: an object of 0 to 4 random parameters, some required.
+fn random_schema_object(rng: &mut TestRng, text_ok: bool) -> Value {
+    let mut props = serde_json::Map::new();
+    let mut required = Vec::new();
+    for i in 0..rng.below(5) {
+        let key = format!("p{i}");
+        if rng.below(2) == 0 {
+            required.push(key.clone());
+        }
+        props.insert(key, random_schema(rng, 2, text_ok));
+    }
+    json!({"type": "object", "properties": props, "required": required,
+           "additionalProperties": false})
 }
