@@ -10,13 +10,15 @@
 //! - `none`: the tools are left out of the prompt and the reply is not read for calls: the
 //!   model is not told of any tool, and all it writes is content.
 //! - `auto` (the default with tools): the tools are in the prompt; calls in the reply are
-//!   parsed ([`parse`]).
+//!   parsed ([`parse`]). When a function is `strict`, the reply is constrained
+//!   ([`grammar::strict_grammar`]) so that a call opened to a strict function follows its
+//!   schema; the rest stays free.
 //! - `required` and a named function: the reply begins a call: its start ends the prompt,
 //!   `<function name="` or `<function name="NAME">` after the assistant's header (a prefix
 //!   the generated text continues; the parser reads the reply as that prefix plus the
 //!   generated text), and the generated text is constrained ([`grammar`], llguidance) to
-//!   finish that call and make only calls after it, to the tools (the named one) with their
-//!   schemas' parameters. A reply cut by `max_tokens` may still end inside a call.
+//!   finish that call and make only calls after it, to the tools (the named one), each value
+//!   of its parameter's schema. A reply cut by `max_tokens` may still end inside a call.
 //!
 //! `parallel_tool_calls: false` keeps the first call of a reply and drops the rest.
 
@@ -77,7 +79,8 @@ pub fn valid_name(name: &str) -> bool {
 
 impl ToolSet {
     /// Checks OpenAI `tools` entries: `{"type": "function", "function": {"name",
-    /// "description"?, "parameters"?, "strict"?}}`, names valid and distinct.
+    /// "description"?, "parameters"?, "strict"?}}`, names valid and distinct, `strict` a
+    /// boolean.
     pub fn new(list: &[Value]) -> Result<Self, ApiError> {
         if list.len() > MAX_TOOLS {
             return Err(ApiError::invalid(format!(

@@ -16,6 +16,14 @@ fn weather() -> Value {
             "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}})
 }
 
+/// A strict function `f` of the parameters `properties`, all required.
+fn strict(properties: Value) -> Value {
+    let required: Vec<&String> = properties.as_object().unwrap().keys().collect();
+    json!({"type": "function", "function": {"name": "f", "strict": true, "parameters": {
+        "type": "object", "properties": properties, "required": required,
+        "additionalProperties": false}}})
+}
+
 /// A greedy chat request about the weather, with `extra` fields.
 fn ask(extra: Value) -> Value {
     let mut body = json!({
@@ -87,6 +95,23 @@ fn tool_requests_are_checked() {
                    "add_generation_prompt": false}),
             "tool_choice",
             "generation prompt",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}),
+            "tools[0].function.strict",
+            "true or false",
+        ),
+        (
+            json!({"tools": [strict(json!({"tags": {"type": "array",
+                   "items": {"type": "string", "format": "no-such-format"}}}))]}),
+            "tools",
+            "no-such-format",
+        ),
+        (
+            json!({"tools": [strict(json!({"a\"b": {"type": "integer"}}))],
+                   "tool_choice": "required"}),
+            "tools",
+            "cannot be written",
         ),
         (
             json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant",
@@ -440,4 +465,161 @@ fn random_schema_object(rng: &mut TestRng, text_ok: bool) -> Value {
     }
     json!({"type": "object", "properties": props, "required": required,
            "additionalProperties": false})
+}
+
+/// Text a random "model" writes under `grammar`: the bytes of `script` first, each as long
+/// as the grammar allows it, then tokens drawn uniformly from those the grammar allows, until
+/// an end of sequence (drawn now and then once allowed) or `max_tokens`.
+fn walk(grammar: &str, script: &str, rng: &mut TestRng, max_tokens: usize) -> String {
+    use sala_engine::grammar::{Constraint, GrammarSpec, Grammars};
+    use std::sync::OnceLock;
+    static G: OnceLock<(Grammars, sala_tokenizer::Tokenizer)> = OnceLock::new();
+    let (grammars, tok) = G.get_or_init(|| {
+        let tok = sala_tokenizer::Tokenizer::from_dir(model_dir()).unwrap();
+        (
+            Grammars::new(tok.clone(), tok.vocab_size(), tok.eos_ids()),
+            tok,
+        )
+    });
+    let spec = GrammarSpec::Lark {
+        grammar: grammar.into(),
+        param: "tools".into(),
+    };
+    let mut c = Constraint::from(grammars.compile(&spec).unwrap());
+    let vocab = tok.vocab_bytes();
+    let eos = tok.eos_ids();
+    let mut out = Vec::new();
+    let mut script = script.as_bytes();
+    for _ in 0..max_tokens {
+        let mut logits = vec![0.0f32; vocab.len()];
+        c.apply(&mut logits).unwrap();
+        let allowed: Vec<u32> = (0..vocab.len() as u32)
+            .filter(|&i| logits[i as usize] == 0.0)
+            .collect();
+        let byte = |b: u8| tok.token_to_id(&format!("<0x{b:02X}>")).unwrap();
+        let next = match script.first() {
+            Some(&b) if allowed.contains(&byte(b)) => {
+                script = &script[1..];
+                byte(b)
+            }
+            _ => {
+                script = &[];
+                let ends: Vec<u32> = allowed
+                    .iter()
+                    .copied()
+                    .filter(|i| eos.contains(i))
+                    .collect();
+                if !ends.is_empty() && rng.below(20) == 0 {
+                    break;
+                }
+                let text: Vec<u32> = allowed.into_iter().filter(|i| !eos.contains(i)).collect();
+                if text.is_empty() {
+                    break;
+                }
+                text[rng.below(text.len())]
+            }
+        };
+        out.extend_from_slice(&vocab[next as usize].bytes);
+        if c.advance(next).unwrap() {
+            break;
+        }
+    }
+    String::from_utf8(out).unwrap()
+}
+
+/// Under `auto` with strict functions, text a random model writes (made to open calls to
+/// strict functions, after text or reasoning) reads back with each strict call's arguments
+/// matching its schema; the reply may end as it likes outside a call.
+#[test]
+fn strict_calls_under_auto_read_back_to_their_schemas() {
+    use sala_engine::request::ChatEnding;
+    use sala_server::tools::{check_tools, parse::ToolCallParser};
+    let mut rng = TestRng::new(61);
+    let mut strict_calls = 0;
+    for trial in 0..16 {
+        let tools: Vec<Value> = (0..1 + rng.below(3))
+            .map(|t| {
+                let strict = t == 0 || rng.below(2) == 1;
+                let params = random_schema_object(&mut rng, strict);
+                json!({"type": "function", "function": {"name": format!("tool_{t}"),
+                       "strict": strict, "parameters": params}})
+            })
+            .collect();
+        let req = check_tools(
+            Some(tools.clone()),
+            Some(&json!("auto")),
+            None,
+            ChatEnding::GenerationPrompt,
+        )
+        .unwrap();
+        let grammar = req.grammar.unwrap();
+        let opening = ["<function name=\"tool_0\">", "<function  name='tool_0'>"][rng.below(2)];
+        let lead = [
+            "",
+            "Sure. ",
+            "<think>Hmm, <function name=\"tool_0\">?</think>\n",
+        ][rng.below(3)];
+        let text = walk(&grammar, &format!("{lead}{opening}"), &mut rng, 400);
+        let reading = req.reading.unwrap();
+        let mut parser = ToolCallParser::new(reading.tools, usize::MAX);
+        let mut calls = parser.push(&text).calls;
+        calls.extend(parser.finish().calls);
+        let what = format!("trial {trial}: {text:?} {tools:?}");
+        assert!(calls.iter().any(|c| c.name == "tool_0"), "{what}");
+        for call in &calls {
+            let tool = tools
+                .iter()
+                .find(|t| t["function"]["name"] == call.name)
+                .unwrap();
+            if tool["function"]["strict"] == true {
+                strict_calls += 1;
+                let args: Value = serde_json::from_str(&call.arguments).unwrap();
+                assert_eq!(
+                    mismatch(&args, &tool["function"]["parameters"]),
+                    None,
+                    "{what}"
+                );
+            }
+        }
+    }
+    assert!(strict_calls >= 16);
+}
+
+/// A strict function under `auto` is served (its calls held by the grammar, tested above);
+/// with `response_format` the reply is the structured answer and no call is read from it.
+#[test]
+fn strict_functions_under_auto_and_structured_answers() {
+    let tools = json!([strict(json!({"n": {"type": "integer"}})), weather()]);
+    let v = chat(&ask(json!({"tools": tools, "max_tokens": 12})));
+    let c = &v["choices"][0];
+    assert!(c["message"]["content"].is_string(), "{v}");
+    let mut body = ask(json!({"tools": tools, "max_tokens": 12, "stream": true}));
+    body["stream_options"] = json!({"include_usage": true});
+    let (status, text) = request_to(
+        long_server(),
+        "POST",
+        "/v1/chat/completions",
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(status, 200, "{text}");
+    let streamed: String = sse_chunks(&text)
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, c["message"]["content"].as_str().unwrap());
+
+    let schema = json!({"type": "object", "properties": {"v": {"enum": [
+        "<function name=\"get_weather\"><param name=\"city\">x</param></function>"]}},
+        "required": ["v"], "additionalProperties": false});
+    let v = chat(&ask(
+        json!({"tools": [weather()], "max_tokens": 300, "ignore_eos": false,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}),
+    ));
+    let m = &v["choices"][0]["message"];
+    assert!(m.get("tool_calls").is_none(), "{v}");
+    let answer: Value = serde_json::from_str(m["content"].as_str().unwrap()).unwrap();
+    assert!(
+        answer["v"].as_str().unwrap().starts_with("<function"),
+        "{v}"
+    );
 }
