@@ -298,6 +298,11 @@ impl Constraint {
         Ok(())
     }
 
+    /// Whether the output so far is whole: the grammar would take an end of sequence here.
+    pub fn is_accepting(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
+    }
+
     /// Advances the grammar by a sampled token. Returns whether the grammar is complete and
     /// nothing may follow (generation should stop).
     pub fn advance(&mut self, token: u32) -> Result<bool, GrammarError> {

@@ -10,11 +10,13 @@
 //! - [`sampling`], [`stop`]: choosing tokens, and stop strings.
 //! - [`grammar`]: structured output, a JSON schema enforced by constrained decoding.
 //! - [`perplexity`]: sliding-window perplexity of a text, from its prompt log-probabilities.
+//! - `plain`: special-token text in a chat request's own text kept as plain text.
 
 pub mod cache;
 pub mod generate;
 pub mod grammar;
 pub mod perplexity;
+mod plain;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

@@ -3,8 +3,9 @@
 //! maps errors to status codes itself.
 
 use crate::generate::EngineError;
+use crate::plain::Marks;
 use crate::sampling::{PromptTokenLogprobs, SamplingParams, TokenLogprobs};
-use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, MessageContent, Tokenizer};
+use sala_tokenizer::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
 
 /// A request's number, unique within its batch.
 pub type RequestId = u64;
@@ -59,72 +60,9 @@ fn continue_final(rendered: String, messages: &[ChatMessage]) -> Result<String, 
     refuse("the chat template does not show the final message's text")
 }
 
-/// Where a message's content stood in the template's input: it is encoded as plain text.
-const HIDDEN_OPEN: char = '\u{E000}';
-const HIDDEN_CLOSE: char = '\u{E001}';
-
-/// `messages` with every content that holds special-token text replaced by a placeholder,
-/// and those contents in placeholder order.
-fn hide_special_text<'a>(
-    tokenizer: &Tokenizer,
-    messages: &'a [ChatMessage],
-) -> (std::borrow::Cow<'a, [ChatMessage]>, Vec<String>) {
-    let mut hidden = Vec::new();
-    let mut out: Option<Vec<ChatMessage>> = None;
-    for (i, m) in messages.iter().enumerate() {
-        let Ok(Some(text)) = m.text() else { continue };
-        if !tokenizer.has_special_text(&text) {
-            continue;
-        }
-        let msgs = out.get_or_insert_with(|| messages.to_vec());
-        msgs[i].content = Some(MessageContent::Text(format!(
-            "{HIDDEN_OPEN}{}{HIDDEN_CLOSE}",
-            hidden.len()
-        )));
-        hidden.push(text);
-    }
-    match out {
-        Some(m) => (std::borrow::Cow::Owned(m), hidden),
-        None => (std::borrow::Cow::Borrowed(messages), hidden),
-    }
-}
-
-/// The ids of a rendered prompt whose placeholders stand for `hidden` contents: the template's
-/// text with special tokens read, each content as plain text.
-fn encode_with_plain_contents(
-    tokenizer: &Tokenizer,
-    text: &str,
-    hidden: &[String],
-) -> Result<Vec<u32>, RequestError> {
-    let enc = |e: sala_tokenizer::TokenizerError| {
-        RequestError::invalid(format!("tokenizing the prompt: {e}"))
-    };
-    let mut ids = Vec::new();
-    let mut rest = text;
-    let mut first = true;
-    while let Some((before, after)) = rest.split_once(HIDDEN_OPEN) {
-        ids.extend(tokenizer.encode(before, first).map_err(enc)?);
-        first = false;
-        let (index, tail) = after.split_once(HIDDEN_CLOSE).ok_or_else(|| {
-            RequestError::invalid("the chat template cut a message's content apart")
-        })?;
-        let content = index
-            .parse::<usize>()
-            .ok()
-            .and_then(|i| hidden.get(i))
-            .ok_or_else(|| {
-                RequestError::invalid("the chat template changed a message's content")
-            })?;
-        ids.extend(tokenizer.encode_plain(content).map_err(enc)?);
-        rest = tail;
-    }
-    ids.extend(tokenizer.encode(rest, first).map_err(enc)?);
-    Ok(ids)
-}
-
 impl Prompt {
     /// The prompt's token ids; `template` is the model's chat template (or why it has none).
-    /// Special-token text inside a chat message is plain text.
+    /// Special-token text in a chat request's own text is plain text ([`crate::plain`]).
     pub fn token_ids(
         &self,
         tokenizer: &Tokenizer,
@@ -133,14 +71,17 @@ impl Prompt {
         self.token_ids_with(tokenizer, template, false)
     }
 
-    /// [`Prompt::token_ids`]; with `specials_in_content`, special-token text inside a chat
-    /// message becomes the special token, as Hugging Face's tokenizers read it.
+    /// [`Prompt::token_ids`]; with `specials_in_text`, special-token text in a chat request
+    /// becomes the special token, as Hugging Face's tokenizers read it.
     pub fn token_ids_with(
         &self,
         tokenizer: &Tokenizer,
         template: &Result<ChatTemplate, String>,
-        specials_in_content: bool,
+        specials_in_text: bool,
     ) -> Result<Vec<u32>, RequestError> {
+        let encode_error = |e: sala_tokenizer::TokenizerError| {
+            RequestError::invalid(format!("tokenizing the prompt: {e}"))
+        };
         let text = match self {
             Prompt::Tokens(ids) => return Ok(ids.clone()),
             Prompt::Text(t) => t.clone(),
@@ -154,18 +95,24 @@ impl Prompt {
                 let template = template.as_ref().map_err(|e| {
                     RequestError::invalid(format!("this model has no usable chat template: {e}"))
                 })?;
-                let opts = ChatOptions {
+                let mut marks = Marks::new(tokenizer.special_texts());
+                let mut messages = std::borrow::Cow::Borrowed(&messages[..]);
+                let mut opts = ChatOptions {
                     add_generation_prompt: *ending == ChatEnding::GenerationPrompt,
                     tools: tools.clone(),
                     kwargs: kwargs.clone(),
                 };
-                // Contents that read as special tokens go through the template as placeholders
-                // and are encoded as plain text: a user cannot forge a turn.
-                let (messages, forged) = if specials_in_content {
-                    (std::borrow::Cow::Borrowed(&messages[..]), Vec::new())
-                } else {
-                    hide_special_text(tokenizer, messages)
-                };
+                if !specials_in_text {
+                    messages
+                        .to_mut()
+                        .iter_mut()
+                        .for_each(|m| marks.mark_message(m));
+                    opts.tools
+                        .iter_mut()
+                        .flatten()
+                        .for_each(|t| marks.mark_json(t));
+                    opts.kwargs.values_mut().for_each(|v| marks.mark_json(v));
+                }
                 let text = template.render(&messages, &opts).map_err(|e| {
                     RequestError::invalid(format!("applying the chat template: {e}"))
                         .param("messages")
@@ -176,15 +123,16 @@ impl Prompt {
                     text
                 };
                 text.push_str(reply_prefix);
-                if !forged.is_empty() {
-                    return encode_with_plain_contents(tokenizer, &text, &forged);
+                if marks.any() {
+                    let (text, plain) = marks.restore(&text)?;
+                    return tokenizer
+                        .encode_with_plain_spans(&text, true, &plain)
+                        .map_err(encode_error);
                 }
                 text
             }
         };
-        tokenizer
-            .encode(&text, true)
-            .map_err(|e| RequestError::invalid(format!("tokenizing the prompt: {e}")))
+        tokenizer.encode(&text, true).map_err(encode_error)
     }
 }
 

@@ -42,7 +42,7 @@ pub struct EngineInfo {
     /// prompts into token ids off the engine thread ([`Handle::token_ids`]).
     pub tokenizer: Tokenizer,
     pub template: Arc<Result<sala_tokenizer::ChatTemplate, String>>,
-    /// Special-token text inside chat messages is read as special tokens
+    /// Special-token text in a chat request's own text is read as special tokens
     /// ([`Runner::special_tokens_in_content`]).
     pub specials_in_content: bool,
     /// Structured output's grammars for the model, so that callers compile a request's
@@ -248,8 +248,9 @@ impl Runner {
         self
     }
 
-    /// Reads special-token text inside chat messages as the special tokens (Hugging Face's
-    /// behaviour) instead of as plain text, which lets a message forge a turn.
+    /// Reads special-token text in a chat request's own text (messages, tools, template
+    /// kwargs) as the special tokens (Hugging Face's behaviour) instead of as plain text,
+    /// which lets a request forge a turn.
     pub fn special_tokens_in_content(mut self, on: bool) -> Self {
         self.specials_in_content = on;
         self

@@ -93,6 +93,7 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
         body.parallel_tool_calls,
         ending,
     )?;
+    let forced = tools.forced();
     let prompt = Prompt::Chat {
         ending,
         messages,
@@ -101,21 +102,27 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
         reply_prefix: tools.reply_prefix.clone(),
     };
     let mut checked = check_common(st, common, prompt, logprobs, false)?;
-    if let Some(grammar) = tools.grammar {
-        if checked.grammar.is_some() {
+    let mut reading = tools.reading;
+    if checked.grammar.is_some() {
+        if forced {
             return Err(ApiError::invalid(
-                "a required or named tool_choice makes the reply tool calls; it cannot be                  combined with response_format",
+                "a required or named tool_choice makes the reply tool calls; it cannot be \
+                 combined with response_format",
             )
             .param("tool_choice"));
         }
+        // The reply is the structured answer: no calls are read out of it.
+        reading = None;
+    } else if let Some(grammar) = tools.grammar {
+        let param = if forced { "tool_choice" } else { "tools" };
         checked.grammar = Some(GrammarSpec::Lark {
             grammar,
-            param: "tool_choice".into(),
+            param: param.into(),
         });
     }
     checked.reply = Some(ReplySetup {
         prefix: tools.reply_prefix,
-        calls: tools.reading,
+        calls: reading,
     });
     Ok(checked)
 }

@@ -213,4 +213,40 @@ out["too_many_tools"] = error(
     )
 )
 
+
+# A strict function made by the client from a pydantic model (nested, with `$defs`), forced:
+# even the random model's call comes back whole, and the client validates its arguments.
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class Place(BaseModel):
+    lat: float = Field(ge=-90, le=90)
+    kind: Literal["city", "village"]
+
+
+class Lookup(BaseModel):
+    place: Place
+    days: int = Field(ge=1, le=7)
+    metric: bool
+
+
+r = tools_client.chat.completions.parse(
+    model=model,
+    messages=[{"role": "user", "content": "Look it up."}],
+    tools=[openai.pydantic_function_tool(Lookup)],
+    tool_choice="required",
+    parallel_tool_calls=False,
+    max_tokens=300,
+    temperature=1.0,
+    seed=5,
+)
+call = r.choices[0].message.tool_calls[0]
+out["strict_parsed"] = {
+    "name": call.function.name,
+    "arguments": call.function.parsed_arguments.model_dump(),
+    "finish": r.choices[0].finish_reason,
+}
+
 print(json.dumps(out))

@@ -191,13 +191,59 @@ impl Tokenizer {
             .tok
             .encode_fast(text, false)
             .map_err(|source| TokenizerError::Encode { source })?;
-        let mut ids = enc.get_ids().to_vec();
+        Ok(self.with_bos(enc.get_ids().to_vec(), add_bos))
+    }
+
+    /// `ids` with the BOS id first, when `add_bos` asks and [`Tokenizer::encode`] would add it.
+    fn with_bos(&self, mut ids: Vec<u32>, add_bos: bool) -> Vec<u32> {
         if let Some(bos) = self.bos_id() {
             if add_bos && self.inner.add_bos_token && ids.first() != Some(&bos) {
                 ids.insert(0, bos);
             }
         }
-        Ok(ids)
+        ids
+    }
+
+    /// [`Tokenizer::encode`], except that a special token whose text overlaps one of the
+    /// byte ranges `plain` is plain text. The rest is split at the other special tokens and
+    /// each piece between them encoded as one, as [`Tokenizer::encode`] does, so text with
+    /// no such overlap encodes exactly as there.
+    pub fn encode_with_plain_spans(
+        &self,
+        text: &str,
+        add_bos: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>> {
+        if plain.is_empty() {
+            return self.encode(text, add_bos);
+        }
+        // Byte offsets, to see where each special token came from.
+        let enc = self
+            .inner
+            .tok
+            .encode(text, false)
+            .map_err(|source| TokenizerError::Encode { source })?;
+        let in_plain = |&(s, e): &(usize, usize)| plain.iter().any(|r| s < r.end && r.start < e);
+        let tokens = || enc.get_ids().iter().zip(enc.get_offsets());
+        let special = |id: u32| self.kind(id) == TokenKind::Special;
+        if !tokens().any(|(&id, o)| special(id) && in_plain(o)) {
+            return Ok(self.with_bos(enc.get_ids().to_vec(), add_bos));
+        }
+        let mut ids = Vec::with_capacity(enc.get_ids().len() + 8);
+        let mut from = 0;
+        for (&id, o) in tokens() {
+            if special(id) && !in_plain(o) {
+                if o.0 > from {
+                    ids.extend(self.encode_plain(&text[from..o.0])?);
+                }
+                ids.push(id);
+                from = o.1;
+            }
+        }
+        if from < text.len() {
+            ids.extend(self.encode_plain(&text[from..])?);
+        }
+        Ok(self.with_bos(ids, add_bos))
     }
 
     /// Encodes `text` as plain text: special-token text in it (such as `<|im_end|>` typed by a
@@ -211,12 +257,9 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// Whether `text` holds the text of a special token.
-    pub fn has_special_text(&self, text: &str) -> bool {
-        self.inner
-            .special_texts
-            .iter()
-            .any(|s| text.contains(s.as_str()))
+    /// The text of every special added token (such as `<|im_end|>`).
+    pub fn special_texts(&self) -> &[String] {
+        &self.inner.special_texts
     }
 
     /// Decodes ids to text (with the tokenizer's decoder: for SentencePiece-style tokenizers the
@@ -619,6 +662,44 @@ mod tests {
         });
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(tok.encode("How are you", true).unwrap(), plain);
+    }
+
+    /// A special token over a plain span is text; the others, and every piece between them,
+    /// are as `encode` gives them.
+    #[test]
+    fn special_tokens_over_plain_spans_are_text() {
+        let (_dir, tok) = generated(600);
+        let end = tok.token_to_id("<|im_end|>").unwrap();
+        let text = "<|im_start|>user\nHi<|im_end|> there<|im_end|>\n";
+        let whole = tok.encode(text, true).unwrap();
+        let count = |ids: &[u32]| ids.iter().filter(|&&i| i == end).count();
+        assert_eq!(count(&whole), 2);
+        // No span, or a span no special token overlaps: the same ids.
+        assert_eq!(tok.encode_with_plain_spans(text, true, &[]).unwrap(), whole);
+        assert_eq!(
+            tok.encode_with_plain_spans(text, true, std::slice::from_ref(&(17..19)))
+                .unwrap(),
+            whole
+        );
+        // A span over (part of) the first `<|im_end|>`: it is text.
+        let at = text.find("<|im_end|>").unwrap();
+        for span in [at..at + 10, at + 3..at + 4, at - 2..at + 1] {
+            let ids = tok
+                .encode_with_plain_spans(text, true, std::slice::from_ref(&span))
+                .unwrap();
+            assert_eq!(count(&ids), 1, "{span:?}: {ids:?}");
+            assert_eq!(ids[0], 1);
+            let back = tok.decode(&ids, false).unwrap();
+            assert!(back.contains("Hi<|im_end|>"), "{span:?}: {back}");
+            // The pieces between the other special tokens, each encoded as one.
+            let start = tok.token_to_id("<|im_start|>").unwrap();
+            let mut want = vec![1, start];
+            want.extend(tok.encode_plain("user\nHi<|im_end|> there").unwrap());
+            want.push(end);
+            want.extend(tok.encode_plain("\n").unwrap());
+            assert_eq!(ids, want, "{span:?}");
+        }
+        assert_eq!(tok.special_texts().len(), 11);
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! `sala`: run MiniCPM-SALA checkpoints.
 
 mod bench;
+mod builtin;
 mod device;
 mod inspect;
 mod perplexity;
 
 use anyhow::{bail, Context, Result};
+use builtin::builtin_model;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use device::{memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -87,9 +89,10 @@ struct ServeArgs {
     /// with an error; no new request is taken meanwhile.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     shutdown_timeout: f64,
-    /// Read special-token text typed inside chat messages (e.g. `<|im_end|>`) as the special
-    /// tokens, as Hugging Face's tokenizers do; by default it is plain text, so that a message
-    /// cannot forge a turn.
+    /// Read special-token text in a chat request (e.g. `<|im_end|>` in a message, a tool
+    /// definition, tool-call arguments or template kwargs) as the special tokens, as Hugging
+    /// Face's tokenizers do; by default it is plain text, so that a request cannot forge a
+    /// turn.
     #[arg(long)]
     special_tokens_in_content: bool,
 }
@@ -264,29 +267,6 @@ fn init(args: InitArgs) -> Result<()> {
         args.dir.display()
     );
     Ok(())
-}
-
-/// The built-in tiny model: written once into the user's cache directory.
-fn builtin_model() -> Result<PathBuf> {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("sala");
-    let dir = base.join(format!("builtin-tiny-{}", env!("CARGO_PKG_VERSION")));
-    if dir.join("config.json").exists() {
-        return Ok(dir);
-    }
-    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
-    // Written beside, then renamed, so concurrent runs never see half a checkpoint.
-    let tmp = base.join(format!(".builtin-tiny-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    write_checkpoint(&tmp, &preset("tiny")?, 0, DType::Bf16, usize::MAX)?;
-    if std::fs::rename(&tmp, &dir).is_err() && !dir.join("config.json").exists() {
-        bail!("could not create the built-in model in {}", dir.display());
-    }
-    let _ = std::fs::remove_dir_all(&tmp);
-    Ok(dir)
 }
 
 fn progress_bar(len: usize, what: &str) -> ProgressBar {

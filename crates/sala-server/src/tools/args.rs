@@ -10,29 +10,76 @@
 
 use serde_json::{Map, Number, Value};
 
-/// The JSON types (`"string"`, `"integer"`, ...) a parameter's schema allows: its `type` (a
-/// name or a list) and those of its `anyOf`/`oneOf` alternatives. Empty when it names none.
-pub fn schema_types(schema: Option<&Value>) -> Vec<String> {
-    let mut out = Vec::new();
-    let Some(schema) = schema else { return out };
-    let mut add = |t: &Value| match t {
-        Value::String(s) => out.push(s.clone()),
-        Value::Array(list) => out.extend(list.iter().filter_map(|t| t.as_str().map(String::from))),
-        _ => {}
-    };
-    if let Some(t) = schema.get("type") {
-        add(t);
+/// `schema` with its local `$ref`s (`#/$defs/X`, `#/definitions/X`, any pointer into `root`)
+/// followed; a reference that leads nowhere, or round in a loop, is the schema as it is.
+pub fn resolve<'a>(schema: &'a Value, root: Option<&'a Value>) -> &'a Value {
+    let mut at = schema;
+    for _ in 0..16 {
+        let next = at
+            .get("$ref")
+            .and_then(Value::as_str)
+            .and_then(|r| r.strip_prefix('#'))
+            .and_then(|pointer| root?.pointer(pointer));
+        match next {
+            Some(next) => at = next,
+            None => return at,
+        }
     }
-    for key in ["anyOf", "oneOf"] {
-        if let Some(Value::Array(alts)) = schema.get(key) {
-            for alt in alts {
-                if let Some(t) = alt.get("type") {
-                    add(t);
+    at
+}
+
+/// The JSON type name of `v`.
+fn type_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(n) if n.is_f64() => "number",
+        Value::Number(_) => "integer",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+/// The JSON types (`"string"`, `"integer"`, ...) a parameter's schema allows: its `type` (a
+/// name or a list), the types of its `enum`/`const` values, and those of its
+/// `anyOf`/`oneOf` alternatives, local `$ref`s into `root` followed. Empty when it names
+/// none (any value).
+pub fn schema_types(schema: Option<&Value>, root: Option<&Value>) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(schema) = schema {
+        add_types(&mut out, schema, root, 0);
+    }
+    out
+}
+
+fn add_types(out: &mut Vec<String>, schema: &Value, root: Option<&Value>, depth: usize) {
+    let schema = resolve(schema, root);
+    let mut add = |t: &str| {
+        if !out.iter().any(|o| o == t) {
+            out.push(t.to_string());
+        }
+    };
+    match schema.get("type") {
+        Some(Value::String(s)) => add(s),
+        Some(Value::Array(list)) => list.iter().filter_map(Value::as_str).for_each(&mut add),
+        _ => {}
+    }
+    if let Some(Value::Array(values)) = schema.get("enum") {
+        values.iter().for_each(|v| add(type_of(v)));
+    }
+    if let Some(v) = schema.get("const") {
+        add(type_of(v));
+    }
+    if depth < 8 {
+        for key in ["anyOf", "oneOf"] {
+            if let Some(Value::Array(alts)) = schema.get(key) {
+                for alt in alts {
+                    add_types(out, alt, root, depth + 1);
                 }
             }
         }
     }
-    out
 }
 
 /// Whether `v` is of the JSON schema type `t`.
@@ -49,14 +96,15 @@ fn is_of_type(v: &Value, t: &str) -> bool {
     }
 }
 
-/// The value of an argument the model wrote as `text`, for a parameter whose schema allows
-/// `types` (see the module docs).
-pub fn typed_value(text: &str, types: &[String]) -> Value {
+/// The value of an argument the model wrote as `text` (`raw`: as written, before XML
+/// entities were decoded), for a parameter whose schema allows `types` (see the module docs).
+pub fn typed_value(text: &str, raw: &str, types: &[String]) -> Value {
     if !types.is_empty() && types.iter().all(|t| t == "string") {
         return Value::String(text.to_string());
     }
-    let read = serde_json::from_str::<Value>(text.trim())
+    let read = serde_json::from_str::<Value>(raw.trim())
         .ok()
+        .or_else(|| serde_json::from_str::<Value>(text.trim()).ok())
         .or_else(|| python_literal(text));
     match read {
         Some(v) if types.is_empty() || types.iter().any(|t| is_of_type(&v, t)) => v,
@@ -245,58 +293,83 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn tv(text: &str, types: &[String]) -> Value {
+        typed_value(text, text, types)
+    }
+
     fn types(t: &[&str]) -> Vec<String> {
         t.iter().map(|s| s.to_string()).collect()
     }
 
     #[test]
     fn values_follow_the_schema_type() {
-        assert_eq!(typed_value("3", &types(&["integer"])), json!(3));
-        assert_eq!(typed_value(" 3 ", &types(&["number"])), json!(3));
-        assert_eq!(typed_value("2.5", &types(&["number"])), json!(2.5));
-        assert_eq!(typed_value("3", &types(&["string"])), json!("3"));
-        assert_eq!(typed_value("true", &types(&["boolean"])), json!(true));
-        assert_eq!(typed_value("False", &types(&["boolean"])), json!(false));
-        assert_eq!(typed_value("None", &types(&["null"])), json!(null));
+        assert_eq!(tv("3", &types(&["integer"])), json!(3));
+        assert_eq!(tv(" 3 ", &types(&["number"])), json!(3));
+        assert_eq!(tv("2.5", &types(&["number"])), json!(2.5));
+        assert_eq!(tv("3", &types(&["string"])), json!("3"));
+        assert_eq!(tv("true", &types(&["boolean"])), json!(true));
+        assert_eq!(tv("False", &types(&["boolean"])), json!(false));
+        assert_eq!(tv("None", &types(&["null"])), json!(null));
         assert_eq!(
-            typed_value("{'a': [1, 'x'], \"b\": None}", &types(&["object"])),
+            tv("{'a': [1, 'x'], \"b\": None}", &types(&["object"])),
             json!({"a": [1, "x"], "b": null})
         );
-        assert_eq!(typed_value("[1, 2,]", &types(&["array"])), json!([1, 2]));
-        assert_eq!(typed_value("(1, 2)", &types(&["array"])), json!([1, 2]));
+        assert_eq!(tv("[1, 2,]", &types(&["array"])), json!([1, 2]));
+        assert_eq!(tv("(1, 2)", &types(&["array"])), json!([1, 2]));
         // A union with string: the typed reading when it fits, else the text.
-        assert_eq!(typed_value("7", &types(&["integer", "string"])), json!(7));
-        assert_eq!(
-            typed_value("seven", &types(&["integer", "string"])),
-            json!("seven")
-        );
-        assert_eq!(
-            typed_value("[1]", &types(&["integer", "string"])),
-            json!("[1]")
-        );
+        assert_eq!(tv("7", &types(&["integer", "string"])), json!(7));
+        assert_eq!(tv("seven", &types(&["integer", "string"])), json!("seven"));
+        assert_eq!(tv("[1]", &types(&["integer", "string"])), json!("[1]"));
         // No type: whatever reads, else the text.
-        assert_eq!(typed_value("{\"x\": 1}", &[]), json!({"x": 1}));
-        assert_eq!(typed_value("Paris", &[]), json!("Paris"));
+        assert_eq!(tv("{\"x\": 1}", &[]), json!({"x": 1}));
+        assert_eq!(tv("Paris", &[]), json!("Paris"));
         // A value that does not read as the type is kept as the model wrote it.
-        assert_eq!(typed_value("three", &types(&["integer"])), json!("three"));
-        assert_eq!(typed_value("2.5", &types(&["integer"])), json!(2.5));
+        assert_eq!(tv("three", &types(&["integer"])), json!("three"));
+        assert_eq!(tv("2.5", &types(&["integer"])), json!(2.5));
+        // JSON is read as written before XML entities are decoded, then after.
+        let json_text = r#"{"a": "&lt;b&gt;"}"#;
+        assert_eq!(
+            typed_value(r#"{"a": "<b>"}"#, json_text, &types(&["object"])),
+            json!({"a": "&lt;b&gt;"})
+        );
+        assert_eq!(
+            typed_value("[1, 2]", "[1,&#32;2]", &types(&["array"])),
+            json!([1, 2])
+        );
     }
 
     #[test]
     fn schema_types_read_type_lists_and_alternatives() {
-        assert_eq!(schema_types(Some(&json!({"type": "string"}))), ["string"]);
         assert_eq!(
-            schema_types(Some(&json!({"type": ["integer", "null"]}))),
+            schema_types(Some(&json!({"type": "string"})), None),
+            ["string"]
+        );
+        assert_eq!(
+            schema_types(Some(&json!({"type": ["integer", "null"]})), None),
             ["integer", "null"]
         );
         assert_eq!(
-            schema_types(Some(
-                &json!({"anyOf": [{"type": "number"}, {"type": "boolean"}]})
-            )),
+            schema_types(
+                Some(&json!({"anyOf": [{"type": "number"}, {"type": "boolean"}]})),
+                None
+            ),
             ["number", "boolean"]
         );
-        assert!(schema_types(Some(&json!({"enum": ["a"]}))).is_empty());
-        assert!(schema_types(None).is_empty());
+        assert_eq!(
+            schema_types(Some(&json!({"enum": ["a", 1]})), None),
+            ["string", "integer"]
+        );
+        assert_eq!(schema_types(Some(&json!({"const": 2.5})), None), ["number"]);
+        assert!(schema_types(Some(&json!({"description": "any"})), None).is_empty());
+        assert!(schema_types(None, None).is_empty());
+        // Local references are followed, in alternatives too; a loop or a dead end is no type.
+        let root = json!({"$defs": {"A": {"type": "integer"}, "B": {"$ref": "#/$defs/A"},
+                                    "L": {"$ref": "#/$defs/L"}}});
+        let refs = json!({"anyOf": [{"$ref": "#/$defs/B"}, {"type": "null"}]});
+        assert_eq!(schema_types(Some(&refs), Some(&root)), ["integer", "null"]);
+        for dead in ["#/$defs/L", "#/$defs/Z", "other.json#/A"] {
+            assert!(schema_types(Some(&json!({"$ref": dead})), Some(&root)).is_empty());
+        }
     }
 
     #[test]

@@ -10,13 +10,15 @@
 //! - `none`: the tools are left out of the prompt and the reply is not read for calls: the
 //!   model is not told of any tool, and all it writes is content.
 //! - `auto` (the default with tools): the tools are in the prompt; calls in the reply are
-//!   parsed ([`parse`]).
+//!   parsed ([`parse`]). When a function is `strict`, the reply is constrained
+//!   ([`grammar::strict_grammar`]) so that a call opened to a strict function follows its
+//!   schema; the rest stays free.
 //! - `required` and a named function: the reply begins a call: its start ends the prompt,
 //!   `<function name="` or `<function name="NAME">` after the assistant's header (a prefix
 //!   the generated text continues; the parser reads the reply as that prefix plus the
 //!   generated text), and the generated text is constrained ([`grammar`], llguidance) to
-//!   finish that call and make only calls after it, to the tools (the named one) with their
-//!   schemas' parameters. A reply cut by `max_tokens` may still end inside a call.
+//!   finish that call and make only calls after it, to the tools (the named one), each value
+//!   of its parameter's schema. A reply cut by `max_tokens` may still end inside a call.
 //!
 //! `parallel_tool_calls: false` keeps the first call of a reply and drops the rest.
 
@@ -30,18 +32,34 @@ use sala_tokenizer::ChatMessage;
 use serde_json::Value;
 use std::sync::Arc;
 
-/// One tool of a request, as the parser needs it.
+/// One tool of a request, as the parser and the grammars need it.
 #[derive(Debug)]
 pub struct ToolDef {
     pub name: String,
     /// The `parameters` JSON schema, when given.
     parameters: Option<Value>,
+    /// `strict: true`: its calls must match its schema exactly.
+    pub strict: bool,
 }
 
 impl ToolDef {
-    /// The schema of the parameter `key` (`parameters.properties[key]`).
+    /// The schema of the parameter `key` (`parameters.properties[key]`), local `$ref`s
+    /// followed.
     pub fn param_schema(&self, key: &str) -> Option<&Value> {
-        self.parameters.as_ref()?.get("properties")?.get(key)
+        let root = self.parameters.as_ref()?;
+        let schema = root.get("properties")?.get(key)?;
+        Some(args::resolve(schema, Some(root)))
+    }
+
+    /// The JSON types the parameter `key` allows ([`args::schema_types`]); empty: any.
+    pub fn param_types(&self, key: &str) -> Vec<String> {
+        args::schema_types(self.param_schema(key), self.parameters.as_ref())
+    }
+
+    /// Whether the parameter `key`'s values are JSON: its schema allows types and no string.
+    pub fn json_valued(&self, key: &str) -> bool {
+        let types = self.param_types(key);
+        !types.is_empty() && !types.iter().any(|t| t == "string")
     }
 }
 
@@ -61,7 +79,8 @@ pub fn valid_name(name: &str) -> bool {
 
 impl ToolSet {
     /// Checks OpenAI `tools` entries: `{"type": "function", "function": {"name",
-    /// "description"?, "parameters"?, "strict"?}}`, names valid and distinct.
+    /// "description"?, "parameters"?, "strict"?}}`, names valid and distinct, `strict` a
+    /// boolean.
     pub fn new(list: &[Value]) -> Result<Self, ApiError> {
         if list.len() > MAX_TOOLS {
             return Err(ApiError::invalid(format!(
@@ -121,9 +140,15 @@ impl ToolSet {
                 Some(p @ Value::Object(_)) => Some(p.clone()),
                 Some(_) => return Err(bad(".function.parameters", "must be a JSON schema object")),
             };
+            let strict = match f.get("strict") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => return Err(bad(".function.strict", "must be true or false")),
+            };
             tools.push(ToolDef {
                 name: name.to_string(),
                 parameters,
+                strict,
             });
         }
         Ok(Self { tools })
@@ -192,8 +217,16 @@ pub struct ToolRequest {
     pub reply_prefix: String,
     /// How to read the reply for calls; `None`: it is all content.
     pub reading: Option<CallReading>,
-    /// The grammar that makes the reply calls (`required`, named; [`grammar`]).
+    /// The grammar of the reply ([`grammar`]): calls (`required`, named), or text whose calls
+    /// to strict functions follow their schemas (`auto`).
     pub grammar: Option<String>,
+}
+
+impl ToolRequest {
+    /// Whether the reply must be calls (`required`, named).
+    pub fn forced(&self) -> bool {
+        !self.reply_prefix.is_empty()
+    }
 }
 
 /// Checks `tools`, `tool_choice` and `parallel_tool_calls` (see the module docs). An empty
@@ -245,10 +278,14 @@ pub fn check_tools(
     } else {
         usize::MAX
     };
+    let grammar = match choice {
+        ToolChoice::Auto => grammar::strict_grammar(&set)?,
+        _ => grammar::call_grammar(&set, &choice, max_calls)?,
+    };
     Ok(ToolRequest {
         template_tools: Some(tools),
         reply_prefix,
-        grammar: grammar::call_grammar(&set, &choice, max_calls),
+        grammar,
         reading: Some(CallReading {
             tools: Arc::new(set),
             max_calls,

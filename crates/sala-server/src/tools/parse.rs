@@ -24,8 +24,8 @@
 //! text from that place, never on what follows it: so any cutting of the reply into pieces
 //! gives the same content and calls as the whole.
 
-use super::args::{schema_types, typed_value};
-use super::ToolSet;
+use super::args::typed_value;
+use super::{ToolDef, ToolSet};
 use serde_json::{Map, Value};
 use std::sync::Arc;
 
@@ -75,6 +75,8 @@ struct RawParam {
     key: String,
     /// The value's text: a CDATA section's exactly, else trimmed with entities decoded.
     text: String,
+    /// The same before entities were decoded.
+    raw: String,
 }
 
 /// Why reading stopped: the text ended, or it can be no call.
@@ -164,8 +166,10 @@ impl<'a> Cursor<'a> {
         Ok(name)
     }
 
-    /// A parameter's value up to and including `</param>`.
-    fn value(&mut self) -> Read<String> {
+    /// A parameter's value up to and including `</param>`: its text and its raw text. With
+    /// `json` (a parameter whose values are JSON), a `</param>` inside a JSON string of a
+    /// value that opens with `{`, `[` or `"` is part of the value.
+    fn value(&mut self, json: bool) -> Read<(String, String)> {
         let start = self.i;
         self.ws();
         if self.at(CDATA_OPEN)? {
@@ -175,14 +179,45 @@ impl<'a> Cursor<'a> {
             self.i += end + CDATA_CLOSE.len();
             self.ws();
             self.lit(PARAM_CLOSE)?;
-            return Ok(text);
+            return Ok((text.clone(), text));
         }
         self.i = start;
         let rest = self.rest();
-        let end = rest.find(PARAM_CLOSE).ok_or(Stop::Incomplete)?;
+        let end = if json {
+            json_value_end(rest)
+        } else {
+            rest.find(PARAM_CLOSE)
+        }
+        .ok_or(Stop::Incomplete)?;
         self.i += end + PARAM_CLOSE.len();
-        Ok(decode_entities(rest[..end].trim()))
+        let raw = rest[..end].trim();
+        Ok((decode_entities(raw), raw.to_string()))
     }
+}
+
+/// Where the `</param>` that ends a JSON value in `s` is: the first one outside the value's
+/// strings when it opens with `{`, `[` or `"`, else the first.
+fn json_value_end(s: &str) -> Option<usize> {
+    let body = s.trim_start();
+    if !body.starts_with(['{', '[', '"']) {
+        return s.find(PARAM_CLOSE);
+    }
+    let (mut in_string, mut escaped) = (false, false);
+    for (i, b) in s.bytes().enumerate() {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else if b == b'"' {
+            in_string = true;
+        } else if s.as_bytes()[i..].starts_with(PARAM_CLOSE.as_bytes()) {
+            return Some(i);
+        }
+    }
+    None
 }
 
 /// The five predefined XML entities decoded; any other `&` is kept.
@@ -219,14 +254,15 @@ fn decode_entities(s: &str) -> String {
     out
 }
 
-/// Reads the call `s` begins with (`s` starts with `<function`).
-fn read_call(s: &str) -> Read<Verdict> {
+/// Reads the call `s` begins with (`s` starts with `<function`), to one of `tools`.
+fn read_call(s: &str, tools: &ToolSet) -> Read<Verdict> {
     let mut c = Cursor { s, i: 0 };
     c.lit(CALL_OPEN)?;
     // A function's name is known to be none of the tools' as soon as it holds a character
     // no tool name may (see `valid_name`): such text is released at once.
     let name = c.tag_name(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')?;
     let name = name.to_string();
+    let tool = tools.get(&name);
     let mut params: Vec<RawParam> = Vec::new();
     loop {
         c.ws();
@@ -242,17 +278,28 @@ fn read_call(s: &str) -> Read<Verdict> {
         if params.iter().any(|p| p.key == key) {
             return Err(Stop::NoCall);
         }
-        let text = c.value()?;
-        params.push(RawParam { key, text });
+        let json = tool.is_some_and(|t| t.json_valued(&key));
+        let (text, raw) = c.value(json)?;
+        params.push(RawParam { key, text, raw });
     }
 }
 
-fn verdict(s: &str) -> Verdict {
-    match read_call(s) {
+fn verdict(s: &str, tools: &ToolSet) -> Verdict {
+    match read_call(s, tools) {
         Ok(v) => v,
         Err(Stop::Incomplete) => Verdict::Incomplete,
         Err(Stop::NoCall) => Verdict::NoCall,
     }
+}
+
+/// The value the parser reads from `written`, the text of parameter `key` of `tool` as the
+/// model would write it between `<param name="KEY">` and `</param>`; `None` when that text
+/// would be no value.
+pub fn read_back(tool: &ToolDef, key: &str, written: &str) -> Option<Value> {
+    let s = format!("{written}{PARAM_CLOSE}");
+    let mut c = Cursor { s: &s, i: 0 };
+    let (text, raw) = c.value(tool.json_valued(key)).ok()?;
+    (c.i == s.len()).then(|| typed_value(&text, &raw, &tool.param_types(key)))
 }
 
 /// Bytes at the end of `s` that begin `tag` (and so may be its start).
@@ -346,7 +393,7 @@ impl ToolCallParser {
                 self.emit(out, &text);
                 return;
             };
-            match verdict(&self.held[at..]) {
+            match verdict(&self.held[at..], &self.tools) {
                 Verdict::Call { len, name, params } => {
                     if let Some(call) = self.take(&name, params) {
                         let before: String = self.held.drain(..at + len).collect();
@@ -386,8 +433,8 @@ impl ToolCallParser {
         let tool = self.tools.get(name)?;
         let mut args = Map::new();
         for p in params {
-            let types = schema_types(tool.param_schema(&p.key));
-            args.insert(p.key, typed_value(&p.text, &types));
+            let types = tool.param_types(&p.key);
+            args.insert(p.key, typed_value(&p.text, &p.raw, &types));
         }
         Some(ParsedCall {
             name: name.to_string(),
@@ -492,6 +539,50 @@ mod tests {
                 ("now".into(), json!({})),
             ]
         );
+    }
+
+    /// A JSON value (a parameter whose schema allows no string) may hold `</param>` inside
+    /// its strings; it is read as written, before XML entities are decoded.
+    #[test]
+    fn json_values_hold_their_strings_whole() {
+        let reply = "<function name=\"get_weather\"><param name=\"where\">{\"a\": \"x</param>\\\"\
+                     &amp;\"}</param><param name=\"hours\"> [\"</param>\"] </param>\
+                     <param name=\"city\">a</param></function>";
+        let (content, calls) = every_cut(reply);
+        assert_eq!(content, "");
+        assert_eq!(
+            calls,
+            [(
+                "get_weather".into(),
+                json!({"where": {"a": "x</param>\"&amp;"}, "hours": ["</param>"], "city": "a"})
+            )]
+        );
+        // A string left open waits for its end; the reply's end makes it content.
+        let open = "<function name=\"get_weather\"><param name=\"where\">\"x</param></function>";
+        let (content, calls) = every_cut(open);
+        assert!(calls.is_empty());
+        assert_eq!(content, open);
+        // A text parameter ends at its first `</param>`, quotes or not.
+        let text = "<function name=\"get_weather\"><param name=\"city\">\"x</param></function>";
+        assert_eq!(
+            every_cut(text).1,
+            [("get_weather".into(), json!({"city": "\"x"}))]
+        );
+    }
+
+    #[test]
+    fn values_read_back_as_the_parser_reads_them() {
+        let tools = tools();
+        let t = tools.get("get_weather").unwrap();
+        assert_eq!(read_back(t, "city", " a &lt; b "), Some(json!("a < b")));
+        assert_eq!(read_back(t, "city", "<![CDATA[ x ]]>"), Some(json!(" x ")));
+        assert_eq!(read_back(t, "days", "3"), Some(json!(3)));
+        assert_eq!(
+            read_back(t, "where", "{\"k\": \"</param>\"}"),
+            Some(json!({"k": "</param>"}))
+        );
+        assert_eq!(read_back(t, "city", "a</param>b"), None);
+        assert_eq!(read_back(t, "city", "<![CDATA[x]]>y"), None);
     }
 
     #[test]

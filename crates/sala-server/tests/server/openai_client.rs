@@ -145,6 +145,16 @@ fn the_official_openai_client_works_streaming_and_not() {
     assert_eq!(s["tool_calls"], json!([]), "{s}");
     assert_eq!(s["finish"], "length", "{s}");
     assert_eq!(s["usage"], t["usage"], "{s}");
+    // A strict function from a pydantic model: the client parsed and validated the call.
+    let p = &out["strict_parsed"];
+    assert_eq!(p["name"], "Lookup", "{p}");
+    assert_eq!(p["finish"], "tool_calls", "{p}");
+    let days = p["arguments"]["days"].as_i64().unwrap();
+    assert!((1..=7).contains(&days), "{p}");
+    assert!(
+        ["city", "village"].contains(&p["arguments"]["place"]["kind"].as_str().unwrap()),
+        "{p}"
+    );
     for (key, param) in [
         ("tool_choice_alone", "tool_choice"),
         ("too_many_tools", "tools"),
