@@ -233,6 +233,12 @@ impl CudaBackend {
     }
 
     /// Decode steps captured into CUDA graphs, and steps replayed from them, so far.
+    /// Tests: the kernel launch after the next `n` panics, once (a bug inside a step).
+    #[doc(hidden)]
+    pub fn panic_after_launches(&self, n: usize) {
+        self.k.panic_after(n);
+    }
+
     pub fn graph_steps(&self) -> (usize, usize) {
         self.graphs.borrow().stats()
     }

@@ -243,6 +243,8 @@ pub struct Launcher {
     launched: Cell<usize>,
     /// Launches are counted but not made (a replayed graph does their work).
     skip: Cell<bool>,
+    /// Tests: launches still to make before one panics ([`Launcher::panic_after`]).
+    panic_after: Cell<Option<usize>>,
 }
 
 /// Steps of up to this many rows (decode steps) launch their kernels to overlap each one's
@@ -295,6 +297,7 @@ impl Launcher {
             step_rows: Cell::new(1),
             launched: Cell::new(0),
             skip: Cell::new(false),
+            panic_after: Cell::new(None),
         };
         launcher.opt_in()?;
         Ok(launcher)
@@ -446,8 +449,17 @@ impl Launcher {
     }
 
     /// Launches `k`; a plan beyond what the kernel may use here is an error, never a launch.
+    /// Tests: the launch after the next `n` panics (as a bug in a step would), once.
+    pub fn panic_after(&self, n: usize) {
+        self.panic_after.set(Some(n));
+    }
+
     fn launch(&self, k: K, at: Launch, args: &[Arg]) -> BResult<()> {
         let i = k as usize;
+        if let Some(n) = self.panic_after.get() {
+            self.panic_after.set(n.checked_sub(1));
+            assert!(n > 0, "a panic asked for by a test, launching {}", k.name());
+        }
         let planner = self.planner.borrow();
         let attrs = planner.attrs(k);
         let smem_limit = self.smem_limit.borrow()[i];

@@ -1264,3 +1264,58 @@ fn greedy_picks_match_the_host() {
         sala_model::testing::check_greedy_picks(&g, &model).unwrap();
     }
 }
+
+/// A panic inside a decode step (as a bug would raise) while its CUDA graph is being captured
+/// leaves the backend working: the step is ended and its capture dropped, and the next
+/// sequence decodes, captures and replays its steps with the logits an eager run gives, bit
+/// for bit.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn a_panic_inside_a_captured_step_leaves_the_backend_working() {
+    let g = gpu();
+    let config = preset("tiny").unwrap();
+    let v = config.vocab_size;
+    let model = Model::random(&g, config, 17, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(3);
+    let prompt: Vec<u32> = (0..40).map(|_| rng.below(v) as u32).collect();
+    let feed: Vec<u32> = (0..6).map(|_| rng.below(v) as u32).collect();
+    let mut ws = model.workspace(&g, 64).unwrap();
+    let decode_all = |ws: &mut _| {
+        let mut seq = model.new_sequence(&g).unwrap();
+        model
+            .prefill(&g, ws, &mut seq, &prompt, &mut |_| {})
+            .unwrap();
+        feed.iter()
+            .map(|&t| model.decode(&g, ws, &mut seq, t).unwrap())
+            .collect::<Vec<_>>()
+    };
+    set(&g, |o| o.cuda_graphs = false);
+    let eager = decode_all(&mut ws);
+    set(&g, |o| o.cuda_graphs = true);
+    let mut seq = model.new_sequence(&g).unwrap();
+    model
+        .prefill(&g, &mut ws, &mut seq, &prompt, &mut |_| {})
+        .unwrap();
+    // The first step is seen, the second captured: it panics half way.
+    model.decode(&g, &mut ws, &mut seq, feed[0]).unwrap();
+    let (captured, _) = g.graph_steps();
+    g.panic_after_launches(20);
+    let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.decode(&g, &mut ws, &mut seq, feed[1])
+    }));
+    assert!(hit.is_err(), "the step did not panic");
+    assert_eq!(g.graph_steps().0, captured, "a broken capture was kept");
+    drop(seq);
+    let again = decode_all(&mut ws);
+    let (captured_after, replayed) = g.graph_steps();
+    assert!(
+        captured_after > captured && replayed > 0,
+        "graphs were not captured and replayed after the panic"
+    );
+    for (i, (a, b)) in eager.iter().zip(&again).enumerate() {
+        assert!(
+            a == b,
+            "step {i}: logits after the panic differ from an eager run"
+        );
+    }
+}

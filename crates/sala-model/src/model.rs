@@ -283,6 +283,20 @@ impl GreedyPick {
     }
 }
 
+/// Ends a step as failed if it is dropped still armed: a panic unwinds through the step.
+struct EndStepOnUnwind<'a, B: Backend> {
+    be: &'a B,
+    armed: bool,
+}
+
+impl<B: Backend> Drop for EndStepOnUnwind<'_, B> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.be.end_step(false);
+        }
+    }
+}
+
 /// One input's share of a step's output, as its [`LogitRows`] asked.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StepLogits {
@@ -726,7 +740,10 @@ impl<B: Backend> Model<B> {
             spans: &spans,
             seq_ids: &seq_ids,
         })?;
+        // A panic inside the step still ends it (a capture under way is dropped).
+        let mut unwinding = EndStepOnUnwind { be, armed: true };
         let logits = self.run_step(be, ws, batch, &tokens, &step, &logit_rows);
+        unwinding.armed = false;
         let ended = be.end_step(logits.is_ok());
         let logits = logits?;
         ended?;
