@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (see gpu-build.sh): parity tests (own plans, then under each device
-# profile of $PROFILES), CPU-vs-GPU greedy tokens through the CLI, and the benchmark. Logs go to $OUT. Usage: bash scripts/gpu-run.sh [bench contexts]
+# profile of $PROFILES), CPU-vs-GPU greedy tokens and perplexity through the CLI, and the
+# benchmark. Logs go to $OUT. Usage: bash scripts/gpu-run.sh [bench contexts]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/sala-out}
@@ -47,6 +48,23 @@ verdict = "a near-tie" if gap <= 0.035 and runner_up else "NOT a near-tie"
 print(f"same greedy tokens for {k} steps; at step {k} the CPU's top two differ by {gap:.4f} "
       f"and the GPU took the runner-up: {runner_up}: {verdict}")
 sys.exit(0 if verdict == "a near-tie" else 1)
+PY
+
+echo "== perplexity of a text on the CPU and the GPU (small preset, random weights)"
+rm -rf /tmp/sala-small && .gpu/sala init --preset small /tmp/sala-small > /dev/null 2>&1
+head -c 30000 README.md > "$OUT/ppl_text.txt"
+for d in cpu cuda; do
+  .gpu/sala perplexity -m /tmp/sala-small --device "$d" --context 1024 --json "$OUT/ppl_text.txt" \
+    > "$OUT/ppl_$d.json" 2> "$OUT/ppl_$d.log" || status=1
+done
+# The same figure within bf16 rounding of the logits (the GPU's sums run in another order).
+python3 - "$OUT/ppl_cpu.json" "$OUT/ppl_cuda.json" <<'PY' || status=1
+import json, sys
+cpu, gpu = (json.load(open(p)) for p in sys.argv[1:3])
+rel = abs(cpu["perplexity"] - gpu["perplexity"]) / cpu["perplexity"]
+print(f"perplexity cpu {cpu['perplexity']:.3f}, cuda {gpu['perplexity']:.3f} (relative {rel:.1e}); "
+      f"cuda {gpu['tokens_per_sec']:.0f} tok/s")
+sys.exit(0 if rel < 1e-3 and cpu["tokens_scored"] == gpu["tokens_scored"] else 1)
 PY
 
 echo "== bench ($contexts)"
