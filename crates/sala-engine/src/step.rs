@@ -122,12 +122,7 @@ impl<B: Backend, C> Member<B, C> {
             (None, None) if self.read < self.prompt.len() => Want::Prompt {
                 read: self.read,
                 len: self.prompt.len(),
-                // Every row of a chunk scored: the logits of a few rows at a time.
-                chunk: if self.prompt_logprobs.is_some() {
-                    PROMPT_LOGPROBS_CHUNK
-                } else {
-                    usize::MAX
-                },
+                scored: self.prompt_logprobs.is_some(),
             },
             // Its logits wait to be sampled.
             (None, None) => Want::Nothing,
@@ -616,11 +611,6 @@ impl<B: Backend> Engine<B> {
 
 /// The logprob of each row's next prompt token (`next[i]` follows row `i` of the `rows` rows
 /// of `logits`; the last row has none when the prompt ends there), rows in parallel.
-/// Most prompt tokens a step reads of a request that asked for its prompt's log-probabilities:
-/// the logits of that many rows (73 448 a row for the released vocabulary: 37 MB in bf16 on
-/// the device, 75 MB in f32 on the host) are all it holds at once.
-pub const PROMPT_LOGPROBS_CHUNK: usize = 256;
-
 fn score_rows(
     logits: &[f32],
     rows: usize,
