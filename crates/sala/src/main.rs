@@ -527,7 +527,7 @@ fn stream_generation<B: Backend>(
     };
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
-    let gen = engine.generate_steps(
+    let generated = engine.generate_steps(
         ids,
         opts,
         trace_file.as_ref().map(|_| 2),
@@ -557,7 +557,10 @@ fn stream_generation<B: Backend>(
                 prefill_bar.finish_and_clear();
             }
         },
-    )?;
+    );
+    // Stopped or failed half way, the bar still leaves no line behind.
+    prefill_bar.finish_and_clear();
+    let gen = generated?;
     if let Some(f) = trace_file.as_mut() {
         if let Err(e) = f.flush() {
             write_err.get_or_insert(e);
