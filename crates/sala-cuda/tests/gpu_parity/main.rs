@@ -1,0 +1,71 @@
+//! The CUDA backend held to the CPU backend and the oracle, on the GPU, on fresh random inputs
+//! at ragged shapes; then whole models. These need a GPU and are ignored by `cargo test`;
+//! `scripts/gpu-build.sh` builds them here and `scripts/gpu-run.sh` runs them on the GPU machine,
+//! once with the GPU's own plans and once under each device profile it checks
+//! (`SALA_DEVICE_PROFILE=rtx5090`, ...: the suite then runs as that card would). Within a run,
+//! each test loops over the kernel variants (`CudaOptions`) of the ops it checks.
+
+use sala_checkpoint::{
+    preset, write_random_checkpoint, Checkpoint, DType, MixerKind, ModelConfig, SparseConfig,
+    WriteOptions,
+};
+use sala_cpu::attention::{self as cpu_attn, SparseCache};
+use sala_cpu::{CpuAct, CpuBackend};
+use sala_cuda::options::{Attention, DecodeGemv, LightningPrefill, SelectScores};
+use sala_cuda::{CudaBackend, CudaOptions, Store};
+use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
+use sala_model::oracle::{self, AttnShape, SparseMode};
+use sala_model::testing::decode_step;
+use sala_model::{AttnIo, Backend, GreedyPick, HostDType, HostTensor, Model, Span, WeightSource};
+
+/// The options of this run: the environment's (`SALA_DEVICE_PROFILE` plans as that card).
+fn base_options() -> CudaOptions {
+    CudaOptions::from_env().expect("the SALA_* variables")
+}
+
+/// The backend with the bit-exact block selection, so whole outputs compare with the CPU's.
+fn gpu() -> CudaBackend {
+    let mut o = base_options();
+    o.exact_select = true;
+    let g = CudaBackend::new(0, o).expect("these tests need a CUDA GPU");
+    eprintln!("plans for {}", g.limits().name);
+    g
+}
+
+/// Runs `g` from now on with its options changed by `f`.
+fn set(g: &CudaBackend, f: impl FnOnce(&mut CudaOptions)) {
+    let mut o = g.options();
+    f(&mut o);
+    g.set_options(o).unwrap();
+}
+
+/// Every decode-product variant.
+const GEMVS: [DecodeGemv; 3] = [
+    DecodeGemv::TensorCore,
+    DecodeGemv::CudaCore,
+    DecodeGemv::CudaCoreWide,
+];
+
+fn cpu_act(data: &[f32], cols: usize) -> CpuAct {
+    CpuAct::from_rows(data.to_vec(), cols)
+}
+
+/// Relative L2 error within `tol`, and no NaN.
+fn close(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    assert!(
+        got.iter().all(|x| x.is_finite()),
+        "{what}: non-finite output"
+    );
+    let e = rel_l2(got, want);
+    assert!(e < tol, "{what}: relative L2 error {e} (tolerance {tol})");
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+        .collect()
+}
+
+mod model;
+mod ops;

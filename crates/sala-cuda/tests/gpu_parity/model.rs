@@ -1,0 +1,554 @@
+//! Whole models on the GPU: against the CPU, batched against alone, graphs against eager,
+//! mixed steps, the page pool, copied sequences, greedy picks and a panic inside a step.
+
+use super::*;
+
+struct Ckpt(Checkpoint);
+
+impl WeightSource for Ckpt {
+    fn tensor(&self, name: &str) -> Result<HostTensor<'_>, String> {
+        let t = self.0.tensor(name).map_err(|e| e.to_string())?;
+        Ok(HostTensor {
+            dtype: match t.dtype {
+                DType::Bf16 => HostDType::Bf16,
+                DType::F16 => HostDType::F16,
+                DType::F32 => HostDType::F32,
+            },
+            shape: t.shape,
+            bytes: t.bytes,
+        })
+    }
+}
+
+/// Prefill `prompt` tokens then decode the rest one by one; logits of every decode step.
+fn prefill_decode<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    toks: &[u32],
+    prompt: usize,
+    chunk: usize,
+) -> Vec<Vec<f32>> {
+    let mut ws = model.workspace(be, chunk).unwrap();
+    let mut seq = model.new_sequence(be).unwrap();
+    let mut out = vec![model
+        .prefill(be, &mut ws, &mut seq, &toks[..prompt], &mut |_| {})
+        .unwrap()];
+    for &t in &toks[prompt..] {
+        out.push(model.decode(be, &mut ws, &mut seq, t).unwrap());
+    }
+    out
+}
+
+fn check_model(config: ModelConfig, n: usize, prompt: usize, chunk: usize) {
+    let dir = std::env::temp_dir().join(format!(
+        "sala-gpu-{}-{}-{n}-{prompt}",
+        std::process::id(),
+        config.hidden_size
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    write_random_checkpoint(
+        &dir,
+        &config,
+        &WriteOptions {
+            seed: 5,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let ck = Ckpt(Checkpoint::open(&dir).unwrap());
+    let g = gpu();
+    let gm = Model::load(&g, config.clone(), &ck, &mut |_, _| {}).unwrap();
+    let cm = Model::load(&CpuBackend, config.clone(), &ck, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(9);
+    let toks: Vec<u32> = (0..n)
+        .map(|_| rng.below(config.vocab_size) as u32)
+        .collect();
+    let want = prefill_decode(&CpuBackend, &cm, &toks, prompt, chunk);
+    let got = prefill_decode(&g, &gm, &toks, prompt, chunk);
+    let argmax = |l: &[f32]| {
+        (0..l.len())
+            .max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a)))
+            .unwrap()
+    };
+    let mut same = 0;
+    for (i, (gl, cl)) in got.iter().zip(&want).enumerate() {
+        close(&format!("logits of step {i}"), gl, cl, 5e-2);
+        let (ag, ac) = (argmax(gl), argmax(cl));
+        same += (ag == ac) as usize;
+        // Where the greedy tokens differ, the CPU's choice must be a near-tie on the GPU
+        // (bf16 logits, differently ordered fp32 sums).
+        assert!(
+            ag == ac || gl[ag] - gl[ac] <= 0.02 * gl[ag].abs().max(1.0),
+            "step {i}: greedy token {ag} (logit {}) vs the CPU's {ac} (GPU logit {})",
+            gl[ag],
+            gl[ac]
+        );
+    }
+    eprintln!(
+        "greedy tokens agree at {same} of {} teacher-forced steps",
+        got.len()
+    );
+    assert!(
+        same * 10 >= got.len() * 9,
+        "greedy tokens agree at only {same} of {} steps",
+        got.len()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn tiny_model_matches_cpu_across_dense_len() {
+    // dense_len 96: the prompt is dense, decoding crosses into sparse attention.
+    check_model(preset("tiny").unwrap(), 200, 60, 32);
+    check_model(preset("tiny").unwrap(), 230, 150, 64);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn small_model_matches_cpu() {
+    check_model(preset("small").unwrap(), 300, 270, 128);
+}
+
+/// Decodes `steps` random tokens after each prompt of the given lengths, alone and then all
+/// together in batched steps, on the tensor-core GEMVs and on the CUDA-core ones; every
+/// sequence must get the same logits, bit for bit. Returns how many sparse-layer calls of the
+/// batched steps ran batched (`sparse_rows_batched`).
+fn check_batched_decode(
+    g: &CudaBackend,
+    config: ModelConfig,
+    lens: &[usize],
+    steps: usize,
+) -> usize {
+    let v = config.vocab_size;
+    let model = Model::random(g, config, 5, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(77);
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
+        .collect();
+    let feeds: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|_| (0..steps).map(|_| rng.below(v) as u32).collect())
+        .collect();
+    let mut ws = model.workspace(g, 512).unwrap();
+    let prefilled = |ws: &mut _, p: &[u32]| {
+        let mut seq = model.new_sequence(g).unwrap();
+        model.prefill(g, ws, &mut seq, p, &mut |_| {}).unwrap();
+        seq
+    };
+    let mut batched_calls = 0;
+    for gemv in [DecodeGemv::TensorCore, DecodeGemv::CudaCore] {
+        set(g, |o| o.decode_gemv = gemv);
+        let mut alone = Vec::new();
+        for (p, f) in prompts.iter().zip(&feeds) {
+            let mut seq = prefilled(&mut ws, p);
+            let rows: Vec<Vec<f32>> = f
+                .iter()
+                .map(|&t| model.decode(g, &mut ws, &mut seq, t).unwrap())
+                .collect();
+            alone.push(rows);
+        }
+        let mut seqs: Vec<_> = prompts.iter().map(|p| prefilled(&mut ws, p)).collect();
+        for step in 0..steps {
+            let toks: Vec<u32> = feeds.iter().map(|f| f[step]).collect();
+            let mut refs: Vec<_> = seqs.iter_mut().collect();
+            let before = g.sparse_rows_batched_calls();
+            let logits = decode_step(g, &model, &mut ws, &mut refs, &toks).unwrap();
+            batched_calls += g.sparse_rows_batched_calls() - before;
+            for (i, row) in logits.iter().enumerate() {
+                assert!(
+                    row == alone[i][step].as_slice(),
+                    "{gemv:?} GEMVs: sequence {i} (prompt {}) step {step}: batched logits differ",
+                    lens[i]
+                );
+            }
+        }
+    }
+    set(g, |o| o.decode_gemv = DecodeGemv::TensorCore);
+    batched_calls
+}
+
+/// Decode steps replayed from CUDA graphs give the logits eager steps give, bit for bit: one
+/// sequence, then four decoded together (the batch repeats, so its steps are captured the
+/// second time and replayed after), on the tiny model (sparse layers row by row) and the small
+/// one (batched), with the sparse layers past `dense_len` (their attention runs between the
+/// graphs). Graph steps must have been captured and replayed.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn cuda_graph_decode_equals_eager_on_the_gpu() {
+    let g = gpu();
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 100;
+        let v = config.vocab_size;
+        let model = Model::random(&g, config, 11, &mut |_, _| {}).unwrap();
+        let mut rng = TestRng::new(5);
+        let lens = [150usize, 40, 333, 7];
+        let prompts: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        // The token each sequence is fed, step by step.
+        let feeds: Vec<Vec<u32>> = (0..6)
+            .map(|_| lens.iter().map(|_| rng.below(v) as u32).collect())
+            .collect();
+        let mut ws = model.workspace(&g, 512).unwrap();
+        // Every sequence alone then all together, as `graphs` says; the logits of each.
+        let mut run = |graphs: bool| {
+            set(&g, |o| o.cuda_graphs = graphs);
+            let mut out = Vec::new();
+            for batch in [&[0usize][..], &[0, 1, 2, 3]] {
+                let mut seqs: Vec<_> = batch
+                    .iter()
+                    .map(|&i| {
+                        let mut s = model.new_sequence(&g).unwrap();
+                        model
+                            .prefill(&g, &mut ws, &mut s, &prompts[i], &mut |_| {})
+                            .unwrap();
+                        s
+                    })
+                    .collect();
+                for feed in &feeds {
+                    let toks: Vec<u32> = batch.iter().map(|&i| feed[i]).collect();
+                    let mut refs: Vec<_> = seqs.iter_mut().collect();
+                    out.push(decode_step(&g, &model, &mut ws, &mut refs, &toks).unwrap());
+                }
+            }
+            out
+        };
+        let eager = run(false);
+        let (captured0, replayed0) = g.graph_steps();
+        let replayed = run(true);
+        let (captured, replays) = g.graph_steps();
+        assert!(
+            captured > captured0 && replays >= replayed0 + 4,
+            "{name}: captured {captured0} -> {captured}, replayed {replayed0} -> {replays}"
+        );
+        for (i, (a, b)) in eager.iter().zip(&replayed).enumerate() {
+            assert!(a == b, "{name}: step {i}: logits with CUDA graphs differ");
+        }
+    }
+    set(&g, |o| o.cuda_graphs = true);
+}
+
+/// A step mixing decode rows with prompt chunks gives every sequence the logits it gets run
+/// apart, bit for bit, on the GPU ([`sala_model::testing::check_mixed_step`]): the tiny model
+/// (head size 32: sparse rows one by one) and the small one (head size 128: batched).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn mixed_step_equals_running_apart_on_the_gpu() {
+    let g = gpu();
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 150;
+        let model = Model::random(&g, config, 9, &mut |_, _| {}).unwrap();
+        sala_model::testing::check_mixed_step(&g, &model).unwrap();
+    }
+}
+
+/// A batched decode step on the GPU gives every sequence the logits it gets decoded alone, bit
+/// for bit: the tiny model (sparse layers row by row: head size 32), sequences on both sides of
+/// dense_len in one batch; batches of 19 (a 32-row GEMV: 4 MMA tiles) and 45 (the 64-row GEMV,
+/// its second group of tiles partly filled) sequences.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn batched_decode_equals_decoding_alone_on_the_gpu() {
+    let g = gpu();
+    let mut config = preset("tiny").unwrap();
+    config.sparse.dense_len = 100;
+    let lens = [
+        5usize, 99, 100, 180, 33, 7, 64, 1, 120, 2, 50, 17, 130, 3, 98, 101, 64, 9, 77,
+    ];
+    assert_eq!(check_batched_decode(&g, config.clone(), &lens, 4), 0);
+    let many: Vec<usize> = (0..45).map(|i| 1 + (i * 37) % 190).collect();
+    assert_eq!(check_batched_decode(&g, config, &many, 2), 0);
+}
+
+/// The same on the release-shaped small model, whose sparse layers run batched (one launch per
+/// kernel for all rows): all rows sparse (8 blocks selected of up to 24), then all dense.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn batched_sparse_layers_equal_decoding_alone_on_the_gpu() {
+    let g = gpu();
+    // The tensor-core selection: the batched path is its batched form.
+    set(&g, |o| o.exact_select = false);
+    let mut config = preset("small").unwrap();
+    config.sparse.dense_len = 100;
+    config.sparse.topk = 4;
+    config.sparse.window_size = 256;
+    let sparse = [
+        300usize, 1500, 1023, 1024, 1025, 640, 777, 129, 1400, 901, 512, 100,
+    ];
+    let layers = config
+        .mixer_types
+        .iter()
+        .filter(|m| **m == MixerKind::Sparse)
+        .count();
+    let calls = check_batched_decode(&g, config.clone(), &sparse, 5);
+    assert_eq!(
+        calls,
+        2 * 5 * layers,
+        "every batched step's sparse layers run batched"
+    );
+    let dense = [5usize, 90, 64, 1, 33, 94, 17];
+    let calls = check_batched_decode(&g, config, &dense, 5);
+    assert_eq!(calls, 2 * 5 * layers);
+}
+
+/// Caches and states in the page pool give the logits their own allocations give, bit for
+/// bit (chunked prefill that grows every cache, then decode steps); dropped sequences hand
+/// their pages back, the next ones reuse them, and a pool too small for a sequence is a clear
+/// error with the backend still working.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn page_pool_caches_match_own_allocations() {
+    let mut g = gpu();
+    let mut config = preset("small").unwrap();
+    config.sparse.dense_len = 100;
+    config.sparse.topk = 4;
+    config.sparse.window_size = 256;
+    let v = config.vocab_size;
+    let model = Model::random(&g, config, 9, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(31);
+    let prompts: Vec<Vec<u32>> = [700usize, 5000, 64]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
+        .collect();
+    let run = |g: &CudaBackend| -> Vec<Vec<f32>> {
+        let mut ws = model.workspace(g, 512).unwrap();
+        let mut out = Vec::new();
+        for p in &prompts {
+            let mut seq = model.new_sequence(g).unwrap();
+            out.push(model.prefill(g, &mut ws, &mut seq, p, &mut |_| {}).unwrap());
+            for t in 0..4 {
+                out.push(model.decode(g, &mut ws, &mut seq, t).unwrap());
+            }
+        }
+        out
+    };
+    g.use_own_allocations();
+    let own = run(&g);
+    g.use_page_pool(1 << 30).unwrap();
+    let paged = run(&g);
+    assert!(own == paged, "logits differ with caches in the page pool");
+    let pool = g.page_pool().unwrap().clone();
+    assert_eq!(
+        pool.borrow().pages_in_use(),
+        0,
+        "dropped sequences keep pages"
+    );
+    let created = pool.borrow().pages_created();
+    assert!(created > 0);
+    assert!(run(&g) == own, "logits differ on reused pages");
+    assert_eq!(
+        pool.borrow().pages_created(),
+        created,
+        "pages were not reused"
+    );
+
+    // A pool of two pages cannot hold a sequence's lightning states: an error, then the
+    // backend (with a larger pool) still serves.
+    g.use_page_pool(2 * pool.borrow().page_bytes()).unwrap();
+    let err = model.new_sequence(&g).err().expect("the pool is too small");
+    assert!(err.0.contains("pool is full"), "{}", err.0);
+    g.use_page_pool(1 << 30).unwrap();
+    assert!(run(&g) == own);
+
+    // A cap (as a memory limit sets) at the pages made so far stops a longer sequence's
+    // growth with the same error; lifted, the pool serves again.
+    let pool = g.page_pool().unwrap().clone();
+    let made = pool.borrow().pages_created() * pool.borrow().page_bytes();
+    g.limit_cache_memory(made);
+    let mut ws = model.workspace(&g, 512).unwrap();
+    let long: Vec<u32> = (0..20_000).map(|_| rng.below(v) as u32).collect();
+    let err = match model.new_sequence(&g) {
+        Ok(mut seq) => model
+            .prefill(&g, &mut ws, &mut seq, &long, &mut |_| {})
+            .expect_err("the cap is too small"),
+        Err(e) => e,
+    };
+    assert!(err.0.contains("pool is full"), "{}", err.0);
+    g.limit_cache_memory(1 << 30);
+    assert!(run(&g) == own);
+}
+
+/// A sequence's state copied on the device (a prompt read once for `n` choices) decodes
+/// exactly as the original, bit for bit: with caches in the page pool and in their own
+/// allocations, into a sequence reserved for the whole request and into a bare one (which then
+/// takes the source's capacity), on both sides of `dense_len`.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn a_copied_sequence_decodes_exactly_as_the_original_on_the_gpu() {
+    let mut g = gpu();
+    let mut config = preset("small").unwrap();
+    config.sparse.dense_len = 100;
+    config.sparse.topk = 4;
+    config.sparse.window_size = 256;
+    let v = config.vocab_size;
+    let model = Model::random(&g, config, 21, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(41);
+    let check = |g: &CudaBackend, rng: &mut TestRng| {
+        let mut ws = model.workspace(g, 512).unwrap();
+        for len in [5usize, 90, 700, 1500] {
+            let prompt: Vec<u32> = (0..len).map(|_| rng.below(v) as u32).collect();
+            let feed: Vec<u32> = (0..6).map(|_| rng.below(v) as u32).collect();
+            let mut a = model.new_sequence(g).unwrap();
+            model.reserve(g, &mut a, len + feed.len()).unwrap();
+            model
+                .prefill(g, &mut ws, &mut a, &prompt, &mut |_| {})
+                .unwrap();
+            let mut reserved = model.new_sequence(g).unwrap();
+            model.reserve(g, &mut reserved, len + feed.len()).unwrap();
+            model.copy_sequence(g, &a, &mut reserved).unwrap();
+            let mut bare = model.new_sequence(g).unwrap();
+            model.copy_sequence(g, &a, &mut bare).unwrap();
+            assert!(
+                model.copy_sequence(g, &a, &mut bare).is_err(),
+                "a copy into a sequence holding tokens is refused"
+            );
+            for (i, &t) in feed.iter().enumerate() {
+                let want = model.decode(g, &mut ws, &mut a, t).unwrap();
+                for (name, seq) in [("reserved", &mut reserved), ("bare", &mut bare)] {
+                    let got = model.decode(g, &mut ws, seq, t).unwrap();
+                    assert!(
+                        got == want,
+                        "prompt {len}, step {i}: the {name} copy differs"
+                    );
+                }
+            }
+        }
+    };
+    g.use_own_allocations();
+    check(&g, &mut rng);
+    g.use_page_pool(1 << 30).unwrap();
+    check(&g, &mut rng);
+}
+
+/// Greedy picks made on the GPU equal the host's pick from the same logits: the first index
+/// of the maximum where many logits tie (head rows that are multiples of one vector), NaN
+/// logits read as -inf, +inf ones as the largest float, and no pick where no logit is a
+/// number; kept rows come back whole, the others not at all. Then in whole models' steps
+/// ([`sala_model::testing::check_greedy_picks`]).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn greedy_picks_match_the_host() {
+    let g = gpu();
+    let mut rng = TestRng::new(61);
+    let (cols, vocab, rows) = (64usize, 5000usize, 6usize);
+    let u = rng.bf16_vec(cols, -1.0, 1.0);
+    // Head row j is c_j · u with c_j from a few values: every h row's logits tie in groups.
+    let mut w: Vec<f32> = (0..vocab)
+        .flat_map(|j| {
+            let c = [0.5f32, -0.25, 1.0, 0.125, -1.0][(j * 7 + j / 3) % 5];
+            u.iter().map(move |&x| c * x).collect::<Vec<_>>()
+        })
+        .collect();
+    w[17 * cols] = f32::NAN; // logit 17 of every row is NaN
+    w[4000 * cols..4001 * cols].fill(3e38); // logit 4000 overflows to ±inf
+    let x = rng.bf16_vec(rows * cols, -1.0, 1.0);
+    let check = |w: &[f32], keep: &[bool], what: &str| {
+        let ht = HostTensor {
+            dtype: HostDType::Bf16,
+            shape: &[vocab, cols],
+            bytes: &bf16_bytes(w),
+        };
+        let gw = g.upload_matrix("head", ht).unwrap();
+        let h = g.act_from_host(&x, cols).unwrap();
+        let all: Vec<usize> = (0..rows).collect();
+        let full = g.logits(&h, &all, &[true; 6], &gw, 1.0).unwrap();
+        let out = g.logits(&h, &all, keep, &gw, 1.0).unwrap();
+        let kept: Vec<f32> = full
+            .rows
+            .chunks(vocab)
+            .zip(keep)
+            .filter(|(_, &k)| k)
+            .flat_map(|(r, _)| r.iter().copied())
+            .collect();
+        assert!(
+            out.rows
+                .iter()
+                .zip(&kept)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && out.rows.len() == kept.len(),
+            "{what}: the kept rows differ"
+        );
+        for (r, row) in full.rows.chunks(vocab).enumerate() {
+            let want = GreedyPick::of(row);
+            let got = out.picks[r];
+            assert!(
+                got.id == want.id
+                    && (got.logprob - want.logprob).abs() <= 1e-5 * want.logprob.abs().max(1.0),
+                "{what}: row {r}: picked {got:?}, the host picks {want:?}"
+            );
+        }
+        out.picks
+    };
+    let picks = check(&w, &[false, true, false, false, true, true], "ties");
+    assert!(picks.iter().all(|p| p.id.is_some()));
+    let nan = vec![f32::NAN; vocab * cols];
+    let picks = check(&nan, &[true, false, true, false, false, false], "all NaN");
+    assert!(picks.iter().all(|p| p.id.is_none()));
+
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 100;
+        let model = Model::random(&g, config, 13, &mut |_, _| {}).unwrap();
+        sala_model::testing::check_greedy_picks(&g, &model).unwrap();
+    }
+}
+
+/// A panic inside a decode step (as a bug would raise) while its CUDA graph is being captured
+/// leaves the backend working: the step is ended and its capture dropped, and the next
+/// sequence decodes, captures and replays its steps with the logits an eager run gives, bit
+/// for bit.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn a_panic_inside_a_captured_step_leaves_the_backend_working() {
+    let g = gpu();
+    let config = preset("tiny").unwrap();
+    let v = config.vocab_size;
+    let model = Model::random(&g, config, 17, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(3);
+    let prompt: Vec<u32> = (0..40).map(|_| rng.below(v) as u32).collect();
+    let feed: Vec<u32> = (0..6).map(|_| rng.below(v) as u32).collect();
+    let mut ws = model.workspace(&g, 64).unwrap();
+    let decode_all = |ws: &mut _| {
+        let mut seq = model.new_sequence(&g).unwrap();
+        model
+            .prefill(&g, ws, &mut seq, &prompt, &mut |_| {})
+            .unwrap();
+        feed.iter()
+            .map(|&t| model.decode(&g, ws, &mut seq, t).unwrap())
+            .collect::<Vec<_>>()
+    };
+    set(&g, |o| o.cuda_graphs = false);
+    let eager = decode_all(&mut ws);
+    set(&g, |o| o.cuda_graphs = true);
+    let mut seq = model.new_sequence(&g).unwrap();
+    model
+        .prefill(&g, &mut ws, &mut seq, &prompt, &mut |_| {})
+        .unwrap();
+    // The first step is seen, the second captured: it panics half way.
+    model.decode(&g, &mut ws, &mut seq, feed[0]).unwrap();
+    let (captured, _) = g.graph_steps();
+    g.panic_after_launches(20);
+    let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.decode(&g, &mut ws, &mut seq, feed[1])
+    }));
+    assert!(hit.is_err(), "the step did not panic");
+    assert_eq!(g.graph_steps().0, captured, "a broken capture was kept");
+    drop(seq);
+    let again = decode_all(&mut ws);
+    let (captured_after, replayed) = g.graph_steps();
+    assert!(
+        captured_after > captured && replayed > 0,
+        "graphs were not captured and replayed after the panic"
+    );
+    for (i, (a, b)) in eager.iter().zip(&again).enumerate() {
+        assert!(
+            a == b,
+            "step {i}: logits after the panic differ from an eager run"
+        );
+    }
+}
