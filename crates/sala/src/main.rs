@@ -307,11 +307,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             if std::io::stdin().is_terminal() {
                 eprintln!("(reading the prompt from standard input; end it with Ctrl-D)");
             }
-            let mut s = String::new();
-            std::io::stdin()
-                .read_to_string(&mut s)
-                .context("reading the prompt from standard input")?;
-            s
+            read_stdin("the prompt")?
         }
     };
 
@@ -319,6 +315,23 @@ fn generate(args: GenerateArgs) -> Result<()> {
         Opened::Cpu(be) => generate_on(be, &args, &dir, &prompt, user_limit),
         Opened::Cuda(be) => generate_on(*be, &args, &dir, &prompt, user_limit),
     }
+}
+
+/// A checkpoint's tensors (opened, not loaded) and its tokenizer.
+fn open_model_files(dir: &Path) -> Result<(Checkpoint, Tokenizer)> {
+    let checkpoint = Checkpoint::open(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let tokenizer =
+        Tokenizer::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?;
+    Ok((checkpoint, tokenizer))
+}
+
+/// Standard input, whole, as `what`.
+fn read_stdin(what: &str) -> Result<String> {
+    let mut s = String::new();
+    std::io::stdin()
+        .read_to_string(&mut s)
+        .with_context(|| format!("reading {what} from standard input"))?;
+    Ok(s)
 }
 
 fn generate_on<B: Backend + DeviceStats>(
@@ -331,9 +344,7 @@ fn generate_on<B: Backend + DeviceStats>(
     let limit = memory_limit(&backend, user_limit);
     // The checkpoint and the tokenizer first: the request is sized, and checked against the
     // memory limit, before any weight is uploaded.
-    let checkpoint = Checkpoint::open(dir).with_context(|| format!("loading {}", dir.display()))?;
-    let tokenizer =
-        Tokenizer::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let (checkpoint, tokenizer) = open_model_files(dir)?;
     let config = checkpoint.config().clone();
     let opts = generate_options(args, &config, &tokenizer)?;
     let ids = if args.repl {

@@ -5,15 +5,12 @@ use crate::device::{memory_limit, user_memory_limit, Device, DeviceArgs, DeviceS
 use crate::{builtin_model, progress_bar};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use sala_checkpoint::Checkpoint;
 use sala_engine::cache::CacheBudget;
 use sala_engine::generate::Engine;
 use sala_engine::perplexity::{windows, WindowError};
 use sala_engine::scheduler::step_rows;
 use sala_model::memory::MemoryLimit;
 use sala_model::Backend;
-use sala_tokenizer::Tokenizer;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -74,11 +71,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         }
     };
     let text = if args.file.as_os_str() == "-" {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .context("reading the text from standard input")?;
-        s
+        crate::read_stdin("the text")?
     } else {
         std::fs::read_to_string(&args.file)
             .with_context(|| format!("reading {}", args.file.display()))?
@@ -98,9 +91,7 @@ fn run_on<B: Backend + DeviceStats>(
 ) -> Result<()> {
     let limit = memory_limit(&backend, user_limit);
     // The text, its windows and their memory are checked before any weight is uploaded.
-    let checkpoint = Checkpoint::open(dir).with_context(|| format!("loading {}", dir.display()))?;
-    let tokenizer =
-        Tokenizer::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let (checkpoint, tokenizer) = crate::open_model_files(dir)?;
     let config = checkpoint.config().clone();
     let ids = tokenizer
         .encode(text, true)
