@@ -675,12 +675,47 @@ fn bench_times_the_lightning_op_alone() {
     }
     fails_with(
         &bench(&["--kernel", "softmax"], &json, tmp.path()),
-        &["--kernel softmax", "lightning"],
+        &["--kernel softmax", "lightning, sparse"],
     );
     fails_with(
         &bench(&[&args[..], &["--repeat", "0"]].concat(), &json, tmp.path()),
         &["--repeat"],
     );
+}
+
+#[test]
+fn bench_times_the_sparse_attention_op_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    // The tiny preset's dense_len is 96: 64 queries at the end of 300 tokens run sparse, of
+    // 80 dense.
+    let args = [
+        "--kernel",
+        "sparse",
+        "--context",
+        "300,80",
+        "--prefill-chunk",
+        "64",
+        "--repeat",
+        "2",
+    ];
+    let o = bench(&args, &json, tmp.path());
+    ok(&o);
+    let v = read_json(&json);
+    assert_eq!(v["op"], "sparse");
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (row, (len, mode)) in rows.iter().zip([(300, "sparse"), (80, "dense")]) {
+        assert_eq!(row["context"], len);
+        assert_eq!(row["rows"], 64);
+        assert_eq!(row["mode"], mode, "{row}");
+        assert!(row["median_s"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["attention_flops"].as_f64().unwrap() > 0.0, "{row}");
+        let select = row["select_flops"].as_f64().unwrap();
+        assert_eq!(select > 0.0, mode == "sparse", "{row}");
+        // No profile on the CPU: the parts are not split.
+        assert!(row["profiled_attention_s"].is_null(), "{row}");
+    }
 }
 
 #[test]
