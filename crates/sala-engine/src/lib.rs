@@ -10,9 +10,11 @@
 //! - [`sampling`], [`stop`]: choosing tokens, and stop strings.
 //! - [`grammar`]: structured output, a JSON schema enforced by constrained decoding.
 //! - [`perplexity`]: sliding-window perplexity of a text, from its prompt log-probabilities.
+//! - [`draft`]: draft tokens for speculative decoding (prompt lookup).
 //! - `plain`: special-token text in a chat request's own text kept as plain text.
 
 pub mod cache;
+pub mod draft;
 pub mod generate;
 pub mod grammar;
 pub mod perplexity;
