@@ -178,6 +178,28 @@ impl SparseCache {
         Ok(())
     }
 
+    /// Drops the tokens from `len` on, and the compressed windows they completed.
+    pub fn truncate(&mut self, len: usize) -> Result<(), String> {
+        if len > self.len() {
+            return Err(format!(
+                "truncate_sparse_cache: {len} tokens of a cache of {}",
+                self.len()
+            ));
+        }
+        let kw = self.shape.kv_width();
+        self.k.truncate(len * kw);
+        self.v.truncate(len * kw);
+        let seen = |window, stride| match len {
+            0 => 0,
+            n => visible_windows(n - 1, window, stride),
+        };
+        let n1 = seen(self.cfg.k1_window(), self.cfg.k1_stride());
+        let n2 = seen(self.cfg.k2_window(), self.cfg.k2_stride());
+        self.k1.truncate(n1 * kw);
+        self.k2.truncate(n2 * kw);
+        Ok(())
+    }
+
     /// Tokens held.
     pub fn len(&self) -> usize {
         self.k.len() / self.shape.kv_width()

@@ -416,6 +416,15 @@ impl Backend for CpuBackend {
         dst.copy_from(src).map_err(BackendError)
     }
 
+    fn truncate_sparse_cache(
+        &self,
+        cache: &mut SparseCache,
+        _cfg: &SparseConfig,
+        len: usize,
+    ) -> BResult<()> {
+        cache.truncate(len).map_err(BackendError)
+    }
+
     fn fill_lightning_state_random(&self, state: &mut Vec<f32>, seed: u64) -> BResult<()> {
         *state = self.random_vector(state.len(), seed, 0.0, RANDOM_STATE_STD)?;
         Ok(())

@@ -94,6 +94,28 @@ impl Backend for ReferenceBackend {
             ..Default::default()
         })
     }
+    fn copy_lightning_state(&self, src: &Vec<f32>, dst: &mut Vec<f32>) -> BResult<()> {
+        CpuBackend.copy_lightning_state(src, dst)
+    }
+    fn truncate_sparse_cache(
+        &self,
+        cache: &mut ReferenceKv,
+        _cfg: &SparseConfig,
+        len: usize,
+    ) -> BResult<()> {
+        // The oracle compresses keys from the whole cache at every call: K and V are all it
+        // keeps.
+        let keep = len * cache.kv_width;
+        if keep > cache.k.len() {
+            return Err(sala_model::BackendError(format!(
+                "truncate_sparse_cache: {len} tokens of a cache of {}",
+                cache.k.len() / cache.kv_width.max(1)
+            )));
+        }
+        cache.k.truncate(keep);
+        cache.v.truncate(keep);
+        Ok(())
+    }
     fn embed(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut CpuAct) -> BResult<()> {
         CpuBackend.embed(table, ids, scale, out)
     }

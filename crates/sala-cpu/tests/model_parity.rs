@@ -6,7 +6,7 @@ use sala_checkpoint::{expected_tensors, ModelConfig};
 use sala_cpu::reference::ReferenceBackend;
 use sala_cpu::CpuBackend;
 use sala_model::numerics::{rel_l2, TestRng};
-use sala_model::testing::{check_greedy_picks, check_mixed_step, decode_step};
+use sala_model::testing::{check_greedy_picks, check_mixed_step, check_rewind, decode_step};
 use sala_model::{Backend, HostDType, HostTensor, LogitRows, Model, SparseMode, WeightSource};
 use std::collections::HashMap;
 
@@ -380,6 +380,15 @@ fn mixed_step_equals_running_apart() {
     let config = tiny_config(150);
     check_mixed_step(&CpuBackend, &load(&CpuBackend, &config, 23)).unwrap();
     check_mixed_step(&ReferenceBackend, &load(&ReferenceBackend, &config, 23)).unwrap();
+}
+
+/// Rewinding a sequence undoes the tokens fed since its mark, bit for bit
+/// ([`sala_model::testing::check_rewind`]).
+#[test]
+fn a_rewound_sequence_goes_on_as_if_never_ahead() {
+    let config = tiny_config(150);
+    check_rewind(&CpuBackend, &load(&CpuBackend, &config, 31)).unwrap();
+    check_rewind(&ReferenceBackend, &load(&ReferenceBackend, &config, 31)).unwrap();
 }
 
 /// Greedy picks of a step equal the host's pick from the same logits

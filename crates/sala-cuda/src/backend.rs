@@ -452,6 +452,26 @@ impl Backend for CudaBackend {
         self.copy_cache(src, dst)
     }
 
+    fn truncate_sparse_cache(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        len: usize,
+    ) -> BResult<()> {
+        use crate::plan::windows;
+        if len > cache.len {
+            return Err(BackendError(format!(
+                "truncate_sparse_cache: {len} tokens of a cache of {}",
+                cache.len
+            )));
+        }
+        // What lies past the counts is never read, and is written again as tokens come.
+        cache.len = len;
+        cache.n1 = windows(len, cfg.k1_window(), cfg.k1_stride());
+        cache.n2 = windows(len, cfg.k2_window(), cfg.k2_stride());
+        Ok(())
+    }
+
     fn begin_step(&self, step: &StepInfo<'_>) -> BResult<()> {
         let rows = step.tokens.len();
         self.k.set_step_rows(rows);

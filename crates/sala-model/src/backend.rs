@@ -195,6 +195,21 @@ pub trait Backend {
         )))
     }
 
+    /// Drops the tokens of `cache` from `len` on: K, V and the compressed windows they
+    /// completed, so that it holds what it held after its first `len` tokens (speculative
+    /// tokens that were rejected). Its reservation is kept.
+    fn truncate_sparse_cache(
+        &self,
+        _cache: &mut Self::SparseCache,
+        _cfg: &SparseConfig,
+        _len: usize,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: rewinding a sequence is not supported",
+            self.name()
+        )))
+    }
+
     /// A forward pass begins: its tokens, its spans (one per sequence, in row order) and the
     /// sequences' ids. A backend may choose how to launch the step's work from them (and, for
     /// a step it has seen before, replay it).

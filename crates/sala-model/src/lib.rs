@@ -12,6 +12,6 @@ pub use backend::{
     AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, LogitsOut, Span, StepInfo,
 };
 pub use model::{
-    GreedyPick, LogitRows, Model, SeqState, StepInput, StepLogits, WeightSource, Workspace,
+    GreedyPick, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits, WeightSource, Workspace,
 };
 pub use oracle::{AttnShape, SparseMode};

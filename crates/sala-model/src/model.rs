@@ -61,6 +61,13 @@ pub struct SeqState<B: Backend> {
     layers: Vec<LayerState<B>>,
 }
 
+/// A sequence's state at one position, to rewind it to ([`Model::mark`]).
+pub struct SeqMark<B: Backend> {
+    seq: u64,
+    pos: usize,
+    states: Vec<B::LightningState>,
+}
+
 /// The next [`SeqState`] id.
 static NEXT_SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -580,6 +587,49 @@ impl<B: Backend> Model<B> {
             }
         }
         dst.pos = src.pos;
+        Ok(())
+    }
+
+    /// A mark to rewind `seq` to ([`Model::rewind`]): its position and a copy of every
+    /// lightning state (the sparse caches are cut back instead).
+    pub fn mark(&self, be: &B, seq: &SeqState<B>) -> BResult<SeqMark<B>> {
+        let mut states = Vec::new();
+        for state in &seq.layers {
+            if let LayerState::Lightning(s) = state {
+                let c = &self.config;
+                let mut copy = be.new_lightning_state(c.num_attention_heads, c.head_dim)?;
+                be.copy_lightning_state(s, &mut copy)?;
+                states.push(copy);
+            }
+        }
+        Ok(SeqMark {
+            seq: seq.id,
+            pos: seq.pos,
+            states,
+        })
+    }
+
+    /// Makes `seq` hold what it held at `mark` (taken of it, at or before its position now):
+    /// the tokens fed since are undone exactly, as if never read (rejected speculative tokens).
+    pub fn rewind(&self, be: &B, seq: &mut SeqState<B>, mark: &SeqMark<B>) -> BResult<()> {
+        if mark.seq != seq.id || mark.pos > seq.pos {
+            return Err(BackendError(
+                "rewind: the mark is not of this sequence's past".into(),
+            ));
+        }
+        let mut states = mark.states.iter();
+        for state in &mut seq.layers {
+            match state {
+                LayerState::Lightning(s) => {
+                    let saved = states.next().ok_or_else(state_mismatch)?;
+                    be.copy_lightning_state(saved, s)?;
+                }
+                LayerState::Sparse(c) => {
+                    be.truncate_sparse_cache(c, &self.config.sparse, mark.pos)?
+                }
+            }
+        }
+        seq.pos = mark.pos;
         Ok(())
     }
 

@@ -282,3 +282,66 @@ pub fn check_greedy_picks<B: Backend>(be: &B, model: &Model<B>) -> Result<(), St
     }
     Ok(())
 }
+
+/// Rewinding a sequence undoes the tokens fed since its mark exactly: a sequence that reads
+/// rejected tokens (a span of them, as a speculative step would), is rewound and goes on gives
+/// the logits of one that never read them, bit for bit. Past a 190-token prompt, the rejected
+/// spans (2 to 7 tokens) complete compressed windows of a small config (windows every few
+/// tokens, few blocks selected), so those must be undone too: 80 tokens on, a window computed
+/// from rejected tokens would have left the forced local blocks and move the selection. Every
+/// third rewind keeps the span's first token (one draft accepted).
+pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
+    let err = |e: crate::BackendError| e.0;
+    let vocab = model.config.vocab_size;
+    let prompt = tokens(190, vocab, 21);
+    let feed = tokens(80, vocab, 22);
+    let junk = tokens(8, vocab, 23);
+    let mut ws = model.workspace(be, 64).map_err(err)?;
+    let start = |ws: &mut Workspace<B>| -> Result<SeqState<B>, String> {
+        let mut seq = model.new_sequence(be).map_err(err)?;
+        model
+            .prefill(be, ws, &mut seq, &prompt, &mut |_| {})
+            .map_err(err)?;
+        Ok(seq)
+    };
+    let mut plain = start(&mut ws)?;
+    let want: Vec<Vec<f32>> = feed
+        .iter()
+        .map(|&t| model.decode(be, &mut ws, &mut plain, t))
+        .collect::<Result<_, _>>()
+        .map_err(err)?;
+    let mut seq = start(&mut ws)?;
+    let mut got = Vec::new();
+    let mut i = 0;
+    while i < feed.len() {
+        let mark = model.mark(be, &seq).map_err(err)?;
+        // A draft whose first token is right every third step, then rejected tokens.
+        let keep = usize::from(i % 3 == 1);
+        let mut span = feed[i..i + keep].to_vec();
+        span.extend(&junk[..2 + i % 6]);
+        let mode = model.sparse_mode(seq.pos + span.len());
+        model
+            .forward_one(be, &mut ws, &mut seq, &span, mode, LogitRows::All)
+            .map_err(err)?;
+        model.rewind(be, &mut seq, &mark).map_err(err)?;
+        if seq.pos != 190 + i {
+            return Err(format!("step {i}: rewound to {}, not {}", seq.pos, 190 + i));
+        }
+        for &t in &feed[i..i + keep.max(1)] {
+            got.push(model.decode(be, &mut ws, &mut seq, t).map_err(err)?);
+        }
+        i += keep.max(1);
+    }
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        if g != w {
+            return Err(format!("token {i}: logits after a rewind differ"));
+        }
+    }
+    // A mark of another sequence, or of its future, is refused.
+    let other = start(&mut ws)?;
+    let mark = model.mark(be, &other).map_err(err)?;
+    if model.rewind(be, &mut seq, &mark).is_ok() {
+        return Err("a mark of another sequence was taken".into());
+    }
+    Ok(())
+}

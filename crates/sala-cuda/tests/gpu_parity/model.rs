@@ -552,3 +552,20 @@ fn a_panic_inside_a_captured_step_leaves_the_backend_working() {
         );
     }
 }
+
+/// Rewinding a sequence on the GPU undoes the tokens fed since its mark, bit for bit
+/// ([`sala_model::testing::check_rewind`]): lightning states copied back, sparse caches and
+/// their compressed tiers cut back; few blocks selected, so the tiers matter.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn a_rewound_sequence_goes_on_as_if_never_ahead_on_the_gpu() {
+    let g = gpu();
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 100;
+        config.sparse.topk = 2;
+        config.sparse.window_size = 64;
+        let model = Model::random(&g, config, 19, &mut |_, _| {}).unwrap();
+        sala_model::testing::check_rewind(&g, &model).unwrap();
+    }
+}
