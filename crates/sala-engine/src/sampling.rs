@@ -400,6 +400,15 @@ pub fn prompt_token_logprobs(logits: &[f32], id: u32, n: usize) -> PromptTokenLo
     }
 }
 
+/// What verifying a draft token gave ([`Sampler::verify`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Verdict {
+    /// The draft stands.
+    Accepted(SampledToken),
+    /// The draft is rejected; this token takes its place (and ends the draft).
+    Replaced(SampledToken),
+}
+
 /// Which tokens survive truncation, and their total weight.
 #[derive(Debug, Clone, Copy)]
 enum Support {
@@ -606,6 +615,54 @@ impl Sampler {
             id,
             logprob: logprob as f32,
         })
+    }
+
+    /// Verifies a draft token against `logits` (speculative decoding, a draft that proposed
+    /// `draft` for certain, as prompt lookup does): greedy, it is accepted iff it is the
+    /// token [`Sampler::sample`] picks, else that token replaces it; sampling, it is accepted
+    /// with its probability p(draft) under the processed distribution, else a token is drawn
+    /// from that distribution without the draft (renormalised). Either way the token that
+    /// comes out is distributed as [`Sampler::sample`]'s. Nothing is recorded.
+    pub fn verify(&mut self, logits: &[f32], draft: u32) -> Result<Verdict, SamplingError> {
+        self.check_id(draft)?;
+        if self.params.is_greedy() {
+            let tok = self.sample(logits)?;
+            return Ok(if tok.id == draft {
+                Verdict::Accepted(tok)
+            } else {
+                Verdict::Replaced(tok)
+            });
+        }
+        let max = self.load(logits)?;
+        let total = self.scale_and_exponentiate(max);
+        let support = self.truncate(total);
+        let d = draft as usize;
+        let w = self.weights[d];
+        let (kept, mass) = match support {
+            Support::Threshold { threshold, total } => (w > 0.0 && w >= threshold, total),
+            Support::Prefix { len, total } => (w > 0.0 && self.idx[..len].contains(&draft), total),
+        };
+        let logprob = |s: &Self, id: u32| (s.work[id as usize] as f64 - total.ln()) as f32;
+        if kept && self.rng.next_f64() * mass < w as f64 {
+            return Ok(Verdict::Accepted(SampledToken {
+                id: draft,
+                logprob: logprob(self, draft),
+            }));
+        }
+        // The residual: the distribution without the draft.
+        let rest = if kept { mass - w as f64 } else { mass };
+        self.weights[d] = 0.0;
+        let id = self.draw(match support {
+            Support::Threshold { threshold, .. } => Support::Threshold {
+                threshold,
+                total: rest,
+            },
+            Support::Prefix { len, .. } => Support::Prefix { len, total: rest },
+        });
+        Ok(Verdict::Replaced(SampledToken {
+            id,
+            logprob: logprob(self, id),
+        }))
     }
 
     /// Fills `work` with sanitised, penalised logits; returns their maximum.

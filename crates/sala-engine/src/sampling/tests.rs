@@ -740,3 +740,94 @@ fn prompt_token_logprobs_rank_and_top_follow_the_raw_log_softmax() {
         2
     );
 }
+
+#[test]
+fn verified_drafts_leave_the_distribution_as_sampling_gives_it() {
+    // Six tokens; top-k 4 at temperature 0.8: the target is the softmax of the four largest
+    // logits / 0.8. Drafts: the likeliest token, a middling one, and one outside the top 4.
+    let logits = [1.0f32, 2.5, -0.5, 0.3, 1.7, 0.9];
+    let p = params(|p| {
+        p.temperature = 0.8;
+        p.top_k = 4;
+        p.seed = Some(7);
+    });
+    let kept = [0usize, 1, 4, 5];
+    let z: f64 = kept.iter().map(|&i| (logits[i] as f64 / 0.8).exp()).sum();
+    let target: Vec<f64> = (0..6)
+        .map(|i| {
+            if kept.contains(&i) {
+                (logits[i] as f64 / 0.8).exp() / z
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    // Min-p only (no sorting path), all six tokens kept.
+    let q = params(|p| {
+        p.temperature = 1.3;
+        p.seed = Some(9);
+    });
+    let z_all: f64 = logits.iter().map(|&x| (x as f64 / 1.3).exp()).sum();
+    let all: Vec<f64> = logits
+        .iter()
+        .map(|&x| (x as f64 / 1.3).exp() / z_all)
+        .collect();
+    for (params, target) in [(p, target), (q, all)] {
+        for draft in [1u32, 5, 2] {
+            let mut s = Sampler::new(params.clone(), 6).unwrap();
+            let (mut counts, mut accepted) = ([0usize; 6], 0);
+            let n = 40_000;
+            for _ in 0..n {
+                let tok = match s.verify(&logits, draft).unwrap() {
+                    Verdict::Accepted(t) => {
+                        accepted += 1;
+                        assert_eq!(t.id, draft);
+                        t
+                    }
+                    Verdict::Replaced(t) => {
+                        assert_ne!(t.id, draft);
+                        t
+                    }
+                };
+                counts[tok.id as usize] += 1;
+            }
+            // Tokens of probability 0 never come out; over the rest (5 degrees of freedom at
+            // most), 30 is past the 1e-5 tail.
+            let (mut c, mut t) = (Vec::new(), Vec::new());
+            for (&n, &q) in counts.iter().zip(&target) {
+                if q == 0.0 {
+                    assert_eq!(n, 0, "draft {draft}: a token of probability 0 came out");
+                } else {
+                    c.push(n);
+                    t.push(q);
+                }
+            }
+            let chi = chi_square(&c, &t);
+            assert!(
+                chi < 30.0,
+                "draft {draft}: chi-square {chi}, counts {counts:?}"
+            );
+            // The draft is taken as often as the target picks it.
+            let rate = accepted as f64 / n as f64;
+            let want = target[draft as usize];
+            assert!(
+                (rate - want).abs() < 4.0 * (want * (1.0 - want) / n as f64).sqrt() + 1e-9,
+                "draft {draft}: accepted {rate}, target {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_greedy_draft_stands_iff_it_is_the_argmax() {
+    let logits = [0.5f32, 3.0, 3.0, -1.0];
+    let mut s = Sampler::new(params(|p| p.temperature = 0.0), 4).unwrap();
+    // Ties go to the lowest id, as sample gives them.
+    assert!(matches!(s.verify(&logits, 1).unwrap(), Verdict::Accepted(t) if t.id == 1));
+    assert!(matches!(s.verify(&logits, 2).unwrap(), Verdict::Replaced(t) if t.id == 1));
+    assert!(matches!(s.verify(&logits, 0).unwrap(), Verdict::Replaced(t) if t.id == 1));
+    assert!(
+        s.verify(&logits, 9).is_err(),
+        "a draft outside the vocabulary"
+    );
+}
