@@ -822,6 +822,16 @@ pub fn lightning_flops(t: usize, heads: usize, d: usize) -> f64 {
     (t * heads) as f64 * (4.0 * 64.0 * d as f64 + 4.0 * (d * d) as f64)
 }
 
+/// Random activations `[rows, cols]`: rows of a random table, gathered with `embed` (a backend
+/// op).
+fn random_act<B: Backend>(be: &B, rows: usize, cols: usize, seed: u64) -> Result<B::Act> {
+    let table = be.random_matrix(rows, cols, seed, 0.0, 1.0)?;
+    let mut act = be.alloc(rows, cols)?;
+    let ids: Vec<u32> = (0..rows as u32).collect();
+    be.embed(&table, &ids, 1.0, &mut act)?;
+    Ok(act)
+}
+
 /// Times the lightning prefill op alone on random inputs: for each context, the median over
 /// `--repeat` runs of the whole context in chunks of `--prefill-chunk` from a fresh state.
 fn lightning_op<B: Backend + DeviceStats>(
@@ -840,14 +850,7 @@ fn lightning_op<B: Backend + DeviceStats>(
     let rows = args
         .prefill_chunk
         .min(contexts.iter().copied().max().unwrap_or(1));
-    // Random activations: rows of random tables, gathered with `embed` (a backend op).
-    let fill = |cols: usize, seed: u64| -> Result<B::Act> {
-        let table = be.random_matrix(rows, cols, args.seed ^ seed, 0.0, 1.0)?;
-        let mut act = be.alloc(rows, cols)?;
-        let ids: Vec<u32> = (0..rows as u32).collect();
-        be.embed(&table, &ids, 1.0, &mut act)?;
-        Ok(act)
-    };
+    let fill = |cols: usize, seed: u64| random_act(be, rows, cols, args.seed ^ seed);
     let mut out = be.alloc(rows, shape.q_width())?;
     let mut probe = be.alloc(1, 1)?;
     let slopes = be.upload_table(&config.lightning_slopes())?;
@@ -1087,13 +1090,7 @@ fn sparse_op<B: Backend + DeviceStats>(
         .prefill_chunk
         .min(contexts.iter().copied().min().unwrap_or(1))
         .max(1);
-    let fill = |cols: usize, seed: u64| -> Result<B::Act> {
-        let table = be.random_matrix(rows, cols, args.seed ^ seed, 0.0, 1.0)?;
-        let mut act = be.alloc(rows, cols)?;
-        let ids: Vec<u32> = (0..rows as u32).collect();
-        be.embed(&table, &ids, 1.0, &mut act)?;
-        Ok(act)
-    };
+    let fill = |cols: usize, seed: u64| random_act(be, rows, cols, args.seed ^ seed);
     let mut out = be.alloc(rows, shape.q_width())?;
     let mut results = Vec::new();
     println!(
