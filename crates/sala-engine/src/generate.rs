@@ -8,7 +8,7 @@ use crate::grammar::{Constraint, Grammar, GrammarError, Grammars};
 pub use crate::request::FinishReason;
 use crate::request::PromptLogprobs;
 use crate::sampling::{
-    token_logprobs, SampledToken, Sampler, SamplingError, SamplingParams, TokenLogprobs,
+    token_logprobs, SampledToken, Sampler, SamplingError, SamplingParams, TokenLogprobs, Verdict,
 };
 use crate::step::StepEvent;
 use crate::stop::{StopError, StopMatcher};
@@ -120,6 +120,15 @@ pub struct Engine<B: Backend> {
     pub(crate) cache_probe: Option<Box<dyn CacheProbe<B>>>,
     /// Structured output's token environment, built on first use.
     grammars: std::sync::Arc<Grammars>,
+    /// Draft tokens verified and accepted so far (speculative decoding).
+    pub(crate) speculated: SpeculationStats,
+}
+
+/// How speculative decoding fared: draft tokens verified, and how many stood.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpeculationStats {
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 /// Everything about one generation except the prompt.
@@ -138,6 +147,9 @@ pub struct GenerateOptions {
     /// Report each prompt token's log-probability with this many alternatives
     /// ([`PromptLogprobs`]); `None`: none.
     pub prompt_logprobs: Option<usize>,
+    /// Speculative decoding with prompt-lookup drafts of up to this many tokens, verified in
+    /// one step; the output is distributed as without it. `None`: off.
+    pub speculate: Option<usize>,
 }
 
 /// One generated token, as [`Engine::generate_steps`] reports it.
@@ -258,6 +270,7 @@ impl<B: Backend> Engine<B> {
         );
         Ok(Self {
             grammars: std::sync::Arc::new(grammars),
+            speculated: SpeculationStats::default(),
             backend,
             model,
             tokenizer,
@@ -347,6 +360,11 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Structured output's grammars for this model ([`GenerateOptions::grammar`]).
+    /// Draft tokens verified so far, and how many stood.
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        self.speculated
+    }
+
     pub fn grammars(&self) -> std::sync::Arc<Grammars> {
         self.grammars.clone()
     }
@@ -468,6 +486,7 @@ impl<B: Backend> Engine<B> {
             eos_ids: Vec::new(),
             grammar: None,
             prompt_logprobs: Some(top),
+            speculate: None,
         };
         let mut batch = self.batch();
         let (mut scores, mut done) = (None, None);
@@ -494,6 +513,13 @@ impl<B: Backend> Engine<B> {
 pub struct Choice {
     tok: SampledToken,
     logprobs: Option<TokenLogprobs>,
+}
+
+impl Choice {
+    /// The token's id.
+    pub fn id(&self) -> u32 {
+        self.tok.id
+    }
 }
 
 /// The per-token half of one generation: sampling from each step's logits (under its grammar,
@@ -580,6 +606,63 @@ impl TokenStream {
                 .logprobs
                 .and_then(|n| token_logprobs(logits, tok.id, n)),
         }))
+    }
+
+    /// The tokens of a verified span ([`crate::sampling::Sampler::verify`]): `rows` holds the
+    /// logits after the token fed and after each of the `drafts` (`[drafts.len() + 1, vocab]`);
+    /// each draft in turn is accepted or replaced (which ends the span), and when all stand a
+    /// token is drawn from the last row. Returns the choices and how many drafts stood.
+    pub fn choose_span(
+        &mut self,
+        rows: &mut [f32],
+        drafts: &[u32],
+    ) -> Result<(Vec<Choice>, usize), EngineError> {
+        let vocab = rows.len() / (drafts.len() + 1).max(1);
+        if self.finish.is_some() || vocab == 0 || rows.len() != vocab * (drafts.len() + 1) {
+            return match self.finish {
+                Some(_) => Ok((Vec::new(), 0)),
+                None => Err(BackendError(format!(
+                    "{} logits for a span of {} drafts",
+                    rows.len(),
+                    drafts.len()
+                ))
+                .into()),
+            };
+        }
+        let mut out = Vec::new();
+        for (row, &draft) in rows.chunks_mut(vocab).zip(drafts) {
+            let verdict = self.sampler.verify(row, draft)?;
+            let (tok, stood) = match verdict {
+                Verdict::Accepted(t) => (t, true),
+                Verdict::Replaced(t) => (t, false),
+            };
+            self.sampler.record_output(tok.id)?;
+            out.push(Choice {
+                tok,
+                logprobs: self.logprobs.and_then(|n| token_logprobs(row, tok.id, n)),
+            });
+            if !stood {
+                let stood = out.len() - 1;
+                return Ok((out, stood));
+            }
+        }
+        let last = &mut rows[drafts.len() * vocab..];
+        let tok = self.sampler.sample(last)?;
+        self.sampler.record_output(tok.id)?;
+        out.push(Choice {
+            tok,
+            logprobs: self.logprobs.and_then(|n| token_logprobs(last, tok.id, n)),
+        });
+        Ok((out, drafts.len()))
+    }
+
+    /// Drafts this stream may verify next: none under a grammar (its masks follow one token at
+    /// a time), and never past its token budget (the span's last token is one more).
+    pub fn draft_room(&self) -> usize {
+        if self.constraint.is_some() || self.finish.is_some() {
+            return 0;
+        }
+        self.budget.saturating_sub(self.tokens.len() + 1)
     }
 
     /// True when this stream's next token is the argmax of the raw logits (greedy, no penalty,

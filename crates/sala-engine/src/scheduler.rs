@@ -1,7 +1,8 @@
 //! The per-step token budget: which rows one forward pass holds.
 //!
 //! A step holds at most `budget` rows (the step workspace's). Decode rows come first, one
-//! per request with a token to feed, oldest request first; then prompt chunks, oldest
+//! per request with a token to feed (a span of them for a request that speculates), oldest
+//! request first; then prompt chunks, oldest
 //! request first, each the next whole chunk of its prompt while it fits. A prompt is cut at
 //! multiples of `chunk` from its start, wherever it shares steps, so its results are those of
 //! reading it alone; a chunk that does not fit waits for a later step (a shorter one behind
@@ -15,6 +16,9 @@ pub enum Want {
     Nothing,
     /// One row: the token it sampled last.
     Decode,
+    /// A span of `rows` rows ending with the token it sampled last (speculative decoding:
+    /// accepted tokens to read again, the token, then drafts to verify).
+    Span { rows: usize },
     /// The rest of its prompt: `read` of its `len` tokens are read. A `scored` prompt wants
     /// the logits of every row (its log-probabilities).
     Prompt {
@@ -29,6 +33,8 @@ pub enum Want {
 pub enum Work {
     /// One decode row.
     Decode,
+    /// A decode span of `rows` rows ([`Want::Span`]).
+    Span { rows: usize },
     /// Prompt tokens `start..start + len`.
     Chunk { start: usize, len: usize },
 }
@@ -37,6 +43,7 @@ impl Work {
     pub fn rows(self) -> usize {
         match self {
             Work::Decode => 1,
+            Work::Span { rows } => rows,
             Work::Chunk { len, .. } => len,
         }
     }
@@ -98,12 +105,14 @@ impl Scheduler {
         let (mut used, mut scored_used) = (0, 0);
         let mut slots = Vec::new();
         for (index, w) in wants.iter().enumerate() {
-            if *w == Want::Decode && used < self.budget {
-                slots.push(Slot {
-                    index,
-                    work: Work::Decode,
-                });
-                used += 1;
+            let work = match *w {
+                Want::Decode => Work::Decode,
+                Want::Span { rows } => Work::Span { rows },
+                _ => continue,
+            };
+            if used + work.rows() <= self.budget {
+                slots.push(Slot { index, work });
+                used += work.rows();
             }
         }
         for (index, w) in wants.iter().enumerate() {

@@ -14,6 +14,7 @@
 //! forward pass fails the requests it served in that step, and the others go on.
 
 use crate::cache::{CacheBudget, Lease, Refusal};
+use crate::draft::{Drafter, PromptLookup};
 use crate::generate::{
     isolated, request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream,
 };
@@ -22,7 +23,9 @@ use crate::request::{FinishReason, PromptLogprobs, RequestId};
 use crate::sampling::{prompt_token_logprobs, PromptTokenLogprobs, SampledToken};
 use crate::scheduler::{Scheduler, Want, Work};
 use rayon::prelude::*;
-use sala_model::{Backend, BackendError, LogitRows, SeqState, StepInput, StepLogits};
+use sala_model::{
+    Backend, BackendError, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits,
+};
 
 /// How a request ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,14 +112,117 @@ struct Member<B: Backend, C> {
     /// The request whose state this one copies once that one has read the (same) prompt,
     /// instead of reading it again ([`Engine::admit_copy`]).
     copy_of: Option<RequestId>,
+    /// Its speculative decoding, when asked for.
+    spec: Option<Speculation<B>>,
     client: C,
+}
+
+/// Most decode rows a step may hold for its requests to speculate: past them a step is bound
+/// by the weights it reads anyway, and verifying drafts would only add rows.
+pub const SPECULATE_MAX_REQUESTS: usize = 8;
+
+/// A request's speculative decoding: prompt-lookup drafts verified in one span a step. After
+/// a span whose drafts were not all taken the sequence is rewound to before it, and the tokens
+/// it did take are read again at the front of the next span (no pass of their own).
+struct Speculation<B: Backend> {
+    drafter: PromptLookup,
+    max_draft: usize,
+    /// Tokens taken but not in the sequence's state (it was rewound past them).
+    redo: Vec<u32>,
+    /// The drafts of the span under way, and the whole span: `redo`, the token to feed, the
+    /// drafts.
+    drafts: Vec<u32>,
+    span: Vec<u32>,
+    /// The sequence before the span, to rewind to when a draft is rejected.
+    mark: Option<SeqMark<B>>,
+}
+
+impl<B: Backend> Speculation<B> {
+    fn new(max_draft: usize, prompt: &[u32]) -> Self {
+        let mut drafter = PromptLookup::new(2, 5, max_draft);
+        drafter.extend(prompt);
+        Self {
+            drafter,
+            max_draft,
+            redo: Vec::new(),
+            drafts: Vec::new(),
+            span: Vec::new(),
+            mark: None,
+        }
+    }
+
+    /// Lays out the next span after `feed`, with drafts when `room` allows them.
+    fn plan(
+        &mut self,
+        model: &Model<B>,
+        be: &B,
+        seq: &SeqState<B>,
+        feed: u32,
+        room: usize,
+    ) -> Result<(), EngineError> {
+        // Every row of a span runs in one sparse mode: the mode decoding it token by token
+        // would give, so a span never crosses from dense to sparse (SPEC §5.2).
+        let dense_len = model.config.sparse.dense_len;
+        let read = seq.pos + self.redo.len() + 1;
+        let room = if read < dense_len {
+            room.min(dense_len - 1 - read)
+        } else {
+            room
+        };
+        self.drafts = self.drafter.draft(room.min(self.max_draft));
+        self.span.clear();
+        self.span.extend(&self.redo);
+        self.span.push(feed);
+        self.span.extend(&self.drafts);
+        self.mark = if self.drafts.is_empty() {
+            None
+        } else {
+            Some(model.mark(be, seq)?)
+        };
+        Ok(())
+    }
+
+    /// After the span's tokens were chosen: `taken` the tokens committed, `stood` how many
+    /// drafts stood. Rewinds `seq` where a draft fell.
+    fn settle(
+        &mut self,
+        model: &Model<B>,
+        be: &B,
+        seq: &mut SeqState<B>,
+        taken: &[u32],
+        stood: usize,
+    ) -> Result<(), EngineError> {
+        self.drafter.extend(taken);
+        let drafted = self.drafts.len();
+        if drafted > 0 {
+            self.drafter.verified(drafted, stood);
+        }
+        if stood < drafted {
+            let mark = self.mark.take().ok_or_else(|| {
+                EngineError::from(BackendError("a span with drafts has no mark".into()))
+            })?;
+            model.rewind(be, seq, &mark)?;
+            self.redo = self.span[..self.redo.len() + 1 + stood].to_vec();
+        } else {
+            self.redo.clear();
+        }
+        self.mark = None;
+        self.drafts.clear();
+        self.span.clear();
+        Ok(())
+    }
 }
 
 impl<B: Backend, C> Member<B, C> {
     fn want(&self) -> Want {
         match (&self.done, self.feed) {
             (Some(_), _) => Want::Nothing,
-            (None, Some(_)) => Want::Decode,
+            (None, Some(_)) => match &self.spec {
+                Some(spec) if spec.span.len() > 1 => Want::Span {
+                    rows: spec.span.len(),
+                },
+                _ => Want::Decode,
+            },
             // It waits for the prompt's state to copy.
             (None, None) if self.copy_of.is_some() => Want::Nothing,
             (None, None) if self.read < self.prompt.len() => Want::Prompt {
@@ -266,6 +372,10 @@ impl<B: Backend> Engine<B> {
                 return Err(e);
             }
         };
+        let spec = opts
+            .speculate
+            .filter(|&k| k > 0)
+            .map(|k| Speculation::new(k, &prompt));
         batch.next_id += 1;
         batch.members.push(Member {
             id,
@@ -279,6 +389,7 @@ impl<B: Backend> Engine<B> {
             feed: None,
             done: None,
             copy_of: None,
+            spec,
             client,
         });
         Ok(id)
@@ -340,16 +451,25 @@ impl<B: Backend> Engine<B> {
             .filter(|m| m.done.is_none() && m.client.ready())
             .filter_map(|m| m.logits.take().map(|l| (m, l)))
             .collect();
-        let choices: Vec<_> = if picked.len() == 1 {
-            let (m, l) = &mut picked[0];
-            vec![isolated("sampling", || m.stream.choose(l))]
+        // Each request's tokens: one, or those of a verified span (and how many drafts stood).
+        let choose =
+            |stream: &mut TokenStream, drafts: &[u32], logits: &mut StepLogits| match logits {
+                StepLogits::Rows(rows) if !drafts.is_empty() => stream.choose_span(rows, drafts),
+                _ => Ok((stream.choose(logits)?.into_iter().collect(), 0)),
+            };
+        let mut work: Vec<(&mut TokenStream, &[u32], &mut StepLogits)> = picked
+            .iter_mut()
+            .map(|(m, l)| {
+                let drafts = m.spec.as_ref().map_or(&[][..], |s| s.drafts.as_slice());
+                (&mut m.stream, drafts, l)
+            })
+            .collect();
+        let choices: Vec<_> = if work.len() == 1 {
+            let (stream, drafts, l) = &mut work[0];
+            vec![isolated("sampling", || choose(stream, drafts, l))]
         } else {
-            picked
-                .iter_mut()
-                .map(|(m, l)| (&mut m.stream, l))
-                .collect::<Vec<_>>()
-                .into_par_iter()
-                .map(|(stream, logits)| isolated("sampling", || stream.choose(logits)))
+            work.into_par_iter()
+                .map(|(stream, drafts, l)| isolated("sampling", || choose(stream, drafts, l)))
                 .collect()
         };
         for ((m, _), choice) in picked.into_iter().zip(choices) {
@@ -372,18 +492,61 @@ impl<B: Backend> Engine<B> {
                 client.event(StepEvent::Token(s), &cx)
             };
             // A panic in the request's own work (its text, stop strings, events) fails it only.
-            let outcome = choice.and_then(|c| match c {
-                Some(c) => isolated("the request's output", || stream.commit(c, &mut report)),
-                None => Ok(None),
+            let mut taken = Vec::new();
+            let outcome = choice.and_then(|(chosen, stood)| {
+                let mut next = None;
+                for c in chosen {
+                    let id = c.id();
+                    next = isolated("the request's output", || stream.commit(c, &mut report))?;
+                    taken.push(id);
+                    if next.is_none() {
+                        break;
+                    }
+                }
+                Ok((next, stood))
             });
             match outcome {
-                Ok(Some(next)) => m.feed = Some(next),
-                Ok(None) => {
+                Ok((Some(next), stood)) => {
+                    m.feed = Some(next);
+                    if let Some(spec) = m.spec.as_mut() {
+                        self.speculated.drafted += spec.drafts.len() as u64;
+                        self.speculated.accepted += stood as u64;
+                        let settled = isolated("the request's speculation", || {
+                            spec.settle(&self.model, &self.backend, &mut m.seq, &taken, stood)
+                        });
+                        if let Err(e) = settled {
+                            m.done = Some(Err(e));
+                        }
+                    }
+                }
+                Ok((None, _)) => {
                     m.done = Some(isolated("the request's output", || {
                         stream.finish(&mut report)
                     }))
                 }
                 Err(e) => m.done = Some(Err(e)),
+            }
+        }
+
+        // Spans of the requests that speculate: drafts while the batch is small.
+        let decoding = members.iter().filter(|m| m.feed.is_some()).count();
+        for m in members.iter_mut() {
+            let (Some(feed), None, Some(spec)) = (m.feed, &m.done, m.spec.as_mut()) else {
+                continue;
+            };
+            if !spec.span.is_empty() {
+                continue; // laid out already, not yet run
+            }
+            let room = if decoding <= SPECULATE_MAX_REQUESTS {
+                m.stream.draft_room()
+            } else {
+                0
+            };
+            let planned = isolated("the request's speculation", || {
+                spec.plan(&self.model, &self.backend, &m.seq, feed, room)
+            });
+            if let Err(e) = planned {
+                m.done = Some(Err(e));
             }
         }
 
@@ -404,6 +567,7 @@ impl<B: Backend> Engine<B> {
                     feed,
                     stream,
                     prompt_logprobs,
+                    spec,
                     ..
                 }) = slots[slot.index].take()
                 else {
@@ -420,6 +584,10 @@ impl<B: Backend> Engine<B> {
                         model.sparse_mode(prompt.len()),
                         start + len == prompt.len(),
                     ),
+                    (Work::Span { .. }, _) => {
+                        let span = spec.as_ref().map_or(&[][..], |s| s.span.as_slice());
+                        (span, model.sparse_mode(seq.pos + span.len()), true)
+                    }
                     (Work::Decode, None) => unreachable!("a decode row has a token to feed"),
                 };
                 let greedy = stream.takes_greedy_pick();
@@ -430,6 +598,7 @@ impl<B: Backend> Engine<B> {
                 // logits are.
                 let logits = match slot.work {
                     Work::Chunk { .. } if prompt_logprobs.is_some() => LogitRows::All,
+                    Work::Span { .. } => LogitRows::All,
                     _ if last && greedy => LogitRows::Greedy,
                     _ if last => LogitRows::Last,
                     _ => LogitRows::None,
@@ -510,6 +679,14 @@ impl<B: Backend> Engine<B> {
                         }
                         if matches!(slot.work, Work::Chunk { .. }) {
                             prefilled.push(slot.index);
+                        }
+                        // A span's rows from the token fed on (those read again before it
+                        // were sampled already).
+                        if let (Work::Span { .. }, Some(spec), StepLogits::Rows(rows)) =
+                            (slot.work, m.spec.as_ref(), &mut logits)
+                        {
+                            let vocab = model.config.vocab_size;
+                            *rows = rows.split_off((spec.redo.len() * vocab).min(rows.len()));
                         }
                         m.feed = None;
                         m.logits = Some(logits);

@@ -515,6 +515,7 @@ impl<B: Backend> Serving<B> {
             },
             grammar: request.grammar,
             prompt_logprobs: request.prompt_logprobs,
+            speculate: None,
         };
         let sink = Sink {
             events: events.clone(),

@@ -45,6 +45,7 @@ fn opts(max_tokens: usize, temperature: f32, seed: u64) -> GenerateOptions {
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs: None,
+        speculate: None,
     }
 }
 

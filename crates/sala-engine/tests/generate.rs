@@ -29,6 +29,7 @@ fn opts(max_tokens: usize) -> GenerateOptions {
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs: None,
+        speculate: None,
     }
 }
 

@@ -53,6 +53,7 @@ fn opts(max_tokens: usize, max_context: usize) -> GenerateOptions {
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs: None,
+        speculate: None,
     }
 }
 

@@ -59,6 +59,7 @@ fn opts(max_tokens: usize, prompt_logprobs: Option<usize>) -> GenerateOptions {
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs,
+        speculate: None,
     }
 }
 

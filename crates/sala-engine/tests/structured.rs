@@ -42,6 +42,7 @@ fn opts(e: &Engine<CpuBackend>, temperature: f32, seed: u64) -> GenerateOptions 
         eos_ids: e.eos_ids(),
         grammar: None,
         prompt_logprobs: None,
+        speculate: None,
     }
 }
 

@@ -150,6 +150,7 @@ fn requests_get_their_text_in_order_and_the_observer_hears_all() {
             eos_ids: Vec::new(),
             grammar: None,
             prompt_logprobs: None,
+            speculate: None,
         };
         let g = local
             .generate(&ids, &opts, &mut |_| {}, &mut |_| {})

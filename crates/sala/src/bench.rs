@@ -681,6 +681,7 @@ fn concurrent<B: Backend + DeviceStats>(
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs: None,
+        speculate: None,
     };
     let mut rng = TestRng::new(args.seed ^ 0xc0c0);
     let prompts: Vec<Vec<u32>> = (0..n)

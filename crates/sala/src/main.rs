@@ -454,6 +454,7 @@ fn generate_options(
         },
         grammar: grammar(args, config, tokenizer)?,
         prompt_logprobs: None,
+        speculate: None,
     };
     opts.sampling.validate()?;
     Ok(opts)

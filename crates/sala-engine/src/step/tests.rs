@@ -57,6 +57,7 @@ fn opts(seed: u64) -> GenerateOptions {
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs: None,
+        speculate: None,
     }
 }
 

@@ -21,6 +21,7 @@ fn engine_steps(prompt: &str, sampling: SamplingParams, max_tokens: usize, n: us
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs: None,
+        speculate: None,
     };
     let tokenizer = engine.tokenizer.clone();
     let mut out = Vec::new();

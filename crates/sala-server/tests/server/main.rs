@@ -547,6 +547,7 @@ fn generation_stops_when_on_text_says_so() {
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs: None,
+        speculate: None,
     };
     let mut calls = 0;
     let g = engine

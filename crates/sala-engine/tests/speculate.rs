@@ -1,0 +1,168 @@
+//! Speculative decoding with prompt-lookup drafts through the engine: greedy output equal to
+//! plain greedy decoding, drafts that really are verified and taken, and requests that
+//! speculate beside others in one batch.
+
+use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
+use sala_cpu::CpuBackend;
+use sala_engine::generate::{Engine, GenerateOptions};
+use sala_engine::sampling::SamplingParams;
+use sala_engine::step::StepEvent;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
+    let mut config = preset("tiny").unwrap();
+    // Few blocks selected past dense_len, so the sparse layers' caches and tiers matter when
+    // a span is undone.
+    config.sparse.dense_len = 96;
+    write_random_checkpoint(
+        dir,
+        &config,
+        &WriteOptions {
+            seed: 5,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
+    Engine::load(CpuBackend, dir, 64, &mut |_, _| {}).unwrap()
+}
+
+fn opts(max_tokens: usize, speculate: Option<usize>, sampling: SamplingParams) -> GenerateOptions {
+    GenerateOptions {
+        sampling,
+        max_tokens,
+        max_context: 4096,
+        stop: Vec::new(),
+        eos_ids: Vec::new(),
+        grammar: None,
+        prompt_logprobs: None,
+        speculate,
+    }
+}
+
+/// A prompt that repeats a passage: lookup drafts from it (and from the output, which a random
+/// model tends to loop in).
+fn prompt(len: usize, seed: u32) -> Vec<u32> {
+    let passage: Vec<u32> = (0..40).map(|i| 5 + (i * 37 + seed * 11) % 400).collect();
+    passage.iter().copied().cycle().take(len).collect()
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+/// One generated token and, when asked for, the step's two likeliest tokens.
+type Token = (u32, Option<Vec<(u32, f32)>>);
+
+/// The tokens of each request, run together in one batch (with the top two log-probabilities
+/// of every step when `top2`).
+fn run_batch(
+    e: &mut Engine<CpuBackend>,
+    jobs: &[(Vec<u32>, GenerateOptions)],
+    top2: bool,
+) -> Vec<Vec<Token>> {
+    let out: Rc<RefCell<Vec<Vec<Token>>>> = Rc::new(RefCell::new(vec![Vec::new(); jobs.len()]));
+    e.set_max_batch(jobs.len().max(1)).unwrap();
+    let mut batch = e.batch();
+    for (i, (p, o)) in jobs.iter().enumerate() {
+        let out = out.clone();
+        let logprobs = top2.then_some(2);
+        e.admit(
+            &mut batch,
+            p.clone(),
+            o,
+            logprobs,
+            move |ev: StepEvent<'_>| {
+                if let StepEvent::Token(s) = ev {
+                    if let Some(t) = s.token {
+                        let top = t.logprobs.as_ref().map(|l| l.top.clone());
+                        out.borrow_mut()[i].push((t.id, top));
+                    }
+                }
+                true
+            },
+        )
+        .unwrap();
+    }
+    while !batch.is_empty() {
+        e.step(&mut batch);
+    }
+    let v = out.borrow().clone();
+    v
+}
+
+fn ids(tokens: &[Token]) -> Vec<u32> {
+    tokens.iter().map(|t| t.0).collect()
+}
+
+/// Greedy tokens `got` equal `want`'s, or equal them up to a step where `want`'s top two
+/// log-probabilities lie within one bf16 step of each other (0.035) and `got` took the
+/// runner-up (a verified span's lightning state is summed in another order than one token at
+/// a time). Returns how many tokens agree.
+fn agree_up_to_a_near_tie(want: &[Token], got: &[u32]) -> usize {
+    for (i, ((w, top), &g)) in want.iter().zip(got).enumerate() {
+        if *w != g {
+            let top = top.as_ref().expect("top two asked for");
+            let gap = top[0].1 - top[1].1;
+            assert!(
+                gap <= 0.035 && top[1].0 == g,
+                "token {i}: {g} where greedy decoding gives {w} (top two {top:?})"
+            );
+            return i;
+        }
+    }
+    assert_eq!(want.len(), got.len());
+    got.len()
+}
+
+#[test]
+fn greedy_speculation_gives_the_greedy_tokens_and_takes_drafts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let start = e.speculation_stats();
+    let mut agreed = 0;
+    // Prompts on both sides of dense_len.
+    for (len, seed) in [(60usize, 1u32), (150, 2), (230, 3)] {
+        let p = prompt(len, seed);
+        let plain = run_batch(&mut e, &[(p.clone(), opts(200, None, greedy()))], true);
+        let spec = run_batch(&mut e, &[(p.clone(), opts(200, Some(6), greedy()))], false);
+        agreed += agree_up_to_a_near_tie(&plain[0], &ids(&spec[0]));
+    }
+    let end = e.speculation_stats();
+    assert!(agreed >= 200, "only {agreed} greedy tokens agree");
+    assert!(
+        end.drafted > start.drafted && end.accepted > start.accepted,
+        "no draft verified or taken ({start:?} -> {end:?})"
+    );
+}
+
+#[test]
+fn requests_that_speculate_beside_others_get_their_own_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let sampled = |seed| SamplingParams {
+        temperature: 0.9,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let jobs = vec![
+        (prompt(70, 4), opts(30, Some(4), greedy())),
+        (prompt(140, 5), opts(30, None, greedy())),
+        (prompt(200, 6), opts(30, Some(8), sampled(3))),
+        (prompt(20, 7), opts(30, None, sampled(4))),
+    ];
+    let together = run_batch(&mut e, &jobs, false);
+    for (i, job) in jobs.iter().enumerate() {
+        let alone = run_batch(&mut e, std::slice::from_ref(job), false);
+        assert_eq!(
+            ids(&together[i]),
+            ids(&alone[0]),
+            "request {i}: batched tokens differ from alone"
+        );
+        assert_eq!(alone[0].len(), 30, "request {i}: not every token came");
+    }
+}
