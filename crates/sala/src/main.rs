@@ -168,6 +168,11 @@ struct GenerateArgs {
     /// Keep generating past EOS tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Speculative decoding: draft up to N tokens a step by looking the latest words up in
+    /// the prompt and the output, and verify them in one pass (the output is distributed as
+    /// without it; greedy, the same tokens up to near-ties).
+    #[arg(long, value_name = "N")]
+    speculate: Option<usize>,
     /// Constrain the output to a JSON object (constrained decoding; generation stops when
     /// the object is complete, or cut short at --max-tokens).
     #[arg(long, conflicts_with = "json_schema")]
@@ -394,6 +399,13 @@ fn generate_on<B: Backend + DeviceStats>(
         gen.decode_tokens_per_sec(),
         gen.finish.as_str()
     );
+    if opts.speculate.is_some() {
+        let s = engine.speculation_stats();
+        eprintln!(
+            "speculation: {} draft tokens verified, {} taken",
+            s.drafted, s.accepted
+        );
+    }
     Ok(())
 }
 
@@ -454,7 +466,12 @@ fn generate_options(
         },
         grammar: grammar(args, config, tokenizer)?,
         prompt_logprobs: None,
-        speculate: None,
+        speculate: match args.speculate {
+            Some(n) if !(1..=16).contains(&n) => {
+                bail!("--speculate {n}: drafts of 1..=16 tokens")
+            }
+            n => n,
+        },
     };
     opts.sampling.validate()?;
     Ok(opts)

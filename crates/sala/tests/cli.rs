@@ -1184,3 +1184,43 @@ fn perplexity_refuses_bad_windows_and_texts() {
         fails_with(&sala(&args, cache), &needles);
     }
 }
+
+#[test]
+fn generate_speculates_when_asked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path();
+    // A repetitive prompt: lookup drafts from it; greedy, so the same text with and without
+    // (the built-in model's greedy tokens, verified in spans, up to a near-tie).
+    let prompt = "one two three one two three one two three one two three";
+    let args = [
+        "generate",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--max-tokens",
+        "48",
+        prompt,
+    ];
+    let plain = sala(&args, cache);
+    ok(&plain);
+    let spec = sala(&[&args[..], &["--speculate", "6"]].concat(), cache);
+    ok(&spec);
+    let err = String::from_utf8_lossy(&spec.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("speculation:"))
+        .unwrap_or_else(|| panic!("no speculation line in {err}"));
+    let drafted: usize = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(drafted > 0, "{line}");
+    assert!(!String::from_utf8_lossy(&plain.stderr).contains("speculation:"));
+    fails_with(
+        &sala(&[&args[..], &["--speculate", "0"]].concat(), cache),
+        &["--speculate", "1..=16"],
+    );
+}
