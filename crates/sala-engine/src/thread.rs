@@ -95,6 +95,8 @@ pub struct Runner {
     /// Most requests decoded together (`None`: [`DEFAULT_MAX_BATCH`]).
     max_batch: Option<usize>,
     specials_in_content: bool,
+    /// Speculative decoding's longest draft for every request (`None`: off).
+    speculate: Option<usize>,
 }
 
 /// The callers' end of the queue.
@@ -132,6 +134,7 @@ where
         memory: None,
         max_batch: None,
         specials_in_content: false,
+        speculate: None,
     };
     std::thread::Builder::new()
         .name("sala-engine".into())
@@ -256,6 +259,13 @@ impl Runner {
         self
     }
 
+    /// Speculative decoding for every request: prompt-lookup drafts of up to `n` tokens
+    /// (`None`: off).
+    pub fn speculate(mut self, n: Option<usize>) -> Self {
+        self.speculate = n;
+        self
+    }
+
     /// Decodes at most `n` requests together (at least 1; the engine's workspace is made for
     /// them).
     pub fn max_batch(mut self, n: usize) -> Self {
@@ -308,6 +318,7 @@ impl Runner {
         let mut serving = Serving {
             template,
             specials_in_content: self.specials_in_content,
+            speculate: self.speculate,
             eos: engine.eos_ids(),
             batch: engine.batch(),
             max_context,
@@ -365,6 +376,7 @@ struct Serving<B: Backend> {
     engine: Engine<B>,
     template: Arc<Result<sala_tokenizer::ChatTemplate, String>>,
     specials_in_content: bool,
+    speculate: Option<usize>,
     eos: Vec<u32>,
     max_context: usize,
     observer: Arc<dyn Observer>,
@@ -515,7 +527,7 @@ impl<B: Backend> Serving<B> {
             },
             grammar: request.grammar,
             prompt_logprobs: request.prompt_logprobs,
-            speculate: None,
+            speculate: self.speculate,
         };
         let sink = Sink {
             events: events.clone(),

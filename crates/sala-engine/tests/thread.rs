@@ -347,3 +347,35 @@ fn the_choices_of_a_prompt_are_each_a_seeds_request_even_past_the_batch() {
     }
     assert!(alone.iter().any(|a| a.0 != alone[0].0));
 }
+
+/// An engine thread that speculates for every request (greedy, on a repetitive prompt, so
+/// drafts are made): each request gets its whole budget of tokens.
+#[test]
+fn an_engine_that_speculates_serves_every_token() {
+    let counts = Arc::new(Counts::default());
+    let engine = thread::spawn(Some(MAX_CONTEXT), 4, counts.clone(), move |runner| {
+        runner.max_batch(2).speculate(Some(4)).run(load());
+        Ok(())
+    })
+    .unwrap();
+    let prompt = "one two three one two three one two three one two three".to_string();
+    let mut rxs: Vec<_> = (0..3)
+        .map(|i| {
+            let mut r = request(Prompt::Text(prompt.clone()), 20 + i);
+            r.sampling = SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            };
+            engine.submit(r).unwrap()
+        })
+        .collect();
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        let (_, done) = drain(rx);
+        let (finish, _, completion) = done.unwrap();
+        assert_eq!(
+            (finish, completion),
+            (FinishReason::Length, 20 + i),
+            "request {i}"
+        );
+    }
+}

@@ -95,6 +95,10 @@ struct ServeArgs {
     /// turn.
     #[arg(long)]
     special_tokens_in_content: bool,
+    /// Speculative decoding for every request: prompt-lookup drafts of up to N tokens (1 to
+    /// 16), verified in one pass, while at most 8 requests decode together.
+    #[arg(long, value_name = "N")]
+    speculate: Option<usize>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -800,8 +804,14 @@ fn serve(args: ServeArgs) -> Result<()> {
     let load_dir = dir.clone();
     eprintln!("loading {} ...", dir.display());
     let specials_in_content = args.special_tokens_in_content;
+    let speculate = match args.speculate {
+        Some(n) if !(1..=16).contains(&n) => bail!("--speculate {n}: drafts of 1..=16 tokens"),
+        n => n,
+    };
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
-        let runner = runner.special_tokens_in_content(specials_in_content);
+        let runner = runner
+            .special_tokens_in_content(specials_in_content)
+            .speculate(speculate);
         /// Loads the model (unless no request could fit the memory limit) and serves it.
         fn start<B: Backend + DeviceStats + 'static>(
             runner: sala_server::EngineRunner,

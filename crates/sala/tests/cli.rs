@@ -1223,4 +1223,19 @@ fn generate_speculates_when_asked() {
         &sala(&[&args[..], &["--speculate", "0"]].concat(), cache),
         &["--speculate", "1..=16"],
     );
+    fails_with(
+        &sala(
+            &[
+                "serve",
+                "--device",
+                "cpu",
+                "--port",
+                "0",
+                "--speculate",
+                "17",
+            ],
+            cache,
+        ),
+        &["--speculate 17", "1..=16"],
+    );
 }
