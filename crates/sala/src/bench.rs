@@ -75,6 +75,12 @@ pub struct BenchArgs {
     /// seconds; TTFT and prefill speed are not measured).
     #[arg(long)]
     random_context: bool,
+    /// After each context's decode: the time of verification steps of each of these span
+    /// lengths (the token fed and N - 1 drafts, all logits kept, the sequence rewound after
+    /// each step as when every draft is rejected), against a decode step: what speculative
+    /// decoding pays to verify.
+    #[arg(long, value_name = "N,N,...", value_delimiter = ',')]
+    verify_spans: Vec<usize>,
     /// Throughput of N requests (prompts of the first --context, --decode-tokens each, greedy):
     /// one after another, then all at once through the server's continuous batch.
     #[arg(long, value_name = "N")]
@@ -207,6 +213,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if args.all_dense && args.compare_dense {
         bail!("--all-dense with --compare-dense would compare the all-dense model with itself");
+    }
+    if let Some(&n) = args.verify_spans.iter().find(|&&n| !(1..=64).contains(&n)) {
+        bail!("--verify-spans {n}: a verification span holds 1 to 64 rows");
     }
     if let Some(op) = &args.kernel {
         if op != "lightning" && op != "sparse" {
@@ -545,6 +554,22 @@ fn measure<B: Backend + DeviceStats>(
                 1e3 * (b - a).as_secs_f64() / steps
             );
         }
+        let step_ms = 1e3 * decode / args.decode_tokens.max(1) as f64;
+        for &n in &args.verify_spans {
+            let ms = verify_span_ms(
+                be,
+                &model,
+                &mut ws,
+                &mut seq,
+                n,
+                args.decode_tokens,
+                &tokens,
+            )?;
+            println!(
+                "context {len}: verifying a span of {n} takes {ms:.3} ms, {:.2}x a decode step",
+                ms / step_ms
+            );
+        }
         peak = peak.max(be.memory_in_use());
         if let Some((in_use, page)) = be.page_pool() {
             eprintln!(
@@ -569,6 +594,36 @@ fn measure<B: Backend + DeviceStats>(
         });
     }
     Ok(rows)
+}
+
+/// Milliseconds a verification step of `n` rows takes at `seq`'s position (mean of `steps`):
+/// `n` tokens fed with every row's logits kept, then the sequence rewound to where it was.
+fn verify_span_ms<B: Backend + DeviceStats>(
+    be: &B,
+    model: &Model<B>,
+    ws: &mut sala_model::Workspace<B>,
+    seq: &mut sala_model::SeqState<B>,
+    n: usize,
+    steps: usize,
+    tokens: &[u32],
+) -> Result<f64> {
+    if n == 0 || n > ws.max_rows {
+        bail!(
+            "--verify-spans {n}: a span holds 1 to {} rows (the step's workspace)",
+            ws.max_rows
+        );
+    }
+    let span = &tokens[..n];
+    let mode = model.sparse_mode(seq.pos + n);
+    be.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..steps.max(1) {
+        let mark = model.mark(be, seq)?;
+        model.forward_one(be, ws, seq, span, mode, LogitRows::All)?;
+        model.rewind(be, seq, &mark)?;
+    }
+    be.synchronize()?;
+    Ok(1e3 * start.elapsed().as_secs_f64() / steps.max(1) as f64)
 }
 
 /// The speed table, with the plan's total beside the measured peak, then the plan's terms.

@@ -1239,3 +1239,31 @@ fn generate_speculates_when_asked() {
         &["--speculate 17", "1..=16"],
     );
 }
+
+#[test]
+fn bench_times_verification_spans() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let o = bench(
+        &["--context", "200", "--verify-spans", "1,3,8"],
+        &json,
+        tmp.path(),
+    );
+    ok(&o);
+    let out = String::from_utf8_lossy(&o.stdout);
+    for n in [1, 3, 8] {
+        let line = out
+            .lines()
+            .find(|l| l.contains(&format!("verifying a span of {n} takes")))
+            .unwrap_or_else(|| panic!("no line for a span of {n} in {out}"));
+        assert!(line.contains("x a decode step"), "{line}");
+    }
+    fails_with(
+        &bench(
+            &["--context", "200", "--verify-spans", "65"],
+            &json,
+            tmp.path(),
+        ),
+        &["--verify-spans 65", "1 to 64"],
+    );
+}
