@@ -1,0 +1,345 @@
+//! Single ops timed alone on random inputs (`sala bench --kernel`): the lightning prefill and
+//! a sparse layer's attention, with the useful work each does.
+
+use super::BenchArgs;
+use crate::device::DeviceStats;
+use anyhow::Result;
+use sala_checkpoint::ModelConfig;
+use sala_model::{Backend, SparseMode};
+use serde_json::{json, Value};
+use std::time::Instant;
+
+/// FLOPs of chunked Simple GLA over `t` tokens (chunks of 64): per token and head, Q·Kᵀ and
+/// P·V within the chunk (2·64·d each) and Q·S and Kᵀ·V against the state (2·d² each). The
+/// same count as `scripts/fla_bench.py` uses for flash-linear-attention.
+pub fn lightning_flops(t: usize, heads: usize, d: usize) -> f64 {
+    (t * heads) as f64 * (4.0 * 64.0 * d as f64 + 4.0 * (d * d) as f64)
+}
+
+/// Random activations `[rows, cols]`: rows of a random table, gathered with `embed` (a backend
+/// op).
+fn random_act<B: Backend>(be: &B, rows: usize, cols: usize, seed: u64) -> Result<B::Act> {
+    let table = be.random_matrix(rows, cols, seed, 0.0, 1.0)?;
+    let mut act = be.alloc(rows, cols)?;
+    let ids: Vec<u32> = (0..rows as u32).collect();
+    be.embed(&table, &ids, 1.0, &mut act)?;
+    Ok(act)
+}
+
+/// Times the lightning prefill op alone on random inputs: for each context, the median over
+/// `--repeat` runs of the whole context in chunks of `--prefill-chunk` from a fresh state.
+pub(super) fn lightning_op<B: Backend + DeviceStats>(
+    be: &B,
+    config: &ModelConfig,
+    contexts: &[usize],
+    args: &BenchArgs,
+) -> Result<Vec<Value>> {
+    let heads = config.num_attention_heads;
+    let d = config.head_dim;
+    let shape = sala_model::AttnShape {
+        heads,
+        kv_heads: config.lightning_nkv,
+        head_dim: d,
+    };
+    let rows = args
+        .prefill_chunk
+        .min(contexts.iter().copied().max().unwrap_or(1));
+    let fill = |cols: usize, seed: u64| random_act(be, rows, cols, args.seed ^ seed);
+    let mut out = be.alloc(rows, shape.q_width())?;
+    let mut probe = be.alloc(1, 1)?;
+    let slopes = be.upload_table(&config.lightning_slopes())?;
+    let mut results = Vec::new();
+    println!(
+        "{:>9} {:>11} {:>10} {:>13}",
+        "context", "lightning ms", "TFLOP/s", "tokens/s"
+    );
+    for &len in contexts {
+        let mut times = Vec::new();
+        for rep in 0..args.repeat + 1 {
+            // Every chunk sees the same random contents: the op's cost does not depend on them.
+            let (mut q, mut k, mut v) = (
+                fill(shape.q_width(), 1)?,
+                fill(shape.kv_width(), 2)?,
+                fill(shape.kv_width(), 3)?,
+            );
+            let mut state = be.new_lightning_state(heads, d)?;
+            be.to_host(&probe)?; // wait for earlier work
+            let start = Instant::now();
+            let mut done = 0;
+            while done < len {
+                let n = rows.min(len - done);
+                for a in [&mut q, &mut k, &mut v, &mut out] {
+                    be.set_rows(a, n);
+                }
+                let io = sala_model::AttnIo {
+                    q: &mut q,
+                    k: &mut k,
+                    v: &mut v,
+                    out: &mut out,
+                };
+                let span = sala_model::Span {
+                    first_row: 0,
+                    len: n,
+                    pos: done,
+                };
+                be.lightning(shape, &slopes, None, None, io, &[span], &mut [&mut state])?;
+                done += n;
+            }
+            be.set_rows(&mut probe, 1);
+            be.to_host(&probe)?;
+            if rep > 0 {
+                times.push(start.elapsed().as_secs_f64()); // the first run is warm-up
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let tflops = lightning_flops(len, heads, d) / median / 1e12;
+        println!(
+            "{:>9} {:>12.3} {:>10.1} {:>13.0}",
+            len,
+            1e3 * median,
+            tflops,
+            len as f64 / median
+        );
+        results.push(json!({
+            "context": len,
+            "median_s": median,
+            "tflops": tflops,
+            "repeat": args.repeat,
+            "chunk": rows,
+        }));
+    }
+    Ok(results)
+}
+
+/// Useful work of a sparse layer's attention for queries at positions `first..first + rows`
+/// (SPEC §5.4–5.6), counted as an exact kernel would do it once: in sparse mode, block scores
+/// over the level-1 and level-2 compressed keys each query sees, and attention over the keys
+/// of its selected blocks (at most `selected_blocks` blocks of `block_size`, none past the
+/// query); in dense mode, attention over every key up to the query.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SparseWork {
+    /// FLOPs of the block scores (q·K1 and q·K2, every query head).
+    pub select_flops: f64,
+    /// FLOPs of the attention (q·K and P·V, every query head).
+    pub attention_flops: f64,
+    /// Bytes of the selected K/V blocks, read once for each query and KV group.
+    pub kv_bytes_per_query: f64,
+    /// Bytes of all K/V the queries can see, read once for each KV group (the least any
+    /// attention kernel reads).
+    pub kv_bytes_once: f64,
+}
+
+pub fn sparse_work(
+    shape: sala_model::AttnShape,
+    cfg: &sala_checkpoint::SparseConfig,
+    mode: SparseMode,
+    first: usize,
+    rows: usize,
+) -> SparseWork {
+    let sparse = mode == SparseMode::Sparse;
+    let d = shape.head_dim as f64;
+    let heads = shape.heads as f64;
+    // Windows of a tier wholly at or before token t.
+    let seen = |t: usize, window: usize, stride: usize| {
+        if t + 1 >= window {
+            (t + 1 - window) / stride + 1
+        } else {
+            0
+        }
+    };
+    let most_keys = if sparse {
+        cfg.selected_blocks() * cfg.block_size
+    } else {
+        usize::MAX
+    };
+    let mut w = SparseWork {
+        select_flops: 0.0,
+        attention_flops: 0.0,
+        kv_bytes_per_query: 0.0,
+        kv_bytes_once: 0.0,
+    };
+    // Keys and values of one token of one KV group, bf16.
+    let kv_token_bytes = 2.0 * 2.0 * d;
+    for t in first..first + rows {
+        if sparse {
+            let windows = seen(t, cfg.k1_window(), cfg.k1_stride())
+                + seen(t, cfg.k2_window(), cfg.k2_stride());
+            w.select_flops += heads * 2.0 * d * windows as f64;
+        }
+        let keys = (t + 1).min(most_keys) as f64;
+        w.attention_flops += heads * 4.0 * d * keys;
+        w.kv_bytes_per_query += shape.kv_heads as f64 * keys * kv_token_bytes;
+    }
+    w.kv_bytes_once = shape.kv_heads as f64 * (first + rows) as f64 * kv_token_bytes;
+    w
+}
+
+/// Times a sparse layer's attention alone: for each context, the last `--prefill-chunk`
+/// queries over a cache of random keys and values holding the tokens before them (median of
+/// `--repeat` runs, a fresh cache each); prints its useful TFLOP/s and, profiled, selection and
+/// attention apart.
+pub(super) fn sparse_op<B: Backend + DeviceStats>(
+    be: &B,
+    config: &ModelConfig,
+    contexts: &[usize],
+    args: &BenchArgs,
+) -> Result<Vec<Value>> {
+    let shape = sala_model::AttnShape {
+        heads: config.num_attention_heads,
+        kv_heads: config.num_key_value_heads,
+        head_dim: config.head_dim,
+    };
+    let cfg = &config.sparse;
+    let rows = args
+        .prefill_chunk
+        .min(contexts.iter().copied().min().unwrap_or(1))
+        .max(1);
+    let fill = |cols: usize, seed: u64| random_act(be, rows, cols, args.seed ^ seed);
+    let mut out = be.alloc(rows, shape.q_width())?;
+    let mut results = Vec::new();
+    println!(
+        "{:>9} {:>6} {:>9} {:>9} {:>10} {:>10} {:>11} {:>11}",
+        "context", "rows", "ms", "TFLOP/s", "select ms", "select TF", "attend ms", "attend TF"
+    );
+    for &len in contexts {
+        let mut times = Vec::new();
+        let mut split = (0.0, 0.0);
+        // The mode a prompt of this length reads in (SPEC §5.2).
+        let mode = if len < cfg.dense_len {
+            SparseMode::Dense
+        } else {
+            SparseMode::Sparse
+        };
+        for rep in 0..args.repeat + 1 {
+            let (mut q, mut k, mut v) = (
+                fill(shape.q_width(), 1)?,
+                fill(shape.kv_width(), 2)?,
+                fill(shape.kv_width(), 3)?,
+            );
+            let mut cache = be.new_sparse_cache(shape, cfg)?;
+            if len > rows {
+                be.fill_sparse_cache_random(&mut cache, cfg, len - rows, args.seed ^ rep as u64)?;
+            }
+            be.reserve_sparse_cache(&mut cache, cfg, len)?;
+            be.synchronize()?;
+            be.profile(); // what came before is not the op's
+            let start = Instant::now();
+            let io = sala_model::AttnIo {
+                q: &mut q,
+                k: &mut k,
+                v: &mut v,
+                out: &mut out,
+            };
+            let span = sala_model::Span {
+                first_row: 0,
+                len: rows,
+                pos: len - rows,
+            };
+            be.sparse_attention(shape, cfg, io, &[span], &[mode], &mut [&mut cache])?;
+            be.synchronize()?;
+            if rep > 0 {
+                times.push(start.elapsed().as_secs_f64()); // the first run is warm-up
+                if let Some(kernels) = be.profile() {
+                    for (name, ms, _) in kernels {
+                        if name.starts_with("attention") {
+                            split.1 += ms / 1e3;
+                        } else if name.starts_with("select")
+                            || name.starts_with("sd_")
+                            || name.starts_with("sparse_select")
+                        {
+                            split.0 += ms / 1e3;
+                        }
+                    }
+                }
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let work = sparse_work(shape, cfg, mode, len - rows, rows);
+        let total = work.select_flops + work.attention_flops;
+        let reps = args.repeat as f64;
+        let (select_s, attend_s) = (split.0 / reps, split.1 / reps);
+        let tf = |flops: f64, s: f64| (s > 0.0).then(|| flops / s / 1e12);
+        // Profiled parts: ms and TFLOP/s, or "-" where there is no profile.
+        let part = |flops: f64, s: f64| match tf(flops, s) {
+            Some(t) => (format!("{:.3}", 1e3 * s), format!("{t:.1}")),
+            None => ("-".to_string(), "-".to_string()),
+        };
+        let ((sel_ms, sel_tf), (att_ms, att_tf)) = (
+            part(work.select_flops, select_s),
+            part(work.attention_flops, attend_s),
+        );
+        println!(
+            "{:>9} {:>6} {:>9.3} {:>9.1} {sel_ms:>10} {sel_tf:>10} {att_ms:>11} {att_tf:>11}",
+            len,
+            rows,
+            1e3 * median,
+            tf(total, median).unwrap_or(0.0),
+        );
+        results.push(json!({
+            "context": len,
+            "rows": rows,
+            "mode": if mode == SparseMode::Dense { "dense" } else { "sparse" },
+            "median_s": median,
+            "tflops": tf(total, median),
+            "select_tflops": tf(work.select_flops, select_s),
+            "attention_tflops": tf(work.attention_flops, attend_s),
+            "select_flops": work.select_flops,
+            "attention_flops": work.attention_flops,
+            "kv_bytes_per_query": work.kv_bytes_per_query,
+            "kv_bytes_once": work.kv_bytes_once,
+            "profiled_select_s": (select_s > 0.0).then_some(select_s),
+            "profiled_attention_s": (attend_s > 0.0).then_some(attend_s),
+            "repeat": args.repeat,
+        }));
+    }
+    eprintln!(
+        "useful work: block scores over the compressed keys each query sees, attention over \
+         the keys of its selected blocks; K/V bytes in the JSON (per query, and once)"
+    );
+    Ok(results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sala_checkpoint::preset;
+
+    #[test]
+    fn sparse_work_counts_what_each_query_sees() {
+        let c = preset("minicpm-sala-9b").unwrap();
+        let shape = sala_model::AttnShape {
+            heads: 32,
+            kv_heads: 2,
+            head_dim: 128,
+        };
+        let one = |mode, t| sparse_work(shape, &c.sparse, mode, t, 1);
+        // Dense: every key up to the query, no block scores.
+        let w = one(SparseMode::Dense, 999);
+        assert_eq!(w.select_flops, 0.0);
+        assert_eq!(w.attention_flops, 32.0 * 4.0 * 128.0 * 1000.0);
+        // Sparse: position 30 sees no level-1 window (32 tokens, stride 16), 31 sees one;
+        // position 127 sees 7 level-1 windows and the first level-2 one (128 tokens).
+        assert_eq!(one(SparseMode::Sparse, 30).select_flops, 0.0);
+        assert_eq!(one(SparseMode::Sparse, 31).select_flops, 32.0 * 2.0 * 128.0);
+        assert_eq!(
+            one(SparseMode::Sparse, 127).select_flops,
+            32.0 * 2.0 * 128.0 * 8.0
+        );
+        // Attention reaches at most 96 blocks of 64 keys.
+        let far = one(SparseMode::Sparse, 1 << 20);
+        assert_eq!(far.attention_flops, 32.0 * 4.0 * 128.0 * 6144.0);
+        assert_eq!(far.kv_bytes_per_query, 2.0 * 6144.0 * 2.0 * 2.0 * 128.0);
+        assert_eq!(
+            far.kv_bytes_once,
+            2.0 * ((1 << 20) + 1) as f64 * 2.0 * 2.0 * 128.0
+        );
+        // A run of queries is the sum of its queries.
+        let run = sparse_work(shape, &c.sparse, SparseMode::Sparse, 5000, 3);
+        let sum: f64 = (5000..5003)
+            .map(|t| one(SparseMode::Sparse, t).select_flops)
+            .sum();
+        assert_eq!(run.select_flops, sum);
+    }
+}
