@@ -159,7 +159,10 @@ impl<B: Backend> Speculation<B> {
         seq: &SeqState<B>,
         feed: u32,
         room: usize,
+        max_rows: usize,
     ) -> Result<(), EngineError> {
+        // A span fits a step's workspace on its own.
+        let room = room.min(max_rows.saturating_sub(self.redo.len() + 1));
         // Every row of a span runs in one sparse mode: the mode decoding it token by token
         // would give, so a span never crosses from dense to sparse (SPEC §5.2).
         let dense_len = model.config.sparse.dense_len;
@@ -530,6 +533,7 @@ impl<B: Backend> Engine<B> {
 
         // Spans of the requests that speculate: drafts while the batch is small.
         let decoding = members.iter().filter(|m| m.feed.is_some()).count();
+        let max_rows = self.workspace.max_rows;
         for m in members.iter_mut() {
             let (Some(feed), None, Some(spec)) = (m.feed, &m.done, m.spec.as_mut()) else {
                 continue;
@@ -543,7 +547,7 @@ impl<B: Backend> Engine<B> {
                 0
             };
             let planned = isolated("the request's speculation", || {
-                spec.plan(&self.model, &self.backend, &m.seq, feed, room)
+                spec.plan(&self.model, &self.backend, &m.seq, feed, room, max_rows)
             });
             if let Err(e) = planned {
                 m.done = Some(Err(e));

@@ -88,8 +88,12 @@ fn run_batch(
         )
         .unwrap();
     }
+    // Every step moves some request on: a batch still busy after this many steps is stalled.
+    let mut steps = 0;
     while !batch.is_empty() {
         e.step(&mut batch);
+        steps += 1;
+        assert!(steps < 10_000, "the batch stalled");
     }
     let v = out.borrow().clone();
     v
@@ -165,4 +169,21 @@ fn requests_that_speculate_beside_others_get_their_own_tokens() {
         );
         assert_eq!(alone[0].len(), 30, "request {i}: not every token came");
     }
+}
+
+/// Drafts never outgrow a step: with a workspace of three rows (prompt chunks of 2, one
+/// request) a request asking for drafts of 16 still gets every token.
+#[test]
+fn spans_fit_a_small_workspace() {
+    let tmp = tempfile::tempdir().unwrap();
+    engine(tmp.path());
+    let mut e = Engine::load(CpuBackend, tmp.path(), 2, &mut |_, _| {}).unwrap();
+    let p = prompt(120, 8);
+    let start = e.speculation_stats();
+    let out = run_batch(&mut e, &[(p, opts(60, Some(16), greedy()))], false);
+    assert_eq!(out[0].len(), 60);
+    assert!(
+        e.speculation_stats().drafted > start.drafted,
+        "no draft was made"
+    );
 }
