@@ -194,6 +194,24 @@ impl ModelConfig {
         let obj = value
             .as_object()
             .ok_or_else(|| field_err("<root>", "config.json must be a JSON object"))?;
+        // Quantized checkpoints (GPTQ, FP8, ...) hold other tensors than bf16 weights: say so
+        // before any tensor is looked for.
+        if let Some(q) = obj.get("quantization_config").filter(|q| !q.is_null()) {
+            let method = q
+                .get("quant_method")
+                .and_then(|m| m.as_str())
+                .unwrap_or("unnamed");
+            let bits = q
+                .get("bits")
+                .and_then(|b| b.as_u64())
+                .map_or(String::new(), |b| format!(", {b} bits"));
+            return Err(field_err(
+                "quantization_config",
+                format!(
+                    "a quantized checkpoint ({method}{bits}): this version of sala loads bf16                      (or f16/f32) weights only"
+                ),
+            ));
+        }
         let get_usize = |name: &str, default: Option<usize>| -> Result<usize, ConfigError> {
             match obj.get(name) {
                 None | Some(serde_json::Value::Null) => {
@@ -665,6 +683,22 @@ mod tests {
         v["mixer_types"][5] = "mamba".into();
         let e = ModelConfig::from_json(v).unwrap_err().to_string();
         assert!(e.contains("mixer_types[5]") && e.contains("mamba"), "{e}");
+    }
+
+    #[test]
+    fn a_quantized_checkpoint_is_named_as_such() {
+        let mut v = released();
+        v["quantization_config"] = serde_json::json!({
+            "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false
+        });
+        let e = ModelConfig::from_json(v.clone()).unwrap_err().to_string();
+        assert!(
+            e.contains("quantization_config") && e.contains("gptq, 4 bits") && e.contains("bf16"),
+            "{e}"
+        );
+        // A null entry is no quantization.
+        v["quantization_config"] = serde_json::Value::Null;
+        assert!(ModelConfig::from_json(v).is_ok());
     }
 
     #[test]
