@@ -293,22 +293,11 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let device = Device::parse(&args.device.device)?;
     let options = args.device.cuda_options()?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
-    if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("--threads")?;
-    }
+    set_threads(args.threads)?;
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
-    let dir = match &args.model {
-        Some(dir) => dir.clone(),
-        None => {
-            eprintln!("note: no --model given: using the built-in tiny model; its weights are random, so its output is random text");
-            builtin_model()?
-        }
-    };
+    let dir = model_dir(&args.model, "its output is random text")?;
     let prompt = match &args.prompt {
         Some(p) => p.clone(),
         None if args.repl => String::new(),
@@ -323,6 +312,32 @@ fn generate(args: GenerateArgs) -> Result<()> {
     match device.open_with(options)? {
         Opened::Cpu(be) => generate_on(be, &args, &dir, &prompt, user_limit),
         Opened::Cuda(be) => generate_on(*be, &args, &dir, &prompt, user_limit),
+    }
+}
+
+/// Runs rayon on `n` threads when given (`--threads`).
+fn set_threads(n: Option<usize>) -> Result<()> {
+    if let Some(n) = n {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("--threads")?;
+    }
+    Ok(())
+}
+
+/// The checkpoint of `--model`, or the built-in tiny one (saying so, and what random weights
+/// make of the command's result).
+fn model_dir(model: &Option<PathBuf>, random_result: &str) -> Result<PathBuf> {
+    match model {
+        Some(dir) => Ok(dir.clone()),
+        None => {
+            eprintln!(
+                "note: no --model given: using the built-in tiny model; its weights are random, \
+                 so {random_result}"
+            );
+            builtin_model()
+        }
     }
 }
 

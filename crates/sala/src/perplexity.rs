@@ -2,7 +2,7 @@
 //! ([`sala_engine::perplexity`]), on any backend, through the engine's own steps.
 
 use crate::device::{memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened};
-use crate::{builtin_model, progress_bar};
+use crate::progress_bar;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use sala_engine::cache::CacheBudget;
@@ -54,22 +54,11 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let device = Device::parse(&args.device.device)?;
     let options = args.device.cuda_options()?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
-    if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("--threads")?;
-    }
+    crate::set_threads(args.threads)?;
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
-    let dir = match &args.model {
-        Some(dir) => dir.clone(),
-        None => {
-            eprintln!("note: no --model given: using the built-in tiny model; its weights are random, so its perplexity is that of random weights");
-            builtin_model()?
-        }
-    };
+    let dir = crate::model_dir(&args.model, "its perplexity is that of random weights")?;
     let text = if args.file.as_os_str() == "-" {
         crate::read_stdin("the text")?
     } else {
