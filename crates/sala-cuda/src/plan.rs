@@ -74,6 +74,19 @@ pub const LIGHTNING_CHUNK: usize = 64;
 /// From this many rows on, lightning layers run on tensor cores (the split kernels).
 pub const LIGHTNING_MMA_ROWS: usize = 64;
 /// From this many rows on, lightning prefill runs in two passes.
+/// Keys of K and V an `attention_gather` stage holds (`AG_KEYS` in sparse/attention.cu).
+pub const GATHER_KEYS: usize = 32;
+/// `attention_gather`'s (warps a block, stages a warp), best first: four warps with two stages
+/// in flight each while they compute a third where the shared memory allows (192 KiB at
+/// d = 128; on the H200 (3, 2), (6, 2) and (4, 2) ran 2-6% slower at 128K), fewer warps on
+/// 99 KiB cards.
+pub const GATHER_SHAPES: [(usize, usize); 5] = [(4, 3), (3, 2), (2, 3), (2, 2), (1, 2)];
+
+/// Bytes of one `attention_gather` stage: K and V of [`GATHER_KEYS`] keys of head size `d`.
+pub fn gather_stage_bytes(d: usize) -> usize {
+    2 * GATHER_KEYS * d * 2
+}
+
 pub const LIGHTNING_TWO_PASS_ROWS: usize = 256;
 /// `lightning_fused` cuts a chunk into at most this many ranges that run in parallel, of at
 /// least `LIGHTNING_RANGE_MIN` tokens each.
@@ -269,6 +282,8 @@ impl Planner {
             K::SelectLse => (256 + 3) * 4,
             // The block bitmap of attention_prefill (at most 9 KiB, see prefill_attention_fits).
             K::AttentionPrefill => 9 << 10,
+            // Its rings: the first of GATHER_SHAPES that fits, up to all the device allows.
+            K::AttentionGather => usize::MAX,
             _ => 0,
         };
         need.min(self.smem_budget(k))
@@ -577,8 +592,21 @@ impl Planner {
         Launch::new((pairs, split.div_ceil(4), 1), 128, 0)
     }
 
-    pub fn attention_gather(&self, t: usize, kv_heads: usize) -> Launch {
-        Launch::new(((t * kv_heads).div_ceil(4), 1, 1), 128, 0)
+    /// `attention_gather` and its ring depth: `warps` warps a block, each streaming its blocks
+    /// through `stages` shared-memory stages of [`GATHER_KEYS`] keys of K and V. The first
+    /// shape of [`GATHER_SHAPES`] that fits this device's shared memory.
+    pub fn attention_gather(&self, t: usize, kv_heads: usize, d: usize) -> (Launch, usize) {
+        let stage = gather_stage_bytes(d);
+        let (warps, stages) = GATHER_SHAPES
+            .into_iter()
+            .find(|&(w, s)| self.fits(K::AttentionGather, w * s * stage))
+            .unwrap_or((1, 2));
+        let launch = Launch::new(
+            ((t * kv_heads).div_ceil(warps), 1, 1),
+            32 * warps as u32,
+            warps * stages * stage,
+        );
+        (launch, stages)
     }
 
     pub fn attention_prefill(
@@ -750,7 +778,7 @@ impl Planner {
                             }
                             AttentionPlan::Gather => add(
                                 K::AttentionGather,
-                                self.attention_gather(rows, a.kv_heads),
+                                self.attention_gather(rows, a.kv_heads, a.head_dim).0,
                                 &what,
                             ),
                             AttentionPlan::Prefill => add(
@@ -936,8 +964,13 @@ impl Planner {
                         )
                     )
                 }
-                AttentionPlan::Gather => self
-                    .describe_launch(K::AttentionGather, self.attention_gather(rows, a.kv_heads)),
+                AttentionPlan::Gather => {
+                    let (launch, stages) = self.attention_gather(rows, a.kv_heads, a.head_dim);
+                    format!(
+                        "{}, {stages} stages a warp",
+                        self.describe_launch(K::AttentionGather, launch)
+                    )
+                }
                 AttentionPlan::Prefill => self.describe_launch(
                     K::AttentionPrefill,
                     self.attention_prefill(rows, a.kv_heads, SparseMode::Sparse, len),

@@ -698,14 +698,15 @@ attention_prefill(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* o
 // ============================================================================================
 //
 // Neighbouring queries may select different blocks (with random weights, mostly different), so
-// staging a block once for several queries saves little; here every warp walks its own list,
-// reading K and V straight from global memory (L2) with 16-byte loads and no block-wide
-// synchronisation. The warp's 16 MMA rows are the query's heads of the group.
+// staging a block once for several queries saves little; here every warp walks its own list with
+// no block-wide synchronisation: in prefill through its own ring of shared-memory stages, in
+// decode (ag_block) straight from global memory (L2) with 16-byte loads. The warp's 16 MMA rows
+// are the query's heads of the group.
 // Fragment layouts (d a multiple of 64): Q·Kᵀ as sp_load_q_perm and sp_qk_perm do it. For P·V,
 // output n-tile 8u + e, column n is dim 64u + 8n + e, so one 16-byte load of
 // V[key][64u + 8gq ..] feeds eight n-tiles.
 
-#define AG_WARPS 4
+#define AG_WARPS 4  // warps a block of the decode kernels
 
 // A warp's attention state for one query's heads of a KV group: O (dims as ag_dim says), and per
 // MMA row r (heads gq, gq + 8) the running max m (log2 units) and this lane's part of Σ exp2.
@@ -896,28 +897,182 @@ __device__ __forceinline__ AgPair ag_pair(const bf16* q, int pair, int T, int fi
     return p;
 }
 
-// launch: grid = ((T·kv_heads + AG_WARPS − 1) / AG_WARPS), block = 32·AG_WARPS, dynamic smem = 0 bytes.
-// Same arguments and result as attention_prefill with blocks != NULL (64-key blocks); needs
-// heads / kv_heads ≤ 16 and d ∈ {64, 128}.
-extern "C" __global__ void __launch_bounds__(AG_WARPS * 32)
+// Prefill: each warp streams its (query, group)'s selected blocks through its own ring of
+// shared-memory stages, AG_KEYS keys of K and V a stage, `stages` deep (cp.async), so a warp
+// keeps up to stages − 1 stages of loads in flight while it computes one; no block-wide
+// synchronisation. Tiles are unpadded rows of d values, their 16-byte pieces swizzled so each
+// 8-lane phase of the 16-byte loads hits distinct banks: K rows (two rows a phase) swap 64-byte
+// halves on odd rows, V rows (four rows a phase) XOR the piece with the row's low 3 bits.
+#define AG_KEYS 32
+
+__device__ __forceinline__ u32 ag_k_off(int r, int c, int d) { return r * 2 * d + ((c ^ ((r & 1) << 2)) << 4); }
+__device__ __forceinline__ u32 ag_v_off(int r, int c, int d) { return r * 2 * d + ((c ^ (r & 7)) << 4); }
+
+// Stages keys [k0, k0 + AG_KEYS) of one group (kg, vg: its first dim of key 0; rows ≥ n_keys
+// zero) into the K and V tiles at shared addresses kt, vt. The warp's 32 lanes call; lane L
+// copies piece L % (D / 8) of rows L / (D / 8) + i · 256 / D.
+template <int D>
+__device__ __forceinline__ void ag_issue(u32 kt, u32 vt, const bf16* kg, const bf16* vg, size_t kvw, int k0,
+                                         int n_keys) {
+    constexpr int PIECES = D / 8, STEP = 32 / PIECES;
+    const int lane = threadIdx.x & 31, c = lane % PIECES, r0 = lane / PIECES;
+    const size_t src0 = (size_t)(k0 + r0) * kvw + 8 * c;
+    const bool full = k0 + AG_KEYS <= n_keys;
+#pragma unroll
+    for (int i = 0; i < AG_KEYS / STEP; i++) {
+        const int r = r0 + STEP * i;
+        const bool in = full || k0 + r < n_keys;
+        const size_t off = in ? src0 + (size_t)(STEP * i) * kvw : 0;
+        sp_cp_async16(kt + ag_k_off(r, c, D), kg + off, in ? 16 : 0);
+        sp_cp_async16(vt + ag_v_off(r, c, D), vg + off, in ? 16 : 0);
+    }
+}
+
+// Attends the warp's query (position t) to the AG_KEYS staged keys from k0 (those ≤ t), as
+// ag_block does for 64 keys from global memory: S = Q·Kᵀ, online softmax, O += P·V.
+__device__ __forceinline__ void ag_stage(AgState& st, const u32 (&qa)[8][4], const unsigned char* kt,
+                                         const unsigned char* vt, int k0, int t, const bool (&row_ok)[2],
+                                         float sl2, int d) {
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+    const float NEG = -__int_as_float(0x7f800000);
+    float S[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) {
+        S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+            if (32 * p < d) {
+                const uint4 kv = *(const uint4*)(kt + ag_k_off(8 * nt + gq, 4 * p + tq, d));
+                sp_mma(S[nt], qa[2 * p][0], qa[2 * p][1], qa[2 * p][2], qa[2 * p][3], kv.x, kv.y);
+                sp_mma(S[nt], qa[2 * p + 1][0], qa[2 * p + 1][1], qa[2 * p + 1][2], qa[2 * p + 1][3], kv.z, kv.w);
+            }
+    }
+    float mx[2] = {NEG, NEG};
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int r = x >> 1, j = 8 * nt + 2 * tq + (x & 1);
+            S[nt][x] = (row_ok[r] && k0 + j <= t) ? S[nt][x] * sl2 : NEG;
+            mx[r] = fmaxf(mx[r], S[nt][x]);
+        }
+    float alpha[2], mu[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float mn = fmaxf(st.m[r], mx[r]);
+        mu[r] = (mn == NEG) ? 0.0f : mn;
+        alpha[r] = exp2f(st.m[r] - mu[r]);
+        st.m[r] = mn;
+    }
+    float rsum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const float e = exp2f(S[nt][x] - mu[x >> 1]);
+            S[nt][x] = e;
+            rsum[x >> 1] += e;
+        }
+#pragma unroll
+    for (int r = 0; r < 2; r++) st.l[r] = st.l[r] * alpha[r] + rsum[r];
+#pragma unroll
+    for (int nt = 0; nt < 16; nt++) {
+        st.O[nt][0] *= alpha[0];
+        st.O[nt][1] *= alpha[0];
+        st.O[nt][2] *= alpha[1];
+        st.O[nt][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int ks = 0; ks < 2; ks++) {
+        const u32 a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]), a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+        const u32 a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+        const u32 a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+        const int j = 16 * ks + 2 * tq;
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (64 * u < d) {
+                const int c = 8 * u + gq;
+                const uint4 v0 = *(const uint4*)(vt + ag_v_off(j, c, d)), v1 = *(const uint4*)(vt + ag_v_off(j + 1, c, d));
+                const uint4 v2 = *(const uint4*)(vt + ag_v_off(j + 8, c, d));
+                const uint4 v3 = *(const uint4*)(vt + ag_v_off(j + 9, c, d));
+                const u32 w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
+                const u32 w2[4] = {v2.x, v2.y, v2.z, v2.w}, w3[4] = {v3.x, v3.y, v3.z, v3.w};
+#pragma unroll
+                for (int cc = 0; cc < 4; cc++) {
+                    sp_mma(st.O[8 * u + 2 * cc], a0, a1, a2, a3, __byte_perm(w0[cc], w1[cc], 0x5410),
+                           __byte_perm(w2[cc], w3[cc], 0x5410));
+                    sp_mma(st.O[8 * u + 2 * cc + 1], a0, a1, a2, a3, __byte_perm(w0[cc], w1[cc], 0x7632),
+                           __byte_perm(w2[cc], w3[cc], 0x7632));
+                }
+            }
+        }
+    }
+}
+
+// The warp's walk over its pair's list (sorted, −1 padded) in stages of AG_KEYS keys: the
+// second half of the query's own block is skipped when it lies past t. `ring`: the warp's NS
+// stages of K then V tiles (2·AG_KEYS·d bf16 each), as a shared address and a pointer.
+template <int NS, int D>
+__device__ __forceinline__ void ag_walk(AgState& st, const u32 (&qa)[8][4], const AgPair& p, const bf16* kg,
+                                        const bf16* vg, const int* my, int k_sel, u32 ring,
+                                        const unsigned char* ring_p, float sl2) {
+    const int lane = threadIdx.x & 31;
+    constexpr u32 tile = AG_KEYS * 2 * D, stage = 2 * tile;
+    int nb = 0;
+    for (int s0 = 0; s0 < k_sel; s0 += 32)
+        nb += __popc(__ballot_sync(0xffffffffu, s0 + lane < k_sel && my[s0 + lane] >= 0));
+    const int n_st = nb == 0 ? 0 : 2 * nb - (64 * my[nb - 1] + AG_KEYS > p.t ? 1 : 0);
+    auto key0 = [&](int s) { return 64 * my[s >> 1] + AG_KEYS * (s & 1); };
+    auto issue = [&](int s) {
+        if (s < n_st) {
+            const u32 at = ring + (s % NS) * stage;
+            ag_issue<D>(at, at + tile, kg, vg, p.kvw, key0(s), p.n_keys);
+        }
+        sp_cp_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) issue(s);
+    for (int s = 0; s < n_st; s++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(NS - 2) : "memory");
+        __syncwarp();  // stage s visible to every lane; stage s − 1's slot free
+        issue(s + NS - 1);
+        const unsigned char* at = ring_p + (s % NS) * stage;
+        ag_stage(st, qa, at, at + tile, key0(s), p.t, p.row_ok, sl2, D);
+    }
+    sp_cp_wait0();
+}
+
+// launch: grid = (⌈T·kv_heads / W⌉), block = 32·W, dynamic smem = W · stages · 4·AG_KEYS·d bytes
+// (stages 2, 3 or 4). Same arguments and result as attention_prefill with blocks != NULL
+// (64-key blocks); needs heads / kv_heads ≤ 16 and d ∈ {64, 128}.
+extern "C" __global__ void __launch_bounds__(256)
 attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
-                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel) {
+                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int stages) {
     pdl_start();
-    const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads;
-    const int pair = blockIdx.x * AG_WARPS + (threadIdx.x >> 5);
-    if (pair >= T * kv_heads) return;  // warp-uniform
+    extern __shared__ __align__(128) unsigned char ag_sm[];
+    const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads, warp = threadIdx.x >> 5;
+    const int pair = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (pair >= T * kv_heads) return;  // warp-uniform; no block barriers below
     u32 qa[8][4];
     const AgPair p = ag_pair(q, pair, T, first_pos, heads, kv_heads, d, qa);
     AgState st;
     ag_init(st);
     const float sl2 = scale * 1.4426950408889634f;
     const int* my = blocks + (size_t)pair * k_sel;
-    for (int s = 0; s < k_sel; s++) {
-        const int b = my[s];
-        if (__any_sync(0xffffffffu, b < 0)) break;  // −1 padded lists; a vote keeps the walk warp-uniform
-        const size_t k0 = (size_t)64 * b;
-        ag_block(st, qa, kcache + k0 * p.kvw + (size_t)p.g * d, vcache + k0 * p.kvw + (size_t)p.g * d, p.kvw, 64 * b,
-                 p.t, p.n_keys - 64 * b, p.row_ok, sl2, d);
+    const unsigned char* ring_p = ag_sm + (size_t)warp * stages * 4 * AG_KEYS * d;
+    const u32 ring = sp_smem_addr(ring_p);
+    const bf16* kg = kcache + (size_t)p.g * d;
+    const bf16* vg = vcache + (size_t)p.g * d;
+    if (d == 128) {
+        if (stages >= 4) ag_walk<4, 128>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
+        else if (stages == 3) ag_walk<3, 128>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
+        else ag_walk<2, 128>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
+    } else {
+        if (stages >= 4) ag_walk<4, 64>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
+        else if (stages == 3) ag_walk<3, 64>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
+        else ag_walk<2, 64>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
     }
     bf16* orow0 = out + (size_t)p.i * p.qw + (size_t)(p.g * G + gq) * d;
     ag_sum_l(st);

@@ -161,9 +161,26 @@ impl CudaBackend {
                 self.attention_merge(shape, t, part, split, out)
             }
             AttentionPlan::Gather => {
-                let at = self.k.planner().attention_gather(t, shape.kv_heads);
-                self.k
-                    .attention_gather(at, qp, kc, vc, op, ti, fp, h, kvh, d, scale, blocks, ks)
+                let (at, stages) =
+                    self.k
+                        .planner()
+                        .attention_gather(t, shape.kv_heads, shape.head_dim);
+                self.k.attention_gather(
+                    at,
+                    qp,
+                    kc,
+                    vc,
+                    op,
+                    ti,
+                    fp,
+                    h,
+                    kvh,
+                    d,
+                    scale,
+                    blocks,
+                    ks,
+                    stages as i32,
+                )
             }
             AttentionPlan::Prefill => {
                 let at = self
