@@ -4,6 +4,48 @@
 //! are copied from a lot.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A request's speculative decoding: drafts of up to `max_draft` tokens from `drafts`, each
+/// verified in one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Speculate {
+    pub max_draft: usize,
+    pub drafts: DraftSource,
+}
+
+/// Where a request's drafts come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DraftSource {
+    /// [`PromptLookup`] over the prompt and the output so far.
+    PromptLookup,
+    /// A continuation known beforehand ([`KnownContinuation`], for benchmarks): `sequence`
+    /// is the prompt and the tokens expected after it; each draft's first `right` tokens are
+    /// the sequence's, the rest wrong.
+    Known { sequence: Arc<[u32]>, right: usize },
+}
+
+impl Speculate {
+    /// Prompt-lookup drafts of up to `max_draft` tokens.
+    pub fn prompt_lookup(max_draft: usize) -> Self {
+        Self {
+            max_draft,
+            drafts: DraftSource::PromptLookup,
+        }
+    }
+
+    /// A drafter for a request with this prompt.
+    pub fn drafter(&self, prompt: &[u32]) -> Box<dyn Drafter + Send> {
+        let mut d: Box<dyn Drafter + Send> = match &self.drafts {
+            DraftSource::PromptLookup => Box::new(PromptLookup::new(2, 5, self.max_draft)),
+            DraftSource::Known { sequence, right } => {
+                Box::new(KnownContinuation::new(sequence.clone(), *right))
+            }
+        };
+        d.extend(prompt);
+        d
+    }
+}
 
 /// A source of draft tokens for one sequence.
 pub trait Drafter {
@@ -118,6 +160,58 @@ impl Drafter for PromptLookup {
     }
 }
 
+/// Drafts from a sequence known beforehand (a benchmark's drafter: the target's own greedy
+/// continuation, computed in a first pass): while the sequence so far is a prefix of it, each
+/// draft's first `right` tokens are what follows there and the rest are wrong (the true
+/// token's neighbour), so every step accepts `right` drafts, or as many as remain. Once the
+/// sequence leaves it (a near-tie decided the other way), no drafts.
+#[derive(Debug, Clone)]
+pub struct KnownContinuation {
+    sequence: Arc<[u32]>,
+    right: usize,
+    /// Tokens of the request's sequence so far, and whether they are `sequence`'s.
+    seen: usize,
+    on_track: bool,
+}
+
+impl KnownContinuation {
+    pub fn new(sequence: Arc<[u32]>, right: usize) -> Self {
+        Self {
+            sequence,
+            right,
+            seen: 0,
+            on_track: true,
+        }
+    }
+}
+
+impl Drafter for KnownContinuation {
+    fn extend(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            self.on_track &= self.sequence.get(self.seen) == Some(&t);
+            self.seen += 1;
+        }
+    }
+
+    fn draft(&mut self, max: usize) -> Vec<u32> {
+        if !self.on_track {
+            return Vec::new();
+        }
+        let next = &self.sequence[self.seen.min(self.sequence.len())..];
+        next.iter()
+            .take(max)
+            .enumerate()
+            .map(|(i, &t)| match (i < self.right, t) {
+                (true, _) => t,
+                (false, 0) => 1,
+                (false, _) => t - 1,
+            })
+            .collect()
+    }
+
+    fn verified(&mut self, _drafted: usize, _accepted: usize) {}
+}
+
 /// FNV-1a over the tokens' bytes.
 fn hash(tokens: &[u32]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
@@ -147,6 +241,35 @@ mod tests {
             }
         }
         Vec::new()
+    }
+
+    #[test]
+    fn a_known_continuation_drafts_right_tokens_then_wrong_ones_while_on_track() {
+        let sequence: Arc<[u32]> = Arc::from(vec![5u32, 6, 7, 0, 9, 10, 11]);
+        let spec = Speculate {
+            max_draft: 4,
+            drafts: DraftSource::Known {
+                sequence: sequence.clone(),
+                right: 2,
+            },
+        };
+        let mut d = spec.drafter(&[5, 6]);
+        assert_eq!(d.draft(4), vec![7, 0, 8, 9]);
+        assert_eq!(d.draft(1), vec![7]);
+        d.extend(&[7, 0]);
+        // The sequence's end bounds the draft; 0's wrong twin is 1.
+        assert_eq!(d.draft(4), vec![9, 10, 10]);
+        let mut all = KnownContinuation::new(sequence.clone(), 9);
+        all.extend(&[5, 6, 7]);
+        assert_eq!(all.draft(3), vec![0, 9, 10]);
+        // Off the sequence: no drafts, ever after.
+        all.extend(&[1]);
+        assert!(all.draft(3).is_empty());
+        all.extend(&[9]);
+        assert!(all.draft(3).is_empty());
+        let mut none_right = KnownContinuation::new(sequence, 0);
+        none_right.extend(&[5, 6, 7]);
+        assert_eq!(none_right.draft(2), vec![1, 8]);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! the per-token half of a request (sampling, stop strings, detokenization).
 
 use crate::cache::{CacheBudget, CacheProbe};
+use crate::draft::Speculate;
 use crate::grammar::{Constraint, Grammar, GrammarError, Grammars};
 pub use crate::request::FinishReason;
 use crate::request::PromptLogprobs;
@@ -124,11 +125,13 @@ pub struct Engine<B: Backend> {
     pub(crate) speculated: SpeculationStats,
 }
 
-/// How speculative decoding fared: draft tokens verified, and how many stood.
+/// How speculative decoding fared: draft tokens verified, how many stood, and the steps that
+/// verified drafts (so `accepted / spans` is the mean accepted length).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SpeculationStats {
     pub drafted: u64,
     pub accepted: u64,
+    pub spans: u64,
 }
 
 /// Everything about one generation except the prompt.
@@ -147,9 +150,9 @@ pub struct GenerateOptions {
     /// Report each prompt token's log-probability with this many alternatives
     /// ([`PromptLogprobs`]); `None`: none.
     pub prompt_logprobs: Option<usize>,
-    /// Speculative decoding with prompt-lookup drafts of up to this many tokens, verified in
-    /// one step; the output is distributed as without it. `None`: off.
-    pub speculate: Option<usize>,
+    /// Speculative decoding: drafts verified in one step; the output is distributed as
+    /// without it. `None`: off.
+    pub speculate: Option<Speculate>,
 }
 
 /// One generated token, as [`Engine::generate_steps`] reports it.

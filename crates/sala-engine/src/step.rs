@@ -14,7 +14,7 @@
 //! forward pass fails the requests it served in that step, and the others go on.
 
 use crate::cache::{CacheBudget, Lease, Refusal};
-use crate::draft::{Drafter, PromptLookup};
+use crate::draft::{Drafter, Speculate};
 use crate::generate::{
     isolated, request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream,
 };
@@ -121,12 +121,21 @@ struct Member<B: Backend, C> {
 /// by the weights it reads anyway, and verifying drafts would only add rows.
 pub const SPECULATE_MAX_REQUESTS: usize = 8;
 
-/// A request's speculative decoding: prompt-lookup drafts verified in one span a step. After
-/// a span whose drafts were not all taken the sequence is rewound to before it, and the tokens
-/// it did take are read again at the front of the next span (no pass of their own).
+/// Most steps a request drafts nothing for after spans of which no draft stood.
+pub const SPECULATE_MAX_PAUSE: usize = 64;
+
+/// A request's speculative decoding: drafts verified in one span a step. After a span whose
+/// drafts were not all taken the sequence is rewound to before it, and the tokens it did take
+/// are read again at the front of the next span (no pass of their own), which carries no
+/// drafts: a rewind reaches back to the span's start, so drafts behind re-read tokens would
+/// make every partly taken span re-read all the tokens before it. After spans of which no
+/// draft stood, drafting pauses for 2, 4, ... up to [`SPECULATE_MAX_PAUSE`] steps.
 struct Speculation<B: Backend> {
-    drafter: PromptLookup,
+    drafter: Box<dyn Drafter + Send>,
     max_draft: usize,
+    /// Spans in a row of which no draft stood, and the steps left before drafting again.
+    misses: u32,
+    pause: usize,
     /// Tokens taken but not in the sequence's state (it was rewound past them).
     redo: Vec<u32>,
     /// The drafts of the span under way, and the whole span: `redo`, the token to feed, the
@@ -138,12 +147,12 @@ struct Speculation<B: Backend> {
 }
 
 impl<B: Backend> Speculation<B> {
-    fn new(max_draft: usize, prompt: &[u32]) -> Self {
-        let mut drafter = PromptLookup::new(2, 5, max_draft);
-        drafter.extend(prompt);
+    fn new(spec: &Speculate, prompt: &[u32]) -> Self {
         Self {
-            drafter,
-            max_draft,
+            drafter: spec.drafter(prompt),
+            max_draft: spec.max_draft,
+            misses: 0,
+            pause: 0,
             redo: Vec::new(),
             drafts: Vec::new(),
             span: Vec::new(),
@@ -161,8 +170,14 @@ impl<B: Backend> Speculation<B> {
         room: usize,
         max_rows: usize,
     ) -> Result<(), EngineError> {
-        // A span fits a step's workspace on its own.
-        let room = room.min(max_rows.saturating_sub(self.redo.len() + 1));
+        // A span fits a step's workspace on its own; no drafts behind re-read tokens or while
+        // paused.
+        let room = if self.redo.is_empty() && self.pause == 0 {
+            room.min(max_rows.saturating_sub(1))
+        } else {
+            0
+        };
+        self.pause = self.pause.saturating_sub(1);
         // Every row of a span runs in one sparse mode: the mode decoding it token by token
         // would give, so a span never crosses from dense to sparse (SPEC §5.2).
         let dense_len = model.config.sparse.dense_len;
@@ -199,6 +214,12 @@ impl<B: Backend> Speculation<B> {
         let drafted = self.drafts.len();
         if drafted > 0 {
             self.drafter.verified(drafted, stood);
+            if stood == 0 {
+                self.misses += 1;
+                self.pause = (1usize << self.misses.min(16)).min(SPECULATE_MAX_PAUSE);
+            } else {
+                self.misses = 0;
+            }
         }
         if stood < drafted {
             let mark = self.mark.take().ok_or_else(|| {
@@ -377,8 +398,9 @@ impl<B: Backend> Engine<B> {
         };
         let spec = opts
             .speculate
-            .filter(|&k| k > 0)
-            .map(|k| Speculation::new(k, &prompt));
+            .as_ref()
+            .filter(|s| s.max_draft > 0)
+            .map(|s| Speculation::new(s, &prompt));
         batch.next_id += 1;
         batch.members.push(Member {
             id,
@@ -514,6 +536,7 @@ impl<B: Backend> Engine<B> {
                     if let Some(spec) = m.spec.as_mut() {
                         self.speculated.drafted += spec.drafts.len() as u64;
                         self.speculated.accepted += stood as u64;
+                        self.speculated.spans += u64::from(!spec.drafts.is_empty());
                         let settled = isolated("the request's speculation", || {
                             spec.settle(&self.model, &self.backend, &mut m.seq, &taken, stood)
                         });

@@ -9,6 +9,7 @@
 //! a step fails the requests in flight. The thread goes on. An [`Observer`] hears of every
 //! request's progress (for metrics), before its client does.
 
+use crate::draft::Speculate;
 use crate::generate::{Engine, GenerateOptions};
 use crate::grammar::{Grammar, GrammarSpec, Grammars};
 use crate::request::RequestId;
@@ -96,7 +97,7 @@ pub struct Runner {
     max_batch: Option<usize>,
     specials_in_content: bool,
     /// Speculative decoding's longest draft for every request (`None`: off).
-    speculate: Option<usize>,
+    speculate: Option<Speculate>,
 }
 
 /// The callers' end of the queue.
@@ -259,10 +260,9 @@ impl Runner {
         self
     }
 
-    /// Speculative decoding for every request: prompt-lookup drafts of up to `n` tokens
-    /// (`None`: off).
-    pub fn speculate(mut self, n: Option<usize>) -> Self {
-        self.speculate = n;
+    /// Speculative decoding for every request (`None`: off).
+    pub fn speculate(mut self, s: Option<Speculate>) -> Self {
+        self.speculate = s;
         self
     }
 
@@ -318,7 +318,7 @@ impl Runner {
         let mut serving = Serving {
             template,
             specials_in_content: self.specials_in_content,
-            speculate: self.speculate,
+            speculate: self.speculate.clone(),
             eos: engine.eos_ids(),
             batch: engine.batch(),
             max_context,
@@ -376,7 +376,7 @@ struct Serving<B: Backend> {
     engine: Engine<B>,
     template: Arc<Result<sala_tokenizer::ChatTemplate, String>>,
     specials_in_content: bool,
-    speculate: Option<usize>,
+    speculate: Option<Speculate>,
     eos: Vec<u32>,
     max_context: usize,
     observer: Arc<dyn Observer>,
@@ -527,7 +527,7 @@ impl<B: Backend> Serving<B> {
             },
             grammar: request.grammar,
             prompt_logprobs: request.prompt_logprobs,
-            speculate: self.speculate,
+            speculate: self.speculate.clone(),
         };
         let sink = Sink {
             events: events.clone(),

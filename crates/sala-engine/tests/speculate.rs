@@ -4,6 +4,7 @@
 
 use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
 use sala_cpu::CpuBackend;
+use sala_engine::draft::Speculate;
 use sala_engine::generate::{Engine, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
 use sala_engine::step::StepEvent;
@@ -37,7 +38,7 @@ fn opts(max_tokens: usize, speculate: Option<usize>, sampling: SamplingParams) -
         eos_ids: Vec::new(),
         grammar: None,
         prompt_logprobs: None,
-        speculate,
+        speculate: speculate.map(Speculate::prompt_lookup),
     }
 }
 
@@ -186,4 +187,49 @@ fn spans_fit_a_small_workspace() {
         e.speculation_stats().drafted > start.drafted,
         "no draft was made"
     );
+}
+
+/// Drafts from the greedy continuation itself, `right` of each 4 true: the engine takes
+/// exactly those (every full span `right`, all 4 when `right` is 4) and gives the greedy
+/// tokens; with no true draft, no draft stands and the tokens are the same.
+#[test]
+fn known_continuation_drafts_stand_as_far_as_they_are_right() {
+    use sala_engine::draft::DraftSource;
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let p = prompt(90, 5);
+    let plain = run_batch(&mut e, &[(p.clone(), opts(120, None, greedy()))], true);
+    let sequence: Arc<[u32]> = p.iter().copied().chain(ids(&plain[0])).collect();
+    for right in [0usize, 1, 3, 4] {
+        let mut o = opts(120, None, greedy());
+        o.speculate = Some(Speculate {
+            max_draft: 4,
+            drafts: DraftSource::Known {
+                sequence: sequence.clone(),
+                right,
+            },
+        });
+        let before = e.speculation_stats();
+        let spec = run_batch(&mut e, &[(p.clone(), o)], false);
+        let agreed = agree_up_to_a_near_tie(&plain[0], &ids(&spec[0]));
+        let s = e.speculation_stats();
+        let (drafted, accepted) = (s.drafted - before.drafted, s.accepted - before.accepted);
+        assert!(drafted > 0, "right {right}: no drafts");
+        if agreed == plain[0].len() {
+            // On the known sequence all along: every span of 4 drafts took `right` of them
+            // (the few spans cut short before dense_len or the end take what they hold).
+            let right = right as u64;
+            assert!(
+                accepted <= drafted && 4 * accepted + 4 * 4 * right >= right * drafted,
+                "right {right}: {accepted} of {drafted} taken"
+            );
+            if right == 0 {
+                assert_eq!(accepted, 0);
+            }
+            if right == 4 {
+                assert_eq!(accepted, drafted);
+            }
+        }
+    }
 }

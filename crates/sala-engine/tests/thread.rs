@@ -5,6 +5,7 @@
 
 use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
 use sala_cpu::CpuBackend;
+use sala_engine::draft::Speculate;
 use sala_engine::generate::{Engine, FinishReason, GenerateOptions};
 use sala_engine::request::{Event, Prompt, Request, RequestError};
 use sala_engine::sampling::SamplingParams;
@@ -354,7 +355,10 @@ fn the_choices_of_a_prompt_are_each_a_seeds_request_even_past_the_batch() {
 fn an_engine_that_speculates_serves_every_token() {
     let counts = Arc::new(Counts::default());
     let engine = thread::spawn(Some(MAX_CONTEXT), 4, counts.clone(), move |runner| {
-        runner.max_batch(2).speculate(Some(4)).run(load());
+        runner
+            .max_batch(2)
+            .speculate(Some(Speculate::prompt_lookup(4)))
+            .run(load());
         Ok(())
     })
     .unwrap();

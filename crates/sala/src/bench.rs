@@ -15,7 +15,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 mod ops;
+mod speculative;
 use ops::{lightning_op, sparse_op};
+use speculative::{speculative, BenchDrafts};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -91,6 +93,13 @@ pub struct BenchArgs {
     /// With --concurrent: the batched run alone, without the one-after-another baseline.
     #[arg(long, requires = "concurrent")]
     batched_only: bool,
+    /// Speculative decoding of one request through the engine (greedy, --decode-tokens after
+    /// a random prompt of each --context), against plain decoding, with each of these draft
+    /// sources: `ngram` or `ngram:N` (prompt lookup, up to 4 or N tokens), `oracle:R/K`
+    /// (drafts of K tokens from the plain run's own continuation, the first R right: the
+    /// engine's speed at an accepted length of R).
+    #[arg(long, value_name = "DRAFTS,...", value_delimiter = ',')]
+    speculative: Vec<String>,
 }
 
 fn parse_len(s: &str) -> Result<usize> {
@@ -239,6 +248,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 serde_json::to_string_pretty(&json!({ "op": op, "results": rows }))?,
             )
             .with_context(|| format!("writing {}", path.display()))?;
+        }
+        return Ok(());
+    }
+    if !args.speculative.is_empty() {
+        let modes = args
+            .speculative
+            .iter()
+            .map(|s| BenchDrafts::parse(s))
+            .collect::<Result<Vec<_>>>()?;
+        let doc = match args.device.open()? {
+            Opened::Cpu(be) => speculative(be, &config, &contexts, &modes, &args),
+            Opened::Cuda(be) => speculative(*be, &config, &contexts, &modes, &args),
+        }?;
+        if let Some(path) = &args.json {
+            std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+                .with_context(|| format!("writing {}", path.display()))?;
         }
         return Ok(());
     }

@@ -95,10 +95,10 @@ struct ServeArgs {
     /// turn.
     #[arg(long)]
     special_tokens_in_content: bool,
-    /// Speculative decoding for every request: prompt-lookup drafts of up to N tokens (1 to
-    /// 16), verified in one pass, while at most 8 requests decode together.
-    #[arg(long, value_name = "N")]
-    speculate: Option<usize>,
+    /// Speculative decoding for every request, while at most 8 decode together: `ngram`
+    /// (prompt-lookup drafts of up to 4 tokens), `ngram:N` (up to N, 1 to 16) or `off`.
+    #[arg(long, value_name = "MODE", default_value = "off")]
+    speculative: String,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -172,11 +172,12 @@ struct GenerateArgs {
     /// Keep generating past EOS tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Speculative decoding: draft up to N tokens a step by looking the latest words up in
-    /// the prompt and the output, and verify them in one pass (the output is distributed as
-    /// without it; greedy, the same tokens up to near-ties).
-    #[arg(long, value_name = "N")]
-    speculate: Option<usize>,
+    /// Speculative decoding: `ngram` drafts up to 4 tokens a step by looking the latest
+    /// words up in the prompt and the output (`ngram:N`: up to N, 1 to 16) and verifies them
+    /// in one pass (the output is distributed as without it; greedy, the same tokens up to
+    /// near-ties); `off`.
+    #[arg(long, value_name = "MODE", default_value = "off")]
+    speculative: String,
     /// Constrain the output to a JSON object (constrained decoding; generation stops when
     /// the object is complete, or cut short at --max-tokens).
     #[arg(long, conflicts_with = "json_schema")]
@@ -485,18 +486,32 @@ fn generate_options(
         },
         grammar: grammar(args, config, tokenizer)?,
         prompt_logprobs: None,
-        speculate: match args.speculate {
-            Some(n) if !(1..=16).contains(&n) => {
-                bail!("--speculate {n}: drafts of 1..=16 tokens")
-            }
-            n => n,
-        },
+        speculate: speculative(&args.speculative)?,
     };
     opts.sampling.validate()?;
     Ok(opts)
 }
 
 /// The grammar of `--json` or `--json-schema`, compiled (before any weight is loaded).
+/// `--speculative MODE`: `ngram` or `ngram:N` (prompt-lookup drafts of up to 4 or N tokens),
+/// `off`.
+fn speculative(mode: &str) -> Result<Option<sala_engine::draft::Speculate>> {
+    use sala_engine::draft::Speculate;
+    let max_draft = match mode.split_once(':') {
+        None if mode == "off" => return Ok(None),
+        None if mode == "ngram" => 4,
+        Some(("ngram", n)) => match n.parse::<usize>() {
+            Ok(n) if (1..=16).contains(&n) => n,
+            _ => bail!("--speculative {mode}: ngram:N takes drafts of 1 to 16 tokens"),
+        },
+        Some(("draft", _)) => {
+            bail!("--speculative {mode}: draft models are not supported yet (use ngram or off)")
+        }
+        _ => bail!("--speculative {mode}: expected ngram, ngram:N (1 to 16) or off"),
+    };
+    Ok(Some(Speculate::prompt_lookup(max_draft)))
+}
+
 fn grammar(
     args: &GenerateArgs,
     config: &ModelConfig,
@@ -819,10 +834,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     let load_dir = dir.clone();
     eprintln!("loading {} ...", dir.display());
     let specials_in_content = args.special_tokens_in_content;
-    let speculate = match args.speculate {
-        Some(n) if !(1..=16).contains(&n) => bail!("--speculate {n}: drafts of 1..=16 tokens"),
-        n => n,
-    };
+    let speculate = speculative(&args.speculative)?;
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
         let runner = runner
             .special_tokens_in_content(specials_in_content)

@@ -574,7 +574,7 @@ fn generate_speculates_when_asked() {
     ];
     let plain = sala(&args, cache);
     ok(&plain);
-    let spec = sala(&[&args[..], &["--speculate", "6"]].concat(), cache);
+    let spec = sala(&[&args[..], &["--speculative", "ngram:6"]].concat(), cache);
     ok(&spec);
     let err = String::from_utf8_lossy(&spec.stderr);
     let line = err
@@ -588,10 +588,20 @@ fn generate_speculates_when_asked() {
         .unwrap_or_else(|| panic!("{line}"));
     assert!(drafted > 0, "{line}");
     assert!(!String::from_utf8_lossy(&plain.stderr).contains("speculation:"));
-    fails_with(
-        &sala(&[&args[..], &["--speculate", "0"]].concat(), cache),
-        &["--speculate", "1..=16"],
-    );
+    let off = sala(&[&args[..], &["--speculative", "off"]].concat(), cache);
+    ok(&off);
+    assert!(!String::from_utf8_lossy(&off.stderr).contains("speculation:"));
+    for (mode, says) in [
+        ("ngram:0", "1 to 16"),
+        ("ngram:x", "1 to 16"),
+        ("draft:/nowhere", "not supported yet"),
+        ("lookahead", "expected ngram"),
+    ] {
+        fails_with(
+            &sala(&[&args[..], &["--speculative", mode]].concat(), cache),
+            &[mode, says],
+        );
+    }
     fails_with(
         &sala(
             &[
@@ -600,11 +610,11 @@ fn generate_speculates_when_asked() {
                 "cpu",
                 "--port",
                 "0",
-                "--speculate",
-                "17",
+                "--speculative",
+                "ngram:17",
             ],
             cache,
         ),
-        &["--speculate 17", "1..=16"],
+        &["--speculative ngram:17", "1 to 16"],
     );
 }
