@@ -8,7 +8,7 @@ pub mod reference;
 use attention::SparseCache;
 use rayon::prelude::*;
 use sala_checkpoint::{ModelConfig, SparseConfig};
-use sala_model::backend::{check_spans, RANDOM_KV_STD, RANDOM_STATE_STD};
+use sala_model::backend::{check_spans, RANDOM_KV_STD, RANDOM_STATE_STD, STEPWISE_SPAN_ROWS};
 use sala_model::memory::{BackendMemory, F32};
 use sala_model::numerics::{bf16_round, random_normal};
 use sala_model::{
@@ -215,6 +215,35 @@ pub fn lightning_norm_rope(
         let cols = x.len() / len;
         head_norm_rope(x, cols, head_dim, norm, rope);
     }
+}
+
+/// The first `rows` rows of k (a copy, to norm and rotate) for a lightning replay, after
+/// checking k and v hold them at the layer's width.
+pub(crate) fn replay_rows(
+    shape: AttnShape,
+    k: &CpuAct,
+    v: &CpuAct,
+    rows: usize,
+) -> BResult<Vec<f32>> {
+    let kw = shape.kv_width();
+    if k.cols != kw || v.cols != kw || rows > k.rows || rows > v.rows || rows > STEPWISE_SPAN_ROWS {
+        return Err(BackendError(format!(
+            "lightning replay: {rows} rows of {kw} wanted, k and v hold {}x{} and {}x{}",
+            k.rows, k.cols, v.rows, v.cols
+        )));
+    }
+    Ok(k.data[..rows * kw].to_vec())
+}
+
+/// The pieces (first row, rows) a lightning span is computed in: a span of at most
+/// [`STEPWISE_SPAN_ROWS`] rows token by token (each row as if decoded alone), a longer one whole.
+pub(crate) fn lightning_pieces(len: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = if len <= STEPWISE_SPAN_ROWS {
+        1
+    } else {
+        len.max(1)
+    };
+    (0..len).step_by(step).map(move |r| (r, step.min(len - r)))
 }
 
 /// Stacks matrices with the same input width.
@@ -533,12 +562,50 @@ impl Backend for CpuBackend {
     ) -> BResult<()> {
         each_span(io, spans, states.len(), |i, mut rows| {
             lightning_norm_rope(&mut rows, shape.head_dim, norms, inv_freq, spans[i].pos);
-            let o = attention::lightning(shape, slopes, rows.q, rows.k, rows.v, states[i]);
-            for (dst, x) in rows.out.iter_mut().zip(o) {
-                *dst = bf16_round(x);
+            let (qw, kw) = (shape.q_width(), shape.kv_width());
+            for (r, n) in lightning_pieces(rows.len) {
+                let o = attention::lightning(
+                    shape,
+                    slopes,
+                    &rows.q[r * qw..(r + n) * qw],
+                    &rows.k[r * kw..(r + n) * kw],
+                    &rows.v[r * kw..(r + n) * kw],
+                    states[i],
+                );
+                for (dst, x) in rows.out[r * qw..(r + n) * qw].iter_mut().zip(o) {
+                    *dst = bf16_round(x);
+                }
             }
             Ok(())
         })
+    }
+
+    fn lightning_replay(
+        &self,
+        shape: AttnShape,
+        slopes: &Vec<f32>,
+        k_norm: Option<(&Vec<f32>, f32)>,
+        inv_freq: Option<&Vec<f32>>,
+        (k, v, rows): (&CpuAct, &CpuAct, usize),
+        pos: usize,
+        state: &mut Vec<f32>,
+    ) -> BResult<()> {
+        let kw = shape.kv_width();
+        let mut kr = replay_rows(shape, k, v, rows)?;
+        let q = vec![0.0; shape.q_width()];
+        head_norm_rope(
+            &mut kr,
+            kw,
+            shape.head_dim,
+            k_norm.map(|(w, e)| (w.as_slice(), e)),
+            inv_freq.map(|f| (f.as_slice(), pos)),
+        );
+        // Row by row, as a span this short runs (the outputs, from a zero q, are dropped).
+        for r in 0..rows {
+            let vr = &v.data[r * kw..(r + 1) * kw];
+            attention::lightning(shape, slopes, &q, &kr[r * kw..(r + 1) * kw], vr, state);
+        }
+        Ok(())
     }
 
     fn sparse_attention(

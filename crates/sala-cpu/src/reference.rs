@@ -161,14 +161,59 @@ impl Backend for ReferenceBackend {
     ) -> BResult<()> {
         each_span(io, spans, states.len(), |i, mut rows| {
             lightning_norm_rope(&mut rows, shape.head_dim, norms, inv_freq, spans[i].pos);
-            let (o, s) = oracle::lightning(shape, slopes, rows.q, rows.k, rows.v, Some(states[i]));
-            *states[i] = s;
-            for (dst, x) in rows.out.iter_mut().zip(o) {
-                *dst = bf16_round(x);
+            let (qw, kw) = (shape.q_width(), shape.kv_width());
+            for (r, n) in crate::lightning_pieces(rows.len) {
+                let (o, s) = oracle::lightning(
+                    shape,
+                    slopes,
+                    &rows.q[r * qw..(r + n) * qw],
+                    &rows.k[r * kw..(r + n) * kw],
+                    &rows.v[r * kw..(r + n) * kw],
+                    Some(states[i]),
+                );
+                *states[i] = s;
+                for (dst, x) in rows.out[r * qw..(r + n) * qw].iter_mut().zip(o) {
+                    *dst = bf16_round(x);
+                }
             }
             Ok(())
         })
     }
+    fn lightning_replay(
+        &self,
+        shape: AttnShape,
+        slopes: &Vec<f32>,
+        k_norm: Option<(&Vec<f32>, f32)>,
+        inv_freq: Option<&Vec<f32>>,
+        (k, v, rows): (&CpuAct, &CpuAct, usize),
+        pos: usize,
+        state: &mut Vec<f32>,
+    ) -> BResult<()> {
+        let kw = shape.kv_width();
+        let mut kr = crate::replay_rows(shape, k, v, rows)?;
+        let q = vec![0.0; shape.q_width()];
+        crate::head_norm_rope(
+            &mut kr,
+            kw,
+            shape.head_dim,
+            k_norm.map(|(w, e)| (w.as_slice(), e)),
+            inv_freq.map(|f| (f.as_slice(), pos)),
+        );
+        for r in 0..rows {
+            let vr = &v.data[r * kw..(r + 1) * kw];
+            let (_, s) = oracle::lightning(
+                shape,
+                slopes,
+                &q,
+                &kr[r * kw..(r + 1) * kw],
+                vr,
+                Some(state),
+            );
+            *state = s;
+        }
+        Ok(())
+    }
+
     fn sparse_attention(
         &self,
         shape: AttnShape,

@@ -6,7 +6,9 @@ use sala_checkpoint::{expected_tensors, ModelConfig};
 use sala_cpu::reference::ReferenceBackend;
 use sala_cpu::CpuBackend;
 use sala_model::numerics::{rel_l2, TestRng};
-use sala_model::testing::{check_greedy_picks, check_mixed_step, check_rewind, decode_step};
+use sala_model::testing::{
+    check_greedy_picks, check_mixed_step, check_rewind, check_stepwise_spans, decode_step,
+};
 use sala_model::{Backend, HostDType, HostTensor, LogitRows, Model, SparseMode, WeightSource};
 use std::collections::HashMap;
 
@@ -389,6 +391,15 @@ fn a_rewound_sequence_goes_on_as_if_never_ahead() {
     let config = tiny_config(150);
     check_rewind(&CpuBackend, &load(&CpuBackend, &config, 31)).unwrap();
     check_rewind(&ReferenceBackend, &load(&ReferenceBackend, &config, 31)).unwrap();
+}
+
+/// A short span gives each row the logits of decoding its tokens one at a time, bit for bit
+/// ([`sala_model::testing::check_stepwise_spans`]).
+#[test]
+fn short_spans_equal_decoding_token_by_token() {
+    let config = tiny_config(100);
+    check_stepwise_spans(&CpuBackend, &load(&CpuBackend, &config, 37)).unwrap();
+    check_stepwise_spans(&ReferenceBackend, &load(&ReferenceBackend, &config, 37)).unwrap();
 }
 
 /// Greedy picks of a step equal the host's pick from the same logits

@@ -596,6 +596,19 @@ impl Backend for CudaBackend {
         self.lightning_spans(shape, slopes, norms, inv_freq, io, spans, states)
     }
 
+    fn lightning_replay(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        k_norm: Option<(&CudaSlice<u16>, f32)>,
+        inv_freq: Option<&CudaSlice<f32>>,
+        kv: (&DevAct, &DevAct, usize),
+        pos: usize,
+        state: &mut DevLightningState,
+    ) -> BResult<()> {
+        self.lightning_replay_rows(shape, slopes, k_norm, inv_freq, kv, pos, state)
+    }
+
     fn sparse_attention(
         &self,
         shape: AttnShape,

@@ -190,6 +190,7 @@ kernel_table! {
     SiluMulHalves = silu_mul_halves in "elementwise.cu" (gu: Ptr, out: Ptr, rows: I32, inter: I32);
     // Lightning layers.
     LightningDecodeRows = lightning_decode_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, rows: Rows, out: Ptr, slopes: Ptr, heads: I32, kv_heads: I32, d: I32, scale: F32, q_norm: Ptr, k_norm: Ptr, eps: F32, table: Ptr);
+    LightningSpanRows = lightning_span_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, rows: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, q_norm: Ptr, k_norm: Ptr, eps: F32, table: Ptr);
     LightningChunked = lightning_chunked in "lightning/chunked.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32);
     LightningChunkState = lightning_chunk_state in "lightning/split.cu" (k: Ptr, v: Ptr, ds: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32);
     LightningChunkScan = lightning_chunk_scan in "lightning/split.cu" (state: Ptr, ds: Ptr, slopes: Ptr, n: I32, last_len: I32, heads: I32, d: I32);

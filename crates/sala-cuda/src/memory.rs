@@ -63,12 +63,12 @@ impl<'a> Windows<'a> {
         &mut self,
         first: usize,
         rows: usize,
-    ) -> (&DevAct, &DevAct, &DevAct, &mut DevAct) {
+    ) -> (&mut DevAct, &mut DevAct, &DevAct, &mut DevAct) {
         for (a, &(start, _)) in self.acts.iter_mut().zip(&self.saved) {
             a.window(start + first, rows);
         }
         let [q, k, v, out] = &mut self.acts;
-        (&**q, &**k, &**v, &mut **out)
+        (&mut **q, &mut **k, &**v, &mut **out)
     }
 }
 

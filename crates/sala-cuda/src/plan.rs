@@ -711,6 +711,10 @@ impl Planner {
                         &r,
                     );
                 }
+                // A span of this many rows of one sequence, stepped token by token.
+                if rows > 1 && rows <= sala_model::STEPWISE_SPAN_ROWS {
+                    add(K::LightningSpanRows, self.lightning_decode(lh, ld, 1), &r);
+                }
                 for &len in &[100usize, 8 << 10, 128 << 10, 1 << 20, 4 << 20] {
                     let len = len.max(rows);
                     let what = format!("{rows} rows at {len} tokens");

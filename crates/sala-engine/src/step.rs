@@ -125,11 +125,13 @@ pub const SPECULATE_MAX_REQUESTS: usize = 8;
 pub const SPECULATE_MAX_PAUSE: usize = 64;
 
 /// A request's speculative decoding: drafts verified in one span a step. After a span whose
-/// drafts were not all taken the sequence is rewound to before it, and the tokens it did take
-/// are read again at the front of the next span (no pass of their own), which carries no
-/// drafts: a rewind reaches back to the span's start, so drafts behind re-read tokens would
-/// make every partly taken span re-read all the tokens before it. After spans of which no
-/// draft stood, drafting pauses for 2, 4, ... up to [`SPECULATE_MAX_PAUSE`] steps.
+/// drafts were not all taken, the sequence is rewound into it, keeping the tokens it took
+/// ([`Model::rewind_to`]: exact, the lightning states replayed over the kept rows). Where that
+/// cannot be (a span longer than [`sala_model::STEPWISE_SPAN_ROWS`]), it is rewound to before
+/// the span and the tokens it took are read again at the front of the next span, which then
+/// carries no drafts (else every partly taken span would re-read all the tokens before it).
+/// After spans of which no draft stood, drafting pauses for 2, 4, ... up to
+/// [`SPECULATE_MAX_PAUSE`] steps.
 struct Speculation<B: Backend> {
     drafter: Box<dyn Drafter + Send>,
     max_draft: usize,
@@ -165,7 +167,7 @@ impl<B: Backend> Speculation<B> {
         &mut self,
         model: &Model<B>,
         be: &B,
-        seq: &SeqState<B>,
+        seq: &mut SeqState<B>,
         feed: u32,
         room: usize,
         max_rows: usize,
@@ -225,8 +227,14 @@ impl<B: Backend> Speculation<B> {
             let mark = self.mark.take().ok_or_else(|| {
                 EngineError::from(BackendError("a span with drafts has no mark".into()))
             })?;
-            model.rewind(be, seq, &mark)?;
-            self.redo = self.span[..self.redo.len() + 1 + stood].to_vec();
+            let keep = self.redo.len() + 1 + stood;
+            if self.span.len() <= sala_model::STEPWISE_SPAN_ROWS {
+                model.rewind_to(be, seq, &mark, keep)?;
+                self.redo.clear();
+            } else {
+                model.rewind(be, seq, &mark)?;
+                self.redo = self.span[..keep].to_vec();
+            }
         } else {
             self.redo.clear();
         }
@@ -570,7 +578,7 @@ impl<B: Backend> Engine<B> {
                 0
             };
             let planned = isolated("the request's speculation", || {
-                spec.plan(&self.model, &self.backend, &m.seq, feed, room, max_rows)
+                spec.plan(&self.model, &self.backend, &mut m.seq, feed, room, max_rows)
             });
             if let Err(e) = planned {
                 m.done = Some(Err(e));

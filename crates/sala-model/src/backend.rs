@@ -19,6 +19,9 @@ pub type BResult<T> = Result<T, BackendError>;
 
 /// Spread of the random keys and values of [`Backend::fill_sparse_cache_random`].
 pub const RANDOM_KV_STD: f32 = 1.0;
+
+/// Most rows of a span that [`Backend::lightning`] steps token by token.
+pub const STEPWISE_SPAN_ROWS: usize = 16;
 /// Spread of the random lightning states of [`Backend::fill_lightning_state_random`].
 pub const RANDOM_STATE_STD: f32 = 0.05;
 
@@ -305,7 +308,9 @@ pub trait Backend {
     /// rows of sequence `i`, advanced from `states[i]`. Per head of q and k, the optional
     /// RMSNorm (`norms`: q weight, k weight, eps) then the optional RoPE at each row's
     /// position; `out` gets `o` rounded to bf16. Each span's result does not depend on the
-    /// others.
+    /// others, and a span of at most [`STEPWISE_SPAN_ROWS`] rows gives every row and the
+    /// state the bits of decoding its rows one at a time (so a verified draft is the token
+    /// plain decoding would give, and a replay of accepted rows the state it would leave).
     #[allow(clippy::too_many_arguments)]
     fn lightning(
         &self,
@@ -322,6 +327,21 @@ pub trait Backend {
     /// `out` gets the result rounded to bf16. Each span's result does not depend on the
     /// others.
     #[allow(clippy::too_many_arguments)]
+    /// Advances `state` over the first `rows` rows of `k` and `v` (`kv`: k, v, rows; as the
+    /// lightning layer's projections made them, so normed with `k_norm` and rotated at
+    /// positions `pos..` here) as [`Backend::lightning`] stepping those rows would, bit for
+    /// bit, without outputs: the replay of kept speculative tokens ([`crate::Model::rewind_to`]).
+    #[allow(clippy::too_many_arguments)]
+    fn lightning_replay(
+        &self,
+        shape: AttnShape,
+        slopes: &Self::Table,
+        k_norm: Option<(&Self::Vector, f32)>,
+        inv_freq: Option<&Self::Table>,
+        kv: (&Self::Act, &Self::Act, usize),
+        pos: usize,
+        state: &mut Self::LightningState,
+    ) -> BResult<()>;
     fn sparse_attention(
         &self,
         shape: AttnShape,

@@ -10,6 +10,7 @@ pub mod testing;
 
 pub use backend::{
     AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, LogitsOut, Span, StepInfo,
+    STEPWISE_SPAN_ROWS,
 };
 pub use model::{
     GreedyPick, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits, WeightSource, Workspace,

@@ -59,6 +59,21 @@ pub struct SeqState<B: Backend> {
     /// Unique among the sequences of a process (a backend may key per-sequence work on it).
     id: u64,
     layers: Vec<LayerState<B>>,
+    /// The k and v rows of the span read since the last mark, for a rewind into it.
+    span_kv: Option<SpanKv<B>>,
+}
+
+/// The lightning layers' k and v rows of the one span a sequence reads after [`Model::mark`]
+/// (at most [`crate::STEPWISE_SPAN_ROWS`] rows), as the layers' projections made them: a
+/// rewind that keeps the first rows of the span replays them into the states
+/// ([`Model::rewind_to`]).
+struct SpanKv<B: Backend> {
+    /// The mark's position, and the span's rows once it has run (0: none yet or too long).
+    pos: usize,
+    rows: usize,
+    armed: bool,
+    /// Per lightning layer, buffers of [`crate::STEPWISE_SPAN_ROWS`] rows for k and v.
+    layers: Vec<(B::Act, B::Act)>,
 }
 
 /// A sequence's state at one position, to rewind it to ([`Model::mark`]).
@@ -110,6 +125,7 @@ impl<B: Backend> Layer<B> {
         step: &StepCtx<'_>,
         ws: &mut Workspace<B>,
         states: &mut [&mut LayerState<B>],
+        captures: &mut [Option<&mut (B::Act, B::Act)>],
         next_norm: &B::Vector,
     ) -> BResult<()> {
         let c = &m.config;
@@ -135,6 +151,13 @@ impl<B: Backend> Layer<B> {
         };
         match &self.mixer {
             Mixer::Lightning { q_norm, k_norm, .. } => {
+                // Spans a rewind may keep part of: their k and v rows as projected.
+                for (cap, s) in captures.iter_mut().zip(step.spans) {
+                    if let Some((kc, vc)) = cap.as_deref_mut() {
+                        be.copy_rows(&*io.k, s.first_row, kc, 0, s.len)?;
+                        be.copy_rows(&*io.v, s.first_row, vc, 0, s.len)?;
+                    }
+                }
                 let mut lstates = states
                     .iter_mut()
                     .map(|s| match s {
@@ -565,7 +588,12 @@ impl<B: Backend> Model<B> {
             })
             .collect::<BResult<Vec<_>>>()?;
         let id = NEXT_SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(SeqState { pos: 0, id, layers })
+        Ok(SeqState {
+            pos: 0,
+            id,
+            layers,
+            span_kv: None,
+        })
     }
 
     /// Makes `dst` (a new sequence of this model, perhaps reserved) hold what `src` holds, so
@@ -592,7 +620,35 @@ impl<B: Backend> Model<B> {
 
     /// A mark to rewind `seq` to ([`Model::rewind`]): its position and a copy of every
     /// lightning state (the sparse caches are cut back instead).
-    pub fn mark(&self, be: &B, seq: &SeqState<B>) -> BResult<SeqMark<B>> {
+    pub fn mark(&self, be: &B, seq: &mut SeqState<B>) -> BResult<SeqMark<B>> {
+        // The next span's k and v rows are kept, for a rewind into it.
+        if seq.span_kv.is_none() {
+            let width = self.lightning_shape().kv_width();
+            let n = self
+                .layers
+                .iter()
+                .filter(|l| matches!(l.mixer, Mixer::Lightning { .. }))
+                .count();
+            let layers = (0..n)
+                .map(|_| {
+                    Ok((
+                        be.alloc(crate::STEPWISE_SPAN_ROWS, width)?,
+                        be.alloc(crate::STEPWISE_SPAN_ROWS, width)?,
+                    ))
+                })
+                .collect::<BResult<Vec<_>>>()?;
+            seq.span_kv = Some(SpanKv {
+                pos: 0,
+                rows: 0,
+                armed: false,
+                layers,
+            });
+        }
+        if let Some(kv) = seq.span_kv.as_mut() {
+            kv.pos = seq.pos;
+            kv.rows = 0;
+            kv.armed = true;
+        }
         let mut states = Vec::new();
         for state in &seq.layers {
             if let LayerState::Lightning(s) = state {
@@ -607,6 +663,63 @@ impl<B: Backend> Model<B> {
             pos: seq.pos,
             states,
         })
+    }
+
+    /// Makes `seq` hold what it held at `mark` followed by the first `keep` tokens of the one
+    /// span it read since (at most [`crate::STEPWISE_SPAN_ROWS`] tokens): the rest is undone
+    /// exactly, and the lightning states are the mark's advanced over the kept rows as
+    /// decoding them one at a time would (the span's k and v rows replayed), so it goes on as
+    /// if only the kept tokens had been read (speculative drafts of which `keep − 1` stood).
+    pub fn rewind_to(
+        &self,
+        be: &B,
+        seq: &mut SeqState<B>,
+        mark: &SeqMark<B>,
+        keep: usize,
+    ) -> BResult<()> {
+        if keep == 0 {
+            return self.rewind(be, seq, mark);
+        }
+        let kept = seq.span_kv.as_ref().is_some_and(|kv| {
+            kv.pos == mark.pos && keep <= kv.rows && mark.pos + kv.rows == seq.pos
+        });
+        if mark.seq != seq.id || !kept {
+            return Err(BackendError(format!(
+                "rewind: the sequence did not read one span of at least {keep} tokens (at most {}) since the mark",
+                crate::STEPWISE_SPAN_ROWS
+            )));
+        }
+        let c = &self.config;
+        let mut saved = mark.states.iter();
+        let kv = seq.span_kv.as_ref().expect("checked above");
+        let mut kv_layers = kv.layers.iter();
+        for (layer, state) in self.layers.iter().zip(&mut seq.layers) {
+            match (state, &layer.mixer) {
+                (LayerState::Lightning(s), Mixer::Lightning { k_norm, .. }) => {
+                    let from = saved.next().ok_or_else(state_mismatch)?;
+                    let (k, v) = kv_layers.next().ok_or_else(state_mismatch)?;
+                    be.copy_lightning_state(from, s)?;
+                    be.lightning_replay(
+                        self.lightning_shape(),
+                        &self.slopes,
+                        k_norm.as_ref().map(|w| (w, c.rms_norm_eps as f32)),
+                        c.lightning_use_rope.then_some(&self.inv_freq),
+                        (k, v, keep),
+                        mark.pos,
+                        s,
+                    )?;
+                }
+                (LayerState::Sparse(cache), _) => {
+                    be.truncate_sparse_cache(cache, &c.sparse, mark.pos + keep)?
+                }
+                _ => return Err(state_mismatch()),
+            }
+        }
+        seq.pos = mark.pos + keep;
+        if let Some(kv) = seq.span_kv.as_mut() {
+            kv.armed = false;
+        }
+        Ok(())
     }
 
     /// Makes `seq` hold what it held at `mark` (taken of it, at or before its position now):
@@ -798,6 +911,16 @@ impl<B: Backend> Model<B> {
         let logits = logits?;
         ended?;
         for x in batch.iter_mut() {
+            // The span read after a mark is kept (when short enough) until the next mark.
+            if let Some(kv) = x.seq.span_kv.as_mut().filter(|kv| kv.armed) {
+                let short = x.tokens.len() <= crate::STEPWISE_SPAN_ROWS;
+                kv.rows = if short && kv.pos == x.seq.pos {
+                    x.tokens.len()
+                } else {
+                    0
+                };
+                kv.armed = false;
+            }
             x.seq.pos += x.tokens.len();
         }
         Ok(logits)
@@ -818,14 +941,30 @@ impl<B: Backend> Model<B> {
         if let Some(first) = self.layers.first() {
             be.rms_norm(&ws.h, &first.input_norm, step.eps, &mut ws.a)?;
         }
+        let mut lightning_index = 0;
         for (i, layer) in self.layers.iter().enumerate() {
-            let mut states: Vec<&mut LayerState<B>> =
-                batch.iter_mut().map(|x| &mut x.seq.layers[i]).collect();
+            let lightning = matches!(layer.mixer, Mixer::Lightning { .. });
+            let mut states: Vec<&mut LayerState<B>> = Vec::with_capacity(batch.len());
+            let mut captures: Vec<Option<&mut (B::Act, B::Act)>> = Vec::with_capacity(batch.len());
+            for x in batch.iter_mut() {
+                let short = x.tokens.len() <= crate::STEPWISE_SPAN_ROWS;
+                let SeqState {
+                    layers, span_kv, ..
+                } = &mut *x.seq;
+                states.push(&mut layers[i]);
+                captures.push(match span_kv {
+                    Some(kv) if lightning && kv.armed && short => {
+                        Some(&mut kv.layers[lightning_index])
+                    }
+                    _ => None,
+                });
+            }
             let next_norm = self
                 .layers
                 .get(i + 1)
                 .map_or(&self.final_norm, |l| &l.input_norm);
-            layer.forward(self, be, step, ws, &mut states, next_norm)?;
+            layer.forward(self, be, step, ws, &mut states, &mut captures, next_norm)?;
+            lightning_index += usize::from(lightning);
         }
         if logit_rows.is_empty() {
             return Ok(vec![StepLogits::Rows(Vec::new()); batch.len()]);

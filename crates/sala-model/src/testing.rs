@@ -283,13 +283,71 @@ pub fn check_greedy_picks<B: Backend>(be: &B, model: &Model<B>) -> Result<(), St
     Ok(())
 }
 
+/// A span of at most [`crate::STEPWISE_SPAN_ROWS`] tokens gives each row the logits of
+/// decoding its tokens one at a time, bit for bit, below `dense_len` and past it (what makes a
+/// verified draft the token plain decoding gives): after prompts of 30 and 190 tokens, spans of
+/// 1 to 16 tokens against decode steps. The model's `dense_len` should lie between (100).
+pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
+    let err = |e: crate::BackendError| e.0;
+    let vocab = model.config.vocab_size;
+    let mut ws = model.workspace(be, 64).map_err(err)?;
+    for (prompt_len, seed) in [(30usize, 31u64), (190, 32)] {
+        let prompt = tokens(prompt_len, vocab, seed);
+        let lens = [2usize, 5, 16, 1, 7, 3];
+        let feed = tokens(lens.iter().sum(), vocab, seed + 100);
+        let start = |ws: &mut Workspace<B>| -> Result<SeqState<B>, String> {
+            let mut seq = model.new_sequence(be).map_err(err)?;
+            model
+                .prefill(be, ws, &mut seq, &prompt, &mut |_| {})
+                .map_err(err)?;
+            Ok(seq)
+        };
+        let mut plain = start(&mut ws)?;
+        let want: Vec<Vec<f32>> = feed
+            .iter()
+            .map(|&t| model.decode(be, &mut ws, &mut plain, t))
+            .collect::<Result<_, _>>()
+            .map_err(err)?;
+        let mut seq = start(&mut ws)?;
+        let mut at = 0;
+        for n in lens {
+            let span = &feed[at..at + n];
+            if seq.pos < model.config.sparse.dense_len
+                && seq.pos + n >= model.config.sparse.dense_len
+            {
+                return Err("a span crosses dense_len: choose other lengths".into());
+            }
+            let mode = model.sparse_mode(seq.pos + n);
+            let rows = model
+                .forward_one(be, &mut ws, &mut seq, span, mode, LogitRows::All)
+                .map_err(err)?;
+            let vocab_rows: Vec<&[f32]> = rows.chunks(vocab).collect();
+            for (r, got) in vocab_rows.iter().enumerate() {
+                let w = &want[at + r];
+                let same = got.len() == w.len()
+                    && got.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                if !same {
+                    return Err(format!(
+                        "prompt {prompt_len}, span of {n} at token {at}: row {r}'s logits differ \
+                         from decoding it alone"
+                    ));
+                }
+            }
+            at += n;
+        }
+    }
+    Ok(())
+}
+
 /// Rewinding a sequence undoes the tokens fed since its mark exactly: a sequence that reads
 /// rejected tokens (a span of them, as a speculative step would), is rewound and goes on gives
 /// the logits of one that never read them, bit for bit. Past a 190-token prompt, the rejected
-/// spans (2 to 7 tokens) complete compressed windows of a small config (windows every few
+/// spans (1 to 9 tokens) complete compressed windows of a small config (windows every few
 /// tokens, few blocks selected), so those must be undone too: 80 tokens on, a window computed
-/// from rejected tokens would have left the forced local blocks and move the selection. Every
-/// third rewind keeps the span's first token (one draft accepted).
+/// from rejected tokens would have left the forced local blocks and move the selection. The
+/// spans start with 0 to 3 right tokens (drafts that stood), kept by [`Model::rewind_to`]
+/// (their rows must be the decoded logits), or every fifth step decoded again after a rewind
+/// to the mark.
 pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
     let err = |e: crate::BackendError| e.0;
     let vocab = model.config.vocab_size;
@@ -313,24 +371,42 @@ pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
     let mut seq = start(&mut ws)?;
     let mut got = Vec::new();
     let mut i = 0;
+    let vocab = model.config.vocab_size;
     while i < feed.len() {
-        let mark = model.mark(be, &seq).map_err(err)?;
-        // A draft whose first token is right every third step, then rejected tokens.
-        let keep = usize::from(i % 3 == 1);
+        let mark = model.mark(be, &mut seq).map_err(err)?;
+        // A span whose first 0 to 3 tokens are right, then rejected tokens; every fifth step
+        // rewound to the mark and the right tokens decoded again, else rewound into the span
+        // (the right tokens kept: their rows are the decoded logits).
+        let keep = (i % 4).min(feed.len() - i - 1);
         let mut span = feed[i..i + keep].to_vec();
-        span.extend(&junk[..2 + i % 6]);
+        span.extend(&junk[..1 + i % 6]);
         let mode = model.sparse_mode(seq.pos + span.len());
-        model
+        let rows = model
             .forward_one(be, &mut ws, &mut seq, &span, mode, LogitRows::All)
             .map_err(err)?;
-        model.rewind(be, &mut seq, &mark).map_err(err)?;
-        if seq.pos != 190 + i {
-            return Err(format!("step {i}: rewound to {}, not {}", seq.pos, 190 + i));
+        let again = i % 5 == 0;
+        if again {
+            model.rewind(be, &mut seq, &mark).map_err(err)?;
+            for &t in &feed[i..i + keep] {
+                got.push(model.decode(be, &mut ws, &mut seq, t).map_err(err)?);
+            }
+        } else {
+            model.rewind_to(be, &mut seq, &mark, keep).map_err(err)?;
+            got.extend(rows.chunks(vocab).take(keep).map(<[f32]>::to_vec));
         }
-        for &t in &feed[i..i + keep.max(1)] {
-            got.push(model.decode(be, &mut ws, &mut seq, t).map_err(err)?);
+        if seq.pos != 190 + i + keep {
+            return Err(format!(
+                "step {i}: rewound to {}, not {}",
+                seq.pos,
+                190 + i + keep
+            ));
         }
-        i += keep.max(1);
+        got.push(
+            model
+                .decode(be, &mut ws, &mut seq, feed[i + keep])
+                .map_err(err)?,
+        );
+        i += keep + 1;
     }
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         if g != w {
@@ -338,8 +414,8 @@ pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
         }
     }
     // A mark of another sequence, or of its future, is refused.
-    let other = start(&mut ws)?;
-    let mark = model.mark(be, &other).map_err(err)?;
+    let mut other = start(&mut ws)?;
+    let mark = model.mark(be, &mut other).map_err(err)?;
     if model.rewind(be, &mut seq, &mark).is_ok() {
         return Err("a mark of another sequence was taken".into());
     }

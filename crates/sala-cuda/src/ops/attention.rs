@@ -9,7 +9,7 @@ use crate::plan::{windows, AttentionPlan, SelectPlan, SEQ_ROWS};
 use crate::CudaBackend;
 use sala_checkpoint::SparseConfig;
 use sala_model::backend::{check_spans, span_runs, SpanRun};
-use sala_model::{AttnIo, AttnShape, BResult, BackendError, Span, SparseMode};
+use sala_model::{AttnIo, AttnShape, BResult, BackendError, Span, SparseMode, STEPWISE_SPAN_ROWS};
 
 impl CudaBackend {
     /// The sparse entry ([`sala_model::Backend::sparse_attention`]): each run of decode rows
@@ -52,6 +52,24 @@ impl CudaBackend {
         for run in span_runs(spans) {
             let (idx, first_row) = match run {
                 SpanRun::Rows { spans, first_row } => (spans, first_row),
+                // A short span: its rows as decode rows of its sequence, each with the bits of
+                // decoding it alone (Backend::lightning's rule, kept by the sparse layers too).
+                SpanRun::Chunk(i) if spans[i].len <= STEPWISE_SPAN_ROWS.min(SEQ_ROWS) => {
+                    let span = spans[i];
+                    let fits = self
+                        .sparse_rows_fit(shape, cfg, &modes[i..=i], &caches[i..=i])
+                        .is_some();
+                    if fits {
+                        let (q, k, v, out) = w.rows(span.first_row, span.len);
+                        self.sparse_span_rows(shape, cfg, modes[i], q, k, v, caches[i], out)?;
+                    } else {
+                        for r in span.rows() {
+                            let (q, k, v, out) = w.rows(r, 1);
+                            self.sparse_layer(shape, cfg, modes[i], q, k, v, caches[i], out)?;
+                        }
+                    }
+                    continue;
+                }
                 SpanRun::Chunk(i) => {
                     let (q, k, v, out) = w.rows(spans[i].first_row, spans[i].len);
                     self.sparse_layer(shape, cfg, modes[i], q, k, v, caches[i], out)?;
@@ -335,19 +353,90 @@ impl CudaBackend {
                     .planner()
                     .decode_split(mode, cache.len, k_sel, shape.kv_heads) as i32;
         }
-        let pairs = rows * shape.kv_heads;
         let max_of = |f: &dyn Fn(&DevSparseCache) -> usize| caches.iter().map(|c| f(c)).max();
+        let longest = (
+            max_of(&|c| c.len).unwrap_or(0),
+            max_of(&|c| c.n1).unwrap_or(0),
+            max_of(&|c| c.n2).unwrap_or(0),
+        );
+        self.sparse_rows_attend(shape, cfg, mode, q, &t, rows, longest, out)
+    }
+
+    /// The rows of one short span of a sequence as its decode rows: the span's K and V
+    /// appended, the selection of a run of decode queries (sparse), then attention for each
+    /// row with the position and split decoding it alone would give, so each row gets those
+    /// bits. The caller checked [`CudaBackend::sparse_rows_fit`] for the cache and that the
+    /// span holds at most `SEQ_ROWS` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_span_rows(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &DevAct,
+        k: &DevAct,
+        v: &DevAct,
+        cache: &mut DevSparseCache,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let rows = q.rows;
+        let (kw, first) = (cache.kv_width, cache.len);
+        self.reserve(cache, first + rows, cfg, false)?;
+        self.copy(&cache.k, first * kw, k, 0, rows * kw)?;
+        self.copy(&cache.v, first * kw, v, 0, rows * kw)?;
+        cache.len += rows;
+        self.compress_new_windows(cache, cfg)?;
+        let windows = |len: usize, w: usize, s: usize| if len >= w { (len - w) / s + 1 } else { 0 };
+        let k_sel = cfg.selected_blocks();
+        let mut t = SeqRows::empty();
+        for r in 0..rows {
+            let len = first + r + 1;
+            t.k[r] = self.ptr(&cache.k);
+            t.v[r] = self.ptr(&cache.v);
+            t.k1[r] = self.ptr(&cache.k1);
+            t.k2[r] = self.ptr(&cache.k2);
+            t.pos[r] = (first + r) as i32;
+            t.n1[r] = windows(len, cfg.k1_window(), cfg.k1_stride()).min(cache.n1) as i32;
+            t.n2[r] = windows(len, cfg.k2_window(), cfg.k2_stride()).min(cache.n2) as i32;
+            t.split[r] = self
+                .k
+                .planner()
+                .decode_split(mode, len, k_sel, shape.kv_heads) as i32;
+        }
+        // Selection as for a run of decode queries of one sequence (what one row alone gets).
+        let blocks = match mode {
+            SparseMode::Dense => 0,
+            SparseMode::Sparse => {
+                let blocks = self.scratch_ptr(|s| &mut s.blocks, rows * shape.kv_heads * k_sel)?;
+                self.select_blocks(shape, cfg, q, cache, first, blocks)?;
+                blocks
+            }
+        };
+        self.decode_rows_attend(shape, cfg, q, &t, rows, blocks, out)
+    }
+
+    /// Selection (sparse) and attention of `rows` decode rows described by `t` (`longest`:
+    /// the largest length and compressed-key counts among them).
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_rows_attend(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        mode: SparseMode,
+        q: &DevAct,
+        t: &SeqRows,
+        rows: usize,
+        longest: (usize, usize, usize),
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let k_sel = cfg.selected_blocks();
+        let pairs = rows * shape.kv_heads;
         let blocks = match mode {
             SparseMode::Dense => 0,
             SparseMode::Sparse => {
                 let blocks = self.scratch_ptr(|s| &mut s.blocks, pairs * k_sel)?;
-                let longest = (
-                    max_of(&|c| c.len).unwrap_or(0),
-                    max_of(&|c| c.n1).unwrap_or(0),
-                    max_of(&|c| c.n2).unwrap_or(0),
-                );
                 let queries = DecodeQueries::Rows {
-                    seqs: &t,
+                    seqs: t,
                     rows,
                     longest,
                 };
@@ -355,13 +444,31 @@ impl CudaBackend {
                 blocks
             }
         };
+        self.decode_rows_attend(shape, cfg, q, t, rows, blocks, out)
+    }
+
+    /// Attention of `rows` decode rows described by `t` (`blocks`: their selections, 0 when
+    /// dense), each row split its own way.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_rows_attend(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        q: &DevAct,
+        t: &SeqRows,
+        rows: usize,
+        blocks: u64,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let k_sel = cfg.selected_blocks();
+        let pairs = rows * shape.kv_heads;
         let split = t.split[..rows].iter().copied().max().unwrap_or(1).max(1) as usize;
         let part = self.attention_partials(shape, rows, split)?;
         let at = self.k.planner().attention_decode(pairs, split);
         self.k.attention_decode_rows(
             at,
             self.act_ptr(q),
-            &t,
+            t,
             part,
             rows as i32,
             shape.heads as i32,

@@ -8,7 +8,7 @@ use crate::plan::{LightningPlan, DECODE_ROWS, LIGHTNING_CHUNK};
 use crate::CudaBackend;
 use cudarc::driver::CudaSlice;
 use sala_model::backend::{check_spans, span_runs, SpanRun};
-use sala_model::{AttnIo, AttnShape, BResult, Span};
+use sala_model::{AttnIo, AttnShape, BResult, BackendError, Span, STEPWISE_SPAN_ROWS};
 
 /// A lightning call's inputs: q `[T, heads·d]`, k and v `[T, kv_heads·d]`, and `out`.
 pub(crate) struct LightningIo<'a> {
@@ -89,9 +89,11 @@ impl CudaBackend {
         }
     }
 
-    /// The lightning entry ([`sala_model::Backend::lightning`]): q and k of every row normed
-    /// and rotated in one launch, then each run of decode rows in one launch and each longer
-    /// span with the prefill kernels its length picks.
+    /// The lightning entry ([`sala_model::Backend::lightning`]): decode rows and spans of at
+    /// most [`STEPWISE_SPAN_ROWS`] rows step token by token, so a span's rows get the bits of
+    /// decoding them one at a time; each longer span runs the prefill kernels its length
+    /// picks. When every run steps, q and k are normed and rotated inside the stepping kernels
+    /// (one launch fewer a layer); else all rows first, in one launch (the same bits).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn lightning_spans(
         &self,
@@ -123,14 +125,16 @@ impl CudaBackend {
             }
         };
         let runs = span_runs(spans);
-        // A step of decode rows only: each row's q and k are normed and rotated inside the
-        // lightning decode kernel (one launch fewer a layer).
-        let fused = crate::plan::Planner::head_norm_rope_lanes_fits(d)
-            && runs
-                .iter()
-                .all(|r| matches!(r, SpanRun::Rows { .. }) && Self::lightning_decode_fits(d));
+        let stepwise =
+            crate::plan::Planner::head_norm_rope_lanes_fits(d) && Self::lightning_decode_fits(d);
+        let steps = |run: &SpanRun| match run {
+            SpanRun::Rows { .. } => stepwise,
+            SpanRun::Chunk(i) => stepwise && spans[*i].len <= STEPWISE_SPAN_ROWS,
+        };
+        let prepped = norms.is_some() || inv_freq.is_some();
         let mut prep = QkPrep::default();
-        if fused {
+        let in_kernel = stepwise && runs.iter().all(steps);
+        if in_kernel {
             prep = QkPrep {
                 q_norm: norms.map_or(0, |(w, _, _)| self.ptr(w)),
                 k_norm: norms.map_or(0, |(_, w, _)| self.ptr(w)),
@@ -140,7 +144,8 @@ impl CudaBackend {
                     None => 0,
                 },
             };
-        } else if norms.is_some() || inv_freq.is_some() {
+        }
+        if !in_kernel && prepped {
             self.norm_rope(
                 io.q,
                 Some(io.k),
@@ -151,11 +156,12 @@ impl CudaBackend {
         }
         let mut w = Windows::new(io);
         for run in runs {
+            let by_steps = steps(&run);
             match run {
                 SpanRun::Rows {
                     spans: idx,
                     first_row,
-                } if Self::lightning_decode_fits(d) => {
+                } if by_steps => {
                     for start in idx.clone().step_by(DECODE_ROWS) {
                         let end = (start + DECODE_ROWS).min(idx.end);
                         let row = first_row + start - idx.start;
@@ -177,12 +183,116 @@ impl CudaBackend {
                         self.lightning_span(shape, slopes, &mut w, spans[i], states[i])?;
                     }
                 }
+                SpanRun::Chunk(i) if by_steps => {
+                    let span = spans[i];
+                    let (q, k, v, out) = w.rows(span.first_row, span.len);
+                    self.lightning_step_rows(
+                        shape,
+                        slopes,
+                        [Some(&*q), Some(&*k), Some(v)],
+                        span.len,
+                        Some(out),
+                        states[i],
+                        prep.at_row(span.first_row, d),
+                    )?;
+                }
                 SpanRun::Chunk(i) => {
                     self.lightning_span(shape, slopes, &mut w, spans[i], states[i])?
                 }
             }
         }
         Ok(())
+    }
+
+    /// [`sala_model::Backend::lightning_replay`]: the state advanced over kept rows of k and v
+    /// by the stepping kernel, k normed and rotated inside it as the forward pass did.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn lightning_replay_rows(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        k_norm: Option<(&CudaSlice<u16>, f32)>,
+        inv_freq: Option<&CudaSlice<f32>>,
+        (k, v, rows): (&DevAct, &DevAct, usize),
+        pos: usize,
+        state: &mut DevLightningState,
+    ) -> BResult<()> {
+        let d = shape.head_dim;
+        if !(crate::plan::Planner::head_norm_rope_lanes_fits(d) && Self::lightning_decode_fits(d)) {
+            return Err(BackendError(format!(
+                "lightning replay: head size {d} does not step token by token here"
+            )));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let prep = QkPrep {
+            q_norm: 0,
+            k_norm: k_norm.map_or(0, |(w, _)| self.ptr(w)),
+            eps: k_norm.map_or(0.0, |(_, e)| e),
+            table: match inv_freq {
+                Some(f) => self.rope_table(f, RopeAt::From(pos), rows, d / 2)?,
+                None => 0,
+            },
+        };
+        self.lightning_step_rows(
+            shape,
+            slopes,
+            [None, Some(k), Some(v)],
+            rows,
+            None,
+            state,
+            prep,
+        )
+    }
+
+    /// The first `rows` rows of one span of one sequence stepped token by token in one launch
+    /// (`lightning_span_rows`): q, k and v of its rows (q may be `None` with no `out`: the
+    /// state alone advances, as a replay does), normed and rotated as `prep` says.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn lightning_step_rows(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        [q, k, v]: [Option<&DevAct>; 3],
+        rows: usize,
+        out: Option<&mut DevAct>,
+        state: &mut DevLightningState,
+        prep: QkPrep,
+    ) -> BResult<()> {
+        let (Some(k), Some(v)) = (k, v) else {
+            return Err(BackendError(
+                "lightning_step_rows: k and v are needed".into(),
+            ));
+        };
+        if rows > k.rows || rows > v.rows || q.is_some_and(|q| rows > q.rows) {
+            return Err(BackendError(format!(
+                "lightning_step_rows: {rows} rows of buffers holding {}",
+                k.rows.min(v.rows)
+            )));
+        }
+        let at = self
+            .k
+            .planner()
+            .lightning_decode(shape.heads, shape.head_dim, 1);
+        self.k.lightning_span_rows(
+            at,
+            q.map_or(0, |q| self.act_ptr(q)),
+            self.act_ptr(k),
+            self.act_ptr(v),
+            self.ptr(state),
+            out.map_or(0, |o| self.act_ptr(o)),
+            self.ptr(slopes),
+            rows as i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+            shape.scale() as f32,
+            prep.q_norm,
+            prep.k_norm,
+            prep.eps,
+            prep.table,
+        )
     }
 
     /// One span (q and k already normed and rotated) with the kernels its length picks.

@@ -553,6 +553,31 @@ fn a_panic_inside_a_captured_step_leaves_the_backend_working() {
     }
 }
 
+/// A short span on the GPU gives each row the logits of decoding its tokens one at a time,
+/// bit for bit ([`sala_model::testing::check_stepwise_spans`]), below dense_len and past it,
+/// few blocks selected; and with the sparse rows one launch at a time.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn short_spans_equal_decoding_token_by_token_on_the_gpu() {
+    let g = gpu();
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 100;
+        config.sparse.topk = 2;
+        config.sparse.window_size = 64;
+        let model = Model::random(&g, config, 41, &mut |_, _| {}).unwrap();
+        for batched in [true, false] {
+            set(&g, |o| o.batched_sparse_rows = batched);
+            sala_model::testing::check_stepwise_spans(&g, &model)
+                .map_err(|e| format!("{name}, batched sparse rows {batched}: {e}"))
+                .unwrap();
+        }
+        set(&g, |o| {
+            o.batched_sparse_rows = base_options().batched_sparse_rows
+        });
+    }
+}
+
 /// Rewinding a sequence on the GPU undoes the tokens fed since its mark, bit for bit
 /// ([`sala_model::testing::check_rewind`]): lightning states copied back, sparse caches and
 /// their compressed tiers cut back; few blocks selected, so the tiers matter.
