@@ -17,7 +17,8 @@ use sala_checkpoint::ModelConfig;
 use sala_checkpoint::{Checkpoint, CheckpointError, DType};
 use sala_model::memory::{MemoryLimit, MemoryPlan, OverBudget};
 use sala_model::{
-    Backend, BackendError, HostDType, HostTensor, Model, StepLogits, WeightSource, Workspace,
+    Backend, BackendError, GreedyPick, HostDType, HostTensor, Model, StepLogits, WeightSource,
+    Workspace,
 };
 use sala_tokenizer::{Detokenizer, Tokenizer, TokenizerError};
 use std::path::{Path, PathBuf};
@@ -596,6 +597,9 @@ impl TokenStream {
             StepLogits::Greedy(_) => {
                 return Err(BackendError("a greedy pick for a request that samples".into()).into())
             }
+            StepLogits::GreedyRows(_) => {
+                return Err(BackendError("every row's greedy pick for one token".into()).into())
+            }
         };
         if let Some(c) = &mut self.constraint {
             c.apply(logits)?;
@@ -656,6 +660,49 @@ impl TokenStream {
             tok,
             logprobs: self.logprobs.and_then(|n| token_logprobs(last, tok.id, n)),
         });
+        Ok((out, drafts.len()))
+    }
+
+    /// [`TokenStream::choose_span`] from every row's greedy pick
+    /// ([`LogitRows::GreedyAll`](sala_model::LogitRows::GreedyAll)), for a stream that
+    /// [`TokenStream::takes_greedy_pick`]: each draft stands iff it is its row's pick, and the
+    /// first that does not is replaced by the pick, as greedy verification of the logits does.
+    pub fn choose_span_greedy(
+        &mut self,
+        picks: &[GreedyPick],
+        drafts: &[u32],
+    ) -> Result<(Vec<Choice>, usize), EngineError> {
+        if self.finish.is_some() {
+            return Ok((Vec::new(), 0));
+        }
+        if picks.len() != drafts.len() + 1 || !self.takes_greedy_pick() {
+            return Err(BackendError(format!(
+                "{} greedy picks for a span of {} drafts{}",
+                picks.len(),
+                drafts.len(),
+                if self.takes_greedy_pick() {
+                    ""
+                } else {
+                    " of a request that samples"
+                }
+            ))
+            .into());
+        }
+        let mut out = Vec::new();
+        for (i, pick) in picks.iter().enumerate() {
+            let tok = SampledToken {
+                id: pick.id.ok_or(SamplingError::NoValidLogits)?,
+                logprob: pick.logprob,
+            };
+            self.sampler.record_output(tok.id)?;
+            out.push(Choice {
+                tok,
+                logprobs: None,
+            });
+            if drafts.get(i) != Some(&tok.id) {
+                return Ok((out, i));
+            }
+        }
         Ok((out, drafts.len()))
     }
 

@@ -160,6 +160,8 @@ pub struct Request {
     pub stop: Vec<String>,
     /// Keep generating past EOS tokens.
     pub ignore_eos: bool,
+    /// Speculative decoding when the engine thread speculates (`false`: opt out).
+    pub speculative: bool,
     /// Report each token's logprob with this many alternatives (`None`: no logprobs).
     pub logprobs: Option<usize>,
     /// Report each prompt token's logprob with this many alternatives ([`Event::Prompt`];

@@ -488,6 +488,7 @@ impl<B: Backend> Engine<B> {
         let choose =
             |stream: &mut TokenStream, drafts: &[u32], logits: &mut StepLogits| match logits {
                 StepLogits::Rows(rows) if !drafts.is_empty() => stream.choose_span(rows, drafts),
+                StepLogits::GreedyRows(picks) => stream.choose_span_greedy(picks, drafts),
                 _ => Ok((stream.choose(logits)?.into_iter().collect(), 0)),
             };
         let mut work: Vec<(&mut TokenStream, &[u32], &mut StepLogits)> = picked
@@ -633,6 +634,7 @@ impl<B: Backend> Engine<B> {
                 // logits are.
                 let logits = match slot.work {
                     Work::Chunk { .. } if prompt_logprobs.is_some() => LogitRows::All,
+                    Work::Span { .. } if greedy => LogitRows::GreedyAll,
                     Work::Span { .. } => LogitRows::All,
                     _ if last && greedy => LogitRows::Greedy,
                     _ if last => LogitRows::Last,
@@ -667,7 +669,7 @@ impl<B: Backend> Engine<B> {
                                 let (top, vocab) = (lp.top, model.config.vocab_size);
                                 let mut rows = match logits {
                                     StepLogits::Rows(rows) => rows,
-                                    StepLogits::Greedy(_) => Vec::new(),
+                                    StepLogits::Greedy(_) | StepLogits::GreedyRows(_) => Vec::new(),
                                 };
                                 let scored = isolated("the prompt's logprobs", || {
                                     score_rows(&rows, len, vocab, next, top)
@@ -717,11 +719,18 @@ impl<B: Backend> Engine<B> {
                         }
                         // A span's rows from the token fed on (those read again before it
                         // were sampled already).
-                        if let (Work::Span { .. }, Some(spec), StepLogits::Rows(rows)) =
-                            (slot.work, m.spec.as_ref(), &mut logits)
-                        {
+                        if let (Work::Span { .. }, Some(spec)) = (slot.work, m.spec.as_ref()) {
                             let vocab = model.config.vocab_size;
-                            *rows = rows.split_off((spec.redo.len() * vocab).min(rows.len()));
+                            match &mut logits {
+                                StepLogits::Rows(rows) => {
+                                    *rows =
+                                        rows.split_off((spec.redo.len() * vocab).min(rows.len()))
+                                }
+                                StepLogits::GreedyRows(picks) => {
+                                    *picks = picks.split_off(spec.redo.len().min(picks.len()))
+                                }
+                                StepLogits::Greedy(_) => {}
+                            }
                         }
                         m.feed = None;
                         m.logits = Some(logits);

@@ -62,6 +62,8 @@ pub trait Observer: Send + Sync {
     /// The caches of the requests in flight hold `held` bytes by the memory formula and
     /// `in_use` by the backend's count (or their plans where it cannot tell).
     fn cache(&self, _held: usize, _in_use: usize) {}
+    /// Speculative decoding's totals so far ([`Engine::speculation_stats`]).
+    fn speculation(&self, _totals: crate::generate::SpeculationStats) {}
     /// An admitted request's sequence is gone.
     fn released(&self) {}
     /// A request ended, admitted or not: how it finished, or why it failed.
@@ -436,6 +438,7 @@ impl<B: Backend> Serving<B> {
     fn report_cache(&self) {
         let (held, in_use) = self.engine.cache_report(&self.batch);
         self.observer.cache(held, in_use);
+        self.observer.speculation(self.engine.speculation_stats());
     }
 
     /// [`Serving::admit`] under `catch_unwind`; returns the request's id once admitted.
@@ -527,7 +530,7 @@ impl<B: Backend> Serving<B> {
             },
             grammar: request.grammar,
             prompt_logprobs: request.prompt_logprobs,
-            speculate: self.speculate.clone(),
+            speculate: self.speculate.clone().filter(|_| request.speculative),
         };
         let sink = Sink {
             events: events.clone(),

@@ -39,6 +39,7 @@ struct Counts {
     tokens: AtomicUsize,
     released: AtomicUsize,
     held: AtomicUsize,
+    drafted: AtomicUsize,
     finished: Mutex<Vec<Result<FinishReason, RequestError>>>,
     panic_at: Option<usize>,
     panicked: AtomicBool,
@@ -56,6 +57,10 @@ impl Observer for Counts {
     }
     fn cache(&self, held: usize, _: usize) {
         self.held.store(held, Ordering::SeqCst);
+    }
+    fn speculation(&self, totals: sala_engine::generate::SpeculationStats) {
+        self.drafted
+            .store(totals.drafted as usize, Ordering::SeqCst);
     }
     fn released(&self) {
         self.released.fetch_add(1, Ordering::SeqCst);
@@ -83,6 +88,7 @@ fn request(prompt: Prompt, max_tokens: usize) -> Request {
         max_tokens,
         stop: Vec::new(),
         ignore_eos: true,
+        speculative: true,
         logprobs: None,
         prompt_logprobs: None,
         grammar: None,
@@ -363,23 +369,29 @@ fn an_engine_that_speculates_serves_every_token() {
     })
     .unwrap();
     let prompt = "one two three one two three one two three one two three".to_string();
-    let mut rxs: Vec<_> = (0..3)
-        .map(|i| {
-            let mut r = request(Prompt::Text(prompt.clone()), 20 + i);
-            r.sampling = SamplingParams {
-                temperature: 0.0,
-                ..SamplingParams::default()
-            };
-            engine.submit(r).unwrap()
-        })
-        .collect();
-    for (i, rx) in rxs.iter_mut().enumerate() {
-        let (_, done) = drain(rx);
-        let (finish, _, completion) = done.unwrap();
-        assert_eq!(
-            (finish, completion),
-            (FinishReason::Length, 20 + i),
-            "request {i}"
-        );
+    // First requests that opt out (no drafts), then requests that speculate.
+    for speculative in [false, true] {
+        let mut rxs: Vec<_> = (0..3)
+            .map(|i| {
+                let mut r = request(Prompt::Text(prompt.clone()), 20 + i);
+                r.sampling = SamplingParams {
+                    temperature: 0.0,
+                    ..SamplingParams::default()
+                };
+                r.speculative = speculative;
+                engine.submit(r).unwrap()
+            })
+            .collect();
+        for (i, rx) in rxs.iter_mut().enumerate() {
+            let (_, done) = drain(rx);
+            let (finish, _, completion) = done.unwrap();
+            assert_eq!(
+                (finish, completion),
+                (FinishReason::Length, 20 + i),
+                "request {i}"
+            );
+        }
+        let drafted = counts.drafted.load(Ordering::SeqCst);
+        assert_eq!(drafted > 0, speculative, "{drafted} drafts verified");
     }
 }

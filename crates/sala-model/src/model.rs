@@ -117,7 +117,8 @@ struct StepCtx<'a> {
 impl<B: Backend> Layer<B> {
     /// The layer on every row of the step: `ws.a` holds its input norm (made by the previous
     /// layer's last add) and, on return, `next_norm` of its output, which is added into
-    /// `ws.h`.
+    /// `ws.h`. `captures[i]`: where sequence `i`'s lightning k and v rows are kept, if they are.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         m: &Model<B>,
@@ -277,6 +278,9 @@ pub enum LogitRows {
     All,
     /// The last row's greedy token only ([`GreedyPick`]): no logits leave the device.
     Greedy,
+    /// Every row's greedy token ([`GreedyPick`]; verifying a greedy span): no logits leave
+    /// the device.
+    GreedyAll,
 }
 
 /// The greedy token of one row of logits, as the host sampler picks it: the first index of the
@@ -334,14 +338,16 @@ pub enum StepLogits {
     Rows(Vec<f32>),
     /// The last row's greedy token ([`LogitRows::Greedy`]).
     Greedy(GreedyPick),
+    /// Every row's greedy token ([`LogitRows::GreedyAll`]).
+    GreedyRows(Vec<GreedyPick>),
 }
 
 impl StepLogits {
-    /// The logits; none for a greedy pick.
+    /// The logits; none for greedy picks.
     pub fn into_rows(self) -> Vec<f32> {
         match self {
             StepLogits::Rows(r) => r,
-            StepLogits::Greedy(_) => Vec::new(),
+            StepLogits::Greedy(_) | StepLogits::GreedyRows(_) => Vec::new(),
         }
     }
 }
@@ -876,7 +882,7 @@ impl<B: Backend> Model<B> {
                 LogitRows::Last | LogitRows::Greedy => {
                     span.first_row + span.len - 1..span.first_row + span.len
                 }
-                LogitRows::All => span.rows(),
+                LogitRows::All | LogitRows::GreedyAll => span.rows(),
             });
             tokens.extend_from_slice(x.tokens);
             spans.push(span);
@@ -976,6 +982,7 @@ impl<B: Backend> Model<B> {
                 LogitRows::None => vec![],
                 LogitRows::Last => vec![true],
                 LogitRows::Greedy => vec![false],
+                LogitRows::GreedyAll => vec![false; x.tokens.len()],
                 LogitRows::All => vec![true; x.tokens.len()],
             })
             .collect();
@@ -1009,6 +1016,15 @@ impl<B: Backend> Model<B> {
                 LogitRows::Greedy => StepLogits::Greedy(picks.pop().ok_or_else(|| {
                     BackendError("the backend gave fewer greedy picks than rows".into())
                 })?),
+                LogitRows::GreedyAll => {
+                    let n = x.tokens.len();
+                    if picks.len() < n {
+                        return Err(BackendError(
+                            "the backend gave fewer greedy picks than rows".into(),
+                        ));
+                    }
+                    StepLogits::GreedyRows(picks.split_off(picks.len() - n))
+                }
             });
         }
         res.reverse();
@@ -1074,7 +1090,9 @@ impl<B: Backend> Model<B> {
         };
         match self.forward(be, ws, &mut [input])?.remove(0) {
             StepLogits::Greedy(pick) => Ok(pick),
-            StepLogits::Rows(_) => Err(BackendError("logits where a pick was asked".into())),
+            StepLogits::Rows(_) | StepLogits::GreedyRows(_) => {
+                Err(BackendError("logits where a pick was asked".into()))
+            }
         }
     }
 

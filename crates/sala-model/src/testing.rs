@@ -264,6 +264,9 @@ pub fn check_greedy_picks<B: Backend>(be: &B, model: &Model<B>) -> Result<(), St
                 StepLogits::Rows(_) => {
                     return Err(format!("step {step} sequence {i}: the logits differ"))
                 }
+                StepLogits::GreedyRows(_) => {
+                    return Err(format!("step {step} sequence {i}: picks of every row"))
+                }
                 StepLogits::Greedy(got) => {
                     greedy += 1;
                     let close =
@@ -286,7 +289,9 @@ pub fn check_greedy_picks<B: Backend>(be: &B, model: &Model<B>) -> Result<(), St
 /// A span of at most [`crate::STEPWISE_SPAN_ROWS`] tokens gives each row the logits of
 /// decoding its tokens one at a time, bit for bit, below `dense_len` and past it (what makes a
 /// verified draft the token plain decoding gives): after prompts of 30 and 190 tokens, spans of
-/// 1 to 16 tokens against decode steps. The model's `dense_len` should lie between (100).
+/// 1 to 16 tokens against decode steps; every other span asks for every row's greedy pick
+/// ([`LogitRows::GreedyAll`]), which must be the pick of the decoded logits. The model's
+/// `dense_len` should lie between (100).
 pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
     let err = |e: crate::BackendError| e.0;
     let vocab = model.config.vocab_size;
@@ -318,6 +323,34 @@ pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), 
                 return Err("a span crosses dense_len: choose other lengths".into());
             }
             let mode = model.sparse_mode(seq.pos + n);
+            if at % 2 == 1 {
+                let input = StepInput {
+                    seq: &mut seq,
+                    tokens: span,
+                    mode,
+                    logits: LogitRows::GreedyAll,
+                };
+                let out = model.forward(be, &mut ws, &mut [input]).map_err(err)?;
+                let Some(StepLogits::GreedyRows(picks)) = out.into_iter().next() else {
+                    return Err("every row's pick asked for, something else given".into());
+                };
+                if picks.len() != n {
+                    return Err(format!("{} picks for a span of {n}", picks.len()));
+                }
+                for (r, got) in picks.iter().enumerate() {
+                    let want = GreedyPick::of(&want[at + r]);
+                    let close =
+                        (got.logprob - want.logprob).abs() <= 1e-5 * want.logprob.abs().max(1.0);
+                    if got.id != want.id || !close {
+                        return Err(format!(
+                            "prompt {prompt_len}, span of {n} at token {at}: row {r} picked \
+                             {got:?}, decoding gives {want:?}"
+                        ));
+                    }
+                }
+                at += n;
+                continue;
+            }
             let rows = model
                 .forward_one(be, &mut ws, &mut seq, span, mode, LogitRows::All)
                 .map_err(err)?;

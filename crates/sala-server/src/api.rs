@@ -153,6 +153,9 @@ pub struct CommonParams {
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// Keep generating past EOS tokens (vLLM's extension).
     pub ignore_eos: Option<bool>,
+    /// `false`: no speculative decoding for this request even when the server speculates
+    /// (an extension; the output is distributed the same either way).
+    pub speculative: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     /// Structured output: `text` (free), `json_object` or `json_schema`.

@@ -162,6 +162,10 @@ pub struct Metrics {
     cache_bytes_in_use: AtomicI64,
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
+    /// Speculative decoding's totals: draft tokens verified, taken, and steps verifying drafts.
+    drafted: AtomicU64,
+    accepted: AtomicU64,
+    draft_steps: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
     rate: RateWindow,
@@ -184,6 +188,9 @@ impl Metrics {
             cache_bytes_in_use: AtomicI64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            drafted: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+            draft_steps: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
             rate: RateWindow {
@@ -302,6 +309,35 @@ impl Metrics {
             "Generated tokens.",
             self.generation_tokens.load(Ordering::Relaxed).to_string(),
         );
+        let (drafted, accepted, steps) = (
+            self.drafted.load(Ordering::Relaxed),
+            self.accepted.load(Ordering::Relaxed),
+            self.draft_steps.load(Ordering::Relaxed),
+        );
+        metric(
+            "sala_speculative_draft_tokens_total",
+            "counter",
+            "Draft tokens verified by speculative decoding.",
+            drafted.to_string(),
+        );
+        metric(
+            "sala_speculative_accepted_tokens_total",
+            "counter",
+            "Draft tokens that stood.",
+            accepted.to_string(),
+        );
+        metric(
+            "sala_speculative_steps_total",
+            "counter",
+            "Steps that verified drafts.",
+            steps.to_string(),
+        );
+        metric(
+            "sala_speculative_mean_accepted_length",
+            "gauge",
+            "Draft tokens that stood per step that verified drafts.",
+            format!("{}", accepted as f64 / steps.max(1) as f64),
+        );
         let now = self.started.elapsed().as_secs_f64();
         metric(
             "sala_generation_tokens_per_second",
@@ -348,6 +384,12 @@ impl Observer for Metrics {
 
     fn cache(&self, held: usize, in_use: usize) {
         self.set_cache_bytes(held, in_use);
+    }
+
+    fn speculation(&self, totals: sala_engine::generate::SpeculationStats) {
+        self.drafted.store(totals.drafted, Ordering::Relaxed);
+        self.accepted.store(totals.accepted, Ordering::Relaxed);
+        self.draft_steps.store(totals.spans, Ordering::Relaxed);
     }
 
     fn released(&self) {
@@ -417,7 +459,23 @@ mod tests {
             false,
         );
         m.set_cache_bytes(120, 4096);
+        Observer::speculation(
+            &m,
+            sala_engine::generate::SpeculationStats {
+                drafted: 12,
+                accepted: 9,
+                spans: 4,
+            },
+        );
         let text = m.render(0, 8);
+        for line in [
+            "sala_speculative_draft_tokens_total 12",
+            "sala_speculative_accepted_tokens_total 9",
+            "sala_speculative_steps_total 4",
+            "sala_speculative_mean_accepted_length 2.25",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
         for line in [
             "sala_requests_running 1",
             "sala_cache_bytes 120",

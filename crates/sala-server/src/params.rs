@@ -188,6 +188,7 @@ pub(crate) fn check_common(
             max_tokens,
             stop,
             ignore_eos: p.ignore_eos.unwrap_or(false),
+            speculative: p.speculative.unwrap_or(true),
             logprobs,
             prompt_logprobs: None,
             grammar: None,

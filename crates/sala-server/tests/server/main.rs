@@ -576,6 +576,7 @@ fn a_full_queue_is_429_and_abandoned_requests_are_dropped() {
         max_tokens,
         stop: Vec::new(),
         ignore_eos: true,
+        speculative: true,
         logprobs: None,
         prompt_logprobs: None,
         grammar: None,

@@ -110,6 +110,7 @@ fn a_full_queue_over_http_is_429_and_metrics_show_the_backlog() {
         max_tokens,
         stop: Vec::new(),
         ignore_eos: true,
+        speculative: true,
         logprobs: None,
         prompt_logprobs: None,
         grammar: None,
