@@ -217,13 +217,14 @@ pub fn lightning_norm_rope(
     }
 }
 
-/// The first `rows` rows of k (a copy, to norm and rotate) for a lightning replay, after
-/// checking k and v hold them at the layer's width.
-pub(crate) fn replay_rows(
+/// The first `rows` rows of k for a lightning replay, normed and rotated at positions `pos..`
+/// as [`lightning_norm_rope`] does them, after checking k and v hold them at the layer's width.
+pub(crate) fn replay_keys(
     shape: AttnShape,
-    k: &CpuAct,
-    v: &CpuAct,
-    rows: usize,
+    (k, v, rows): (&CpuAct, &CpuAct, usize),
+    k_norm: Option<(&Vec<f32>, f32)>,
+    inv_freq: Option<&Vec<f32>>,
+    pos: usize,
 ) -> BResult<Vec<f32>> {
     let kw = shape.kv_width();
     if k.cols != kw || v.cols != kw || rows > k.rows || rows > v.rows || rows > STEPWISE_SPAN_ROWS {
@@ -232,7 +233,15 @@ pub(crate) fn replay_rows(
             k.rows, k.cols, v.rows, v.cols
         )));
     }
-    Ok(k.data[..rows * kw].to_vec())
+    let mut kr = k.data[..rows * kw].to_vec();
+    head_norm_rope(
+        &mut kr,
+        kw,
+        shape.head_dim,
+        k_norm.map(|(w, e)| (w.as_slice(), e)),
+        inv_freq.map(|f| (f.as_slice(), pos)),
+    );
+    Ok(kr)
 }
 
 /// The pieces (first row, rows) a lightning span is computed in: a span of at most
@@ -591,15 +600,8 @@ impl Backend for CpuBackend {
         state: &mut Vec<f32>,
     ) -> BResult<()> {
         let kw = shape.kv_width();
-        let mut kr = replay_rows(shape, k, v, rows)?;
+        let kr = replay_keys(shape, (k, v, rows), k_norm, inv_freq, pos)?;
         let q = vec![0.0; shape.q_width()];
-        head_norm_rope(
-            &mut kr,
-            kw,
-            shape.head_dim,
-            k_norm.map(|(w, e)| (w.as_slice(), e)),
-            inv_freq.map(|f| (f.as_slice(), pos)),
-        );
         // Row by row, as a span this short runs (the outputs, from a zero q, are dropped).
         for r in 0..rows {
             let vr = &v.data[r * kw..(r + 1) * kw];

@@ -190,15 +190,8 @@ impl Backend for ReferenceBackend {
         state: &mut Vec<f32>,
     ) -> BResult<()> {
         let kw = shape.kv_width();
-        let mut kr = crate::replay_rows(shape, k, v, rows)?;
+        let kr = crate::replay_keys(shape, (k, v, rows), k_norm, inv_freq, pos)?;
         let q = vec![0.0; shape.q_width()];
-        crate::head_norm_rope(
-            &mut kr,
-            kw,
-            shape.head_dim,
-            k_norm.map(|(w, e)| (w.as_slice(), e)),
-            inv_freq.map(|f| (f.as_slice(), pos)),
-        );
         for r in 0..rows {
             let vr = &v.data[r * kw..(r + 1) * kw];
             let (_, s) = oracle::lightning(

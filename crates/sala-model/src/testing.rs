@@ -286,6 +286,34 @@ pub fn check_greedy_picks<B: Backend>(be: &B, model: &Model<B>) -> Result<(), St
     Ok(())
 }
 
+/// A new sequence of `model` that has read `prompt`.
+fn prefilled<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    ws: &mut Workspace<B>,
+    prompt: &[u32],
+) -> Result<SeqState<B>, String> {
+    let mut seq = model.new_sequence(be).map_err(|e| e.0)?;
+    model
+        .prefill(be, ws, &mut seq, prompt, &mut |_| {})
+        .map_err(|e| e.0)?;
+    Ok(seq)
+}
+
+/// The logits of decoding `feed` one token at a time after `prompt`.
+fn decoded<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    ws: &mut Workspace<B>,
+    prompt: &[u32],
+    feed: &[u32],
+) -> Result<Vec<Vec<f32>>, String> {
+    let mut seq = prefilled(be, model, ws, prompt)?;
+    feed.iter()
+        .map(|&t| model.decode(be, ws, &mut seq, t).map_err(|e| e.0))
+        .collect()
+}
+
 /// A span of at most [`crate::STEPWISE_SPAN_ROWS`] tokens gives each row the logits of
 /// decoding its tokens one at a time, bit for bit, below `dense_len` and past it (what makes a
 /// verified draft the token plain decoding gives): after prompts of 30 and 190 tokens, spans of
@@ -300,20 +328,8 @@ pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), 
         let prompt = tokens(prompt_len, vocab, seed);
         let lens = [2usize, 5, 16, 1, 7, 3];
         let feed = tokens(lens.iter().sum(), vocab, seed + 100);
-        let start = |ws: &mut Workspace<B>| -> Result<SeqState<B>, String> {
-            let mut seq = model.new_sequence(be).map_err(err)?;
-            model
-                .prefill(be, ws, &mut seq, &prompt, &mut |_| {})
-                .map_err(err)?;
-            Ok(seq)
-        };
-        let mut plain = start(&mut ws)?;
-        let want: Vec<Vec<f32>> = feed
-            .iter()
-            .map(|&t| model.decode(be, &mut ws, &mut plain, t))
-            .collect::<Result<_, _>>()
-            .map_err(err)?;
-        let mut seq = start(&mut ws)?;
+        let want = decoded(be, model, &mut ws, &prompt, &feed)?;
+        let mut seq = prefilled(be, model, &mut ws, &prompt)?;
         let mut at = 0;
         for n in lens {
             let span = &feed[at..at + n];
@@ -388,23 +404,10 @@ pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
     let feed = tokens(80, vocab, 22);
     let junk = tokens(8, vocab, 23);
     let mut ws = model.workspace(be, 64).map_err(err)?;
-    let start = |ws: &mut Workspace<B>| -> Result<SeqState<B>, String> {
-        let mut seq = model.new_sequence(be).map_err(err)?;
-        model
-            .prefill(be, ws, &mut seq, &prompt, &mut |_| {})
-            .map_err(err)?;
-        Ok(seq)
-    };
-    let mut plain = start(&mut ws)?;
-    let want: Vec<Vec<f32>> = feed
-        .iter()
-        .map(|&t| model.decode(be, &mut ws, &mut plain, t))
-        .collect::<Result<_, _>>()
-        .map_err(err)?;
-    let mut seq = start(&mut ws)?;
+    let want = decoded(be, model, &mut ws, &prompt, &feed)?;
+    let mut seq = prefilled(be, model, &mut ws, &prompt)?;
     let mut got = Vec::new();
     let mut i = 0;
-    let vocab = model.config.vocab_size;
     while i < feed.len() {
         let mark = model.mark(be, &mut seq).map_err(err)?;
         // A span whose first 0 to 3 tokens are right, then rejected tokens; every fifth step
@@ -447,7 +450,7 @@ pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
         }
     }
     // A mark of another sequence, or of its future, is refused.
-    let mut other = start(&mut ws)?;
+    let mut other = prefilled(be, model, &mut ws, &prompt)?;
     let mark = model.mark(be, &mut other).map_err(err)?;
     if model.rewind(be, &mut seq, &mark).is_ok() {
         return Err("a mark of another sequence was taken".into());
