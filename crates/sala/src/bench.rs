@@ -732,6 +732,44 @@ fn print_profile<B: DeviceStats>(be: &B, what: &str) {
     }
 }
 
+/// An engine over the config with random weights (`args.seed`) and a test tokenizer, which
+/// lives in the returned folder.
+fn random_engine<B: Backend>(
+    be: B,
+    config: &ModelConfig,
+    args: &BenchArgs,
+) -> Result<(sala_engine::generate::Engine<B>, tempfile::TempDir)> {
+    let model = Model::random(&be, config.clone(), args.seed, &mut |_, _| {})?;
+    let tmp = tempfile::tempdir()?;
+    sala_tokenizer::write_test_tokenizer(tmp.path(), config.vocab_size)?;
+    let tokenizer = sala_tokenizer::Tokenizer::from_dir(tmp.path())?;
+    let engine = sala_engine::generate::Engine::from_model(
+        be,
+        model,
+        tokenizer,
+        tmp.path(),
+        args.prefill_chunk,
+    )?;
+    Ok((engine, tmp))
+}
+
+/// Greedy generation of `--decode-tokens` tokens (EOS ignored) after prompts of up to `longest`.
+fn greedy_options(args: &BenchArgs, longest: usize) -> sala_engine::generate::GenerateOptions {
+    sala_engine::generate::GenerateOptions {
+        sampling: sala_engine::sampling::SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        max_tokens: args.decode_tokens,
+        max_context: longest + args.decode_tokens + 1,
+        stop: Vec::new(),
+        eos_ids: Vec::new(),
+        grammar: None,
+        prompt_logprobs: None,
+        speculate: None,
+    }
+}
+
 /// `n` requests of `len` random prompt tokens and `--decode-tokens` greedy tokens each (EOS
 /// ignored): first one after another, then admitted together into one continuous batch.
 /// Returns the JSON document; prints both throughputs and their ratio.
@@ -742,30 +780,13 @@ fn concurrent<B: Backend + DeviceStats>(
     n: usize,
     args: &BenchArgs,
 ) -> Result<Value> {
-    use sala_engine::generate::{Engine, GenerateOptions};
-    use sala_engine::sampling::SamplingParams;
+    use sala_engine::generate::GenerateOptions;
     use sala_engine::step::StepEvent;
     use std::cell::{Cell, RefCell};
     let name = be.name();
-    let model = Model::random(&be, config.clone(), args.seed, &mut |_, _| {})?;
-    let tmp = tempfile::tempdir()?;
-    sala_tokenizer::write_test_tokenizer(tmp.path(), config.vocab_size)?;
-    let tokenizer = sala_tokenizer::Tokenizer::from_dir(tmp.path())?;
-    let mut engine = Engine::from_model(be, model, tokenizer, tmp.path(), args.prefill_chunk)?;
+    let (mut engine, _tokenizer_dir) = random_engine(be, config, args)?;
     engine.set_max_batch(n)?;
-    let opts = GenerateOptions {
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        max_tokens: args.decode_tokens,
-        max_context: len + args.decode_tokens + 1,
-        stop: Vec::new(),
-        eos_ids: Vec::new(),
-        grammar: None,
-        prompt_logprobs: None,
-        speculate: None,
-    };
+    let opts = greedy_options(args, len);
     let mut rng = TestRng::new(args.seed ^ 0xc0c0);
     let prompts: Vec<Vec<u32>> = (0..n)
         .map(|_| {

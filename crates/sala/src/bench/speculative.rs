@@ -9,10 +9,9 @@ use crate::device::DeviceStats;
 use anyhow::{bail, Result};
 use sala_checkpoint::ModelConfig;
 use sala_engine::draft::{DraftSource, Speculate};
-use sala_engine::generate::{Engine, GenerateOptions};
-use sala_engine::sampling::SamplingParams;
+use sala_engine::generate::GenerateOptions;
 use sala_model::numerics::TestRng;
-use sala_model::{Backend, Model};
+use sala_model::Backend;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -84,25 +83,9 @@ pub fn speculative<B: Backend + DeviceStats>(
         bail!("--speculative needs --decode-tokens of at least 2");
     }
     let name = be.name();
-    let model = Model::random(&be, config.clone(), args.seed, &mut |_, _| {})?;
-    let tmp = tempfile::tempdir()?;
-    sala_tokenizer::write_test_tokenizer(tmp.path(), config.vocab_size)?;
-    let tokenizer = sala_tokenizer::Tokenizer::from_dir(tmp.path())?;
-    let mut engine = Engine::from_model(be, model, tokenizer, tmp.path(), args.prefill_chunk)?;
+    let (mut engine, _tokenizer_dir) = super::random_engine(be, config, args)?;
     let longest = contexts.iter().copied().max().unwrap_or(0);
-    let plain = GenerateOptions {
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        max_tokens: args.decode_tokens,
-        max_context: longest + args.decode_tokens + 1,
-        stop: Vec::new(),
-        eos_ids: Vec::new(),
-        grammar: None,
-        prompt_logprobs: None,
-        speculate: None,
-    };
+    let plain = super::greedy_options(args, longest);
     let mut rng = TestRng::new(args.seed ^ 0x5bec);
     let mut docs = Vec::new();
     for &len in contexts {

@@ -394,3 +394,52 @@ fn bench_times_verification_spans() {
         &["--verify-spans 65", "1 to 64"],
     );
 }
+
+/// --speculative: one request decoded plainly and with each draft source through the engine;
+/// the oracle's drafts stand as far as they are right and the tokens are the plain ones.
+#[test]
+fn bench_measures_speculative_decoding_against_plain() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let o = sala(
+        &[
+            "bench",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--context",
+            "120",
+            "--decode-tokens",
+            "24",
+            "--speculative",
+            "oracle:3/4,oracle:4/4,ngram",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    ok(&o);
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let run = &doc["runs"][0];
+    assert_eq!(run["context"], 120, "{doc}");
+    positive(run, "plain_decode_tok_s", "plain");
+    let rows = run["speculative"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{doc}");
+    for (r, (name, per_step)) in rows.iter().zip([("oracle:3/4", 3.0), ("oracle:4/4", 4.0)]) {
+        assert_eq!(r["drafts"], name, "{r}");
+        assert_eq!(r["same_tokens"], 24, "{r}");
+        assert_eq!(r["mean_accepted"].as_f64(), Some(per_step), "{r}");
+        positive(r, "decode_tok_s", name);
+    }
+    assert_eq!(rows[2]["drafts"], "ngram:4");
+    fails_with(
+        &bench(
+            &["--context", "120", "--speculative", "oracle:5/4"],
+            &json,
+            tmp.path(),
+        ),
+        &["--speculative oracle:5/4", "0 to K"],
+    );
+}
