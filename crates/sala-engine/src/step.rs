@@ -144,8 +144,10 @@ struct Speculation<B: Backend> {
     /// drafts.
     drafts: Vec<u32>,
     span: Vec<u32>,
-    /// The sequence before the span, to rewind to when a draft is rejected.
+    /// The sequence before the span, to rewind to when a draft is rejected, and the last
+    /// mark, whose state copies the next one reuses.
     mark: Option<SeqMark<B>>,
+    spare: Option<SeqMark<B>>,
 }
 
 impl<B: Backend> Speculation<B> {
@@ -159,6 +161,7 @@ impl<B: Backend> Speculation<B> {
             drafts: Vec::new(),
             span: Vec::new(),
             mark: None,
+            spare: None,
         }
     }
 
@@ -197,7 +200,7 @@ impl<B: Backend> Speculation<B> {
         self.mark = if self.drafts.is_empty() {
             None
         } else {
-            Some(model.mark(be, seq)?)
+            Some(model.mark_with(be, seq, self.spare.take())?)
         };
         Ok(())
     }
@@ -224,21 +227,23 @@ impl<B: Backend> Speculation<B> {
             }
         }
         if stood < drafted {
-            let mark = self.mark.take().ok_or_else(|| {
+            let mark = self.mark.as_ref().ok_or_else(|| {
                 EngineError::from(BackendError("a span with drafts has no mark".into()))
             })?;
             let keep = self.redo.len() + 1 + stood;
             if self.span.len() <= sala_model::STEPWISE_SPAN_ROWS {
-                model.rewind_to(be, seq, &mark, keep)?;
+                model.rewind_to(be, seq, mark, keep)?;
                 self.redo.clear();
             } else {
-                model.rewind(be, seq, &mark)?;
+                model.rewind(be, seq, mark)?;
                 self.redo = self.span[..keep].to_vec();
             }
         } else {
             self.redo.clear();
         }
-        self.mark = None;
+        if let Some(mark) = self.mark.take() {
+            self.spare = Some(mark);
+        }
         self.drafts.clear();
         self.span.clear();
         Ok(())

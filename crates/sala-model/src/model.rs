@@ -627,6 +627,17 @@ impl<B: Backend> Model<B> {
     /// A mark to rewind `seq` to ([`Model::rewind`]): its position and a copy of every
     /// lightning state (the sparse caches are cut back instead).
     pub fn mark(&self, be: &B, seq: &mut SeqState<B>) -> BResult<SeqMark<B>> {
+        self.mark_with(be, seq, None)
+    }
+
+    /// [`Model::mark`] into the state copies of `spare` (an earlier mark of this model, done
+    /// with) where it has them, so a mark a step allocates nothing.
+    pub fn mark_with(
+        &self,
+        be: &B,
+        seq: &mut SeqState<B>,
+        spare: Option<SeqMark<B>>,
+    ) -> BResult<SeqMark<B>> {
         // The next span's k and v rows are kept, for a rewind into it.
         if seq.span_kv.is_none() {
             let width = self.lightning_shape().kv_width();
@@ -655,11 +666,15 @@ impl<B: Backend> Model<B> {
             kv.rows = 0;
             kv.armed = true;
         }
+        let mut spare = spare.map(|m| m.states).unwrap_or_default().into_iter();
         let mut states = Vec::new();
         for state in &seq.layers {
             if let LayerState::Lightning(s) = state {
                 let c = &self.config;
-                let mut copy = be.new_lightning_state(c.num_attention_heads, c.head_dim)?;
+                let mut copy = match spare.next() {
+                    Some(copy) => copy,
+                    None => be.new_lightning_state(c.num_attention_heads, c.head_dim)?,
+                };
                 be.copy_lightning_state(s, &mut copy)?;
                 states.push(copy);
             }

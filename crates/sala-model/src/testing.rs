@@ -408,8 +408,10 @@ pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
     let mut seq = prefilled(be, model, &mut ws, &prompt)?;
     let mut got = Vec::new();
     let mut i = 0;
+    // Each mark but the first reuses the last one's state copies (Model::mark_with).
+    let mut spare = None;
     while i < feed.len() {
-        let mark = model.mark(be, &mut seq).map_err(err)?;
+        let mark = model.mark_with(be, &mut seq, spare.take()).map_err(err)?;
         // A span whose first 0 to 3 tokens are right, then rejected tokens; every fifth step
         // rewound to the mark and the right tokens decoded again, else rewound into the span
         // (the right tokens kept: their rows are the decoded logits).
@@ -443,6 +445,7 @@ pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
                 .map_err(err)?,
         );
         i += keep + 1;
+        spare = Some(mark);
     }
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         if g != w {
