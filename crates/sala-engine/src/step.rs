@@ -231,8 +231,10 @@ impl<B: Backend> Speculation<B> {
                 EngineError::from(BackendError("a span with drafts has no mark".into()))
             })?;
             let keep = self.redo.len() + 1 + stood;
-            if self.span.len() <= sala_model::STEPWISE_SPAN_ROWS {
-                model.rewind_to(be, seq, mark, keep)?;
+            // Into the span where the backend replays (a span short enough, a head size its
+            // stepping kernels take); else back to the mark, the taken tokens read again.
+            let short = self.span.len() <= sala_model::STEPWISE_SPAN_ROWS;
+            if short && model.rewind_to(be, seq, mark, keep).is_ok() {
                 self.redo.clear();
             } else {
                 model.rewind(be, seq, mark)?;

@@ -168,9 +168,10 @@ fn spans_fit_a_small_workspace() {
     );
 }
 
-/// Drafts from the greedy continuation itself, `right` of each 4 true: the engine takes
-/// exactly those (every full span `right`, all 4 when `right` is 4) and gives the greedy
-/// tokens; with no true draft, no draft stands and the tokens are the same.
+/// Drafts from the greedy continuation itself, `right` of each `of` true (up to 16 drafts, the
+/// longest span): the engine takes exactly those (every full span `right`, all when `right` is
+/// `of`) and gives the greedy tokens; with no true draft, no draft stands and the tokens are
+/// the same.
 #[test]
 fn known_continuation_drafts_stand_as_far_as_they_are_right() {
     use sala_engine::draft::DraftSource;
@@ -180,10 +181,10 @@ fn known_continuation_drafts_stand_as_far_as_they_are_right() {
     let p = prompt(90, 5);
     let plain = run_batch(&mut e, &[(p.clone(), opts(120, None, greedy()))], true);
     let sequence: Arc<[u32]> = p.iter().copied().chain(ids(&plain[0])).collect();
-    for right in [0usize, 1, 3, 4] {
+    for (right, of) in [(0usize, 4usize), (1, 4), (3, 4), (4, 4), (12, 16), (16, 16)] {
         let mut o = opts(120, None, greedy());
         o.speculate = Some(Speculate {
-            max_draft: 4,
+            max_draft: of,
             drafts: DraftSource::Known {
                 sequence: sequence.clone(),
                 right,
@@ -192,24 +193,22 @@ fn known_continuation_drafts_stand_as_far_as_they_are_right() {
         let before = e.speculation_stats();
         let spec = run_batch(&mut e, &[(p.clone(), o)], false);
         // A span's rows are stepped token by token: exactly the plain tokens.
-        assert_eq!(ids(&spec[0]), ids(&plain[0]), "right {right}");
+        assert_eq!(ids(&spec[0]), ids(&plain[0]), "{right} of {of}");
         let s = e.speculation_stats();
         let (drafted, accepted) = (s.drafted - before.drafted, s.accepted - before.accepted);
-        assert!(drafted > 0, "right {right}: no drafts");
-        {
-            // On the known sequence all along: every span of 4 drafts took `right` of them
-            // (the few spans cut short before dense_len or the end take what they hold).
-            let right = right as u64;
-            assert!(
-                accepted <= drafted && 4 * accepted + 4 * 4 * right >= right * drafted,
-                "right {right}: {accepted} of {drafted} taken"
-            );
-            if right == 0 {
-                assert_eq!(accepted, 0);
-            }
-            if right == 4 {
-                assert_eq!(accepted, drafted);
-            }
+        assert!(drafted > 0, "{right} of {of}: no drafts");
+        // On the known sequence all along: every span of `of` drafts took `right` of them
+        // (the few spans cut short before dense_len or the end take what they hold).
+        let (right, of) = (right as u64, of as u64);
+        assert!(
+            accepted <= drafted && of * accepted + 4 * of * right >= right * drafted,
+            "{right} of {of}: {accepted} of {drafted} taken"
+        );
+        if right == 0 {
+            assert_eq!(accepted, 0);
+        }
+        if right == of {
+            assert_eq!(accepted, drafted);
         }
     }
 }

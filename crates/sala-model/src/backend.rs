@@ -20,8 +20,9 @@ pub type BResult<T> = Result<T, BackendError>;
 /// Spread of the random keys and values of [`Backend::fill_sparse_cache_random`].
 pub const RANDOM_KV_STD: f32 = 1.0;
 
-/// Most rows of a span that [`Backend::lightning`] steps token by token.
-pub const STEPWISE_SPAN_ROWS: usize = 16;
+/// Most rows of a span that [`Backend::lightning`] steps token by token: a token fed and up
+/// to 16 drafts.
+pub const STEPWISE_SPAN_ROWS: usize = 17;
 /// Spread of the random lightning states of [`Backend::fill_lightning_state_random`].
 pub const RANDOM_STATE_STD: f32 = 0.05;
 

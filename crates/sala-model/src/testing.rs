@@ -317,7 +317,7 @@ fn decoded<B: Backend>(
 /// A span of at most [`crate::STEPWISE_SPAN_ROWS`] tokens gives each row the logits of
 /// decoding its tokens one at a time, bit for bit, below `dense_len` and past it (what makes a
 /// verified draft the token plain decoding gives): after prompts of 30 and 190 tokens, spans of
-/// 1 to 16 tokens against decode steps; every other span asks for every row's greedy pick
+/// 1 to 17 tokens against decode steps; every other span asks for every row's greedy pick
 /// ([`LogitRows::GreedyAll`]), which must be the pick of the decoded logits. The model's
 /// `dense_len` should lie between (100).
 pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
@@ -326,7 +326,7 @@ pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), 
     let mut ws = model.workspace(be, 64).map_err(err)?;
     for (prompt_len, seed) in [(30usize, 31u64), (190, 32)] {
         let prompt = tokens(prompt_len, vocab, seed);
-        let lens = [2usize, 5, 16, 1, 7, 3];
+        let lens = [2usize, 5, 17, 1, 7, 3];
         let feed = tokens(lens.iter().sum(), vocab, seed + 100);
         let want = decoded(be, model, &mut ws, &prompt, &feed)?;
         let mut seq = prefilled(be, model, &mut ws, &prompt)?;
