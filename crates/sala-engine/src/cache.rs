@@ -11,7 +11,7 @@
 use crate::request::RequestId;
 use sala_checkpoint::ModelConfig;
 use sala_model::memory::{
-    cache_bytes, BackendMemory, CacheBytes, MemoryLimit, MemoryPlan, OverBudget,
+    cache_bytes, speculation_bytes, BackendMemory, CacheBytes, MemoryLimit, MemoryPlan, OverBudget,
 };
 use sala_model::Backend;
 
@@ -49,6 +49,8 @@ pub struct Lease {
     /// Tokens counted as held, and their bytes by the memory formula.
     tokens: usize,
     held: usize,
+    /// Bytes held beside the caches (speculative decoding's), counted with them.
+    extra: usize,
 }
 
 impl Lease {
@@ -173,21 +175,32 @@ impl CacheBudget {
     }
 
     /// Admits request `id`, whose sequence may reach `total_tokens` tokens and holds
-    /// `held_tokens` now, if its plan fits beside the caches of every sequence admitted.
+    /// `held_tokens` now, if its plan fits beside the caches of every sequence admitted; a
+    /// request that `speculates` holds [`speculation_bytes`] more (counted as lightning state).
     pub fn admit(
         &mut self,
         id: RequestId,
         total_tokens: usize,
         held_tokens: usize,
+        speculates: bool,
     ) -> Result<Lease, Refusal> {
+        let extra = if speculates {
+            speculation_bytes(&self.config)
+        } else {
+            0
+        };
+        let with_extra = |c: CacheBytes| CacheBytes {
+            lightning_state: c.lightning_state + extra,
+            ..c
+        };
         self.check(total_tokens).map_err(Refusal::TooLarge)?;
         if let Some(limit) = &self.limit {
             let mut plan = self.plan(total_tokens);
-            plan.cache = add(plan.cache, self.planned);
+            plan.cache = with_extra(add(plan.cache, self.planned));
             plan.check(limit).map_err(Refusal::Busy)?;
         }
-        let planned = self.planned_cache(total_tokens);
-        let held = cache_bytes(&self.config, held_tokens).total();
+        let planned = with_extra(self.planned_cache(total_tokens));
+        let held = cache_bytes(&self.config, held_tokens).total() + extra;
         self.planned = add(self.planned, planned);
         self.held += held;
         self.live += 1;
@@ -197,12 +210,13 @@ impl CacheBudget {
             planned,
             tokens: held_tokens,
             held,
+            extra,
         })
     }
 
     /// `lease`'s sequence now holds `tokens` tokens.
     pub fn grow(&mut self, lease: &mut Lease, tokens: usize) {
-        let held = cache_bytes(&self.config, tokens).total();
+        let held = cache_bytes(&self.config, tokens).total() + lease.extra;
         self.held = self.held - lease.held + held;
         lease.tokens = tokens;
         lease.held = held;
@@ -263,9 +277,9 @@ mod tests {
         let one = free.plan(400);
         // Room for one 400-token sequence and half the caches of another.
         let mut b = budget(Some(one.total() + one.cache.total() / 2));
-        let a = b.admit(0, 400, 300).unwrap();
+        let a = b.admit(0, 400, 300, false).unwrap();
         assert_eq!(b.planned_bytes(), one.cache.total());
-        match b.admit(1, 400, 300) {
+        match b.admit(1, 400, 300, false) {
             Err(Refusal::Busy(e)) => {
                 // The error is for both sequences' caches together.
                 assert_eq!(e.plan.cache.total(), 2 * one.cache.total());
@@ -274,9 +288,9 @@ mod tests {
             other => panic!("expected Busy, got {other:?}"),
         }
         // A smaller one fits beside it.
-        let small = b.admit(2, 100, 50).unwrap();
+        let small = b.admit(2, 100, 50, false).unwrap();
         // A request too large alone is refused as such, whatever is in flight.
-        match b.admit(3, 4000, 10) {
+        match b.admit(3, 4000, 10, false) {
             Err(Refusal::TooLarge(e)) => assert_eq!(e.plan.context, 4000),
             other => panic!("expected TooLarge, got {other:?}"),
         }
@@ -284,7 +298,7 @@ mod tests {
         b.release(small);
         b.release(a);
         // With the first released, the second fits.
-        let c = b.admit(1, 400, 300).unwrap();
+        let c = b.admit(1, 400, 300, false).unwrap();
         assert_eq!(b.sequences(), 1);
         b.release(c);
         assert!(b.check(4000).is_err() && b.check(400).is_ok());
@@ -295,8 +309,8 @@ mod tests {
         let config = sala_checkpoint::preset("tiny").unwrap();
         let bytes = |n| cache_bytes(&config, n).total();
         let mut b = budget(None);
-        let mut x = b.admit(7, 100, 20).unwrap();
-        let mut y = b.admit(8, 50, 10).unwrap();
+        let mut x = b.admit(7, 100, 20, false).unwrap();
+        let mut y = b.admit(8, 50, 10, false).unwrap();
         assert_eq!((x.id(), x.total_tokens(), x.tokens()), (7, 100, 20));
         assert_eq!(b.held_bytes(), bytes(20) + bytes(10));
         b.grow(&mut x, 21);
@@ -313,9 +327,33 @@ mod tests {
     }
 
     #[test]
+    fn a_request_that_speculates_holds_its_marks_and_span_rows_too() {
+        let config = sala_checkpoint::preset("tiny").unwrap();
+        let extra = speculation_bytes(&config);
+        assert!(extra > cache_bytes(&config, 0).lightning_state, "{extra}");
+        let mut b = budget(None);
+        let mut x = b.admit(0, 100, 20, true).unwrap();
+        assert_eq!(b.held_bytes(), cache_bytes(&config, 20).total() + extra);
+        assert_eq!(b.planned_bytes(), cache_bytes(&config, 100).total() + extra);
+        b.grow(&mut x, 40);
+        assert_eq!(x.held_bytes(), cache_bytes(&config, 40).total() + extra);
+        b.release(x);
+        assert_eq!((b.held_bytes(), b.planned_bytes()), (0, 0));
+        // Under a limit that fits the plan alone, the speculation's bytes tip it over.
+        let one = budget(None).plan(400);
+        let mut tight = budget(Some(one.total() + extra / 2));
+        assert!(matches!(
+            tight.admit(1, 400, 10, true),
+            Err(Refusal::Busy(_))
+        ));
+        let plain = tight.admit(1, 400, 10, false).unwrap();
+        tight.release(plain);
+    }
+
+    #[test]
     fn the_probe_speaks_for_the_backend_where_it_can() {
         let mut b = budget(None);
-        let x = b.admit(0, 64, 8).unwrap();
+        let x = b.admit(0, 64, 8, false).unwrap();
         assert_eq!(b.in_use(None), b.planned_bytes());
         assert_eq!(b.in_use(Some(12345)), 12345);
         let probe = |pages: &usize| Some(*pages * 4096);

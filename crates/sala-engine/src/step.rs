@@ -386,7 +386,12 @@ impl<B: Backend> Engine<B> {
         let id = batch.next_id;
         let lease = batch
             .cache
-            .admit(id, total, prompt.len())
+            .admit(
+                id,
+                total,
+                prompt.len(),
+                opts.speculate.as_ref().is_some_and(|s| s.max_draft > 0),
+            )
             .map_err(|r| match r {
                 Refusal::TooLarge(e) => EngineError::OverBudget(e),
                 Refusal::Busy(e) => EngineError::MemoryBusy(e),

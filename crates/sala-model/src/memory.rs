@@ -88,6 +88,15 @@ fn cache_bytes_with(
     }
 }
 
+/// Bytes a sequence that speculates holds beside its caches: a copy of every lightning state
+/// (the mark a rejected draft rewinds to) and, per lightning layer, the k and v rows of the
+/// span it verifies ([`crate::STEPWISE_SPAN_ROWS`] rows, counted at 4 bytes a value).
+pub fn speculation_bytes(c: &ModelConfig) -> usize {
+    let lightning = c.layer_count(MixerKind::Lightning);
+    let kv_width = c.lightning_nkv * c.head_dim;
+    cache_bytes(c, 0).lightning_state + lightning * 2 * crate::STEPWISE_SPAN_ROWS * kv_width * F32
+}
+
 /// Bytes of the weights in bf16.
 pub fn weight_bytes(c: &ModelConfig) -> usize {
     sala_checkpoint::expected_parameter_count(c) as usize * BF16
