@@ -72,6 +72,11 @@ pub struct BenchArgs {
     /// and with SALA_PROFILE=1 the TFLOP/s of selection and attention apart).
     #[arg(long, value_name = "OP")]
     kernel: Option<String>,
+    /// With --kernel sparse: each query is its own random vector plus F times one random
+    /// vector all share, so neighbouring queries select more of the same blocks, as real
+    /// attention does (0, the default: independent queries, as random weights give).
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    locality: f32,
     /// Timed repetitions per context with --kernel (the median is reported).
     #[arg(long, default_value_t = 10)]
     repeat: usize,

@@ -217,6 +217,13 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
                 fill(shape.kv_width(), 2)?,
                 fill(shape.kv_width(), 3)?,
             );
+            if args.locality != 0.0 {
+                // One random row under every query, `--locality` times over.
+                let shared = be.random_matrix(1, shape.q_width(), args.seed ^ 7, 0.0, 1.0)?;
+                let mut under = be.alloc(rows, shape.q_width())?;
+                be.embed(&shared, &vec![0; rows], 1.0, &mut under)?;
+                be.add_scaled(&mut q, &under, args.locality)?;
+            }
             let mut cache = be.new_sparse_cache(shape, cfg)?;
             if len > rows {
                 be.fill_sparse_cache_random(&mut cache, cfg, len - rows, args.seed ^ rep as u64)?;
@@ -280,6 +287,7 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
         results.push(json!({
             "context": len,
             "rows": rows,
+            "locality": args.locality,
             "mode": if mode == SparseMode::Dense { "dense" } else { "sparse" },
             "median_s": median,
             "tflops": tf(total, median),

@@ -301,6 +301,19 @@ fn bench_times_the_sparse_attention_op_alone() {
         assert_eq!(select > 0.0, mode == "sparse", "{row}");
         // No profile on the CPU: the parts are not split.
         assert!(row["profiled_attention_s"].is_null(), "{row}");
+        assert_eq!(row["locality"], 0.0, "{row}");
+    }
+    // Queries that share a direction (--locality) run and are reported as such.
+    let o = bench(
+        &[&args[..], &["--locality", "4"]].concat(),
+        &json,
+        tmp.path(),
+    );
+    ok(&o);
+    let v = read_json(&json);
+    for row in v["results"].as_array().unwrap() {
+        assert_eq!(row["locality"], 4.0, "{row}");
+        assert!(row["median_s"].as_f64().unwrap() > 0.0, "{row}");
     }
 }
 
