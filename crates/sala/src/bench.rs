@@ -102,7 +102,8 @@ pub struct BenchArgs {
     /// a random prompt of each --context), against plain decoding, with each of these draft
     /// sources: `ngram` or `ngram:N` (prompt lookup, up to 4 or N tokens), `oracle:R/K`
     /// (drafts of K tokens from the plain run's own continuation, the first R right: the
-    /// engine's speed at an accepted length of R).
+    /// engine's speed at an accepted length of R). With --concurrent: the batch's decode steps
+    /// speculating, against the plain batch's.
     #[arg(long, value_name = "DRAFTS,...", value_delimiter = ',')]
     speculative: Vec<String>,
 }
@@ -256,12 +257,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
-    if !args.speculative.is_empty() {
-        let modes = args
-            .speculative
-            .iter()
-            .map(|s| BenchDrafts::parse(s))
-            .collect::<Result<Vec<_>>>()?;
+    let modes = args
+        .speculative
+        .iter()
+        .map(|s| BenchDrafts::parse(s))
+        .collect::<Result<Vec<_>>>()?;
+    if !modes.is_empty() && args.concurrent.is_none() {
         let doc = match args.device.open()? {
             Opened::Cpu(be) => speculative(be, &config, &contexts, &modes, &args),
             Opened::Cuda(be) => speculative(*be, &config, &contexts, &modes, &args),
@@ -278,8 +279,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         let len = contexts[0];
         let doc = match args.device.open()? {
-            Opened::Cpu(be) => concurrent(be, &config, len, n, &args),
-            Opened::Cuda(be) => concurrent(*be, &config, len, n, &args),
+            Opened::Cpu(be) => concurrent(be, &config, len, n, &modes, &args),
+            Opened::Cuda(be) => concurrent(*be, &config, len, n, &modes, &args),
         }?;
         if let Some(path) = &args.json {
             std::fs::write(path, serde_json::to_string_pretty(&doc)?)
@@ -777,6 +778,75 @@ fn greedy_options(args: &BenchArgs, longest: usize) -> sala_engine::generate::Ge
     }
 }
 
+/// One continuous batch of `prompts` (request `i` with `opts(i)`), run to the end.
+struct BatchedRun {
+    seconds: f64,
+    /// Tokens generated in the steps after every prompt was read, and those steps' time.
+    decode_tokens: usize,
+    decode_seconds: f64,
+    /// Each request's generated tokens.
+    ids: Vec<Vec<u32>>,
+}
+
+impl BatchedRun {
+    fn tokens(&self) -> usize {
+        self.ids.iter().map(Vec::len).sum()
+    }
+}
+
+fn batched_run<B: Backend>(
+    engine: &mut sala_engine::generate::Engine<B>,
+    prompts: &[Vec<u32>],
+    opts: &dyn Fn(usize) -> sala_engine::generate::GenerateOptions,
+) -> Result<BatchedRun> {
+    use sala_engine::step::StepEvent;
+    use std::cell::{Cell, RefCell};
+    let ids = RefCell::new(vec![Vec::new(); prompts.len()]);
+    let (generated, prefilled) = (Cell::new(0usize), Cell::new(0usize));
+    let failure = RefCell::new(None);
+    let start = Instant::now();
+    let mut batch = engine.batch();
+    for (i, p) in prompts.iter().enumerate() {
+        let (ids, generated, prefilled, failure) = (&ids, &generated, &prefilled, &failure);
+        let client = move |ev: StepEvent<'_>| {
+            match ev {
+                StepEvent::Token(s) => {
+                    if let Some(t) = s.token {
+                        ids.borrow_mut()[i].push(t.id);
+                        generated.set(generated.get() + 1);
+                    }
+                }
+                StepEvent::Prefilled { .. } => prefilled.set(prefilled.get() + 1),
+                StepEvent::Done(Err(e)) => *failure.borrow_mut() = Some(e.to_string()),
+                _ => {}
+            }
+            true
+        };
+        engine.admit(&mut batch, p.clone(), &opts(i), None, client)?;
+    }
+    // Steps after every prompt is read (no prompt chunk in them): tokens and time.
+    let (mut decode_tokens, mut decode_seconds) = (0usize, 0.0f64);
+    while !batch.is_empty() {
+        let decode_only = prefilled.get() == prompts.len();
+        let (t0, tokens0) = (Instant::now(), generated.get());
+        engine.step(&mut batch);
+        if decode_only {
+            decode_tokens += generated.get() - tokens0;
+            decode_seconds += t0.elapsed().as_secs_f64();
+        }
+    }
+    drop(batch);
+    if let Some(e) = failure.into_inner() {
+        bail!("a batched request failed: {e}");
+    }
+    Ok(BatchedRun {
+        seconds: start.elapsed().as_secs_f64(),
+        decode_tokens,
+        decode_seconds,
+        ids: ids.into_inner(),
+    })
+}
+
 /// `n` requests of `len` random prompt tokens and `--decode-tokens` greedy tokens each (EOS
 /// ignored): first one after another, then admitted together into one continuous batch.
 /// Returns the JSON document; prints both throughputs and their ratio.
@@ -785,11 +855,11 @@ fn concurrent<B: Backend + DeviceStats>(
     config: &ModelConfig,
     len: usize,
     n: usize,
+    modes: &[BenchDrafts],
     args: &BenchArgs,
 ) -> Result<Value> {
     use sala_engine::generate::GenerateOptions;
     use sala_engine::step::StepEvent;
-    use std::cell::{Cell, RefCell};
     let name = be.name();
     let (mut engine, _tokenizer_dir) = random_engine(be, config, args)?;
     engine.set_max_batch(n)?;
@@ -834,41 +904,9 @@ fn concurrent<B: Backend + DeviceStats>(
     if baseline {
         print_profile(&engine.backend, &format!("{n} requests one by one"));
     }
-    let (generated_batched, prefilled) = (Cell::new(0usize), Cell::new(0usize));
-    let failure = RefCell::new(None);
-    let client = |ev: StepEvent<'_>| {
-        match ev {
-            StepEvent::Token(s) if s.token.is_some() => {
-                generated_batched.set(generated_batched.get() + 1)
-            }
-            StepEvent::Prefilled { .. } => prefilled.set(prefilled.get() + 1),
-            StepEvent::Done(Err(e)) => *failure.borrow_mut() = Some(e.to_string()),
-            _ => {}
-        }
-        true
-    };
-    let start = Instant::now();
-    let mut batch = engine.batch();
-    for p in &prompts {
-        engine.admit(&mut batch, p.clone(), &opts, None, client)?;
-    }
-    // Steps after every prompt is read (no prompt chunk in them): tokens and time.
-    let (mut batch_decode_tokens, mut batch_decode_s) = (0usize, 0.0f64);
-    while !batch.is_empty() {
-        let decode_only = prefilled.get() == n;
-        let (t0, tokens0) = (Instant::now(), generated_batched.get());
-        engine.step(&mut batch);
-        if decode_only {
-            batch_decode_tokens += generated_batched.get() - tokens0;
-            batch_decode_s += t0.elapsed().as_secs_f64();
-        }
-    }
-    drop(batch);
-    if let Some(e) = failure.into_inner() {
-        bail!("a batched request failed: {e}");
-    }
-    let batched_tokens = generated_batched.get();
-    let batched = start.elapsed().as_secs_f64();
+    let plain = batched_run(&mut engine, &prompts, &|_| opts.clone())?;
+    let (batched, batched_tokens) = (plain.seconds, plain.tokens());
+    let (batch_decode_tokens, batch_decode_s) = (plain.decode_tokens, plain.decode_seconds);
     print_profile(&engine.backend, &format!("{n} requests batched"));
     let total = |gen: usize| (n * len + gen) as f64;
     println!(
@@ -910,8 +948,40 @@ fn concurrent<B: Backend + DeviceStats>(
         );
         (Value::Null, Value::Null)
     };
+    // The same batch speculating: drafts from each request's own plain continuation.
+    let mut speculative = Vec::new();
+    for drafts in modes {
+        let s = drafts.label();
+        let sequences: Vec<std::sync::Arc<[u32]>> = prompts
+            .iter()
+            .zip(&plain.ids)
+            .map(|(p, ids)| p.iter().chain(ids).copied().collect())
+            .collect();
+        let run = batched_run(&mut engine, &prompts, &|i| GenerateOptions {
+            speculate: Some(drafts.speculate(&sequences[i])),
+            ..opts.clone()
+        })?;
+        let rate = run.decode_tokens as f64 / run.decode_seconds.max(1e-9);
+        let same = run.ids == plain.ids;
+        println!(
+            "decode steps speculating ({s}): {rate:.1} tok/s, {:.2}x the plain batch{}",
+            rate / batch_rate.max(1e-9),
+            if same {
+                ""
+            } else {
+                " (some tokens differ from the plain batch's)"
+            }
+        );
+        speculative.push(json!({
+            "drafts": s,
+            "decode_tok_s": rate,
+            "vs_plain_batch": rate / batch_rate.max(1e-9),
+            "same_tokens": same,
+        }));
+    }
     let baseline_value = |v: Value| if baseline { v } else { Value::Null };
     Ok(json!({
+        "speculative": speculative,
         "device": name,
         "requests": n,
         "prompt_tokens": len,

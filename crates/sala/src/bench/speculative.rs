@@ -48,14 +48,14 @@ impl BenchDrafts {
         }
     }
 
-    fn label(&self) -> String {
+    pub(super) fn label(&self) -> String {
         match self {
             Self::Ngram(n) => format!("ngram:{n}"),
             Self::Oracle { right, of } => format!("oracle:{right}/{of}"),
         }
     }
 
-    fn speculate(&self, sequence: &Arc<[u32]>) -> Speculate {
+    pub(super) fn speculate(&self, sequence: &Arc<[u32]>) -> Speculate {
         match *self {
             Self::Ngram(n) => Speculate::prompt_lookup(n),
             Self::Oracle { right, of } => Speculate {

@@ -456,3 +456,41 @@ fn bench_measures_speculative_decoding_against_plain() {
         &["--speculative oracle:5/4", "0 to K"],
     );
 }
+
+/// --concurrent with --speculative: the batch again with every request drafting from its own
+/// plain continuation; the tokens stay the plain batch's.
+#[test]
+fn bench_measures_a_speculating_batch_against_the_plain_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let o = sala(
+        &[
+            "bench",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--concurrent",
+            "3",
+            "--context",
+            "100",
+            "--decode-tokens",
+            "16",
+            "--batched-only",
+            "--speculative",
+            "oracle:3/4,oracle:0/4",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    ok(&o);
+    let doc = read_json(&json);
+    let rows = doc["speculative"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{doc}");
+    for (r, name) in rows.iter().zip(["oracle:3/4", "oracle:0/4"]) {
+        assert_eq!(r["drafts"], name, "{r}");
+        assert_eq!(r["same_tokens"], true, "{r}");
+        positive(r, "decode_tok_s", name);
+    }
+}
