@@ -458,5 +458,27 @@ pub fn check_rewind<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
     if model.rewind(be, &mut seq, &mark).is_ok() {
         return Err("a mark of another sequence was taken".into());
     }
+    // Keeping more of a span than it read, or a span after another step, is refused, and the
+    // sequence can still be rewound to the mark.
+    let mode = |s: &SeqState<B>| model.sparse_mode(s.pos + 2);
+    let mark = model.mark(be, &mut other).map_err(err)?;
+    let m = mode(&other);
+    model
+        .forward_one(be, &mut ws, &mut other, &junk[..2], m, LogitRows::Last)
+        .map_err(err)?;
+    if model.rewind_to(be, &mut other, &mark, 3).is_ok() {
+        return Err("a rewind kept 3 tokens of a span of 2".into());
+    }
+    let m = mode(&other);
+    model
+        .forward_one(be, &mut ws, &mut other, &junk[2..4], m, LogitRows::Last)
+        .map_err(err)?;
+    if model.rewind_to(be, &mut other, &mark, 1).is_ok() {
+        return Err("a rewind kept tokens of a span read before another".into());
+    }
+    model.rewind(be, &mut other, &mark).map_err(err)?;
+    if other.pos != prompt.len() {
+        return Err(format!("rewound to {}, not {}", other.pos, prompt.len()));
+    }
     Ok(())
 }
