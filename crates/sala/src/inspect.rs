@@ -7,7 +7,7 @@ use clap::Args;
 use sala_checkpoint::{preset, Checkpoint, MixerKind, ModelConfig};
 use sala_cuda::plan::CheckShape;
 use sala_cuda::CudaBackend;
-use sala_model::memory::{cache_bytes, weight_bytes, MemoryPlan};
+use sala_model::memory::{cache_bytes, speculation_bytes, weight_bytes, MemoryPlan};
 use sala_model::{AttnShape, Backend};
 use std::path::{Path, PathBuf};
 
@@ -193,6 +193,10 @@ fn checkpoint(dir: &Path) -> Result<()> {
             human_bytes(m.total() + weight_bytes(c))
         );
     }
+    println!(
+        "  a sequence that speculates holds {} more (a copy of its lightning states, its span's k and v rows)",
+        human_bytes(speculation_bytes(c))
+    );
     match sala_tokenizer::Tokenizer::from_dir(dir) {
         Ok(t) => println!(
             "tokenizer       {} tokens, chat template: {}",

@@ -42,6 +42,7 @@ fn init_inspect_generate_round_trip() {
         "128K",
         "1M",
         "chat template: yes",
+        "a sequence that speculates holds",
     ] {
         assert!(out.contains(needle), "inspect lacks {needle:?}: {out}");
     }
