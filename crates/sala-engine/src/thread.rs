@@ -438,7 +438,6 @@ impl<B: Backend> Serving<B> {
     fn report_cache(&self) {
         let (held, in_use) = self.engine.cache_report(&self.batch);
         self.observer.cache(held, in_use);
-        self.observer.speculation(self.engine.speculation_stats());
     }
 
     /// [`Serving::admit`] under `catch_unwind`; returns the request's id once admitted.
@@ -595,7 +594,9 @@ impl<B: Backend> Serving<B> {
             std::thread::sleep(Duration::from_millis(1));
         }
         let (engine, batch) = (&mut self.engine, &mut self.batch);
-        if catch_unwind(AssertUnwindSafe(|| engine.step(batch))).is_err() {
+        let stepped = catch_unwind(AssertUnwindSafe(|| engine.step(batch)));
+        self.observer.speculation(self.engine.speculation_stats());
+        if stepped.is_err() {
             // A panic leaves the batch in an unknown state: every request in it fails.
             for (_, sink) in self.batch.cancel_where(|_, _| true) {
                 self.report_cache();

@@ -183,3 +183,43 @@ fn a_full_queue_over_http_is_429_and_metrics_show_the_backlog() {
     assert_eq!(m["sala_requests_running"], 0.0);
     assert_eq!(m["sala_cache_bytes"], 0.0);
 }
+
+/// A server that speculates counts the drafts it verifies in `/metrics`; a request that opts
+/// out (`"speculative": false`) drafts nothing and gets the same greedy text.
+#[test]
+fn metrics_count_speculation_and_a_request_may_opt_out() {
+    let dir = model_dir().to_path_buf();
+    let engine = sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), 8, move |runner| {
+        let engine =
+            sala_engine::generate::Engine::load(sala_cpu::CpuBackend, &dir, 64, &mut |_, _| {})
+                .map_err(|e| e.to_string())?;
+        runner
+            .speculate(Some(sala_engine::draft::Speculate::prompt_lookup(4)))
+            .run(engine);
+        Ok(())
+    })
+    .unwrap();
+    let addr = serve(engine);
+    // A repetitive prompt: prompt lookup finds drafts in it.
+    let prompt = "one two three four one two three four one two three four one two three four";
+    let body = |speculative: bool| {
+        json!({"prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": true,
+               "speculative": speculative})
+    };
+    let (status, off) = post_to(addr, "/v1/completions", &body(false));
+    assert_eq!(status, 200, "{off}");
+    let m = metrics(addr);
+    assert_eq!(m["sala_speculative_draft_tokens_total"], 0.0, "{m:?}");
+    let (status, on) = post_to(addr, "/v1/completions", &body(true));
+    assert_eq!(status, 200, "{on}");
+    assert_eq!(on["choices"][0]["text"], off["choices"][0]["text"]);
+    let m = metrics(addr);
+    assert!(m["sala_speculative_draft_tokens_total"] > 0.0, "{m:?}");
+    assert!(m["sala_speculative_steps_total"] > 0.0, "{m:?}");
+    let (status, bad) = post_to(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "speculative": "yes"}),
+    );
+    assert_eq!(status, 400, "{bad}");
+}
