@@ -104,6 +104,25 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Appends rows `row0..row0 + rows` of `k` and `v` to `cache` and compresses the windows
+    /// they complete; returns the cache's length before.
+    fn append_kv(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        (k, v): (&DevAct, &DevAct),
+        row0: usize,
+        rows: usize,
+    ) -> BResult<usize> {
+        let (kw, first) = (cache.kv_width, cache.len);
+        self.reserve(cache, first + rows, cfg, false)?;
+        self.copy(&cache.k, first * kw, k, row0 * kw, rows * kw)?;
+        self.copy(&cache.v, first * kw, v, row0 * kw, rows * kw)?;
+        cache.len += rows;
+        self.compress_new_windows(cache, cfg)?;
+        Ok(first)
+    }
+
     /// Appends the `t` rows of `k`, `v` to `cache`, selects blocks (sparse) and attends for the
     /// `t` queries of `q` into `out`.
     #[allow(clippy::too_many_arguments)]
@@ -119,13 +138,7 @@ impl CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         let t = q.rows;
-        let kw = cache.kv_width;
-        let first = cache.len;
-        self.reserve(cache, first + t, cfg, false)?;
-        self.copy(&cache.k, first * kw, k, 0, t * kw)?;
-        self.copy(&cache.v, first * kw, v, 0, t * kw)?;
-        cache.len += t;
-        self.compress_new_windows(cache, cfg)?;
+        let first = self.append_kv(cache, cfg, (k, v), 0, t)?;
         let k_sel = cfg.selected_blocks();
         let blocks = match mode {
             SparseMode::Dense => 0,
@@ -334,13 +347,7 @@ impl CudaBackend {
             .set(self.sparse_rows_batched.get() + 1);
         let mut t = SeqRows::empty();
         for (r, cache) in caches.iter_mut().enumerate() {
-            let kw = cache.kv_width;
-            let first = cache.len;
-            self.reserve(cache, first + 1, cfg, false)?;
-            self.copy(&cache.k, first * kw, k, r * kw, kw)?;
-            self.copy(&cache.v, first * kw, v, r * kw, kw)?;
-            cache.len += 1;
-            self.compress_new_windows(cache, cfg)?;
+            let first = self.append_kv(cache, cfg, (k, v), r, 1)?;
             t.k[r] = self.ptr(&cache.k);
             t.v[r] = self.ptr(&cache.v);
             t.k1[r] = self.ptr(&cache.k1);
@@ -380,12 +387,7 @@ impl CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         let rows = q.rows;
-        let (kw, first) = (cache.kv_width, cache.len);
-        self.reserve(cache, first + rows, cfg, false)?;
-        self.copy(&cache.k, first * kw, k, 0, rows * kw)?;
-        self.copy(&cache.v, first * kw, v, 0, rows * kw)?;
-        cache.len += rows;
-        self.compress_new_windows(cache, cfg)?;
+        let first = self.append_kv(cache, cfg, (k, v), 0, rows)?;
         let windows = |len: usize, w: usize, s: usize| if len >= w { (len - w) / s + 1 } else { 0 };
         let k_sel = cfg.selected_blocks();
         let mut t = SeqRows::empty();
