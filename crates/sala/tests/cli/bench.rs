@@ -33,15 +33,19 @@ fn check_bench_row(r: &serde_json::Value, context: u64, decode: u64, what: &str)
     positive(r, "ttft_s", what)
 }
 
+/// `sala bench` on the CPU with the tiny preset, 4 decode tokens, JSON to `json`.
 fn bench(args: &[&str], json: &Path, cache: &Path) -> Output {
+    bench_tiny(&[&["--decode-tokens", "4"], args].concat(), json, cache)
+}
+
+/// `sala bench` on the CPU with the tiny preset, JSON to `json`.
+fn bench_tiny(args: &[&str], json: &Path, cache: &Path) -> Output {
     let mut all = vec![
         "bench",
         "--device",
         "cpu",
         "--preset",
         "tiny",
-        "--decode-tokens",
-        "4",
         "--json",
         json.to_str().unwrap(),
     ];
@@ -414,22 +418,16 @@ fn bench_times_verification_spans() {
 fn bench_measures_speculative_decoding_against_plain() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("bench.json");
-    let o = sala(
+    let o = bench_tiny(
         &[
-            "bench",
-            "--device",
-            "cpu",
-            "--preset",
-            "tiny",
             "--context",
             "120",
             "--decode-tokens",
             "24",
             "--speculative",
             "oracle:3/4,oracle:4/4,ngram",
-            "--json",
-            json.to_str().unwrap(),
         ],
+        &json,
         tmp.path(),
     );
     ok(&o);
@@ -463,13 +461,8 @@ fn bench_measures_speculative_decoding_against_plain() {
 fn bench_measures_a_speculating_batch_against_the_plain_one() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("bench.json");
-    let o = sala(
+    let o = bench_tiny(
         &[
-            "bench",
-            "--device",
-            "cpu",
-            "--preset",
-            "tiny",
             "--concurrent",
             "3",
             "--context",
@@ -479,9 +472,8 @@ fn bench_measures_a_speculating_batch_against_the_plain_one() {
             "--batched-only",
             "--speculative",
             "oracle:3/4,oracle:0/4",
-            "--json",
-            json.to_str().unwrap(),
         ],
+        &json,
         tmp.path(),
     );
     ok(&o);
