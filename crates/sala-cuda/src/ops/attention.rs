@@ -388,7 +388,6 @@ impl CudaBackend {
     ) -> BResult<()> {
         let rows = q.rows;
         let first = self.append_kv(cache, cfg, (k, v), 0, rows)?;
-        let windows = |len: usize, w: usize, s: usize| if len >= w { (len - w) / s + 1 } else { 0 };
         let k_sel = cfg.selected_blocks();
         let mut t = SeqRows::empty();
         for r in 0..rows {

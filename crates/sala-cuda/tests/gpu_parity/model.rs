@@ -553,6 +553,16 @@ fn a_panic_inside_a_captured_step_leaves_the_backend_working() {
     }
 }
 
+/// Preset `name` past a `dense_len` of 100 with few blocks selected (2 top-k, a 64-token
+/// window), so the compressed tiers and the selection matter within a few hundred tokens.
+fn few_blocks(name: &str) -> ModelConfig {
+    let mut config = preset(name).unwrap();
+    config.sparse.dense_len = 100;
+    config.sparse.topk = 2;
+    config.sparse.window_size = 64;
+    config
+}
+
 /// A short span on the GPU gives each row the logits of decoding its tokens one at a time,
 /// bit for bit ([`sala_model::testing::check_stepwise_spans`]), below dense_len and past it,
 /// few blocks selected; and with the sparse rows one launch at a time.
@@ -561,10 +571,7 @@ fn a_panic_inside_a_captured_step_leaves_the_backend_working() {
 fn short_spans_equal_decoding_token_by_token_on_the_gpu() {
     let g = gpu();
     for name in ["tiny", "small"] {
-        let mut config = preset(name).unwrap();
-        config.sparse.dense_len = 100;
-        config.sparse.topk = 2;
-        config.sparse.window_size = 64;
+        let config = few_blocks(name);
         let model = Model::random(&g, config, 41, &mut |_, _| {}).unwrap();
         for batched in [true, false] {
             set(&g, |o| o.batched_sparse_rows = batched);
@@ -586,10 +593,7 @@ fn short_spans_equal_decoding_token_by_token_on_the_gpu() {
 fn a_rewound_sequence_goes_on_as_if_never_ahead_on_the_gpu() {
     let g = gpu();
     for name in ["tiny", "small"] {
-        let mut config = preset(name).unwrap();
-        config.sparse.dense_len = 100;
-        config.sparse.topk = 2;
-        config.sparse.window_size = 64;
+        let config = few_blocks(name);
         let model = Model::random(&g, config, 19, &mut |_, _| {}).unwrap();
         sala_model::testing::check_rewind(&g, &model).unwrap();
     }
