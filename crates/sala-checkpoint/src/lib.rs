@@ -2,6 +2,7 @@
 //! sharded), and writing small checkpoints with seeded random weights.
 
 pub mod config;
+pub mod eagle;
 pub mod presets;
 pub mod rng;
 mod safetensors;
@@ -10,6 +11,7 @@ pub mod weights;
 pub mod writer;
 
 pub use config::{alibi_slopes, ConfigError, MixerKind, ModelConfig, SparseConfig};
+pub use eagle::{write_random_draft, DraftCheckpoint, DraftConfig};
 pub use presets::{preset, preset_names, PresetError};
 pub use schema::{
     expected_parameter_count, expected_tensors, tensor_name, Place, Role, TensorSpec,
@@ -20,5 +22,6 @@ pub use weights::{
 };
 pub use writer::{
     init_scale, random_tensor_values, write_checkpoint_with, write_config_only,
-    write_random_checkpoint, write_safetensors_file, WriteOptions,
+    write_random_checkpoint, write_raw_safetensors, write_safetensors_file, RawTensor,
+    WriteOptions,
 };

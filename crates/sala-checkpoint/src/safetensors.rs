@@ -29,15 +29,80 @@ pub(crate) fn map_file(path: &Path) -> Result<Shard, CheckpointError> {
     })
 }
 
-/// A tensor entry of a safetensors header, before it is placed in a shard list.
-pub(crate) struct Entry {
+/// A tensor entry of a safetensors header with its element type as `T` says it.
+pub(crate) struct Stored<T> {
     pub name: String,
-    dtype: DType,
-    shape: Vec<usize>,
-    range: Range<usize>,
+    pub dtype: T,
+    pub shape: Vec<usize>,
+    pub range: Range<usize>,
 }
 
-impl Entry {
+/// Element types a file may hold beside the float weights: integer and boolean tensors (an
+/// EAGLE-3 draft's vocabulary maps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Element {
+    Float(DType),
+    I64,
+    Bool,
+}
+
+impl Element {
+    pub fn from_safetensors_name(name: &str) -> Option<Self> {
+        match name {
+            "I64" => Some(Self::I64),
+            "BOOL" => Some(Self::Bool),
+            _ => DType::from_safetensors_name(name).map(Self::Float),
+        }
+    }
+
+    pub fn size(self) -> usize {
+        match self {
+            Self::Float(d) => d.size(),
+            Self::I64 => 8,
+            Self::Bool => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for Element {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Float(d) => write!(f, "{d}"),
+            Self::I64 => f.write_str("I64"),
+            Self::Bool => f.write_str("BOOL"),
+        }
+    }
+}
+
+/// An element type a header entry may have: its value and size in bytes.
+pub(crate) trait HeaderType: Copy + std::fmt::Display {
+    fn parse(name: &str) -> Option<Self>;
+    fn bytes(self) -> usize;
+    /// The types accepted, for the error naming one that is not.
+    const ACCEPTED: &'static str;
+}
+
+impl HeaderType for DType {
+    fn parse(name: &str) -> Option<Self> {
+        DType::from_safetensors_name(name)
+    }
+    fn bytes(self) -> usize {
+        self.size()
+    }
+    const ACCEPTED: &'static str = "BF16, F16 or F32";
+}
+
+impl HeaderType for Element {
+    fn parse(name: &str) -> Option<Self> {
+        Element::from_safetensors_name(name)
+    }
+    fn bytes(self) -> usize {
+        self.size()
+    }
+    const ACCEPTED: &'static str = "BF16, F16, F32, I64 or BOOL";
+}
+
+impl Stored<DType> {
     pub fn into_info(self, file: &Path, shard: usize) -> TensorInfo {
         TensorInfo {
             name: self.name,
@@ -52,7 +117,10 @@ impl Entry {
 
 /// Parses and checks a safetensors header: every tensor of an accepted dtype, its byte range
 /// inside the file, its length equal to dtype size × shape, no two ranges overlapping.
-pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, CheckpointError> {
+pub(crate) fn parse_header<T: HeaderType>(
+    path: &Path,
+    bytes: &[u8],
+) -> Result<Vec<Stored<T>>, CheckpointError> {
     let file_len = bytes.len();
     if file_len < 8 {
         return Err(file_err(
@@ -94,11 +162,14 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, Chec
             .get("dtype")
             .and_then(|d| d.as_str())
             .ok_or_else(|| tensor_err(path, name, "header entry has no string `dtype`"))?;
-        let dtype = DType::from_safetensors_name(dtype_str).ok_or_else(|| {
+        let dtype = T::parse(dtype_str).ok_or_else(|| {
             tensor_err(
                 path,
                 name,
-                format!("dtype {dtype_str} is not supported (expected BF16, F16 or F32)"),
+                format!(
+                    "dtype {dtype_str} is not supported (expected {})",
+                    T::ACCEPTED
+                ),
             )
         })?;
         let shape = t
@@ -151,7 +222,7 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, Chec
         }
         let want = shape
             .iter()
-            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+            .try_fold(dtype.bytes(), |acc, &d| acc.checked_mul(d))
             .ok_or_else(|| tensor_err(path, name, format!("shape {shape:?} overflows")))?;
         if end - begin != want {
             return Err(tensor_err(
@@ -163,7 +234,7 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, Chec
                 ),
             ));
         }
-        entries.push(Entry {
+        entries.push(Stored {
             name: name.clone(),
             dtype,
             shape,
@@ -171,7 +242,7 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, Chec
         });
     }
 
-    let mut by_start: Vec<&Entry> = entries.iter().filter(|e| !e.range.is_empty()).collect();
+    let mut by_start: Vec<&Stored<T>> = entries.iter().filter(|e| !e.range.is_empty()).collect();
     by_start.sort_by_key(|e| e.range.start);
     for w in by_start.windows(2) {
         if w[1].range.start < w[0].range.end {

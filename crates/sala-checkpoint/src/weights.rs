@@ -357,7 +357,7 @@ impl Checkpoint {
         let index = dir.join(INDEX_FILE);
         let (shards, found, looked_in) = if single.is_file() {
             let shard = map_file(&single)?;
-            let entries = parse_header(&shard.path, &shard.map)?;
+            let entries = parse_header::<DType>(&shard.path, &shard.map)?;
             let found: Vec<TensorInfo> = entries
                 .into_iter()
                 .map(|e| e.into_info(&shard.path, 0))
@@ -550,7 +550,7 @@ fn open_sharded(
     let mut found = Vec::with_capacity(wanted.len());
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (pos, shard) in shards.iter().enumerate() {
-        for entry in parse_header(&shard.path, &shard.map)? {
+        for entry in parse_header::<DType>(&shard.path, &shard.map)? {
             match wanted.get(&entry.name) {
                 Some(&p) if p == pos => {}
                 Some(&p) => {

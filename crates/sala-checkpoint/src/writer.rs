@@ -226,26 +226,14 @@ pub fn write_safetensors_file(
     dtype: DType,
     fill: &mut dyn FnMut(&TensorSpec, &mut [f32]),
 ) -> Result<(), CheckpointError> {
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
-    let mut offset = 0usize;
-    for t in tensors {
-        let len = t.numel() * dtype.size();
-        header.insert(
-            t.name.clone(),
-            serde_json::json!({
-                "dtype": dtype.safetensors_name(),
-                "shape": t.shape,
-                "data_offsets": [offset, offset + len],
-            }),
-        );
-        offset += len;
-    }
-    let mut header = serde_json::to_vec(&header).expect("header serialises");
-    // Pad with spaces so the data starts 8-byte aligned, as the reference writer does.
-    while !header.len().is_multiple_of(8) {
-        header.push(b' ');
-    }
+    let header = safetensors_header(tensors.iter().map(|t| {
+        (
+            t.name.as_str(),
+            dtype.safetensors_name(),
+            t.shape.as_slice(),
+            t.numel() * dtype.size(),
+        )
+    }));
 
     let result = (|| -> std::io::Result<()> {
         let mut w = BufWriter::with_capacity(1 << 20, File::create(path)?);
@@ -269,6 +257,59 @@ pub fn write_safetensors_file(
     result.map_err(write_err(path))
 }
 
+/// A safetensors header (its JSON, padded with spaces so the data starts 8-byte aligned, as
+/// the reference writer does) for tensors (name, dtype, shape, bytes) laid out in order.
+fn safetensors_header<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a str, &'a [usize], usize)>,
+) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+    let mut offset = 0usize;
+    for (name, dtype, shape, len) in tensors {
+        header.insert(
+            name.to_string(),
+            serde_json::json!({
+                "dtype": dtype,
+                "shape": shape,
+                "data_offsets": [offset, offset + len],
+            }),
+        );
+        offset += len;
+    }
+    let mut header = serde_json::to_vec(&header).expect("header serialises");
+    while !header.len().is_multiple_of(8) {
+        header.push(b' ');
+    }
+    header
+}
+
+/// A tensor already encoded: name, safetensors dtype name, shape and little-endian bytes.
+pub struct RawTensor {
+    pub name: String,
+    pub dtype: &'static str,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
+
+/// Writes one safetensors file holding `tensors` as they are, in order.
+pub fn write_raw_safetensors(path: &Path, tensors: &[RawTensor]) -> Result<(), CheckpointError> {
+    let header = safetensors_header(
+        tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), t.bytes.len())),
+    );
+    let result = (|| -> std::io::Result<()> {
+        let mut w = BufWriter::with_capacity(1 << 20, File::create(path)?);
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        for t in tensors {
+            w.write_all(&t.bytes)?;
+        }
+        w.flush()
+    })();
+    result.map_err(write_err(path))
+}
+
 /// Appends `values` rounded to `dtype` (little-endian) to `out`.
 fn encode(values: &[f32], dtype: DType, out: &mut Vec<u8>) {
     match dtype {
@@ -286,7 +327,7 @@ fn encode(values: &[f32], dtype: DType, out: &mut Vec<u8>) {
     }
 }
 
-fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), CheckpointError> {
+pub(crate) fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), CheckpointError> {
     let mut text = serde_json::to_string_pretty(value).expect("JSON serialises");
     text.push('\n');
     std::fs::write(path, text).map_err(write_err(path))

@@ -559,6 +559,38 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn rope(
+        &self,
+        head_dim: usize,
+        inv_freq: &Vec<f32>,
+        spans: &[Span],
+        q: &mut CpuAct,
+        k: &mut CpuAct,
+    ) -> BResult<()> {
+        check_spans(spans, q.rows, spans.len())?;
+        if k.rows != q.rows || !q.cols.is_multiple_of(head_dim) || !k.cols.is_multiple_of(head_dim)
+        {
+            return Err(BackendError(format!(
+                "rope: q [{}, {}] and k [{}, {}] in heads of {head_dim}",
+                q.rows, q.cols, k.rows, k.cols
+            )));
+        }
+        for span in spans {
+            let r = span.rows();
+            for x in [&mut *q, &mut *k] {
+                let cols = x.cols;
+                head_norm_rope(
+                    &mut x.data[r.start * cols..r.end * cols],
+                    cols,
+                    head_dim,
+                    None,
+                    Some((inv_freq.as_slice(), span.pos)),
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn lightning(
         &self,
         shape: AttnShape,

@@ -149,6 +149,16 @@ impl Backend for ReferenceBackend {
     fn sigmoid_gate(&self, x: &mut CpuAct, gate: &CpuAct) -> BResult<()> {
         CpuBackend.sigmoid_gate(x, gate)
     }
+    fn rope(
+        &self,
+        head_dim: usize,
+        inv_freq: &Vec<f32>,
+        spans: &[Span],
+        q: &mut CpuAct,
+        k: &mut CpuAct,
+    ) -> BResult<()> {
+        CpuBackend.rope(head_dim, inv_freq, spans, q, k)
+    }
     fn lightning(
         &self,
         shape: AttnShape,

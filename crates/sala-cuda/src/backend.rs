@@ -483,6 +483,8 @@ impl Backend for CudaBackend {
             Some(StepKey {
                 spans: step.spans.iter().map(|s| (s.first_row, s.len)).collect(),
                 seqs: step.seq_ids.to_vec(),
+                logits: step.logits.iter().map(|&l| l as u8).collect(),
+                aux_rows: step.aux_rows.to_vec(),
                 scratch: self.scratch.borrow().fingerprint(&self.stream),
             })
         } else {
@@ -581,6 +583,17 @@ impl Backend for CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         self.rms_norm_rows(x, w, eps, gate, out)
+    }
+
+    fn rope(
+        &self,
+        head_dim: usize,
+        inv_freq: &CudaSlice<f32>,
+        spans: &[Span],
+        q: &mut DevAct,
+        k: &mut DevAct,
+    ) -> BResult<()> {
+        self.rope_spans(head_dim, inv_freq, spans, q, k)
     }
 
     fn lightning(

@@ -22,12 +22,15 @@ const MAX_RECORDED: usize = 32;
 /// Steps remembered as seen once; past it they are forgotten.
 const MAX_SEEN: usize = 4096;
 
-/// A step's identity for replay: its spans (first row, length), its sequences, and the scratch
-/// buffers' addresses and sizes (a grown buffer moves).
+/// A step's identity for replay: its spans (first row, length), its sequences, the logits each
+/// span asks for, the rows kept for drafts, and the scratch buffers' addresses and sizes (a
+/// grown buffer moves).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct StepKey {
     pub spans: Vec<(usize, usize)>,
     pub seqs: Vec<u64>,
+    pub logits: Vec<u8>,
+    pub aux_rows: Vec<[usize; 4]>,
     pub scratch: u64,
 }
 

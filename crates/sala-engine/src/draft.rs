@@ -23,6 +23,8 @@ pub enum DraftSource {
     /// is the prompt and the tokens expected after it; each draft's first `right` tokens are
     /// the sequence's, the rest wrong.
     Known { sequence: Arc<[u32]>, right: usize },
+    /// The engine's EAGLE-3 draft model ([`crate::generate::Engine::set_draft`]).
+    Model,
 }
 
 impl Speculate {
@@ -34,16 +36,18 @@ impl Speculate {
         }
     }
 
-    /// A drafter for a request with this prompt.
-    pub fn drafter(&self, prompt: &[u32]) -> Box<dyn Drafter + Send> {
+    /// A drafter for a request with this prompt; `None` for the draft model's drafts, which
+    /// the engine makes.
+    pub fn drafter(&self, prompt: &[u32]) -> Option<Box<dyn Drafter + Send>> {
         let mut d: Box<dyn Drafter + Send> = match &self.drafts {
             DraftSource::PromptLookup => Box::new(PromptLookup::new(2, 5, self.max_draft)),
             DraftSource::Known { sequence, right } => {
                 Box::new(KnownContinuation::new(sequence.clone(), *right))
             }
+            DraftSource::Model => return None,
         };
         d.extend(prompt);
-        d
+        Some(d)
     }
 }
 
@@ -148,15 +152,21 @@ impl Drafter for PromptLookup {
     }
 
     fn verified(&mut self, drafted: usize, accepted: usize) {
-        if drafted == 0 {
-            return;
-        }
-        // All taken: try longer; under half taken: shorter.
-        if accepted >= drafted {
-            self.length = (self.length + 2).min(self.max_draft);
-        } else if 2 * accepted < drafted {
-            self.length = self.length.saturating_sub(1).max(1);
-        }
+        self.length = adapt_length(self.length, self.max_draft, drafted, accepted);
+    }
+}
+
+/// The next draft length after `accepted` of `drafted` drafts stood: all taken, two longer
+/// (up to `max`); under half taken, one shorter (down to 1).
+pub fn adapt_length(length: usize, max: usize, drafted: usize, accepted: usize) -> usize {
+    if drafted == 0 {
+        length
+    } else if accepted >= drafted {
+        (length + 2).min(max)
+    } else if 2 * accepted < drafted {
+        length.saturating_sub(1).max(1)
+    } else {
+        length
     }
 }
 
@@ -253,7 +263,7 @@ mod tests {
                 right: 2,
             },
         };
-        let mut d = spec.drafter(&[5, 6]);
+        let mut d = spec.drafter(&[5, 6]).expect("a host drafter");
         assert_eq!(d.draft(4), vec![7, 0, 8, 9]);
         assert_eq!(d.draft(1), vec![7]);
         d.extend(&[7, 0]);

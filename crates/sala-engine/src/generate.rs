@@ -61,6 +61,8 @@ pub enum EngineError {
     MemoryBusy(OverBudget),
     #[error("the batch is full ({requests} requests)")]
     BatchFull { requests: usize },
+    #[error("the request drafts with a draft model, but none is loaded (--speculative draft:DIR)")]
+    NoDraftModel,
     /// A panic inside this request's work (or the forward pass it was part of): the request
     /// fails, the engine goes on.
     #[error("the engine failed on this request ({0})")]
@@ -124,6 +126,8 @@ pub struct Engine<B: Backend> {
     grammars: std::sync::Arc<Grammars>,
     /// Draft tokens verified and accepted so far (speculative decoding).
     pub(crate) speculated: SpeculationStats,
+    /// The draft model requests may draft with ([`Engine::set_draft`]).
+    pub(crate) draft: Option<crate::step::Drafting<B>>,
 }
 
 /// How speculative decoding fared: draft tokens verified, how many stood, and the steps that
@@ -275,6 +279,7 @@ impl<B: Backend> Engine<B> {
         Ok(Self {
             grammars: std::sync::Arc::new(grammars),
             speculated: SpeculationStats::default(),
+            draft: None,
             backend,
             model,
             tokenizer,
@@ -365,6 +370,25 @@ impl<B: Backend> Engine<B> {
 
     /// Structured output's grammars for this model ([`GenerateOptions::grammar`]).
     /// Draft tokens verified so far, and how many stood.
+    /// Makes `draft` the draft model of the requests that speculate with
+    /// [`crate::draft::DraftSource::Model`].
+    pub fn set_draft(
+        &mut self,
+        draft: sala_model::draft::DraftModel<B>,
+    ) -> Result<(), EngineError> {
+        let workspace = draft.workspace(&self.backend)?;
+        self.draft = Some(crate::step::Drafting {
+            model: draft,
+            workspace,
+        });
+        Ok(())
+    }
+
+    /// The draft model, when one is set.
+    pub fn draft_model(&self) -> Option<&sala_model::draft::DraftModel<B>> {
+        self.draft.as_ref().map(|d| &d.model)
+    }
+
     pub fn speculation_stats(&self) -> SpeculationStats {
         self.speculated
     }

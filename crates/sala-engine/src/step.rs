@@ -14,7 +14,7 @@
 //! forward pass fails the requests it served in that step, and the others go on.
 
 use crate::cache::{CacheBudget, Lease, Refusal};
-use crate::draft::{Drafter, Speculate};
+use crate::draft::{DraftSource, Drafter, Speculate};
 use crate::generate::{
     isolated, request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream,
 };
@@ -23,9 +23,16 @@ use crate::request::{FinishReason, PromptLogprobs, RequestId};
 use crate::sampling::{prompt_token_logprobs, PromptTokenLogprobs, SampledToken};
 use crate::scheduler::{Scheduler, Want, Work};
 use rayon::prelude::*;
+use sala_model::draft::{DraftModel, DraftState, DraftWorkspace, DRAFT_CONTEXT_ROWS};
 use sala_model::{
     Backend, BackendError, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits,
 };
+
+/// The engine's draft model and the scratch buffers of its steps.
+pub struct Drafting<B: Backend> {
+    pub model: DraftModel<B>,
+    pub(crate) workspace: DraftWorkspace<B>,
+}
 
 /// How a request ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -133,7 +140,7 @@ pub const SPECULATE_MAX_PAUSE: usize = 64;
 /// After spans of which no draft stood, drafting pauses for 2, 4, ... up to
 /// [`SPECULATE_MAX_PAUSE`] steps.
 struct Speculation<B: Backend> {
-    drafter: Box<dyn Drafter + Send>,
+    drafter: Drafts<B>,
     max_draft: usize,
     /// Spans in a row of which no draft stood, and the steps left before drafting again.
     misses: u32,
@@ -150,10 +157,31 @@ struct Speculation<B: Backend> {
     spare: Option<SeqMark<B>>,
 }
 
+/// Where a request's drafts come from: a drafter on the host, or the engine's draft model
+/// with the request's draft state, its tokens so far and its draft length now.
+enum Drafts<B: Backend> {
+    Host(Box<dyn Drafter + Send>),
+    Model {
+        state: DraftState<B>,
+        tokens: Vec<u32>,
+        length: usize,
+    },
+}
+
 impl<B: Backend> Speculation<B> {
-    fn new(spec: &Speculate, prompt: &[u32]) -> Self {
+    /// `state`: the request's draft-model state, when it drafts with the draft model.
+    fn new(spec: &Speculate, prompt: &[u32], state: Option<DraftState<B>>) -> Self {
+        let drafter = match (spec.drafter(prompt), state) {
+            (Some(host), _) => Drafts::Host(host),
+            (None, Some(state)) => Drafts::Model {
+                state,
+                tokens: prompt.to_vec(),
+                length: spec.max_draft.min(4),
+            },
+            (None, None) => Drafts::Host(Box::new(crate::draft::PromptLookup::new(1, 1, 1))),
+        };
         Self {
-            drafter: spec.drafter(prompt),
+            drafter,
             max_draft: spec.max_draft,
             misses: 0,
             pause: 0,
@@ -166,10 +194,12 @@ impl<B: Backend> Speculation<B> {
     }
 
     /// Lays out the next span after `feed`, with drafts when `room` allows them.
+    #[allow(clippy::too_many_arguments)]
     fn plan(
         &mut self,
         model: &Model<B>,
         be: &B,
+        draft: Option<&mut Drafting<B>>,
         seq: &mut SeqState<B>,
         feed: u32,
         room: usize,
@@ -192,7 +222,30 @@ impl<B: Backend> Speculation<B> {
         } else {
             room
         };
-        self.drafts = self.drafter.draft(room.min(self.max_draft));
+        let max = room.min(self.max_draft);
+        self.drafts = match (&mut self.drafter, draft) {
+            (Drafts::Host(d), _) => d.draft(max),
+            // The draft model reads what the target read since its last call, drafting or not.
+            (
+                Drafts::Model {
+                    state,
+                    tokens,
+                    length,
+                },
+                Some(d),
+            ) => d.model.propose(
+                be,
+                model,
+                &mut d.workspace,
+                state,
+                seq,
+                tokens,
+                max.min(*length),
+            )?,
+            (Drafts::Model { .. }, None) => {
+                return Err(BackendError("no draft model is loaded".into()).into())
+            }
+        };
         self.span.clear();
         self.span.extend(&self.redo);
         self.span.push(feed);
@@ -215,10 +268,18 @@ impl<B: Backend> Speculation<B> {
         taken: &[u32],
         stood: usize,
     ) -> Result<(), EngineError> {
-        self.drafter.extend(taken);
         let drafted = self.drafts.len();
+        match &mut self.drafter {
+            Drafts::Host(d) => {
+                d.extend(taken);
+                d.verified(drafted, stood);
+            }
+            Drafts::Model { tokens, length, .. } => {
+                tokens.extend_from_slice(taken);
+                *length = crate::draft::adapt_length(*length, self.max_draft, drafted, stood);
+            }
+        }
         if drafted > 0 {
-            self.drafter.verified(drafted, stood);
             if stood == 0 {
                 self.misses += 1;
                 self.pause = (1usize << self.misses.min(16)).min(SPECULATE_MAX_PAUSE);
@@ -407,9 +468,23 @@ impl<B: Backend> Engine<B> {
             )?;
             let mut seq = self.model.new_sequence(&self.backend)?;
             self.model.reserve(&self.backend, &mut seq, total)?;
-            Ok::<_, EngineError>((stream, seq))
+            // With the draft model, the target keeps the hidden states the draft reads.
+            let drafts = opts
+                .speculate
+                .as_ref()
+                .is_some_and(|s| s.max_draft > 0 && s.drafts == DraftSource::Model);
+            let draft_state = match (drafts, self.draft.as_ref()) {
+                (false, _) => None,
+                (true, None) => return Err(EngineError::NoDraftModel),
+                (true, Some(d)) => {
+                    let from = prompt.len().saturating_sub(DRAFT_CONTEXT_ROWS);
+                    seq.aux = Some(d.model.capture(&self.backend, &self.model, from)?);
+                    Some(d.model.new_state(&self.backend, &self.model)?)
+                }
+            };
+            Ok::<_, EngineError>((stream, seq, draft_state))
         })();
-        let (stream, seq) = match started {
+        let (stream, seq, draft_state) = match started {
             Ok(s) => s,
             Err(e) => {
                 batch.cache.release(lease);
@@ -420,7 +495,7 @@ impl<B: Backend> Engine<B> {
             .speculate
             .as_ref()
             .filter(|s| s.max_draft > 0)
-            .map(|s| Speculation::new(s, &prompt));
+            .map(|s| Speculation::new(s, &prompt, draft_state));
         batch.next_id += 1;
         batch.members.push(Member {
             id,
@@ -591,7 +666,15 @@ impl<B: Backend> Engine<B> {
                 0
             };
             let planned = isolated("the request's speculation", || {
-                spec.plan(&self.model, &self.backend, &mut m.seq, feed, room, max_rows)
+                spec.plan(
+                    &self.model,
+                    &self.backend,
+                    self.draft.as_mut(),
+                    &mut m.seq,
+                    feed,
+                    room,
+                    max_rows,
+                )
             });
             if let Err(e) = planned {
                 m.done = Some(Err(e));

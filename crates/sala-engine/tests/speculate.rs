@@ -212,3 +212,111 @@ fn known_continuation_drafts_stand_as_far_as_they_are_right() {
         }
     }
 }
+
+/// An EAGLE-3 draft model (random weights) drafting for the engine: greedy output exactly the
+/// plain tokens, sampled output that of plain sampling with the same seed... is not promised
+/// (the draws differ), so sampled requests only finish. Its drafts really are verified, and
+/// stand where they are right: a draft whose vocabulary is the plain run's commonest token
+/// drafts it every step, and the target takes it where it comes next. Without a draft model
+/// loaded, a request that asks for one is refused by name.
+#[test]
+fn a_draft_model_drafts_and_the_greedy_tokens_stay_the_plain_ones() {
+    use sala_checkpoint::{write_random_draft, DraftCheckpoint, DraftConfig};
+    use sala_engine::draft::DraftSource;
+    use sala_model::draft::DraftModel;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut e = engine(tmp.path());
+    let draft_opts = |n: usize, sampling| {
+        let mut o = opts(n, None, sampling);
+        o.speculate = Some(Speculate {
+            max_draft: 4,
+            drafts: DraftSource::Model,
+        });
+        o
+    };
+    let p = prompt(130, 9);
+    let refused = e.generate(&p, &draft_opts(4, greedy()), &mut |_| {}, &mut |_| {});
+    assert!(
+        refused
+            .unwrap_err()
+            .to_string()
+            .contains("draft model, but none is loaded"),
+        "a request asked for a draft model none is loaded for"
+    );
+    let plain = run_batch(&mut e, &[(p.clone(), opts(80, None, greedy()))], false);
+    let plain = ids(&plain[0]);
+    let mut counts = std::collections::HashMap::new();
+    for &t in &plain {
+        *counts.entry(t).or_insert(0usize) += 1;
+    }
+    let (&common, _) = counts.iter().max_by_key(|(&t, &n)| (n, t)).unwrap();
+    let config = e.model.config.clone();
+    let shape = |draft_vocab_size| DraftConfig {
+        hidden_size: config.hidden_size,
+        intermediate_size: 64,
+        num_attention_heads: 4,
+        num_key_value_heads: 1,
+        head_dim: 32,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        vocab_size: config.vocab_size,
+        draft_vocab_size,
+        target_hidden_size: config.hidden_size,
+        aux_layers: [0, 1, config.num_hidden_layers - 1],
+    };
+    // A random draft over half the vocabulary (the target's embeddings), then the one-token
+    // draft (its own).
+    for (i, (vocab, targets, own_embed)) in [
+        (config.vocab_size / 2, None, false),
+        (1, Some(vec![common]), true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = tmp.path().join(format!("draft{i}"));
+        write_random_draft(&dir, &shape(vocab), own_embed, targets.as_deref(), 4).unwrap();
+        let ckpt = DraftCheckpoint::open(&dir, &config).unwrap();
+        let draft = DraftModel::load(&e.backend, &e.model, &ckpt).unwrap();
+        e.set_draft(draft).unwrap();
+        let before = e.speculation_stats();
+        if let Err(err) = e.generate(&p, &draft_opts(80, greedy()), &mut |_| {}, &mut |_| {}) {
+            panic!("draft {i}: {err}");
+        }
+        let spec = run_batch(&mut e, &[(p.clone(), draft_opts(80, greedy()))], false);
+        assert_eq!(
+            ids(&spec[0]),
+            plain,
+            "draft {i}: greedy tokens differ from plain"
+        );
+        let s = e.speculation_stats();
+        assert!(s.drafted > before.drafted, "draft {i}: no drafts verified");
+        if targets.is_some() {
+            assert!(
+                s.accepted > before.accepted,
+                "draft {i}: token {common} comes {} times, yet no draft of it stood",
+                counts[&common]
+            );
+        }
+        // Beside a prompt-lookup request and a sampled one, in one batch.
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            seed: Some(7),
+            ..SamplingParams::default()
+        };
+        let jobs = vec![
+            (p.clone(), draft_opts(40, greedy())),
+            (prompt(60, 3), opts(40, Some(4), greedy())),
+            (prompt(100, 2), draft_opts(40, sampled)),
+        ];
+        let together = run_batch(&mut e, &jobs, false);
+        assert_eq!(
+            ids(&together[0]),
+            plain[..40].to_vec(),
+            "draft {i}: batched"
+        );
+        assert!(
+            together.iter().all(|t| t.len() == 40),
+            "draft {i}: a request fell short"
+        );
+    }
+}

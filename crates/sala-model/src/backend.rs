@@ -305,6 +305,18 @@ pub trait Backend {
             None => Ok(()),
         }
     }
+    /// RoPE (rotate-half, SPEC §7) of every head (of `head_dim` features) of `q` and `k`, in
+    /// place: span `i`'s rows at positions `pos..`, each value rounded to bf16 (as the
+    /// lightning layers rotate theirs). For layers that rotate outside an attention entry (an
+    /// EAGLE-3 draft's).
+    fn rope(
+        &self,
+        head_dim: usize,
+        inv_freq: &Self::Table,
+        spans: &[Span],
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+    ) -> BResult<()>;
     /// Lightning attention (Simple GLA, SPEC §4.2) of a step's sequences: span `i` is the
     /// rows of sequence `i`, advanced from `states[i]`. Per head of q and k, the optional
     /// RMSNorm (`norms`: q weight, k weight, eps) then the optional RoPE at each row's
@@ -392,6 +404,10 @@ pub struct StepInfo<'a> {
     pub spans: &'a [Span],
     /// Each span's sequence ([`crate::SeqState`]'s id).
     pub seq_ids: &'a [u64],
+    /// Which of each span's rows get logits, and in what form (a step's launches depend on it).
+    pub logits: &'a [crate::LogitRows],
+    /// Rows whose hidden states are kept for a draft: (input, step row, buffer row, rows).
+    pub aux_rows: &'a [[usize; 4]],
 }
 
 /// One sequence's rows in a step: rows `first_row..first_row + len` of the step's

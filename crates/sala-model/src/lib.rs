@@ -2,6 +2,7 @@
 //! plain implementations of both attention algorithms that every fast path is held to.
 
 pub mod backend;
+pub mod draft;
 pub mod memory;
 pub mod model;
 pub mod numerics;
@@ -13,6 +14,7 @@ pub use backend::{
     STEPWISE_SPAN_ROWS,
 };
 pub use model::{
-    GreedyPick, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits, WeightSource, Workspace,
+    AuxCapture, GreedyPick, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits,
+    WeightSource, Workspace,
 };
 pub use oracle::{AttnShape, SparseMode};

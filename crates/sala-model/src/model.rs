@@ -61,6 +61,79 @@ pub struct SeqState<B: Backend> {
     layers: Vec<LayerState<B>>,
     /// The k and v rows of the span read since the last mark, for a rewind into it.
     span_kv: Option<SpanKv<B>>,
+    /// The hidden states a draft model reads, when one drafts for this sequence.
+    pub aux: Option<AuxCapture<B>>,
+}
+
+/// Outputs of three layers (an EAGLE-3 draft's low, mid and high hidden states) for the rows
+/// a sequence reads from position `from_pos` on, kept until a draft takes them
+/// ([`AuxCapture::take`]): buffer row `r` is position `first_pos + r`. When a step would
+/// overflow the buffers, the rows kept before it are dropped.
+pub struct AuxCapture<B: Backend> {
+    pub layers: [usize; 3],
+    pub bufs: [B::Act; 3],
+    pub capacity: usize,
+    pub first_pos: usize,
+    pub rows: usize,
+    pub from_pos: usize,
+}
+
+impl<B: Backend> AuxCapture<B> {
+    /// Buffers of `capacity` rows of `width` for the outputs of `layers`, keeping rows from
+    /// position `from_pos` on.
+    pub fn new(
+        be: &B,
+        layers: [usize; 3],
+        width: usize,
+        capacity: usize,
+        from_pos: usize,
+    ) -> BResult<Self> {
+        let alloc = || be.alloc(capacity, width);
+        Ok(Self {
+            layers,
+            bufs: [alloc()?, alloc()?, alloc()?],
+            capacity,
+            first_pos: from_pos,
+            rows: 0,
+            from_pos,
+        })
+    }
+
+    /// Where a span at `pos` of `len` rows is kept: (first row of the span to keep, buffer
+    /// row, rows); rows kept at or past `pos` before (read again after a rewind) are dropped.
+    fn place(&mut self, pos: usize, len: usize) -> Option<(usize, usize, usize)> {
+        let start = pos.max(self.from_pos);
+        let end = pos + len;
+        if start >= end {
+            return None;
+        }
+        let (skip, n) = if end - start > self.capacity {
+            (end - self.capacity - pos, self.capacity)
+        } else {
+            (start - pos, end - start)
+        };
+        let at = pos + skip;
+        let keep = at.saturating_sub(self.first_pos).min(self.rows);
+        if at < self.first_pos || keep + n > self.capacity || self.first_pos + keep != at {
+            self.first_pos = at;
+            self.rows = 0;
+        } else {
+            self.rows = keep;
+        }
+        let dst = self.rows;
+        self.rows += n;
+        Some((skip, dst, n))
+    }
+
+    /// The rows kept, positions `first_pos..first_pos + rows`, up to position `end`; they are
+    /// taken (the next rows are kept from `end`).
+    pub fn take(&mut self, end: usize) -> std::ops::Range<usize> {
+        let rows = end.saturating_sub(self.first_pos).min(self.rows);
+        let taken = self.first_pos..self.first_pos + rows;
+        self.first_pos = end;
+        self.rows = 0;
+        taken
+    }
 }
 
 /// The lightning layers' k and v rows of the one span a sequence reads after [`Model::mark`]
@@ -85,6 +158,11 @@ pub struct SeqMark<B: Backend> {
 
 /// The next [`SeqState`] id.
 static NEXT_SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// An id no other sequence of this process has (a draft's states take theirs here too).
+pub(crate) fn next_sequence_id() -> u64 {
+    NEXT_SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
 
 enum LayerState<B: Backend> {
     Lightning(B::LightningState),
@@ -112,6 +190,8 @@ struct StepCtx<'a> {
     eps: f32,
     /// The residual branches' scale.
     res: f32,
+    /// Rows whose hidden states are kept for a draft: (input, step row, buffer row, rows).
+    aux_rows: &'a [[usize; 4]],
 }
 
 impl<B: Backend> Layer<B> {
@@ -559,6 +639,11 @@ impl<B: Backend> Model<B> {
         })
     }
 
+    /// The embedding table (a draft without its own reads it).
+    pub(crate) fn embed_table(&self) -> &B::Matrix {
+        &self.embed
+    }
+
     fn lightning_shape(&self) -> AttnShape {
         AttnShape {
             heads: self.config.num_attention_heads,
@@ -593,12 +678,13 @@ impl<B: Backend> Model<B> {
                 })
             })
             .collect::<BResult<Vec<_>>>()?;
-        let id = NEXT_SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = next_sequence_id();
         Ok(SeqState {
             pos: 0,
             id,
             layers,
             span_kv: None,
+            aux: None,
         })
     }
 
@@ -912,17 +998,30 @@ impl<B: Backend> Model<B> {
             be.set_rows(buf, n);
         }
         let modes: Vec<SparseMode> = batch.iter().map(|x| x.mode).collect();
+        // Rows whose aux-layer outputs are kept: (input, span row, buffer row, rows).
+        let mut aux_rows = Vec::new();
+        for (i, (x, span)) in batch.iter_mut().zip(&spans).enumerate() {
+            if let Some(aux) = x.seq.aux.as_mut() {
+                if let Some((skip, dst, n)) = aux.place(span.pos, span.len) {
+                    aux_rows.push([i, span.first_row + skip, dst, n]);
+                }
+            }
+        }
         let step = StepCtx {
             spans: &spans,
             modes: &modes,
             eps: c.rms_norm_eps as f32,
             res: c.residual_scale() as f32,
+            aux_rows: &aux_rows,
         };
         let seq_ids: Vec<u64> = batch.iter().map(|x| x.seq.id).collect();
+        let logits: Vec<LogitRows> = batch.iter().map(|x| x.logits).collect();
         be.begin_step(&StepInfo {
             tokens: &tokens,
             spans: &spans,
             seq_ids: &seq_ids,
+            logits: &logits,
+            aux_rows: &aux_rows,
         })?;
         // A panic inside the step still ends it (a capture under way is dropped).
         let mut unwinding = EndStepOnUnwind { be, armed: true };
@@ -986,6 +1085,13 @@ impl<B: Backend> Model<B> {
                 .map_or(&self.final_norm, |l| &l.input_norm);
             layer.forward(self, be, step, ws, &mut states, &mut captures, next_norm)?;
             lightning_index += usize::from(lightning);
+            for &[x, src, dst, n] in step.aux_rows {
+                let aux = batch[x].seq.aux.as_mut().expect("placed above");
+                for k in (0..3).filter(|&k| aux.layers[k] == i) {
+                    be.set_rows(&mut aux.bufs[k], aux.capacity);
+                    be.copy_rows(&ws.h, src, &mut aux.bufs[k], dst, n)?;
+                }
+            }
         }
         if logit_rows.is_empty() {
             return Ok(vec![StepLogits::Rows(Vec::new()); batch.len()]);

@@ -96,7 +96,8 @@ struct ServeArgs {
     #[arg(long)]
     special_tokens_in_content: bool,
     /// Speculative decoding for every request, while at most 8 decode together: `ngram`
-    /// (prompt-lookup drafts of up to 4 tokens), `ngram:N` (up to N, 1 to 16) or `off`.
+    /// (prompt-lookup drafts of up to 4 tokens), `ngram:N` (up to N, 1 to 16), `draft:DIR`
+    /// (an EAGLE-3 draft model in SpecForge's layout, made for this model) or `off`.
     #[arg(long, value_name = "MODE", default_value = "off")]
     speculative: String,
 }
@@ -175,7 +176,8 @@ struct GenerateArgs {
     /// Speculative decoding: `ngram` drafts up to 4 tokens a step by looking the latest
     /// words up in the prompt and the output (`ngram:N`: up to N, 1 to 16) and verifies them
     /// in one pass (the output is distributed as without it; greedy, the same tokens up to
-    /// near-ties); `off`.
+    /// near-ties); `draft:DIR`: an EAGLE-3 draft model (SpecForge's layout, made for this
+    /// model) drafts up to 5; `off`.
     #[arg(long, value_name = "MODE", default_value = "off")]
     speculative: String,
     /// Constrain the output to a JSON object (constrained decoding; generation stops when
@@ -450,6 +452,10 @@ fn load_engine<B: Backend>(
     )
     .with_context(|| format!("loading {}", dir.display()))?;
     bar.finish_and_clear();
+    let mut engine = engine;
+    if let Some(draft) = draft_dir(&args.speculative) {
+        load_draft(&mut engine, &draft)?;
+    }
     Ok(engine)
 }
 
@@ -494,9 +500,9 @@ fn generate_options(
 
 /// The grammar of `--json` or `--json-schema`, compiled (before any weight is loaded).
 /// `--speculative MODE`: `ngram` or `ngram:N` (prompt-lookup drafts of up to 4 or N tokens),
-/// `off`.
+/// `draft:DIR` (an EAGLE-3 draft model's drafts of up to [`DRAFT_MODEL_TOKENS`]), `off`.
 fn speculative(mode: &str) -> Result<Option<sala_engine::draft::Speculate>> {
-    use sala_engine::draft::Speculate;
+    use sala_engine::draft::{DraftSource, Speculate};
     let max_draft = match mode.split_once(':') {
         None if mode == "off" => return Ok(None),
         None if mode == "ngram" => 4,
@@ -504,12 +510,37 @@ fn speculative(mode: &str) -> Result<Option<sala_engine::draft::Speculate>> {
             Ok(n) if (1..=16).contains(&n) => n,
             _ => bail!("--speculative {mode}: ngram:N takes drafts of 1 to 16 tokens"),
         },
-        Some(("draft", _)) => {
-            bail!("--speculative {mode}: draft models are not supported yet (use ngram or off)")
+        Some(("draft", dir)) if !dir.is_empty() => {
+            return Ok(Some(Speculate {
+                max_draft: DRAFT_MODEL_TOKENS,
+                drafts: DraftSource::Model,
+            }))
         }
-        _ => bail!("--speculative {mode}: expected ngram, ngram:N (1 to 16) or off"),
+        _ => bail!("--speculative {mode}: expected ngram, ngram:N (1 to 16), draft:DIR or off"),
     };
     Ok(Some(Speculate::prompt_lookup(max_draft)))
+}
+
+/// Most tokens a draft model drafts a step (its draft length adapts below it).
+const DRAFT_MODEL_TOKENS: usize = 5;
+
+/// The draft model directory of `--speculative draft:DIR`, if that is the mode.
+fn draft_dir(mode: &str) -> Option<PathBuf> {
+    match mode.split_once(':') {
+        Some(("draft", dir)) if !dir.is_empty() => Some(PathBuf::from(dir)),
+        _ => None,
+    }
+}
+
+/// Loads the EAGLE-3 draft in `dir` into `engine`, checked against its model first.
+fn load_draft<B: Backend>(engine: &mut Engine<B>, dir: &Path) -> Result<()> {
+    let ckpt = sala_checkpoint::DraftCheckpoint::open(dir, &engine.model.config)
+        .with_context(|| format!("--speculative draft:{}", dir.display()))?;
+    let draft = sala_model::draft::DraftModel::load(&engine.backend, &engine.model, &ckpt)
+        .with_context(|| format!("loading the draft model {}", dir.display()))?;
+    engine
+        .set_draft(draft)
+        .with_context(|| format!("loading the draft model {}", dir.display()))
 }
 
 fn grammar(
@@ -835,6 +866,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     eprintln!("loading {} ...", dir.display());
     let specials_in_content = args.special_tokens_in_content;
     let speculate = speculative(&args.speculative)?;
+    let draft = draft_dir(&args.speculative);
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
         let runner = runner
             .special_tokens_in_content(specials_in_content)
@@ -847,6 +879,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             chunk: usize,
             max_batch: usize,
             user_limit: Option<MemoryLimit>,
+            draft: Option<PathBuf>,
         ) -> Result<(), String> {
             let limit = memory_limit(&be, user_limit);
             if limit.is_some() {
@@ -865,6 +898,9 @@ fn serve(args: ServeArgs) -> Result<()> {
             }
             let mut engine = Engine::load(be, dir, chunk, &mut |_, _| {})
                 .map_err(|e| format!("loading {}: {e}", dir.display()))?;
+            if let Some(draft) = &draft {
+                load_draft(&mut engine, draft).map_err(|e| format!("{e:#}"))?;
+            }
             // The page pool, where there is one, counts what the caches take.
             let probe = |be: &B| be.page_pool().map(|(pages, bytes)| pages * bytes);
             engine.set_cache_probe(Some(Box::new(probe)));
@@ -872,8 +908,8 @@ fn serve(args: ServeArgs) -> Result<()> {
             Ok(())
         }
         match device.open_with(options).map_err(|e| format!("{e:#}"))? {
-            Opened::Cpu(be) => start(runner, be, &load_dir, chunk, max_batch, user_limit),
-            Opened::Cuda(be) => start(runner, *be, &load_dir, chunk, max_batch, user_limit),
+            Opened::Cpu(be) => start(runner, be, &load_dir, chunk, max_batch, user_limit, draft),
+            Opened::Cuda(be) => start(runner, *be, &load_dir, chunk, max_batch, user_limit, draft),
         }
     })
     .map_err(anyhow::Error::msg)?;

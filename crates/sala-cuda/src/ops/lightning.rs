@@ -42,6 +42,39 @@ impl QkPrep {
 }
 
 impl CudaBackend {
+    /// Each row's position under `spans` (rows outside every span at 0).
+    fn row_positions(&self, spans: &[Span], rows: usize) -> Vec<usize> {
+        let mut p = vec![0; rows];
+        for s in spans {
+            for (j, r) in s.rows().enumerate() {
+                p[r] = s.pos + j;
+            }
+        }
+        p
+    }
+
+    /// [`sala_model::Backend::rope`]: q and k rotated at their rows' positions in one launch.
+    pub(crate) fn rope_spans(
+        &self,
+        head_dim: usize,
+        inv_freq: &CudaSlice<f32>,
+        spans: &[Span],
+        q: &mut DevAct,
+        k: &mut DevAct,
+    ) -> BResult<()> {
+        check_spans(spans, q.rows, spans.len())?;
+        if k.rows != q.rows || !q.cols.is_multiple_of(head_dim) || !k.cols.is_multiple_of(head_dim)
+        {
+            return Err(BackendError(format!(
+                "rope: q [{}, {}] and k [{}, {}] in heads of {head_dim}",
+                q.rows, q.cols, k.rows, k.cols
+            )));
+        }
+        let positions = self.row_positions(spans, q.rows);
+        let at = rope_at(spans, q.rows, self.preloaded.get(), &positions);
+        self.norm_rope(q, Some(k), head_dim, None, Some((inv_freq, at)))
+    }
+
     /// Lightning attention of `io.q.rows` tokens from `state` (advanced in place) into `out`,
     /// with the kernels the plan picks for the shape.
     pub(crate) fn lightning_layer(
@@ -107,23 +140,8 @@ impl CudaBackend {
     ) -> BResult<()> {
         check_spans(spans, io.q.rows, states.len())?;
         let d = shape.head_dim;
-        let positions: Vec<usize>;
-        let at = match spans {
-            // A graph step reads every row's position from the device.
-            [one] if one.first_row == 0 && one.len == io.q.rows && !self.preloaded.get() => {
-                RopeAt::From(one.pos)
-            }
-            _ => {
-                let mut p = vec![0; io.q.rows];
-                for s in spans {
-                    for (j, r) in s.rows().enumerate() {
-                        p[r] = s.pos + j;
-                    }
-                }
-                positions = p;
-                RopeAt::Rows(&positions)
-            }
-        };
+        let positions = self.row_positions(spans, io.q.rows);
+        let at = rope_at(spans, io.q.rows, self.preloaded.get(), &positions);
         let runs = span_runs(spans);
         let stepwise =
             crate::plan::Planner::head_norm_rope_lanes_fits(d) && Self::lightning_decode_fits(d);
@@ -513,5 +531,15 @@ impl CudaBackend {
             self.k
                 .lightning_chunk_out(at_out, qp, kp, vp, ds, op, sl, nt, h, kvh, d, scale)
         })
+    }
+}
+
+/// Where a step's RoPE positions come from: one span from row 0 counts up from its position
+/// (unless the step's positions are on the device already, as in a graph step, which reads
+/// every row's there); else each row's own.
+fn rope_at<'a>(spans: &[Span], rows: usize, preloaded: bool, positions: &'a [usize]) -> RopeAt<'a> {
+    match spans {
+        [one] if one.first_row == 0 && one.len == rows && !preloaded => RopeAt::From(one.pos),
+        _ => RopeAt::Rows(positions),
     }
 }

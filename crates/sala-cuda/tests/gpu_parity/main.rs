@@ -16,7 +16,9 @@ use sala_cuda::{CudaBackend, CudaOptions, Store};
 use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
 use sala_model::oracle::{self, AttnShape, SparseMode};
 use sala_model::testing::decode_step;
-use sala_model::{AttnIo, Backend, GreedyPick, HostDType, HostTensor, Model, Span, WeightSource};
+use sala_model::{
+    AttnIo, Backend, GreedyPick, HostDType, HostTensor, LogitRows, Model, Span, WeightSource,
+};
 
 /// The options of this run: the environment's (`SALA_DEVICE_PROFILE` plans as that card).
 fn base_options() -> CudaOptions {

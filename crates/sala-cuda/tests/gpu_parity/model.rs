@@ -232,6 +232,57 @@ fn cuda_graph_decode_equals_eager_on_the_gpu() {
     set(&g, |o| o.cuda_graphs = true);
 }
 
+/// A step that repeats an earlier one's rows but asks for other logits (a greedy pick, then
+/// every row's logits, as the bench's verification spans do after greedy decoding) is not
+/// replayed from the other's graphs: it runs, and gives the logits an eager step gives.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn cuda_graphs_tell_steps_apart_by_the_logits_they_ask_for() {
+    let g = gpu();
+    let config = preset("tiny").unwrap();
+    let v = config.vocab_size;
+    let model = Model::random(&g, config, 13, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(21);
+    let prompt: Vec<u32> = (0..90).map(|_| rng.below(v) as u32).collect();
+    let feeds: Vec<u32> = (0..6).map(|_| rng.below(v) as u32).collect();
+    let mut ws = model.workspace(&g, 128).unwrap();
+    let mut run = |graphs: bool| {
+        set(&g, |o| o.cuda_graphs = graphs);
+        let mut s = model.new_sequence(&g).unwrap();
+        model
+            .prefill(&g, &mut ws, &mut s, &prompt, &mut |_| {})
+            .unwrap();
+        let mut out = Vec::new();
+        for (i, &t) in feeds.iter().enumerate() {
+            let mark = model.mark(&g, &mut s).unwrap();
+            // Greedy picks first (captured, then replayed), then the same rows with logits.
+            let pick = model.decode_greedy(&g, &mut ws, &mut s, t).unwrap();
+            model.rewind(&g, &mut s, &mark).unwrap();
+            let rows = if i % 2 == 0 {
+                LogitRows::Last
+            } else {
+                LogitRows::All
+            };
+            let mode = model.sparse_mode(s.pos + 1);
+            let logits = model
+                .forward_one(&g, &mut ws, &mut s, &[t], mode, rows)
+                .unwrap();
+            out.push((pick.id, logits));
+        }
+        out
+    };
+    let eager = run(false);
+    let replayed = run(true);
+    for (i, (a, b)) in eager.iter().zip(&replayed).enumerate() {
+        assert!(
+            a == b,
+            "step {i}: with CUDA graphs the pick or logits differ"
+        );
+    }
+    assert!(g.graph_steps().1 > 0, "no step was replayed");
+    set(&g, |o| o.cuda_graphs = true);
+}
+
 /// A step mixing decode rows with prompt chunks gives every sequence the logits it gets run
 /// apart, bit for bit, on the GPU ([`sala_model::testing::check_mixed_step`]): the tiny model
 /// (head size 32: sparse rows one by one) and the small one (head size 128: batched).
@@ -596,5 +647,113 @@ fn a_rewound_sequence_goes_on_as_if_never_ahead_on_the_gpu() {
         let config = few_blocks(name);
         let model = Model::random(&g, config, 19, &mut |_, _| {}).unwrap();
         sala_model::testing::check_rewind(&g, &model).unwrap();
+    }
+}
+
+/// An EAGLE-3 draft on the GPU reads the target's hidden states and drafts as on the CPU:
+/// the tiny and small targets (draft heads of 32 and 128), prompts on both sides of a
+/// `dense_len` of 100 with few blocks selected (the draft's cache goes sparse too), the draft
+/// with the target's embedding table, rounds of drafting with the target decoding in between
+/// (decode steps and draft steps repeat: captured into CUDA graphs, then replayed). The
+/// hidden states agree within bf16 roundings; the first draft of each round is the same token
+/// (random weights: later ones may part at a near-tie).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn an_eagle3_draft_drafts_on_the_gpu_as_on_the_cpu() {
+    use sala_checkpoint::{write_random_draft, DraftCheckpoint, DraftConfig};
+    use sala_model::draft::DraftModel;
+    let g = gpu();
+    for (name, head_dim) in [("tiny", 32usize), ("small", 128)] {
+        let config = few_blocks(name);
+        let dir =
+            std::env::temp_dir().join(format!("sala-gpu-draft-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        write_random_checkpoint(
+            &dir,
+            &config,
+            &WriteOptions {
+                seed: 6,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let ck = Ckpt(Checkpoint::open(&dir).unwrap());
+        let c = DraftConfig {
+            hidden_size: config.hidden_size,
+            intermediate_size: 2 * config.hidden_size,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            vocab_size: config.vocab_size,
+            draft_vocab_size: config.vocab_size / 2,
+            target_hidden_size: config.hidden_size,
+            aux_layers: [0, 1, config.num_hidden_layers - 1],
+        };
+        let draft_dir = dir.join("draft");
+        write_random_draft(&draft_dir, &c, false, None, 9).unwrap();
+        let dck = DraftCheckpoint::open(&draft_dir, &config).unwrap();
+        let cpu = CpuBackend;
+        let gm = Model::load(&g, config.clone(), &ck, &mut |_, _| {}).unwrap();
+        let cm = Model::load(&cpu, config.clone(), &ck, &mut |_, _| {}).unwrap();
+        let gd = DraftModel::load(&g, &gm, &dck).unwrap();
+        let cd = DraftModel::load(&cpu, &cm, &dck).unwrap();
+        let mut rng = TestRng::new(12);
+        for len in [40usize, 150, 333] {
+            let prompt: Vec<u32> = (0..len)
+                .map(|_| rng.below(config.vocab_size) as u32)
+                .collect();
+            let feeds: Vec<u32> = (0..5)
+                .map(|_| rng.below(config.vocab_size) as u32)
+                .collect();
+            // Each backend: prefill with the draft's rows kept, then rounds of drafting, the
+            // target decoding the next feed between them; the drafts and last hidden states.
+            fn rounds<B: Backend>(
+                be: &B,
+                m: &Model<B>,
+                d: &DraftModel<B>,
+                prompt: &[u32],
+                feeds: &[u32],
+            ) -> Vec<(Vec<u32>, Vec<f32>)> {
+                let mut seq = m.new_sequence(be).unwrap();
+                seq.aux = Some(d.capture(be, m, 0).unwrap());
+                let mut ws = m.workspace(be, 128).unwrap();
+                m.prefill(be, &mut ws, &mut seq, prompt, &mut |_| {})
+                    .unwrap();
+                let mut state = d.new_state(be, m).unwrap();
+                let mut dws = d.workspace(be).unwrap();
+                let mut tokens = prompt.to_vec();
+                let mut out = Vec::new();
+                for &f in feeds {
+                    tokens.push(f);
+                    let drafts = d
+                        .propose(be, m, &mut dws, &mut state, &mut seq, &tokens, 4)
+                        .unwrap();
+                    out.push((drafts, d.last_hidden(be, &dws).unwrap()));
+                    m.decode(be, &mut ws, &mut seq, f).unwrap();
+                }
+                out
+            }
+            let on_gpu = rounds(&g, &gm, &gd, &prompt, &feeds);
+            let on_cpu = rounds(&cpu, &cm, &cd, &prompt, &feeds);
+            for (r, ((gdr, gh), (cdr, ch))) in on_gpu.iter().zip(&on_cpu).enumerate() {
+                let err = rel_l2(gh, ch);
+                assert!(
+                    err < 2e-2,
+                    "{name}, prompt {len}, round {r}: hidden states off by {err}"
+                );
+                assert_eq!(
+                    gdr.len(),
+                    4,
+                    "{name}, prompt {len}, round {r}: drafts {gdr:?}"
+                );
+                assert_eq!(
+                    gdr[0], cdr[0],
+                    "{name}, prompt {len}, round {r}: {gdr:?} vs {cdr:?}"
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
