@@ -83,6 +83,8 @@ pub struct CacheBudget {
     /// What the backend holds beside the model's buffers, for those rows.
     facts: BackendMemory,
     limit: Option<MemoryLimit>,
+    /// Bytes held beside the model's weights whatever the requests (a draft model's).
+    resident: usize,
     /// The cache terms of the admitted sequences' plans, summed.
     planned: CacheBytes,
     /// Bytes the admitted sequences hold by the memory formula, summed.
@@ -121,6 +123,7 @@ impl CacheBudget {
             rows,
             facts: backend.memory_facts(config, rows),
             limit: None,
+            resident: 0,
             planned: NO_BYTES,
             held: 0,
             live: 0,
@@ -130,6 +133,12 @@ impl CacheBudget {
     /// Plans must fit `limit` (`None`: no limit).
     pub fn with_limit(mut self, limit: Option<MemoryLimit>) -> Self {
         self.limit = limit;
+        self
+    }
+
+    /// Plans count `bytes` more of weights (a draft model's, with its workspace).
+    pub fn with_resident(mut self, bytes: usize) -> Self {
+        self.resident = bytes;
         self
     }
 
@@ -154,7 +163,9 @@ impl CacheBudget {
 
     /// The plan of one sequence of `total_tokens` tokens on the backend.
     pub fn plan(&self, total_tokens: usize) -> MemoryPlan {
-        MemoryPlan::new(&self.config, total_tokens, self.rows, &self.facts)
+        let mut plan = MemoryPlan::new(&self.config, total_tokens, self.rows, &self.facts);
+        plan.weights += self.resident;
+        plan
     }
 
     /// The cache terms a sequence of `total_tokens` tokens is planned for: by its plan under
@@ -176,16 +187,18 @@ impl CacheBudget {
 
     /// Admits request `id`, whose sequence may reach `total_tokens` tokens and holds
     /// `held_tokens` now, if its plan fits beside the caches of every sequence admitted; a
-    /// request that `speculates` holds [`speculation_bytes`] more (counted as lightning state).
+    /// request that `speculates` holds [`speculation_bytes`] more, and `draft_bytes` more for
+    /// a draft model's state (counted as lightning state).
     pub fn admit(
         &mut self,
         id: RequestId,
         total_tokens: usize,
         held_tokens: usize,
         speculates: bool,
+        draft_bytes: usize,
     ) -> Result<Lease, Refusal> {
         let extra = if speculates {
-            speculation_bytes(&self.config)
+            speculation_bytes(&self.config) + draft_bytes
         } else {
             0
         };
@@ -277,9 +290,9 @@ mod tests {
         let one = free.plan(400);
         // Room for one 400-token sequence and half the caches of another.
         let mut b = budget(Some(one.total() + one.cache.total() / 2));
-        let a = b.admit(0, 400, 300, false).unwrap();
+        let a = b.admit(0, 400, 300, false, 0).unwrap();
         assert_eq!(b.planned_bytes(), one.cache.total());
-        match b.admit(1, 400, 300, false) {
+        match b.admit(1, 400, 300, false, 0) {
             Err(Refusal::Busy(e)) => {
                 // The error is for both sequences' caches together.
                 assert_eq!(e.plan.cache.total(), 2 * one.cache.total());
@@ -288,9 +301,9 @@ mod tests {
             other => panic!("expected Busy, got {other:?}"),
         }
         // A smaller one fits beside it.
-        let small = b.admit(2, 100, 50, false).unwrap();
+        let small = b.admit(2, 100, 50, false, 0).unwrap();
         // A request too large alone is refused as such, whatever is in flight.
-        match b.admit(3, 4000, 10, false) {
+        match b.admit(3, 4000, 10, false, 0) {
             Err(Refusal::TooLarge(e)) => assert_eq!(e.plan.context, 4000),
             other => panic!("expected TooLarge, got {other:?}"),
         }
@@ -298,7 +311,7 @@ mod tests {
         b.release(small);
         b.release(a);
         // With the first released, the second fits.
-        let c = b.admit(1, 400, 300, false).unwrap();
+        let c = b.admit(1, 400, 300, false, 0).unwrap();
         assert_eq!(b.sequences(), 1);
         b.release(c);
         assert!(b.check(4000).is_err() && b.check(400).is_ok());
@@ -309,8 +322,8 @@ mod tests {
         let config = sala_checkpoint::preset("tiny").unwrap();
         let bytes = |n| cache_bytes(&config, n).total();
         let mut b = budget(None);
-        let mut x = b.admit(7, 100, 20, false).unwrap();
-        let mut y = b.admit(8, 50, 10, false).unwrap();
+        let mut x = b.admit(7, 100, 20, false, 0).unwrap();
+        let mut y = b.admit(8, 50, 10, false, 0).unwrap();
         assert_eq!((x.id(), x.total_tokens(), x.tokens()), (7, 100, 20));
         assert_eq!(b.held_bytes(), bytes(20) + bytes(10));
         b.grow(&mut x, 21);
@@ -332,7 +345,7 @@ mod tests {
         let extra = speculation_bytes(&config);
         assert!(extra > cache_bytes(&config, 0).lightning_state, "{extra}");
         let mut b = budget(None);
-        let mut x = b.admit(0, 100, 20, true).unwrap();
+        let mut x = b.admit(0, 100, 20, true, 0).unwrap();
         assert_eq!(b.held_bytes(), cache_bytes(&config, 20).total() + extra);
         assert_eq!(b.planned_bytes(), cache_bytes(&config, 100).total() + extra);
         b.grow(&mut x, 40);
@@ -343,17 +356,32 @@ mod tests {
         let one = budget(None).plan(400);
         let mut tight = budget(Some(one.total() + extra / 2));
         assert!(matches!(
-            tight.admit(1, 400, 10, true),
+            tight.admit(1, 400, 10, true, 0),
             Err(Refusal::Busy(_))
         ));
-        let plain = tight.admit(1, 400, 10, false).unwrap();
+        let plain = tight.admit(1, 400, 10, false, 0).unwrap();
         tight.release(plain);
+        // A draft model's state per request, its weights in every plan.
+        let mut b = budget(None);
+        let x = b.admit(0, 100, 20, true, 777).unwrap();
+        assert_eq!(
+            b.held_bytes(),
+            cache_bytes(&config, 20).total() + extra + 777
+        );
+        b.release(x);
+        let drafted = budget(None).with_resident(5000);
+        assert_eq!(drafted.plan(400).total(), one.total() + 5000);
+        let mut tight = budget(Some(one.total() + 100)).with_resident(5000);
+        assert!(matches!(
+            tight.admit(1, 400, 10, false, 0),
+            Err(Refusal::TooLarge(_))
+        ));
     }
 
     #[test]
     fn the_probe_speaks_for_the_backend_where_it_can() {
         let mut b = budget(None);
-        let x = b.admit(0, 64, 8, false).unwrap();
+        let x = b.admit(0, 64, 8, false, 0).unwrap();
         assert_eq!(b.in_use(None), b.planned_bytes());
         assert_eq!(b.in_use(Some(12345)), 12345);
         let probe = |pages: &usize| Some(*pages * 4096);

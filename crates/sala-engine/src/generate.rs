@@ -137,6 +137,8 @@ pub struct SpeculationStats {
     pub drafted: u64,
     pub accepted: u64,
     pub spans: u64,
+    /// Time spent making drafts (a draft model's steps; lookups), in microseconds.
+    pub draft_micros: u64,
 }
 
 /// Everything about one generation except the prompt.
@@ -331,6 +333,7 @@ impl<B: Backend> Engine<B> {
     pub fn cache_budget(&self) -> CacheBudget {
         CacheBudget::new(&self.model.config, self.workspace.max_rows, &self.backend)
             .with_limit(self.memory_limit.clone())
+            .with_resident(self.draft.as_ref().map_or(0, |d| d.model.resident_bytes()))
     }
 
     /// Lets the cache budget ask the backend what its caches hold (see [`CacheProbe`]).

@@ -445,14 +445,16 @@ impl<B: Backend> Engine<B> {
             tokens: Vec::with_capacity(prompt.len() - 1),
         });
         let id = batch.next_id;
+        let speculates = opts.speculate.as_ref().filter(|s| s.max_draft > 0);
+        let draft_bytes = match (speculates, &self.draft) {
+            (Some(s), Some(d)) if s.drafts == DraftSource::Model => {
+                d.model.state_bytes(&self.model, prompt.len(), total)
+            }
+            _ => 0,
+        };
         let lease = batch
             .cache
-            .admit(
-                id,
-                total,
-                prompt.len(),
-                opts.speculate.as_ref().is_some_and(|s| s.max_draft > 0),
-            )
+            .admit(id, total, prompt.len(), speculates.is_some(), draft_bytes)
             .map_err(|r| match r {
                 Refusal::TooLarge(e) => EngineError::OverBudget(e),
                 Refusal::Busy(e) => EngineError::MemoryBusy(e),
@@ -665,6 +667,7 @@ impl<B: Backend> Engine<B> {
             } else {
                 0
             };
+            let started = std::time::Instant::now();
             let planned = isolated("the request's speculation", || {
                 spec.plan(
                     &self.model,
@@ -676,6 +679,7 @@ impl<B: Backend> Engine<B> {
                     max_rows,
                 )
             });
+            self.speculated.draft_micros += started.elapsed().as_micros() as u64;
             if let Err(e) = planned {
                 m.done = Some(Err(e));
             }

@@ -21,6 +21,25 @@ use sala_checkpoint::{DraftCheckpoint, DraftConfig};
 /// before the first token), or the rows of the steps since the last draft.
 pub const DRAFT_CONTEXT_ROWS: usize = 512;
 
+/// Bytes of a draft of shape `c` (with its own embedding table when `own_embed`) held
+/// beside the model whatever the requests: its weights in bf16 and its workspace at 4 bytes
+/// a value.
+pub fn resident_bytes(c: &DraftConfig, own_embed: bool) -> usize {
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let q = c.num_attention_heads * c.head_dim;
+    let kv = c.num_key_value_heads * c.head_dim;
+    let embed = if own_embed { c.vocab_size * h } else { 0 };
+    let params = 3 * c.target_hidden_size * h
+        + 2 * c.qkv_width() * h
+        + h * q
+        + 3 * h * i
+        + c.draft_vocab_size * h
+        + embed
+        + 4 * h;
+    let row = 6 * h + 3 * q + 4 * kv + 3 * i;
+    params * 2 + DRAFT_CONTEXT_ROWS * row * 4
+}
+
 /// A loaded EAGLE-3 draft: immutable weights on one backend.
 pub struct DraftModel<B: Backend> {
     pub config: DraftConfig,
@@ -197,6 +216,53 @@ impl<B: Backend> DraftModel<B> {
         })
     }
 
+    /// A draft of shape `c` for `target` with seeded random weights made by the backend
+    /// (benchmarks: the draft's cost at a real shape; its drafts are random). It reads the
+    /// target's embedding table; its vocabulary is every `vocab / draft_vocab`-th token.
+    pub fn random(be: &B, target: &Model<B>, c: DraftConfig, seed: u64) -> BResult<Self> {
+        if c.target_hidden_size != target.config.hidden_size
+            || c.hidden_size != target.config.hidden_size
+            || c.vocab_size != target.config.vocab_size
+        {
+            return Err(BackendError(
+                "a random draft takes the model's hidden size and vocabulary".into(),
+            ));
+        }
+        let mut n = 0u64;
+        let mut next = || {
+            n += 1;
+            seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ n
+        };
+        let mut mat = |rows: usize, cols: usize| {
+            be.random_matrix(rows, cols, next(), 0.0, (1.0 / cols as f32).sqrt())
+        };
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let q = c.num_attention_heads * c.head_dim;
+        let fc = [mat(h, h)?, mat(h, h)?, mat(h, h)?];
+        let (qkv_embed, qkv_hidden) = (mat(c.qkv_width(), h)?, mat(c.qkv_width(), h)?);
+        let (o_proj, gate_up, down_proj) = (mat(h, q)?, mat(2 * i, h)?, mat(h, i)?);
+        let lm_head = mat(c.draft_vocab_size, h)?;
+        let norm = |k: u64| be.random_vector(h, seed ^ k, 1.0, 0.0);
+        let step = c.vocab_size / c.draft_vocab_size.max(1);
+        Ok(Self {
+            embed: None,
+            fc,
+            qkv_embed,
+            qkv_hidden,
+            o_proj,
+            input_norm: norm(1)?,
+            hidden_norm: norm(2)?,
+            post_norm: norm(3)?,
+            final_norm: norm(4)?,
+            gate_up,
+            down_proj,
+            lm_head,
+            to_target: (0..c.draft_vocab_size).map(|d| (d * step) as u32).collect(),
+            inv_freq: be.upload_table(&rope_inv_freq(c.head_dim, c.rope_theta))?,
+            config: c,
+        })
+    }
+
     fn shape(&self) -> AttnShape {
         AttnShape {
             heads: self.config.num_attention_heads,
@@ -227,6 +293,22 @@ impl<B: Backend> DraftModel<B> {
             DRAFT_CONTEXT_ROWS,
             from_pos,
         )
+    }
+
+    /// Bytes of the draft's weights and workspace ([`resident_bytes`]).
+    pub fn resident_bytes(&self) -> usize {
+        resident_bytes(&self.config, self.embed.is_some())
+    }
+
+    /// Bytes a sequence drafting with this draft holds for `prompt` tokens and `total` in
+    /// all: the target's kept hidden states, and the draft's K/V for the prompt's rows it
+    /// reads and every later token (4 bytes a value; the compressed keys add under 1/8).
+    pub fn state_bytes(&self, target: &Model<B>, prompt: usize, total: usize) -> usize {
+        let c = &self.config;
+        let kept = 3 * DRAFT_CONTEXT_ROWS * target.config.hidden_size;
+        let rows = prompt.min(DRAFT_CONTEXT_ROWS) + total.saturating_sub(prompt);
+        let kv = rows * 2 * c.num_key_value_heads * c.head_dim;
+        (kept + kv + kv / 8) * 4
     }
 
     /// Scratch buffers for the draft's steps.

@@ -465,6 +465,7 @@ mod tests {
                 drafted: 12,
                 accepted: 9,
                 spans: 4,
+                draft_micros: 1500,
             },
         );
         let text = m.render(0, 8);

@@ -862,6 +862,7 @@ fn concurrent<B: Backend + DeviceStats>(
     use sala_engine::step::StepEvent;
     let name = be.name();
     let (mut engine, _tokenizer_dir) = random_engine(be, config, args)?;
+    speculative::set_draft(&mut engine, modes, args.seed)?;
     engine.set_max_batch(n)?;
     let opts = greedy_options(args, len);
     let mut rng = TestRng::new(args.seed ^ 0xc0c0);

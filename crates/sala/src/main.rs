@@ -887,8 +887,18 @@ fn serve(args: ServeArgs) -> Result<()> {
                     .map_err(|e| format!("loading {}: {e}", dir.display()))?;
                 // The engine's cache budget, asked before any weight is loaded: the smallest
                 // request (one prompt token and one generated) must fit.
+                // A draft model's weights and workspace are held beside the model's.
+                let draft_bytes = match &draft {
+                    Some(dir) => {
+                        let d = sala_checkpoint::DraftCheckpoint::open(dir, &config)
+                            .map_err(|e| format!("--speculative draft:{}: {e}", dir.display()))?;
+                        sala_model::draft::resident_bytes(d.config(), d.has_embed())
+                    }
+                    None => 0,
+                };
                 let budget = CacheBudget::new(&config, step_rows(chunk, max_batch), &be)
-                    .with_limit(limit.clone());
+                    .with_limit(limit.clone())
+                    .with_resident(draft_bytes);
                 budget
                     .check(2)
                     .map_err(|e| format!("no request can fit the memory limit: {e}"))?;

@@ -6,26 +6,34 @@
 
 use super::BenchArgs;
 use crate::device::DeviceStats;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use sala_checkpoint::ModelConfig;
 use sala_engine::draft::{DraftSource, Speculate};
-use sala_engine::generate::GenerateOptions;
+use sala_engine::generate::{Engine, GenerateOptions};
+use sala_model::draft::DraftModel;
 use sala_model::numerics::TestRng;
 use sala_model::Backend;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
 /// A draft source the bench compares with plain decoding.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum BenchDrafts {
     /// Prompt lookup, drafts of up to this many tokens.
     Ngram(usize),
     /// Drafts of `of` tokens from the greedy continuation, the first `right` of them right.
     Oracle { right: usize, of: usize },
+    /// An EAGLE-3 draft model: the one in this directory, or (`None`) one of a real draft's
+    /// shape with random weights made on the device (its drafts are random: what it costs).
+    Draft(Option<std::path::PathBuf>),
 }
 
+/// Most tokens the bench's draft model drafts a step.
+const DRAFT_TOKENS: usize = 5;
+
 impl BenchDrafts {
-    /// `ngram`, `ngram:N` or `oracle:R/K` (drafts of 1 to 16 tokens).
+    /// `ngram`, `ngram:N`, `oracle:R/K` (drafts of 1 to 16 tokens), `draft:DIR` or
+    /// `draft:random`.
     pub fn parse(s: &str) -> Result<Self> {
         let tokens = |n: &str| match n.parse::<usize>() {
             Ok(n) if (1..=16).contains(&n) => Ok(n),
@@ -44,7 +52,11 @@ impl BenchDrafts {
                     _ => bail!("--speculative {s}: R must be 0 to K"),
                 }
             }
-            _ => bail!("--speculative {s}: expected ngram, ngram:N or oracle:R/K"),
+            Some(("draft", "random")) => Ok(Self::Draft(None)),
+            Some(("draft", dir)) if !dir.is_empty() => Ok(Self::Draft(Some(dir.into()))),
+            _ => bail!(
+                "--speculative {s}: expected ngram, ngram:N, oracle:R/K, draft:DIR or draft:random"
+            ),
         }
     }
 
@@ -52,6 +64,8 @@ impl BenchDrafts {
         match self {
             Self::Ngram(n) => format!("ngram:{n}"),
             Self::Oracle { right, of } => format!("oracle:{right}/{of}"),
+            Self::Draft(None) => "draft:random".into(),
+            Self::Draft(Some(_)) => "draft".into(),
         }
     }
 
@@ -65,8 +79,62 @@ impl BenchDrafts {
                     right,
                 },
             },
+            Self::Draft(_) => Speculate {
+                max_draft: DRAFT_TOKENS,
+                drafts: DraftSource::Model,
+            },
         }
     }
+}
+
+/// Gives `engine` the draft model of the bench's draft modes (at most one): the draft in a
+/// directory, or a random one of a real EAGLE-3 draft's shape for the model (its heads, KV
+/// heads of at least a quarter of them, its MLP width, a vocabulary of at most 32,000).
+pub(super) fn set_draft<B: Backend>(
+    engine: &mut Engine<B>,
+    modes: &[BenchDrafts],
+    seed: u64,
+) -> Result<()> {
+    let drafts: Vec<&Option<std::path::PathBuf>> = modes
+        .iter()
+        .filter_map(|m| match m {
+            BenchDrafts::Draft(d) => Some(d),
+            _ => None,
+        })
+        .collect();
+    let draft = match drafts.as_slice() {
+        [] => return Ok(()),
+        [Some(dir)] => {
+            let ckpt = sala_checkpoint::DraftCheckpoint::open(dir, &engine.model.config)
+                .with_context(|| format!("--speculative draft:{}", dir.display()))?;
+            DraftModel::load(&engine.backend, &engine.model, &ckpt)?
+        }
+        [None] => {
+            let c = &engine.model.config;
+            let heads = c.num_attention_heads;
+            let shape = sala_checkpoint::DraftConfig {
+                hidden_size: c.hidden_size,
+                intermediate_size: c.intermediate_size,
+                num_attention_heads: heads,
+                num_key_value_heads: c.num_key_value_heads.max(heads / 4),
+                head_dim: c.head_dim,
+                rms_norm_eps: c.rms_norm_eps,
+                rope_theta: c.rope_theta,
+                vocab_size: c.vocab_size,
+                draft_vocab_size: (c.vocab_size / 2).min(32_000),
+                target_hidden_size: c.hidden_size,
+                aux_layers: [
+                    1.min(c.num_hidden_layers - 1),
+                    (c.num_hidden_layers / 2).saturating_sub(1),
+                    c.num_hidden_layers.saturating_sub(4),
+                ],
+            };
+            DraftModel::random(&engine.backend, &engine.model, shape, seed)?
+        }
+        _ => bail!("--speculative: one draft model a run"),
+    };
+    engine.set_draft(draft)?;
+    Ok(())
 }
 
 /// For each context: a random prompt, `--decode-tokens` greedy tokens plain and then with each
@@ -84,6 +152,7 @@ pub fn speculative<B: Backend + DeviceStats>(
     }
     let name = be.name();
     let (mut engine, _tokenizer_dir) = super::random_engine(be, config, args)?;
+    set_draft(&mut engine, modes, args.seed)?;
     let longest = contexts.iter().copied().max().unwrap_or(0);
     let plain = super::greedy_options(args, longest);
     let mut rng = TestRng::new(args.seed ^ 0x5bec);
@@ -110,8 +179,15 @@ pub fn speculative<B: Backend + DeviceStats>(
             base_ids.len()
         );
         println!(
-            "{:>14} {:>9} {:>9} {:>8} {:>8} {:>11} {:>12}",
-            "drafts", "tok/s", "vs plain", "drafted", "taken", "taken/step", "same tokens"
+            "{:>14} {:>9} {:>9} {:>8} {:>8} {:>11} {:>12} {:>11}",
+            "drafts",
+            "tok/s",
+            "vs plain",
+            "drafted",
+            "taken",
+            "taken/step",
+            "same tokens",
+            "drafting s"
         );
         let sequence: Arc<[u32]> = prompt.iter().copied().chain(base_ids.clone()).collect();
         let mut rows = Vec::new();
@@ -128,6 +204,7 @@ pub fn speculative<B: Backend + DeviceStats>(
                 after.accepted - before.accepted,
                 after.spans - before.spans,
             );
+            let drafting_s = (after.draft_micros - before.draft_micros) as f64 / 1e6;
             let same = g
                 .tokens
                 .iter()
@@ -137,7 +214,7 @@ pub fn speculative<B: Backend + DeviceStats>(
             let rate = g.decode_tokens_per_sec();
             let per_step = taken as f64 / spans.max(1) as f64;
             println!(
-                "{:>14} {rate:>9.1} {:>8.2}x {drafted:>8} {taken:>8} {per_step:>11.2} {:>12}",
+                "{:>14} {rate:>9.1} {:>8.2}x {drafted:>8} {taken:>8} {per_step:>11.2} {:>12} {drafting_s:>11.3}",
                 m.label(),
                 rate / base_rate.max(1e-9),
                 format!("{same}/{}", base_ids.len())
@@ -151,6 +228,7 @@ pub fn speculative<B: Backend + DeviceStats>(
                 "spans": spans,
                 "mean_accepted": per_step,
                 "same_tokens": same,
+                "drafting_s": drafting_s,
             }));
         }
         docs.push(json!({

@@ -425,7 +425,7 @@ fn bench_measures_speculative_decoding_against_plain() {
             "--decode-tokens",
             "24",
             "--speculative",
-            "oracle:3/4,oracle:4/4,ngram",
+            "oracle:3/4,oracle:4/4,ngram,draft:random",
         ],
         &json,
         tmp.path(),
@@ -437,7 +437,7 @@ fn bench_measures_speculative_decoding_against_plain() {
     assert_eq!(run["context"], 120, "{doc}");
     positive(run, "plain_decode_tok_s", "plain");
     let rows = run["speculative"].as_array().unwrap();
-    assert_eq!(rows.len(), 3, "{doc}");
+    assert_eq!(rows.len(), 4, "{doc}");
     for (r, (name, per_step)) in rows.iter().zip([("oracle:3/4", 3.0), ("oracle:4/4", 4.0)]) {
         assert_eq!(r["drafts"], name, "{r}");
         assert_eq!(r["same_tokens"], 24, "{r}");
@@ -445,6 +445,10 @@ fn bench_measures_speculative_decoding_against_plain() {
         positive(r, "decode_tok_s", name);
     }
     assert_eq!(rows[2]["drafts"], "ngram:4");
+    // A random draft model of the model's shape: it drafts, the tokens stay the plain ones.
+    assert_eq!(rows[3]["drafts"], "draft:random", "{doc}");
+    assert_eq!(rows[3]["same_tokens"], 24, "{doc}");
+    assert!(rows[3]["drafted"].as_u64().unwrap() > 0, "{doc}");
     fails_with(
         &bench(
             &["--context", "120", "--speculative", "oracle:5/4"],

@@ -592,10 +592,47 @@ fn generate_speculates_when_asked() {
     let off = sala(&[&args[..], &["--speculative", "off"]].concat(), cache);
     ok(&off);
     assert!(!String::from_utf8_lossy(&off.stderr).contains("speculation:"));
+    // An EAGLE-3 draft made for the built-in model (the tiny preset): it drafts, greedy text
+    // unchanged; one made for another model's hidden size is refused by name.
+    let target = sala_checkpoint::preset("tiny").unwrap();
+    let shape = |hidden| sala_checkpoint::DraftConfig {
+        hidden_size: hidden,
+        intermediate_size: 64,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        vocab_size: target.vocab_size,
+        draft_vocab_size: target.vocab_size / 2,
+        target_hidden_size: hidden,
+        aux_layers: [0, 1, target.num_hidden_layers - 1],
+    };
+    let draft = cache.join("draft");
+    sala_checkpoint::write_random_draft(&draft, &shape(target.hidden_size), false, None, 3)
+        .unwrap();
+    let mode = format!("draft:{}", draft.display());
+    let with_draft = sala(&[&args[..], &["--speculative", &mode]].concat(), cache);
+    ok(&with_draft);
+    assert_eq!(
+        with_draft.stdout, plain.stdout,
+        "greedy text changed with a draft model"
+    );
+    let err = String::from_utf8_lossy(&with_draft.stderr);
+    assert!(err.contains("speculation:"), "{err}");
+    let other = cache.join("other-draft");
+    sala_checkpoint::write_random_draft(&other, &shape(2 * target.hidden_size), true, None, 3)
+        .unwrap();
+    let mode = format!("draft:{}", other.display());
+    fails_with(
+        &sala(&[&args[..], &["--speculative", &mode]].concat(), cache),
+        &[&mode, "hidden states of size 256"],
+    );
     for (mode, says) in [
         ("ngram:0", "1 to 16"),
         ("ngram:x", "1 to 16"),
-        ("draft:/nowhere", "not supported yet"),
+        ("draft:/nowhere", "draft model directory not found"),
+        ("draft:", "expected ngram"),
         ("lookahead", "expected ngram"),
     ] {
         fails_with(
