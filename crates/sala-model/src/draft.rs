@@ -395,13 +395,16 @@ impl<B: Backend> DraftModel<B> {
             if drafts.len() == max {
                 break;
             }
-            // The step's output hidden state, its last row, is the next step's input.
+            // The step's output hidden state, its last row, is the next step's input (copied
+            // through `t`: the buffers stay where a repeated step's CUDA graph reads them).
             let last = ws.g_rows() - 1;
-            if let Err(e) = be.copy_rows(&ws.g, last, &mut ws.t, 0, 1) {
+            let copied = be
+                .copy_rows(&ws.g, last, &mut ws.t, 0, 1)
+                .and_then(|()| be.copy_rows(&ws.t, 0, &mut ws.g, 0, 1));
+            if let Err(e) = copied {
                 result = Err(e);
                 break;
             }
-            std::mem::swap(&mut ws.g, &mut ws.t);
             let pos = taken.end + drafts.len() - 1;
             match self.step(
                 be,
