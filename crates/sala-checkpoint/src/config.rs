@@ -146,6 +146,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
+    /// How the linear weights are stored, when quantized.
+    pub quantization: Option<crate::quant::Gptq>,
     /// The JSON as read, so that a written checkpoint keeps unknown keys.
     pub raw: serde_json::Value,
 }
@@ -194,24 +196,14 @@ impl ModelConfig {
         let obj = value
             .as_object()
             .ok_or_else(|| field_err("<root>", "config.json must be a JSON object"))?;
-        // Quantized checkpoints (GPTQ, FP8, ...) hold other tensors than bf16 weights: say so
-        // before any tensor is looked for.
-        if let Some(q) = obj.get("quantization_config").filter(|q| !q.is_null()) {
-            let method = q
-                .get("quant_method")
-                .and_then(|m| m.as_str())
-                .unwrap_or("unnamed");
-            let bits = q
-                .get("bits")
-                .and_then(|b| b.as_u64())
-                .map_or(String::new(), |b| format!(", {b} bits"));
-            return Err(field_err(
-                "quantization_config",
-                format!(
-                    "a quantized checkpoint ({method}{bits}): this version of sala loads bf16                      (or f16/f32) weights only"
-                ),
-            ));
-        }
+        // Quantized checkpoints: 4-bit GPTQ is read (quant::Gptq); other formats are named.
+        let quantization = match obj.get("quantization_config").filter(|q| !q.is_null()) {
+            Some(q) => Some(
+                crate::quant::Gptq::from_json(q)
+                    .map_err(|e| field_err("quantization_config", e))?,
+            ),
+            None => None,
+        };
         let get_usize = |name: &str, default: Option<usize>| -> Result<usize, ConfigError> {
             match obj.get(name) {
                 None | Some(serde_json::Value::Null) => {
@@ -379,6 +371,7 @@ impl ModelConfig {
             bos_token_id: get_token("bos_token_id", Some(1))?,
             eos_token_ids,
             pad_token_id: get_token("pad_token_id", None)?,
+            quantization,
             raw: value.clone(),
         };
         config.validate()?;
@@ -686,19 +679,28 @@ mod tests {
     }
 
     #[test]
-    fn a_quantized_checkpoint_is_named_as_such() {
+    fn a_quantized_checkpoint_is_read_or_named_as_such() {
         let mut v = released();
         v["quantization_config"] = serde_json::json!({
             "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false
         });
+        let c = ModelConfig::from_json(v.clone()).unwrap();
+        assert_eq!(c.quantization.unwrap().group_size, Some(128));
+        v["quantization_config"]["bits"] = 8.into();
         let e = ModelConfig::from_json(v.clone()).unwrap_err().to_string();
         assert!(
-            e.contains("quantization_config") && e.contains("gptq, 4 bits") && e.contains("bf16"),
+            e.contains("quantization_config") && e.contains("8 bits"),
+            "{e}"
+        );
+        v["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+        let e = ModelConfig::from_json(v.clone()).unwrap_err().to_string();
+        assert!(
+            e.contains("quantization_config") && e.contains("fp8"),
             "{e}"
         );
         // A null entry is no quantization.
         v["quantization_config"] = serde_json::Value::Null;
-        assert!(ModelConfig::from_json(v).is_ok());
+        assert!(ModelConfig::from_json(v).unwrap().quantization.is_none());
     }
 
     #[test]

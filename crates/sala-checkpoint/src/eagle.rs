@@ -655,6 +655,7 @@ mod tests {
             }
             let dtype = match e.dtype {
                 Element::Float(_) => "BF16",
+                Element::I32 => "I32",
                 Element::I64 => "I64",
                 Element::Bool => "BOOL",
             };

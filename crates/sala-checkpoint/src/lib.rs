@@ -4,6 +4,7 @@
 pub mod config;
 pub mod eagle;
 pub mod presets;
+pub mod quant;
 pub mod rng;
 mod safetensors;
 pub mod schema;
@@ -13,6 +14,7 @@ pub mod writer;
 pub use config::{alibi_slopes, ConfigError, MixerKind, ModelConfig, SparseConfig};
 pub use eagle::{write_random_draft, DraftCheckpoint, DraftConfig};
 pub use presets::{preset, preset_names, PresetError};
+pub use safetensors::Element;
 pub use schema::{
     expected_parameter_count, expected_tensors, tensor_name, Place, Role, TensorSpec,
 };

@@ -42,6 +42,7 @@ pub(crate) struct Stored<T> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Element {
     Float(DType),
+    I32,
     I64,
     Bool,
 }
@@ -49,6 +50,7 @@ pub enum Element {
 impl Element {
     pub fn from_safetensors_name(name: &str) -> Option<Self> {
         match name {
+            "I32" => Some(Self::I32),
             "I64" => Some(Self::I64),
             "BOOL" => Some(Self::Bool),
             _ => DType::from_safetensors_name(name).map(Self::Float),
@@ -58,6 +60,7 @@ impl Element {
     pub fn size(self) -> usize {
         match self {
             Self::Float(d) => d.size(),
+            Self::I32 => 4,
             Self::I64 => 8,
             Self::Bool => 1,
         }
@@ -68,6 +71,7 @@ impl std::fmt::Display for Element {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Float(d) => write!(f, "{d}"),
+            Self::I32 => f.write_str("I32"),
             Self::I64 => f.write_str("I64"),
             Self::Bool => f.write_str("BOOL"),
         }
@@ -99,10 +103,10 @@ impl HeaderType for Element {
     fn bytes(self) -> usize {
         self.size()
     }
-    const ACCEPTED: &'static str = "BF16, F16, F32, I64 or BOOL";
+    const ACCEPTED: &'static str = "BF16, F16, F32, I32, I64 or BOOL";
 }
 
-impl Stored<DType> {
+impl Stored<Element> {
     pub fn into_info(self, file: &Path, shard: usize) -> TensorInfo {
         TensorInfo {
             name: self.name,

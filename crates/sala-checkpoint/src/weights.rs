@@ -3,7 +3,7 @@
 //! that `config.json` implies before anything reads them.
 
 use crate::config::{ConfigError, ModelConfig};
-use crate::safetensors::{map_file, parse_header, safe_relative};
+use crate::safetensors::{map_file, parse_header, safe_relative, Element};
 use crate::schema::expected_tensors;
 use memmap2::Mmap;
 use std::collections::{BTreeMap, HashMap};
@@ -149,6 +149,13 @@ pub enum Problem {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
+    /// A tensor of the wrong element type.
+    DType {
+        tensor: String,
+        file: PathBuf,
+        expected: &'static str,
+        found: String,
+    },
 }
 
 impl fmt::Display for Problem {
@@ -180,6 +187,16 @@ impl fmt::Display for Problem {
             } => write!(
                 f,
                 "{}: tensor `{tensor}` has shape {found:?}, expected {expected:?}",
+                file.display()
+            ),
+            Self::DType {
+                tensor,
+                file,
+                expected,
+                found,
+            } => write!(
+                f,
+                "{}: tensor `{tensor}` holds {found} values, expected {expected}",
                 file.display()
             ),
         }
@@ -222,7 +239,7 @@ pub(crate) fn tensor_err(file: &Path, tensor: &str, msg: impl Into<String>) -> C
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
     pub name: String,
-    pub dtype: DType,
+    pub dtype: Element,
     pub shape: Vec<usize>,
     /// The shard file holding it.
     pub file: PathBuf,
@@ -357,7 +374,7 @@ impl Checkpoint {
         let index = dir.join(INDEX_FILE);
         let (shards, found, looked_in) = if single.is_file() {
             let shard = map_file(&single)?;
-            let entries = parse_header::<DType>(&shard.path, &shard.map)?;
+            let entries = parse_header::<Element>(&shard.path, &shard.map)?;
             let found: Vec<TensorInfo> = entries
                 .into_iter()
                 .map(|e| e.into_info(&shard.path, 0))
@@ -418,47 +435,136 @@ impl Checkpoint {
         self.by_name.contains_key(name)
     }
 
-    /// The raw bytes of tensor `name`.
+    /// The raw bytes of float tensor `name` as stored.
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, CheckpointError> {
-        let info = self
-            .info(name)
+        let info = self.stored(name)?;
+        let Element::Float(dtype) = info.dtype else {
+            return Err(tensor_err(
+                &info.file,
+                name,
+                format!("holds {} values, not weights", info.dtype),
+            ));
+        };
+        // In range: checked against the file length when the header was parsed.
+        Ok(TensorView {
+            name: &info.name,
+            dtype,
+            shape: &info.shape,
+            bytes: self.bytes(info),
+            file: &info.file,
+        })
+    }
+
+    fn stored(&self, name: &str) -> Result<&TensorInfo, CheckpointError> {
+        self.info(name)
             .ok_or_else(|| CheckpointError::UnknownTensor {
                 dir: self.dir.clone(),
                 tensor: name.to_string(),
-            })?;
-        Ok(self.view(info))
+            })
     }
 
-    fn view<'a>(&'a self, info: &'a TensorInfo) -> TensorView<'a> {
-        // In range: checked against the file length when the header was parsed.
-        let bytes = &self.shards[info.shard].map[info.byte_range.clone()];
-        TensorView {
-            name: &info.name,
-            dtype: info.dtype,
-            shape: &info.shape,
-            bytes,
-            file: &info.file,
+    fn bytes(&self, info: &TensorInfo) -> &[u8] {
+        &self.shards[info.shard].map[info.byte_range.clone()]
+    }
+
+    /// Whether weight `name` (its `.weight` name) is stored quantized.
+    pub fn is_quantized(&self, name: &str) -> bool {
+        !self.contains(name) && self.config.quantization.is_some() && {
+            let module = name.strip_suffix(".weight").unwrap_or(name);
+            self.contains(&format!("{module}.qweight"))
         }
     }
 
-    /// Tensor `name` widened to f32 (exact).
-    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
-        Ok(self.tensor(name)?.to_f32())
+    /// Weight `name` as f32 `[out, in]` values: as stored, or dequantized from its GPTQ
+    /// tensors (then its shape is the schema's).
+    pub fn weight_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), CheckpointError> {
+        if !self.is_quantized(name) {
+            let t = self.tensor(name)?;
+            return Ok((t.to_f32(), t.shape.to_vec()));
+        }
+        self.gptq(name, |q, shape, parts| {
+            Ok((
+                q.dequantize(name, shape, parts.0, parts.1, &parts.2, parts.3)?,
+                vec![shape.0, shape.1],
+            ))
+        })
     }
 
-    /// Tensor `name` as bf16 bits (f32/f16 rounded to nearest even).
+    /// Quantized weight `name` by rows ([`crate::quant::Gptq::to_rows`]), with its shape.
+    pub fn weight_rows(
+        &self,
+        name: &str,
+    ) -> Result<(crate::quant::Rows, (usize, usize)), CheckpointError> {
+        self.gptq(name, |q, shape, parts| {
+            Ok((
+                q.to_rows(name, shape, parts.0, parts.1, &parts.2, parts.3)?,
+                shape,
+            ))
+        })
+    }
+
+    /// `f(gptq, (out, in), (qweight, qzeros, scales, g_idx))` for quantized weight `name`; its
+    /// error names the stored tensor.
+    fn gptq<T>(
+        &self,
+        name: &str,
+        f: impl FnOnce(
+            &crate::quant::Gptq,
+            (usize, usize),
+            (&[u8], &[u8], Vec<f32>, Option<&[u8]>),
+        ) -> Result<T, String>,
+    ) -> Result<T, CheckpointError> {
+        let q = self.config.quantization.as_ref().ok_or_else(|| {
+            file_err(
+                &self.dir,
+                format!("{name}: the checkpoint is not quantized"),
+            )
+        })?;
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let part = |suffix: &str| self.stored(&format!("{module}.{suffix}"));
+        let (qweight, qzeros) = (part("qweight")?, part("qzeros")?);
+        let scales = self.tensor(&format!("{module}.scales"))?.to_f32();
+        let g_idx = self.info(&format!("{module}.g_idx"));
+        let shape = (qweight.shape[1], qweight.shape[0] * 8);
+        let parts = (
+            self.bytes(qweight),
+            self.bytes(qzeros),
+            scales,
+            g_idx.map(|t| self.bytes(t)),
+        );
+        f(q, shape, parts).map_err(|msg| tensor_err(&qweight.file, &qweight.name, msg))
+    }
+
+    /// Tensor `name` widened to f32 (exact), a quantized weight dequantized.
+    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
+        Ok(self.weight_f32(name)?.0)
+    }
+
+    /// Tensor `name` as bf16 bits (f32/f16 rounded to nearest even; a quantized weight
+    /// dequantized, then rounded).
     pub fn read_bf16_bits(&self, name: &str) -> Result<Vec<u16>, CheckpointError> {
+        if self.is_quantized(name) {
+            return Ok(self
+                .read_f32(name)?
+                .into_iter()
+                .map(f32_to_bf16_bits)
+                .collect());
+        }
         Ok(self.tensor(name)?.to_bf16_bits())
     }
 
     /// Errors if tensor `name` holds a NaN or an infinity (weights are not scanned on open).
     pub fn check_finite(&self, name: &str) -> Result<(), CheckpointError> {
-        let view = self.tensor(name)?;
-        let values = view.to_f32();
+        let (values, _) = self.weight_f32(name)?;
         let mut bad = values.iter().enumerate().filter(|(_, v)| !v.is_finite());
         if let Some((index, &value)) = bad.next() {
+            let module = name.strip_suffix(".weight").unwrap_or(name);
+            let file = self
+                .info(name)
+                .or_else(|| self.info(&format!("{module}.scales")))
+                .map_or_else(|| self.dir.clone(), |t| t.file.clone());
             return Err(CheckpointError::NonFinite {
-                file: view.file.to_path_buf(),
+                file,
                 tensor: name.to_string(),
                 count: 1 + bad.count(),
                 index,
@@ -550,7 +656,7 @@ fn open_sharded(
     let mut found = Vec::with_capacity(wanted.len());
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (pos, shard) in shards.iter().enumerate() {
-        for entry in parse_header::<DType>(&shard.path, &shard.map)? {
+        for entry in parse_header::<Element>(&shard.path, &shard.map)? {
             match wanted.get(&entry.name) {
                 Some(&p) if p == pos => {}
                 Some(&p) => {
@@ -592,8 +698,35 @@ fn open_sharded(
     Ok((shards, found))
 }
 
-/// Orders the found tensors like [`expected_tensors`], or lists every missing, unexpected
-/// and misshapen tensor.
+/// What a checkpoint for `config` stores: (name, shape, kind, required) for every tensor of
+/// [`expected_tensors`], its GPTQ tensors in place of a quantized linear's weight.
+fn stored_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>, Stored, bool)> {
+    let mut out = Vec::new();
+    for spec in expected_tensors(config) {
+        let linear = matches!(spec.place, crate::Place::Layer(..)) && spec.shape.len() == 2;
+        match &config.quantization {
+            Some(q) if linear && q.quantizes(&spec.name) => {
+                let (o, i) = (spec.shape[0], spec.shape[1]);
+                for (k, (name, shape, int)) in q.stored(&spec.name, o, i).into_iter().enumerate() {
+                    let kind = if int { Stored::Int } else { Stored::Float };
+                    out.push((name, shape, kind, k < 3));
+                }
+            }
+            _ => out.push((spec.name, spec.shape, Stored::Float, true)),
+        }
+    }
+    out
+}
+
+/// The kind of values a stored tensor holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stored {
+    Float,
+    Int,
+}
+
+/// Orders the found tensors like [`stored_tensors`], or lists every missing, unexpected,
+/// misshapen and mistyped tensor.
 fn validate(
     config: &ModelConfig,
     found: Vec<TensorInfo>,
@@ -603,20 +736,39 @@ fn validate(
         found.into_iter().map(|t| (t.name.clone(), t)).collect();
     let mut problems = Vec::new();
     let mut ordered = Vec::with_capacity(by_name.len());
-    for spec in expected_tensors(config) {
-        match by_name.remove(&spec.name) {
+    for (name, shape, kind, required) in stored_tensors(config) {
+        match by_name.remove(&name) {
+            None if !required => {}
             None => problems.push(Problem::Missing {
-                tensor: spec.name,
-                shape: spec.shape,
+                tensor: name,
+                shape,
                 looked_in: looked_in.to_path_buf(),
             }),
-            Some(t) if t.shape != spec.shape => problems.push(Problem::Shape {
-                tensor: spec.name,
+            Some(t) if t.shape != shape => problems.push(Problem::Shape {
+                tensor: name,
                 file: t.file,
-                expected: spec.shape,
+                expected: shape,
                 found: t.shape,
             }),
-            Some(t) => ordered.push(t),
+            Some(t) => {
+                let fits = match kind {
+                    Stored::Float => matches!(t.dtype, Element::Float(_)),
+                    Stored::Int => t.dtype == Element::I32,
+                };
+                if fits {
+                    ordered.push(t);
+                } else {
+                    problems.push(Problem::DType {
+                        tensor: name,
+                        file: t.file,
+                        expected: match kind {
+                            Stored::Float => "BF16, F16 or F32",
+                            Stored::Int => "I32",
+                        },
+                        found: t.dtype.to_string(),
+                    });
+                }
+            }
         }
     }
     let mut extras: Vec<TensorInfo> = by_name

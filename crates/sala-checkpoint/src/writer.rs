@@ -620,7 +620,9 @@ mod tests {
             ]
         );
         let ck = Checkpoint::open(tmp.path()).unwrap();
-        assert!(ck.tensors().all(|t| t.dtype == DType::F32));
+        assert!(ck
+            .tensors()
+            .all(|t| t.dtype == crate::Element::Float(DType::F32)));
         assert!(is_shard_name("model-00001-of-00012.safetensors"));
         assert!(!is_shard_name("model-0001-of-00012.safetensors"));
         assert!(!is_shard_name("model-0000a-of-00012.safetensors"));

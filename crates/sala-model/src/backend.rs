@@ -83,6 +83,64 @@ impl HostTensor<'_> {
     }
 }
 
+/// A `[rows, cols]` weight in 4 bits: `words[r][j]` holds inputs `8j..8j + 8` of row `r`, the
+/// lowest nibble first; row `r`'s inputs in groups of `group`, each with a scale and a zero:
+/// value = bf16((q − zero) · scale).
+#[derive(Debug, Clone, Copy)]
+pub struct QuantMatrix<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub group: usize,
+    /// `[rows, cols / 8]`.
+    pub words: &'a [u32],
+    /// `[rows, cols / group]` each.
+    pub scales: &'a [f32],
+    pub zeros: &'a [f32],
+}
+
+impl QuantMatrix<'_> {
+    /// Errors unless the sizes agree.
+    pub fn check(&self, name: &str) -> BResult<()> {
+        let groups = self.cols.checked_div(self.group).unwrap_or(0);
+        let fits = self.group > 0
+            && self.cols.is_multiple_of(self.group)
+            && self.cols.is_multiple_of(8)
+            && self.words.len() == self.rows * self.cols / 8
+            && self.scales.len() == self.rows * groups
+            && self.zeros.len() == self.rows * groups;
+        if fits {
+            Ok(())
+        } else {
+            Err(BackendError(format!(
+                "weight {name}: a 4-bit [{}, {}] matrix in groups of {} with {} words, {} scales, {} zeros",
+                self.rows,
+                self.cols,
+                self.group,
+                self.words.len(),
+                self.scales.len(),
+                self.zeros.len()
+            )))
+        }
+    }
+
+    /// Its values, row-major, each rounded to bf16 (as f32).
+    pub fn values(&self) -> Vec<f32> {
+        let groups = self.cols / self.group;
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        for r in 0..self.rows {
+            for i in 0..self.cols {
+                let word = self.words[r * self.cols / 8 + i / 8];
+                let q = ((word >> (4 * (i % 8))) & 15) as f32;
+                let k = r * groups + i / self.group;
+                out.push(crate::numerics::bf16_round(
+                    (q - self.zeros[k]) * self.scales[k],
+                ));
+            }
+        }
+        out
+    }
+}
+
 pub trait Backend {
     /// Activations `[rows, cols]`, with capacity for the largest chunk.
     type Act;
@@ -118,6 +176,25 @@ pub trait Backend {
         std: f32,
     ) -> BResult<Self::Matrix>;
     fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<Self::Vector>;
+    /// A 4-bit weight ([`QuantMatrix`]): by default its bf16 values ([`QuantMatrix::values`])
+    /// uploaded as any matrix; a backend with 4-bit products keeps it packed. Every product
+    /// with it gives what one with those values gives, up to the order of the sums.
+    fn upload_quantized(&self, name: &str, q: QuantMatrix<'_>) -> BResult<Self::Matrix> {
+        q.check(name)?;
+        let bytes: Vec<u8> = q
+            .values()
+            .into_iter()
+            .flat_map(|v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
+        self.upload_matrix(
+            name,
+            HostTensor {
+                dtype: HostDType::Bf16,
+                shape: &[q.rows, q.cols],
+                bytes: &bytes,
+            },
+        )
+    }
 
     /// A buffer with room for `max_rows` rows of `cols`; its row count starts at `max_rows`.
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<Self::Act>;

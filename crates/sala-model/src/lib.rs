@@ -10,8 +10,8 @@ pub mod oracle;
 pub mod testing;
 
 pub use backend::{
-    AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, LogitsOut, Span, StepInfo,
-    STEPWISE_SPAN_ROWS,
+    AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, LogitsOut, QuantMatrix, Span,
+    StepInfo, STEPWISE_SPAN_ROWS,
 };
 pub use model::{
     AuxCapture, GreedyPick, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits,

@@ -1,6 +1,8 @@
 //! The MiniCPM-SALA forward pass (SPEC §3–§7), written once over [`Backend`].
 
-use crate::backend::{AttnIo, BResult, Backend, BackendError, HostTensor, Span, StepInfo};
+use crate::backend::{
+    AttnIo, BResult, Backend, BackendError, HostTensor, QuantMatrix, Span, StepInfo,
+};
 use crate::memory::{workspace_columns, WORKSPACE_BUFFERS};
 use crate::numerics::rope_inv_freq;
 use crate::oracle::{AttnShape, SparseMode};
@@ -12,6 +14,28 @@ use std::collections::HashMap;
 /// Where weights come from: the tensor of a given name, already checked by the loader.
 pub trait WeightSource {
     fn tensor(&self, name: &str) -> Result<HostTensor<'_>, String>;
+    /// Calls `f` with tensor `name`: by default the one [`WeightSource::tensor`] lends; a
+    /// source that makes a tensor's values for the call (a quantized weight, dequantized)
+    /// says so here, and they are gone once `f` returns.
+    fn with_tensor(
+        &self,
+        name: &str,
+        f: &mut dyn FnMut(HostTensor<'_>) -> BResult<()>,
+    ) -> BResult<()> {
+        let t = self
+            .tensor(name)
+            .map_err(|e| BackendError(format!("weight {name}: {e}")))?;
+        f(t)
+    }
+    /// Calls `f` with weight `name` in 4 bits and returns true where the source stores it so;
+    /// else false (the weight is read with [`WeightSource::with_tensor`]).
+    fn with_quantized(
+        &self,
+        _name: &str,
+        _f: &mut dyn FnMut(QuantMatrix<'_>) -> BResult<()>,
+    ) -> BResult<bool> {
+        Ok(false)
+    }
 }
 
 enum Mixer<B: Backend> {
@@ -475,13 +499,17 @@ impl<B: Backend> Loader<'_, B> {
         self.done += 1;
         (self.progress)(self.done, self.total);
     }
-    fn fetch(&self, name: &str) -> BResult<HostTensor<'_>> {
-        match &self.src {
-            Source::Weights(w) => w
-                .tensor(name)
-                .map_err(|e| BackendError(format!("weight {name}: {e}"))),
-            Source::Random { .. } => Err(BackendError(format!("weight {name}: no checkpoint"))),
-        }
+    /// Uploads weight `name` from the checkpoint with `upload`.
+    fn fetch<T>(&self, name: &str, upload: impl Fn(HostTensor<'_>) -> BResult<T>) -> BResult<T> {
+        let Source::Weights(w) = &self.src else {
+            return Err(BackendError(format!("weight {name}: no checkpoint")));
+        };
+        let mut out = None;
+        w.with_tensor(name, &mut |t| {
+            out = Some(upload(t)?);
+            Ok(())
+        })?;
+        out.ok_or_else(|| BackendError(format!("weight {name}: the source gave nothing")))
     }
     /// How to make a random tensor, or `None` when weights come from a checkpoint.
     fn random_spec(&self, name: &str) -> BResult<Option<RandomSpec>> {
@@ -509,10 +537,20 @@ impl<B: Backend> Loader<'_, B> {
         let name = &tensor_name(role, place);
         self.step();
         let be = self.be;
-        match self.random_spec(name)? {
-            Some(r) => be.random_matrix(r.shape[0], r.shape[1], r.seed, r.mean, r.std),
-            None => be.upload_matrix(name, self.fetch(name)?),
+        if let Some(r) = self.random_spec(name)? {
+            return be.random_matrix(r.shape[0], r.shape[1], r.seed, r.mean, r.std);
         }
+        if let Source::Weights(w) = &self.src {
+            let mut out = None;
+            let packed = w.with_quantized(name, &mut |q| {
+                out = Some(be.upload_quantized(name, q)?);
+                Ok(())
+            })?;
+            if packed {
+                return out.ok_or_else(|| BackendError(format!("weight {name}: nothing given")));
+            }
+        }
+        self.fetch(name, |t| be.upload_matrix(name, t))
     }
     fn vec(&mut self, role: Role, place: Place) -> BResult<B::Vector> {
         let name = &tensor_name(role, place);
@@ -520,7 +558,7 @@ impl<B: Backend> Loader<'_, B> {
         let be = self.be;
         match self.random_spec(name)? {
             Some(r) => be.random_vector(r.shape[0], r.seed, r.mean, r.std),
-            None => be.upload_vector(name, self.fetch(name)?),
+            None => self.fetch(name, |t| be.upload_vector(name, t)),
         }
     }
     fn vec_if(&mut self, present: bool, role: Role, place: Place) -> BResult<Option<B::Vector>> {

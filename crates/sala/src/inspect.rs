@@ -169,9 +169,23 @@ fn checkpoint(dir: &Path) -> Result<()> {
         c.residual_scale(),
         c.logit_divisor()
     );
-    let params = ckpt.parameter_count();
+    let params = sala_checkpoint::expected_parameter_count(c);
+    let format = match &c.quantization {
+        Some(q) => format!(
+            " as 4-bit GPTQ ({}, {}{})",
+            q.group_size
+                .map_or("a group a row".to_string(), |g| format!("groups of {g}")),
+            if q.sym { "symmetric" } else { "asymmetric" },
+            if q.skip.is_empty() {
+                String::new()
+            } else {
+                format!(", kept in bf16: {}", q.skip.join(" "))
+            }
+        ),
+        None => String::new(),
+    };
     println!(
-        "parameters      {} ({params}); stored {}; {} in bf16",
+        "parameters      {} ({params}); stored {}{format}; {} in bf16",
         human_count(params as f64),
         human_bytes(ckpt.total_bytes() as usize),
         human_bytes(weight_bytes(c))

@@ -54,6 +54,76 @@ enum Command {
     /// Perplexity of a text file: windows of --context tokens every --stride tokens, each
     /// scoring the tokens the one before it did not.
     Perplexity(perplexity::PerplexityArgs),
+    /// Write a 4-bit GPTQ-layout checkpoint from a bf16 one (round to nearest): the linear
+    /// layers quantized, embeddings, norms and lm_head kept.
+    Quantize(QuantizeArgs),
+}
+
+#[derive(Args)]
+struct QuantizeArgs {
+    /// The bf16 (or f16/f32) checkpoint directory.
+    input: PathBuf,
+    /// Where to write the quantized checkpoint (created; the tokenizer files are copied).
+    output: PathBuf,
+    /// `w4-rtn`: 4-bit weights, round to nearest.
+    #[arg(long, default_value = "w4-rtn")]
+    method: String,
+    /// Inputs sharing a scale and zero point (a multiple of 8), or -1 for one group a row.
+    #[arg(long, default_value_t = 128, allow_hyphen_values = true)]
+    group: i64,
+    /// Asymmetric groups (a zero point each) instead of symmetric ones.
+    #[arg(long)]
+    asym: bool,
+    /// Leave the output gates (`o_gate`, `z_proj`) in bf16, as GPTQModel's usual skip list.
+    #[arg(long)]
+    keep_gates: bool,
+}
+
+fn quantize(args: QuantizeArgs) -> Result<()> {
+    if args.method != "w4-rtn" {
+        bail!(
+            "--method {}: only w4-rtn (4-bit, round to nearest) is supported",
+            args.method
+        );
+    }
+    let group_size = match args.group {
+        -1 => None,
+        g if g > 0 && g % 8 == 0 => Some(g as usize),
+        g => bail!("--group {g}: expected -1 or a positive multiple of 8"),
+    };
+    if args.output.exists() && std::fs::read_dir(&args.output)?.next().is_some() {
+        bail!("{}: exists and is not empty", args.output.display());
+    }
+    let src = Checkpoint::open(&args.input)
+        .with_context(|| format!("opening {}", args.input.display()))?;
+    let q = sala_checkpoint::quant::Gptq {
+        group_size,
+        sym: !args.asym,
+        zero_minus_one: true,
+        skip: if args.keep_gates {
+            vec![r".*\.o_gate".into(), r".*\.z_proj".into()]
+        } else {
+            Vec::new()
+        },
+    };
+    let bar = progress_bar(0, "quantizing");
+    sala_checkpoint::quant::write_quantized(&src, &args.output, &q, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .with_context(|| format!("writing {}", args.output.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {} (4-bit GPTQ layout, {} groups{})",
+        args.output.display(),
+        group_size.map_or("row".to_string(), |g| format!("{g}-input")),
+        if args.asym {
+            ", asymmetric"
+        } else {
+            ", symmetric"
+        }
+    );
+    Ok(())
 }
 
 #[derive(Args)]
@@ -219,6 +289,7 @@ fn main() {
         Command::Inspect(args) => inspect::run(args),
         Command::Init(args) => init(args),
         Command::Bench(args) => bench::run(args),
+        Command::Quantize(args) => quantize(args),
         Command::Serve(args) => serve(args),
         Command::Perplexity(args) => perplexity::run(args),
     };

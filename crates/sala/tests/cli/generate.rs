@@ -656,3 +656,74 @@ fn generate_speculates_when_asked() {
         &["--speculative ngram:17", "1 to 16"],
     );
 }
+
+/// `sala quantize`: a 4-bit GPTQ checkpoint written from a bf16 one, which `generate` and
+/// `inspect` read; bad groups, a used output directory and a quantized input are refused.
+#[test]
+fn quantize_writes_a_gptq_checkpoint_that_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path();
+    let src = cache.join("bf16");
+    let out = cache.join("w4");
+    let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+    ok(&sala(&["init", "--preset", "tiny", s], cache));
+    ok(&sala(
+        &["quantize", s, o, "--group", "32", "--asym", "--keep-gates"],
+        cache,
+    ));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let q = &config["quantization_config"];
+    assert_eq!(
+        (q["quant_method"].as_str(), q["bits"].as_u64()),
+        (Some("gptq"), Some(4)),
+        "{q}"
+    );
+    assert_eq!(
+        (q["group_size"].as_i64(), q["sym"].as_bool()),
+        (Some(32), Some(false)),
+        "{q}"
+    );
+    assert!(out.join("tokenizer.json").is_file());
+    let gen = sala(
+        &[
+            "generate",
+            "--model",
+            o,
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "hi",
+        ],
+        cache,
+    );
+    ok(&gen);
+    let info = sala(&["inspect", o], cache);
+    ok(&info);
+    assert!(String::from_utf8_lossy(&info.stdout).contains("4-bit GPTQ (groups of 32, asymmetric"));
+    fails_with(
+        &sala(&["quantize", s, o], cache),
+        &["exists and is not empty"],
+    );
+    let again = cache.join("again");
+    fails_with(
+        &sala(&["quantize", o, again.to_str().unwrap()], cache),
+        &["quantized already"],
+    );
+    fails_with(
+        &sala(
+            &["quantize", s, again.to_str().unwrap(), "--group", "12"],
+            cache,
+        ),
+        &["--group 12", "multiple of 8"],
+    );
+    fails_with(
+        &sala(
+            &["quantize", s, again.to_str().unwrap(), "--method", "gptq"],
+            cache,
+        ),
+        &["--method gptq", "w4-rtn"],
+    );
+}

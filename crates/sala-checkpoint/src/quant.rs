@@ -1,0 +1,492 @@
+//! 4-bit GPTQ checkpoints (`quantization_config.quant_method: gptq`): each quantized linear
+//! `X.weight [out, in]` is stored as `X.qweight` (I32 `[in / 8, out]`, eight 4-bit values a
+//! word along the input, lowest nibble first), `X.qzeros` (I32 `[in / g, out / 8]`, packed
+//! along the output), `X.scales` (F16 `[in / g, out]`) and optionally `X.g_idx` (I32 `[in]`,
+//! which must be `i / g`: `desc_act` false). Value `w[o][i] = (q − z) · s` of its group, where
+//! the stored zero is `z − 1` in the original GPTQ format (`checkpoint_format` "gptq", the
+//! default) and `z` in GPTQModel's "gptq_v2". Modules matched by a negative `dynamic` entry
+//! (`"-:<regex>"`) stay bf16, as do the embeddings, norms and `lm_head`.
+
+use serde_json::{json, Value};
+
+/// Values packed in one 32-bit word.
+const PACK: usize = 8;
+
+/// A quantized linear as stored: qweight and qzeros (little-endian words) and its scales.
+pub type Quantized = (Vec<u8>, Vec<u8>, Vec<f32>);
+
+/// A quantized linear by rows ([`Gptq::to_rows`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rows {
+    pub words: Vec<u32>,
+    pub scales: Vec<f32>,
+    pub zeros: Vec<f32>,
+    pub group: usize,
+}
+
+/// A checkpoint's GPTQ parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gptq {
+    /// Inputs sharing a scale and zero; `None`: one group over the whole input.
+    pub group_size: Option<usize>,
+    pub sym: bool,
+    /// Stored zeros are the real ones minus one (the original format).
+    pub zero_minus_one: bool,
+    /// Regexes of the modules left unquantized.
+    pub skip: Vec<String>,
+}
+
+impl Gptq {
+    /// Reads `quantization_config`; a clear error for what is not supported.
+    pub fn from_json(q: &Value) -> Result<Self, String> {
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+        if method != "gptq" {
+            return Err(format!(
+                "quant_method `{method}`: only gptq (4 bits) is supported"
+            ));
+        }
+        match q.get("bits").and_then(Value::as_u64) {
+            Some(4) => {}
+            other => {
+                return Err(format!(
+                    "gptq with {} bits: only 4-bit GPTQ is supported",
+                    other.map_or("unknown".into(), |b| b.to_string())
+                ))
+            }
+        }
+        if q.get("desc_act").and_then(Value::as_bool) == Some(true) {
+            return Err(
+                "gptq with desc_act true (activation order): not supported; \
+                        quantize with desc_act false"
+                    .into(),
+            );
+        }
+        if q.get("lm_head").and_then(Value::as_bool) == Some(true) {
+            return Err("gptq with a quantized lm_head: not supported".into());
+        }
+        let group_size = match q.get("group_size").and_then(Value::as_i64) {
+            Some(-1) => None,
+            Some(g) if g > 0 && (g as usize).is_multiple_of(PACK) => Some(g as usize),
+            other => {
+                return Err(format!(
+                    "gptq group_size {other:?}: expected -1 or a positive multiple of 8"
+                ))
+            }
+        };
+        let zero_minus_one = match q.get("checkpoint_format").and_then(Value::as_str) {
+            None | Some("gptq") => true,
+            Some("gptq_v2") => false,
+            Some(f) => {
+                return Err(format!(
+                    "gptq checkpoint_format `{f}`: expected gptq or gptq_v2"
+                ))
+            }
+        };
+        let mut skip = Vec::new();
+        if let Some(dynamic) = q.get("dynamic").filter(|d| !d.is_null()) {
+            let map = dynamic
+                .as_object()
+                .ok_or_else(|| format!("gptq dynamic {dynamic}: expected an object"))?;
+            for (key, overrides) in map {
+                match key.strip_prefix("-:") {
+                    Some(pattern) => {
+                        regex::Regex::new(pattern)
+                            .map_err(|e| format!("gptq dynamic `{key}`: {e}"))?;
+                        skip.push(pattern.to_string());
+                    }
+                    None => {
+                        let empty = overrides.as_object().is_some_and(|o| o.is_empty());
+                        if !empty {
+                            return Err(format!(
+                                "gptq dynamic `{key}`: per-module bits or group sizes are not supported (only `-:` skips)"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            group_size,
+            sym: q.get("sym").and_then(Value::as_bool).unwrap_or(true),
+            zero_minus_one,
+            skip,
+        })
+    }
+
+    /// The `quantization_config` this writes.
+    pub fn to_json(&self) -> Value {
+        let dynamic: serde_json::Map<String, Value> = self
+            .skip
+            .iter()
+            .map(|p| (format!("-:{p}"), json!({})))
+            .collect();
+        json!({
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": self.group_size.map_or(-1, |g| g as i64),
+            "sym": self.sym,
+            "desc_act": false,
+            "checkpoint_format": if self.zero_minus_one { "gptq" } else { "gptq_v2" },
+            "lm_head": false,
+            "dynamic": dynamic,
+        })
+    }
+
+    /// Whether linear `weight` (its `.weight` name) is stored quantized.
+    pub fn quantizes(&self, weight: &str) -> bool {
+        let module = weight.strip_suffix(".weight").unwrap_or(weight);
+        !self.skip.iter().any(|p| {
+            regex::Regex::new(&format!("^(?:{p})$"))
+                .is_ok_and(|r| r.is_match(module) || r.is_match(weight))
+        })
+    }
+
+    /// The group size for `inputs` inputs, checked: inputs and outputs in whole words and
+    /// groups.
+    pub fn group(&self, name: &str, out: usize, inputs: usize) -> Result<usize, String> {
+        let g = self.group_size.unwrap_or(inputs);
+        if !inputs.is_multiple_of(g) || !inputs.is_multiple_of(PACK) || !out.is_multiple_of(PACK) {
+            return Err(format!(
+                "{name}: [{out}, {inputs}] does not split into 4-bit words and groups of {g}"
+            ));
+        }
+        Ok(g)
+    }
+
+    /// The stored tensors of quantized linear `weight` `[out, inputs]`: (name, shape, I32 or
+    /// not), `g_idx` last (optional in a checkpoint).
+    pub fn stored(
+        &self,
+        weight: &str,
+        out: usize,
+        inputs: usize,
+    ) -> Vec<(String, Vec<usize>, bool)> {
+        let module = weight.strip_suffix(".weight").unwrap_or(weight);
+        let g = self.group_size.unwrap_or(inputs).max(1);
+        vec![
+            (format!("{module}.qweight"), vec![inputs / PACK, out], true),
+            (
+                format!("{module}.qzeros"),
+                vec![inputs / g, out / PACK],
+                true,
+            ),
+            (format!("{module}.scales"), vec![inputs / g, out], false),
+            (format!("{module}.g_idx"), vec![inputs], true),
+        ]
+    }
+
+    /// A quantized linear as rows, from its stored words (little-endian bytes), scales (as
+    /// f32) and optional `g_idx`: `[out, inputs / 8]` words (row `o`'s inputs, eight a word,
+    /// the lowest nibble first), and each row's `[out, inputs / g]` scales and zeros (the real
+    /// zero points), with `g`.
+    pub fn to_rows(
+        &self,
+        name: &str,
+        (out, inputs): (usize, usize),
+        qweight: &[u8],
+        qzeros: &[u8],
+        scales: &[f32],
+        g_idx: Option<&[u8]>,
+    ) -> Result<Rows, String> {
+        let g = self.group(name, out, inputs)?;
+        let groups = inputs / g;
+        let word = |b: &[u8], i: usize| u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
+        if qweight.len() != inputs * out / 2
+            || qzeros.len() != groups * out / 2
+            || scales.len() != groups * out
+        {
+            return Err(format!("{name}: stored tensors of the wrong sizes"));
+        }
+        if let Some(idx) = g_idx {
+            let wrong = (0..inputs).find(|&i| word(idx, i) as usize != i / g);
+            if let Some(i) = wrong {
+                return Err(format!(
+                    "{name}: g_idx[{i}] is {}, not {} (activation order, desc_act true, is not supported)",
+                    word(idx, i) as i32,
+                    i / g
+                ));
+            }
+        }
+        let offset = u32::from(self.zero_minus_one);
+        let mut words = vec![0u32; out * inputs / PACK];
+        for r in 0..inputs / PACK {
+            for o in 0..out {
+                words[o * (inputs / PACK) + r] = word(qweight, r * out + o);
+            }
+        }
+        let mut row_scales = vec![0f32; out * groups];
+        let mut zeros = vec![0f32; out * groups];
+        for grp in 0..groups {
+            for o in 0..out {
+                let z = ((word(qzeros, grp * (out / PACK) + o / PACK) >> (4 * (o % PACK))) & 15)
+                    + offset;
+                zeros[o * groups + grp] = z as f32;
+                row_scales[o * groups + grp] = scales[grp * out + o];
+            }
+        }
+        Ok(Rows {
+            words,
+            scales: row_scales,
+            zeros,
+            group: g,
+        })
+    }
+
+    /// `[out, inputs]` values of a quantized linear ([`Gptq::to_rows`]'s): `(q − z) · s`.
+    pub fn dequantize(
+        &self,
+        name: &str,
+        (out, inputs): (usize, usize),
+        qweight: &[u8],
+        qzeros: &[u8],
+        scales: &[f32],
+        g_idx: Option<&[u8]>,
+    ) -> Result<Vec<f32>, String> {
+        let r = self.to_rows(name, (out, inputs), qweight, qzeros, scales, g_idx)?;
+        let groups = inputs / r.group;
+        let mut w = vec![0f32; out * inputs];
+        for o in 0..out {
+            for i in 0..inputs {
+                let q = (r.words[o * (inputs / PACK) + i / PACK] >> (4 * (i % PACK))) & 15;
+                let k = o * groups + i / r.group;
+                w[o * inputs + i] = (q as f32 - r.zeros[k]) * r.scales[k];
+            }
+        }
+        Ok(w)
+    }
+
+    /// Round-to-nearest 4-bit quantization of `w` (`[out, inputs]`): the stored qweight,
+    /// qzeros (bytes) and scales (f32, stored as F16). Symmetric: zero 8, scale max|w| / 7;
+    /// asymmetric: the group's range over 0..15.
+    pub fn quantize_rtn(
+        &self,
+        name: &str,
+        w: &[f32],
+        (out, inputs): (usize, usize),
+    ) -> Result<Quantized, String> {
+        let g = self.group(name, out, inputs)?;
+        let groups = inputs / g;
+        let mut scales = vec![0f32; groups * out];
+        let mut zeros = vec![0u32; groups * out];
+        for grp in 0..groups {
+            for o in 0..out {
+                let vals = &w[o * inputs + grp * g..o * inputs + (grp + 1) * g];
+                let (lo, hi) = vals
+                    .iter()
+                    .fold((0f32, 0f32), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+                let (scale, zero) = if self.sym {
+                    (hi.abs().max(lo.abs()) / 7.0, 8)
+                } else {
+                    let s = (hi - lo) / 15.0;
+                    let z = if s > 0.0 {
+                        (-lo / s).round().clamp(0.0, 15.0) as u32
+                    } else {
+                        8
+                    };
+                    (s, z)
+                };
+                // The scale as stored (f16), so values round against what is read back.
+                let scale = half::f16::from_f32(scale).to_f32();
+                scales[grp * out + o] = scale;
+                zeros[grp * out + o] = zero;
+            }
+        }
+        let mut qweight = vec![0u32; inputs / PACK * out];
+        for o in 0..out {
+            for i in 0..inputs {
+                let k = (i / g) * out + o;
+                let (s, z) = (scales[k], zeros[k] as f32);
+                let q = if s > 0.0 {
+                    (w[o * inputs + i] / s + z).round().clamp(0.0, 15.0) as u32
+                } else {
+                    zeros[k]
+                };
+                qweight[(i / PACK) * out + o] |= q << (4 * (i % PACK));
+            }
+        }
+        let offset = u32::from(self.zero_minus_one);
+        let mut qzeros = vec![0u32; groups * out / PACK];
+        for grp in 0..groups {
+            for o in 0..out {
+                let z = zeros[grp * out + o].saturating_sub(offset) & 15;
+                qzeros[grp * (out / PACK) + o / PACK] |= z << (4 * (o % PACK));
+            }
+        }
+        let bytes = |v: Vec<u32>| v.into_iter().flat_map(u32::to_le_bytes).collect();
+        Ok((bytes(qweight), bytes(qzeros), scales))
+    }
+}
+
+/// Writes `src` into `dir` with its linear weights quantized by `q` (round to nearest), as a
+/// GPTQ checkpoint: `config.json` with `quantization_config`, one `model.safetensors`, and
+/// every other file of `src` (tokenizer, generation config) copied.
+pub fn write_quantized(
+    src: &crate::Checkpoint,
+    dir: &std::path::Path,
+    q: &Gptq,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(), crate::CheckpointError> {
+    use crate::weights::{file_err, CheckpointError};
+    let write_err = |path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |source| CheckpointError::Write { path, source }
+    };
+    if src.config().quantization.is_some() {
+        return Err(file_err(src.dir(), "the checkpoint is quantized already"));
+    }
+    std::fs::create_dir_all(dir).map_err(write_err(dir))?;
+    let mut config = src.config().clone();
+    config.quantization = Some(q.clone());
+    let mut json = config.to_json();
+    json["quantization_config"] = q.to_json();
+    let specs = crate::expected_tensors(&config);
+    let mut tensors = Vec::with_capacity(specs.len() * 4);
+    let f16 = |v: &[f32]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
+            .collect()
+    };
+    for (n, spec) in specs.iter().enumerate() {
+        progress(n, specs.len());
+        let linear = matches!(spec.place, crate::Place::Layer(..)) && spec.shape.len() == 2;
+        if !(linear && q.quantizes(&spec.name)) {
+            let bits = src.read_bf16_bits(&spec.name)?;
+            tensors.push(crate::RawTensor {
+                name: spec.name.clone(),
+                dtype: "BF16",
+                shape: spec.shape.clone(),
+                bytes: bits.iter().flat_map(|b| b.to_le_bytes()).collect(),
+            });
+            continue;
+        }
+        let (out, inputs) = (spec.shape[0], spec.shape[1]);
+        let w = src.read_f32(&spec.name)?;
+        let (qweight, qzeros, scales) = q
+            .quantize_rtn(&spec.name, &w, (out, inputs))
+            .map_err(|msg| file_err(src.dir(), msg))?;
+        let g = q
+            .group(&spec.name, out, inputs)
+            .map_err(|m| file_err(src.dir(), m))?;
+        let stored = q.stored(&spec.name, out, inputs);
+        let g_idx: Vec<u8> = (0..inputs as u32)
+            .flat_map(|i| (i / g as u32).to_le_bytes())
+            .collect();
+        for ((name, shape, _), (dtype, bytes)) in stored.into_iter().zip([
+            ("I32", qweight),
+            ("I32", qzeros),
+            ("F16", f16(&scales)),
+            ("I32", g_idx),
+        ]) {
+            tensors.push(crate::RawTensor {
+                name,
+                dtype,
+                shape,
+                bytes,
+            });
+        }
+    }
+    progress(specs.len(), specs.len());
+    crate::write_raw_safetensors(&dir.join(crate::SINGLE_FILE), &tensors)?;
+    crate::writer::write_json(&dir.join("config.json"), &json)?;
+    // The tokenizer and the rest, as they are.
+    let entries = std::fs::read_dir(src.dir()).map_err(|source| CheckpointError::Io {
+        path: src.dir().to_path_buf(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let weights = name.ends_with(".safetensors") || name == crate::INDEX_FILE;
+        if weights || name == "config.json" || !entry.path().is_file() {
+            continue;
+        }
+        std::fs::copy(entry.path(), dir.join(&*name)).map_err(write_err(&dir.join(&*name)))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gptq(sym: bool, group: Option<usize>, v1: bool) -> Gptq {
+        Gptq {
+            group_size: group,
+            sym,
+            zero_minus_one: v1,
+            skip: vec![".*o_gate.*".into()],
+        }
+    }
+
+    #[test]
+    fn rtn_round_trips_within_half_a_step_of_its_group() {
+        let (out, inputs) = (16, 64);
+        let mut x = 12345u64;
+        let w: Vec<f32> = (0..out * inputs)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 0.2
+            })
+            .collect();
+        for q in [
+            gptq(true, Some(32), true),
+            gptq(false, Some(16), false),
+            gptq(true, None, false),
+        ] {
+            let (qw, qz, s) = q.quantize_rtn("t", &w, (out, inputs)).unwrap();
+            let back = q
+                .dequantize("t", (out, inputs), &qw, &qz, &s, None)
+                .unwrap();
+            let g = q.group_size.unwrap_or(inputs);
+            for o in 0..out {
+                for i in 0..inputs {
+                    let step = s[(i / g) * out + o];
+                    let err = (back[o * inputs + i] - w[o * inputs + i]).abs();
+                    assert!(
+                        err <= 0.5 * step + 1e-6,
+                        "{q:?} [{o}, {i}]: {err} > {step}/2"
+                    );
+                }
+            }
+            // The JSON form reads back the same.
+            assert_eq!(Gptq::from_json(&q.to_json()).unwrap(), q);
+        }
+    }
+
+    #[test]
+    fn unsupported_settings_are_refused_by_name() {
+        let base = gptq(true, Some(128), true).to_json();
+        let says = |edit: &dyn Fn(&mut Value), want: &str| {
+            let mut v = base.clone();
+            edit(&mut v);
+            let e = Gptq::from_json(&v).unwrap_err();
+            assert!(e.contains(want), "{want}: {e}");
+        };
+        says(&|v| v["bits"] = 8.into(), "8 bits");
+        says(&|v| v["desc_act"] = true.into(), "desc_act");
+        says(&|v| v["quant_method"] = "awq".into(), "awq");
+        says(&|v| v["group_size"] = 100.into(), "group_size");
+        says(&|v| v["checkpoint_format"] = "marlin".into(), "marlin");
+        says(
+            &|v| v["dynamic"] = json!({"+:.*down.*": {"bits": 8}}),
+            "per-module",
+        );
+        says(&|v| v["lm_head"] = true.into(), "lm_head");
+        let q = Gptq::from_json(&base).unwrap();
+        assert!(!q.quantizes("model.layers.3.self_attn.o_gate.weight"));
+        assert!(q.quantizes("model.layers.3.self_attn.q_proj.weight"));
+        // g_idx other than i / g is activation order.
+        let (qw, qz, s) = q.quantize_rtn("t", &vec![0.1; 8 * 256], (8, 256)).unwrap();
+        let mut idx: Vec<u8> = (0..256u32).flat_map(|i| (i / 128).to_le_bytes()).collect();
+        assert!(q
+            .dequantize("t", (8, 256), &qw, &qz, &s, Some(&idx))
+            .is_ok());
+        idx[0] = 1;
+        let e = q
+            .dequantize("t", (8, 256), &qw, &qz, &s, Some(&idx))
+            .unwrap_err();
+        assert!(e.contains("g_idx[0]"), "{e}");
+    }
+}
