@@ -322,6 +322,7 @@ impl Backend for CpuBackend {
             cache_page: None,
             scratch: 0,
             runtime: 0,
+            packs_4bit: false,
         }
     }
 

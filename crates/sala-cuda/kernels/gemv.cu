@@ -374,3 +374,92 @@ gemv_silu_mma64(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb)
     pdl_start();
     gemv_silu_mma_body<8, GM_WIDE>(x, w, y, inter, k, nb);
 }
+
+// ---- 4-bit weights (W4A16) ----
+// A [n, k] matrix of 4-bit values q, eight to a word along k (word j of a row: inputs 8j..8j + 7,
+// the lowest nibble first), each row's k / g groups with an f32 scale s and zero z: the weight is
+// round_bf((q − z) · s), the bf16 value the CPU holds for it. k and g are multiples of 32, so a
+// 16-byte pack (32 inputs) lies in one group.
+#define W4_MAX_ROWS 16
+#define W4_U 2
+
+__device__ __forceinline__ void w4_unpack(uint4 p, float s, float z, float (&w)[32]) {
+    const u32 words[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) w[8 * j + e] = round_bf(((float)((words[j] >> (4 * e)) & 15u) - z) * s);
+}
+
+// y[b][o] = round(Σ_i x[b][i]·w[o][i]) for nb ≤ W4_MAX_ROWS activation rows (k apart), written to
+// up to four outputs as gemv does. A warp owns one output row; lane l takes packs l, l + 32, ...
+// (W4_U in flight) and adds every activation row's products in that order, so a row's sum does
+// not depend on nb (batch-invariant), then the lanes are summed as warp_sum does.
+// launch: grid = ceil(n / GEMV_WARPS), block = 32 * GEMV_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+gemv_w4(const bf16* x, const u32* qw, const float* scales, const float* zeros, int n, int k, int g, int nb, bf16* y0,
+        int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    pdl_start();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row = blockIdx.x * GEMV_WARPS + warp;
+    if (row >= n) return;  // the whole warp: one row a warp
+    const int packs = k / 32, groups = k / g;
+    const uint4* wr = (const uint4*)(qw + (u64)row * (k / 8));
+    const float* sr = scales + (u64)row * groups;
+    const float* zr = zeros + (u64)row * groups;
+    float acc[W4_MAX_ROWS];
+#pragma unroll
+    for (int b = 0; b < W4_MAX_ROWS; b++) acc[b] = 0.0f;
+    for (int i0 = lane; i0 < packs; i0 += 32 * W4_U) {
+        uint4 p[W4_U];
+#pragma unroll
+        for (int u = 0; u < W4_U; u++) {
+            const int i = i0 + 32 * u;
+            p[u] = i < packs ? __ldg(wr + i) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < W4_U; u++) {
+            const int i = i0 + 32 * u;
+            if (i >= packs) break;
+            const int grp = (i * 32) / g;
+            float w[32];
+            w4_unpack(p[u], __ldg(sr + grp), __ldg(zr + grp), w);
+#pragma unroll
+            for (int b = 0; b < W4_MAX_ROWS; b++) {
+                if (b >= nb) break;
+                const uint4* xp = (const uint4*)(x + (u64)b * k + (u64)i * 32);
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    float xf[8];
+                    bf16x8_to_f32(__ldg(xp + q), xf);
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[b] += xf[e] * w[8 * q + e];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < W4_MAX_ROWS; b++) {
+        if (b >= nb) break;
+        const float s = warp_sum(acc[b]);
+        if (lane == 0) gemv_store(s, row, b, y0, n0, y1, n1, y2, n2, y3, n);
+    }
+}
+
+// The bf16 weights of a 4-bit matrix's rows (qw, scales and zeros start at the first row):
+// out[r][i] for `words` words (rows · k / 8), for a cuBLAS product of a prefill chunk.
+// launch: grid = ceil(words / 256), block = 256, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(256)
+dequant_w4(const u32* qw, const float* scales, const float* zeros, int k, int g, u64 words, bf16* out) {
+    pdl_start();
+    const u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
+    if (i >= words) return;
+    const int per_row = k / 8;
+    const u64 row = i / per_row;
+    const int j = (int)(i % per_row);
+    const u64 at = row * (k / g) + (j * 8) / g;
+    const float s = scales[at], z = zeros[at];
+    const u32 w = qw[i];
+#pragma unroll
+    for (int e = 0; e < 8; e++) out[i * 8 + e] = f2bf(((float)((w >> (4 * e)) & 15u) - z) * s);
+}

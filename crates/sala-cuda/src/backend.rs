@@ -4,7 +4,9 @@
 use crate::device::DeviceLimits;
 use crate::graphs::{StepGraphs, StepKey, GRAPH_MAX_ROWS};
 use crate::kernels::Launcher;
-use crate::memory::{be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Scratch};
+use crate::memory::{
+    be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Scratch, W4Weights,
+};
 use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
 use crate::plan::{Launch, Planner};
@@ -309,6 +311,7 @@ impl Backend for CudaBackend {
             buf: self.upload_bf16(name, &t)?,
             rows: t.shape[0],
             cols: t.shape[1],
+            w4: None,
         })
     }
 
@@ -340,6 +343,46 @@ impl Backend for CudaBackend {
             buf: self.random_bf16(rows * cols, seed, mean, std)?,
             rows,
             cols,
+            w4: None,
+        })
+    }
+
+    fn upload_quantized(&self, name: &str, q: sala_model::QuantMatrix<'_>) -> BResult<DevMatrix> {
+        q.check(name)?;
+        // The 4-bit kernels take 32-input packs within one group; other shapes as bf16.
+        if !q.cols.is_multiple_of(32) || !q.group.is_multiple_of(32) {
+            let values: Vec<u8> = q
+                .values()
+                .into_iter()
+                .flat_map(|v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                .collect();
+            let t = HostTensor {
+                dtype: sala_model::HostDType::Bf16,
+                shape: &[q.rows, q.cols],
+                bytes: &values,
+            };
+            return self.upload_matrix(name, t);
+        }
+        let up = |what: &str, e| be_err(&format!("uploading {name} ({what})"), e);
+        Ok(DevMatrix {
+            buf: self.alloc_u16(0)?,
+            rows: q.rows,
+            cols: q.cols,
+            w4: Some(W4Weights {
+                words: self
+                    .stream
+                    .clone_htod(q.words)
+                    .map_err(|e| up("words", e))?,
+                scales: self
+                    .stream
+                    .clone_htod(q.scales)
+                    .map_err(|e| up("scales", e))?,
+                zeros: self
+                    .stream
+                    .clone_htod(q.zeros)
+                    .map_err(|e| up("zeros", e))?,
+                group: q.group,
+            }),
         })
     }
 
@@ -523,13 +566,30 @@ impl Backend for CudaBackend {
             ));
         }
         let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let group = parts.first().and_then(|p| p.w4.as_ref()).map(|q| q.group);
+        if group.is_some()
+            && parts
+                .iter()
+                .all(|p| p.w4.as_ref().map(|q| q.group) == group)
+        {
+            return self.concat_w4(parts, rows, cols);
+        }
+        // Mixed (4-bit beside bf16): all as bf16.
         let buf = self.alloc_u16(rows * cols)?;
         let mut off = 0;
         for p in &parts {
-            self.copy(&buf, off, &p.buf, 0, p.rows * cols)?;
+            match &p.w4 {
+                Some(_) => self.dequantize_rows(p, 0, p.rows, self.ptr(&buf) + (off * 2) as u64)?,
+                None => self.copy(&buf, off, &p.buf, 0, p.rows * cols)?,
+            }
             off += p.rows * cols;
         }
-        Ok(DevMatrix { buf, rows, cols })
+        Ok(DevMatrix {
+            buf,
+            rows,
+            cols,
+            w4: None,
+        })
     }
 
     fn matmul_split(&self, x: &DevAct, w: &DevMatrix, outs: &mut [&mut DevAct]) -> BResult<()> {

@@ -88,9 +88,21 @@ impl DevMem<u16> for DevAct {
 
 /// A bf16 matrix `[rows = out, cols = in]`.
 pub struct DevMatrix {
+    /// The bf16 values (empty for a 4-bit matrix).
     pub buf: CudaSlice<u16>,
     pub rows: usize,
     pub cols: usize,
+    /// The 4-bit form, when the matrix is kept so.
+    pub w4: Option<W4Weights>,
+}
+
+/// A 4-bit matrix on the device (`sala_model::QuantMatrix`'s layout): `[rows, cols / 8]` words,
+/// `[rows, cols / group]` f32 scales and zeros.
+pub struct W4Weights {
+    pub words: CudaSlice<u32>,
+    pub scales: CudaSlice<f32>,
+    pub zeros: CudaSlice<f32>,
+    pub group: usize,
 }
 
 /// Device memory a kernel argument can point at.
@@ -173,11 +185,17 @@ pub const POOL_BYTES: usize = 256 << 20;
 /// the context and the pool's own cost.
 pub fn memory_facts(c: &ModelConfig, rows: usize, pool_page: Option<usize>) -> BackendMemory {
     let stacked = rows * widest_stacked_projection(c) * BF16;
+    // A 4-bit matrix's bf16 values for a prefill product: the widest, [gate; up].
+    let dequant = match &c.quantization {
+        Some(_) if rows > 16 => 2 * c.intermediate_size * c.hidden_size * BF16,
+        _ => 0,
+    };
     BackendMemory {
         value_bytes: BF16,
         cache_page: pool_page,
-        scratch: SCRATCH_BYTES.max(stacked + OTHER_SCRATCH_BYTES),
+        scratch: SCRATCH_BYTES.max(stacked + OTHER_SCRATCH_BYTES) + dequant,
         runtime: CONTEXT_BYTES + pool_page.map_or(0, |_| POOL_BYTES),
+        packs_4bit: true,
     }
 }
 
@@ -215,6 +233,8 @@ pub(crate) struct Scratch {
     /// (`RopeKey`): every lightning layer of a forward pass uses the same table.
     pub rope: Option<CudaSlice<f32>>,
     pub rope_key: Option<RopeKey>,
+    /// A 4-bit matrix's rows in bf16, for a cuBLAS product.
+    pub dequant: Option<CudaSlice<u16>>,
 }
 
 impl Scratch {
@@ -240,6 +260,7 @@ impl Scratch {
         h = mix(h, &self.lse, stream);
         h = mix(h, &self.p16, stream);
         h = mix(h, &self.topk_keys, stream);
+        h = mix(h, &self.dequant, stream);
         mix(h, &self.rope, stream)
     }
 }
@@ -573,6 +594,7 @@ mod tests {
                 cache_page: None,
                 scratch: 576 * MIB,
                 runtime: 600 * MIB,
+                packs_4bit: true,
             }
         );
         assert_eq!(
@@ -582,6 +604,7 @@ mod tests {
                 cache_page: Some(2 * MIB),
                 scratch: 576 * MIB,
                 runtime: (600 + 256) * MIB,
+                packs_4bit: true,
             }
         );
     }

@@ -1009,6 +1009,8 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::Gemv, 128),
     (K::GemvNarrow, 128),
     (K::GemvSilu, 128),
+    (K::GemvW4, 128),
+    (K::DequantW4, 256),
     (K::GemvMma8, GEMV_MMA_THREADS),
     (K::GemvMma16, GEMV_MMA_THREADS),
     (K::GemvSiluMma8, GEMV_MMA_THREADS),

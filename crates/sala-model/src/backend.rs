@@ -176,6 +176,40 @@ pub trait Backend {
         std: f32,
     ) -> BResult<Self::Matrix>;
     fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<Self::Vector>;
+    /// A `[rows, cols]` 4-bit matrix in groups of `group` with seeded random values of about
+    /// `std` (uniform 4-bit values around a zero of 8; benchmarks of 4-bit weights).
+    fn random_quantized(
+        &self,
+        rows: usize,
+        cols: usize,
+        group: usize,
+        seed: u64,
+        std: f32,
+    ) -> BResult<Self::Matrix> {
+        let mut state = seed ^ 0x5851_f42d_4c95_7f2d;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let words: Vec<u32> = (0..rows * cols / 8).map(|_| next() as u32).collect();
+        let groups = rows * cols.checked_div(group).unwrap_or(0);
+        // Values q − 8 for q uniform in 0..16 have a standard deviation of about 4.6.
+        let scales = vec![std / 4.6; groups];
+        let zeros = vec![8.0; groups];
+        self.upload_quantized(
+            "random",
+            QuantMatrix {
+                rows,
+                cols,
+                group,
+                words: &words,
+                scales: &scales,
+                zeros: &zeros,
+            },
+        )
+    }
     /// A 4-bit weight ([`QuantMatrix`]): by default its bf16 values ([`QuantMatrix::values`])
     /// uploaded as any matrix; a backend with 4-bit products keeps it packed. Every product
     /// with it gives what one with those values gives, up to the order of the sums.

@@ -24,6 +24,8 @@ pub struct BackendMemory {
     pub scratch: usize,
     /// Fixed runtime bytes (e.g. a GPU context).
     pub runtime: usize,
+    /// 4-bit weights are kept packed ([`crate::Backend::upload_quantized`]), not as values.
+    pub packs_4bit: bool,
 }
 
 /// Bytes of one sequence's cache at `context` tokens.
@@ -99,7 +101,32 @@ pub fn speculation_bytes(c: &ModelConfig) -> usize {
 
 /// Bytes of the weights in bf16.
 pub fn weight_bytes(c: &ModelConfig) -> usize {
-    sala_checkpoint::expected_parameter_count(c) as usize * BF16
+    weights_held(c, BF16, false)
+}
+
+/// Bytes of the weights held as values of `value_bytes`, quantized linears packed when
+/// `packs_4bit` (half a byte a weight, an f32 scale and zero a group of a row) where the 4-bit
+/// products take their shape (inputs and group multiples of 32).
+pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_4bit: bool) -> usize {
+    sala_checkpoint::expected_tensors(c)
+        .iter()
+        .map(|t| {
+            let n = t.numel();
+            let linear = matches!(t.place, sala_checkpoint::Place::Layer(..)) && t.shape.len() == 2;
+            match &c.quantization {
+                Some(q) if packs_4bit && linear && q.quantizes(&t.name) => {
+                    let (rows, cols) = (t.shape[0], t.shape[1]);
+                    let g = q.group_size.unwrap_or(cols);
+                    if cols % 32 == 0 && g % 32 == 0 {
+                        n / 2 + rows * (cols / g) * 8
+                    } else {
+                        n * value_bytes
+                    }
+                }
+                _ => n * value_bytes,
+            }
+        })
+        .sum()
 }
 
 /// How many scratch buffers a [`crate::Workspace`] holds.
@@ -152,7 +179,7 @@ impl MemoryPlan {
         Self {
             context,
             rows,
-            weights: sala_checkpoint::expected_parameter_count(c) as usize * vb,
+            weights: weights_held(c, vb, facts.packs_4bit),
             cache: cache_bytes_with(c, context, vb, facts.cache_page),
             workspace: rows * row * vb,
             scratch: facts.scratch,
@@ -305,6 +332,7 @@ mod tests {
             cache_page: page,
             scratch: 0,
             runtime: 0,
+            packs_4bit: false,
         }
     }
 

@@ -538,6 +538,18 @@ impl<B: Backend> Loader<'_, B> {
         self.step();
         let be = self.be;
         if let Some(r) = self.random_spec(name)? {
+            // A quantized config's linears come as random 4-bit matrices.
+            if let Source::Random { config, .. } = &self.src {
+                let linear = matches!(place, Place::Layer(..));
+                if let Some(q) = config
+                    .quantization
+                    .as_ref()
+                    .filter(|q| linear && q.quantizes(name))
+                {
+                    let group = q.group_size.unwrap_or(r.shape[1]);
+                    return be.random_quantized(r.shape[0], r.shape[1], group, r.seed, r.std);
+                }
+            }
             return be.random_matrix(r.shape[0], r.shape[1], r.seed, r.mean, r.std);
         }
         if let Source::Weights(w) = &self.src {

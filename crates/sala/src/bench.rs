@@ -27,6 +27,10 @@ pub struct BenchArgs {
     /// A config.json to use instead of a preset (random weights).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// The weights' format: `bf16`, or `w4` / `w4:G` (4-bit, groups of 128 or G inputs, the
+    /// linear layers; random values).
+    #[arg(long, default_value = "bf16")]
+    weights: String,
     /// Context lengths (prompt tokens), comma-separated; K and M suffixes allowed.
     #[arg(long, default_value = "4K", value_delimiter = ',')]
     context: Vec<String>,
@@ -168,9 +172,9 @@ pub fn prefill_flops(c: &ModelConfig, len: usize) -> f64 {
 /// the lightning states (read and written), and the sparse layers' attended keys and values
 /// plus the compressed keys they score.
 pub fn decode_bytes(c: &ModelConfig, context: usize) -> f64 {
-    let weights = 2.0
-        * (sala_checkpoint::expected_parameter_count(c) as f64
-            - (c.vocab_size * c.hidden_size) as f64);
+    // 4-bit linears as the GPU holds them (packed, with their scales and zeros).
+    let weights = sala_model::memory::weights_held(c, 2, true) as f64
+        - 2.0 * (c.vocab_size * c.hidden_size) as f64;
     let m = cache_bytes(c, context);
     let s = &c.sparse;
     let attended = if context >= s.dense_len {
@@ -212,6 +216,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(p) => ModelConfig::from_file(p)?,
         None => preset(&args.preset)?,
     };
+    let mut config = config;
+    config.quantization = match args.weights.split_once(':') {
+        None if args.weights == "bf16" => None,
+        None if args.weights == "w4" => Some(128),
+        Some(("w4", g)) => match g.parse::<usize>() {
+            Ok(g) if g > 0 && g % 8 == 0 => Some(g),
+            _ => bail!(
+                "--weights {}: w4:G takes a group G that is a multiple of 8",
+                args.weights
+            ),
+        },
+        _ => bail!("--weights {}: expected bf16, w4 or w4:G", args.weights),
+    }
+    .map(|g| sala_checkpoint::quant::Gptq {
+        group_size: Some(g),
+        sym: true,
+        zero_minus_one: true,
+        skip: Vec::new(),
+    });
     let contexts = args
         .context
         .iter()

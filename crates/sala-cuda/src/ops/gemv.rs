@@ -2,13 +2,19 @@
 //! independent of the others), cuBLASLt for the rest.
 
 use crate::kernels::Launcher;
-use crate::memory::{DevAct, DevMem};
+use crate::memory::{be_err, DevAct, DevMem, W4Weights};
 use crate::options::DecodeGemv;
 use crate::plan::{
     gemv_mma_tiles, Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS,
     GEMV_ROWS_PER_BLOCK,
 };
 use crate::{CudaBackend, DevMatrix};
+use cudarc::driver::CudaSlice;
+
+/// Activation rows one `gemv_w4` launch takes (`W4_MAX_ROWS` in gemv.cu).
+const W4_MAX_ROWS: usize = 16;
+/// Warps a `gemv_w4` block holds (`GEMV_WARPS`), one output row each.
+const GEMV_WARPS_W4: usize = 4;
 use sala_model::{BResult, BackendError};
 
 /// `gemv` and `gemv_narrow`: x, w, n, k, then up to four (output, count) parts.
@@ -33,6 +39,9 @@ impl CudaBackend {
         outs: &[(u64, usize)],
         rows: usize,
     ) -> BResult<()> {
+        if let Some(q) = &w.w4 {
+            return self.gemv_w4(x, x_off, w, q, outs, rows);
+        }
         let variant = self.k.planner().options.decode_gemv;
         // Tensor cores: groups of up to 16 rows; CUDA cores: a launch per row.
         let tc = variant == DecodeGemv::TensorCore;
@@ -100,7 +109,117 @@ impl CudaBackend {
         self.gemm_rows(self.ptr(x) + (x_off * 2) as u64, w, 0, w.rows, y, rows)
     }
 
-    /// cuBLASLt: `y = x W[r0 .. r0 + n]ᵀ` (`rows` rows of x at `xp`, weight rows r0.. of `w`).
+    /// `gemv` of a 4-bit matrix: `gemv_w4`, up to [`W4_MAX_ROWS`] activation rows a launch.
+    fn gemv_w4(
+        &self,
+        x: &impl DevMem<u16>,
+        x_off: usize,
+        w: &DevMatrix,
+        q: &W4Weights,
+        outs: &[(u64, usize)],
+        rows: usize,
+    ) -> BResult<()> {
+        let (n, k, g) = (w.rows as i32, w.cols as i32, q.group as i32);
+        let (wp, sp, zp) = (self.ptr(&q.words), self.ptr(&q.scales), self.ptr(&q.zeros));
+        let at = Launch::new(
+            (w.rows.div_ceil(GEMV_WARPS_W4), 1, 1),
+            32 * GEMV_WARPS_W4 as u32,
+            0,
+        )
+        .shaped(w.rows, w.cols);
+        let mut r = 0;
+        while r < rows {
+            let nb = W4_MAX_ROWS.min(rows - r);
+            let xp = self.ptr(x) + ((x_off + r * w.cols) * 2) as u64;
+            let part = |i: usize| {
+                let (p, cnt) = outs.get(i).copied().unwrap_or((0, 0));
+                (
+                    if p == 0 { 0 } else { p + (r * cnt * 2) as u64 },
+                    cnt as i32,
+                )
+            };
+            let ((y0, n0), (y1, n1), (y2, n2), (y3, _)) = (part(0), part(1), part(2), part(3));
+            self.k.gemv_w4(
+                at, xp, wp, sp, zp, n, k, g, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+            )?;
+            r += nb;
+        }
+        Ok(())
+    }
+
+    /// The bf16 values of rows `r0..r0 + n` of 4-bit `w` into the buffer at `out`.
+    pub(crate) fn dequantize_rows(
+        &self,
+        w: &DevMatrix,
+        r0: usize,
+        n: usize,
+        out: u64,
+    ) -> BResult<()> {
+        let Some(q) = &w.w4 else {
+            return Err(BackendError("dequantize_rows: not a 4-bit matrix".into()));
+        };
+        let (per_row, groups) = (w.cols / 8, w.cols / q.group);
+        let words = n * per_row;
+        self.k.dequant_w4(
+            Launch::linear(words, 256),
+            self.ptr(&q.words) + (r0 * per_row * 4) as u64,
+            self.ptr(&q.scales) + (r0 * groups * 4) as u64,
+            self.ptr(&q.zeros) + (r0 * groups * 4) as u64,
+            w.cols as i32,
+            q.group as i32,
+            words as u64,
+            out,
+        )
+    }
+
+    /// 4-bit matrices stacked by rows, as `concat_rows` stacks bf16 ones.
+    pub(crate) fn concat_w4(
+        &self,
+        parts: Vec<DevMatrix>,
+        rows: usize,
+        cols: usize,
+    ) -> BResult<DevMatrix> {
+        let group = parts[0].w4.as_ref().map_or(1, |q| q.group);
+        let (per_row, groups) = (cols / 8, cols / group);
+        let alloc = |n: usize, what: &str| -> BResult<(CudaSlice<u32>, CudaSlice<f32>)> {
+            let words = self
+                .stream
+                .alloc_zeros::<u32>(n * per_row)
+                .map_err(|e| be_err(what, e))?;
+            let floats = self
+                .stream
+                .alloc_zeros::<f32>(n * groups)
+                .map_err(|e| be_err(what, e))?;
+            Ok((words, floats))
+        };
+        let (words, scales) = alloc(rows, "stacking 4-bit weights")?;
+        let zeros = self
+            .stream
+            .alloc_zeros::<f32>(rows * groups)
+            .map_err(|e| be_err("stacking 4-bit weights", e))?;
+        let mut at = 0;
+        for p in &parts {
+            let q = p.w4.as_ref().expect("all 4-bit");
+            self.copy(&words, at * per_row, &q.words, 0, p.rows * per_row)?;
+            self.copy(&scales, at * groups, &q.scales, 0, p.rows * groups)?;
+            self.copy(&zeros, at * groups, &q.zeros, 0, p.rows * groups)?;
+            at += p.rows;
+        }
+        Ok(DevMatrix {
+            buf: self.alloc_u16(0)?,
+            rows,
+            cols,
+            w4: Some(W4Weights {
+                words,
+                scales,
+                zeros,
+                group,
+            }),
+        })
+    }
+
+    /// cuBLASLt: `y = x W[r0 .. r0 + n]ᵀ` (`rows` rows of x at `xp`, weight rows r0.. of `w`;
+    /// a 4-bit `w`'s rows dequantized into scratch first).
     pub(crate) fn gemm_rows(
         &self,
         xp: u64,
@@ -110,18 +229,18 @@ impl CudaBackend {
         y: u64,
         rows: usize,
     ) -> BResult<()> {
+        let wp = if w.w4.is_some() {
+            let tmp = self.scratch_ptr(|s| &mut s.dequant, n * w.cols)?;
+            self.dequantize_rows(w, r0, n, tmp)?;
+            tmp
+        } else {
+            self.ptr(&w.buf) + (r0 * w.cols * 2) as u64
+        };
         let profiler = self.k.profiler();
         let t0 = profiler.and_then(|p| p.start(&self.stream));
         self.gemm
             .borrow_mut()
-            .run_ptrs(
-                xp,
-                self.ptr(&w.buf) + (r0 * w.cols * 2) as u64,
-                y,
-                rows,
-                n,
-                w.cols,
-            )
+            .run_ptrs(xp, wp, y, rows, n, w.cols)
             .map_err(BackendError)?;
         if let Some(p) = profiler {
             p.end(format!("gemm {}x{}", n, w.cols), t0, &self.stream);
@@ -139,7 +258,8 @@ impl CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         let inter = out.cols;
-        if !self.gemv_fits(x.rows, w) || w.rows != 2 * inter || x.cols != w.cols {
+        let fused = w.w4.is_none() && self.gemv_fits(x.rows, w);
+        if !fused || w.rows != 2 * inter || x.cols != w.cols {
             self.matmul_into(x, w, gu)?;
             return self.silu_halves(gu, out);
         }

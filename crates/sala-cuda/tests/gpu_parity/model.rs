@@ -39,6 +39,32 @@ fn prefill_decode<B: Backend>(
     out
 }
 
+/// A model whose linear layers are 4-bit (random, groups of 32) on the GPU (packed, 4-bit
+/// products) against the CPU (the same values in bf16): logits of a prefill in chunks (the
+/// dequantized GEMM path) and of decode steps (`gemv_w4`), past dense_len.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn four_bit_model_matches_cpu() {
+    let mut config = preset("tiny").unwrap();
+    config.sparse.dense_len = 100;
+    config.quantization = Some(sala_checkpoint::quant::Gptq {
+        group_size: Some(32),
+        sym: true,
+        zero_minus_one: true,
+        skip: vec![r".*\.o_gate".into()],
+    });
+    let g = gpu();
+    let gm = Model::random(&g, config.clone(), 8, &mut |_, _| {}).unwrap();
+    let cm = Model::random(&CpuBackend, config.clone(), 8, &mut |_, _| {}).unwrap();
+    let mut rng = TestRng::new(4);
+    let toks: Vec<u32> = (0..160).map(|_| rng.below(config.vocab_size) as u32).collect();
+    let want = prefill_decode(&CpuBackend, &cm, &toks, 130, 64);
+    let got = prefill_decode(&g, &gm, &toks, 130, 64);
+    for (i, (gl, cl)) in got.iter().zip(&want).enumerate() {
+        close(&format!("4-bit model, logits of step {i}"), gl, cl, 5e-2);
+    }
+}
+
 fn check_model(config: ModelConfig, n: usize, prompt: usize, chunk: usize) {
     let dir = std::env::temp_dir().join(format!(
         "sala-gpu-{}-{}-{n}-{prompt}",

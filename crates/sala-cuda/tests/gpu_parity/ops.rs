@@ -706,3 +706,144 @@ fn fast_block_selection_matches_oracle_scores() {
         }
     }
 }
+
+/// 4-bit weights on the GPU: products of 1 to 16 rows (`gemv_w4`), 17 and 40 (two launches),
+/// 100 (dequantized into scratch, then cuBLAS), the stacked MLP half and a split product, and
+/// 4-bit matrices stacked (4-bit beside 4-bit, and beside bf16), against the CPU on the same
+/// values (the CPU holds the bf16 values the 4-bit weights stand for); groups of 32, 128 and a
+/// whole row; a group of 8 (no 4-bit kernel takes it) goes up as bf16. A step of rows gives
+/// each row the bits it gets alone (batch-invariant).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn four_bit_products_match_cpu() {
+    use sala_model::QuantMatrix;
+    let g = gpu();
+    let mut rng = TestRng::new(41);
+    let random_w4 = |rng: &mut TestRng, out: usize, inner: usize, group: usize| {
+        let words: Vec<u32> = (0..out * inner / 8)
+            .map(|_| (rng.next_u64() & 0xffff_ffff) as u32)
+            .collect();
+        let groups = inner / group;
+        let scales: Vec<f32> = (0..out * groups)
+            .map(|_| 0.002 + 0.02 * rng.uniform() as f32)
+            .collect();
+        let zeros: Vec<f32> = (0..out * groups).map(|_| rng.below(16) as f32).collect();
+        (words, scales, zeros)
+    };
+    for (rows, inner, out, group) in [
+        (1usize, 256usize, 384usize, 32usize),
+        (1, 4096, 1000, 128),
+        (3, 1024, 512, 1024),
+        (16, 512, 776, 128),
+        (17, 512, 256, 64),
+        (40, 2048, 512, 128),
+        (100, 768, 1024, 128),
+        (2, 256, 96, 8),
+    ] {
+        let (words, scales, zeros) = random_w4(&mut rng, out, inner, group);
+        let q = QuantMatrix {
+            rows: out,
+            cols: inner,
+            group,
+            words: &words,
+            scales: &scales,
+            zeros: &zeros,
+        };
+        let cw = CpuBackend.upload_quantized("w", q).unwrap();
+        let gw = g.upload_quantized("w", q).unwrap();
+        let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
+        let mut co = cpu_act(&vec![0.0; rows * out], out);
+        CpuBackend
+            .matmul(&cpu_act(&x, inner), &cw, &mut co)
+            .unwrap();
+        let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+        g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
+            .unwrap();
+        let got = g.to_host(&go).unwrap();
+        close(
+            &format!("w4 matmul {rows}x{inner} by {out}, groups of {group}"),
+            &got,
+            &co.data,
+            5e-3,
+        );
+        // Each row alone gives the same bits (decode-sized steps only: a GEMM's may differ).
+        if rows <= 64 {
+            for r in [0, rows - 1] {
+                let mut one = g.act_from_host(&vec![0.0; out], out).unwrap();
+                let xr = g
+                    .act_from_host(&x[r * inner..(r + 1) * inner], inner)
+                    .unwrap();
+                g.matmul(&xr, &gw, &mut one).unwrap();
+                assert!(
+                    g.to_host(&one).unwrap() == got[r * out..(r + 1) * out],
+                    "w4 {rows}x{inner}: row {r} alone differs"
+                );
+            }
+        }
+        // The MLP's first half and a split product over the same weight.
+        if out % 2 == 0 {
+            let half = out / 2;
+            let mut cgu = cpu_act(&vec![0.0; rows * out], out);
+            let mut cm = cpu_act(&vec![0.0; rows * half], half);
+            CpuBackend
+                .matmul_silu(&cpu_act(&x, inner), &cw, &mut cgu, &mut cm)
+                .unwrap();
+            let mut ggu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            let mut gm = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
+            g.matmul_silu(&g.act_from_host(&x, inner).unwrap(), &gw, &mut ggu, &mut gm)
+                .unwrap();
+            close(
+                &format!("w4 matmul_silu {rows}x{inner} by {out}"),
+                &g.to_host(&gm).unwrap(),
+                &cm.data,
+                5e-3,
+            );
+        }
+        // Stacked: two 4-bit halves, then 4-bit beside bf16.
+        let (w2, s2, z2) = random_w4(&mut rng, 64, inner, group);
+        let q2 = QuantMatrix {
+            rows: 64,
+            cols: inner,
+            group,
+            words: &w2,
+            scales: &s2,
+            zeros: &z2,
+        };
+        let plain = rng.bf16_vec(32 * inner, -0.1, 0.1);
+        let ht = HostTensor {
+            dtype: HostDType::Bf16,
+            shape: &[32, inner],
+            bytes: &bf16_bytes(&plain),
+        };
+        for with_bf16 in [false, true] {
+            let mut cparts = vec![
+                CpuBackend.upload_quantized("a", q).unwrap(),
+                CpuBackend.upload_quantized("b", q2).unwrap(),
+            ];
+            let mut gparts = vec![
+                g.upload_quantized("a", q).unwrap(),
+                g.upload_quantized("b", q2).unwrap(),
+            ];
+            if with_bf16 {
+                cparts.push(CpuBackend.upload_matrix("c", ht).unwrap());
+                gparts.push(g.upload_matrix("c", ht).unwrap());
+            }
+            let total = out + 64 + if with_bf16 { 32 } else { 0 };
+            let cs = CpuBackend.concat_rows(cparts).unwrap();
+            let gs = g.concat_rows(gparts).unwrap();
+            let mut co = cpu_act(&vec![0.0; rows * total], total);
+            CpuBackend
+                .matmul(&cpu_act(&x, inner), &cs, &mut co)
+                .unwrap();
+            let mut go = g.act_from_host(&vec![0.0; rows * total], total).unwrap();
+            g.matmul(&g.act_from_host(&x, inner).unwrap(), &gs, &mut go)
+                .unwrap();
+            close(
+                &format!("w4 stacked (bf16 beside: {with_bf16}) {rows}x{inner}"),
+                &g.to_host(&go).unwrap(),
+                &co.data,
+                5e-3,
+            );
+        }
+    }
+}
