@@ -12,6 +12,16 @@ use serde_json::{json, Value};
 /// Values packed in one 32-bit word.
 const PACK: usize = 8;
 
+/// The least bf16 value at or above `x` (a positive scale).
+fn bf16_at_least(x: f32) -> f32 {
+    let b = half::bf16::from_f32(x);
+    if b.to_f32() >= x {
+        b.to_f32()
+    } else {
+        half::bf16::from_bits(b.to_bits() + 1).to_f32()
+    }
+}
+
 /// A quantized linear as stored: qweight and qzeros (little-endian words) and its scales.
 pub type Quantized = (Vec<u8>, Vec<u8>, Vec<f32>);
 
@@ -232,7 +242,8 @@ impl Gptq {
         })
     }
 
-    /// `[out, inputs]` values of a quantized linear ([`Gptq::to_rows`]'s): `(q − z) · s`.
+    /// `[out, inputs]` values of a quantized linear ([`Gptq::to_rows`]'s): `(q − z) · s`, the
+    /// scale rounded to bf16 as the model holds it (the product is then exact in f32).
     pub fn dequantize(
         &self,
         name: &str,
@@ -249,7 +260,8 @@ impl Gptq {
             for i in 0..inputs {
                 let q = (r.words[o * (inputs / PACK) + i / PACK] >> (4 * (i % PACK))) & 15;
                 let k = o * groups + i / r.group;
-                w[o * inputs + i] = (q as f32 - r.zeros[k]) * r.scales[k];
+                let scale = half::bf16::from_f32(r.scales[k]).to_f32();
+                w[o * inputs + i] = (q as f32 - r.zeros[k]) * scale;
             }
         }
         Ok(w)
@@ -285,8 +297,10 @@ impl Gptq {
                     };
                     (s, z)
                 };
-                // The scale as stored (f16), so values round against what is read back.
-                let scale = half::f16::from_f32(scale).to_f32();
+                // The scale as the model reads it (bf16, rounded up so the grid still spans the
+                // group; stored as f16, which holds it exactly at a weight's magnitudes), so
+                // values round against what is read back.
+                let scale = half::f16::from_f32(bf16_at_least(scale)).to_f32();
                 scales[grp * out + o] = scale;
                 zeros[grp * out + o] = zero;
             }

@@ -158,15 +158,22 @@ gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
 #define GM_U 2
 #define GM_P 2
 
-// Partial sums of this warp's slabs: c[r][nt][i] for M-tile r's weight rows (w_lo[r],
-// w_hi[r]) = rows g and g + 8 of its 16, activation rows nt·8 + 2t + (i & 1) (x rows k apart,
+// A block's weight rows for gm_partial: pack(r, h, kk) is the 8 bf16 weights kk..kk + 7 of
+// M-tile r's row g (h = 0) or g + 8 (h = 1), for the lane's g.
+template <int R>
+struct Bf16Rows {
+    const bf16* row[R][2];
+    __device__ __forceinline__ uint4 pack(int r, int h, int kk) const { return __ldg((const uint4*)(row[r][h] + kk)); }
+};
+
+// Partial sums of this warp's slabs: c[r][nt][i] for M-tile r's weight rows (w.pack(r, 0, ..),
+// w.pack(r, 1, ..)) = rows g and g + 8 of its 16, activation rows nt·8 + 2t + (i & 1) (x rows k apart,
 // nb of them). A slab is 32·GM_P elements, lane t's GM_P packs of 8 consecutive ones.
 // U slabs a warp loads per iteration (GM_U, or 1 where registers are short) and R, the M-tiles
 // that share each load of the activations, change no bit: each tile's sums are added in the
 // same order.
-template <int NT, int R = 1, int U = GM_U>
-__device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* const (&w_lo)[R],
-                                           const bf16* const (&w_hi)[R], int k, float (&c)[R][NT][4]) {
+template <int NT, int R, int U, class Rows>
+__device__ __forceinline__ void gm_partial(const bf16* x, int nb, const Rows& w, int k, float (&c)[R][NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -191,8 +198,8 @@ __device__ __forceinline__ void gm_partial(const bf16* x, int nb, const bf16* co
                 const bool in = kk < k;
 #pragma unroll
                 for (int r = 0; r < R; r++) {
-                    a[u][p][r][0] = in ? __ldg((const uint4*)(w_lo[r] + kk)) : zero;
-                    a[u][p][r][1] = in ? __ldg((const uint4*)(w_hi[r] + kk)) : zero;
+                    a[u][p][r][0] = in ? w.pack(r, 0, kk) : zero;
+                    a[u][p][r][1] = in ? w.pack(r, 1, kk) : zero;
                 }
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
@@ -242,18 +249,18 @@ __device__ __forceinline__ void gemv_mma_body(const bf16* x, const bf16* w, int 
     __shared__ float red[GM_WARPS][G * 128];
     const int lane = threadIdx.x & 31;
     const int m0 = blockIdx.x * 16 * R, g = lane >> 2;
-    const bf16 *w_lo[R], *w_hi[R];
+    Bf16Rows<R> wrows;
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        w_lo[r] = w + (u64)min(m0 + 16 * r + g, n - 1) * k;
-        w_hi[r] = w + (u64)min(m0 + 16 * r + g + 8, n - 1) * k;
+        wrows.row[r][0] = w + (u64)min(m0 + 16 * r + g, n - 1) * k;
+        wrows.row[r][1] = w + (u64)min(m0 + 16 * r + g + 8, n - 1) * k;
     }
 #pragma unroll
     for (int t0 = 0; t0 < NT; t0 += G) {
         const int rows = nb - t0 * 8;
         if (rows <= 0) break;
         float c[R][G][4];
-        gm_partial<G, R, U>(x + (u64)t0 * 8 * k, rows, w_lo, w_hi, k, c);
+        gm_partial<G, R, U>(x + (u64)t0 * 8 * k, rows, wrows, k, c);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const int v = threadIdx.x;
@@ -313,19 +320,19 @@ __device__ __forceinline__ void gemv_silu_mma_body(const bf16* x, const bf16* w,
     __shared__ float red[GM_WARPS][G * 128];
     const int lane = threadIdx.x & 31;
     const int j0 = blockIdx.x * 8 * R;
-    const bf16 *w_gate[R], *w_up[R];
+    Bf16Rows<R> wrows;
 #pragma unroll
     for (int r = 0; r < R; r++) {
         const int j = min(j0 + 8 * r + (lane >> 2), inter - 1);
-        w_gate[r] = w + (u64)j * k;
-        w_up[r] = w + (u64)(inter + j) * k;
+        wrows.row[r][0] = w + (u64)j * k;
+        wrows.row[r][1] = w + (u64)(inter + j) * k;
     }
 #pragma unroll
     for (int t0 = 0; t0 < NT; t0 += G) {
         const int rows = nb - t0 * 8;
         if (rows <= 0) break;
         float c[R][G][4];
-        gm_partial<G, R, U>(x + (u64)t0 * 8 * k, rows, w_gate, w_up, k, c);
+        gm_partial<G, R, U>(x + (u64)t0 * 8 * k, rows, wrows, k, c);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane: thread v < G·64
@@ -377,80 +384,130 @@ gemv_silu_mma64(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb)
 
 // ---- 4-bit weights (W4A16) ----
 // A [n, k] matrix of 4-bit values q, eight to a word along k (word j of a row: inputs 8j..8j + 7,
-// the lowest nibble first), each row's k / g groups with an f32 scale s and zero z: the weight is
-// round_bf((q − z) · s), the bf16 value the CPU holds for it. k and g are multiples of 32, so a
-// 16-byte pack (32 inputs) lies in one group.
-#define W4_MAX_ROWS 16
-#define W4_U 2
+// the lowest nibble first), each row's k / g groups with a bf16 scale s and the bf16 value
+// −(128 + z) of its zero z (a whole number, 0 to 16): the weight is bf16((q − z)·s), the value
+// the CPU holds for it. k and g are multiples of 32.
 
-__device__ __forceinline__ void w4_unpack(uint4 p, float s, float z, float (&w)[32]) {
-    const u32 words[4] = {p.x, p.y, p.z, p.w};
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int e = 0; e < 8; e++) w[8 * j + e] = round_bf(((float)((words[j] >> (4 * e)) & 15u) - z) * s);
+// Two weights (nibbles at `shift` and `shift` + 4) as a bf16 pair: 0x4300 | q is 128 + q, one
+// packed FMA with −(128 + z) gives q − z exactly, a second the product with s rounded once.
+__device__ __forceinline__ u32 w4_pair(u32 w, int shift, u32 s2, u32 b2) {
+    const u32 q = ((w >> shift) & 0xFu) | (((w >> (shift + 4)) & 0xFu) << 16) | 0x43004300u;
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(q), "r"(0x3F803F80u), "r"(b2));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(d), "r"(s2), "r"(0x80008000u));
+    return d;
 }
 
-// y[b][o] = round(Σ_i x[b][i]·w[o][i]) for nb ≤ W4_MAX_ROWS activation rows (k apart), written to
-// up to four outputs as gemv does. A warp owns one output row; lane l takes packs l, l + 32, ...
-// (W4_U in flight) and adds every activation row's products in that order, so a row's sum does
-// not depend on nb (batch-invariant), then the lanes are summed as warp_sum does.
-// launch: grid = ceil(n / GEMV_WARPS), block = 32 * GEMV_WARPS, dynamic smem = 0
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
-gemv_w4(const bf16* x, const u32* qw, const float* scales, const float* zeros, int n, int k, int g, int nb, bf16* y0,
-        int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
-    pdl_start();
+// The 8 bf16 weights of one word (gm_partial's pack).
+__device__ __forceinline__ uint4 w4_pack(u32 w, u32 s2, u32 b2) {
+    return make_uint4(w4_pair(w, 0, s2, b2), w4_pair(w, 8, s2, b2), w4_pair(w, 16, s2, b2), w4_pair(w, 24, s2, b2));
+}
+
+#define W4_U 4
+
+// gm_partial for one M-tile of a 4-bit matrix: the slab of a warp is 128 k, lane t's packs are
+// its 32 consecutive k (one 16-byte load of words for each of its two weight rows, W4_U slabs'
+// words loaded before any is used), each word made 8 bf16 weights in registers, then the MMAs
+// of gm_partial with the same pairing of weights and activations.
+template <int NT>
+__device__ __forceinline__ void gm_partial_w4(const bf16* x, int nb, const u32* qw, const u16* scales, const u16* bias,
+                                              const int (&row)[2], int k, int g, float (&c)[NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row = blockIdx.x * GEMV_WARPS + warp;
-    if (row >= n) return;  // the whole warp: one row a warp
-    const int packs = k / 32, groups = k / g;
-    const uint4* wr = (const uint4*)(qw + (u64)row * (k / 8));
-    const float* sr = scales + (u64)row * groups;
-    const float* zr = zeros + (u64)row * groups;
-    float acc[W4_MAX_ROWS];
+    const int gl = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int b = 0; b < W4_MAX_ROWS; b++) acc[b] = 0.0f;
-    for (int i0 = lane; i0 < packs; i0 += 32 * W4_U) {
-        uint4 p[W4_U];
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
+    const bf16* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + gl < nb ? x + (size_t)(nt * 8 + gl) * k : nullptr;
+    const int per_row = k / 8, groups = k / g;
+    constexpr int SLAB = 128;
+    const int slabs = (k + SLAB - 1) / SLAB;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * W4_U) {
+        uint4 raw[W4_U][2];
+        u32 s2[W4_U][2], b2[W4_U][2];
 #pragma unroll
         for (int u = 0; u < W4_U; u++) {
-            const int i = i0 + 32 * u;
-            p[u] = i < packs ? __ldg(wr + i) : make_uint4(0, 0, 0, 0);
+            const int kk = (s0 + u * GM_WARPS) * SLAB + t * 32;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (kk < k) {
+                    raw[u][h] = __ldg((const uint4*)(qw + (u64)row[h] * per_row + kk / 8));
+                    const u64 at = (u64)row[h] * groups + kk / g;
+                    const u32 sc = __ldg(scales + at), bi = __ldg(bias + at);
+                    s2[u][h] = sc | (sc << 16);
+                    b2[u][h] = bi | (bi << 16);
+                } else {
+                    raw[u][h] = zero;
+                    s2[u][h] = 0;
+                    b2[u][h] = 0;
+                }
+            }
         }
 #pragma unroll
         for (int u = 0; u < W4_U; u++) {
-            const int i = i0 + 32 * u;
-            if (i >= packs) break;
-            const int grp = (i * 32) / g;
-            float w[32];
-            w4_unpack(p[u], __ldg(sr + grp), __ldg(zr + grp), w);
+            const int kk = (s0 + u * GM_WARPS) * SLAB + t * 32;
+            if (kk >= k) break;
+            const u32 lo_w[4] = {raw[u][0].x, raw[u][0].y, raw[u][0].z, raw[u][0].w};
+            const u32 hi_w[4] = {raw[u][1].x, raw[u][1].y, raw[u][1].z, raw[u][1].w};
 #pragma unroll
-            for (int b = 0; b < W4_MAX_ROWS; b++) {
-                if (b >= nb) break;
-                const uint4* xp = (const uint4*)(x + (u64)b * k + (u64)i * 32);
+            for (int p = 0; p < 4; p++) {
+                const uint4 lo = w4_pack(lo_w[p], s2[u][0], b2[u][0]);
+                const uint4 hi = w4_pack(hi_w[p], s2[u][1], b2[u][1]);
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    float xf[8];
-                    bf16x8_to_f32(__ldg(xp + q), xf);
-#pragma unroll
-                    for (int e = 0; e < 8; e++) acc[b] += xf[e] * w[8 * q + e];
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 x8 = xr[nt] ? __ldg((const uint4*)(xr[nt] + kk + 8 * p)) : zero;
+                    sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                    sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
                 }
             }
         }
     }
-#pragma unroll
-    for (int b = 0; b < W4_MAX_ROWS; b++) {
-        if (b >= nb) break;
-        const float s = warp_sum(acc[b]);
-        if (lane == 0) gemv_store(s, row, b, y0, n0, y1, n1, y2, n2, y3, n);
-    }
 }
 
-// The bf16 weights of a 4-bit matrix's rows (qw, scales and zeros start at the first row):
+// gemv_mma_body over a 4-bit matrix (one M-tile a block): a row's result does not depend on nb.
+template <int NT>
+__device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n,
+                                             int k, int g, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
+                                             int n2, bf16* y3) {
+    constexpr int G = NT;
+    __shared__ float red[GM_WARPS][G * 128];
+    const int lane = threadIdx.x & 31;
+    const int m0 = blockIdx.x * 16, gl = lane >> 2;
+    const int row[2] = {min(m0 + gl, n - 1), min(m0 + gl + 8, n - 1)};
+    float c[1][G][4];
+    gm_partial_w4<G>(x, nb, qw, scales, bias, row, k, g, c[0]);
+    const int v = threadIdx.x;
+    const float s = gm_block_sum<G>(red, c[0], v);
+    const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
+    const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
+    if (v < G * 128 && o < n && b < nb) gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+}
+
+// y[b][o] = round(Σ_i x[b][i]·w[o][i]) for nb ≤ 8 activation rows (k apart), outputs as gemv.
+// launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_w4_8(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
+          int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    pdl_start();
+    gemv_w4_body<1>(x, qw, scales, bias, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// gemv_w4_8 for nb ≤ 16.
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_w4_16(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
+           int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    pdl_start();
+    gemv_w4_body<2>(x, qw, scales, bias, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// The bf16 weights of a 4-bit matrix's rows (qw, scales and bias start at the first row):
 // out[r][i] for `words` words (rows · k / 8), for a cuBLAS product of a prefill chunk.
 // launch: grid = ceil(words / 256), block = 256, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(256)
-dequant_w4(const u32* qw, const float* scales, const float* zeros, int k, int g, u64 words, bf16* out) {
+dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 words, bf16* out) {
     pdl_start();
     const u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
     if (i >= words) return;
@@ -458,8 +515,10 @@ dequant_w4(const u32* qw, const float* scales, const float* zeros, int k, int g,
     const u64 row = i / per_row;
     const int j = (int)(i % per_row);
     const u64 at = row * (k / g) + (j * 8) / g;
-    const float s = scales[at], z = zeros[at];
+    const u32 s = scales[at], b = bias[at];
+    const u32 s2 = s | (s << 16), b2 = b | (b << 16);
     const u32 w = qw[i];
+    u32* o = (u32*)(out + i * 8);
 #pragma unroll
-    for (int e = 0; e < 8; e++) out[i * 8 + e] = f2bf(((float)((w >> (4 * e)) & 15u) - z) * s);
+    for (int e = 0; e < 4; e++) o[e] = w4_pair(w, 8 * e, s2, b2);
 }

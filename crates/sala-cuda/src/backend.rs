@@ -364,6 +364,9 @@ impl Backend for CudaBackend {
             return self.upload_matrix(name, t);
         }
         let up = |what: &str, e| be_err(&format!("uploading {name} ({what})"), e);
+        let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
+        let scales: Vec<u16> = q.scales.iter().map(|&s| bf16(s)).collect();
+        let bias: Vec<u16> = q.zeros.iter().map(|&z| bf16(-(128.0 + z))).collect();
         Ok(DevMatrix {
             buf: self.alloc_u16(0)?,
             rows: q.rows,
@@ -375,12 +378,9 @@ impl Backend for CudaBackend {
                     .map_err(|e| up("words", e))?,
                 scales: self
                     .stream
-                    .clone_htod(q.scales)
+                    .clone_htod(&scales)
                     .map_err(|e| up("scales", e))?,
-                zeros: self
-                    .stream
-                    .clone_htod(q.zeros)
-                    .map_err(|e| up("zeros", e))?,
+                bias: self.stream.clone_htod(&bias).map_err(|e| up("zeros", e))?,
                 group: q.group,
             }),
         })

@@ -186,8 +186,9 @@ kernel_table! {
     GemvSiluMma16 = gemv_silu_mma16 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     GemvSiluMma32 = gemv_silu_mma32 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     GemvSiluMma64 = gemv_silu_mma64 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
-    GemvW4 = gemv_w4 in "gemv.cu" (x: Ptr, qw: Ptr, scales: Ptr, zeros: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
-    DequantW4 = dequant_w4 in "gemv.cu" (qw: Ptr, scales: Ptr, zeros: Ptr, k: I32, g: I32, words: U64, out: Ptr);
+    GemvW4x8 = gemv_w4_8 in "gemv.cu" (x: Ptr, qw: Ptr, scales: Ptr, bias: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvW4x16 = gemv_w4_16 in "gemv.cu" (x: Ptr, qw: Ptr, scales: Ptr, bias: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    DequantW4 = dequant_w4 in "gemv.cu" (qw: Ptr, scales: Ptr, bias: Ptr, k: I32, g: I32, words: U64, out: Ptr);
     SiluMulHalves8 = silu_mul_halves8 in "elementwise.cu" (gu: Ptr, out: Ptr, inter: I32);
     SiluMulHalves = silu_mul_halves in "elementwise.cu" (gu: Ptr, out: Ptr, rows: I32, inter: I32);
     // Lightning layers.

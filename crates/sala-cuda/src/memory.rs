@@ -97,11 +97,11 @@ pub struct DevMatrix {
 }
 
 /// A 4-bit matrix on the device (`sala_model::QuantMatrix`'s layout): `[rows, cols / 8]` words,
-/// `[rows, cols / group]` f32 scales and zeros.
+/// and per `[rows, cols / group]` group its scale and −(128 + zero) as bf16 bits.
 pub struct W4Weights {
     pub words: CudaSlice<u32>,
-    pub scales: CudaSlice<f32>,
-    pub zeros: CudaSlice<f32>,
+    pub scales: CudaSlice<u16>,
+    pub bias: CudaSlice<u16>,
     pub group: usize,
 }
 

@@ -84,8 +84,9 @@ impl HostTensor<'_> {
 }
 
 /// A `[rows, cols]` weight in 4 bits: `words[r][j]` holds inputs `8j..8j + 8` of row `r`, the
-/// lowest nibble first; row `r`'s inputs in groups of `group`, each with a scale and a zero:
-/// value = bf16((q − zero) · scale).
+/// lowest nibble first; row `r`'s inputs in groups of `group`, each with a scale and a zero (a
+/// whole number, 0 to 16): value = bf16((q − zero) · bf16(scale)) (the product is exact in f32,
+/// so a backend computing it in bf16 pairs gets the same bits).
 #[derive(Debug, Clone, Copy)]
 pub struct QuantMatrix<'a> {
     pub rows: usize,
@@ -107,7 +108,9 @@ impl QuantMatrix<'_> {
             && self.cols.is_multiple_of(8)
             && self.words.len() == self.rows * self.cols / 8
             && self.scales.len() == self.rows * groups
-            && self.zeros.len() == self.rows * groups;
+            && self.zeros.len() == self.rows * groups
+            // Zero points are whole 4-bit values (plus GPTQ's one).
+            && self.zeros.iter().all(|z| z.fract() == 0.0 && (0.0..=16.0).contains(z));
         if fits {
             Ok(())
         } else {
@@ -132,9 +135,8 @@ impl QuantMatrix<'_> {
                 let word = self.words[r * self.cols / 8 + i / 8];
                 let q = ((word >> (4 * (i % 8))) & 15) as f32;
                 let k = r * groups + i / self.group;
-                out.push(crate::numerics::bf16_round(
-                    (q - self.zeros[k]) * self.scales[k],
-                ));
+                let scale = crate::numerics::bf16_round(self.scales[k]);
+                out.push(crate::numerics::bf16_round((q - self.zeros[k]) * scale));
             }
         }
         out

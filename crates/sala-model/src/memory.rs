@@ -105,7 +105,7 @@ pub fn weight_bytes(c: &ModelConfig) -> usize {
 }
 
 /// Bytes of the weights held as values of `value_bytes`, quantized linears packed when
-/// `packs_4bit` (half a byte a weight, an f32 scale and zero a group of a row) where the 4-bit
+/// `packs_4bit` (half a byte a weight, a bf16 scale and zero a group of a row) where the 4-bit
 /// products take their shape (inputs and group multiples of 32).
 pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_4bit: bool) -> usize {
     sala_checkpoint::expected_tensors(c)
@@ -118,7 +118,7 @@ pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_4bit: bool) -> us
                     let (rows, cols) = (t.shape[0], t.shape[1]);
                     let g = q.group_size.unwrap_or(cols);
                     if cols % 32 == 0 && g % 32 == 0 {
-                        n / 2 + rows * (cols / g) * 8
+                        n / 2 + rows * (cols / g) * 4
                     } else {
                         n * value_bytes
                     }

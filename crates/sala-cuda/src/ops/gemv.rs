@@ -9,12 +9,6 @@ use crate::plan::{
     GEMV_ROWS_PER_BLOCK,
 };
 use crate::{CudaBackend, DevMatrix};
-use cudarc::driver::CudaSlice;
-
-/// Activation rows one `gemv_w4` launch takes (`W4_MAX_ROWS` in gemv.cu).
-const W4_MAX_ROWS: usize = 16;
-/// Warps a `gemv_w4` block holds (`GEMV_WARPS`), one output row each.
-const GEMV_WARPS_W4: usize = 4;
 use sala_model::{BResult, BackendError};
 
 /// `gemv` and `gemv_narrow`: x, w, n, k, then up to four (output, count) parts.
@@ -109,7 +103,8 @@ impl CudaBackend {
         self.gemm_rows(self.ptr(x) + (x_off * 2) as u64, w, 0, w.rows, y, rows)
     }
 
-    /// `gemv` of a 4-bit matrix: `gemv_w4`, up to [`W4_MAX_ROWS`] activation rows a launch.
+    /// `gemv` of a 4-bit matrix on tensor cores: `gemv_w4_8` / `gemv_w4_16`, up to 16
+    /// activation rows a launch.
     fn gemv_w4(
         &self,
         x: &impl DevMem<u16>,
@@ -120,16 +115,12 @@ impl CudaBackend {
         rows: usize,
     ) -> BResult<()> {
         let (n, k, g) = (w.rows as i32, w.cols as i32, q.group as i32);
-        let (wp, sp, zp) = (self.ptr(&q.words), self.ptr(&q.scales), self.ptr(&q.zeros));
-        let at = Launch::new(
-            (w.rows.div_ceil(GEMV_WARPS_W4), 1, 1),
-            32 * GEMV_WARPS_W4 as u32,
-            0,
-        )
-        .shaped(w.rows, w.cols);
+        let (wp, sp, bp) = (self.ptr(&q.words), self.ptr(&q.scales), self.ptr(&q.bias));
+        let at =
+            Launch::new((w.rows.div_ceil(16), 1, 1), GEMV_MMA_THREADS, 0).shaped(w.rows, w.cols);
         let mut r = 0;
         while r < rows {
-            let nb = W4_MAX_ROWS.min(rows - r);
+            let nb = 16.min(rows - r);
             let xp = self.ptr(x) + ((x_off + r * w.cols) * 2) as u64;
             let part = |i: usize| {
                 let (p, cnt) = outs.get(i).copied().unwrap_or((0, 0));
@@ -139,8 +130,13 @@ impl CudaBackend {
                 )
             };
             let ((y0, n0), (y1, n1), (y2, n2), (y3, _)) = (part(0), part(1), part(2), part(3));
-            self.k.gemv_w4(
-                at, xp, wp, sp, zp, n, k, g, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+            let launch = if nb <= 8 {
+                Launcher::gemv_w4_8
+            } else {
+                Launcher::gemv_w4_16
+            };
+            launch(
+                &self.k, at, xp, wp, sp, bp, n, k, g, nb as i32, y0, n0, y1, n1, y2, n2, y3,
             )?;
             r += nb;
         }
@@ -163,8 +159,8 @@ impl CudaBackend {
         self.k.dequant_w4(
             Launch::linear(words, 256),
             self.ptr(&q.words) + (r0 * per_row * 4) as u64,
-            self.ptr(&q.scales) + (r0 * groups * 4) as u64,
-            self.ptr(&q.zeros) + (r0 * groups * 4) as u64,
+            self.ptr(&q.scales) + (r0 * groups * 2) as u64,
+            self.ptr(&q.bias) + (r0 * groups * 2) as u64,
             w.cols as i32,
             q.group as i32,
             words as u64,
@@ -181,28 +177,19 @@ impl CudaBackend {
     ) -> BResult<DevMatrix> {
         let group = parts[0].w4.as_ref().map_or(1, |q| q.group);
         let (per_row, groups) = (cols / 8, cols / group);
-        let alloc = |n: usize, what: &str| -> BResult<(CudaSlice<u32>, CudaSlice<f32>)> {
-            let words = self
-                .stream
-                .alloc_zeros::<u32>(n * per_row)
-                .map_err(|e| be_err(what, e))?;
-            let floats = self
-                .stream
-                .alloc_zeros::<f32>(n * groups)
-                .map_err(|e| be_err(what, e))?;
-            Ok((words, floats))
-        };
-        let (words, scales) = alloc(rows, "stacking 4-bit weights")?;
-        let zeros = self
+        let err = |e| be_err("stacking 4-bit weights", e);
+        let words = self
             .stream
-            .alloc_zeros::<f32>(rows * groups)
-            .map_err(|e| be_err("stacking 4-bit weights", e))?;
+            .alloc_zeros::<u32>(rows * per_row)
+            .map_err(err)?;
+        let scales = self.stream.alloc_zeros::<u16>(rows * groups).map_err(err)?;
+        let bias = self.stream.alloc_zeros::<u16>(rows * groups).map_err(err)?;
         let mut at = 0;
         for p in &parts {
             let q = p.w4.as_ref().expect("all 4-bit");
             self.copy(&words, at * per_row, &q.words, 0, p.rows * per_row)?;
             self.copy(&scales, at * groups, &q.scales, 0, p.rows * groups)?;
-            self.copy(&zeros, at * groups, &q.zeros, 0, p.rows * groups)?;
+            self.copy(&bias, at * groups, &q.bias, 0, p.rows * groups)?;
             at += p.rows;
         }
         Ok(DevMatrix {
@@ -212,7 +199,7 @@ impl CudaBackend {
             w4: Some(W4Weights {
                 words,
                 scales,
-                zeros,
+                bias,
                 group,
             }),
         })

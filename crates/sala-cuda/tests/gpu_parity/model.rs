@@ -57,7 +57,9 @@ fn four_bit_model_matches_cpu() {
     let gm = Model::random(&g, config.clone(), 8, &mut |_, _| {}).unwrap();
     let cm = Model::random(&CpuBackend, config.clone(), 8, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(4);
-    let toks: Vec<u32> = (0..160).map(|_| rng.below(config.vocab_size) as u32).collect();
+    let toks: Vec<u32> = (0..160)
+        .map(|_| rng.below(config.vocab_size) as u32)
+        .collect();
     let want = prefill_decode(&CpuBackend, &cm, &toks, 130, 64);
     let got = prefill_decode(&g, &gm, &toks, 130, 64);
     for (i, (gl, cl)) in got.iter().zip(&want).enumerate() {
