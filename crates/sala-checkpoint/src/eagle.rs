@@ -180,6 +180,24 @@ impl DraftConfig {
         })
     }
 
+    /// A small draft for `target` (tests and examples): its hidden width, 4 heads of 32 over 2
+    /// KV heads, an MLP twice as wide, half its vocabulary, reading layers 0, 1 and the last.
+    pub fn small(target: &ModelConfig) -> Self {
+        Self {
+            hidden_size: target.hidden_size,
+            intermediate_size: 2 * target.hidden_size,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 32,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            vocab_size: target.vocab_size,
+            draft_vocab_size: target.vocab_size / 2,
+            target_hidden_size: target.hidden_size,
+            aux_layers: [0, 1, target.num_hidden_layers - 1],
+        }
+    }
+
     /// Width of the q, k and v projections' outputs together.
     pub fn qkv_width(&self) -> usize {
         (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
@@ -510,20 +528,12 @@ mod tests {
     use super::*;
     use crate::preset;
 
-    /// A small draft for the tiny preset: its own shape, the target's hidden width.
+    /// A small draft for the tiny preset.
     pub fn tiny_draft(target: &ModelConfig) -> DraftConfig {
         DraftConfig {
-            hidden_size: target.hidden_size,
             intermediate_size: 96,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            head_dim: 32,
-            rms_norm_eps: 1e-6,
-            rope_theta: 10000.0,
-            vocab_size: target.vocab_size,
             draft_vocab_size: target.vocab_size / 4,
-            target_hidden_size: target.hidden_size,
-            aux_layers: [0, 1, target.num_hidden_layers - 1],
+            ..DraftConfig::small(target)
         }
     }
 

@@ -8,7 +8,9 @@ pub mod reference;
 use attention::SparseCache;
 use rayon::prelude::*;
 use sala_checkpoint::{ModelConfig, SparseConfig};
-use sala_model::backend::{check_spans, RANDOM_KV_STD, RANDOM_STATE_STD, STEPWISE_SPAN_ROWS};
+use sala_model::backend::{
+    check_rope, check_spans, RANDOM_KV_STD, RANDOM_STATE_STD, STEPWISE_SPAN_ROWS,
+};
 use sala_model::memory::{BackendMemory, F32};
 use sala_model::numerics::{bf16_round, random_normal};
 use sala_model::{
@@ -568,14 +570,7 @@ impl Backend for CpuBackend {
         q: &mut CpuAct,
         k: &mut CpuAct,
     ) -> BResult<()> {
-        check_spans(spans, q.rows, spans.len())?;
-        if k.rows != q.rows || !q.cols.is_multiple_of(head_dim) || !k.cols.is_multiple_of(head_dim)
-        {
-            return Err(BackendError(format!(
-                "rope: q [{}, {}] and k [{}, {}] in heads of {head_dim}",
-                q.rows, q.cols, k.rows, k.cols
-            )));
-        }
+        check_rope(head_dim, spans, (q.rows, q.cols), (k.rows, k.cols))?;
         for span in spans {
             let r = span.rows();
             for x in [&mut *q, &mut *k] {

@@ -202,17 +202,9 @@ fn the_draft_reads_the_prompt_and_drafts_as_its_plain_layer_does() {
     config.sparse.dense_len = 4096;
     let target = Model::random(&be, config.clone(), 3, &mut |_, _| {}).unwrap();
     let c = DraftConfig {
-        hidden_size: config.hidden_size,
         intermediate_size: 96,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 32,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        vocab_size: config.vocab_size,
-        draft_vocab_size: config.vocab_size / 2,
-        target_hidden_size: config.hidden_size,
         aux_layers: [0, 2, config.num_hidden_layers - 1],
+        ..DraftConfig::small(&config)
     };
     let dir = tempfile::tempdir().unwrap();
     write_random_draft(dir.path(), &c, true, None, 17).unwrap();

@@ -252,17 +252,10 @@ fn a_draft_model_drafts_and_the_greedy_tokens_stay_the_plain_ones() {
     let (&common, _) = counts.iter().max_by_key(|(&t, &n)| (n, t)).unwrap();
     let config = e.model.config.clone();
     let shape = |draft_vocab_size| DraftConfig {
-        hidden_size: config.hidden_size,
         intermediate_size: 64,
-        num_attention_heads: 4,
         num_key_value_heads: 1,
-        head_dim: 32,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        vocab_size: config.vocab_size,
         draft_vocab_size,
-        target_hidden_size: config.hidden_size,
-        aux_layers: [0, 1, config.num_hidden_layers - 1],
+        ..DraftConfig::small(&config)
     };
     // A random draft over half the vocabulary (the target's embeddings), then the one-token
     // draft (its own).

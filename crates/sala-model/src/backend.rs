@@ -538,6 +538,25 @@ impl Span {
     }
 }
 
+/// Checks a [`Backend::rope`] call on q `[rows, cols]` and k `[rows, cols]`: the spans lie
+/// within q's rows, k has as many, and both hold whole heads of `head_dim`.
+pub fn check_rope(
+    head_dim: usize,
+    spans: &[Span],
+    q: (usize, usize),
+    k: (usize, usize),
+) -> BResult<()> {
+    check_spans(spans, q.0, spans.len())?;
+    let whole = |cols: usize| head_dim > 0 && cols.is_multiple_of(head_dim);
+    if k.0 != q.0 || !whole(q.1) || !whole(k.1) {
+        return Err(BackendError(format!(
+            "rope: q [{}, {}] and k [{}, {}] in heads of {head_dim}",
+            q.0, q.1, k.0, k.1
+        )));
+    }
+    Ok(())
+}
+
 /// How a backend runs a step's spans: runs of single-row spans on adjacent rows (decode rows,
 /// one launch for all where the backend batches them), and longer spans one by one (prompt
 /// chunks, verification spans).

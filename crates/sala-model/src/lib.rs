@@ -7,6 +7,7 @@ pub mod memory;
 pub mod model;
 pub mod numerics;
 pub mod oracle;
+pub mod sequence;
 pub mod testing;
 
 pub use backend::{

@@ -7,7 +7,7 @@ use crate::ops::elementwise::RopeAt;
 use crate::plan::{LightningPlan, DECODE_ROWS, LIGHTNING_CHUNK};
 use crate::CudaBackend;
 use cudarc::driver::CudaSlice;
-use sala_model::backend::{check_spans, span_runs, SpanRun};
+use sala_model::backend::{check_rope, check_spans, span_runs, SpanRun};
 use sala_model::{AttnIo, AttnShape, BResult, BackendError, Span, STEPWISE_SPAN_ROWS};
 
 /// A lightning call's inputs: q `[T, heads·d]`, k and v `[T, kv_heads·d]`, and `out`.
@@ -62,14 +62,7 @@ impl CudaBackend {
         q: &mut DevAct,
         k: &mut DevAct,
     ) -> BResult<()> {
-        check_spans(spans, q.rows, spans.len())?;
-        if k.rows != q.rows || !q.cols.is_multiple_of(head_dim) || !k.cols.is_multiple_of(head_dim)
-        {
-            return Err(BackendError(format!(
-                "rope: q [{}, {}] and k [{}, {}] in heads of {head_dim}",
-                q.rows, q.cols, k.rows, k.cols
-            )));
-        }
+        check_rope(head_dim, spans, (q.rows, q.cols), (k.rows, k.cols))?;
         let positions = self.row_positions(spans, q.rows);
         let at = rope_at(spans, q.rows, self.preloaded.get(), &positions);
         self.norm_rope(q, Some(k), head_dim, None, Some((inv_freq, at)))

@@ -707,17 +707,8 @@ fn an_eagle3_draft_drafts_on_the_gpu_as_on_the_cpu() {
         .unwrap();
         let ck = Ckpt(Checkpoint::open(&dir).unwrap());
         let c = DraftConfig {
-            hidden_size: config.hidden_size,
-            intermediate_size: 2 * config.hidden_size,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
             head_dim,
-            rms_norm_eps: 1e-6,
-            rope_theta: 10000.0,
-            vocab_size: config.vocab_size,
-            draft_vocab_size: config.vocab_size / 2,
-            target_hidden_size: config.hidden_size,
-            aux_layers: [0, 1, config.num_hidden_layers - 1],
+            ..DraftConfig::small(&config)
         };
         let draft_dir = dir.join("draft");
         write_random_draft(&draft_dir, &c, false, None, 9).unwrap();

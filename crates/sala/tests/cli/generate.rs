@@ -598,15 +598,8 @@ fn generate_speculates_when_asked() {
     let shape = |hidden| sala_checkpoint::DraftConfig {
         hidden_size: hidden,
         intermediate_size: 64,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 32,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        vocab_size: target.vocab_size,
-        draft_vocab_size: target.vocab_size / 2,
         target_hidden_size: hidden,
-        aux_layers: [0, 1, target.num_hidden_layers - 1],
+        ..sala_checkpoint::DraftConfig::small(&target)
     };
     let draft = cache.join("draft");
     sala_checkpoint::write_random_draft(&draft, &shape(target.hidden_size), false, None, 3)
