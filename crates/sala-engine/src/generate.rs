@@ -131,33 +131,6 @@ impl WeightSource for CheckpointSource<'_> {
         })?;
         Ok(true)
     }
-
-    /// A GPTQ weight read whole is dequantized on the host and handed over in bf16.
-    fn with_tensor(
-        &self,
-        name: &str,
-        f: &mut dyn FnMut(HostTensor<'_>) -> Result<(), BackendError>,
-    ) -> Result<(), BackendError> {
-        if !self.0.is_quantized(name) {
-            let t = self
-                .tensor(name)
-                .map_err(|e| BackendError(format!("weight {name}: {e}")))?;
-            return f(t);
-        }
-        let (values, shape) = self
-            .0
-            .weight_f32(name)
-            .map_err(|e| BackendError(format!("weight {name}: {e}")))?;
-        let bytes: Vec<u8> = values
-            .into_iter()
-            .flat_map(|v| sala_checkpoint::f32_to_bf16_bits(v).to_le_bytes())
-            .collect();
-        f(HostTensor {
-            dtype: HostDType::Bf16,
-            shape: &shape,
-            bytes: &bytes,
-        })
-    }
 }
 
 /// A model loaded on a backend, with its tokenizer and the workspace of a step.

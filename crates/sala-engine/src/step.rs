@@ -169,8 +169,13 @@ enum Drafts<B: Backend> {
 }
 
 impl<B: Backend> Speculation<B> {
-    /// `state`: the request's draft-model state, when it drafts with the draft model.
-    fn new(spec: &Speculate, prompt: &[u32], state: Option<DraftState<B>>) -> Self {
+    /// `state`: the request's draft-model state, when it drafts with the draft model (an
+    /// error without it).
+    fn new(
+        spec: &Speculate,
+        prompt: &[u32],
+        state: Option<DraftState<B>>,
+    ) -> Result<Self, EngineError> {
         let drafter = match (spec.drafter(prompt), state) {
             (Some(host), _) => Drafts::Host(host),
             (None, Some(state)) => Drafts::Model {
@@ -178,9 +183,9 @@ impl<B: Backend> Speculation<B> {
                 tokens: prompt.to_vec(),
                 length: spec.max_draft.min(4),
             },
-            (None, None) => Drafts::Host(Box::new(crate::draft::PromptLookup::new(1, 1, 1))),
+            (None, None) => return Err(EngineError::NoDraftModel),
         };
-        Self {
+        Ok(Self {
             drafter,
             max_draft: spec.max_draft,
             misses: 0,
@@ -190,7 +195,7 @@ impl<B: Backend> Speculation<B> {
             span: Vec::new(),
             mark: None,
             spare: None,
-        }
+        })
     }
 
     /// Lays out the next span after `feed`, with drafts when `room` allows them.
@@ -497,7 +502,15 @@ impl<B: Backend> Engine<B> {
             .speculate
             .as_ref()
             .filter(|s| s.max_draft > 0)
-            .map(|s| Speculation::new(s, &prompt, draft_state));
+            .map(|s| Speculation::new(s, &prompt, draft_state))
+            .transpose();
+        let spec = match spec {
+            Ok(spec) => spec,
+            Err(e) => {
+                batch.cache.release(lease);
+                return Err(e);
+            }
+        };
         batch.next_id += 1;
         batch.members.push(Member {
             id,
