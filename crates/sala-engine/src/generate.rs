@@ -91,6 +91,21 @@ pub(crate) fn isolated<T>(
         .unwrap_or_else(|p| Err(EngineError::from_panic(what, p)))
 }
 
+/// The model of `checkpoint` on `be` (a GPTQ checkpoint's linears in 4 bits).
+pub fn load_model<B: Backend>(
+    be: &B,
+    checkpoint: &Checkpoint,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Model<B>, EngineError> {
+    let config = checkpoint.config().clone();
+    Ok(Model::load(
+        be,
+        config,
+        &CheckpointSource(checkpoint),
+        progress,
+    )?)
+}
+
 /// Serves a [`Checkpoint`]'s tensors to [`Model::load`].
 struct CheckpointSource<'a>(&'a Checkpoint);
 
@@ -282,7 +297,7 @@ impl<B: Backend> Engine<B> {
                 model: config.vocab_size,
             });
         }
-        let model = Model::load(&backend, config, &CheckpointSource(&checkpoint), progress)?;
+        let model = load_model(&backend, &checkpoint, progress)?;
         Self::from_model(backend, model, tokenizer, dir, chunk)
     }
 

@@ -2,6 +2,7 @@
 
 mod bench;
 mod builtin;
+mod compare;
 mod device;
 mod inspect;
 mod perplexity;
@@ -54,6 +55,9 @@ enum Command {
     /// Perplexity of a text file: windows of --context tokens every --stride tokens, each
     /// scoring the tokens the one before it did not.
     Perplexity(perplexity::PerplexityArgs),
+    /// How far one model's logits are from another's (a quantized checkpoint against its
+    /// source): logit error, KL and greedy agreement on seeded random prompts.
+    Compare(compare::CompareArgs),
     /// Write a 4-bit GPTQ-layout checkpoint from a bf16 one (round to nearest): the linear
     /// layers quantized, embeddings, norms and lm_head kept.
     Quantize(QuantizeArgs),
@@ -290,6 +294,7 @@ fn main() {
         Command::Init(args) => init(args),
         Command::Bench(args) => bench::run(args),
         Command::Quantize(args) => quantize(args),
+        Command::Compare(args) => compare::run(args),
         Command::Serve(args) => serve(args),
         Command::Perplexity(args) => perplexity::run(args),
     };

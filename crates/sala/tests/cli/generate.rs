@@ -720,3 +720,61 @@ fn quantize_writes_a_gptq_checkpoint_that_runs() {
         &["--method gptq", "w4-rtn"],
     );
 }
+
+/// `sala compare`: a model against itself agrees everywhere with no error; against its 4-bit
+/// form it reports a positive error; models of different vocabularies are refused.
+#[test]
+fn compare_reports_how_far_two_models_are() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path();
+    let src = cache.join("bf16");
+    let out = cache.join("w4");
+    let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+    ok(&sala(&["init", "--preset", "tiny", s], cache));
+    ok(&sala(&["quantize", s, o, "--group", "32"], cache));
+    let run = |b: &str| {
+        let args = [
+            "compare",
+            s,
+            b,
+            "--device",
+            "cpu",
+            "--prompts",
+            "3",
+            "--len",
+            "20",
+            "--tokens",
+            "6",
+            "--json",
+        ];
+        let r = sala(&args, cache);
+        ok(&r);
+        serde_json::from_slice::<serde_json::Value>(&r.stdout).unwrap()
+    };
+    let same = run(s);
+    assert_eq!(same["logit_rel_l2_max"].as_f64(), Some(0.0), "{same}");
+    assert_eq!(same["top1_agreement"].as_f64(), Some(1.0), "{same}");
+    assert_eq!(same["same_greedy_continuations"], 3, "{same}");
+    assert_eq!(same["positions"], 18, "{same}");
+    let w4 = run(o);
+    let err = w4["logit_rel_l2_mean"].as_f64().unwrap();
+    assert!(err > 0.0 && err < 1.0, "{w4}");
+    let other = cache.join("small-vocab");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = 2048.into();
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(
+        src.join("model.safetensors"),
+        other.join("model.safetensors"),
+    )
+    .unwrap();
+    fails_with(
+        &sala(
+            &["compare", s, other.to_str().unwrap(), "--device", "cpu"],
+            cache,
+        ),
+        &["model.embed_tokens.weight"],
+    );
+}
