@@ -224,6 +224,7 @@ mod tests {
             seed: 42,
             dtype: DType::Bf16,
             max_shard_bytes,
+            heavy_tails: false,
         };
         write_random_checkpoint(tmp.path(), &c, &opts).unwrap();
         let ck = Checkpoint::open(tmp.path()).unwrap();

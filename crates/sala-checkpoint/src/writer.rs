@@ -32,6 +32,9 @@ pub struct WriteOptions {
     /// Tensor bytes per file; more than this in total gives shards plus an index. A tensor
     /// larger than this gets a shard of its own.
     pub max_shard_bytes: usize,
+    /// Linear weights drawn heavy-tailed (Student's t with 3 degrees of freedom, scaled to the
+    /// same standard deviation): outliers as trained weights have them, for quantization tests.
+    pub heavy_tails: bool,
 }
 
 impl Default for WriteOptions {
@@ -40,6 +43,7 @@ impl Default for WriteOptions {
             seed: 0,
             dtype: DType::Bf16,
             max_shard_bytes: 5_000_000_000,
+            heavy_tails: false,
         }
     }
 }
@@ -64,8 +68,25 @@ pub fn write_random_checkpoint(
         config,
         opts.dtype,
         opts.max_shard_bytes,
-        |spec, out| fill_random(seed, config, spec, out),
+        |spec, out| {
+            fill_random(seed, config, spec, out);
+            if opts.heavy_tails && spec.shape.len() == 2 && spec.role != Role::Embed {
+                heavy_tails(seed, spec, out);
+            }
+        },
     )
+}
+
+/// Gives `out` (drawn normal around 0) Student's t tails with 3 degrees of freedom at the same
+/// standard deviation: each value times sqrt(3 / χ²₃) / sqrt(3).
+fn heavy_tails(seed: u64, spec: &TensorSpec, out: &mut [f32]) {
+    let mut rng = TensorRng::for_tensor(seed ^ 0x7a11, &spec.name);
+    for v in out.iter_mut() {
+        let (a, b) = rng.normal_pair();
+        let (c, _) = rng.normal_pair();
+        let chi2 = a * a + b * b + c * c;
+        *v = (*v as f64 / chi2.max(1e-12).sqrt()) as f32;
+    }
 }
 
 /// The f32 values [`write_random_checkpoint`] draws for `spec` (before rounding to the
@@ -404,6 +425,7 @@ mod tests {
             seed,
             dtype,
             max_shard_bytes,
+            heavy_tails: false,
         }
     }
 
@@ -652,5 +674,29 @@ mod tests {
         assert_eq!(ck.parameter_count(), expected_parameter_count(&c));
         assert!(took.as_secs_f64() < 30.0, "{took:?}");
         eprintln!("wrote {} parameters in {took:?}", ck.parameter_count());
+    }
+
+    /// Heavy tails: the linear weights keep their standard deviation but gain outliers (excess
+    /// kurtosis well above a normal's 0); norms and the embedding are as without.
+    #[test]
+    fn heavy_tailed_weights_keep_their_scale_and_gain_outliers() {
+        let config = tiny();
+        let spec = crate::expected_tensors(&config)
+            .into_iter()
+            .find(|t| t.name.ends_with("mlp.down_proj.weight"))
+            .unwrap();
+        let moments = |v: &[f32]| {
+            let n = v.len() as f64;
+            let var = v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / n;
+            let m4 = v.iter().map(|&x| (x as f64).powi(4)).sum::<f64>() / n;
+            (var.sqrt(), m4 / (var * var) - 3.0)
+        };
+        let mut plain = random_tensor_values(3, &config, &spec);
+        let (std0, kurt0) = moments(&plain);
+        heavy_tails(3, &spec, &mut plain);
+        let (std1, kurt1) = moments(&plain);
+        assert!(kurt0.abs() < 0.3, "normal: excess kurtosis {kurt0}");
+        assert!(kurt1 > 2.0, "heavy: excess kurtosis {kurt1}");
+        assert!((std1 / std0 - 1.0).abs() < 0.25, "std {std0} -> {std1}");
     }
 }

@@ -66,7 +66,14 @@ pub fn builtin_model_in(base: &Path) -> Result<PathBuf> {
         .prefix(".builtin-tiny-")
         .tempdir_in(base)
         .with_context(|| format!("creating a folder in {}", base.display()))?;
-    crate::write_checkpoint(tmp.path(), &preset("tiny")?, 0, DType::Bf16, usize::MAX)?;
+    crate::write_checkpoint(
+        tmp.path(),
+        &preset("tiny")?,
+        0,
+        DType::Bf16,
+        usize::MAX,
+        false,
+    )?;
     let files =
         read_files(tmp.path()).with_context(|| format!("reading back {}", tmp.path().display()))?;
     let dir = base.join(format!("builtin-tiny-{:016x}", content_hash(&files)));

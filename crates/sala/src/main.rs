@@ -197,6 +197,10 @@ struct InitArgs {
     /// Largest shard in MiB; bigger checkpoints are split with an index file.
     #[arg(long, default_value_t = 4096)]
     shard_mib: usize,
+    /// Draw the linear weights heavy-tailed (Student's t, 3 degrees of freedom, the same
+    /// standard deviation): outliers as trained weights have them (quantization tests).
+    #[arg(long)]
+    heavy_tails: bool,
 }
 
 #[derive(Args)]
@@ -319,11 +323,13 @@ fn write_checkpoint(
     seed: u64,
     dtype: DType,
     shard_bytes: usize,
+    heavy_tails: bool,
 ) -> Result<()> {
     let opts = WriteOptions {
         seed,
         dtype,
         max_shard_bytes: shard_bytes,
+        heavy_tails,
     };
     sala_checkpoint::write_random_checkpoint(dir, config, &opts)
         .with_context(|| format!("writing weights to {}", dir.display()))?;
@@ -346,6 +352,7 @@ fn init(args: InitArgs) -> Result<()> {
         args.seed,
         dtype_of(args.dtype),
         args.shard_mib << 20,
+        args.heavy_tails,
     )?;
     eprintln!(
         "wrote preset {:?} ({} parameters, random weights, seed {}) to {}",

@@ -16,6 +16,7 @@ fn write_tiny(dir: &Path, dtype: DType, max_shard_bytes: usize) {
         seed: 7,
         dtype,
         max_shard_bytes,
+        heavy_tails: false,
     };
     write_random_checkpoint(dir, &tiny(), &opts).unwrap();
 }
