@@ -403,7 +403,7 @@ __device__ __forceinline__ uint4 w4_pack(u32 w, u32 s2, u32 b2) {
     return make_uint4(w4_pair(w, 0, s2, b2), w4_pair(w, 8, s2, b2), w4_pair(w, 16, s2, b2), w4_pair(w, 24, s2, b2));
 }
 
-#define W4_U 4
+#define W4_U 2
 
 // gm_partial for one M-tile of a 4-bit matrix: the slab of a warp is 128 k, lane t's packs are
 // its 32 consecutive k (one 16-byte load of words for each of its two weight rows, W4_U slabs'
@@ -488,7 +488,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
 
 // y[b][o] = round(Σ_i x[b][i]·w[o][i]) for nb ≤ 8 activation rows (k apart), outputs as gemv.
 // launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0
-extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
 gemv_w4_8(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
           int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     pdl_start();
