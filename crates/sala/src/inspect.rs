@@ -190,6 +190,15 @@ fn checkpoint(dir: &Path) -> Result<()> {
         human_bytes(ckpt.total_bytes() as usize),
         human_bytes(weight_bytes(c))
     );
+    // What a GPU holds: 4-bit linears packed (the CPU holds every weight's value).
+    let held = sala_model::memory::weights_held(c, 2, true);
+    if c.quantization.is_some() {
+        println!(
+            "weights held    {} on a GPU (4-bit linears packed, with their scales and zeros)",
+            human_bytes(held)
+        );
+    }
+    // `+ weights`: as a GPU holds them.
     println!("context memory per sequence (bf16 K/V and compressed keys, fp32 lightning state):");
     println!(
         "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
@@ -204,7 +213,7 @@ fn checkpoint(dir: &Path) -> Result<()> {
             human_bytes(m.compressed),
             human_bytes(m.lightning_state),
             human_bytes(m.total()),
-            human_bytes(m.total() + weight_bytes(c))
+            human_bytes(m.total() + held)
         );
     }
     println!(

@@ -695,7 +695,15 @@ fn quantize_writes_a_gptq_checkpoint_that_runs() {
     ok(&gen);
     let info = sala(&["inspect", o], cache);
     ok(&info);
-    assert!(String::from_utf8_lossy(&info.stdout).contains("4-bit GPTQ (groups of 32, asymmetric"));
+    let text = String::from_utf8_lossy(&info.stdout);
+    assert!(
+        text.contains("4-bit GPTQ (groups of 32, asymmetric"),
+        "{text}"
+    );
+    assert!(
+        text.contains("weights held") && text.contains("on a GPU"),
+        "{text}"
+    );
     fails_with(
         &sala(&["quantize", s, o], cache),
         &["exists and is not empty"],
