@@ -12,6 +12,13 @@ use serde_json::{json, Value};
 /// Values packed in one 32-bit word.
 const PACK: usize = 8;
 
+/// A 4-bit weight's value before its bf16 rounding: `(q − zero) · bf16(scale)`, exact in f32
+/// (a whole number of at most 5 bits times an 8-bit mantissa). The one definition every
+/// backend and the checkpoint reader share.
+pub fn w4_value(q: u32, zero: f32, scale: f32) -> f32 {
+    (q as f32 - zero) * half::bf16::from_f32(scale).to_f32()
+}
+
 /// The least bf16 value at or above `x` (a positive scale).
 fn bf16_at_least(x: f32) -> f32 {
     let b = half::bf16::from_f32(x);
@@ -260,8 +267,7 @@ impl Gptq {
             for i in 0..inputs {
                 let q = (r.words[o * (inputs / PACK) + i / PACK] >> (4 * (i % PACK))) & 15;
                 let k = o * groups + i / r.group;
-                let scale = half::bf16::from_f32(r.scales[k]).to_f32();
-                w[o * inputs + i] = (q as f32 - r.zeros[k]) * scale;
+                w[o * inputs + i] = w4_value(q, r.zeros[k], r.scales[k]);
             }
         }
         Ok(w)

@@ -133,10 +133,11 @@ impl QuantMatrix<'_> {
         for r in 0..self.rows {
             for i in 0..self.cols {
                 let word = self.words[r * self.cols / 8 + i / 8];
-                let q = ((word >> (4 * (i % 8))) & 15) as f32;
+                let q = (word >> (4 * (i % 8))) & 15;
                 let k = r * groups + i / self.group;
-                let scale = crate::numerics::bf16_round(self.scales[k]);
-                out.push(crate::numerics::bf16_round((q - self.zeros[k]) * scale));
+                out.push(crate::numerics::bf16_round(
+                    sala_checkpoint::quant::w4_value(q, self.zeros[k], self.scales[k]),
+                ));
             }
         }
         out

@@ -656,14 +656,8 @@ fn generate_speculates_when_asked() {
 fn quantize_writes_a_gptq_checkpoint_that_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let cache = tmp.path();
-    let src = cache.join("bf16");
-    let out = cache.join("w4");
+    let (src, out) = tiny_and_quantized(cache, &["--group", "32", "--asym", "--keep-gates"]);
     let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
-    ok(&sala(&["init", "--preset", "tiny", s], cache));
-    ok(&sala(
-        &["quantize", s, o, "--group", "32", "--asym", "--keep-gates"],
-        cache,
-    ));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     let q = &config["quantization_config"];
@@ -735,11 +729,8 @@ fn quantize_writes_a_gptq_checkpoint_that_runs() {
 fn compare_reports_how_far_two_models_are() {
     let tmp = tempfile::tempdir().unwrap();
     let cache = tmp.path();
-    let src = cache.join("bf16");
-    let out = cache.join("w4");
+    let (src, out) = tiny_and_quantized(cache, &["--group", "32"]);
     let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
-    ok(&sala(&["init", "--preset", "tiny", s], cache));
-    ok(&sala(&["quantize", s, o, "--group", "32"], cache));
     let run = |b: &str| {
         let args = [
             "compare",
@@ -767,22 +758,23 @@ fn compare_reports_how_far_two_models_are() {
     let w4 = run(o);
     let err = w4["logit_rel_l2_mean"].as_f64().unwrap();
     assert!(err > 0.0 && err < 1.0, "{w4}");
-    let other = cache.join("small-vocab");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    config["vocab_size"] = 2048.into();
-    std::fs::create_dir_all(&other).unwrap();
-    std::fs::write(other.join("config.json"), config.to_string()).unwrap();
-    std::fs::copy(
-        src.join("model.safetensors"),
-        other.join("model.safetensors"),
-    )
-    .unwrap();
+    // A valid checkpoint with another vocabulary: refused by compare itself.
+    let other = cache.join("other-vocab");
+    let mut config = sala_checkpoint::preset("tiny").unwrap();
+    config.vocab_size *= 2;
+    sala_checkpoint::write_random_checkpoint(&other, &config, &Default::default()).unwrap();
+    let o2 = other.to_str().unwrap();
     fails_with(
-        &sala(
-            &["compare", s, other.to_str().unwrap(), "--device", "cpu"],
-            cache,
-        ),
-        &["model.embed_tokens.weight"],
+        &sala(&["compare", s, o2, "--device", "cpu"], cache),
+        &["must share a vocabulary", o2],
     );
+}
+
+/// `sala init --preset tiny` into `bf16` and `sala quantize` of it (with `args`) into `w4`.
+fn tiny_and_quantized(cache: &Path, args: &[&str]) -> (PathBuf, PathBuf) {
+    let (src, out) = (cache.join("bf16"), cache.join("w4"));
+    let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+    ok(&sala(&["init", "--preset", "tiny", s], cache));
+    ok(&sala(&[&["quantize", s, o][..], args].concat(), cache));
+    (src, out)
 }
