@@ -50,6 +50,42 @@ pub struct SparseConfig {
     pub use_nope: bool,
     #[serde(default = "d_dense_len")]
     pub dense_len: usize,
+    /// How the sparse layers store K and V: a run-time choice, never in `config.json`.
+    #[serde(skip)]
+    pub kv_cache: KvCacheDtype,
+}
+
+/// The element type of the sparse layers' K/V cache (`--kv-cache-dtype`). Compressed keys
+/// and lightning states stay as they are whatever this says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    /// bf16 values, as the projections give them.
+    #[default]
+    Bf16,
+    /// FP8 E4M3 codes with one f32 scale per token and KV head (amax / 448), so each row of
+    /// `head_dim` values uses the whole E4M3 range whatever its magnitude.
+    Fp8,
+}
+
+impl KvCacheDtype {
+    /// `bf16` (or `auto`) and `fp8` (or `fp8_e4m3`), as on the command line.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" | "auto" => Ok(Self::Bf16),
+            "fp8" | "fp8_e4m3" | "fp8-e4m3" => Ok(Self::Fp8),
+            other => Err(format!(
+                "unknown KV cache dtype '{other}': use bf16 or fp8 (E4M3 with a scale per token \
+                 and KV head)"
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::Fp8 => "fp8",
+        }
+    }
 }
 
 fn d_kernel_size() -> usize {
@@ -85,6 +121,7 @@ impl Default for SparseConfig {
             topk: d_topk(),
             use_nope: false,
             dense_len: d_dense_len(),
+            kv_cache: KvCacheDtype::Bf16,
         }
     }
 }
@@ -148,6 +185,10 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
     /// How the linear weights are stored, when quantized.
     pub quantization: Option<crate::quant::Gptq>,
+    /// Run the decoder layers' linears in FP8 (`--quantize fp8`, a run-time choice): E4M3
+    /// weights with an f32 scale per output channel, their inputs made E4M3 per row
+    /// (dynamic per-token scales); embeddings, norms and lm_head stay bf16.
+    pub fp8_weights: bool,
     /// The JSON as read, so that a written checkpoint keeps unknown keys.
     pub raw: serde_json::Value,
 }
@@ -372,6 +413,7 @@ impl ModelConfig {
             eos_token_ids,
             pad_token_id: get_token("pad_token_id", None)?,
             quantization,
+            fp8_weights: false,
             raw: value.clone(),
         };
         config.validate()?;

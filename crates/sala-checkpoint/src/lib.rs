@@ -11,7 +11,7 @@ pub mod schema;
 pub mod weights;
 pub mod writer;
 
-pub use config::{alibi_slopes, ConfigError, MixerKind, ModelConfig, SparseConfig};
+pub use config::{alibi_slopes, ConfigError, KvCacheDtype, MixerKind, ModelConfig, SparseConfig};
 pub use eagle::{write_random_draft, DraftCheckpoint, DraftConfig};
 pub use presets::{preset, preset_names, PresetError};
 pub use safetensors::Element;

@@ -413,6 +413,16 @@ impl Checkpoint {
         &self.config
     }
 
+    /// Runs the model with its sparse layers' K/V cache in `dtype` (a run-time choice).
+    pub fn set_kv_cache(&mut self, dtype: crate::KvCacheDtype) {
+        self.config.sparse.kv_cache = dtype;
+    }
+
+    /// Runs the decoder layers' linears in FP8, quantized as they load (a run-time choice).
+    pub fn set_fp8_weights(&mut self, on: bool) {
+        self.config.fp8_weights = on;
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -2,8 +2,8 @@
 //! attention over an incrementally compressed key cache. Held to `sala_model::oracle`.
 
 use rayon::prelude::*;
-use sala_checkpoint::SparseConfig;
-use sala_model::numerics::bf16_round;
+use sala_checkpoint::{KvCacheDtype, SparseConfig};
+use sala_model::numerics::{bf16_round, fp8_round_kv};
 use sala_model::{AttnShape, SparseMode};
 
 /// Chunk length of the lightning prefill (the reference's `chunk_simple_gla` uses 64).
@@ -209,10 +209,17 @@ impl SparseCache {
         self.k.is_empty()
     }
 
-    /// Appends K/V rows and compresses every window they complete.
+    /// Appends K/V rows (rounded to FP8 as an FP8 cache holds them) and compresses every
+    /// window they complete.
     pub fn append(&mut self, k: &[f32], v: &[f32]) {
+        let old = self.k.len();
         self.k.extend_from_slice(k);
         self.v.extend_from_slice(v);
+        if self.cfg.kv_cache == KvCacheDtype::Fp8 {
+            let d = self.shape.head_dim;
+            fp8_round_kv(&mut self.k[old..], d);
+            fp8_round_kv(&mut self.v[old..], d);
+        }
         let kw = self.shape.kv_width();
         let n = self.len();
         for (tier, window, stride) in [

@@ -12,10 +12,10 @@ use sala_model::backend::{
     check_rope, check_spans, RANDOM_KV_STD, RANDOM_STATE_STD, STEPWISE_SPAN_ROWS,
 };
 use sala_model::memory::{BackendMemory, F32};
-use sala_model::numerics::{bf16_round, random_normal};
+use sala_model::numerics::{bf16_round, e4m3_value, fp8_quantize_row, random_normal};
 use sala_model::{
-    AttnIo, AttnShape, BResult, Backend, BackendError, GreedyPick, HostTensor, LogitsOut, Span,
-    SparseMode,
+    AttnIo, AttnShape, BResult, Backend, BackendError, Fp8Matrix, GreedyPick, HostTensor,
+    LogitsOut, Span, SparseMode,
 };
 
 /// Activations `[rows, cols]` with room for `cap_rows` rows.
@@ -42,9 +42,13 @@ impl CpuAct {
 /// A weight matrix `[rows = out, cols = in]`.
 #[derive(Debug, Clone)]
 pub struct CpuMatrix {
+    /// The values; for an FP8 matrix, its E4M3 codes' values (unscaled).
     pub data: Vec<f32>,
     pub rows: usize,
     pub cols: usize,
+    /// An FP8 matrix's scale per row ([`sala_model::Fp8Matrix`]): products with it take their
+    /// inputs as E4M3 rows too.
+    pub fp8_scales: Option<Vec<f32>>,
 }
 
 pub struct CpuBackend;
@@ -73,13 +77,37 @@ pub fn matmul_f32(x: &[f32], rows: usize, w: &CpuMatrix, y: &mut [f32]) {
     if rows == 0 {
         return;
     }
+    if let Some(w_scales) = &w.fp8_scales {
+        // Each input row as E4M3 values at its own scale; sums of code values, then both scales.
+        let mut x_scales = vec![0f32; rows];
+        let mut qx = vec![0f32; rows * k];
+        let mut codes = vec![0u8; k];
+        for (r, (row, q)) in x.chunks(k).zip(qx.chunks_mut(k)).enumerate() {
+            x_scales[r] = fp8_quantize_row(row, &mut codes);
+            for (v, &c) in q.iter_mut().zip(&codes) {
+                *v = e4m3_value(c);
+            }
+        }
+        matmul_values(&qx, rows, &w.data, n, k, y);
+        y.par_chunks_mut(n).enumerate().for_each(|(r, yr)| {
+            for (v, &ws) in yr.iter_mut().zip(w_scales) {
+                *v = *v * x_scales[r] * ws;
+            }
+        });
+        return;
+    }
+    matmul_values(x, rows, &w.data, n, k, y);
+}
+
+/// [`matmul_f32`]'s sums: `y = x wᵀ` for `w` of `n` rows of `k` values.
+fn matmul_values(x: &[f32], rows: usize, w: &[f32], n: usize, k: usize, y: &mut [f32]) {
     // Outputs first ([n, rows]), then transposed into y.
     let mut yt = vec![0f32; n * rows];
     yt.par_chunks_mut(PRODUCT_OUTPUTS_PER_TASK * rows)
         .enumerate()
         .for_each(|(task, ys)| {
             for (j, col) in ys.chunks_mut(rows).enumerate() {
-                let wr = &w.data[(task * PRODUCT_OUTPUTS_PER_TASK + j) * k..][..k];
+                let wr = &w[(task * PRODUCT_OUTPUTS_PER_TASK + j) * k..][..k];
                 for (r, v) in col.iter_mut().enumerate() {
                     *v = attention::dot(&x[r * k..][..k], wr);
                 }
@@ -265,12 +293,25 @@ pub fn concat_rows(parts: Vec<CpuMatrix>) -> BResult<CpuMatrix> {
             "concat_rows: the matrices have different input widths".into(),
         ));
     }
+    let fp8 = parts.first().is_some_and(|p| p.fp8_scales.is_some());
+    if parts.iter().any(|p| p.fp8_scales.is_some() != fp8) {
+        return Err(BackendError(
+            "concat_rows: FP8 and other matrices cannot be stacked".into(),
+        ));
+    }
     let rows = parts.iter().map(|p| p.rows).sum();
     let mut data = Vec::with_capacity(rows * cols);
+    let mut scales = Vec::new();
     for p in parts {
         data.extend(p.data);
+        scales.extend(p.fp8_scales.unwrap_or_default());
     }
-    Ok(CpuMatrix { data, rows, cols })
+    Ok(CpuMatrix {
+        data,
+        rows,
+        cols,
+        fp8_scales: fp8.then_some(scales),
+    })
 }
 
 /// Copies the columns of `y` (`[rows, total]`) into `outs` in order, rounded to bf16.
@@ -324,7 +365,8 @@ impl Backend for CpuBackend {
             cache_page: None,
             scratch: 0,
             runtime: 0,
-            packs_4bit: false,
+            packs_quantized: false,
+            packs_fp8_kv: false,
         }
     }
 
@@ -334,6 +376,17 @@ impl Backend for CpuBackend {
             data: t.to_f32(),
             rows: t.shape[0],
             cols: t.shape[1],
+            fp8_scales: None,
+        })
+    }
+
+    fn upload_fp8(&self, name: &str, m: Fp8Matrix<'_>) -> BResult<CpuMatrix> {
+        m.check(name)?;
+        Ok(CpuMatrix {
+            data: m.codes.iter().map(|&c| e4m3_value(c)).collect(),
+            rows: m.rows,
+            cols: m.cols,
+            fp8_scales: Some(m.scales.to_vec()),
         })
     }
 
@@ -358,6 +411,7 @@ impl Backend for CpuBackend {
             data: self.random_vector(rows * cols, seed, mean, std)?,
             rows,
             cols,
+            fp8_scales: None,
         })
     }
 

@@ -3,9 +3,9 @@
 //! runs on it are the reference the fast backends are compared with.
 
 use crate::{check_modes, each_span, lightning_norm_rope, CpuAct, CpuBackend, CpuMatrix};
-use sala_checkpoint::{ModelConfig, SparseConfig};
+use sala_checkpoint::{KvCacheDtype, ModelConfig, SparseConfig};
 use sala_model::memory::BackendMemory;
-use sala_model::numerics::bf16_round;
+use sala_model::numerics::{bf16_round, fp8_round_kv};
 use sala_model::oracle::{self, AttnShape, SparseMode};
 use sala_model::{AttnIo, BResult, Backend, GreedyPick, HostTensor, LogitsOut, Span};
 
@@ -232,6 +232,11 @@ impl Backend for ReferenceBackend {
             let first = cache.k.len() / cache.kv_width;
             cache.k.extend_from_slice(rows.k);
             cache.v.extend_from_slice(rows.v);
+            if cfg.kv_cache == KvCacheDtype::Fp8 {
+                let new = first * cache.kv_width..;
+                fp8_round_kv(&mut cache.k[new.clone()], shape.head_dim);
+                fp8_round_kv(&mut cache.v[new], shape.head_dim);
+            }
             let o = oracle::sparse_layer_attention(
                 shape, cfg, modes[i], rows.q, first, &cache.k, &cache.v,
             );

@@ -2,7 +2,7 @@
 //! backend (the oracle's attention, plain matmuls), and the exactness of chunked prefill and
 //! of prefill-then-decode, across `dense_len`.
 
-use sala_checkpoint::{expected_tensors, ModelConfig};
+use sala_checkpoint::{expected_tensors, KvCacheDtype, ModelConfig};
 use sala_cpu::reference::ReferenceBackend;
 use sala_cpu::CpuBackend;
 use sala_model::numerics::{rel_l2, TestRng};
@@ -162,6 +162,113 @@ fn fast_backend_matches_reference_dense_and_sparse() {
         let got = run(&CpuBackend, &fast, &toks, &one_pass(n, mode));
         assert_logits_close(&format!("{mode:?} N{n}"), &got, &want, v);
     }
+}
+
+#[test]
+fn fp8_kv_cache_matches_the_reference_and_stays_near_bf16() {
+    let bf16 = tiny_config(96);
+    let mut fp8 = bf16.clone();
+    fp8.sparse.kv_cache = KvCacheDtype::Fp8;
+    let v = bf16.vocab_size;
+    let plain = load(&CpuBackend, &bf16, 1);
+    let fast = load(&CpuBackend, &fp8, 1);
+    let reference = load(&ReferenceBackend, &fp8, 1);
+    for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
+        let toks = tokens(n, v, n as u64);
+        // Chunked on the CPU backend, one pass on the reference: both round K/V alike.
+        let chunks: Vec<_> = (0..n)
+            .step_by(33)
+            .map(|s| ((n - s).min(33), mode))
+            .collect();
+        let want = run(&ReferenceBackend, &reference, &toks, &one_pass(n, mode));
+        let got = run(&CpuBackend, &fast, &toks, &chunks);
+        assert_logits_close(&format!("fp8 {mode:?} N{n}"), &got, &want, v);
+        // FP8 moves the logits, but little: E4M3 keeps 1/16 of each row's largest value.
+        let exact = run(&CpuBackend, &plain, &toks, &one_pass(n, mode));
+        let err = rel_l2(&got, &exact);
+        assert!(err > 0.0, "{mode:?}: the FP8 cache changed nothing");
+        assert!(
+            err < 0.05,
+            "{mode:?}: FP8 vs bf16 logits, relative L2 {err}"
+        );
+    }
+}
+
+#[test]
+fn fp8_weights_run_w8a8_and_stay_near_bf16() {
+    let bf16 = tiny_config(96);
+    let mut fp8 = bf16.clone();
+    fp8.fp8_weights = true;
+    let v = bf16.vocab_size;
+    let plain = load(&CpuBackend, &bf16, 4);
+    let quant = load(&CpuBackend, &fp8, 4);
+    // Held as code values with a scale a row: a product is (Σ e4m3(x)·code) · x_scale · w_scale.
+    let mut rng = TestRng::new(2);
+    let (rows, cols) = (37, 200);
+    let values = rng.bf16_vec(rows * cols, -0.3, 0.3);
+    let (codes, scales) = sala_model::quantize_fp8(&values, rows, cols);
+    let fp8_matrix = sala_model::Fp8Matrix {
+        rows,
+        cols,
+        codes: &codes,
+        scales: &scales,
+    };
+    let w = &CpuBackend.upload_fp8("w", fp8_matrix).unwrap();
+    let x = rng.bf16_vec(3 * w.cols, -2.0, 2.0);
+    let mut y = vec![0f32; 3 * w.rows];
+    sala_cpu::matmul_f32(&x, 3, w, &mut y);
+    for r in 0..3 {
+        let row = &x[r * w.cols..(r + 1) * w.cols];
+        let xs = sala_model::numerics::fp8_row_scale(row);
+        for o in [0, w.rows / 2, w.rows - 1] {
+            let want: f64 = row
+                .iter()
+                .zip(&w.data[o * w.cols..(o + 1) * w.cols])
+                .map(|(&a, &b)| {
+                    let qa =
+                        sala_model::numerics::e4m3_value(sala_model::numerics::e4m3_code(a / xs));
+                    qa as f64 * b as f64
+                })
+                .sum::<f64>()
+                * xs as f64
+                * scales[o] as f64;
+            let got = y[r * w.rows + o] as f64;
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "row {r} out {o}: {got} vs {want}"
+            );
+        }
+    }
+    for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
+        let toks = tokens(n, v, 30 + n as u64);
+        let exact = run(&CpuBackend, &plain, &toks, &one_pass(n, mode));
+        let got = run(&CpuBackend, &quant, &toks, &one_pass(n, mode));
+        let err = rel_l2(&got, &exact);
+        assert!(
+            err > 0.0 && err < 0.1,
+            "{mode:?}: FP8 vs bf16 weights, relative L2 {err}"
+        );
+        // Chunked as one pass: each product's rows are quantized on their own.
+        let chunks: Vec<_> = (0..n)
+            .step_by(17)
+            .map(|s| ((n - s).min(17), mode))
+            .collect();
+        assert_eq!(
+            run(&CpuBackend, &quant, &toks, &chunks),
+            got,
+            "{mode:?}: chunked"
+        );
+    }
+    // The reference has no FP8 products: a clear error, not wrong numbers.
+    let err = Model::load(
+        &ReferenceBackend,
+        fp8.clone(),
+        &RandomWeights::new(&fp8, 4),
+        &mut |_, _| {},
+    )
+    .err()
+    .expect("refused");
+    assert!(err.0.contains("FP8"), "{}", err.0);
 }
 
 #[test]

@@ -80,6 +80,7 @@ fn small_sparse() -> SparseConfig {
         topk: 4,
         use_nope: false,
         dense_len: 96,
+        ..SparseConfig::default()
     }
 }
 

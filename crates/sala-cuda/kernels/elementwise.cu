@@ -365,13 +365,13 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
 }
 
 // Seeded normal values mean + std·z (Box–Muller on a counter-based hash), |z| kept in
-// [0.001, 6] so that no value is zero.
+// [0.001, 6] so that no value is zero: out[i] gets value first + i of the seed's sequence.
 // launch: grid = ceil(n / 256), block = 256
-extern "C" __global__ void fill_random(bf16* out, u64 n, u64 seed, float mean, float std) {
+extern "C" __global__ void fill_random(bf16* out, u64 n, u64 first, u64 seed, float mean, float std) {
     pdl_start();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    u64 r = splitmix64(seed ^ splitmix64(i));
+    u64 r = splitmix64(seed ^ splitmix64(first + i));
     float u1 = ((r >> 40) + 1.0f) / 16777217.0f;  // (0, 1]
     float u2 = ((r & 0xffffffull) + 0.5f) / 16777216.0f;
     float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);

@@ -6,6 +6,7 @@
 // 16-byte loads, several in flight; the activation row is read through the L1 cache.
 
 #include "common/types.cuh"
+#include "common/fp8.cuh"
 #include "common/mma.cuh"
 
 #define GEMV_ROWS 4
@@ -521,4 +522,110 @@ dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 
     u32* o = (u32*)(out + i * 8);
 #pragma unroll
     for (int e = 0; e < 4; e++) o[e] = w4_pair(w, 8 * e, s2, b2);
+}
+
+// ---- FP8 weights (`--quantize fp8`): E4M3 codes with a scale per weight row, inputs as E4M3 ----
+// y[b][o] = round((Σ_i e4m3(x[b][i]) · code[o][i]) · xs[b] · ws[o]), the inputs' codes made
+// per row by quant_rows_f8 (sala_model::Fp8Matrix's product).
+
+// Each of `rows` rows of x (k apart) as FP8 at its own scale amax / 448 (1 for zeros): its
+// codes (`codes`, when not NULL), their bf16 values (`values`, when not NULL), its scale.
+// launch: grid = rows, block = 256, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(256)
+quant_rows_f8(const bf16* x, int k, unsigned char* codes, bf16* values, float* scales) {
+    pdl_start();
+    __shared__ float red[32];
+    const size_t row = blockIdx.x;
+    const bf16* xr = x + row * k;
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < k; i += 256) amax = fmaxf(amax, fabsf(bf2f(xr[i])));
+    amax = warp_max(amax);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = threadIdx.x < 8 ? red[threadIdx.x] : 0.0f;
+    if (threadIdx.x < 32) amax = warp_max(amax);
+    if (threadIdx.x == 0) red[0] = amax;
+    __syncthreads();
+    float scale = __fdiv_rn(red[0], 448.0f);
+    if (!(scale > 0.0f)) scale = 1.0f;
+    for (int i = threadIdx.x; i < k; i += 256) {
+        const u32 c = e4m3_code(__fdiv_rn(bf2f(xr[i]), scale));
+        if (codes) codes[row * k + i] = (unsigned char)c;
+        if (values) values[row * k + i] = (bf16)(__float_as_uint(e4m3_value(c)) >> 16);
+    }
+    if (threadIdx.x == 0) scales[row] = scale;
+}
+
+// A block's FP8 weight rows for gm_partial: 8 codes a pack (8-byte loads), as bf16 words.
+template <int R>
+struct F8Rows {
+    const unsigned char* row[R][2];
+    __device__ __forceinline__ uint4 pack(int r, int h, int kk) const {
+        return e4m3x8_bf16(__ldg((const uint2*)(row[r][h] + kk)));
+    }
+};
+
+// gemv_mma_body over an FP8 matrix (one M-tile a block; x holds the inputs' E4M3 values):
+// a row's result does not depend on nb.
+template <int NT>
+__device__ __forceinline__ void gemv_f8_body(const bf16* x, const float* xs, const unsigned char* w, const float* ws,
+                                             int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
+                                             int n2, bf16* y3) {
+    __shared__ float red[GM_WARPS][NT * 128];
+    const int lane = threadIdx.x & 31;
+    const int m0 = blockIdx.x * 16, g = lane >> 2;
+    F8Rows<1> rows;
+    rows.row[0][0] = w + (u64)min(m0 + g, n - 1) * k;
+    rows.row[0][1] = w + (u64)min(m0 + g + 8, n - 1) * k;
+    float c[1][NT][4];
+    gm_partial<NT, 1, GM_U>(x, nb, rows, k, c);
+    const int v = threadIdx.x;
+    const float s = gm_block_sum<NT>(red, c[0], v);
+    const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
+    const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
+    if (v < NT * 128 && o < n && b < nb) gemv_store(s * xs[b] * ws[o], o, b, y0, n0, y1, n1, y2, n2, y3, n);
+}
+
+// nb ≤ 8 activation rows (their E4M3 values, k apart; xs their scales), outputs as gemv.
+// launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_f8_8(const bf16* x, const float* xs, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0,
+          int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    pdl_start();
+    gemv_f8_body<1>(x, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// gemv_f8_8 for nb ≤ 16.
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_f8_16(const bf16* x, const float* xs, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0,
+           int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    pdl_start();
+    gemv_f8_body<2>(x, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// A product's raw sums (bf16, [rows, n], in place) times their row's and column's scales:
+// y = round(y · xs[r] · ws[c]) (the FP8 GEMM where cuBLASLt cannot scale by vectors).
+// launch: grid = ceil(rows · n / 256), block = 256, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(256)
+scale_rows_cols(bf16* y, const float* xs, const float* ws, int n, u64 count) {
+    pdl_start();
+    const u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
+    if (i >= count) return;
+    y[i] = f2bf(bf2f(y[i]) * xs[i / n] * ws[i % n]);
+}
+
+// FP8 codes as bf16 values (unscaled), for cards without FP8 tensor cores.
+// launch: grid = ceil(count / 1024), block = 256, dynamic smem = 0 bytes (4 codes a thread)
+extern "C" __global__ void __launch_bounds__(256)
+dequant_f8(const unsigned char* codes, bf16* out, u64 count) {
+    pdl_start();
+    const u64 i = ((u64)blockIdx.x * 256 + threadIdx.x) * 4;
+    if (i >= count) return;
+    if (i + 4 <= count) {
+        u32 lo, hi;
+        e4m3x4_bf16(*(const u32*)(codes + i), lo, hi);
+        *(uint2*)(out + i) = make_uint2(lo, hi);
+    } else {
+        for (u64 j = i; j < count; j++) out[j] = (bf16)(__float_as_uint(e4m3_value(codes[j])) >> 16);
+    }
 }

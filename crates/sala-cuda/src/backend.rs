@@ -5,16 +5,17 @@ use crate::device::DeviceLimits;
 use crate::graphs::{StepGraphs, StepKey, GRAPH_MAX_ROWS};
 use crate::kernels::Launcher;
 use crate::memory::{
-    be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Scratch, W4Weights,
+    be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Fp8Weights, Scratch,
+    W4Weights,
 };
 use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
 use crate::plan::{Launch, Planner};
 use crate::{gemm, libs, pool, profile, registry};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use sala_checkpoint::{ModelConfig, SparseConfig};
+use sala_checkpoint::{KvCacheDtype, ModelConfig, SparseConfig};
 use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
-use sala_model::memory::BackendMemory;
+use sala_model::memory::{fp8_kv_row_bytes, BackendMemory};
 use sala_model::{
     AttnIo, AttnShape, BResult, Backend, BackendError, GreedyPick, HostTensor, LogitsOut, Span,
     SparseMode, StepInfo,
@@ -297,7 +298,7 @@ impl Backend for CudaBackend {
 
     fn memory_facts(&self, config: &ModelConfig, rows: usize) -> BackendMemory {
         let page = self.page_pool().map(|p| p.borrow().page_bytes());
-        crate::memory::memory_facts(config, rows, page)
+        crate::memory::memory_facts(config, rows, page, self.limits().cc >= (8, 9))
     }
 
     fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<DevMatrix> {
@@ -312,6 +313,7 @@ impl Backend for CudaBackend {
             rows: t.shape[0],
             cols: t.shape[1],
             w4: None,
+            fp8: None,
         })
     }
 
@@ -344,6 +346,7 @@ impl Backend for CudaBackend {
             rows,
             cols,
             w4: None,
+            fp8: None,
         })
     }
 
@@ -382,6 +385,28 @@ impl Backend for CudaBackend {
                     .map_err(|e| up("scales", e))?,
                 bias: self.stream.clone_htod(&bias).map_err(|e| up("zeros", e))?,
                 group: q.group,
+            }),
+            fp8: None,
+        })
+    }
+
+    fn upload_fp8(&self, name: &str, m: sala_model::Fp8Matrix<'_>) -> BResult<DevMatrix> {
+        m.check(name)?;
+        if !m.cols.is_multiple_of(16) {
+            return Err(BackendError(format!(
+                "weight {name}: FP8 products need inputs in multiples of 16, not {}",
+                m.cols
+            )));
+        }
+        let err = |e| be_err(&format!("uploading {name}"), e);
+        Ok(DevMatrix {
+            buf: self.alloc_u16(0)?,
+            rows: m.rows,
+            cols: m.cols,
+            w4: None,
+            fp8: Some(Fp8Weights {
+                codes: self.stream.clone_htod(m.codes).map_err(err)?,
+                scales: self.stream.clone_htod(m.scales).map_err(err)?,
             }),
         })
     }
@@ -436,7 +461,11 @@ impl Backend for CudaBackend {
         self.reserve(cache, tokens, cfg, true)
     }
 
-    fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<DevSparseCache> {
+    fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<DevSparseCache> {
+        let fp8 = cfg.kv_cache == KvCacheDtype::Fp8;
+        if fp8 {
+            crate::plan::fp8_cache_fits(shape, cfg).map_err(BackendError)?;
+        }
         Ok(DevSparseCache {
             k: self.new_store(0, false)?,
             v: self.new_store(0, false)?,
@@ -447,6 +476,13 @@ impl Backend for CudaBackend {
             n2: 0,
             cap: 0,
             kv_width: shape.kv_width(),
+            head_dim: shape.head_dim,
+            fp8,
+            row_units: if fp8 {
+                fp8_kv_row_bytes(shape.kv_heads, shape.head_dim) / 2
+            } else {
+                shape.kv_width()
+            },
         })
     }
 
@@ -464,6 +500,9 @@ impl Backend for CudaBackend {
         }
         self.reserve(cache, tokens, cfg, true)?;
         let n = tokens * cache.kv_width;
+        if cache.fp8 {
+            return self.fill_fp8_cache_random(cache, cfg, tokens, seed);
+        }
         self.fill_random(self.ptr(&cache.k), n, seed, RANDOM_KV_STD)?;
         self.fill_random(self.ptr(&cache.v), n, seed ^ 1, RANDOM_KV_STD)?;
         cache.len = tokens;
@@ -566,6 +605,14 @@ impl Backend for CudaBackend {
             ));
         }
         let rows: usize = parts.iter().map(|p| p.rows).sum();
+        if parts.iter().any(|p| p.fp8.is_some()) {
+            if !parts.iter().all(|p| p.fp8.is_some()) {
+                return Err(BackendError(
+                    "concat_rows: FP8 and other matrices cannot be stacked".into(),
+                ));
+            }
+            return self.concat_fp8(parts, rows, cols);
+        }
         let group = parts.first().and_then(|p| p.w4.as_ref()).map(|q| q.group);
         if group.is_some()
             && parts
@@ -589,6 +636,7 @@ impl Backend for CudaBackend {
             rows,
             cols,
             w4: None,
+            fp8: None,
         })
     }
 

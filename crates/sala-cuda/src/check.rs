@@ -78,6 +78,7 @@ pub fn check_shapes() -> Vec<CheckShape> {
         topk: 4,
         use_nope: false,
         dense_len: 96,
+        ..SparseConfig::default()
     };
     let shape = |heads, kv_heads, head_dim| AttnShape {
         heads,

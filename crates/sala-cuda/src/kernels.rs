@@ -173,7 +173,7 @@ kernel_table! {
     RopeTableRows = rope_table_rows in "elementwise.cu" (inv_freq: Ptr, pos: Ptr, n_rows: I32, half: I32, table: Ptr);
     ScaleRound = scale_round in "elementwise.cu" (x: Ptr, out: Ptr, divisor: F32, n: U64);
     GreedyRows = greedy_rows in "elementwise.cu" (logits: Ptr, vocab: I32, ids: Ptr, logprobs: Ptr);
-    FillRandom = fill_random in "elementwise.cu" (out: Ptr, n: U64, seed: U64, mean: F32, std: F32);
+    FillRandom = fill_random in "elementwise.cu" (out: Ptr, n: U64, first: U64, seed: U64, mean: F32, std: F32);
     // Decode-sized products and the MLP's SiLU.
     Gemv = gemv in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvNarrow = gemv_narrow in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
@@ -189,6 +189,11 @@ kernel_table! {
     GemvW4x8 = gemv_w4_8 in "gemv.cu" (x: Ptr, qw: Ptr, scales: Ptr, bias: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvW4x16 = gemv_w4_16 in "gemv.cu" (x: Ptr, qw: Ptr, scales: Ptr, bias: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     DequantW4 = dequant_w4 in "gemv.cu" (qw: Ptr, scales: Ptr, bias: Ptr, k: I32, g: I32, words: U64, out: Ptr);
+    QuantRowsF8 = quant_rows_f8 in "gemv.cu" (x: Ptr, k: I32, codes: Ptr, values: Ptr, scales: Ptr);
+    GemvF8x8 = gemv_f8_8 in "gemv.cu" (x: Ptr, xs: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvF8x16 = gemv_f8_16 in "gemv.cu" (x: Ptr, xs: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    ScaleRowsCols = scale_rows_cols in "gemv.cu" (y: Ptr, xs: Ptr, ws: Ptr, n: I32, count: U64);
+    DequantF8 = dequant_f8 in "gemv.cu" (codes: Ptr, out: Ptr, count: U64);
     SiluMulHalves8 = silu_mul_halves8 in "elementwise.cu" (gu: Ptr, out: Ptr, inter: I32);
     SiluMulHalves = silu_mul_halves in "elementwise.cu" (gu: Ptr, out: Ptr, rows: I32, inter: I32);
     // Lightning layers.
@@ -204,6 +209,8 @@ kernel_table! {
     LightningOutputs = lightning_outputs in "lightning/two_pass.cu" (q: Ptr, k: Ptr, v: Ptr, chunk_states: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32);
     // Sparse layers: key compression.
     CompressKeys = compress_keys in "sparse/compress.cu" (keys: Ptr, out: Ptr, first_window: I32, n_windows: I32, kv_width: I32, window: I32, stride: I32);
+    CompressKeysF8 = compress_keys_f8 in "sparse/compress.cu" (keys: Ptr, out: Ptr, first_window: I32, n_windows: I32, kv_heads: I32, d: I32, window: I32, stride: I32);
+    KvStoreF8 = kv_store_f8 in "sparse/compress.cu" (k: Ptr, v: Ptr, kc: Ptr, vc: Ptr, rows: I32, kv_heads: I32, d: I32, first: I32);
     // Block selection, bit-exact with the CPU (CUDA cores).
     SparseSelect = sparse_select in "sparse/select_exact.cu" (q: Ptr, k1: Ptr, k2: Ptr, n1: I32, n2: I32, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, block_size: I32, k1_window: I32, k1_stride: I32, k2_window: I32, k2_stride: I32, init_blocks: I32, local_blocks: I32, k_sel: I32, p_scratch: Ptr, p_stride: I32, blocks_out: Ptr);
     SelectLse = select_lse in "sparse/select_exact.cu" (q: Ptr, k1: Ptr, k2: Ptr, n1: I32, n2: I32, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, block_size: I32, k1_window: I32, k1_stride: I32, k2_window: I32, k2_stride: I32, init_blocks: I32, local_blocks: I32, k_sel: I32, p_scratch: Ptr, p_stride: I32, blocks_out: Ptr, lse: Ptr);
@@ -230,6 +237,9 @@ kernel_table! {
     AttentionGather = attention_gather in "sparse/attention.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, stages: I32);
     AttentionDecode = attention_decode in "sparse/attention.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, part: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
     AttentionDecodeRows = attention_decode_rows in "sparse/attention.cu" (q: Ptr, rows: Seqs, part: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
+    AttentionGatherF8 = attention_gather_f8 in "sparse/attention.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, stages: I32);
+    AttentionDecodeF8 = attention_decode_f8 in "sparse/attention.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, part: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
+    AttentionDecodeRowsF8 = attention_decode_rows_f8 in "sparse/attention.cu" (q: Ptr, rows: Seqs, part: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
 }
 
 /// The loaded kernels of one device, launched on one stream, with the plans they run by.

@@ -94,6 +94,15 @@ pub struct DevMatrix {
     pub cols: usize,
     /// The 4-bit form, when the matrix is kept so.
     pub w4: Option<W4Weights>,
+    /// The FP8 form, when the matrix is kept so.
+    pub fp8: Option<Fp8Weights>,
+}
+
+/// An FP8 matrix on the device (`sala_model::Fp8Matrix`): `[rows, cols]` E4M3 codes and an
+/// f32 scale per row.
+pub struct Fp8Weights {
+    pub codes: CudaSlice<u8>,
+    pub scales: CudaSlice<f32>,
 }
 
 /// A 4-bit matrix on the device (`sala_model::QuantMatrix`'s layout): `[rows, cols / 8]` words,
@@ -161,6 +170,11 @@ pub struct DevSparseCache {
     pub(crate) n2: usize,
     pub(crate) cap: usize,
     pub(crate) kv_width: usize,
+    pub(crate) head_dim: usize,
+    /// K and V as FP8 rows (`f8_row_bytes` in sparse/common.cuh), else bf16 values.
+    pub(crate) fp8: bool,
+    /// 16-bit units a token takes in `k` and in `v`.
+    pub(crate) row_units: usize,
 }
 
 /// The backend's own scratch, allowed for on top of the model's buffers: the stacked product
@@ -181,21 +195,37 @@ pub const POOL_BYTES: usize = 256 << 20;
 
 /// What a memory plan counts for this backend with a model of `c` and a step workspace of
 /// `rows` rows: bf16 values, caches in pages of `pool_page` bytes when the page pool is on,
-/// the scratch (more than [`SCRATCH_BYTES`] for chunks whose stacked product outgrows it),
-/// the context and the pool's own cost.
-pub fn memory_facts(c: &ModelConfig, rows: usize, pool_page: Option<usize>) -> BackendMemory {
+/// the scratch (more than [`SCRATCH_BYTES`] for chunks whose stacked product outgrows it;
+/// with FP8 weights, the products' inputs as FP8, and on cards without FP8 tensor cores
+/// (`fp8_tensor_cores` false) their bf16 values and a matrix's), the context and the pool's
+/// own cost.
+pub fn memory_facts(
+    c: &ModelConfig,
+    rows: usize,
+    pool_page: Option<usize>,
+    fp8_tensor_cores: bool,
+) -> BackendMemory {
     let stacked = rows * widest_stacked_projection(c) * BF16;
     // A 4-bit matrix's bf16 values for a prefill product: the widest, [gate; up].
+    let widest_matrix = 2 * c.intermediate_size * c.hidden_size * BF16;
     let dequant = match &c.quantization {
-        Some(_) if rows > 16 => 2 * c.intermediate_size * c.hidden_size * BF16,
+        Some(_) if rows > 16 => widest_matrix,
         _ => 0,
+    };
+    // FP8 inputs: codes (or bf16 values) of the widest input, a scale a row.
+    let widest_input = c.intermediate_size.max(c.num_attention_heads * c.head_dim);
+    let fp8 = match (c.fp8_weights, fp8_tensor_cores) {
+        (false, _) => 0,
+        (true, true) => rows * widest_input + rows * 4 + 16 * widest_input * BF16,
+        (true, false) => rows * widest_input * BF16 + rows * 4 + widest_matrix,
     };
     BackendMemory {
         value_bytes: BF16,
         cache_page: pool_page,
-        scratch: SCRATCH_BYTES.max(stacked + OTHER_SCRATCH_BYTES) + dequant,
+        scratch: SCRATCH_BYTES.max(stacked + OTHER_SCRATCH_BYTES) + dequant + fp8,
         runtime: CONTEXT_BYTES + pool_page.map_or(0, |_| POOL_BYTES),
-        packs_4bit: true,
+        packs_quantized: true,
+        packs_fp8_kv: true,
     }
 }
 
@@ -233,8 +263,12 @@ pub(crate) struct Scratch {
     /// (`RopeKey`): every lightning layer of a forward pass uses the same table.
     pub rope: Option<CudaSlice<f32>>,
     pub rope_key: Option<RopeKey>,
-    /// A 4-bit matrix's rows in bf16, for a cuBLAS product.
+    /// A 4-bit matrix's rows in bf16, for a cuBLAS product (and an FP8 one's code values).
     pub dequant: Option<CudaSlice<u16>>,
+    /// A product's inputs as FP8 (`quant_rows_f8`): their codes or their bf16 values, and
+    /// their scales.
+    pub f8_in: Option<CudaSlice<u16>>,
+    pub f8_scales: Option<CudaSlice<f32>>,
 }
 
 impl Scratch {
@@ -261,6 +295,8 @@ impl Scratch {
         h = mix(h, &self.p16, stream);
         h = mix(h, &self.topk_keys, stream);
         h = mix(h, &self.dequant, stream);
+        h = mix(h, &self.f8_in, stream);
+        h = mix(h, &self.f8_scales, stream);
         mix(h, &self.rope, stream)
     }
 }
@@ -454,9 +490,9 @@ impl CudaBackend {
         } else {
             needed.max(2 * c.cap).max(256)
         };
-        let kw = c.kv_width;
-        self.grow_store(&mut c.k, c.len * kw, cap * kw)?;
-        self.grow_store(&mut c.v, c.len * kw, cap * kw)?;
+        let (kw, ru) = (c.kv_width, c.row_units);
+        self.grow_store(&mut c.k, c.len * ru, cap * ru)?;
+        self.grow_store(&mut c.v, c.len * ru, cap * ru)?;
         let n1 = windows(cap, cfg.k1_window(), cfg.k1_stride()) + 1;
         self.grow_store(&mut c.k1, c.n1 * kw, n1 * kw)?;
         let n2 = windows(cap, cfg.k2_window(), cfg.k2_stride()) + 1;
@@ -468,7 +504,7 @@ impl CudaBackend {
     /// Makes `dst` (an empty cache of the same width) hold what `src` holds; `dst` keeps its
     /// reservation where it is large enough, else takes `src`'s capacity.
     pub(crate) fn copy_cache(&self, src: &DevSparseCache, dst: &mut DevSparseCache) -> BResult<()> {
-        if src.kv_width != dst.kv_width || dst.len != 0 {
+        if src.kv_width != dst.kv_width || src.fp8 != dst.fp8 || dst.len != 0 {
             return Err(BackendError(
                 "copy_sparse_cache: the target is not an empty cache of the same shape".into(),
             ));
@@ -481,9 +517,9 @@ impl CudaBackend {
             self.grow_store(&mut dst.k2, 0, src.k2.len())?;
             dst.cap = src.cap;
         }
-        let kw = src.kv_width;
-        self.copy(&dst.k, 0, &src.k, 0, src.len * kw)?;
-        self.copy(&dst.v, 0, &src.v, 0, src.len * kw)?;
+        let (kw, ru) = (src.kv_width, src.row_units);
+        self.copy(&dst.k, 0, &src.k, 0, src.len * ru)?;
+        self.copy(&dst.v, 0, &src.v, 0, src.len * ru)?;
         self.copy(&dst.k1, 0, &src.k1, 0, src.n1 * kw)?;
         self.copy(&dst.k2, 0, &src.k2, 0, src.n2 * kw)?;
         (dst.len, dst.n1, dst.n2) = (src.len, src.n1, src.n2);
@@ -588,23 +624,25 @@ mod tests {
     fn facts_of_the_released_preset_at_8192_rows() {
         let c = released();
         assert_eq!(
-            memory_facts(&c, 8192, None),
+            memory_facts(&c, 8192, None, true),
             BackendMemory {
                 value_bytes: 2,
                 cache_page: None,
                 scratch: 576 * MIB,
                 runtime: 600 * MIB,
-                packs_4bit: true,
+                packs_quantized: true,
+                packs_fp8_kv: true,
             }
         );
         assert_eq!(
-            memory_facts(&c, 8192, Some(2 * MIB)),
+            memory_facts(&c, 8192, Some(2 * MIB), true),
             BackendMemory {
                 value_bytes: 2,
                 cache_page: Some(2 * MIB),
                 scratch: 576 * MIB,
                 runtime: (600 + 256) * MIB,
-                packs_4bit: true,
+                packs_quantized: true,
+                packs_fp8_kv: true,
             }
         );
     }
@@ -612,7 +650,7 @@ mod tests {
     #[test]
     fn plan_at_1m_tokens_matches_perf_md() {
         let c = released();
-        let p = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, None));
+        let p = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, None, true));
         let gib = |b: usize| b as f64 / GIB;
         // PERF.md: weights 17.65 GiB, K/V 8 GiB, lightning state 48 MiB.
         assert!((gib(p.weights) - 17.65).abs() < 0.005, "{}", gib(p.weights));
@@ -642,7 +680,7 @@ mod tests {
     #[test]
     fn plan_grows_with_the_chunk_and_differs_from_the_cpus() {
         let c = released();
-        let p = |ctx, rows| MemoryPlan::new(&c, ctx, rows, &memory_facts(&c, rows, None));
+        let p = |ctx, rows| MemoryPlan::new(&c, ctx, rows, &memory_facts(&c, rows, None, true));
         assert!(p(4096, 8192).total() < p(8192, 8192).total());
         // A 16K-row chunk's stacked product (4 x 4096 columns, bf16) outgrows the constant.
         assert_eq!(p(4096, 16384).scratch, 16384 * 16384 * 2 + 320 * MIB);
@@ -657,11 +695,37 @@ mod tests {
     }
 
     #[test]
+    fn an_fp8_cache_counts_codes_and_scales_on_the_gpu_and_values_on_the_cpu() {
+        let mut c = released();
+        let bf16 = MemoryPlan::new(
+            &c,
+            1 << 20,
+            8192,
+            &memory_facts(&c, 8192, Some(2 * MIB), true),
+        );
+        c.sparse.kv_cache = sala_checkpoint::KvCacheDtype::Fp8;
+        let fp8 = MemoryPlan::new(
+            &c,
+            1 << 20,
+            8192,
+            &memory_facts(&c, 8192, Some(2 * MIB), true),
+        );
+        // 8 sparse layers, K and V, 256 codes and two 4-byte scales padded to 16 a token.
+        assert_eq!(fp8.cache.kv, 8 * 2 * (1 << 20) * 272);
+        assert_eq!(bf16.cache.kv, 8 * 2 * (1 << 20) * 512);
+        assert_eq!(fp8.cache.compressed, bf16.cache.compressed);
+        assert_eq!(fp8.cache.lightning_state, bf16.cache.lightning_state);
+        // The CPU keeps an FP8 cache's values (as f32), so its plan does not shrink.
+        let cpu = MemoryPlan::new(&c, 4096, 8192, &CpuBackend.memory_facts(&c, 8192));
+        assert_eq!(cpu.cache.kv, 8 * 2 * 4096 * 256 * 4);
+    }
+
+    #[test]
     fn the_pool_costs_its_pages_and_its_own_bytes() {
         let c = released();
         let page = 2 * MIB;
-        let plain = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, None));
-        let pool = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, Some(page)));
+        let plain = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, None, true));
+        let pool = MemoryPlan::new(&c, 1 << 20, 8192, &memory_facts(&c, 8192, Some(page), true));
         assert_eq!(pool.cache.kv, plain.cache.kv);
         assert!(pool.cache.compressed > plain.cache.compressed);
         assert_eq!(pool.scratch, plain.scratch);

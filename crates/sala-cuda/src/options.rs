@@ -85,6 +85,8 @@ pub struct CudaOptions {
     pub pdl: bool,
     /// Decode steps (up to 64 rows) that repeat are captured into CUDA graphs and replayed.
     pub cuda_graphs: bool,
+    /// FP8 GEMMs scaled by cuBLASLt's vector scales where it has them (else a pass after).
+    pub fp8_vector_scales: bool,
 }
 
 impl Default for CudaOptions {
@@ -104,12 +106,13 @@ impl Default for CudaOptions {
             profile_kernels: false,
             pdl: true,
             cuda_graphs: true,
+            fp8_vector_scales: true,
         }
     }
 }
 
 /// Every name `SALA_FALLBACK` takes, and what it selects.
-pub const FALLBACK_NAMES: [&str; 9] = [
+pub const FALLBACK_NAMES: [&str; 10] = [
     "attention",
     "lightning",
     "lightning-split",
@@ -119,6 +122,7 @@ pub const FALLBACK_NAMES: [&str; 9] = [
     "gemv-mma",
     "sparse-rows",
     "wgmma",
+    "fp8-scales",
 ];
 
 impl CudaOptions {
@@ -208,6 +212,9 @@ impl CudaOptions {
         }
         if has("sparse-rows") {
             self.batched_sparse_rows = false;
+        }
+        if has("fp8-scales") {
+            self.fp8_vector_scales = false;
         }
         self.decode_gemv = match (has("gemv-mma"), has("gemv")) {
             (false, _) => self.decode_gemv,

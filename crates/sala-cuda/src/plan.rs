@@ -8,7 +8,7 @@
 use crate::device::DeviceLimits;
 use crate::kernels::K;
 use crate::options::{Attention, CudaOptions, LightningPrefill, SelectScores};
-use sala_checkpoint::SparseConfig;
+use sala_checkpoint::{KvCacheDtype, SparseConfig};
 use sala_model::{AttnShape, SparseMode};
 
 /// One launch's geometry.
@@ -85,6 +85,12 @@ pub const GATHER_SHAPES: [(usize, usize); 5] = [(4, 3), (3, 2), (2, 3), (2, 2), 
 /// Bytes of one `attention_gather` stage: K and V of [`GATHER_KEYS`] keys of head size `d`.
 pub fn gather_stage_bytes(d: usize) -> usize {
     2 * GATHER_KEYS * d * 2
+}
+
+/// Bytes of one `attention_gather_f8` stage: K and V codes of [`GATHER_KEYS`] keys of head
+/// size `d`, then their K and V scales.
+pub fn gather_stage_bytes_fp8(d: usize) -> usize {
+    2 * GATHER_KEYS * d + 2 * GATHER_KEYS * 4
 }
 
 pub const LIGHTNING_TWO_PASS_ROWS: usize = 256;
@@ -284,7 +290,7 @@ impl Planner {
             // The block bitmap of attention_prefill (at most 9 KiB, see prefill_attention_fits).
             K::AttentionPrefill => 9 << 10,
             // Its rings: the first of GATHER_SHAPES that fits, up to all the device allows.
-            K::AttentionGather => usize::MAX,
+            K::AttentionGather | K::AttentionGatherF8 => usize::MAX,
             _ => 0,
         };
         need.min(self.smem_budget(k))
@@ -533,6 +539,11 @@ impl Planner {
         Launch::linear(n_windows * kv_width, 256)
     }
 
+    /// `kv_store_f8`: a warp per (row, KV head, K or V), four warps a block.
+    pub fn kv_store_fp8(&self, rows: usize, kv_heads: usize) -> Launch {
+        Launch::new(((rows * kv_heads * 2).div_ceil(4), 1, 1), 128, 0)
+    }
+
     /// The attention for `t` queries of a sequence now holding `len` tokens.
     pub fn attention(
         &self,
@@ -544,6 +555,13 @@ impl Planner {
     ) -> AttentionPlan {
         let walk = self.warp_walk(shape, cfg, mode);
         let pairs = t * shape.kv_heads;
+        // FP8 caches are read by the warp-walk kernels only (`fp8_cache_fits`), dense or not.
+        if cfg.kv_cache == KvCacheDtype::Fp8 {
+            return match pairs < SELECT_ONE_KERNEL_PAIRS {
+                true => AttentionPlan::Decode,
+                false => AttentionPlan::Gather,
+            };
+        }
         if walk && pairs < SELECT_ONE_KERNEL_PAIRS {
             return AttentionPlan::Decode;
         }
@@ -597,10 +615,18 @@ impl Planner {
     /// through `stages` shared-memory stages of [`GATHER_KEYS`] keys of K and V. The first
     /// shape of [`GATHER_SHAPES`] that fits this device's shared memory.
     pub fn attention_gather(&self, t: usize, kv_heads: usize, d: usize) -> (Launch, usize) {
-        let stage = gather_stage_bytes(d);
+        self.gather_launch(K::AttentionGather, gather_stage_bytes(d), t, kv_heads)
+    }
+
+    /// `attention_gather_f8`: as [`Planner::attention_gather`], with FP8 stages.
+    pub fn attention_gather_fp8(&self, t: usize, kv_heads: usize, d: usize) -> (Launch, usize) {
+        self.gather_launch(K::AttentionGatherF8, gather_stage_bytes_fp8(d), t, kv_heads)
+    }
+
+    fn gather_launch(&self, k: K, stage: usize, t: usize, kv_heads: usize) -> (Launch, usize) {
         let (warps, stages) = GATHER_SHAPES
             .into_iter()
-            .find(|&(w, s)| self.fits(K::AttentionGather, w * s * stage))
+            .find(|&(w, s)| self.fits(k, w * s * stage))
             .unwrap_or((1, 2));
         let launch = Launch::new(
             ((t * kv_heads).div_ceil(warps), 1, 1),
@@ -780,12 +806,29 @@ impl Planner {
                                     self.attention_decode(pairs, split),
                                     &what,
                                 );
+                                add(
+                                    K::AttentionDecodeF8,
+                                    self.attention_decode(pairs, split),
+                                    &what,
+                                );
+                                add(
+                                    K::AttentionDecodeRowsF8,
+                                    self.attention_decode(pairs, split),
+                                    &what,
+                                );
                             }
-                            AttentionPlan::Gather => add(
-                                K::AttentionGather,
-                                self.attention_gather(rows, a.kv_heads, a.head_dim).0,
-                                &what,
-                            ),
+                            AttentionPlan::Gather => {
+                                add(
+                                    K::AttentionGather,
+                                    self.attention_gather(rows, a.kv_heads, a.head_dim).0,
+                                    &what,
+                                );
+                                add(
+                                    K::AttentionGatherF8,
+                                    self.attention_gather_fp8(rows, a.kv_heads, a.head_dim).0,
+                                    &what,
+                                );
+                            }
                             AttentionPlan::Prefill => add(
                                 K::AttentionPrefill,
                                 self.attention_prefill(rows, a.kv_heads, mode, len),
@@ -1012,6 +1055,11 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::GemvW4x8, GEMV_MMA_THREADS),
     (K::GemvW4x16, GEMV_MMA_THREADS),
     (K::DequantW4, 256),
+    (K::QuantRowsF8, 256),
+    (K::GemvF8x8, GEMV_MMA_THREADS),
+    (K::GemvF8x16, GEMV_MMA_THREADS),
+    (K::ScaleRowsCols, 256),
+    (K::DequantF8, 256),
     (K::GemvMma8, GEMV_MMA_THREADS),
     (K::GemvMma16, GEMV_MMA_THREADS),
     (K::GemvSiluMma8, GEMV_MMA_THREADS),
@@ -1021,6 +1069,8 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::GemvSiluMma32, GEMV_MMA_THREADS),
     (K::GemvSiluMma64, GEMV_MMA_THREADS),
     (K::CompressKeys, 256),
+    (K::CompressKeysF8, 256),
+    (K::KvStoreF8, 128),
     (K::LightningRangeStates, 256),
     (K::LightningChunkScan, 256),
     (K::SelectTopk, 256),
@@ -1065,6 +1115,22 @@ pub fn decode_select_fits(shape: AttnShape, cfg: &SparseConfig, len: usize) -> b
         && w >= 1
         && cfg.block_size == w * cfg.k1_stride()
         && candidate_blocks(len, cfg) <= SD_TOPK_MAX_CANDIDATES
+}
+
+/// Shapes an FP8 K/V cache serves: the warp-walk kernels read it (`attention_decode_f8`), so
+/// at most 16 query heads per KV group, head_dim 64 or 128 and 64-token blocks.
+pub fn fp8_cache_fits(shape: AttnShape, cfg: &SparseConfig) -> Result<(), String> {
+    if shape.group() <= 16 && matches!(shape.head_dim, 64 | 128) && cfg.block_size == 64 {
+        return Ok(());
+    }
+    Err(format!(
+        "an FP8 K/V cache on CUDA needs at most 16 query heads per KV group, head_dim 64 or \
+         128 and blocks of 64 tokens; this model has {} heads per group, head_dim {} and \
+         blocks of {} (use --kv-cache-dtype bf16, or the CPU)",
+        shape.group(),
+        shape.head_dim,
+        cfg.block_size
+    ))
 }
 
 /// Shapes `attention_prefill` handles: at most 16 query heads per KV group, head_dim a

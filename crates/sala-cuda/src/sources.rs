@@ -15,6 +15,7 @@ macro_rules! kernel_sources {
 /// The headers, by the name the sources include them by (their path under `kernels/`).
 pub const HEADERS: &[(&str, &str)] = kernel_sources![
     "common/types.cuh",
+    "common/fp8.cuh",
     "common/mma.cuh",
     "common/rows.cuh",
     "common/head_norm.cuh",

@@ -87,6 +87,50 @@ impl HostTensor<'_> {
 /// lowest nibble first; row `r`'s inputs in groups of `group`, each with a scale and a zero (a
 /// whole number, 0 to 16): value = bf16((q − zero) · bf16(scale)) (the product is exact in f32,
 /// so a backend computing it in bf16 pairs gets the same bits).
+/// An FP8 weight `[rows = out, cols = in]`: E4M3 codes by rows and an f32 scale per row
+/// (amax / 448 of the row). A product with it takes its input rows as E4M3 too, each at its
+/// own scale ([`crate::numerics::fp8_quantize_row`]), and gives
+/// `(Σ_i e4m3(x_i) · e4m3(w_oi)) · x_scale · w_scale_o` (sums in f32), rounded to bf16.
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8Matrix<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+}
+
+impl Fp8Matrix<'_> {
+    /// Errors unless the sizes agree and no code is NaN.
+    pub fn check(&self, name: &str) -> BResult<()> {
+        let ok = self.codes.len() == self.rows * self.cols
+            && self.scales.len() == self.rows
+            && self.scales.iter().all(|s| s.is_finite() && *s > 0.0)
+            && !self.codes.iter().any(|&c| c & 0x7f == 0x7f);
+        if ok {
+            return Ok(());
+        }
+        Err(BackendError(format!(
+            "weight {name}: an FP8 [{}, {}] matrix with {} codes and {} scales (scales must be \
+             positive and finite, codes not NaN)",
+            self.rows,
+            self.cols,
+            self.codes.len(),
+            self.scales.len()
+        )))
+    }
+}
+
+/// Quantizes `[rows, cols]` values to FP8 rows: the codes and scales of an [`Fp8Matrix`].
+pub fn quantize_fp8(values: &[f32], rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut codes = vec![0u8; rows * cols];
+    let scales = values
+        .chunks(cols.max(1))
+        .zip(codes.chunks_mut(cols.max(1)))
+        .map(|(row, c)| crate::numerics::fp8_quantize_row(row, c))
+        .collect();
+    (codes, scales)
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct QuantMatrix<'a> {
     pub rows: usize,
@@ -229,6 +273,37 @@ pub trait Backend {
                 dtype: HostDType::Bf16,
                 shape: &[q.rows, q.cols],
                 bytes: &bytes,
+            },
+        )
+    }
+
+    /// An FP8 weight ([`Fp8Matrix`]), for backends with FP8 products (`--quantize fp8`).
+    fn upload_fp8(&self, name: &str, _m: Fp8Matrix<'_>) -> BResult<Self::Matrix> {
+        Err(BackendError(format!(
+            "weight {name}: the {} backend has no FP8 weights",
+            self.name()
+        )))
+    }
+    /// A `[rows, cols]` FP8 matrix of seeded random codes of about `std` (benchmarks).
+    fn random_fp8(&self, rows: usize, cols: usize, seed: u64, std: f32) -> BResult<Self::Matrix> {
+        let mut state = seed ^ 0x2545_f491_4f6c_dd1d;
+        let mut codes = Vec::with_capacity(rows * cols + 8);
+        while codes.len() < rows * cols {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Sign, exponent 0..7 and mantissa: never NaN, values up to 1.875 (spread ~0.45).
+            codes.extend(state.to_le_bytes().map(|b| b & 0xbf));
+        }
+        codes.truncate(rows * cols);
+        let scales = vec![std / 0.45; rows];
+        self.upload_fp8(
+            "random",
+            Fp8Matrix {
+                rows,
+                cols,
+                codes: &codes,
+                scales: &scales,
             },
         )
     }

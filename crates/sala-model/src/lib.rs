@@ -11,8 +11,8 @@ pub mod sequence;
 pub mod testing;
 
 pub use backend::{
-    AttnIo, BResult, Backend, BackendError, HostDType, HostTensor, LogitsOut, QuantMatrix, Span,
-    StepInfo, STEPWISE_SPAN_ROWS,
+    quantize_fp8, AttnIo, BResult, Backend, BackendError, Fp8Matrix, HostDType, HostTensor,
+    LogitsOut, QuantMatrix, Span, StepInfo, STEPWISE_SPAN_ROWS,
 };
 pub use model::{
     AuxCapture, GreedyPick, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits,

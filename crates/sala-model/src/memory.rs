@@ -3,7 +3,7 @@
 //! [`MemoryPlan`] adding the chunk workspace and what the backend states of its own memory
 //! ([`BackendMemory`]), which a request is checked against before any work.
 
-use sala_checkpoint::{MixerKind, ModelConfig};
+use sala_checkpoint::{KvCacheDtype, MixerKind, ModelConfig};
 
 /// Bytes of one bf16 value.
 pub const BF16: usize = 2;
@@ -24,8 +24,18 @@ pub struct BackendMemory {
     pub scratch: usize,
     /// Fixed runtime bytes (e.g. a GPU context).
     pub runtime: usize,
-    /// 4-bit weights are kept packed ([`crate::Backend::upload_quantized`]), not as values.
-    pub packs_4bit: bool,
+    /// 4-bit and FP8 weights are kept packed ([`crate::Backend::upload_quantized`],
+    /// [`crate::Backend::upload_fp8`]), not as values.
+    pub packs_quantized: bool,
+    /// An FP8 K/V cache is kept as codes and scales ([`fp8_kv_row_bytes`] a token and layer
+    /// for K, the same for V), not as values.
+    pub packs_fp8_kv: bool,
+}
+
+/// Bytes of a token's FP8 K (or V) row in a sparse layer: `kv_heads · head_dim` E4M3 codes,
+/// then an f32 scale per KV head, padded to a multiple of 16 bytes.
+pub fn fp8_kv_row_bytes(kv_heads: usize, head_dim: usize) -> usize {
+    kv_heads * head_dim + (4 * kv_heads).next_multiple_of(16)
 }
 
 /// Bytes of one sequence's cache at `context` tokens.
@@ -45,19 +55,21 @@ impl CacheBytes {
     }
 }
 
-/// Cache bytes with K, V and compressed keys in bf16 (as on the GPU).
+/// Cache bytes with compressed keys in bf16 and K, V in the cache's dtype (as on the GPU).
 pub fn cache_bytes(c: &ModelConfig, context: usize) -> CacheBytes {
-    cache_bytes_with(c, context, BF16, None)
+    cache_bytes_with(c, context, BF16, None, true)
 }
 
-/// Cache bytes with K, V and compressed keys stored in `value_bytes` each; with `page`, each
-/// buffer (a sparse layer's K and V, its level-1 and level-2 keys with one spare row each as
-/// a reserved cache holds them, a lightning layer's state) rounded up to whole pages.
+/// Cache bytes with K, V and compressed keys stored in `value_bytes` each (K and V as FP8
+/// rows instead for an FP8 cache when `packs_fp8`); with `page`, each buffer (a sparse
+/// layer's K and V, its level-1 and level-2 keys with one spare row each as a reserved cache
+/// holds them, a lightning layer's state) rounded up to whole pages.
 fn cache_bytes_with(
     c: &ModelConfig,
     context: usize,
     value_bytes: usize,
     page: Option<usize>,
+    packs_fp8: bool,
 ) -> CacheBytes {
     let sparse = c.layer_count(MixerKind::Sparse);
     let lightning = c.layer_count(MixerKind::Lightning);
@@ -72,17 +84,21 @@ fn cache_bytes_with(
     let n1 = windows(s.k1_window(), s.k1_stride());
     let n2 = windows(s.k2_window(), s.k2_stride());
     let row = c.kv_dim() * value_bytes;
+    let kv_row = match c.sparse.kv_cache {
+        KvCacheDtype::Fp8 if packs_fp8 => fp8_kv_row_bytes(c.num_key_value_heads, c.head_dim),
+        _ => row,
+    };
     let state = c.num_attention_heads * c.head_dim * c.head_dim * F32;
     match page {
         None => CacheBytes {
-            kv: sparse * 2 * context * row,
+            kv: sparse * 2 * context * kv_row,
             compressed: sparse * (n1 + n2) * row,
             lightning_state: lightning * state,
         },
         Some(page) => {
             let pages = |bytes: usize| bytes.div_ceil(page.max(1)) * page.max(1);
             CacheBytes {
-                kv: sparse * 2 * pages(context * row),
+                kv: sparse * 2 * pages(context * kv_row),
                 compressed: sparse * (pages((n1 + 1) * row) + pages((n2 + 1) * row)),
                 lightning_state: lightning * pages(state),
             }
@@ -105,16 +121,23 @@ pub fn weight_bytes(c: &ModelConfig) -> usize {
 }
 
 /// Bytes of the weights held as values of `value_bytes`, quantized linears packed when
-/// `packs_4bit` (half a byte a weight, a bf16 scale and zero a group of a row) where the 4-bit
-/// products take their shape (inputs and group multiples of 32).
-pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_4bit: bool) -> usize {
+/// `packs_quantized`: 4-bit ones at half a byte a weight and a bf16 scale and zero a group of a
+/// row where the 4-bit products take their shape (inputs and group multiples of 32), FP8 ones
+/// at a byte a weight and an f32 scale a row.
+pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_quantized: bool) -> usize {
     sala_checkpoint::expected_tensors(c)
         .iter()
         .map(|t| {
             let n = t.numel();
             let linear = matches!(t.place, sala_checkpoint::Place::Layer(..)) && t.shape.len() == 2;
+            if c.fp8_weights && linear {
+                return match packs_quantized {
+                    true => n + t.shape[0] * F32,
+                    false => n * value_bytes,
+                };
+            }
             match &c.quantization {
-                Some(q) if packs_4bit && linear && q.quantizes(&t.name) => {
+                Some(q) if packs_quantized && linear && q.quantizes(&t.name) => {
                     let (rows, cols) = (t.shape[0], t.shape[1]);
                     let g = q.group_size.unwrap_or(cols);
                     if cols % 32 == 0 && g % 32 == 0 {
@@ -179,8 +202,8 @@ impl MemoryPlan {
         Self {
             context,
             rows,
-            weights: weights_held(c, vb, facts.packs_4bit),
-            cache: cache_bytes_with(c, context, vb, facts.cache_page),
+            weights: weights_held(c, vb, facts.packs_quantized),
+            cache: cache_bytes_with(c, context, vb, facts.cache_page, facts.packs_fp8_kv),
             workspace: rows * row * vb,
             scratch: facts.scratch,
             runtime: facts.runtime,
@@ -332,7 +355,8 @@ mod tests {
             cache_page: page,
             scratch: 0,
             runtime: 0,
-            packs_4bit: false,
+            packs_quantized: false,
+            packs_fp8_kv: false,
         }
     }
 

@@ -1,7 +1,8 @@
 //! The MiniCPM-SALA forward pass (SPEC §3–§7), written once over [`Backend`].
 
 use crate::backend::{
-    AttnIo, BResult, Backend, BackendError, HostTensor, QuantMatrix, Span, StepInfo,
+    quantize_fp8, AttnIo, BResult, Backend, BackendError, Fp8Matrix, HostTensor, QuantMatrix, Span,
+    StepInfo,
 };
 use crate::memory::{workspace_columns, WORKSPACE_BUFFERS};
 use crate::numerics::rope_inv_freq;
@@ -382,6 +383,8 @@ enum Source<'a> {
 struct Loader<'a, B: Backend> {
     be: &'a B,
     src: Source<'a>,
+    /// The decoder layers' linears in FP8 (`ModelConfig::fp8_weights`).
+    fp8: bool,
     done: usize,
     total: usize,
     progress: &'a mut dyn FnMut(usize, usize),
@@ -448,6 +451,27 @@ impl<B: Backend> Loader<'_, B> {
         let name = &tensor_name(role, place);
         self.step();
         let be = self.be;
+        if self.fp8 && matches!(place, Place::Layer(..)) {
+            if let Some(r) = self.random_spec(name)? {
+                return be.random_fp8(r.shape[0], r.shape[1], r.seed, r.std);
+            }
+            return self.fetch(name, |t| {
+                let [rows, cols] = t.shape[..] else {
+                    return Err(BackendError(format!(
+                        "weight {name}: expected 2 dimensions, got shape {:?}",
+                        t.shape
+                    )));
+                };
+                let (codes, scales) = quantize_fp8(&t.to_f32(), rows, cols);
+                let m = Fp8Matrix {
+                    rows,
+                    cols,
+                    codes: &codes,
+                    scales: &scales,
+                };
+                be.upload_fp8(name, m)
+            });
+        }
         if let Some(r) = self.random_spec(name)? {
             // A quantized config's linears come as random 4-bit matrices.
             if let Source::Random { config, .. } = &self.src {
@@ -532,9 +556,15 @@ impl<B: Backend> Model<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> BResult<Self> {
         let c = &config;
+        if c.fp8_weights && c.quantization.is_some() {
+            return Err(BackendError(
+                "FP8 weights are made from a bf16 checkpoint; this one is already 4-bit".into(),
+            ));
+        }
         let mut ld = Loader {
             be,
             src,
+            fp8: c.fp8_weights,
             done: 0,
             total: expected_tensors(c).len(),
             progress,

@@ -96,3 +96,168 @@ pub fn random_normal(i: u64, seed: u64, mean: f32, std: f32) -> f32 {
     let a = z.abs().clamp(0.001, 6.0);
     bf16_round(mean + std * a.copysign(z))
 }
+
+/// The largest finite FP8 E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// The FP8 E4M3 code of `x`: round to nearest, ties to even, saturating at ±448 (NaN gives
+/// 0x7f). The GPU's `e4m3_code` in `sparse/common.cuh` is the same function bit for bit.
+pub fn e4m3_code(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = x.abs();
+    if a.is_nan() {
+        return 0x7f;
+    }
+    let magnitude = if a < 1.0 / 64.0 {
+        // Subnormals: multiples of 2^-9; 8 of them is the least normal (code 0x08).
+        (a * 512.0).round_ties_even() as u32
+    } else {
+        // Keep 3 mantissa bits (ties to even), then rebias the exponent from 127 to 7.
+        let bits = a.to_bits();
+        let rounded = (bits + 0x7ffff + ((bits >> 20) & 1)) >> 20;
+        (rounded - ((127 - 7) << 3)).min(0x7e)
+    };
+    sign | magnitude as u8
+}
+
+/// The value of the FP8 E4M3 code `c` (0x7f and 0xff are NaN).
+pub fn e4m3_value(c: u8) -> f32 {
+    let (e, m) = ((c >> 3) & 15, (c & 7) as f32);
+    let magnitude = match (e, c & 0x7f) {
+        (_, 0x7f) => f32::NAN,
+        (0, _) => m / 512.0,
+        _ => (8.0 + m) * 2f32.powi(e as i32 - 10),
+    };
+    if c & 0x80 != 0 {
+        -magnitude
+    } else {
+        magnitude
+    }
+}
+
+/// The FP8 cache's scale of one K or V row (a token's `head_dim` values of one KV head):
+/// amax / 448, so the row's largest value gets the largest code; 1 for a row of zeros (or
+/// one so small that amax / 448 is zero).
+pub fn fp8_row_scale(row: &[f32]) -> f32 {
+    let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())) / E4M3_MAX;
+    if scale > 0.0 {
+        scale
+    } else {
+        1.0
+    }
+}
+
+/// A row as FP8: its scale ([`fp8_row_scale`]) and each value's E4M3 code at that scale.
+pub fn fp8_quantize_row(row: &[f32], codes: &mut [u8]) -> f32 {
+    let scale = fp8_row_scale(row);
+    for (c, &x) in codes.iter_mut().zip(row) {
+        *c = e4m3_code(x / scale);
+    }
+    scale
+}
+
+/// Rounds K or V rows (`head_dim` values a KV head, heads after each other) to what an FP8
+/// cache holds: each row's codes at its own scale, read back as code × scale.
+pub fn fp8_round_kv(values: &mut [f32], head_dim: usize) {
+    let mut codes = vec![0u8; head_dim];
+    for row in values.chunks_mut(head_dim) {
+        let scale = fp8_quantize_row(row, &mut codes);
+        for (x, &c) in row.iter_mut().zip(&codes) {
+            *x = e4m3_value(c) * scale;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_e4m3_code_reads_back_to_itself() {
+        for c in 0..=255u8 {
+            if c & 0x7f == 0x7f {
+                assert!(e4m3_value(c).is_nan());
+                continue;
+            }
+            let v = e4m3_value(c);
+            // Zero has two codes; the positive one comes back for +0.
+            let want = if c == 0x80 { 0x80 } else { c };
+            assert_eq!(e4m3_code(v), want, "code {c:#04x} value {v}");
+        }
+        assert_eq!(e4m3_value(0x7e), E4M3_MAX);
+        assert_eq!(e4m3_value(0x01), 1.0 / 512.0);
+        assert_eq!(e4m3_value(0x08), 1.0 / 64.0);
+    }
+
+    #[test]
+    fn e4m3_rounds_to_nearest_even_and_saturates() {
+        // Between 1 (0x38) and 1.125 (0x39): the midpoint goes to the even code.
+        assert_eq!(e4m3_code(1.0625), 0x38);
+        assert_eq!(e4m3_code(1.0626), 0x39);
+        // Between 1.125 and 1.25 (0x3a): the midpoint goes up to the even code.
+        assert_eq!(e4m3_code(1.1875), 0x3a);
+        // Subnormal midpoint 1.5 * 2^-9 goes to 2 * 2^-9.
+        assert_eq!(e4m3_code(1.5 / 512.0), 0x02);
+        assert_eq!(e4m3_code(0.5 / 512.0), 0x00);
+        assert_eq!(e4m3_code(-3.0), 0x80 | e4m3_code(3.0));
+        for big in [448.0, 463.9, 464.0, 1e9, f32::INFINITY] {
+            assert_eq!(e4m3_code(big), 0x7e, "{big}");
+        }
+        assert_eq!(e4m3_code(f32::NAN), 0x7f);
+        // Every value between two codes rounds to the nearer one.
+        let mut rng = TestRng::new(3);
+        for _ in 0..20000 {
+            let x = (rng.uniform() as f32 * 2.0 - 1.0) * 460.0 * (rng.uniform() as f32).powi(8);
+            let got = e4m3_value(e4m3_code(x));
+            let nearest = (0..=0x7eu8)
+                .flat_map(|c| [c, c | 0x80])
+                .map(e4m3_value)
+                .fold(f32::INFINITY, |b, v| {
+                    if (v - x).abs() < (b - x).abs() {
+                        v
+                    } else {
+                        b
+                    }
+                });
+            assert_eq!(
+                (got - x).abs(),
+                (nearest - x).abs(),
+                "{x}: {got} vs {nearest}"
+            );
+        }
+    }
+
+    #[test]
+    fn fp8_kv_rows_keep_a_sixteenth_of_each_rows_largest_value() {
+        let mut rng = TestRng::new(9);
+        let d = 64;
+        // Rows of very different magnitudes, one of zeros.
+        let mut x: Vec<f32> = (0..4 * d)
+            .map(|i| {
+                let row = i / d;
+                if row == 2 {
+                    0.0
+                } else {
+                    bf16_round((rng.uniform() as f32 - 0.5) * 10f32.powi(row as i32 * 3 - 4))
+                }
+            })
+            .collect();
+        let orig = x.clone();
+        fp8_round_kv(&mut x, d);
+        for (row, (a, b)) in orig.chunks(d).zip(x.chunks(d)).enumerate() {
+            let amax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (u, v) in a.iter().zip(b) {
+                assert!(
+                    (u - v).abs() <= amax / 16.0 * 1.0001,
+                    "row {row}: {u} -> {v}"
+                );
+            }
+            let big = a.iter().position(|v| v.abs() == amax).unwrap();
+            assert!(
+                (a[big] - b[big]).abs() <= amax * 1e-6,
+                "row {row}'s largest value moved"
+            );
+        }
+        assert!(x[2 * d..3 * d].iter().all(|&v| v == 0.0));
+    }
+}

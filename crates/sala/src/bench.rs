@@ -27,8 +27,8 @@ pub struct BenchArgs {
     /// A config.json to use instead of a preset (random weights).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// The weights' format: `bf16`, or `w4` / `w4:G` (4-bit, groups of 128 or G inputs, the
-    /// linear layers; random values).
+    /// The weights' format: `bf16`, `fp8` (the decoder linears in FP8, as `--quantize fp8`),
+    /// or `w4` / `w4:G` (4-bit, groups of 128 or G inputs, the linear layers); random values.
     #[arg(long, default_value = "bf16")]
     weights: String,
     /// Context lengths (prompt tokens), comma-separated; K and M suffixes allowed.
@@ -217,8 +217,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         None => preset(&args.preset)?,
     };
     let mut config = config;
+    args.device.choices()?.apply(&mut config);
+    if args.weights == "fp8" {
+        config.fp8_weights = true;
+    }
     config.quantization = match args.weights.split_once(':') {
-        None if args.weights == "bf16" => None,
+        None if args.weights == "bf16" || args.weights == "fp8" => None,
         None if args.weights == "w4" => Some(128),
         Some(("w4", g)) => match g.parse::<usize>() {
             Ok(g) if g > 0 && g % 8 == 0 => Some(g),
@@ -227,7 +231,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 args.weights
             ),
         },
-        _ => bail!("--weights {}: expected bf16, w4 or w4:G", args.weights),
+        _ => bail!("--weights {}: expected bf16, fp8, w4 or w4:G", args.weights),
     }
     .map(|g| sala_checkpoint::quant::Gptq {
         group_size: Some(g),
@@ -367,12 +371,14 @@ fn bench_on<B: Backend + DeviceStats>(
         None
     };
     eprintln!(
-        "bench: {name} ({} parameters{}) with random weights on {}",
+        "bench: {name} ({} parameters{}) with random {} weights and a {} K/V cache on {}",
         crate::human_count(params as f64),
         dense.as_ref().map_or(String::new(), |d| format!(
             "; all-dense variant: {}",
             crate::human_count(expected_parameter_count(d) as f64)
         )),
+        args.weights,
+        config.sparse.kv_cache.name(),
         be.name()
     );
     let own_limit = args.dense_time_limit.filter(|_| args.all_dense);

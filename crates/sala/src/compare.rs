@@ -4,10 +4,10 @@
 //! KL(A ‖ B) of the next-token distributions and whether the greedy tokens agree; and how many
 //! greedy continuations come out the same.
 
-use crate::device::{DeviceArgs, Opened};
-use anyhow::{bail, Context, Result};
+use crate::device::{DeviceArgs, Opened, RunChoices};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use sala_checkpoint::Checkpoint;
+use sala_checkpoint::{Checkpoint, KvCacheDtype};
 use sala_engine::generate::load_model;
 use sala_model::numerics::TestRng;
 use sala_model::{Backend, LogitRows, Model};
@@ -34,6 +34,14 @@ pub struct CompareArgs {
     /// Print one JSON object on standard output.
     #[arg(long)]
     json: bool,
+    /// B's K/V cache dtype when it differs from A's (`--kv-cache-dtype`): the same checkpoint
+    /// twice with `--b-kv-cache-dtype fp8` measures what an FP8 cache costs.
+    #[arg(long, value_name = "DTYPE")]
+    b_kv_cache_dtype: Option<String>,
+    /// B's `--quantize` when it differs from A's: `--b-quantize fp8` on the same checkpoint
+    /// twice measures what FP8 weights cost.
+    #[arg(long, value_name = "FORMAT")]
+    b_quantize: Option<String>,
     #[command(flatten)]
     device: DeviceArgs,
 }
@@ -42,9 +50,20 @@ pub fn run(args: CompareArgs) -> Result<()> {
     if args.prompts == 0 || args.len == 0 || args.tokens == 0 {
         bail!("--prompts, --len and --tokens must be at least 1");
     }
-    let open =
-        |dir: &PathBuf| Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()));
-    let (a, b) = (open(&args.a)?, open(&args.b)?);
+    let open = |dir: &PathBuf, choices: RunChoices| -> Result<Checkpoint> {
+        let mut c = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+        choices.apply_to(&mut c);
+        Ok(c)
+    };
+    let on_a = args.device.choices()?;
+    let mut on_b = on_a;
+    if let Some(s) = &args.b_kv_cache_dtype {
+        on_b.kv_cache = KvCacheDtype::parse(s).map_err(|e| anyhow!("--b-kv-cache-dtype: {e}"))?;
+    }
+    if let Some(s) = &args.b_quantize {
+        on_b.fp8_weights = crate::device::parse_quantize(s)?;
+    }
+    let (a, b) = (open(&args.a, on_a)?, open(&args.b, on_b)?);
     if a.config().vocab_size != b.config().vocab_size {
         bail!(
             "{} has {} tokens, {} has {}: the models must share a vocabulary",

@@ -2,6 +2,7 @@
 
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
+use sala_checkpoint::{Checkpoint, KvCacheDtype, ModelConfig};
 use sala_cpu::CpuBackend;
 use sala_cuda::{CudaBackend, CudaOptions};
 use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan};
@@ -79,9 +80,55 @@ pub struct DeviceArgs {
     /// repeated steps.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// The sparse layers' K/V cache: bf16, or fp8 (E4M3 with a scale per token and KV head,
+    /// about half the memory; compressed keys and lightning states stay as they are).
+    #[arg(long, value_name = "DTYPE", default_value = "bf16")]
+    pub kv_cache_dtype: String,
+    /// Quantize a bf16 checkpoint's decoder linears as it loads: fp8 (E4M3 weights with a
+    /// scale per output channel, inputs made E4M3 per token; embeddings, norms and lm_head
+    /// stay bf16), or none.
+    #[arg(long, value_name = "FORMAT", default_value = "none")]
+    pub quantize: String,
+}
+
+/// How a model runs beyond its checkpoint: `--kv-cache-dtype` and `--quantize`.
+#[derive(Debug, Clone, Copy)]
+pub struct RunChoices {
+    pub kv_cache: KvCacheDtype,
+    pub fp8_weights: bool,
+}
+
+impl RunChoices {
+    pub fn apply(&self, config: &mut ModelConfig) {
+        config.sparse.kv_cache = self.kv_cache;
+        config.fp8_weights = self.fp8_weights;
+    }
+
+    pub fn apply_to(&self, checkpoint: &mut Checkpoint) {
+        checkpoint.set_kv_cache(self.kv_cache);
+        checkpoint.set_fp8_weights(self.fp8_weights);
+    }
+}
+
+/// `--quantize`: whether the decoder linears run in FP8.
+pub fn parse_quantize(s: &str) -> Result<bool> {
+    match s.to_ascii_lowercase().as_str() {
+        "none" | "off" => Ok(false),
+        "fp8" => Ok(true),
+        other => bail!("--quantize {other}: expected fp8 or none (4-bit checkpoints come from `sala quantize`)"),
+    }
 }
 
 impl DeviceArgs {
+    /// `--kv-cache-dtype` and `--quantize`.
+    pub fn choices(&self) -> Result<RunChoices> {
+        Ok(RunChoices {
+            kv_cache: KvCacheDtype::parse(&self.kv_cache_dtype)
+                .map_err(|e| anyhow!("--kv-cache-dtype: {e}"))?,
+            fp8_weights: parse_quantize(&self.quantize)?,
+        })
+    }
+
     pub fn open(&self) -> Result<Opened> {
         Device::parse(&self.device)?.open_with(self.cuda_options()?)
     }

@@ -2,9 +2,9 @@
 
 use crate::device::{cuda_options, Device, DeviceStats, Opened};
 use crate::{human_bytes, human_count};
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use sala_checkpoint::{preset, Checkpoint, MixerKind, ModelConfig};
+use sala_checkpoint::{preset, Checkpoint, KvCacheDtype, MixerKind, ModelConfig};
 use sala_cuda::plan::CheckShape;
 use sala_cuda::CudaBackend;
 use sala_model::memory::{cache_bytes, speculation_bytes, weight_bytes, MemoryPlan};
@@ -25,11 +25,14 @@ pub struct InspectArgs {
     /// Prompt tokens per prefill chunk, for the memory plan.
     #[arg(long, default_value_t = 8192)]
     prefill_chunk: usize,
+    /// The K/V cache of the GPU's memory plan: bf16 or fp8.
+    #[arg(long, value_name = "DTYPE", default_value = "bf16")]
+    kv_cache_dtype: String,
 }
 
 pub fn run(args: InspectArgs) -> Result<()> {
     let gpu = args.device.is_some() || args.device_profile.is_some();
-    let config = match &args.model {
+    let mut config = match &args.model {
         Some(dir) => {
             checkpoint(dir)?;
             Checkpoint::open(dir)?.config().clone()
@@ -37,6 +40,8 @@ pub fn run(args: InspectArgs) -> Result<()> {
         None if gpu => preset("minicpm-sala-9b")?,
         None => bail!("give a checkpoint directory, or --device cuda to describe the GPU"),
     };
+    config.sparse.kv_cache =
+        KvCacheDtype::parse(&args.kv_cache_dtype).map_err(|e| anyhow!("--kv-cache-dtype: {e}"))?;
     if !gpu {
         return Ok(());
     }
@@ -102,7 +107,8 @@ fn describe_gpu(be: &CudaBackend, c: &ModelConfig, chunk: usize) -> Result<()> {
         println!("  {family:<38} {plan}");
     }
     println!(
-        "memory plan     one sequence, prefill chunks of {chunk}, against {}:",
+        "memory plan     one sequence, prefill chunks of {chunk}, a {} K/V cache, against {}:",
+        c.sparse.kv_cache.name(),
         gib(be.total_memory().unwrap_or(l.memory_bytes))
     );
     for (label, n) in [("8K", 8usize << 10), ("128K", 128 << 10), ("1M", 1 << 20)] {
@@ -199,21 +205,37 @@ fn checkpoint(dir: &Path) -> Result<()> {
         );
     }
     // `+ weights`: as a GPU holds them.
-    println!("context memory per sequence (bf16 K/V and compressed keys, fp32 lightning state):");
     println!(
-        "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
-        "context", "K/V", "compressed", "state", "total", "+ weights"
+        "context memory per sequence (K/V in bf16 or fp8 with --kv-cache-dtype; compressed keys \
+         bf16, lightning state fp32):"
     );
+    println!(
+        "  {:>8}  {:>10}  {:>10}  {:>10}  {:>10}  {:>10}  {:>10}  {:>16}  {:>16}",
+        "context",
+        "K/V bf16",
+        "K/V fp8",
+        "compressed",
+        "state",
+        "total bf16",
+        "total fp8",
+        "+ weights, bf16",
+        "+ weights, fp8"
+    );
+    let mut fp8 = c.clone();
+    fp8.sparse.kv_cache = KvCacheDtype::Fp8;
     for (label, n) in [("8K", 8 << 10), ("128K", 128 << 10), ("1M", 1 << 20)] {
-        let m = cache_bytes(c, n);
+        let (m, m8) = (cache_bytes(c, n), cache_bytes(&fp8, n));
         println!(
-            "  {:>8}  {:>11}  {:>11}  {:>11}  {:>11}  {:>11}",
+            "  {:>8}  {:>10}  {:>10}  {:>10}  {:>10}  {:>10}  {:>10}  {:>16}  {:>16}",
             label,
             human_bytes(m.kv),
+            human_bytes(m8.kv),
             human_bytes(m.compressed),
             human_bytes(m.lightning_state),
             human_bytes(m.total()),
-            human_bytes(m.total() + held)
+            human_bytes(m8.total()),
+            human_bytes(m.total() + held),
+            human_bytes(m8.total() + held)
         );
     }
     println!(

@@ -10,7 +10,9 @@ mod perplexity;
 use anyhow::{bail, Context, Result};
 use builtin::builtin_model;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use device::{memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened};
+use device::{
+    memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened, RunChoices,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use sala_checkpoint::{preset, Checkpoint, DType, ModelConfig, WriteOptions};
 use sala_engine::cache::CacheBudget;
@@ -428,8 +430,10 @@ fn model_dir(model: &Option<PathBuf>, random_result: &str) -> Result<PathBuf> {
 }
 
 /// A checkpoint's tensors (opened, not loaded) and its tokenizer.
-fn open_model_files(dir: &Path) -> Result<(Checkpoint, Tokenizer)> {
-    let checkpoint = Checkpoint::open(dir).with_context(|| format!("loading {}", dir.display()))?;
+fn open_model_files(dir: &Path, choices: RunChoices) -> Result<(Checkpoint, Tokenizer)> {
+    let mut checkpoint =
+        Checkpoint::open(dir).with_context(|| format!("loading {}", dir.display()))?;
+    choices.apply_to(&mut checkpoint);
     let tokenizer =
         Tokenizer::from_dir(dir).with_context(|| format!("loading {}", dir.display()))?;
     Ok((checkpoint, tokenizer))
@@ -454,7 +458,7 @@ fn generate_on<B: Backend + DeviceStats>(
     let limit = memory_limit(&backend, user_limit);
     // The checkpoint and the tokenizer first: the request is sized, and checked against the
     // memory limit, before any weight is uploaded.
-    let (checkpoint, tokenizer) = open_model_files(dir)?;
+    let (checkpoint, tokenizer) = open_model_files(dir, args.device.choices()?)?;
     let config = checkpoint.config().clone();
     let opts = generate_options(args, &config, &tokenizer)?;
     let ids = if args.repl {
@@ -915,6 +919,16 @@ async fn shutdown_signal() {
     eprintln!("shutting down: finishing the requests in flight, taking no new ones");
 }
 
+/// What `sala serve` loads, and how.
+struct ServeLoad {
+    dir: PathBuf,
+    chunk: usize,
+    max_batch: usize,
+    user_limit: Option<MemoryLimit>,
+    draft: Option<PathBuf>,
+    choices: RunChoices,
+}
+
 fn serve(args: ServeArgs) -> Result<()> {
     let device = Device::parse(&args.device.device)?;
     let options = args.device.cuda_options()?;
@@ -950,6 +964,14 @@ fn serve(args: ServeArgs) -> Result<()> {
     let specials_in_content = args.special_tokens_in_content;
     let speculate = speculative(&args.speculative)?;
     let draft = draft_dir(&args.speculative);
+    let load = ServeLoad {
+        dir: load_dir,
+        chunk,
+        max_batch,
+        user_limit,
+        draft,
+        choices: args.device.choices()?,
+    };
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
         let runner = runner
             .special_tokens_in_content(specials_in_content)
@@ -958,16 +980,22 @@ fn serve(args: ServeArgs) -> Result<()> {
         fn start<B: Backend + DeviceStats + 'static>(
             runner: sala_server::EngineRunner,
             be: B,
-            dir: &Path,
-            chunk: usize,
-            max_batch: usize,
-            user_limit: Option<MemoryLimit>,
-            draft: Option<PathBuf>,
+            load: ServeLoad,
         ) -> Result<(), String> {
+            let ServeLoad {
+                dir,
+                chunk,
+                max_batch,
+                user_limit,
+                draft,
+                choices,
+            } = load;
+            let dir = dir.as_path();
             let limit = memory_limit(&be, user_limit);
             if limit.is_some() {
-                let config = ModelConfig::from_file(&dir.join("config.json"))
+                let mut config = ModelConfig::from_file(&dir.join("config.json"))
                     .map_err(|e| format!("loading {}: {e}", dir.display()))?;
+                choices.apply(&mut config);
                 // The engine's cache budget, asked before any weight is loaded: the smallest
                 // request (one prompt token and one generated) must fit.
                 // A draft model's weights and workspace are held beside the model's.
@@ -989,8 +1017,11 @@ fn serve(args: ServeArgs) -> Result<()> {
                     be.limit_cache_memory(room);
                 }
             }
-            let mut engine = Engine::load(be, dir, chunk, &mut |_, _| {})
-                .map_err(|e| format!("loading {}: {e}", dir.display()))?;
+            let (checkpoint, tokenizer) =
+                open_model_files(dir, choices).map_err(|e| format!("{e:#}"))?;
+            let mut engine =
+                Engine::from_parts(be, dir, checkpoint, tokenizer, chunk, &mut |_, _| {})
+                    .map_err(|e| format!("loading {}: {e}", dir.display()))?;
             if let Some(draft) = &draft {
                 load_draft(&mut engine, draft).map_err(|e| format!("{e:#}"))?;
             }
@@ -1001,8 +1032,8 @@ fn serve(args: ServeArgs) -> Result<()> {
             Ok(())
         }
         match device.open_with(options).map_err(|e| format!("{e:#}"))? {
-            Opened::Cpu(be) => start(runner, be, &load_dir, chunk, max_batch, user_limit, draft),
-            Opened::Cuda(be) => start(runner, *be, &load_dir, chunk, max_batch, user_limit, draft),
+            Opened::Cpu(be) => start(runner, be, load),
+            Opened::Cuda(be) => start(runner, *be, load),
         }
     })
     .map_err(anyhow::Error::msg)?;

@@ -80,7 +80,7 @@ fn run_on<B: Backend + DeviceStats>(
 ) -> Result<()> {
     let limit = memory_limit(&backend, user_limit);
     // The text, its windows and their memory are checked before any weight is uploaded.
-    let (checkpoint, tokenizer) = crate::open_model_files(dir)?;
+    let (checkpoint, tokenizer) = crate::open_model_files(dir, args.device.choices()?)?;
     let config = checkpoint.config().clone();
     let ids = tokenizer
         .encode(text, true)

@@ -12,6 +12,7 @@
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "common/fp8.cuh"
 
 // Windows of (window, stride) whose last token is ≤ t.
 __device__ __forceinline__ int sp_visible(int t, int window, int stride) {
@@ -154,3 +155,9 @@ __device__ __forceinline__ u32 st_max2(u32 a, u32 b) {
     asm("max.bf16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
+
+// FP8 K/V caches (`--kv-cache-dtype fp8`): a token's row holds kv_heads·d E4M3 codes, then
+// kv_heads f32 scales (amax / 448 of that head's d values; 1 for zeros), the row padded to a
+// multiple of 16 bytes. A value is code · scale. Same numbers as sala_model::numerics.
+__device__ __forceinline__ int f8_row_bytes(int kv_heads, int d) { return kv_heads * d + ((4 * kv_heads + 15) & ~15); }
+

@@ -2,12 +2,12 @@
 //! (dense) or the selected ones (sparse), one sequence or a batched decode step of many
 //! (`kernels/sparse/attention.cu`, `kernels/sparse/compress.cu`).
 
-use crate::kernels::SeqRows;
+use crate::kernels::{Launcher, SeqRows};
 use crate::memory::{DevAct, DevSparseCache, Windows};
 use crate::ops::select::DecodeQueries;
 use crate::plan::{windows, AttentionPlan, SelectPlan, SEQ_ROWS};
 use crate::CudaBackend;
-use sala_checkpoint::SparseConfig;
+use sala_checkpoint::{KvCacheDtype, SparseConfig};
 use sala_model::backend::{check_spans, span_runs, SpanRun};
 use sala_model::{AttnIo, AttnShape, BResult, BackendError, Span, SparseMode, STEPWISE_SPAN_ROWS};
 
@@ -116,11 +116,68 @@ impl CudaBackend {
     ) -> BResult<usize> {
         let (kw, first) = (cache.kv_width, cache.len);
         self.reserve(cache, first + rows, cfg, false)?;
-        self.copy(&cache.k, first * kw, k, row0 * kw, rows * kw)?;
-        self.copy(&cache.v, first * kw, v, row0 * kw, rows * kw)?;
+        if cache.fp8 {
+            self.store_fp8_rows(cache, (self.act_ptr(k), self.act_ptr(v)), row0, rows)?;
+        } else {
+            self.copy(&cache.k, first * kw, k, row0 * kw, rows * kw)?;
+            self.copy(&cache.v, first * kw, v, row0 * kw, rows * kw)?;
+        }
         cache.len += rows;
         self.compress_new_windows(cache, cfg)?;
         Ok(first)
+    }
+
+    /// Stores bf16 rows `row0..row0 + rows` of (k, v) (device pointers to `kv_width`-wide
+    /// rows) as FP8 rows at the end of `cache` (its length not moved; room reserved).
+    fn store_fp8_rows(
+        &self,
+        cache: &DevSparseCache,
+        (k, v): (u64, u64),
+        row0: usize,
+        rows: usize,
+    ) -> BResult<()> {
+        let (kw, d) = (cache.kv_width as u64, cache.head_dim);
+        let kv_heads = cache.kv_width / d;
+        let row_bytes = 2 * (row0 as u64) * kw;
+        let at = self.k.planner().kv_store_fp8(rows, kv_heads);
+        self.k.kv_store_f8(
+            at,
+            k + row_bytes,
+            v + row_bytes,
+            self.ptr(&cache.k),
+            self.ptr(&cache.v),
+            rows as i32,
+            kv_heads as i32,
+            d as i32,
+            cache.len as i32,
+        )
+    }
+
+    /// Fills an empty FP8 cache with `tokens` random tokens: the bf16 values the bf16 cache
+    /// would get (`fill_sparse_cache_random`), stored as FP8 a slab at a time.
+    pub(crate) fn fill_fp8_cache_random(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+        seed: u64,
+    ) -> BResult<()> {
+        const SLAB: usize = 16384;
+        let kw = cache.kv_width;
+        let slab = self.alloc_u16(2 * SLAB.min(tokens.max(1)) * kw)?;
+        let (k, v) = (
+            self.ptr(&slab),
+            self.ptr(&slab) + (2 * SLAB.min(tokens.max(1)) * kw) as u64,
+        );
+        let std = sala_model::backend::RANDOM_KV_STD;
+        for first in (0..tokens).step_by(SLAB) {
+            let rows = SLAB.min(tokens - first);
+            self.fill_random_from(k, rows * kw, first * kw, seed, 0.0, std)?;
+            self.fill_random_from(v, rows * kw, first * kw, seed ^ 1, 0.0, std)?;
+            self.store_fp8_rows(cache, (k, v), 0, rows)?;
+            cache.len += rows;
+        }
+        self.compress_new_windows(cache, cfg)
     }
 
     /// Appends the `t` rows of `k`, `v` to `cache`, selects blocks (sparse) and attends for the
@@ -172,6 +229,36 @@ impl CudaBackend {
                     let split = p.decode_split(mode, cache.len, k_sel, pairs);
                     (split, p.attention_decode(pairs, split))
                 };
+                if cache.fp8 {
+                    // A prompt chunk's many queries in one split each write their output
+                    // directly; a lone decode row merges as the batched rows do (same bits).
+                    let direct = split == 1 && t > 1;
+                    let part = match direct {
+                        true => 0,
+                        false => self.attention_partials(shape, t, split)?,
+                    };
+                    self.k.attention_decode_f8(
+                        at,
+                        qp,
+                        kc,
+                        vc,
+                        part,
+                        op,
+                        ti,
+                        fp,
+                        h,
+                        kvh,
+                        d,
+                        scale,
+                        blocks,
+                        ks,
+                        split as i32,
+                    )?;
+                    return match direct {
+                        true => Ok(()),
+                        false => self.attention_merge(shape, t, part, split, out),
+                    };
+                }
                 let part = self.attention_partials(shape, t, split)?;
                 self.k.attention_decode(
                     at,
@@ -192,11 +279,18 @@ impl CudaBackend {
                 self.attention_merge(shape, t, part, split, out)
             }
             AttentionPlan::Gather => {
-                let (at, stages) =
-                    self.k
-                        .planner()
-                        .attention_gather(t, shape.kv_heads, shape.head_dim);
-                self.k.attention_gather(
+                let p = self.k.planner();
+                let (at, stages) = match cache.fp8 {
+                    true => p.attention_gather_fp8(t, shape.kv_heads, shape.head_dim),
+                    false => p.attention_gather(t, shape.kv_heads, shape.head_dim),
+                };
+                drop(p);
+                let kernel = match cache.fp8 {
+                    true => Launcher::attention_gather_f8,
+                    false => Launcher::attention_gather,
+                };
+                kernel(
+                    &self.k,
                     at,
                     qp,
                     kc,
@@ -276,16 +370,18 @@ impl CudaBackend {
             let new = windows(cache.len, window, stride);
             if new > old {
                 let at = self.k.planner().compress_keys(new - old, kw);
-                self.k.compress_keys(
-                    at,
-                    self.ptr(&cache.k),
-                    self.ptr(tier),
-                    old as i32,
-                    (new - old) as i32,
-                    kw as i32,
-                    window as i32,
-                    stride as i32,
-                )?;
+                let (keys, out, n) = (self.ptr(&cache.k), self.ptr(tier), (new - old) as i32);
+                let (window, stride) = (window as i32, stride as i32);
+                if cache.fp8 {
+                    let kv_heads = (kw / cache.head_dim) as i32;
+                    let d = cache.head_dim as i32;
+                    self.k.compress_keys_f8(
+                        at, keys, out, old as i32, n, kv_heads, d, window, stride,
+                    )?;
+                } else {
+                    self.k
+                        .compress_keys(at, keys, out, old as i32, n, kw as i32, window, stride)?;
+                }
             }
             if level == 1 {
                 cache.n1 = new;
@@ -466,7 +562,12 @@ impl CudaBackend {
         let split = t.split[..rows].iter().copied().max().unwrap_or(1).max(1) as usize;
         let part = self.attention_partials(shape, rows, split)?;
         let at = self.k.planner().attention_decode(pairs, split);
-        self.k.attention_decode_rows(
+        let kernel = match cfg.kv_cache {
+            KvCacheDtype::Fp8 => Launcher::attention_decode_rows_f8,
+            KvCacheDtype::Bf16 => Launcher::attention_decode_rows,
+        };
+        kernel(
+            &self.k,
             at,
             self.act_ptr(q),
             t,

@@ -27,8 +27,28 @@ impl CudaBackend {
         mean: f32,
         std: f32,
     ) -> BResult<()> {
-        self.k
-            .fill_random(Launch::linear(n, 256), at, n as u64, seed, mean, std)
+        self.fill_random_from(at, n, 0, seed, mean, std)
+    }
+
+    /// Values `first..first + n` of the seed's sequence at `at`.
+    pub(crate) fn fill_random_from(
+        &self,
+        at: u64,
+        n: usize,
+        first: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<()> {
+        self.k.fill_random(
+            Launch::linear(n, 256),
+            at,
+            n as u64,
+            first as u64,
+            seed,
+            mean,
+            std,
+        )
     }
 
     pub(crate) fn fill_random(&self, at: u64, n: usize, seed: u64, std: f32) -> BResult<()> {

@@ -2,7 +2,7 @@
 //! independent of the others), cuBLASLt for the rest.
 
 use crate::kernels::Launcher;
-use crate::memory::{be_err, DevAct, DevMem, W4Weights};
+use crate::memory::{be_err, DevAct, DevMem, Fp8Weights, W4Weights};
 use crate::options::DecodeGemv;
 use crate::plan::{
     gemv_mma_tiles, Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS,
@@ -35,6 +35,9 @@ impl CudaBackend {
     ) -> BResult<()> {
         if let Some(q) = &w.w4 {
             return self.gemv_w4(x, x_off, w, q, outs, rows);
+        }
+        if let Some(f) = &w.fp8 {
+            return self.gemv_fp8(self.ptr(x) + (x_off * 2) as u64, w, f, outs, rows);
         }
         let variant = self.k.planner().options.decode_gemv;
         // Tensor cores: groups of up to 16 rows; CUDA cores: a launch per row.
@@ -143,6 +146,156 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `rows` product inputs (`k` wide, at `xp`) as FP8 rows in scratch: their codes when
+    /// `codes`, else their bf16 values; returns (inputs, scales).
+    fn quantize_inputs(&self, xp: u64, rows: usize, k: usize, codes: bool) -> BResult<(u64, u64)> {
+        let units = if codes {
+            (rows * k).div_ceil(2)
+        } else {
+            rows * k
+        };
+        let inputs = self.scratch_ptr(|s| &mut s.f8_in, units)?;
+        let scales = self.scratch_ptr(|s| &mut s.f8_scales, rows)?;
+        let (c, v) = if codes { (inputs, 0) } else { (0, inputs) };
+        self.k.quant_rows_f8(
+            Launch::new((rows, 1, 1), 256, 0),
+            xp,
+            k as i32,
+            c,
+            v,
+            scales,
+        )?;
+        Ok((inputs, scales))
+    }
+
+    /// `gemv` of an FP8 matrix: the inputs made FP8, then `gemv_f8_8` / `gemv_f8_16`, up to
+    /// 16 rows a launch.
+    fn gemv_fp8(
+        &self,
+        xp: u64,
+        w: &DevMatrix,
+        f: &Fp8Weights,
+        outs: &[(u64, usize)],
+        rows: usize,
+    ) -> BResult<()> {
+        let (values, scales) = self.quantize_inputs(xp, rows, w.cols, false)?;
+        let (n, k) = (w.rows as i32, w.cols as i32);
+        let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
+        let at =
+            Launch::new((w.rows.div_ceil(16), 1, 1), GEMV_MMA_THREADS, 0).shaped(w.rows, w.cols);
+        let mut r = 0;
+        while r < rows {
+            let nb = 16.min(rows - r);
+            let part = |i: usize| {
+                let (p, cnt) = outs.get(i).copied().unwrap_or((0, 0));
+                (
+                    if p == 0 { 0 } else { p + (r * cnt * 2) as u64 },
+                    cnt as i32,
+                )
+            };
+            let ((y0, n0), (y1, n1), (y2, n2), (y3, _)) = (part(0), part(1), part(2), part(3));
+            let launch = if nb <= 8 {
+                Launcher::gemv_f8_8
+            } else {
+                Launcher::gemv_f8_16
+            };
+            let (xr, sr) = (values + (r * w.cols * 2) as u64, scales + (r * 4) as u64);
+            launch(
+                &self.k, at, xr, sr, wp, wsp, n, k, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+            )?;
+            r += nb;
+        }
+        Ok(())
+    }
+
+    /// cuBLASLt with an FP8 matrix: `y = x W[r0 .. r0 + n]ᵀ` as the FP8 product defines it
+    /// (`sala_model::Fp8Matrix`): on FP8 tensor cores (8.9 on), scaled by cuBLASLt or after;
+    /// elsewhere on bf16 ones over the codes' exact bf16 values.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_rows_fp8(
+        &self,
+        xp: u64,
+        w: &DevMatrix,
+        f: &Fp8Weights,
+        r0: usize,
+        n: usize,
+        y: u64,
+        rows: usize,
+    ) -> BResult<()> {
+        let k = w.cols;
+        let (tensor_cores, vector_scales) = {
+            let p = self.k.planner();
+            (p.limits.cc >= (8, 9), p.options.fp8_vector_scales)
+        };
+        let (wc, ws) = (
+            self.ptr(&f.codes) + (r0 * k) as u64,
+            self.ptr(&f.scales) + (r0 * 4) as u64,
+        );
+        let (inputs, xs) = self.quantize_inputs(xp, rows, k, tensor_cores)?;
+        let profiler = self.k.profiler();
+        let t0 = profiler.and_then(|p| p.start(&self.stream));
+        let scaled = if tensor_cores {
+            self.gemm
+                .borrow_mut()
+                .run_fp8(inputs, wc, y, (rows, n, k), (ws, xs), vector_scales)
+                .map_err(BackendError)?
+        } else {
+            let tmp = self.scratch_ptr(|s| &mut s.dequant, n * k)?;
+            self.k.dequant_f8(
+                Launch::new(((n * k).div_ceil(1024), 1, 1), 256, 0),
+                wc,
+                tmp,
+                (n * k) as u64,
+            )?;
+            self.gemm
+                .borrow_mut()
+                .run_ptrs(inputs, tmp, y, rows, n, k)
+                .map_err(BackendError)?;
+            false
+        };
+        if let Some(p) = profiler {
+            p.end(format!("gemm fp8 {}x{}", n, k), t0, &self.stream);
+        }
+        if !scaled {
+            let count = rows * n;
+            self.k.scale_rows_cols(
+                Launch::linear(count, 256),
+                y,
+                xs,
+                ws,
+                n as i32,
+                count as u64,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// FP8 matrices stacked by rows, as `concat_rows` stacks bf16 ones.
+    pub(crate) fn concat_fp8(
+        &self,
+        parts: Vec<DevMatrix>,
+        rows: usize,
+        cols: usize,
+    ) -> BResult<DevMatrix> {
+        let err = |e| be_err("stacking FP8 weights", e);
+        let codes = self.stream.alloc_zeros::<u8>(rows * cols).map_err(err)?;
+        let scales = self.stream.alloc_zeros::<f32>(rows).map_err(err)?;
+        let mut at = 0;
+        for p in &parts {
+            let f = p.fp8.as_ref().expect("all FP8");
+            self.copy(&codes, at * cols, &f.codes, 0, p.rows * cols)?;
+            self.copy(&scales, at, &f.scales, 0, p.rows)?;
+            at += p.rows;
+        }
+        Ok(DevMatrix {
+            buf: self.alloc_u16(0)?,
+            rows,
+            cols,
+            w4: None,
+            fp8: Some(Fp8Weights { codes, scales }),
+        })
+    }
+
     /// The bf16 values of rows `r0..r0 + n` of 4-bit `w` into the buffer at `out`.
     pub(crate) fn dequantize_rows(
         &self,
@@ -202,6 +355,7 @@ impl CudaBackend {
                 bias,
                 group,
             }),
+            fp8: None,
         })
     }
 
@@ -216,6 +370,9 @@ impl CudaBackend {
         y: u64,
         rows: usize,
     ) -> BResult<()> {
+        if let Some(f) = &w.fp8 {
+            return self.gemm_rows_fp8(xp, w, f, r0, n, y, rows);
+        }
         let wp = if w.w4.is_some() {
             let tmp = self.scratch_ptr(|s| &mut s.dequant, n * w.cols)?;
             self.dequantize_rows(w, r0, n, tmp)?;
@@ -245,7 +402,7 @@ impl CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         let inter = out.cols;
-        let fused = w.w4.is_none() && self.gemv_fits(x.rows, w);
+        let fused = w.w4.is_none() && w.fp8.is_none() && self.gemv_fits(x.rows, w);
         if !fused || w.rows != 2 * inter || x.cols != w.cols {
             self.matmul_into(x, w, gu)?;
             return self.silu_halves(gu, out);

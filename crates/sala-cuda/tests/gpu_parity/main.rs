@@ -6,13 +6,13 @@
 //! each test loops over the kernel variants (`CudaOptions`) of the ops it checks.
 
 use sala_checkpoint::{
-    preset, write_random_checkpoint, Checkpoint, DType, MixerKind, ModelConfig, SparseConfig,
-    WriteOptions,
+    preset, write_random_checkpoint, Checkpoint, DType, KvCacheDtype, MixerKind, ModelConfig,
+    SparseConfig, WriteOptions,
 };
 use sala_cpu::attention::{self as cpu_attn, SparseCache};
 use sala_cpu::{CpuAct, CpuBackend};
 use sala_cuda::options::{Attention, DecodeGemv, LightningPrefill, SelectScores};
-use sala_cuda::{CudaBackend, CudaOptions, Store};
+use sala_cuda::{CudaBackend, CudaOptions, DevSparseCache, Store};
 use sala_model::numerics::{rel_l2, rope_inv_freq, TestRng};
 use sala_model::oracle::{self, AttnShape, SparseMode};
 use sala_model::testing::decode_step;

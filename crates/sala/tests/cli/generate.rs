@@ -43,6 +43,7 @@ fn init_inspect_generate_round_trip() {
         "1M",
         "chat template: yes",
         "a sequence that speculates holds",
+        "K/V fp8",
     ] {
         assert!(out.contains(needle), "inspect lacks {needle:?}: {out}");
     }
@@ -65,6 +66,16 @@ fn init_inspect_generate_round_trip() {
         stdout(&o)
     };
     assert_eq!(run(&[]), run(&[]));
+    // An FP8 K/V cache runs (and is deterministic); a dtype we do not have is refused.
+    let fp8 = run(&["--kv-cache-dtype", "fp8"]);
+    assert_eq!(fp8, run(&["--kv-cache-dtype", "fp8"]));
+    fails_with(
+        &sala(
+            &["generate", "--model", d, "hi", "--kv-cache-dtype", "int3"],
+            tmp.path(),
+        ),
+        &["--kv-cache-dtype", "int3", "bf16 or fp8"],
+    );
     let s1 = run(&["--temperature", "1", "--seed", "5"]);
     assert_eq!(s1, run(&["--temperature", "1", "--seed", "5"]));
     assert_ne!(s1, run(&["--temperature", "1", "--seed", "6"]));
