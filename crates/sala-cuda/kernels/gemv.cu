@@ -525,93 +525,211 @@ dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 
 }
 
 // ---- FP8 weights (`--quantize fp8`): E4M3 codes with a scale per weight row, inputs as E4M3 ----
-// y[b][o] = round((Σ_i e4m3(x[b][i]) · code[o][i]) · xs[b] · ws[o]), the inputs' codes made
-// per row by quant_rows_f8 (sala_model::Fp8Matrix's product).
+// y[b][o] = round((Σ_i e4m3(x[b][i]·inv_b) · code[o][i]) · xs[b] · ws[o]), inv_b = 1 / xs[b],
+// xs[b] = f8_scale(amax of row b) (sala_model::Fp8Matrix's product). The products run on f16
+// tensor cores: E4M3 values are exact in f16 (times F8_F16_UNIT each).
 
-// Each of `rows` rows of x (k apart) as FP8 at its own scale amax / 448 (1 for zeros): its
-// codes (`codes`, when not NULL), their bf16 values (`values`, when not NULL), its scale.
+// Each of `rows` rows of x (k apart, k a multiple of 8) as FP8 at its own scale: its codes
+// (`codes`, when not NULL), their bf16 values (`values`, when not NULL), its scale.
 // launch: grid = rows, block = 256, dynamic smem = 0 bytes
 extern "C" __global__ void __launch_bounds__(256)
 quant_rows_f8(const bf16* x, int k, unsigned char* codes, bf16* values, float* scales) {
     pdl_start();
-    __shared__ float red[32];
+    __shared__ float red[8];
     const size_t row = blockIdx.x;
     const bf16* xr = x + row * k;
     float amax = 0.0f;
-    for (int i = threadIdx.x; i < k; i += 256) amax = fmaxf(amax, fabsf(bf2f(xr[i])));
+    for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
+        const uint4 v = *(const uint4*)(xr + i);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            amax = fmaxf(amax, fmaxf(fabsf(bf2f((bf16)(w[j] & 0xffffu))), fabsf(bf2f((bf16)(w[j] >> 16)))));
+    }
     amax = warp_max(amax);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
     __syncthreads();
-    amax = threadIdx.x < 8 ? red[threadIdx.x] : 0.0f;
-    if (threadIdx.x < 32) amax = warp_max(amax);
-    if (threadIdx.x == 0) red[0] = amax;
-    __syncthreads();
-    float scale = __fdiv_rn(red[0], 448.0f);
-    if (!(scale > 0.0f)) scale = 1.0f;
-    for (int i = threadIdx.x; i < k; i += 256) {
-        const u32 c = e4m3_code(__fdiv_rn(bf2f(xr[i]), scale));
-        if (codes) codes[row * k + i] = (unsigned char)c;
-        if (values) values[row * k + i] = (bf16)(__float_as_uint(e4m3_value(c)) >> 16);
+    // Every warp reduces the eight warps' maxima, so each has the row's.
+    amax = warp_max((threadIdx.x & 31) < 8 ? red[threadIdx.x & 31] : 0.0f);
+    const float scale = f8_scale(amax), inv = __fdiv_rn(1.0f, scale);
+    for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
+        const uint4 v = *(const uint4*)(xr + i);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+        u32 c[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            c[j] = e4m3x2_code(bf2f((bf16)(w[j] & 0xffffu)) * inv, bf2f((bf16)(w[j] >> 16)) * inv);
+        if (codes) *(uint2*)(codes + row * k + i) = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+        if (values) {
+            u32 o[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                o[j] = (__float_as_uint(e4m3_value(c[j] & 0xffu)) >> 16) |
+                       (__float_as_uint(e4m3_value(c[j] >> 8)) & 0xffff0000u);
+            *(uint4*)(values + row * k + i) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
     }
     if (threadIdx.x == 0) scales[row] = scale;
 }
 
-// A block's FP8 weight rows for gm_partial: 8 codes a pack (8-byte loads), as bf16 words.
-template <int R>
-struct F8Rows {
-    const unsigned char* row[R][2];
-    __device__ __forceinline__ uint4 pack(int r, int h, int kk) const {
-        return e4m3x8_bf16(__ldg((const uint2*)(row[r][h] + kk)));
-    }
-};
+// 8 bf16 activations (a 16-byte load) as the f16 values of their E4M3 codes at `inv`.
+__device__ __forceinline__ uint4 f8_inputs(uint4 raw, float inv) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+    u32 o[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        o[j] = e4m3x2_f16(e4m3x2_code(bf2f((bf16)(w[j] & 0xffffu)) * inv, bf2f((bf16)(w[j] >> 16)) * inv));
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
 
-// gemv_mma_body over an FP8 matrix (one M-tile a block; x holds the inputs' E4M3 values):
-// a row's result does not depend on nb.
+// gm_partial for one M-tile of an FP8 matrix (weight rows `row`, k a multiple of 16): a warp's
+// slab is 64 k, lane t's 16 consecutive codes of each of its two rows in one 16-byte load (U
+// slabs' loads before any is used), made f16 in registers, each 8 of them one pack of
+// gm_partial's pairing; the activations quantized as they are used, at the reciprocal scales
+// `scales(inv)` gives for the lane's activation rows (called once by every thread, after the
+// first slabs' loads are issued, so it may sync the block while they are in flight); f16
+// tensor cores (E4M3 values are exact in f16).
+template <int NT, int U, class Scales>
+__device__ __forceinline__ void gm_partial_f8(const bf16* x, int nb, const unsigned char* const (&row)[2], int k,
+                                              float (&c)[NT][4], Scales&& scales) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
+    const bf16* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? x + (size_t)(nt * 8 + g) * k : nullptr;
+    constexpr int SLAB = 64;
+    const int slabs = (k + SLAB - 1) / SLAB;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4 raw[U][2], xb[U][2][NT];
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int kk = (s0 + u * GM_WARPS) * SLAB + t * 16;
+            const bool in = kk < k;
+#pragma unroll
+            for (int h = 0; h < 2; h++) raw[u][h] = in ? __ldg((const uint4*)(row[h] + kk)) : zero;
+#pragma unroll
+            for (int p = 0; p < 2; p++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    xb[u][p][nt] = in && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk + 8 * p)) : zero;
+        }
+    };
+    load(warp);
+    float inv[NT];
+    scales(inv);
+    for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * U) {
+        if (s0 != warp) load(s0);
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                const u32 l0 = p ? raw[u][0].z : raw[u][0].x, l1 = p ? raw[u][0].w : raw[u][0].y;
+                const u32 h0 = p ? raw[u][1].z : raw[u][1].x, h1 = p ? raw[u][1].w : raw[u][1].y;
+                const uint4 lo = make_uint4(e4m3x2_f16(l0), e4m3x2_f16(l0 >> 16), e4m3x2_f16(l1), e4m3x2_f16(l1 >> 16));
+                const uint4 hi = make_uint4(e4m3x2_f16(h0), e4m3x2_f16(h0 >> 16), e4m3x2_f16(h1), e4m3x2_f16(h1 >> 16));
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 x8 = f8_inputs(xb[u][p][nt], inv[nt]);
+                    sp_mma_f16(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                    sp_mma_f16(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+                }
+            }
+    }
+}
+
+// gemv_mma_body over an FP8 matrix (one M-tile a block) with the raw bf16 activations: while
+// its first weights are on their way, each block finds its nb ≤ 16 rows' scales (each warp a
+// slice of k for every row), then quantizes the rows as it uses them. A row's result does not
+// depend on nb.
 template <int NT>
-__device__ __forceinline__ void gemv_f8_body(const bf16* x, const float* xs, const unsigned char* w, const float* ws,
-                                             int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
-                                             int n2, bf16* y3) {
+__device__ __forceinline__ void gemv_f8_body(const bf16* x, const unsigned char* w, const float* ws, int n, int k,
+                                             int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
+                                             bf16* y3) {
     __shared__ float red[GM_WARPS][NT * 128];
-    const int lane = threadIdx.x & 31;
+    __shared__ float part[GM_WARPS][16], xs[16];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int m0 = blockIdx.x * 16, g = lane >> 2;
-    F8Rows<1> rows;
-    rows.row[0][0] = w + (u64)min(m0 + g, n - 1) * k;
-    rows.row[0][1] = w + (u64)min(m0 + g + 8, n - 1) * k;
+    auto scales = [&](float (&inv)[NT]) {
+        const int slice = (k / 8 + GM_WARPS - 1) / GM_WARPS * 8;
+        for (int b = 0; b < nb; b++) {
+            float m = 0.0f;
+            const int end = min(k, (warp + 1) * slice);
+            for (int i = warp * slice + lane * 8; i < end; i += 256) {
+                const uint4 v = __ldg((const uint4*)(x + (u64)b * k + i));
+                const u32 ww[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    m = fmaxf(m, fmaxf(fabsf(bf2f((bf16)(ww[j] & 0xffffu))), fabsf(bf2f((bf16)(ww[j] >> 16)))));
+            }
+            m = warp_max(m);
+            if (lane == 0) part[warp][b] = m;
+        }
+        __syncthreads();
+        if (threadIdx.x < nb) {
+            float m = 0.0f;
+            for (int v = 0; v < GM_WARPS; v++) m = fmaxf(m, part[v][threadIdx.x]);
+            xs[threadIdx.x] = f8_scale(m);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) inv[nt] = nt * 8 + g < nb ? __fdiv_rn(1.0f, xs[nt * 8 + g]) : 0.0f;
+    };
+    const unsigned char* const rows[2] = {w + (u64)min(m0 + g, n - 1) * k, w + (u64)min(m0 + g + 8, n - 1) * k};
     float c[1][NT][4];
-    gm_partial<NT, 1, GM_U>(x, nb, rows, k, c);
+    gm_partial_f8<NT, 2>(x, nb, rows, k, c[0], scales);
     const int v = threadIdx.x;
     const float s = gm_block_sum<NT>(red, c[0], v);
     const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
     const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
-    if (v < NT * 128 && o < n && b < nb) gemv_store(s * xs[b] * ws[o], o, b, y0, n0, y1, n1, y2, n2, y3, n);
+    const float unit = F8_F16_UNIT * F8_F16_UNIT;
+    if (v < NT * 128 && o < n && b < nb) gemv_store(s * unit * xs[b] * ws[o], o, b, y0, n0, y1, n1, y2, n2, y3, n);
 }
 
-// nb ≤ 8 activation rows (their E4M3 values, k apart; xs their scales), outputs as gemv.
+// nb ≤ 8 activation rows (bf16, k apart; k a multiple of 8), outputs as gemv.
 // launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0
-extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_f8_8(const bf16* x, const float* xs, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0,
-          int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_f8_8(const bf16* x, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0, int n0, bf16* y1,
+          int n1, bf16* y2, int n2, bf16* y3) {
     pdl_start();
-    gemv_f8_body<1>(x, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_f8_body<1>(x, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // gemv_f8_8 for nb ≤ 16.
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_f8_16(const bf16* x, const float* xs, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0,
-           int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+gemv_f8_16(const bf16* x, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0, int n0,
+           bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     pdl_start();
-    gemv_f8_body<2>(x, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_f8_body<2>(x, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// A product's raw sums (bf16, [rows, n], in place) times their row's and column's scales:
+// A product's raw sums (bf16 [rows, n], in place) times their row's and column's scales:
 // y = round(y · xs[r] · ws[c]) (the FP8 GEMM where cuBLASLt cannot scale by vectors).
-// launch: grid = ceil(rows · n / 256), block = 256, dynamic smem = 0 bytes
+// launch: grid = (rows, ceil(n / 2048)), block = 256, dynamic smem = 0 bytes (8 columns a thread)
 extern "C" __global__ void __launch_bounds__(256)
-scale_rows_cols(bf16* y, const float* xs, const float* ws, int n, u64 count) {
+scale_rows_cols(bf16* y, const float* xs, const float* ws, int n) {
     pdl_start();
-    const u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
-    if (i >= count) return;
-    y[i] = f2bf(bf2f(y[i]) * xs[i / n] * ws[i % n]);
+    const int c0 = (blockIdx.y * 256 + threadIdx.x) * 8;
+    if (c0 >= n) return;
+    const float s = xs[blockIdx.x];
+    bf16* yr = y + (u64)blockIdx.x * n;
+    if (c0 + 8 <= n && (n & 7) == 0) {
+        uint4 v = *(const uint4*)(yr + c0);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float lo = bf2f((bf16)(w[j] & 0xffffu)) * s * ws[c0 + 2 * j];
+            const float hi = bf2f((bf16)(w[j] >> 16)) * s * ws[c0 + 2 * j + 1];
+            w[j] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+        }
+        *(uint4*)(yr + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+        for (int c = c0; c < min(n, c0 + 8); c++) yr[c] = f2bf(bf2f(yr[c]) * s * ws[c]);
+    }
 }
 
 // FP8 codes as bf16 values (unscaled), for cards without FP8 tensor cores.

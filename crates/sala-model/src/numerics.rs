@@ -135,23 +135,25 @@ pub fn e4m3_value(c: u8) -> f32 {
     }
 }
 
-/// The FP8 cache's scale of one K or V row (a token's `head_dim` values of one KV head):
-/// amax / 448, so the row's largest value gets the largest code; 1 for a row of zeros (or
-/// one so small that amax / 448 is zero).
+/// The FP8 scale of a row (a K or V row of one token and KV head, a weight row, a product's
+/// input row): amax / 448, so the row's largest value gets the largest code; 1 for a row of
+/// zeros (or one so small that amax / 448 is not a normal f32).
 pub fn fp8_row_scale(row: &[f32]) -> f32 {
     let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())) / E4M3_MAX;
-    if scale > 0.0 {
+    if scale >= f32::MIN_POSITIVE {
         scale
     } else {
         1.0
     }
 }
 
-/// A row as FP8: its scale ([`fp8_row_scale`]) and each value's E4M3 code at that scale.
+/// A row as FP8: its scale ([`fp8_row_scale`]) and each value's E4M3 code of `x · (1 / scale)`
+/// (the reciprocal rounded once, then each product: what the GPU's conversions compute).
 pub fn fp8_quantize_row(row: &[f32], codes: &mut [u8]) -> f32 {
     let scale = fp8_row_scale(row);
+    let inv = 1.0 / scale;
     for (c, &x) in codes.iter_mut().zip(row) {
-        *c = e4m3_code(x / scale);
+        *c = e4m3_code(x * inv);
     }
     scale
 }

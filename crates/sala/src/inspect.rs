@@ -203,6 +203,15 @@ fn checkpoint(dir: &Path) -> Result<()> {
             "weights held    {} on a GPU (4-bit linears packed, with their scales and zeros)",
             human_bytes(held)
         );
+    } else {
+        let mut fp8 = c.clone();
+        fp8.fp8_weights = true;
+        println!(
+            "weights held    {} on a GPU in bf16, {} with --quantize fp8 (a byte a linear \
+             weight and a scale a row)",
+            human_bytes(held),
+            human_bytes(sala_model::memory::weights_held(&fp8, 2, true))
+        );
     }
     // `+ weights`: as a GPU holds them.
     println!(

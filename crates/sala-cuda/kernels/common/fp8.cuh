@@ -35,3 +35,44 @@ __device__ __forceinline__ uint4 e4m3x8_bf16(uint2 c) {
     e4m3x4_bf16(c.y, r.z, r.w);
     return r;
 }
+
+// The FP8 scale of a row's amax: amax / 448, or 1 where that is not a normal f32.
+__device__ __forceinline__ float f8_scale(float amax) {
+    const float s = __fdiv_rn(amax, 448.0f);
+    return s >= 1.17549435e-38f ? s : 1.0f;
+}
+
+// Hardware E4M3 conversions from compute capability 8.9 on; the same numbers by bits before.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define F8_HW 1
+#else
+#define F8_HW 0
+#endif
+
+// Two floats as two E4M3 codes (lo in bits 0..7, hi in 8..15): nearest, ties to even,
+// saturating (e4m3_code of each).
+__device__ __forceinline__ u32 e4m3x2_code(float lo, float hi) {
+#if F8_HW
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return e4m3_code(lo) | (e4m3_code(hi) << 8);
+#endif
+}
+
+// Two codes (bits 0..15 of c) as an f16x2 of their values times F8_F16_UNIT (exact).
+__device__ __forceinline__ u32 e4m3x2_f16(u32 c) {
+#if F8_HW
+    u32 r;
+    const unsigned short h = (unsigned short)c;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(h));
+    return r;
+#else
+    // E4M3's bits shifted into f16's exponent and mantissa: the value times 2^-8 (subnormal
+    // codes land on f16 subnormals, exactly).
+    const u32 x = (c & 0xffu) | ((c & 0xff00u) << 8);
+    return ((x & 0x007f007fu) << 7) | ((x & 0x00800080u) << 8);
+#endif
+}
+#define F8_F16_UNIT (F8_HW ? 1.0f : 0.00390625f)

@@ -58,8 +58,7 @@ kv_store_f8(const bf16* k, const bf16* v, unsigned char* kc, unsigned char* vc, 
     unsigned char* dst = (is_v ? vc : kc) + (size_t)(first + r) * f8_row_bytes(kv_heads, d);
     float amax = 0.0f;
     for (int i = lane; i < d; i += 32) amax = fmaxf(amax, fabsf(bf2f(src[i])));
-    float scale = __fdiv_rn(warp_max(amax), 448.0f);
-    if (!(scale > 0.0f)) scale = 1.0f;
-    for (int i = lane; i < d; i += 32) dst[(size_t)g * d + i] = (unsigned char)e4m3_code(__fdiv_rn(bf2f(src[i]), scale));
+    const float scale = f8_scale(warp_max(amax)), inv = __fdiv_rn(1.0f, scale);
+    for (int i = lane; i < d; i += 32) dst[(size_t)g * d + i] = (unsigned char)e4m3_code(bf2f(src[i]) * inv);
     if (lane == 0) *(float*)(dst + (size_t)kv_heads * d + 4 * g) = scale;
 }

@@ -168,8 +168,8 @@ impl CudaBackend {
         Ok((inputs, scales))
     }
 
-    /// `gemv` of an FP8 matrix: the inputs made FP8, then `gemv_f8_8` / `gemv_f8_16`, up to
-    /// 16 rows a launch.
+    /// `gemv` of an FP8 matrix: `gemv_f8_8` / `gemv_f8_16` (which make their inputs FP8),
+    /// up to 16 rows a launch.
     fn gemv_fp8(
         &self,
         xp: u64,
@@ -178,7 +178,6 @@ impl CudaBackend {
         outs: &[(u64, usize)],
         rows: usize,
     ) -> BResult<()> {
-        let (values, scales) = self.quantize_inputs(xp, rows, w.cols, false)?;
         let (n, k) = (w.rows as i32, w.cols as i32);
         let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
         let at =
@@ -199,9 +198,9 @@ impl CudaBackend {
             } else {
                 Launcher::gemv_f8_16
             };
-            let (xr, sr) = (values + (r * w.cols * 2) as u64, scales + (r * 4) as u64);
+            let xr = xp + (r * w.cols * 2) as u64;
             launch(
-                &self.k, at, xr, sr, wp, wsp, n, k, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+                &self.k, at, xr, wp, wsp, n, k, nb as i32, y0, n0, y1, n1, y2, n2, y3,
             )?;
             r += nb;
         }
@@ -257,15 +256,8 @@ impl CudaBackend {
             p.end(format!("gemm fp8 {}x{}", n, k), t0, &self.stream);
         }
         if !scaled {
-            let count = rows * n;
-            self.k.scale_rows_cols(
-                Launch::linear(count, 256),
-                y,
-                xs,
-                ws,
-                n as i32,
-                count as u64,
-            )?;
+            let at = Launch::new((rows, n.div_ceil(2048), 1), 256, 0);
+            self.k.scale_rows_cols(at, y, xs, ws, n as i32)?;
         }
         Ok(())
     }
