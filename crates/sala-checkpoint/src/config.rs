@@ -185,10 +185,12 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
     /// How the linear weights are stored, when quantized.
     pub quantization: Option<crate::quant::Gptq>,
-    /// Run the decoder layers' linears in FP8 (`--quantize fp8`, a run-time choice): E4M3
+    /// Run the decoder layers' linears in FP8 (`--quantize fp8`, or an FP8 checkpoint): E4M3
     /// weights with an f32 scale per output channel, their inputs made E4M3 per row
     /// (dynamic per-token scales); embeddings, norms and lm_head stay bf16.
     pub fp8_weights: bool,
+    /// How an FP8 checkpoint stores its linears.
+    pub fp8_checkpoint: Option<crate::fp8::Fp8Checkpoint>,
     /// The JSON as read, so that a written checkpoint keeps unknown keys.
     pub raw: serde_json::Value,
 }
@@ -218,6 +220,18 @@ fn field_err(field: &str, msg: impl Into<String>) -> ConfigError {
 }
 
 impl ModelConfig {
+    /// Whether weight `name` runs in FP8: a decoder layer's linear with FP8 weights on, unless
+    /// an FP8 checkpoint keeps it in bf16.
+    pub fn fp8_linear(&self, name: &str) -> bool {
+        self.fp8_weights
+            && name.starts_with("model.layers.")
+            && !name.ends_with("norm.weight")
+            && self
+                .fp8_checkpoint
+                .as_ref()
+                .is_none_or(|c| c.quantizes(name))
+    }
+
     /// Reads and validates `config.json`.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
@@ -237,13 +251,20 @@ impl ModelConfig {
         let obj = value
             .as_object()
             .ok_or_else(|| field_err("<root>", "config.json must be a JSON object"))?;
-        // Quantized checkpoints: 4-bit GPTQ is read (quant::Gptq); other formats are named.
-        let quantization = match obj.get("quantization_config").filter(|q| !q.is_null()) {
-            Some(q) => Some(
+        // Quantized checkpoints: FP8 (fp8::Fp8Checkpoint) and 4-bit GPTQ (quant::Gptq) are
+        // read; other formats are named.
+        let qc = obj.get("quantization_config").filter(|q| !q.is_null());
+        let fp8_checkpoint = match qc {
+            Some(q) => crate::fp8::Fp8Checkpoint::from_json(q)
+                .map_err(|e| field_err("quantization_config", e))?,
+            None => None,
+        };
+        let quantization = match qc {
+            Some(q) if fp8_checkpoint.is_none() => Some(
                 crate::quant::Gptq::from_json(q)
                     .map_err(|e| field_err("quantization_config", e))?,
             ),
-            None => None,
+            _ => None,
         };
         let get_usize = |name: &str, default: Option<usize>| -> Result<usize, ConfigError> {
             match obj.get(name) {
@@ -413,7 +434,8 @@ impl ModelConfig {
             eos_token_ids,
             pad_token_id: get_token("pad_token_id", None)?,
             quantization,
-            fp8_weights: false,
+            fp8_weights: fp8_checkpoint.is_some(),
+            fp8_checkpoint,
             raw: value.clone(),
         };
         config.validate()?;

@@ -668,6 +668,7 @@ mod tests {
                 Element::I32 => "I32",
                 Element::I64 => "I64",
                 Element::Bool => "BOOL",
+                Element::F8E4M3 => "F8_E4M3",
             };
             tensors.push(RawTensor {
                 name: e.name,

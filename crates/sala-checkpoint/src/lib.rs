@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod eagle;
+pub mod fp8;
 pub mod presets;
 pub mod quant;
 pub mod rng;

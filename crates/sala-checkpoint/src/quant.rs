@@ -346,64 +346,144 @@ pub fn write_quantized(
     q: &Gptq,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(), crate::CheckpointError> {
-    use crate::weights::{file_err, CheckpointError};
-    let write_err = |path: &std::path::Path| {
-        let path = path.to_path_buf();
-        move |source| CheckpointError::Write { path, source }
-    };
-    if src.config().quantization.is_some() {
-        return Err(file_err(src.dir(), "the checkpoint is quantized already"));
-    }
-    std::fs::create_dir_all(dir).map_err(write_err(dir))?;
-    let mut config = src.config().clone();
-    config.quantization = Some(q.clone());
-    let mut json = config.to_json();
-    json["quantization_config"] = q.to_json();
-    let specs = crate::expected_tensors(&config);
-    let mut tensors = Vec::with_capacity(specs.len() * 4);
+    use crate::weights::file_err;
     let f16 = |v: &[f32]| -> Vec<u8> {
         v.iter()
             .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
             .collect()
     };
-    for (n, spec) in specs.iter().enumerate() {
-        progress(n, specs.len());
-        let linear = matches!(spec.place, crate::Place::Layer(..)) && spec.shape.len() == 2;
-        if !(linear && q.quantizes(&spec.name)) {
-            let bits = src.read_bf16_bits(&spec.name)?;
-            tensors.push(crate::RawTensor {
-                name: spec.name.clone(),
-                dtype: "BF16",
-                shape: spec.shape.clone(),
-                bytes: bits.iter().flat_map(|b| b.to_le_bytes()).collect(),
-            });
-            continue;
+    let mut config = src.config().clone();
+    config.quantization = Some(q.clone());
+    let mut encode = |name: &str, w: &[f32], (out, inputs): (usize, usize)| {
+        if !q.quantizes(name) {
+            return Ok(None);
         }
-        let (out, inputs) = (spec.shape[0], spec.shape[1]);
-        let w = src.read_f32(&spec.name)?;
         let (qweight, qzeros, scales) = q
-            .quantize_rtn(&spec.name, &w, (out, inputs))
+            .quantize_rtn(name, w, (out, inputs))
             .map_err(|msg| file_err(src.dir(), msg))?;
         let g = q
-            .group(&spec.name, out, inputs)
+            .group(name, out, inputs)
             .map_err(|m| file_err(src.dir(), m))?;
-        let stored = q.stored(&spec.name, out, inputs);
         let g_idx: Vec<u8> = (0..inputs as u32)
             .flat_map(|i| (i / g as u32).to_le_bytes())
             .collect();
-        for ((name, shape, _), (dtype, bytes)) in stored.into_iter().zip([
-            ("I32", qweight),
-            ("I32", qzeros),
-            ("F16", f16(&scales)),
-            ("I32", g_idx),
-        ]) {
-            tensors.push(crate::RawTensor {
-                name,
-                dtype,
-                shape,
-                bytes,
-            });
+        let stored = q.stored(name, out, inputs);
+        Ok(Some(
+            stored
+                .into_iter()
+                .zip([
+                    ("I32", qweight),
+                    ("I32", qzeros),
+                    ("F16", f16(&scales)),
+                    ("I32", g_idx),
+                ])
+                .map(|((name, shape, _), (dtype, bytes))| crate::RawTensor {
+                    name,
+                    dtype,
+                    shape,
+                    bytes,
+                })
+                .collect(),
+        ))
+    };
+    write_linears_encoded(src, dir, &config, q.to_json(), &mut encode, progress)
+}
+
+/// Writes `src` into `dir` with its decoder linears in FP8 (`f`'s layout, compressed-tensors:
+/// E4M3 codes and an f32 scale per output channel, or one per tensor), as `--quantize fp8`
+/// makes them when it loads a bf16 checkpoint: the same codes and scales.
+pub fn write_fp8(
+    src: &crate::Checkpoint,
+    dir: &std::path::Path,
+    f: &crate::fp8::Fp8Checkpoint,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(), crate::CheckpointError> {
+    let mut config = src.config().clone();
+    config.fp8_checkpoint = Some(f.clone());
+    config.fp8_weights = true;
+    let mut encode = |name: &str, w: &[f32], (out, inputs): (usize, usize)| {
+        if !f.quantizes(name) {
+            return Ok(None);
         }
+        let mut codes = vec![0u8; out * inputs];
+        let scales: Vec<f32> = if f.per_channel {
+            w.chunks(inputs.max(1))
+                .zip(codes.chunks_mut(inputs.max(1)))
+                .map(|(row, c)| crate::fp8::fp8_quantize_row(row, c))
+                .collect()
+        } else {
+            vec![crate::fp8::fp8_quantize_row(w, &mut codes)]
+        };
+        let stored = f.stored(name, out, inputs);
+        Ok(Some(vec![
+            crate::RawTensor {
+                name: stored[0].0.clone(),
+                dtype: "F8_E4M3",
+                shape: stored[0].1.clone(),
+                bytes: codes,
+            },
+            crate::RawTensor {
+                name: stored[1].0.clone(),
+                dtype: "F32",
+                shape: stored[1].1.clone(),
+                bytes: scales.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            },
+        ]))
+    };
+    write_linears_encoded(src, dir, &config, f.to_json(), &mut encode, progress)
+}
+
+/// A linear's stored tensors for a quantized checkpoint, from its name, f32 values and
+/// shape; `None` keeps it in bf16.
+type Encode<'a> = dyn FnMut(
+        &str,
+        &[f32],
+        (usize, usize),
+    ) -> Result<Option<Vec<crate::RawTensor>>, crate::CheckpointError>
+    + 'a;
+
+/// The quantized checkpoint writers' common part: `config` (with `quantization_config`
+/// `qc`) and every tensor of `src`, the decoder linears through `encode`, into one
+/// `model.safetensors` in `dir`, and every other file of `src` copied.
+fn write_linears_encoded(
+    src: &crate::Checkpoint,
+    dir: &std::path::Path,
+    config: &crate::ModelConfig,
+    qc: Value,
+    encode: &mut Encode<'_>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(), crate::CheckpointError> {
+    use crate::weights::{file_err, CheckpointError};
+    let write_err = |path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |source| CheckpointError::Write { path, source }
+    };
+    let source = src.config();
+    if source.quantization.is_some() || source.fp8_checkpoint.is_some() {
+        return Err(file_err(src.dir(), "the checkpoint is quantized already"));
+    }
+    std::fs::create_dir_all(dir).map_err(write_err(dir))?;
+    let mut json = config.to_json();
+    json["quantization_config"] = qc;
+    let specs = crate::expected_tensors(config);
+    let mut tensors = Vec::with_capacity(specs.len() * 4);
+    for (n, spec) in specs.iter().enumerate() {
+        progress(n, specs.len());
+        let linear = matches!(spec.place, crate::Place::Layer(..)) && spec.shape.len() == 2;
+        if linear {
+            let w = src.read_f32(&spec.name)?;
+            if let Some(stored) = encode(&spec.name, &w, (spec.shape[0], spec.shape[1]))? {
+                tensors.extend(stored);
+                continue;
+            }
+        }
+        let bits = src.read_bf16_bits(&spec.name)?;
+        tensors.push(crate::RawTensor {
+            name: spec.name.clone(),
+            dtype: "BF16",
+            shape: spec.shape.clone(),
+            bytes: bits.iter().flat_map(|b| b.to_le_bytes()).collect(),
+        });
     }
     progress(specs.len(), specs.len());
     crate::write_raw_safetensors(&dir.join(crate::SINGLE_FILE), &tensors)?;

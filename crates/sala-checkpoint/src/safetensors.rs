@@ -45,6 +45,8 @@ pub enum Element {
     I32,
     I64,
     Bool,
+    /// FP8 E4M3 codes (an FP8 checkpoint's weights).
+    F8E4M3,
 }
 
 impl Element {
@@ -53,6 +55,7 @@ impl Element {
             "I32" => Some(Self::I32),
             "I64" => Some(Self::I64),
             "BOOL" => Some(Self::Bool),
+            "F8_E4M3" => Some(Self::F8E4M3),
             _ => DType::from_safetensors_name(name).map(Self::Float),
         }
     }
@@ -62,7 +65,7 @@ impl Element {
             Self::Float(d) => d.size(),
             Self::I32 => 4,
             Self::I64 => 8,
-            Self::Bool => 1,
+            Self::Bool | Self::F8E4M3 => 1,
         }
     }
 }
@@ -74,6 +77,7 @@ impl std::fmt::Display for Element {
             Self::I32 => f.write_str("I32"),
             Self::I64 => f.write_str("I64"),
             Self::Bool => f.write_str("BOOL"),
+            Self::F8E4M3 => f.write_str("F8_E4M3"),
         }
     }
 }
@@ -103,7 +107,7 @@ impl HeaderType for Element {
     fn bytes(self) -> usize {
         self.size()
     }
-    const ACCEPTED: &'static str = "BF16, F16, F32, I32, I64 or BOOL";
+    const ACCEPTED: &'static str = "BF16, F16, F32, F8_E4M3, I32, I64 or BOOL";
 }
 
 impl Stored<Element> {

@@ -418,9 +418,10 @@ impl Checkpoint {
         self.config.sparse.kv_cache = dtype;
     }
 
-    /// Runs the decoder layers' linears in FP8, quantized as they load (a run-time choice).
+    /// Runs the decoder layers' linears in FP8, quantized as they load (a run-time choice; an
+    /// FP8 checkpoint's run in FP8 whatever it says).
     pub fn set_fp8_weights(&mut self, on: bool) {
-        self.config.fp8_weights = on;
+        self.config.fp8_weights = on || self.config.fp8_checkpoint.is_some();
     }
 
     pub fn dir(&self) -> &Path {
@@ -485,9 +486,52 @@ impl Checkpoint {
         }
     }
 
-    /// Weight `name` as f32 `[out, in]` values: as stored, or dequantized from its GPTQ
+    /// FP8-stored weight `name` as E4M3 codes `[out, in]` and a scale per output row (a
+    /// tensor's one scale repeated); `None` when it is not stored in FP8.
+    #[allow(clippy::type_complexity)]
+    pub fn fp8_rows(
+        &self,
+        name: &str,
+    ) -> Result<Option<(&[u8], Vec<f32>, (usize, usize))>, CheckpointError> {
+        let stored_fp8 = self
+            .config
+            .fp8_checkpoint
+            .as_ref()
+            .is_some_and(|f| f.quantizes(name))
+            && self.info(name).is_some_and(|t| t.dtype == Element::F8E4M3);
+        if !stored_fp8 {
+            return Ok(None);
+        }
+        let codes = self.stored(name)?;
+        let (out, inputs) = (codes.shape[0], codes.shape[1]);
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let scale_name = format!("{module}.weight_scale");
+        let scales = self.tensor(&scale_name)?.to_f32();
+        let scales = match scales.len() {
+            1 => vec![scales[0]; out],
+            n if n == out => scales,
+            n => {
+                return Err(tensor_err(
+                    &codes.file,
+                    &scale_name,
+                    format!("{n} scales for {out} output channels"),
+                ))
+            }
+        };
+        Ok(Some((self.bytes(codes), scales, (out, inputs))))
+    }
+
+    /// Weight `name` as f32 `[out, in]` values: as stored, or dequantized from its GPTQ or FP8
     /// tensors (then its shape is the schema's).
     pub fn weight_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), CheckpointError> {
+        if let Some((codes, scales, (out, inputs))) = self.fp8_rows(name)? {
+            let values = codes
+                .chunks(inputs.max(1))
+                .zip(&scales)
+                .flat_map(|(row, &s)| row.iter().map(move |&c| crate::fp8::e4m3_value(c) * s))
+                .collect();
+            return Ok((values, vec![out, inputs]));
+        }
         if !self.is_quantized(name) {
             let t = self.tensor(name)?;
             return Ok((t.to_f32(), t.shape.to_vec()));
@@ -553,7 +597,7 @@ impl Checkpoint {
     /// Tensor `name` as bf16 bits (f32/f16 rounded to nearest even; a quantized weight
     /// dequantized, then rounded).
     pub fn read_bf16_bits(&self, name: &str) -> Result<Vec<u16>, CheckpointError> {
-        if self.is_quantized(name) {
+        if self.is_quantized(name) || self.fp8_rows(name)?.is_some() {
             return Ok(self
                 .read_f32(name)?
                 .into_iter()
@@ -714,6 +758,18 @@ fn stored_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>, Stored, bool
     let mut out = Vec::new();
     for spec in expected_tensors(config) {
         let linear = matches!(spec.place, crate::Place::Layer(..)) && spec.shape.len() == 2;
+        if let Some(f) = config
+            .fp8_checkpoint
+            .as_ref()
+            .filter(|f| linear && f.quantizes(&spec.name))
+        {
+            let (o, i) = (spec.shape[0], spec.shape[1]);
+            for (name, shape, codes, required) in f.stored(&spec.name, o, i) {
+                let kind = if codes { Stored::Fp8 } else { Stored::Scale };
+                out.push((name, shape, kind, required));
+            }
+            continue;
+        }
         match &config.quantization {
             Some(q) if linear && q.quantizes(&spec.name) => {
                 let (o, i) = (spec.shape[0], spec.shape[1]);
@@ -733,6 +789,15 @@ fn stored_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>, Stored, bool
 enum Stored {
     Float,
     Int,
+    /// FP8 E4M3 codes.
+    Fp8,
+    /// Float scales: any shape of the expected count (`[out, 1]` or `[out]`, `[1]` or `[]`).
+    Scale,
+}
+
+/// A shape without its 1s: scales of the same values in any of their usual shapes compare equal.
+fn squeezed(shape: &[usize]) -> Vec<usize> {
+    shape.iter().copied().filter(|&d| d != 1).collect()
 }
 
 /// Orders the found tensors like [`stored_tensors`], or lists every missing, unexpected,
@@ -754,16 +819,22 @@ fn validate(
                 shape,
                 looked_in: looked_in.to_path_buf(),
             }),
-            Some(t) if t.shape != shape => problems.push(Problem::Shape {
-                tensor: name,
-                file: t.file,
-                expected: shape,
-                found: t.shape,
-            }),
+            Some(t)
+                if t.shape != shape
+                    && !(kind == Stored::Scale && squeezed(&t.shape) == squeezed(&shape)) =>
+            {
+                problems.push(Problem::Shape {
+                    tensor: name,
+                    file: t.file,
+                    expected: shape,
+                    found: t.shape,
+                })
+            }
             Some(t) => {
                 let fits = match kind {
-                    Stored::Float => matches!(t.dtype, Element::Float(_)),
+                    Stored::Float | Stored::Scale => matches!(t.dtype, Element::Float(_)),
                     Stored::Int => t.dtype == Element::I32,
+                    Stored::Fp8 => t.dtype == Element::F8E4M3,
                 };
                 if fits {
                     ordered.push(t);
@@ -772,8 +843,9 @@ fn validate(
                         tensor: name,
                         file: t.file,
                         expected: match kind {
-                            Stored::Float => "BF16, F16 or F32",
+                            Stored::Float | Stored::Scale => "BF16, F16 or F32",
                             Stored::Int => "I32",
+                            Stored::Fp8 => "F8_E4M3",
                         },
                         found: t.dtype.to_string(),
                     });

@@ -123,6 +123,28 @@ impl WeightSource for CheckpointSource<'_> {
         })
     }
 
+    /// An FP8 checkpoint's weight: its codes and row scales.
+    fn with_fp8(
+        &self,
+        name: &str,
+        f: &mut dyn FnMut(sala_model::Fp8Matrix<'_>) -> Result<(), BackendError>,
+    ) -> Result<bool, BackendError> {
+        let stored = self
+            .0
+            .fp8_rows(name)
+            .map_err(|e| BackendError(format!("weight {name}: {e}")))?;
+        let Some((codes, scales, (rows, cols))) = stored else {
+            return Ok(false);
+        };
+        f(sala_model::Fp8Matrix {
+            rows,
+            cols,
+            codes,
+            scales: &scales,
+        })?;
+        Ok(true)
+    }
+
     /// A GPTQ weight in 4 bits, by rows.
     fn with_quantized(
         &self,

@@ -130,7 +130,7 @@ pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_quantized: bool) 
         .map(|t| {
             let n = t.numel();
             let linear = matches!(t.place, sala_checkpoint::Place::Layer(..)) && t.shape.len() == 2;
-            if c.fp8_weights && linear {
+            if linear && c.fp8_linear(&t.name) {
                 return match packs_quantized {
                     true => n + t.shape[0] * F32,
                     false => n * value_bytes,

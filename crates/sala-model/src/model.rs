@@ -39,6 +39,15 @@ pub trait WeightSource {
     ) -> BResult<bool> {
         Ok(false)
     }
+    /// Calls `f` with weight `name` in FP8 and returns true where the source stores it so
+    /// (an FP8 checkpoint); else false (an FP8 run quantizes the bf16 weight as it loads).
+    fn with_fp8(
+        &self,
+        _name: &str,
+        _f: &mut dyn FnMut(Fp8Matrix<'_>) -> BResult<()>,
+    ) -> BResult<bool> {
+        Ok(false)
+    }
 }
 
 pub(crate) enum Mixer<B: Backend> {
@@ -383,8 +392,8 @@ enum Source<'a> {
 struct Loader<'a, B: Backend> {
     be: &'a B,
     src: Source<'a>,
-    /// The decoder layers' linears in FP8 (`ModelConfig::fp8_weights`).
-    fp8: bool,
+    /// The weights that run in FP8 (`ModelConfig::fp8_linear`).
+    fp8: std::collections::HashSet<String>,
     done: usize,
     total: usize,
     progress: &'a mut dyn FnMut(usize, usize),
@@ -451,9 +460,20 @@ impl<B: Backend> Loader<'_, B> {
         let name = &tensor_name(role, place);
         self.step();
         let be = self.be;
-        if self.fp8 && matches!(place, Place::Layer(..)) {
+        if self.fp8.contains(name) {
             if let Some(r) = self.random_spec(name)? {
                 return be.random_fp8(r.shape[0], r.shape[1], r.seed, r.std);
+            }
+            if let Source::Weights(w) = &self.src {
+                let mut out = None;
+                let stored = w.with_fp8(name, &mut |m| {
+                    out = Some(be.upload_fp8(name, m)?);
+                    Ok(())
+                })?;
+                if stored {
+                    return out
+                        .ok_or_else(|| BackendError(format!("weight {name}: nothing given")));
+                }
             }
             return self.fetch(name, |t| {
                 let [rows, cols] = t.shape[..] else {
@@ -564,7 +584,11 @@ impl<B: Backend> Model<B> {
         let mut ld = Loader {
             be,
             src,
-            fp8: c.fp8_weights,
+            fp8: expected_tensors(c)
+                .into_iter()
+                .filter(|t| t.shape.len() == 2 && c.fp8_linear(&t.name))
+                .map(|t| t.name)
+                .collect(),
             done: 0,
             total: expected_tensors(c).len(),
             progress,
@@ -584,6 +608,23 @@ impl<B: Backend> Model<B> {
                 MixerKind::Lightning => c.use_output_gate,
                 MixerKind::Sparse => c.attn_use_output_gate,
             };
+            // A stacked matrix is one format: FP8 throughout or not at all.
+            let mut stacks = vec![vec![Role::QProj, Role::KProj, Role::VProj]];
+            if gated {
+                stacks[0].push(Role::OutputGate);
+            }
+            stacks.push(vec![Role::GateProj, Role::UpProj]);
+            for stack in stacks {
+                let names: Vec<String> = stack.iter().map(|&r| tensor_name(r, at)).collect();
+                let fp8: Vec<bool> = names.iter().map(|n| ld.fp8.contains(n)).collect();
+                if fp8.iter().any(|&f| f != fp8[0]) {
+                    return Err(BackendError(format!(
+                        "layer {i}: {} are run as one stacked product, but the checkpoint keeps \
+                         some in FP8 and some in bf16; quantize them alike",
+                        names.join(", ")
+                    )));
+                }
+            }
             let mut parts = vec![
                 ld.mat(Role::QProj, at)?,
                 ld.mat(Role::KProj, at)?,

@@ -97,66 +97,7 @@ pub fn random_normal(i: u64, seed: u64, mean: f32, std: f32) -> f32 {
     bf16_round(mean + std * a.copysign(z))
 }
 
-/// The largest finite FP8 E4M3 value.
-pub const E4M3_MAX: f32 = 448.0;
-
-/// The FP8 E4M3 code of `x`: round to nearest, ties to even, saturating at ±448 (NaN gives
-/// 0x7f). The GPU's `e4m3_code` in `sparse/common.cuh` is the same function bit for bit.
-pub fn e4m3_code(x: f32) -> u8 {
-    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
-    let a = x.abs();
-    if a.is_nan() {
-        return 0x7f;
-    }
-    let magnitude = if a < 1.0 / 64.0 {
-        // Subnormals: multiples of 2^-9; 8 of them is the least normal (code 0x08).
-        (a * 512.0).round_ties_even() as u32
-    } else {
-        // Keep 3 mantissa bits (ties to even), then rebias the exponent from 127 to 7.
-        let bits = a.to_bits();
-        let rounded = (bits + 0x7ffff + ((bits >> 20) & 1)) >> 20;
-        (rounded - ((127 - 7) << 3)).min(0x7e)
-    };
-    sign | magnitude as u8
-}
-
-/// The value of the FP8 E4M3 code `c` (0x7f and 0xff are NaN).
-pub fn e4m3_value(c: u8) -> f32 {
-    let (e, m) = ((c >> 3) & 15, (c & 7) as f32);
-    let magnitude = match (e, c & 0x7f) {
-        (_, 0x7f) => f32::NAN,
-        (0, _) => m / 512.0,
-        _ => (8.0 + m) * 2f32.powi(e as i32 - 10),
-    };
-    if c & 0x80 != 0 {
-        -magnitude
-    } else {
-        magnitude
-    }
-}
-
-/// The FP8 scale of a row (a K or V row of one token and KV head, a weight row, a product's
-/// input row): amax / 448, so the row's largest value gets the largest code; 1 for a row of
-/// zeros (or one so small that amax / 448 is not a normal f32).
-pub fn fp8_row_scale(row: &[f32]) -> f32 {
-    let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())) / E4M3_MAX;
-    if scale >= f32::MIN_POSITIVE {
-        scale
-    } else {
-        1.0
-    }
-}
-
-/// A row as FP8: its scale ([`fp8_row_scale`]) and each value's E4M3 code of `x · (1 / scale)`
-/// (the reciprocal rounded once, then each product: what the GPU's conversions compute).
-pub fn fp8_quantize_row(row: &[f32], codes: &mut [u8]) -> f32 {
-    let scale = fp8_row_scale(row);
-    let inv = 1.0 / scale;
-    for (c, &x) in codes.iter_mut().zip(row) {
-        *c = e4m3_code(x * inv);
-    }
-    scale
-}
+pub use sala_checkpoint::fp8::{e4m3_code, e4m3_value, fp8_quantize_row, fp8_row_scale, E4M3_MAX};
 
 /// Rounds K or V rows (`head_dim` values a KV head, heads after each other) to what an FP8
 /// cache holds: each row's codes at its own scale, read back as code × scale.

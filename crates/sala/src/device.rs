@@ -101,7 +101,7 @@ pub struct RunChoices {
 impl RunChoices {
     pub fn apply(&self, config: &mut ModelConfig) {
         config.sparse.kv_cache = self.kv_cache;
-        config.fp8_weights = self.fp8_weights;
+        config.fp8_weights = self.fp8_weights || config.fp8_checkpoint.is_some();
     }
 
     pub fn apply_to(&self, checkpoint: &mut Checkpoint) {

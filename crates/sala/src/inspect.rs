@@ -176,19 +176,35 @@ fn checkpoint(dir: &Path) -> Result<()> {
         c.logit_divisor()
     );
     let params = sala_checkpoint::expected_parameter_count(c);
-    let format = match &c.quantization {
-        Some(q) => format!(
-            " as 4-bit GPTQ ({}, {}{})",
-            q.group_size
-                .map_or("a group a row".to_string(), |g| format!("groups of {g}")),
-            if q.sym { "symmetric" } else { "asymmetric" },
-            if q.skip.is_empty() {
+    let format = match (&c.quantization, &c.fp8_checkpoint) {
+        (_, Some(f)) => format!(
+            " as FP8 E4M3 ({:?} layout, a scale per {}{})",
+            f.format,
+            if f.per_channel {
+                "output channel"
+            } else {
+                "matrix"
+            },
+            if f.skip.is_empty() {
                 String::new()
             } else {
-                format!(", kept in bf16: {}", q.skip.join(" "))
+                format!(", kept in bf16: {}", f.skip.join(" "))
             }
         ),
-        None => String::new(),
+        (q, None) => match q {
+            Some(q) => format!(
+                " as 4-bit GPTQ ({}, {}{})",
+                q.group_size
+                    .map_or("a group a row".to_string(), |g| format!("groups of {g}")),
+                if q.sym { "symmetric" } else { "asymmetric" },
+                if q.skip.is_empty() {
+                    String::new()
+                } else {
+                    format!(", kept in bf16: {}", q.skip.join(" "))
+                }
+            ),
+            None => String::new(),
+        },
     };
     println!(
         "parameters      {} ({params}); stored {}{format}; {} in bf16",
@@ -201,6 +217,11 @@ fn checkpoint(dir: &Path) -> Result<()> {
     if c.quantization.is_some() {
         println!(
             "weights held    {} on a GPU (4-bit linears packed, with their scales and zeros)",
+            human_bytes(held)
+        );
+    } else if c.fp8_checkpoint.is_some() {
+        println!(
+            "weights held    {} on a GPU (a byte a linear weight and a scale a row)",
             human_bytes(held)
         );
     } else {

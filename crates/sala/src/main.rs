@@ -60,8 +60,8 @@ enum Command {
     /// How far one model's logits are from another's (a quantized checkpoint against its
     /// source): logit error, KL and greedy agreement on seeded random prompts.
     Compare(compare::CompareArgs),
-    /// Write a 4-bit GPTQ-layout checkpoint from a bf16 one (round to nearest): the linear
-    /// layers quantized, embeddings, norms and lm_head kept.
+    /// Write a quantized checkpoint from a bf16 one: 4-bit GPTQ layout (round to nearest) or
+    /// FP8 (compressed-tensors); the linear layers quantized, embeddings, norms and lm_head kept.
     Quantize(QuantizeArgs),
 }
 
@@ -71,9 +71,13 @@ struct QuantizeArgs {
     input: PathBuf,
     /// Where to write the quantized checkpoint (created; the tokenizer files are copied).
     output: PathBuf,
-    /// `w4-rtn`: 4-bit weights, round to nearest.
+    /// `w4-rtn`: 4-bit weights, round to nearest (GPTQ layout); `fp8`: E4M3 weights with a
+    /// scale per output channel (compressed-tensors layout; inputs are scaled per token).
     #[arg(long, default_value = "w4-rtn")]
     method: String,
+    /// fp8: one scale per weight matrix instead of one per output channel.
+    #[arg(long)]
+    per_tensor: bool,
     /// Inputs sharing a scale and zero point (a multiple of 8), or -1 for one group a row.
     #[arg(long, default_value_t = 128, allow_hyphen_values = true)]
     group: i64,
@@ -86,11 +90,14 @@ struct QuantizeArgs {
 }
 
 fn quantize(args: QuantizeArgs) -> Result<()> {
-    if args.method != "w4-rtn" {
+    if args.method != "w4-rtn" && args.method != "fp8" {
         bail!(
-            "--method {}: only w4-rtn (4-bit, round to nearest) is supported",
+            "--method {}: expected w4-rtn (4-bit, round to nearest) or fp8",
             args.method
         );
+    }
+    if args.method == "fp8" {
+        return quantize_fp8(&args);
     }
     let group_size = match args.group {
         -1 => None,
@@ -127,6 +134,43 @@ fn quantize(args: QuantizeArgs) -> Result<()> {
             ", asymmetric"
         } else {
             ", symmetric"
+        }
+    );
+    Ok(())
+}
+
+/// `sala quantize --method fp8`.
+fn quantize_fp8(args: &QuantizeArgs) -> Result<()> {
+    if args.output.exists() && std::fs::read_dir(&args.output)?.next().is_some() {
+        bail!("{}: exists and is not empty", args.output.display());
+    }
+    let src = Checkpoint::open(&args.input)
+        .with_context(|| format!("opening {}", args.input.display()))?;
+    if args.keep_gates {
+        bail!(
+            "--keep-gates: FP8 runs a layer's stacked q/k/v/gate product in one format, so the \
+             gates are quantized with them (--keep-gates is for w4-rtn)"
+        );
+    }
+    let f = sala_checkpoint::fp8::Fp8Checkpoint {
+        format: sala_checkpoint::fp8::Fp8Format::CompressedTensors,
+        per_channel: !args.per_tensor,
+        skip: Vec::new(),
+    };
+    let bar = progress_bar(0, "quantizing");
+    sala_checkpoint::quant::write_fp8(&src, &args.output, &f, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .with_context(|| format!("writing {}", args.output.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {} (FP8 E4M3 weights, compressed-tensors layout, a scale per {})",
+        args.output.display(),
+        if args.per_tensor {
+            "matrix"
+        } else {
+            "output channel"
         }
     );
     Ok(())

@@ -789,3 +789,83 @@ fn tiny_and_quantized(cache: &Path, args: &[&str]) -> (PathBuf, PathBuf) {
     ok(&sala(&[&["quantize", s, o][..], args].concat(), cache));
     (src, out)
 }
+
+/// `sala quantize --method fp8`: a compressed-tensors FP8 checkpoint that `generate` runs to
+/// the same tokens as `--quantize fp8` over its source, `inspect` names, and `compare` tells
+/// from its source; `--keep-gates` is refused for FP8.
+#[test]
+fn quantize_fp8_writes_what_quantize_fp8_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path();
+    let (src, out) = (cache.join("bf16"), cache.join("fp8"));
+    let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+    ok(&sala(&["init", "--preset", "tiny", s], cache));
+    fails_with(
+        &sala(
+            &["quantize", s, o, "--method", "fp8", "--keep-gates"],
+            cache,
+        ),
+        &["--keep-gates", "w4-rtn"],
+    );
+    ok(&sala(&["quantize", s, o, "--method", "fp8"], cache));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["quantization_config"]["quant_method"].as_str(),
+        Some("compressed-tensors")
+    );
+    let gen = |model: &str, extra: &[&str]| {
+        let args = [
+            &[
+                "generate",
+                "--model",
+                model,
+                "--device",
+                "cpu",
+                "--max-tokens",
+                "8",
+                "--ignore-eos",
+                "The cat",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let r = sala(&args, cache);
+        ok(&r);
+        stdout(&r)
+    };
+    assert_eq!(gen(o, &[]), gen(s, &["--quantize", "fp8"]));
+    let info = sala(&["inspect", o], cache);
+    ok(&info);
+    assert!(stdout(&info).contains("FP8 E4M3"), "{}", stdout(&info));
+    let r = sala(
+        &[
+            "compare",
+            s,
+            s,
+            "--b-quantize",
+            "fp8",
+            "--device",
+            "cpu",
+            "--prompts",
+            "2",
+            "--len",
+            "16",
+            "--tokens",
+            "4",
+            "--json",
+        ],
+        cache,
+    );
+    ok(&r);
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    let err = v["logit_rel_l2_mean"].as_f64().unwrap();
+    assert!(err > 0.0 && err < 0.5, "{v}");
+    fails_with(
+        &sala(
+            &["generate", "--model", s, "hi", "--quantize", "int2"],
+            cache,
+        ),
+        &["--quantize int2", "fp8"],
+    );
+}
