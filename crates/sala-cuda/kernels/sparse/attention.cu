@@ -36,7 +36,8 @@
 
 // The bf16 A fragment of keys 16·ks .. 16·ks + 15 of P, held as S (n-tiles 2·ks and 2·ks + 1
 // of an m16n8 accumulator), for P·V.
-__device__ __forceinline__ void sp_p_frag(const float (&S)[8][4], int ks, u32& a0, u32& a1, u32& a2, u32& a3) {
+template <int NT>
+__device__ __forceinline__ void sp_p_frag(const float (&S)[NT][4], int ks, u32& a0, u32& a1, u32& a2, u32& a3) {
     a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
     a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
     a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
@@ -700,7 +701,7 @@ attention_prefill(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* o
 // Neighbouring queries may select different blocks (with random weights, mostly different), so
 // staging a block once for several queries saves little; here every warp walks its own list with
 // no block-wide synchronisation: in prefill through its own ring of shared-memory stages, in
-// decode (ag_block) straight from global memory (L2) with 16-byte loads. The warp's 16 MMA rows
+// decode straight from global memory (L2) with 16-byte loads (both through ag_keys). The warp's 16 MMA rows
 // are the query's heads of the group.
 // Fragment layouts (d a multiple of 64): Q·Kᵀ as sp_load_q_perm and sp_qk_perm do it. For P·V,
 // output n-tile 8u + e, column n is dim 64u + 8n + e, so one 16-byte load of
@@ -733,7 +734,7 @@ __device__ __forceinline__ int ag_dim(int u, int c, int y, int half, int tq) {
     return 64 * u + 16 * tq + 8 * half + 2 * c + y;
 }
 
-// One KV group's keys and values as ag_block reads them, from its key 0 (`at`: from a later key): 8 dims of a
+// One KV group's keys and values as ag_keys reads them, from its key 0 (`at`: from a later key): 8 dims of a
 // key as the four bf16x2 words a 16-byte load of bf16 values gives, and each key's K and V
 // scale (the values are code · scale in an FP8 cache, the scales 1 in a bf16 one).
 struct KvBf16 {
@@ -774,19 +775,20 @@ __device__ __forceinline__ KvF8 kv_f8(const void* k, const void* v, int g, int k
             kv_heads * d + 4 * g - g * d};
 }
 
-// Attends the warp's query (position t; padding rows masked by row_ok) to the keys
-// [k0, k0 + 64) ∩ [0, min(t + 1, k0 + n_valid)) of its KV group, read through kv (at key k0;
-// rows ≥ n_valid are not read). S = Q·Kᵀ (times each key's K scale), online softmax in log2
-// units, O += P·V (P times each key's V scale, rounded to bf16).
-template <class KV>
-__device__ __forceinline__ void ag_block(AgState& st, const u32 (&qa)[8][4], const KV& kv, int k0, int t,
-                                         int n_valid, const bool (&row_ok)[2], float sl2, int d) {
+// Attends the warp's query (position t; padding rows masked by row_ok) to the 8·NT keys
+// [k0, k0 + 8·NT) ∩ [0, min(t + 1, k0 + n_valid)) of its KV group, read through kv (key 0 at
+// k0: a block of 64 in global memory, or a shared-memory stage of AG_KEYS; rows ≥ n_valid are
+// not read). S = Q·Kᵀ (times each key's K scale), online softmax in log2 units, O += P·V (P
+// times each key's V scale, rounded to bf16).
+template <int NT, class KV>
+__device__ __forceinline__ void ag_keys(AgState& st, const u32 (&qa)[8][4], const KV& kv, int k0, int t,
+                                        int n_valid, const bool (&row_ok)[2], float sl2, int d) {
     const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
     const float NEG = -__int_as_float(0x7f800000);
-    const int last = min(n_valid, 64) - 1;
-    float S[8][4];
+    const int last = min(n_valid, 8 * NT) - 1;
+    float S[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+    for (int nt = 0; nt < NT; nt++) {
         // Lane (gq, tq) reads key 8nt + gq (the permuted k-steps of sp_load_q_perm).
         const int key = min(8 * nt + gq, last);
         S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
@@ -801,7 +803,7 @@ __device__ __forceinline__ void ag_block(AgState& st, const u32 (&qa)[8][4], con
     }
     float mx[2] = {NEG, NEG};
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int x = 0; x < 4; x++) {
             const int r = x >> 1;
@@ -822,7 +824,7 @@ __device__ __forceinline__ void ag_block(AgState& st, const u32 (&qa)[8][4], con
     }
     float rsum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int x = 0; x < 4; x++) {
             const float e = exp2f(S[nt][x] - mu[x >> 1]);
@@ -840,7 +842,7 @@ __device__ __forceinline__ void ag_block(AgState& st, const u32 (&qa)[8][4], con
     }
     // O += P V, P's column of key j times j's V scale.
 #pragma unroll
-    for (int ks = 0; ks < 4; ks++) {
+    for (int ks = 0; ks < NT / 2; ks++) {
         const int j = 16 * ks + 2 * tq;
         const int keys[4] = {min(j, last), min(j + 1, last), min(j + 8, last), min(j + 9, last)};
 #pragma unroll
@@ -987,7 +989,7 @@ __device__ __forceinline__ void ag_issue(u32 kt, u32 vt, const bf16* kg, const b
     }
 }
 
-// A stage of AG_KEYS keys in shared memory as ag_stage reads it: 8 dims of key r's K or V as
+// A stage of AG_KEYS keys in shared memory as ag_keys reads it: 8 dims of key r's K or V as
 // the four bf16x2 words of 16 bytes of bf16 values, and r's K and V scales.
 struct StageBf16 {
     const unsigned char *kt, *vt;
@@ -1044,95 +1046,6 @@ __device__ __forceinline__ void ag8_issue(u32 at, const unsigned char* kg, const
                  "l"(vg + off), "r"(in ? 4 : 0));
 }
 
-// Attends the warp's query (position t) to the AG_KEYS staged keys from k0 (those ≤ t), as
-// ag_block does for 64 keys from global memory: S = Q·Kᵀ (times each key's K scale), online
-// softmax, O += P·V (P times each key's V scale).
-template <class Stage>
-__device__ __forceinline__ void ag_stage(AgState& st, const u32 (&qa)[8][4], const Stage& tile, int k0, int t,
-                                         const bool (&row_ok)[2], float sl2, int d) {
-    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-    const float NEG = -__int_as_float(0x7f800000);
-    float S[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 4; nt++) {
-        S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
-#pragma unroll
-        for (int p = 0; p < 4; p++)
-            if (32 * p < d) {
-                const uint4 kv = tile.k8(8 * nt + gq, 32 * p + 8 * tq);
-                sp_mma(S[nt], qa[2 * p][0], qa[2 * p][1], qa[2 * p][2], qa[2 * p][3], kv.x, kv.y);
-                sp_mma(S[nt], qa[2 * p + 1][0], qa[2 * p + 1][1], qa[2 * p + 1][2], qa[2 * p + 1][3], kv.z, kv.w);
-            }
-    }
-    float mx[2] = {NEG, NEG};
-#pragma unroll
-    for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int r = x >> 1, j = 8 * nt + 2 * tq + (x & 1);
-            S[nt][x] = (row_ok[r] && k0 + j <= t) ? S[nt][x] * (tile.k_scale(j) * sl2) : NEG;
-            mx[r] = fmaxf(mx[r], S[nt][x]);
-        }
-    float alpha[2], mu[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float mn = fmaxf(st.m[r], mx[r]);
-        mu[r] = (mn == NEG) ? 0.0f : mn;
-        alpha[r] = exp2f(st.m[r] - mu[r]);
-        st.m[r] = mn;
-    }
-    float rsum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const float e = exp2f(S[nt][x] - mu[x >> 1]);
-            S[nt][x] = e;
-            rsum[x >> 1] += e;
-        }
-#pragma unroll
-    for (int r = 0; r < 2; r++) st.l[r] = st.l[r] * alpha[r] + rsum[r];
-#pragma unroll
-    for (int nt = 0; nt < 16; nt++) {
-        st.O[nt][0] *= alpha[0];
-        st.O[nt][1] *= alpha[0];
-        st.O[nt][2] *= alpha[1];
-        st.O[nt][3] *= alpha[1];
-    }
-#pragma unroll
-    for (int ks = 0; ks < 2; ks++) {
-        const int j = 16 * ks + 2 * tq;
-#pragma unroll
-        for (int y = 0; y < 4; y++) {
-            const float vs = tile.v_scale(j + (y & 1) + 8 * (y >> 1));
-            S[2 * ks + (y >> 1)][y & 1] *= vs;
-            S[2 * ks + (y >> 1)][2 + (y & 1)] *= vs;
-        }
-        const u32 a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]), a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
-        const u32 a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-        const u32 a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            if (64 * u < d) {
-                const int dim = 64 * u + 8 * gq;
-                const uint4 v0 = tile.v8(j, dim), v1 = tile.v8(j + 1, dim);
-                const uint4 v2 = tile.v8(j + 8, dim), v3 = tile.v8(j + 9, dim);
-                const u32 w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
-                const u32 w2[4] = {v2.x, v2.y, v2.z, v2.w}, w3[4] = {v3.x, v3.y, v3.z, v3.w};
-#pragma unroll
-                for (int cc = 0; cc < 4; cc++) {
-                    sp_mma(st.O[8 * u + 2 * cc], a0, a1, a2, a3, __byte_perm(w0[cc], w1[cc], 0x5410),
-                           __byte_perm(w2[cc], w3[cc], 0x5410));
-                    sp_mma(st.O[8 * u + 2 * cc + 1], a0, a1, a2, a3, __byte_perm(w0[cc], w1[cc], 0x7632),
-                           __byte_perm(w2[cc], w3[cc], 0x7632));
-                }
-            }
-        }
-    }
-}
-
 // The warp's walk in stages of AG_KEYS keys over its pair's list (sorted, −1 padded; NULL:
 // every block up to the query's, dense): the second half of the query's own block is skipped
 // when it lies past t. `ring`: the warp's NS stages (`stage` bytes each), as a shared address
@@ -1163,7 +1076,7 @@ __device__ __forceinline__ void ag_walk(AgState& st, const u32 (&qa)[8][4], cons
         asm volatile("cp.async.wait_group %0;\n" ::"n"(NS - 2) : "memory");
         __syncwarp();  // stage s visible to every lane; stage s − 1's slot free
         issue(s + NS - 1);
-        ag_stage(st, qa, tile(ring_p + (s % NS) * stage), key0(s), p.t, p.row_ok, sl2, d);
+        ag_keys<AG_KEYS / 8>(st, qa, tile(ring_p + (s % NS) * stage), key0(s), p.t, AG_KEYS, p.row_ok, sl2, d);
     }
     sp_cp_wait0();
 }
@@ -1292,7 +1205,7 @@ __device__ __forceinline__ void attention_decode_pair(const bf16* q, const KV& k
     for (int s = z; s < n_walk; s += n_split) {
         const int b = blocks ? my[s] : s;
         if (__any_sync(0xffffffffu, b < 0)) break;  // −1 padded lists; a vote keeps the walk warp-uniform
-        ag_block(st, qa, kv.at((size_t)64 * b), 64 * b, p.t, p.n_keys - 64 * b, p.row_ok, sl2, d);
+        ag_keys<8>(st, qa, kv.at((size_t)64 * b), 64 * b, p.t, p.n_keys - 64 * b, p.row_ok, sl2, d);
     }
     ag_sum_l(st);
     if (!part) {
