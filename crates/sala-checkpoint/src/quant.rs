@@ -273,9 +273,67 @@ impl Gptq {
         Ok(w)
     }
 
-    /// Round-to-nearest 4-bit quantization of `w` (`[out, inputs]`): the stored qweight,
-    /// qzeros (bytes) and scales (f32, stored as F16). Symmetric: zero 8, scale max|w| / 7;
-    /// asymmetric: the group's range over 0..15.
+    /// A group's scale and zero point, round to nearest's rule: symmetric about 8, or spanning
+    /// the group's range; the scale as the model reads it (bf16, rounded up so the grid still
+    /// spans the group; stored as f16, which holds it exactly at a weight's magnitudes).
+    fn group_params(&self, vals: &[f32]) -> (f32, u32) {
+        let (lo, hi) = vals
+            .iter()
+            .fold((0f32, 0f32), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        let (scale, zero) = if self.sym {
+            (hi.abs().max(lo.abs()) / 7.0, 8)
+        } else {
+            let s = (hi - lo) / 15.0;
+            let z = if s > 0.0 {
+                (-lo / s).round().clamp(0.0, 15.0) as u32
+            } else {
+                8
+            };
+            (s, z)
+        };
+        (half::f16::from_f32(bf16_at_least(scale)).to_f32(), zero)
+    }
+
+    /// A weight's 4-bit value at (scale, zero).
+    fn code(x: f32, scale: f32, zero: u32) -> u32 {
+        if scale > 0.0 {
+            (x / scale + zero as f32).round().clamp(0.0, 15.0) as u32
+        } else {
+            zero
+        }
+    }
+
+    /// The stored tensors of codes `q` (`[out, inputs]`) with each group's (scale, zero)
+    /// (`[groups, out]`).
+    fn pack(
+        &self,
+        q: &[u32],
+        scales: Vec<f32>,
+        zeros: &[u32],
+        out: usize,
+        inputs: usize,
+    ) -> Quantized {
+        let groups = zeros.len() / out.max(1);
+        let mut qweight = vec![0u32; inputs / PACK * out];
+        for o in 0..out {
+            for i in 0..inputs {
+                qweight[(i / PACK) * out + o] |= q[o * inputs + i] << (4 * (i % PACK));
+            }
+        }
+        let offset = u32::from(self.zero_minus_one);
+        let mut qzeros = vec![0u32; groups * out / PACK];
+        for grp in 0..groups {
+            for o in 0..out {
+                let z = zeros[grp * out + o].saturating_sub(offset) & 15;
+                qzeros[grp * (out / PACK) + o / PACK] |= z << (4 * (o % PACK));
+            }
+        }
+        let bytes = |v: Vec<u32>| v.into_iter().flat_map(u32::to_le_bytes).collect();
+        (bytes(qweight), bytes(qzeros), scales)
+    }
+
+    /// Round to nearest: each group's scale and zero from its weights, each weight to the
+    /// nearest code.
     pub fn quantize_rtn(
         &self,
         name: &str,
@@ -288,53 +346,155 @@ impl Gptq {
         let mut zeros = vec![0u32; groups * out];
         for grp in 0..groups {
             for o in 0..out {
-                let vals = &w[o * inputs + grp * g..o * inputs + (grp + 1) * g];
-                let (lo, hi) = vals
-                    .iter()
-                    .fold((0f32, 0f32), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-                let (scale, zero) = if self.sym {
-                    (hi.abs().max(lo.abs()) / 7.0, 8)
-                } else {
-                    let s = (hi - lo) / 15.0;
-                    let z = if s > 0.0 {
-                        (-lo / s).round().clamp(0.0, 15.0) as u32
-                    } else {
-                        8
-                    };
-                    (s, z)
-                };
-                // The scale as the model reads it (bf16, rounded up so the grid still spans the
-                // group; stored as f16, which holds it exactly at a weight's magnitudes), so
-                // values round against what is read back.
-                let scale = half::f16::from_f32(bf16_at_least(scale)).to_f32();
-                scales[grp * out + o] = scale;
-                zeros[grp * out + o] = zero;
+                let (s, z) =
+                    self.group_params(&w[o * inputs + grp * g..o * inputs + (grp + 1) * g]);
+                scales[grp * out + o] = s;
+                zeros[grp * out + o] = z;
             }
         }
-        let mut qweight = vec![0u32; inputs / PACK * out];
-        for o in 0..out {
-            for i in 0..inputs {
-                let k = (i / g) * out + o;
-                let (s, z) = (scales[k], zeros[k] as f32);
-                let q = if s > 0.0 {
-                    (w[o * inputs + i] / s + z).round().clamp(0.0, 15.0) as u32
-                } else {
-                    zeros[k]
-                };
-                qweight[(i / PACK) * out + o] |= q << (4 * (i % PACK));
-            }
-        }
-        let offset = u32::from(self.zero_minus_one);
-        let mut qzeros = vec![0u32; groups * out / PACK];
-        for grp in 0..groups {
-            for o in 0..out {
-                let z = zeros[grp * out + o].saturating_sub(offset) & 15;
-                qzeros[grp * (out / PACK) + o / PACK] |= z << (4 * (o % PACK));
-            }
-        }
-        let bytes = |v: Vec<u32>| v.into_iter().flat_map(u32::to_le_bytes).collect();
-        Ok((bytes(qweight), bytes(qzeros), scales))
+        let q: Vec<u32> = (0..out * inputs)
+            .map(|k| {
+                let (o, i) = (k / inputs, k % inputs);
+                let at = (i / g) * out + o;
+                Self::code(w[k], scales[at], zeros[at])
+            })
+            .collect();
+        Ok(self.pack(&q, scales, &zeros, out, inputs))
     }
+
+    /// GPTQ (Frantar et al., 2022): the inputs quantized one after another, each one's
+    /// rounding error spread over the inputs not yet quantized through the inverse of `h`
+    /// (`[inputs, inputs]`, Σ xᵀx over the calibration rows of the layer's input), so the
+    /// layer's outputs on those rows move least; a group's scale and zero are taken (by
+    /// round to nearest's rule) from its weights as updated when the group starts. `damp`:
+    /// the fraction of the mean diagonal added to it (0.01 usual).
+    pub fn quantize_gptq(
+        &self,
+        name: &str,
+        w: &[f32],
+        (out, inputs): (usize, usize),
+        h: &[f64],
+        damp: f64,
+    ) -> Result<Quantized, String> {
+        let g = self.group(name, out, inputs)?;
+        if h.len() != inputs * inputs {
+            return Err(format!(
+                "{name}: a Hessian of {} values for {inputs} inputs",
+                h.len()
+            ));
+        }
+        let n = inputs;
+        let mut w: Vec<f64> = w.iter().map(|&x| x as f64).collect();
+        let mut h = h.to_vec();
+        // Inputs never seen: weight zeroed, a unit diagonal (as GPTQ does).
+        for i in 0..n {
+            if h[i * n + i] == 0.0 {
+                h[i * n + i] = 1.0;
+                for o in 0..out {
+                    w[o * n + i] = 0.0;
+                }
+            }
+        }
+        let mean_diag = (0..n).map(|i| h[i * n + i]).sum::<f64>() / n.max(1) as f64;
+        for i in 0..n {
+            h[i * n + i] += damp * mean_diag;
+        }
+        let u = inverse_cholesky_upper(&h, n).map_err(|e| format!("{name}: {e}"))?;
+        let groups = inputs / g;
+        let mut scales = vec![0f32; groups * out];
+        let mut zeros = vec![0u32; groups * out];
+        let mut q = vec![0u32; out * inputs];
+        for i in 0..n {
+            if i % g == 0 {
+                for o in 0..out {
+                    let vals: Vec<f32> = w[o * n + i..o * n + i + g]
+                        .iter()
+                        .map(|&x| x as f32)
+                        .collect();
+                    let (s, z) = self.group_params(&vals);
+                    scales[(i / g) * out + o] = s;
+                    zeros[(i / g) * out + o] = z;
+                }
+            }
+            let d = u[i * n + i];
+            for o in 0..out {
+                let at = (i / g) * out + o;
+                let (s, z) = (scales[at], zeros[at]);
+                let code = Self::code(w[o * n + i] as f32, s, z);
+                q[o * n + i] = code;
+                let err = (w[o * n + i] - w4_value(code, z as f32, s) as f64) / d;
+                let row = &mut w[o * n..(o + 1) * n];
+                for j in i + 1..n {
+                    row[j] -= err * u[i * n + j];
+                }
+            }
+        }
+        Ok(self.pack(&q, scales, &zeros, out, inputs))
+    }
+}
+
+/// The upper Cholesky factor `U` of `h⁻¹` (`h⁻¹ = Uᵀ U`), `h` symmetric positive definite
+/// `[n, n]`: what GPTQ's column updates read.
+fn inverse_cholesky_upper(h: &[f64], n: usize) -> Result<Vec<f64>, String> {
+    // h = L Lᵀ.
+    let mut l = vec![0f64; n * n];
+    for i in 0..n {
+        for j in 0..=i {
+            let dot: f64 = (0..j).map(|k| l[i * n + k] * l[j * n + k]).sum();
+            if i == j {
+                let d = h[i * n + i] - dot;
+                if d <= 0.0 || !d.is_finite() {
+                    return Err(
+                        "the inputs' Hessian is not positive definite (raise the damping)".into(),
+                    );
+                }
+                l[i * n + i] = d.sqrt();
+            } else {
+                l[i * n + j] = (h[i * n + j] - dot) / l[j * n + j];
+            }
+        }
+    }
+    // L⁻¹ (lower), then h⁻¹ = L⁻ᵀ L⁻¹.
+    let mut li = vec![0f64; n * n];
+    for i in 0..n {
+        li[i * n + i] = 1.0 / l[i * n + i];
+        for j in 0..i {
+            let s: f64 = (j..i).map(|k| l[i * n + k] * li[k * n + j]).sum();
+            li[i * n + j] = -s / l[i * n + i];
+        }
+    }
+    let mut inv = vec![0f64; n * n];
+    for i in 0..n {
+        for j in 0..=i {
+            let s: f64 = (i..n).map(|k| li[k * n + i] * li[k * n + j]).sum();
+            inv[i * n + j] = s;
+            inv[j * n + i] = s;
+        }
+    }
+    // inv = Uᵀ U with U = (chol(inv))ᵀ.
+    let mut c = vec![0f64; n * n];
+    for i in 0..n {
+        for j in 0..=i {
+            let dot: f64 = (0..j).map(|k| c[i * n + k] * c[j * n + k]).sum();
+            if i == j {
+                let d = inv[i * n + i] - dot;
+                if d <= 0.0 || !d.is_finite() {
+                    return Err("the inverse Hessian is not positive definite".into());
+                }
+                c[i * n + i] = d.sqrt();
+            } else {
+                c[i * n + j] = (inv[i * n + j] - dot) / c[j * n + j];
+            }
+        }
+    }
+    // U[i][j] = C[j][i].
+    let mut u = vec![0f64; n * n];
+    for i in 0..n {
+        for j in i..n {
+            u[i * n + j] = c[j * n + i];
+        }
+    }
+    Ok(u)
 }
 
 /// Writes `src` into `dir` with its linear weights quantized by `q` (round to nearest), as a
@@ -344,6 +504,18 @@ pub fn write_quantized(
     src: &crate::Checkpoint,
     dir: &std::path::Path,
     q: &Gptq,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(), crate::CheckpointError> {
+    write_quantized_calibrated(src, dir, q, &|_| None, progress)
+}
+
+/// [`write_quantized`] with GPTQ instead of round to nearest for each linear `hessian` gives
+/// the Σ xᵀx of (`[in, in]`, its calibration inputs; 1% damping).
+pub fn write_quantized_calibrated<'h>(
+    src: &crate::Checkpoint,
+    dir: &std::path::Path,
+    q: &Gptq,
+    hessian: &dyn Fn(&str) -> Option<&'h [f64]>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(), crate::CheckpointError> {
     use crate::weights::file_err;
@@ -358,9 +530,11 @@ pub fn write_quantized(
         if !q.quantizes(name) {
             return Ok(None);
         }
-        let (qweight, qzeros, scales) = q
-            .quantize_rtn(name, w, (out, inputs))
-            .map_err(|msg| file_err(src.dir(), msg))?;
+        let (qweight, qzeros, scales) = match hessian(name) {
+            Some(h) => q.quantize_gptq(name, w, (out, inputs), h, 0.01),
+            None => q.quantize_rtn(name, w, (out, inputs)),
+        }
+        .map_err(|msg| file_err(src.dir(), msg))?;
         let g = q
             .group(name, out, inputs)
             .map_err(|m| file_err(src.dir(), m))?;
@@ -516,6 +690,73 @@ mod tests {
             zero_minus_one: v1,
             skip: vec![".*o_gate.*".into()],
         }
+    }
+
+    /// GPTQ moves a layer's outputs on its calibration inputs less than round to nearest, for
+    /// inputs with correlated features (what makes spreading the error pay).
+    #[test]
+    fn gptq_beats_round_to_nearest_on_its_calibration_inputs() {
+        let (out, inputs, rows) = (24, 64, 400);
+        let mut x = 99u64;
+        let mut next = || {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 33) as f64 / (1u64 << 31) as f64 - 0.5
+        };
+        let w: Vec<f32> = (0..out * inputs).map(|_| (next() * 0.2) as f32).collect();
+        // Features mixed by a random matrix, some much larger than others.
+        let mix: Vec<f64> = (0..inputs * inputs).map(|_| next()).collect();
+        let xs: Vec<f64> = (0..rows)
+            .flat_map(|_| {
+                let z: Vec<f64> = (0..inputs)
+                    .map(|i| next() * (1.0 + (i % 7) as f64))
+                    .collect();
+                let mix = &mix;
+                (0..inputs)
+                    .map(move |j| (0..inputs).map(|k| z[k] * mix[k * inputs + j]).sum::<f64>())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let mut h = vec![0f64; inputs * inputs];
+        for r in 0..rows {
+            let row = &xs[r * inputs..(r + 1) * inputs];
+            for a in 0..inputs {
+                for b in 0..inputs {
+                    h[a * inputs + b] += row[a] * row[b];
+                }
+            }
+        }
+        let err = |values: &[f32]| -> f64 {
+            let mut e = 0.0;
+            for r in 0..rows {
+                let row = &xs[r * inputs..(r + 1) * inputs];
+                for o in 0..out {
+                    let d: f64 = (0..inputs)
+                        .map(|i| row[i] * (values[o * inputs + i] - w[o * inputs + i]) as f64)
+                        .sum();
+                    e += d * d;
+                }
+            }
+            e
+        };
+        for q in [gptq(true, Some(32), true), gptq(false, Some(16), false)] {
+            let (qw, qz, s) = q.quantize_rtn("t", &w, (out, inputs)).unwrap();
+            let rtn = err(&q
+                .dequantize("t", (out, inputs), &qw, &qz, &s, None)
+                .unwrap());
+            let (qw, qz, s) = q.quantize_gptq("t", &w, (out, inputs), &h, 0.01).unwrap();
+            let opt = err(&q
+                .dequantize("t", (out, inputs), &qw, &qz, &s, None)
+                .unwrap());
+            assert!(opt < 0.8 * rtn, "GPTQ {opt} vs round to nearest {rtn}");
+        }
+        // A Hessian of the wrong size is refused by name.
+        let q = gptq(true, Some(32), true);
+        let e = q
+            .quantize_gptq("t", &w, (out, inputs), &h[1..], 0.01)
+            .unwrap_err();
+        assert!(e.contains("t:") && e.contains("Hessian"), "{e}");
     }
 
     #[test]

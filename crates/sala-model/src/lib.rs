@@ -15,7 +15,7 @@ pub use backend::{
     LogitsOut, QuantMatrix, Span, StepInfo, STEPWISE_SPAN_ROWS,
 };
 pub use model::{
-    AuxCapture, GreedyPick, LogitRows, Model, SeqMark, SeqState, StepInput, StepLogits,
-    WeightSource, Workspace,
+    AuxCapture, GreedyPick, InputRecorder, LinearInput, LogitRows, Model, SeqMark, SeqState,
+    StepInput, StepLogits, WeightSource, Workspace,
 };
 pub use oracle::{AttnShape, SparseMode};

@@ -69,6 +69,8 @@ pub(crate) enum Mixer<B: Backend> {
 }
 
 pub(crate) struct Layer<B: Backend> {
+    /// Its place in the model.
+    index: usize,
     input_norm: B::Vector,
     post_norm: B::Vector,
     pub(crate) mixer: Mixer<B>,
@@ -87,7 +89,40 @@ pub struct Model<B: Backend> {
     pub(crate) layers: Vec<Layer<B>>,
     pub(crate) slopes: B::Table,
     pub(crate) inv_freq: B::Table,
+    /// Gets every linear layer's input rows when set ([`Model::record_linear_inputs`]).
+    recorder: std::cell::RefCell<Option<Box<InputRecorder>>>,
 }
+
+/// Which linear layers of a decoder layer an input row feeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LinearInput {
+    /// q, k, v and the output gate (the input norm's rows).
+    Attention,
+    /// o_proj.
+    Output,
+    /// gate_proj and up_proj (the post-attention norm's rows).
+    Mlp,
+    /// down_proj.
+    Down,
+}
+
+impl LinearInput {
+    /// Which input weight `name` (a decoder layer's linear) takes.
+    pub fn of(name: &str) -> Option<Self> {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let last = module.rsplit('.').next()?;
+        Some(match last {
+            "q_proj" | "k_proj" | "v_proj" | "o_gate" | "z_proj" => Self::Attention,
+            "o_proj" => Self::Output,
+            "gate_proj" | "up_proj" => Self::Mlp,
+            "down_proj" => Self::Down,
+            _ => return None,
+        })
+    }
+}
+
+/// `(layer, which input, rows, columns)` for each product's input of a forward pass.
+pub type InputRecorder = dyn FnMut(usize, LinearInput, &[f32], usize);
 
 /// The per-sequence state: how many tokens it holds, and each layer's cache or state.
 pub struct SeqState<B: Backend> {
@@ -164,6 +199,8 @@ impl<B: Backend> Layer<B> {
             Mixer::Lightning { .. } => (&mut ws.kl, &mut ws.vl),
             Mixer::Sparse { .. } => (&mut ws.ks, &mut ws.vs),
         };
+        let hd = c.num_attention_heads * c.head_dim;
+        m.record(be, self.index, LinearInput::Attention, &ws.a, c.hidden_size)?;
         if gated {
             be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v, &mut ws.z])?;
         } else {
@@ -237,6 +274,7 @@ impl<B: Backend> Layer<B> {
                 &ws.o
             }
         };
+        m.record(be, self.index, LinearInput::Output, normed, hd)?;
         be.matmul(normed, o_proj, &mut ws.branch)?;
         be.add_scaled_norm(
             &mut ws.h,
@@ -246,7 +284,15 @@ impl<B: Backend> Layer<B> {
             eps,
             &mut ws.a,
         )?;
+        m.record(be, self.index, LinearInput::Mlp, &ws.a, c.hidden_size)?;
         be.matmul_silu(&ws.a, &self.gate_up, &mut ws.gate_up, &mut ws.act)?;
+        m.record(
+            be,
+            self.index,
+            LinearInput::Down,
+            &ws.act,
+            c.intermediate_size,
+        )?;
         be.matmul(&ws.act, &self.down_proj, &mut ws.branch)?;
         be.add_scaled_norm(&mut ws.h, &ws.branch, step.res, next_norm, eps, &mut ws.a)
     }
@@ -653,6 +699,7 @@ impl<B: Backend> Model<B> {
             let gate_up =
                 be.concat_rows(vec![ld.mat(Role::GateProj, at)?, ld.mat(Role::UpProj, at)?])?;
             layers.push(Layer {
+                index: i,
                 input_norm: ld.vec(Role::InputNorm, at)?,
                 post_norm: ld.vec(Role::PostNorm, at)?,
                 mixer,
@@ -668,7 +715,29 @@ impl<B: Backend> Model<B> {
             final_norm,
             lm_head,
             layers,
+            recorder: std::cell::RefCell::new(None),
         })
+    }
+
+    /// Has `recorder` get the input rows of every linear layer of the forward passes that
+    /// follow (calibration, as GPTQ needs), until called with `None`.
+    pub fn record_linear_inputs(&self, recorder: Option<Box<InputRecorder>>) {
+        *self.recorder.borrow_mut() = recorder;
+    }
+
+    /// Gives `x`'s rows to the recorder, if there is one.
+    fn record(
+        &self,
+        be: &B,
+        layer: usize,
+        which: LinearInput,
+        x: &B::Act,
+        cols: usize,
+    ) -> BResult<()> {
+        if let Some(r) = self.recorder.borrow_mut().as_mut() {
+            r(layer, which, &be.to_host(x)?, cols);
+        }
+        Ok(())
     }
 
     /// The embedding table (a draft without its own reads it).

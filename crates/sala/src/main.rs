@@ -71,13 +71,23 @@ struct QuantizeArgs {
     input: PathBuf,
     /// Where to write the quantized checkpoint (created; the tokenizer files are copied).
     output: PathBuf,
-    /// `w4-rtn`: 4-bit weights, round to nearest (GPTQ layout); `fp8`: E4M3 weights with a
-    /// scale per output channel (compressed-tensors layout; inputs are scaled per token).
+    /// `w4-rtn`: 4-bit weights, round to nearest (GPTQ layout); `gptq`: 4-bit weights by
+    /// GPTQ over --calibration's text (GPTQ layout); `fp8`: E4M3 weights with a scale per
+    /// output channel (compressed-tensors layout; inputs are scaled per token).
     #[arg(long, default_value = "w4-rtn")]
     method: String,
     /// fp8: one scale per weight matrix instead of one per output channel.
     #[arg(long)]
     per_tensor: bool,
+    /// gptq: the text whose tokens calibrate it (the layers' inputs on it, on the CPU).
+    #[arg(long, value_name = "FILE")]
+    calibration: Option<PathBuf>,
+    /// gptq: calibration tokens used at most, in passes of --calibration-len.
+    #[arg(long, default_value_t = 4096)]
+    calibration_tokens: usize,
+    /// gptq: tokens a calibration pass reads.
+    #[arg(long, default_value_t = 512)]
+    calibration_len: usize,
     /// Inputs sharing a scale and zero point (a multiple of 8), or -1 for one group a row.
     #[arg(long, default_value_t = 128, allow_hyphen_values = true)]
     group: i64,
@@ -90,14 +100,18 @@ struct QuantizeArgs {
 }
 
 fn quantize(args: QuantizeArgs) -> Result<()> {
-    if args.method != "w4-rtn" && args.method != "fp8" {
+    if !["w4-rtn", "gptq", "fp8"].contains(&args.method.as_str()) {
         bail!(
-            "--method {}: expected w4-rtn (4-bit, round to nearest) or fp8",
+            "--method {}: expected w4-rtn (4-bit, round to nearest), gptq (4-bit, calibrated) \
+             or fp8",
             args.method
         );
     }
     if args.method == "fp8" {
         return quantize_fp8(&args);
+    }
+    if (args.method == "gptq") != args.calibration.is_some() {
+        bail!("--calibration FILE goes with --method gptq (and only with it)");
     }
     let group_size = match args.group {
         -1 => None,
@@ -119,11 +133,32 @@ fn quantize(args: QuantizeArgs) -> Result<()> {
             Vec::new()
         },
     };
+    let hessians = match &args.calibration {
+        Some(file) => calibrate(&args, file)?,
+        None => Default::default(),
+    };
+    let hessians = &hessians;
+    let hessian = move |name: &str| -> Option<&[f64]> {
+        let layer = name
+            .strip_prefix("model.layers.")?
+            .split('.')
+            .next()?
+            .parse::<usize>()
+            .ok()?;
+        let which = sala_model::LinearInput::of(name)?;
+        hessians.get(&(layer, which)).map(Vec::as_slice)
+    };
     let bar = progress_bar(0, "quantizing");
-    sala_checkpoint::quant::write_quantized(&src, &args.output, &q, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })
+    sala_checkpoint::quant::write_quantized_calibrated(
+        &src,
+        &args.output,
+        &q,
+        &hessian,
+        &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        },
+    )
     .with_context(|| format!("writing {}", args.output.display()))?;
     bar.finish_and_clear();
     eprintln!(
@@ -137,6 +172,86 @@ fn quantize(args: QuantizeArgs) -> Result<()> {
         }
     );
     Ok(())
+}
+
+/// Σ xᵀx of every linear layer's inputs (by layer and input) over `file`'s tokens, the bf16
+/// model run on the CPU in passes of `--calibration-len` tokens.
+#[allow(clippy::type_complexity)]
+fn calibrate(
+    args: &QuantizeArgs,
+    file: &Path,
+) -> Result<std::collections::HashMap<(usize, sala_model::LinearInput), Vec<f64>>> {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    if args.calibration_len == 0 || args.calibration_tokens == 0 {
+        bail!("--calibration-len and --calibration-tokens must be at least 1");
+    }
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading the calibration text {}", file.display()))?;
+    let (checkpoint, tokenizer) = open_model_files(
+        &args.input,
+        RunChoices {
+            kv_cache: sala_checkpoint::KvCacheDtype::Bf16,
+            fp8_weights: false,
+        },
+    )?;
+    let mut ids = tokenizer.encode(&text, true)?;
+    ids.truncate(args.calibration_tokens);
+    if ids.len() < 2 {
+        bail!("{}: too little text to calibrate on", file.display());
+    }
+    let c = checkpoint.config().clone();
+    // Every layer's four Hessians are held at once.
+    let hd = c.num_attention_heads * c.head_dim;
+    let per_layer = 2 * c.hidden_size.pow(2) + hd.pow(2) + c.intermediate_size.pow(2);
+    let bytes = c.num_hidden_layers * per_layer * 8;
+    let mut probe: Vec<f64> = Vec::new();
+    probe
+        .try_reserve_exact(c.num_hidden_layers * per_layer)
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "calibration holds every layer's input Hessians, {}; this host cannot give that",
+                human_bytes(bytes)
+            )
+        })?;
+    drop(probe);
+    let be = sala_cpu::CpuBackend;
+    let model = sala_engine::generate::load_model(&be, &checkpoint, &mut |_, _| {})?;
+    let sums: Rc<RefCell<std::collections::HashMap<(usize, sala_model::LinearInput), Vec<f64>>>> =
+        Rc::default();
+    let record = sums.clone();
+    model.record_linear_inputs(Some(Box::new(move |layer, which, x, cols| {
+        let mut sums = record.borrow_mut();
+        let h = sums
+            .entry((layer, which))
+            .or_insert_with(|| vec![0f64; cols * cols]);
+        for row in x.chunks_exact(cols) {
+            for a in 0..cols {
+                let xa = row[a] as f64;
+                if xa == 0.0 {
+                    continue;
+                }
+                let ha = &mut h[a * cols..(a + 1) * cols];
+                for (hb, &xb) in ha.iter_mut().zip(row) {
+                    *hb += xa * xb as f64;
+                }
+            }
+        }
+    })));
+    let bar = progress_bar(ids.len(), "calibrating");
+    let mut ws = model.workspace(&be, args.calibration_len.min(ids.len()))?;
+    for chunk in ids.chunks(args.calibration_len) {
+        let mut seq = model.new_sequence(&be)?;
+        model.prefill(&be, &mut ws, &mut seq, chunk, &mut |_| {})?;
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    model.record_linear_inputs(None);
+    drop(model);
+    let sums = Rc::try_unwrap(sums)
+        .map_err(|_| anyhow::anyhow!("calibration: the recorder outlived the model"))?
+        .into_inner();
+    Ok(sums)
 }
 
 /// `sala quantize --method fp8`.

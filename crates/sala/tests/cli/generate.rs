@@ -727,10 +727,10 @@ fn quantize_writes_a_gptq_checkpoint_that_runs() {
     );
     fails_with(
         &sala(
-            &["quantize", s, again.to_str().unwrap(), "--method", "gptq"],
+            &["quantize", s, again.to_str().unwrap(), "--method", "int3"],
             cache,
         ),
-        &["--method gptq", "w4-rtn"],
+        &["--method int3", "w4-rtn", "gptq", "fp8"],
     );
 }
 
@@ -867,5 +867,99 @@ fn quantize_fp8_writes_what_quantize_fp8_runs() {
             cache,
         ),
         &["--quantize int2", "fp8"],
+    );
+}
+
+/// `sala quantize --method gptq --calibration FILE`: on its calibration text, the GPTQ
+/// checkpoint's loss moves less from the bf16 model's than round to nearest's; the flags go
+/// together, and a missing text is a clear error.
+#[test]
+fn gptq_calibration_beats_round_to_nearest_on_its_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path();
+    let src = cache.join("bf16");
+    let s = src.to_str().unwrap();
+    ok(&sala(
+        &["init", "--preset", "tiny", "--seed", "4", s],
+        cache,
+    ));
+    let words = [
+        "the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "from", "home",
+    ];
+    let mut x = 7u64;
+    let text: Vec<&str> = (0..3000)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            words[(x >> 33) as usize % words.len()]
+        })
+        .collect();
+    let calib = cache.join("calib.txt");
+    std::fs::write(&calib, text.join(" ")).unwrap();
+    let c = calib.to_str().unwrap();
+    let (rtn, gptq) = (cache.join("rtn"), cache.join("gptq"));
+    let (r, g) = (rtn.to_str().unwrap(), gptq.to_str().unwrap());
+    ok(&sala(&["quantize", s, r, "--group", "32"], cache));
+    ok(&sala(
+        &[
+            "quantize",
+            s,
+            g,
+            "--group",
+            "32",
+            "--method",
+            "gptq",
+            "--calibration",
+            c,
+        ],
+        cache,
+    ));
+    let nll = |model: &str| -> f64 {
+        let o = sala(
+            &["perplexity", "--model", model, c, "--device", "cpu"],
+            cache,
+        );
+        ok(&o);
+        let text = format!("{}{}", stdout(&o), String::from_utf8_lossy(&o.stderr));
+        let at = text.find("mean NLL ").expect("the loss") + "mean NLL ".len();
+        text[at..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let base = nll(s);
+    let (dr, dg) = ((nll(r) - base).abs(), (nll(g) - base).abs());
+    assert!(
+        dg < 0.7 * dr,
+        "GPTQ moves the loss by {dg}, round to nearest by {dr}"
+    );
+    let other = cache.join("other");
+    let o = other.to_str().unwrap();
+    fails_with(
+        &sala(&["quantize", s, o, "--method", "gptq"], cache),
+        &["--calibration"],
+    );
+    fails_with(
+        &sala(&["quantize", s, o, "--calibration", c], cache),
+        &["--calibration", "--method gptq"],
+    );
+    let missing = cache.join("nowhere.txt");
+    fails_with(
+        &sala(
+            &[
+                "quantize",
+                s,
+                o,
+                "--method",
+                "gptq",
+                "--calibration",
+                missing.to_str().unwrap(),
+            ],
+            cache,
+        ),
+        &["nowhere.txt"],
     );
 }
