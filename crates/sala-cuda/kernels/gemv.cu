@@ -167,6 +167,14 @@ struct Bf16Rows {
     __device__ __forceinline__ uint4 pack(int r, int h, int kk) const { return __ldg((const uint4*)(row[r][h] + kk)); }
 };
 
+// The lane's activation rows of a gm_partial (rows nt·8 + g, k apart; NULL from nb on).
+template <int NT>
+__device__ __forceinline__ void gm_rows(const bf16* x, int nb, int k, const bf16* (&xr)[NT]) {
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? x + (size_t)(nt * 8 + g) * k : nullptr;
+}
+
 // Partial sums of this warp's slabs: c[r][nt][i] for M-tile r's weight rows (w.pack(r, 0, ..),
 // w.pack(r, 1, ..)) = rows g and g + 8 of its 16, activation rows nt·8 + 2t + (i & 1) (x rows k apart,
 // nb of them). A slab is 32·GM_P elements, lane t's GM_P packs of 8 consecutive ones.
@@ -176,7 +184,7 @@ struct Bf16Rows {
 template <int NT, int R, int U, class Rows>
 __device__ __forceinline__ void gm_partial(const bf16* x, int nb, const Rows& w, int k, float (&c)[R][NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
+    const int t = lane & 3;
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
@@ -184,8 +192,7 @@ __device__ __forceinline__ void gm_partial(const bf16* x, int nb, const Rows& w,
 #pragma unroll
             for (int i = 0; i < 4; i++) c[r][nt][i] = 0.0f;
     const bf16* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? x + (size_t)(nt * 8 + g) * k : nullptr;
+    gm_rows(x, nb, k, xr);
     constexpr int SLAB = 32 * GM_P;
     const int slabs = (k + SLAB - 1) / SLAB;
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -414,14 +421,13 @@ template <int NT>
 __device__ __forceinline__ void gm_partial_w4(const bf16* x, int nb, const u32* qw, const u16* scales, const u16* bias,
                                               const int (&row)[2], int k, int g, float (&c)[NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gl = lane >> 2, t = lane & 3;
+    const int t = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
     const bf16* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + gl < nb ? x + (size_t)(nt * 8 + gl) * k : nullptr;
+    gm_rows(x, nb, k, xr);
     const int per_row = k / 8, groups = k / g;
     constexpr int SLAB = 128;
     const int slabs = (k + SLAB - 1) / SLAB;
@@ -529,6 +535,15 @@ dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 
 // xs[b] = f8_scale(amax of row b) (sala_model::Fp8Matrix's product). The products run on f16
 // tensor cores: E4M3 values are exact in f16 (times F8_F16_UNIT each).
 
+// The largest magnitude of 8 bf16 values (a 16-byte load).
+__device__ __forceinline__ float amax8(uint4 v) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) m = fmaxf(m, fmaxf(fabsf(bf2f((bf16)(w[j] & 0xffffu))), fabsf(bf2f((bf16)(w[j] >> 16)))));
+    return m;
+}
+
 // Each of `rows` rows of x (k apart, k a multiple of 8) as FP8 at its own scale: its codes
 // (`codes`, when not NULL), their bf16 values (`values`, when not NULL), its scale.
 // launch: grid = rows, block = 256, dynamic smem = 0 bytes
@@ -540,11 +555,7 @@ quant_rows_f8(const bf16* x, int k, unsigned char* codes, bf16* values, float* s
     const bf16* xr = x + row * k;
     float amax = 0.0f;
     for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
-        const uint4 v = *(const uint4*)(xr + i);
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            amax = fmaxf(amax, fmaxf(fabsf(bf2f((bf16)(w[j] & 0xffffu))), fabsf(bf2f((bf16)(w[j] >> 16)))));
+        amax = fmaxf(amax, amax8(*(const uint4*)(xr + i)));
     }
     amax = warp_max(amax);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
@@ -593,14 +604,13 @@ template <int NT, int U, class Scales>
 __device__ __forceinline__ void gm_partial_f8(const bf16* x, int nb, const unsigned char* const (&row)[2], int k,
                                               float (&c)[NT][4], Scales&& scales) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
+    const int t = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
     const bf16* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? x + (size_t)(nt * 8 + g) * k : nullptr;
+    gm_rows(x, nb, k, xr);
     constexpr int SLAB = 64;
     const int slabs = (k + SLAB - 1) / SLAB;
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -660,11 +670,7 @@ __device__ __forceinline__ void gemv_f8_body(const bf16* x, const unsigned char*
             float m = 0.0f;
             const int end = min(k, (warp + 1) * slice);
             for (int i = warp * slice + lane * 8; i < end; i += 256) {
-                const uint4 v = __ldg((const uint4*)(x + (u64)b * k + i));
-                const u32 ww[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    m = fmaxf(m, fmaxf(fabsf(bf2f((bf16)(ww[j] & 0xffffu))), fabsf(bf2f((bf16)(ww[j] >> 16)))));
+                m = fmaxf(m, amax8(__ldg((const uint4*)(x + (u64)b * k + i))));
             }
             m = warp_max(m);
             if (lane == 0) part[warp][b] = m;

@@ -15,6 +15,17 @@ use sala_model::{BResult, BackendError};
 type CudaCoreGemv =
     fn(&Launcher, Launch, u64, u64, i32, i32, u64, i32, u64, i32, u64, i32, u64) -> BResult<()>;
 
+/// The (pointer, count) output parts of a product, each at its row `r` (a missing part: null).
+fn parts_at_row(outs: &[(u64, usize)], r: usize) -> [(u64, i32); 4] {
+    [0, 1, 2, 3].map(|i| {
+        let (p, cnt) = outs.get(i).copied().unwrap_or((0, 0));
+        (
+            if p == 0 { 0 } else { p + (r * cnt * 2) as u64 },
+            cnt as i32,
+        )
+    })
+}
+
 impl CudaBackend {
     /// Whether a product of `rows` rows with `w` runs as GEMVs, one per row (decode, batched
     /// decode): each row's result is then the same whatever the batch.
@@ -49,14 +60,7 @@ impl CudaBackend {
         while r < rows {
             let nb = group.min(rows - r);
             let xp = self.ptr(x) + ((x_off + r * w.cols) * 2) as u64;
-            let part = |i: usize| {
-                let (p, cnt) = outs.get(i).copied().unwrap_or((0, 0));
-                (
-                    if p == 0 { 0 } else { p + (r * cnt * 2) as u64 },
-                    cnt as i32,
-                )
-            };
-            let ((y0, n0), (y1, n1), (y2, n2), (y3, _)) = (part(0), part(1), part(2), part(3));
+            let [(y0, n0), (y1, n1), (y2, n2), (y3, _)] = parts_at_row(outs, r);
             // Few output rows: a row a warp (same sums, more warps in flight).
             let narrow = w.rows <= GEMV_NARROW_MAX_ROWS && variant != DecodeGemv::CudaCoreWide;
             let grid = |rows_per_block: usize, threads: u32| {
@@ -125,14 +129,7 @@ impl CudaBackend {
         while r < rows {
             let nb = 16.min(rows - r);
             let xp = self.ptr(x) + ((x_off + r * w.cols) * 2) as u64;
-            let part = |i: usize| {
-                let (p, cnt) = outs.get(i).copied().unwrap_or((0, 0));
-                (
-                    if p == 0 { 0 } else { p + (r * cnt * 2) as u64 },
-                    cnt as i32,
-                )
-            };
-            let ((y0, n0), (y1, n1), (y2, n2), (y3, _)) = (part(0), part(1), part(2), part(3));
+            let [(y0, n0), (y1, n1), (y2, n2), (y3, _)] = parts_at_row(outs, r);
             let launch = if nb <= 8 {
                 Launcher::gemv_w4_8
             } else {
@@ -185,14 +182,7 @@ impl CudaBackend {
         let mut r = 0;
         while r < rows {
             let nb = 16.min(rows - r);
-            let part = |i: usize| {
-                let (p, cnt) = outs.get(i).copied().unwrap_or((0, 0));
-                (
-                    if p == 0 { 0 } else { p + (r * cnt * 2) as u64 },
-                    cnt as i32,
-                )
-            };
-            let ((y0, n0), (y1, n1), (y2, n2), (y3, _)) = (part(0), part(1), part(2), part(3));
+            let [(y0, n0), (y1, n1), (y2, n2), (y3, _)] = parts_at_row(outs, r);
             let launch = if nb <= 8 {
                 Launcher::gemv_f8_8
             } else {

@@ -753,53 +753,8 @@ fn four_bit_products_match_cpu() {
         let cw = CpuBackend.upload_quantized("w", q).unwrap();
         let gw = g.upload_quantized("w", q).unwrap();
         let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
-        let mut co = cpu_act(&vec![0.0; rows * out], out);
-        CpuBackend
-            .matmul(&cpu_act(&x, inner), &cw, &mut co)
-            .unwrap();
-        let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-        g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
-            .unwrap();
-        let got = g.to_host(&go).unwrap();
-        close(
-            &format!("w4 matmul {rows}x{inner} by {out}, groups of {group}"),
-            &got,
-            &co.data,
-            5e-3,
-        );
-        // Each row alone gives the same bits (decode-sized steps only: a GEMM's may differ).
-        if rows <= 64 {
-            for r in [0, rows - 1] {
-                let mut one = g.act_from_host(&vec![0.0; out], out).unwrap();
-                let xr = g
-                    .act_from_host(&x[r * inner..(r + 1) * inner], inner)
-                    .unwrap();
-                g.matmul(&xr, &gw, &mut one).unwrap();
-                assert!(
-                    g.to_host(&one).unwrap() == got[r * out..(r + 1) * out],
-                    "w4 {rows}x{inner}: row {r} alone differs"
-                );
-            }
-        }
-        // The MLP's first half and a split product over the same weight.
-        if out % 2 == 0 {
-            let half = out / 2;
-            let mut cgu = cpu_act(&vec![0.0; rows * out], out);
-            let mut cm = cpu_act(&vec![0.0; rows * half], half);
-            CpuBackend
-                .matmul_silu(&cpu_act(&x, inner), &cw, &mut cgu, &mut cm)
-                .unwrap();
-            let mut ggu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-            let mut gm = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
-            g.matmul_silu(&g.act_from_host(&x, inner).unwrap(), &gw, &mut ggu, &mut gm)
-                .unwrap();
-            close(
-                &format!("w4 matmul_silu {rows}x{inner} by {out}"),
-                &g.to_host(&gm).unwrap(),
-                &cm.data,
-                5e-3,
-            );
-        }
+        let what = format!("w4 matmul {rows}x{inner} by {out}, groups of {group}");
+        check_products(&g, (&cw, &gw), &x, rows, &what, 5e-3);
         // Stacked: two 4-bit halves, then 4-bit beside bf16.
         let (w2, s2, z2) = random_w4(&mut rng, 64, inner, group);
         let q2 = QuantMatrix {
@@ -1111,46 +1066,9 @@ fn fp8_products_match_cpu() {
                 row.iter_mut()
                     .for_each(|v| *v = sala_model::numerics::bf16_round(*v * f));
             }
-            let mut co = cpu_act(&vec![0.0; rows * out], out);
-            CpuBackend
-                .matmul(&cpu_act(&x, inner), &cw, &mut co)
-                .unwrap();
-            let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-            g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
-                .unwrap();
-            let got = g.to_host(&go).unwrap();
             let what = format!("fp8 {name}: matmul {rows}x{inner} by {out}");
-            close(&what, &got, &co.data, 1e-2);
-            if rows <= 64 {
-                for r in [0, rows - 1] {
-                    let mut one = g.act_from_host(&vec![0.0; out], out).unwrap();
-                    let xr = g
-                        .act_from_host(&x[r * inner..(r + 1) * inner], inner)
-                        .unwrap();
-                    g.matmul(&xr, &gw, &mut one).unwrap();
-                    assert!(
-                        g.to_host(&one).unwrap() == got[r * out..(r + 1) * out],
-                        "{what}: row {r} alone differs"
-                    );
-                }
-            }
+            let co = check_products(&g, (&cw, &gw), &x, rows, &what, 1e-2);
             if out % 2 == 0 {
-                let half = out / 2;
-                let mut cgu = cpu_act(&vec![0.0; rows * out], out);
-                let mut cm = cpu_act(&vec![0.0; rows * half], half);
-                CpuBackend
-                    .matmul_silu(&cpu_act(&x, inner), &cw, &mut cgu, &mut cm)
-                    .unwrap();
-                let mut ggu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-                let mut gm = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
-                g.matmul_silu(&g.act_from_host(&x, inner).unwrap(), &gw, &mut ggu, &mut gm)
-                    .unwrap();
-                close(
-                    &format!("{what}: matmul_silu"),
-                    &g.to_host(&gm).unwrap(),
-                    &cm.data,
-                    1e-2,
-                );
                 // Split into two outputs over the stacked weight.
                 let stacked = g
                     .concat_rows(vec![
@@ -1170,7 +1088,7 @@ fn fp8_products_match_cpu() {
                     close(
                         &format!("{what}: stacked"),
                         &g.to_host(o).unwrap(),
-                        &co.data,
+                        &co,
                         1e-2,
                     );
                 }
@@ -1188,4 +1106,58 @@ fn fp8_products_match_cpu() {
     };
     let e = g.upload_fp8("odd", bad).err().expect("refused");
     assert!(e.0.contains("odd") && e.0.contains("16"), "{}", e.0);
+}
+
+/// A matrix's products on the GPU against the CPU's (`what` names them): the product of `x`'s
+/// `rows` rows within `tol`, each row alone with the same bits (decode-sized steps only: a
+/// GEMM's may differ), and, for an even output count, the MLP's SiLU half. Returns the CPU's
+/// product.
+fn check_products(
+    g: &CudaBackend,
+    (cw, gw): (&sala_cpu::CpuMatrix, &sala_cuda::DevMatrix),
+    x: &[f32],
+    rows: usize,
+    what: &str,
+    tol: f64,
+) -> Vec<f32> {
+    let (out, inner) = (gw.rows, gw.cols);
+    let mut co = cpu_act(&vec![0.0; rows * out], out);
+    CpuBackend.matmul(&cpu_act(x, inner), cw, &mut co).unwrap();
+    let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+    g.matmul(&g.act_from_host(x, inner).unwrap(), gw, &mut go)
+        .unwrap();
+    let got = g.to_host(&go).unwrap();
+    close(what, &got, &co.data, tol);
+    if rows <= 64 {
+        for r in [0, rows - 1] {
+            let mut one = g.act_from_host(&vec![0.0; out], out).unwrap();
+            let xr = g
+                .act_from_host(&x[r * inner..(r + 1) * inner], inner)
+                .unwrap();
+            g.matmul(&xr, gw, &mut one).unwrap();
+            assert!(
+                g.to_host(&one).unwrap() == got[r * out..(r + 1) * out],
+                "{what}: row {r} alone differs"
+            );
+        }
+    }
+    if out % 2 == 0 {
+        let half = out / 2;
+        let mut cgu = cpu_act(&vec![0.0; rows * out], out);
+        let mut cm = cpu_act(&vec![0.0; rows * half], half);
+        CpuBackend
+            .matmul_silu(&cpu_act(x, inner), cw, &mut cgu, &mut cm)
+            .unwrap();
+        let mut ggu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+        let mut gm = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
+        g.matmul_silu(&g.act_from_host(x, inner).unwrap(), gw, &mut ggu, &mut gm)
+            .unwrap();
+        close(
+            &format!("{what}: matmul_silu"),
+            &g.to_host(&gm).unwrap(),
+            &cm.data,
+            tol,
+        );
+    }
+    co.data
 }
