@@ -29,7 +29,19 @@ fn bf16_checkpoint(dir: &Path) -> ModelConfig {
 }
 
 fn logits(dir: &Path, prompt: &[u32]) -> Vec<f32> {
-    let e = Engine::load(CpuBackend, dir, 64, &mut |_, _| {}).unwrap();
+    logits_of(dir, prompt, false)
+}
+
+/// The logits of `dir` run with FP8 weights quantized as they load (`--quantize fp8`).
+fn logits_fp8_online(dir: &Path, prompt: &[u32]) -> Vec<f32> {
+    logits_of(dir, prompt, true)
+}
+
+fn logits_of(dir: &Path, prompt: &[u32], fp8: bool) -> Vec<f32> {
+    let mut ck = Checkpoint::open(dir).unwrap();
+    ck.set_fp8_weights(fp8);
+    let tok = sala_tokenizer::Tokenizer::from_dir(dir).unwrap();
+    let e = Engine::from_parts(CpuBackend, dir, ck, tok, 64, &mut |_, _| {}).unwrap();
     let mut ws = e.model.workspace(&CpuBackend, 64).unwrap();
     let mut seq = e.model.new_sequence(&CpuBackend).unwrap();
     e.model
@@ -180,19 +192,6 @@ fn bad_gptq_checkpoints_are_refused_naming_the_tensor() {
     std::fs::write(out.join("config.json"), json.to_string()).unwrap();
     let e = Checkpoint::open(&out).unwrap_err().to_string();
     assert!(e.contains("desc_act"), "{e}");
-}
-
-/// The logits of `dir` run with FP8 weights quantized as they load (`--quantize fp8`).
-fn logits_fp8_online(dir: &Path, prompt: &[u32]) -> Vec<f32> {
-    let mut ck = Checkpoint::open(dir).unwrap();
-    ck.set_fp8_weights(true);
-    let tok = sala_tokenizer::Tokenizer::from_dir(dir).unwrap();
-    let e = Engine::from_parts(CpuBackend, dir, ck, tok, 64, &mut |_, _| {}).unwrap();
-    let mut ws = e.model.workspace(&CpuBackend, 64).unwrap();
-    let mut seq = e.model.new_sequence(&CpuBackend).unwrap();
-    e.model
-        .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
-        .unwrap()
 }
 
 /// FP8 checkpoints: `sala quantize --method fp8`'s compressed-tensors layout (a scale per
