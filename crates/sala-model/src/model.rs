@@ -627,6 +627,16 @@ impl<B: Backend> Model<B> {
                 "FP8 weights are made from a bf16 checkpoint; this one is already 4-bit".into(),
             ));
         }
+        // A cache the backend cannot make (an FP8 one for a shape its kernels do not take) is
+        // refused now, before any weight is uploaded, not at the first request.
+        if c.layer_count(MixerKind::Sparse) > 0 {
+            let shape = AttnShape {
+                heads: c.num_attention_heads,
+                kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+            };
+            be.new_sparse_cache(shape, &c.sparse)?;
+        }
         let mut ld = Loader {
             be,
             src,

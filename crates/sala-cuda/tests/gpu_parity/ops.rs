@@ -1017,6 +1017,13 @@ fn fp8_kv_cache_attention_matches_cpu() {
         "{}",
         err.0
     );
+    // A model of that shape is refused when it loads, not at its first request.
+    let mut config = preset("tiny").unwrap();
+    config.sparse.kv_cache = KvCacheDtype::Fp8;
+    let err = Model::random(&g, config, 1, &mut |_, _| {})
+        .err()
+        .expect("refused at load");
+    assert!(err.0.contains("FP8"), "{}", err.0);
 }
 
 /// FP8 weights (`--quantize fp8`) against the CPU's FP8 products: decode-sized GEMVs (each row
