@@ -38,6 +38,7 @@ pub const FILES: &[(&str, &str)] = kernel_sources![
     "sparse/select_wgmma.cu",
     "sparse/select_decode.cu",
     "sparse/attention.cu",
+    "sparse/attention_walk.cu",
 ];
 
 /// The text of kernel file `file` (a path of [`FILES`]).

@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod draft;
+pub mod load;
 pub mod memory;
 pub mod model;
 pub mod numerics;
@@ -14,8 +15,9 @@ pub use backend::{
     quantize_fp8, AttnIo, BResult, Backend, BackendError, Fp8Matrix, HostDType, HostTensor,
     LogitsOut, QuantMatrix, Span, StepInfo, STEPWISE_SPAN_ROWS,
 };
+pub use load::WeightSource;
 pub use model::{
     AuxCapture, GreedyPick, InputRecorder, LinearInput, LogitRows, Model, SeqMark, SeqState,
-    StepInput, StepLogits, WeightSource, Workspace,
+    StepInput, StepLogits, Workspace,
 };
 pub use oracle::{AttnShape, SparseMode};

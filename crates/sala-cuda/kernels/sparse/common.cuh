@@ -161,3 +161,12 @@ __device__ __forceinline__ u32 st_max2(u32 a, u32 b) {
 // multiple of 16 bytes. A value is code · scale. Same numbers as sala_model::numerics.
 __device__ __forceinline__ int f8_row_bytes(int kv_heads, int d) { return kv_heads * d + ((4 * kv_heads + 15) & ~15); }
 
+// The bf16 A fragment of keys 16·ks .. 16·ks + 15 of P, held as S (n-tiles 2·ks and 2·ks + 1
+// of an m16n8 accumulator), for P·V.
+template <int NT>
+__device__ __forceinline__ void sp_p_frag(const float (&S)[NT][4], int ks, u32& a0, u32& a1, u32& a2, u32& a3) {
+    a0 = sp_pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+    a1 = sp_pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+    a2 = sp_pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+    a3 = sp_pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+}
