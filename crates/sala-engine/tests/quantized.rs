@@ -28,6 +28,17 @@ fn bf16_checkpoint(dir: &Path) -> ModelConfig {
     config
 }
 
+/// The tiny bf16 checkpoint in `dir/bf16` with its config, and a 70-token prompt over its
+/// vocabulary.
+fn source_and_prompt(dir: &Path) -> (std::path::PathBuf, ModelConfig, Vec<u32>) {
+    let src = dir.join("bf16");
+    let config = bf16_checkpoint(&src);
+    let prompt = (0..70)
+        .map(|i| (i * 37 + 5) % config.vocab_size as u32)
+        .collect();
+    (src, config, prompt)
+}
+
 fn logits(dir: &Path, prompt: &[u32]) -> Vec<f32> {
     logits_of(dir, prompt, false)
 }
@@ -52,11 +63,7 @@ fn logits_of(dir: &Path, prompt: &[u32], fp8: bool) -> Vec<f32> {
 #[test]
 fn a_gptq_checkpoint_runs_as_its_dequantized_weights() {
     let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("bf16");
-    let config = bf16_checkpoint(&src);
-    let prompt: Vec<u32> = (0..70)
-        .map(|i| (i * 37 + 5) % config.vocab_size as u32)
-        .collect();
+    let (src, config, prompt) = source_and_prompt(tmp.path());
     let reference = logits(&src, &prompt);
     let ck = Checkpoint::open(&src).unwrap();
     for (k, q) in [
@@ -203,11 +210,7 @@ fn fp8_checkpoints_run_as_online_fp8_and_bad_ones_are_refused() {
     use sala_checkpoint::fp8::{Fp8Checkpoint, Fp8Format};
     use sala_checkpoint::quant::write_fp8;
     let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("bf16");
-    let config = bf16_checkpoint(&src);
-    let prompt: Vec<u32> = (0..70)
-        .map(|i| (i * 37 + 5) % config.vocab_size as u32)
-        .collect();
+    let (src, _, prompt) = source_and_prompt(tmp.path());
     let ck = Checkpoint::open(&src).unwrap();
     let channel = Fp8Checkpoint {
         format: Fp8Format::CompressedTensors,
