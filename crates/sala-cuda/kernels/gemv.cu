@@ -532,8 +532,9 @@ dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 
 
 // ---- FP8 weights (`--quantize fp8`): E4M3 codes with a scale per weight row, inputs as E4M3 ----
 // y[b][o] = round((Σ_i e4m3(x[b][i]·inv_b) · code[o][i]) · xs[b] · ws[o]), inv_b = 1 / xs[b],
-// xs[b] = f8_scale(amax of row b) (sala_model::Fp8Matrix's product). The products run on f16
-// tensor cores: E4M3 values are exact in f16 (times F8_F16_UNIT each).
+// xs[b] = f8_scale(amax of row b) (sala_model::Fp8Matrix's product). The decode products run on
+// E4M3 tensor cores from 8.9 on, on f16 ones before (E4M3 values are exact in f16, times
+// F8_F16_UNIT each).
 
 // The largest magnitude of 8 bf16 values (a 16-byte load).
 __device__ __forceinline__ float amax8(uint4 v) {
@@ -583,134 +584,166 @@ quant_rows_f8(const bf16* x, int k, unsigned char* codes, bf16* values, float* s
     if (threadIdx.x == 0) scales[row] = scale;
 }
 
-// 8 bf16 activations (a 16-byte load) as the f16 values of their E4M3 codes at `inv`.
-__device__ __forceinline__ uint4 f8_inputs(uint4 raw, float inv) {
-    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-    u32 o[4];
+// d += A·B for one k32 step of E4M3 codes: A's rows g and g + 8 (words a_lo, a_hi: bytes
+// 0..3 of each are k slots 4t..4t + 3, bytes 4..7 slots 16 + 4t ..), B's column g the same way.
+// From 8.9 on one E4M3 MMA, elsewhere two f16 ones over the codes' exact values (times
+// F8_F16_UNIT). The products are exact; each step's sum starts from zero and is added to d on
+// the CUDA cores, so the tensor cores' narrow FP8 accumulation never carries across steps.
+__device__ __forceinline__ void f8_mma_k32(float (&d)[4], uint2 a_lo, uint2 a_hi, uint2 b) {
+    float e[4];
+#if F8_HW
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=f"(e[0]), "=f"(e[1]), "=f"(e[2]), "=f"(e[3])
+        : "r"(a_lo.x), "r"(a_hi.x), "r"(a_lo.y), "r"(a_hi.y), "r"(b.x), "r"(b.y), "f"(0.0f));
+#else
 #pragma unroll
-    for (int j = 0; j < 4; j++)
-        o[j] = e4m3x2_f16(e4m3x2_code(bf2f((bf16)(w[j] & 0xffffu)) * inv, bf2f((bf16)(w[j] >> 16)) * inv));
-    return make_uint4(o[0], o[1], o[2], o[3]);
+    for (int i = 0; i < 4; i++) e[i] = 0.0f;
+    sp_mma_f16(e, e4m3x2_f16(a_lo.x), e4m3x2_f16(a_hi.x), e4m3x2_f16(a_lo.x >> 16), e4m3x2_f16(a_hi.x >> 16),
+               e4m3x2_f16(b.x), e4m3x2_f16(b.x >> 16));
+    sp_mma_f16(e, e4m3x2_f16(a_lo.y), e4m3x2_f16(a_hi.y), e4m3x2_f16(a_lo.y >> 16), e4m3x2_f16(a_hi.y >> 16),
+               e4m3x2_f16(b.y), e4m3x2_f16(b.y >> 16));
+#endif
+#pragma unroll
+    for (int i = 0; i < 4; i++) d[i] += e[i];
 }
 
-// gm_partial for one M-tile of an FP8 matrix (weight rows `row`, k a multiple of 16): a warp's
-// slab is 64 k, lane t's 16 consecutive codes of each of its two rows in one 16-byte load (U
-// slabs' loads before any is used), made f16 in registers, each 8 of them one pack of
-// gm_partial's pairing; the activations quantized as they are used, at the reciprocal scales
-// `scales(inv)` gives for the lane's activation rows (called once by every thread, after the
-// first slabs' loads are issued, so it may sync the block while they are in flight); f16
-// tensor cores (E4M3 values are exact in f16).
-template <int NT, int U, class Scales>
-__device__ __forceinline__ void gm_partial_f8(const bf16* x, int nb, const unsigned char* const (&row)[2], int k,
-                                              float (&c)[NT][4], Scales&& scales) {
+// gm_partial over an FP8 matrix whose activations are already E4M3 codes (quant_rows_f8):
+// the same slabs, each 128 k, lane (g, t) reading 2 packs of 16 consecutive codes of weight
+// rows g and g + 8 of each of its R M-tiles and of activation row g (the same k for both
+// operands: four k32 steps), U slabs in flight.
+template <int NT, int R, int U>
+__device__ __forceinline__ void gm_partial_f8(const unsigned char* xc, int nb, const unsigned char* const (&row)[R][2],
+                                              int k, float (&c)[R][NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = lane & 3;
+    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
-    const bf16* xr[NT];
-    gm_rows(x, nb, k, xr);
-    constexpr int SLAB = 64;
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[r][nt][i] = 0.0f;
+    const unsigned char* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? xc + (u64)(nt * 8 + g) * k : nullptr;
+    constexpr int SLAB = 128;
     const int slabs = (k + SLAB - 1) / SLAB;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    uint4 raw[U][2], xb[U][2][NT];
-    auto load = [&](int s0) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int kk = (s0 + u * GM_WARPS) * SLAB + t * 16;
-            const bool in = kk < k;
-#pragma unroll
-            for (int h = 0; h < 2; h++) raw[u][h] = in ? __ldg((const uint4*)(row[h] + kk)) : zero;
-#pragma unroll
-            for (int p = 0; p < 2; p++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    xb[u][p][nt] = in && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk + 8 * p)) : zero;
-        }
-    };
-    load(warp);
-    float inv[NT];
-    scales(inv);
     for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * U) {
-        if (s0 != warp) load(s0);
+        uint4 a[U][2][R][2], b[U][2][NT];
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int p = 0; p < 2; p++) {
-                const u32 l0 = p ? raw[u][0].z : raw[u][0].x, l1 = p ? raw[u][0].w : raw[u][0].y;
-                const u32 h0 = p ? raw[u][1].z : raw[u][1].x, h1 = p ? raw[u][1].w : raw[u][1].y;
-                const uint4 lo = make_uint4(e4m3x2_f16(l0), e4m3x2_f16(l0 >> 16), e4m3x2_f16(l1), e4m3x2_f16(l1 >> 16));
-                const uint4 hi = make_uint4(e4m3x2_f16(h0), e4m3x2_f16(h0 >> 16), e4m3x2_f16(h1), e4m3x2_f16(h1 >> 16));
+                const int kk = (s0 + u * GM_WARPS) * SLAB + (t * 2 + p) * 16;
+                const bool in = kk < k;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const uint4 x8 = f8_inputs(xb[u][p][nt], inv[nt]);
-                    sp_mma_f16(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                    sp_mma_f16(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-                }
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) a[u][p][r][h] = in ? __ldg((const uint4*)(row[r][h] + kk)) : zero;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) b[u][p][nt] = in && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
             }
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int p = 0; p < 2; p++)
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint4 lo = a[u][p][r][0], hi = a[u][p][r][1], x = b[u][p][nt];
+                        f8_mma_k32(c[r][nt], make_uint2(lo.x, lo.y), make_uint2(hi.x, hi.y), make_uint2(x.x, x.y));
+                        f8_mma_k32(c[r][nt], make_uint2(lo.z, lo.w), make_uint2(hi.z, hi.w), make_uint2(x.z, x.w));
+                    }
     }
 }
 
-// gemv_mma_body over an FP8 matrix (one M-tile a block) with the raw bf16 activations: while
-// its first weights are on their way, each block finds its nb ≤ 16 rows' scales (each warp a
-// slice of k for every row), then quantizes the rows as it uses them. A row's result does not
-// depend on nb.
-template <int NT>
-__device__ __forceinline__ void gemv_f8_body(const bf16* x, const unsigned char* w, const float* ws, int n, int k,
-                                             int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
-                                             bf16* y3) {
+// y = round(Σ codes · xs[b] · ws[o]) for R M-tiles of 16 weight rows a block, activations as
+// E4M3 codes xc (nb ≤ 8·NT rows, k apart) with their scales xs (quant_rows_f8); outputs as
+// gemv. A row's result does not depend on nb. Measured (H200, 4K decode, [gate; up] 32768x4096
+// a call): quantizing the inputs inside every block and E4M3 MMAs 50 us, codes made once
+// before (quant_rows_f8) 43 us; two M-tiles a block (R = 2) 49 us with U = 1 or 2.
+// SILU: w is [gate; up] (n = 2·inter), each M-tile 8 gate rows j..j + 7 and their up rows, and
+// y0 gets round(round(silu(round(g))) · round(u)) (the product, then silu_mul_halves).
+template <int NT, bool SILU, int R = 1, int U = 2>
+__device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const float* xs, const unsigned char* w,
+                                             const float* ws, int n, int k, int nb, bf16* y0, int n0, bf16* y1,
+                                             int n1, bf16* y2, int n2, bf16* y3) {
     __shared__ float red[GM_WARPS][NT * 128];
-    __shared__ float part[GM_WARPS][16], xs[16];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int m0 = blockIdx.x * 16, g = lane >> 2;
-    auto scales = [&](float (&inv)[NT]) {
-        const int slice = (k / 8 + GM_WARPS - 1) / GM_WARPS * 8;
-        for (int b = 0; b < nb; b++) {
-            float m = 0.0f;
-            const int end = min(k, (warp + 1) * slice);
-            for (int i = warp * slice + lane * 8; i < end; i += 256) {
-                m = fmaxf(m, amax8(__ldg((const uint4*)(x + (u64)b * k + i))));
-            }
-            m = warp_max(m);
-            if (lane == 0) part[warp][b] = m;
-        }
-        __syncthreads();
-        if (threadIdx.x < nb) {
-            float m = 0.0f;
-            for (int v = 0; v < GM_WARPS; v++) m = fmaxf(m, part[v][threadIdx.x]);
-            xs[threadIdx.x] = f8_scale(m);
-        }
-        __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int tile = SILU ? 8 : 16, g = lane >> 2, inter = n / 2;
+    const int m0 = blockIdx.x * tile * R;
+    const unsigned char* rows[R][2];
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) inv[nt] = nt * 8 + g < nb ? __fdiv_rn(1.0f, xs[nt * 8 + g]) : 0.0f;
-    };
-    const unsigned char* const rows[2] = {w + (u64)min(m0 + g, n - 1) * k, w + (u64)min(m0 + g + 8, n - 1) * k};
-    float c[1][NT][4];
-    gm_partial_f8<NT, 2>(x, nb, rows, k, c[0], scales);
+    for (int r = 0; r < R; r++) {
+        const int r0 = SILU ? min(m0 + tile * r + g, inter - 1) : min(m0 + tile * r + g, n - 1);
+        const int r1 = SILU ? inter + r0 : min(m0 + tile * r + g + 8, n - 1);
+        rows[r][0] = w + (u64)r0 * k;
+        rows[r][1] = w + (u64)r1 * k;
+    }
+    float c[R][NT][4];
+    gm_partial_f8<NT, R, U>(xc, nb, rows, k, c);
     const int v = threadIdx.x;
-    const float s = gm_block_sum<NT>(red, c[0], v);
-    const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
-    const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
     const float unit = F8_F16_UNIT * F8_F16_UNIT;
-    if (v < NT * 128 && o < n && b < nb) gemv_store(s * unit * xs[b] * ws[o], o, b, y0, n0, y1, n1, y2, n2, y3, n);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r) __syncthreads();  // the last tile's partial sums read
+        if (SILU) {
+            // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane (as gemv_silu_mma).
+            const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
+            const float gs = gm_block_sum<NT>(red, c[r], v < NT * 64 ? vg : NT * 128);
+            float us = 0.0f;
+            if (v < NT * 64)
+                for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
+            const int j = m0 + tile * r + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
+            if (v < NT * 64 && j < inter && b < nb)
+                y0[(u64)b * inter + j] = f2bf(
+                    silu_times(round_bf(gs * unit * xs[b] * ws[j]), round_bf(us * unit * xs[b] * ws[inter + j])));
+        } else {
+            const float s = gm_block_sum<NT>(red, c[r], v);
+            const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
+            const int o = m0 + tile * r + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
+            if (v < NT * 128 && o < n && b < nb)
+                gemv_store(s * unit * xs[b] * ws[o], o, b, y0, n0, y1, n1, y2, n2, y3, n);
+        }
+    }
 }
 
-// nb ≤ 8 activation rows (bf16, k apart; k a multiple of 8), outputs as gemv.
+// nb ≤ 8 activation rows as E4M3 codes and scales (k a multiple of 16), outputs as gemv.
 // launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0
-extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
-gemv_f8_8(const bf16* x, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0, int n0, bf16* y1,
-          int n1, bf16* y2, int n2, bf16* y3) {
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_f8_8(const unsigned char* xc, const float* xs, const unsigned char* w, const float* ws, int n, int k, int nb,
+          bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     pdl_start();
-    gemv_f8_body<1>(x, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_f8_body<1, false>(xc, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // gemv_f8_8 for nb ≤ 16.
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_f8_16(const bf16* x, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0, int n0,
-           bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+gemv_f8_16(const unsigned char* xc, const float* xs, const unsigned char* w, const float* ws, int n, int k, int nb,
+           bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     pdl_start();
-    gemv_f8_body<2>(x, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_f8_body<2, false>(xc, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// The MLP's first half on an FP8 [gate; up] matrix ([2·inter, k]) for nb ≤ 8 rows (codes and
+// scales as gemv_f8_8): y[b·inter + j] = round(round(silu(g)) · u) of the product's rounded
+// outputs g, u.
+// launch: grid = ceil(inter / 8), block = 32 * GM_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_silu_f8_8(const unsigned char* xc, const float* xs, const unsigned char* w, const float* ws, bf16* y, int inter,
+               int k, int nb) {
+    pdl_start();
+    gemv_f8_body<1, true>(xc, xs, w, ws, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+}
+
+// gemv_silu_f8_8 for nb ≤ 16.
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+gemv_silu_f8_16(const unsigned char* xc, const float* xs, const unsigned char* w, const float* ws, bf16* y,
+                int inter, int k, int nb) {
+    pdl_start();
+    gemv_f8_body<2, true>(xc, xs, w, ws, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
 // A product's raw sums (bf16 [rows, n], in place) times their row's and column's scales:

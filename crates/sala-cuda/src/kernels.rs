@@ -190,8 +190,10 @@ kernel_table! {
     GemvW4x16 = gemv_w4_16 in "gemv.cu" (x: Ptr, qw: Ptr, scales: Ptr, bias: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     DequantW4 = dequant_w4 in "gemv.cu" (qw: Ptr, scales: Ptr, bias: Ptr, k: I32, g: I32, words: U64, out: Ptr);
     QuantRowsF8 = quant_rows_f8 in "gemv.cu" (x: Ptr, k: I32, codes: Ptr, values: Ptr, scales: Ptr);
-    GemvF8x8 = gemv_f8_8 in "gemv.cu" (x: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
-    GemvF8x16 = gemv_f8_16 in "gemv.cu" (x: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvF8x8 = gemv_f8_8 in "gemv.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvF8x16 = gemv_f8_16 in "gemv.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvSiluF8x8 = gemv_silu_f8_8 in "gemv.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
+    GemvSiluF8x16 = gemv_silu_f8_16 in "gemv.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     ScaleRowsCols = scale_rows_cols in "gemv.cu" (y: Ptr, xs: Ptr, ws: Ptr, n: I32);
     DequantF8 = dequant_f8 in "gemv.cu" (codes: Ptr, out: Ptr, count: U64);
     SiluMulHalves8 = silu_mul_halves8 in "elementwise.cu" (gu: Ptr, out: Ptr, inter: I32);

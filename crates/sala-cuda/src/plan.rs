@@ -1058,6 +1058,8 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::QuantRowsF8, 256),
     (K::GemvF8x8, GEMV_MMA_THREADS),
     (K::GemvF8x16, GEMV_MMA_THREADS),
+    (K::GemvSiluF8x8, GEMV_MMA_THREADS),
+    (K::GemvSiluF8x16, GEMV_MMA_THREADS),
     (K::ScaleRowsCols, 256),
     (K::DequantF8, 256),
     (K::GemvMma8, GEMV_MMA_THREADS),

@@ -165,8 +165,8 @@ impl CudaBackend {
         Ok((inputs, scales))
     }
 
-    /// `gemv` of an FP8 matrix: `gemv_f8_8` / `gemv_f8_16` (which make their inputs FP8),
-    /// up to 16 rows a launch.
+    /// `gemv` of an FP8 matrix: the rows made E4M3 (`quant_rows_f8`), then `gemv_f8_8` /
+    /// `gemv_f8_16`, up to 16 rows a launch.
     fn gemv_fp8(
         &self,
         xp: u64,
@@ -177,6 +177,7 @@ impl CudaBackend {
     ) -> BResult<()> {
         let (n, k) = (w.rows as i32, w.cols as i32);
         let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
+        let (xc, xs) = self.quantize_inputs(xp, rows, w.cols, true)?;
         let at =
             Launch::new((w.rows.div_ceil(16), 1, 1), GEMV_MMA_THREADS, 0).shaped(w.rows, w.cols);
         let mut r = 0;
@@ -188,10 +189,40 @@ impl CudaBackend {
             } else {
                 Launcher::gemv_f8_16
             };
-            let xr = xp + (r * w.cols * 2) as u64;
+            let (xcr, xsr) = (xc + (r * w.cols) as u64, xs + (r * 4) as u64);
             launch(
-                &self.k, at, xr, wp, wsp, n, k, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+                &self.k, at, xcr, xsr, wp, wsp, n, k, nb as i32, y0, n0, y1, n1, y2, n2, y3,
             )?;
+            r += nb;
+        }
+        Ok(())
+    }
+
+    /// `product_silu` of an FP8 `[gate; up]` matrix: the rows made E4M3, then
+    /// `gemv_silu_f8_8` / `gemv_silu_f8_16`, up to 16 rows a launch.
+    fn gemv_silu_fp8(
+        &self,
+        x: &DevAct,
+        w: &DevMatrix,
+        f: &Fp8Weights,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let inter = out.cols;
+        let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
+        let (xc, xs) = self.quantize_inputs(self.act_ptr(x), x.rows, w.cols, true)?;
+        let at = Launch::new((inter.div_ceil(8), 1, 1), GEMV_MMA_THREADS, 0).shaped(w.rows, w.cols);
+        let mut r = 0;
+        while r < x.rows {
+            let nb = 16.min(x.rows - r);
+            let launch = if nb <= 8 {
+                Launcher::gemv_silu_f8_8
+            } else {
+                Launcher::gemv_silu_f8_16
+            };
+            let yp = self.act_ptr(out) + (r * inter * 2) as u64;
+            let (xcr, xsr) = (xc + (r * w.cols) as u64, xs + (r * 4) as u64);
+            let (i, k) = (inter as i32, w.cols as i32);
+            launch(&self.k, at, xcr, xsr, wp, wsp, yp, i, k, nb as i32)?;
             r += nb;
         }
         Ok(())
@@ -384,10 +415,13 @@ impl CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         let inter = out.cols;
-        let fused = w.w4.is_none() && w.fp8.is_none() && self.gemv_fits(x.rows, w);
+        let fused = w.w4.is_none() && self.gemv_fits(x.rows, w);
         if !fused || w.rows != 2 * inter || x.cols != w.cols {
             self.matmul_into(x, w, gu)?;
             return self.silu_halves(gu, out);
+        }
+        if let Some(f) = &w.fp8 {
+            return self.gemv_silu_fp8(x, w, f, out);
         }
         let tc = self.k.planner().options.decode_gemv == DecodeGemv::TensorCore;
         let group = if tc { GEMV_MMA_ROWS } else { 1 };

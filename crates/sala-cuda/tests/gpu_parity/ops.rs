@@ -1045,6 +1045,7 @@ fn fp8_products_match_cpu() {
         (40, 2048, 512),
         (100, 768, 1024),
         (300, 4096, 2048),
+        (2, 16384, 48),
     ];
     let mut variants = vec![("vector scales", base.clone())];
     let mut after = base.clone();
