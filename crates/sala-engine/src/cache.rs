@@ -90,6 +90,8 @@ pub struct CacheBudget {
     /// Bytes the admitted sequences hold by the memory formula, summed.
     held: usize,
     live: usize,
+    /// Bytes the prefix cache's parked sequences hold (evictable, but counted until evicted).
+    parked: usize,
 }
 
 const NO_BYTES: CacheBytes = CacheBytes {
@@ -127,6 +129,7 @@ impl CacheBudget {
             planned: NO_BYTES,
             held: 0,
             live: 0,
+            parked: 0,
         }
     }
 
@@ -148,6 +151,7 @@ impl CacheBudget {
             planned: NO_BYTES,
             held: 0,
             live: 0,
+            parked: 0,
             ..self.clone()
         }
     }
@@ -186,30 +190,35 @@ impl CacheBudget {
     }
 
     /// Admits request `id`, whose sequence may reach `total_tokens` tokens and holds
-    /// `held_tokens` now, if its plan fits beside the caches of every sequence admitted; a
-    /// request that `speculates` holds [`speculation_bytes`] more, and `draft_bytes` more for
-    /// a draft model's state (counted as lightning state).
+    /// `held_tokens` now, if its plan fits beside the caches of every sequence admitted and
+    /// the parked ones; a request that `speculates` holds [`speculation_bytes`] more, and
+    /// `state_bytes` more for states beside its caches (a draft model's, the prefix cache's
+    /// snapshots), counted as lightning state.
     pub fn admit(
         &mut self,
         id: RequestId,
         total_tokens: usize,
         held_tokens: usize,
         speculates: bool,
-        draft_bytes: usize,
+        state_bytes: usize,
     ) -> Result<Lease, Refusal> {
         let extra = if speculates {
-            speculation_bytes(&self.config) + draft_bytes
+            speculation_bytes(&self.config)
         } else {
             0
-        };
+        } + state_bytes;
         let with_extra = |c: CacheBytes| CacheBytes {
             lightning_state: c.lightning_state + extra,
             ..c
         };
-        self.check(total_tokens).map_err(Refusal::TooLarge)?;
         if let Some(limit) = &self.limit {
+            // Alone, with what it holds beside its caches.
+            let mut alone = self.plan(total_tokens);
+            alone.cache = with_extra(alone.cache);
+            alone.check(limit).map_err(Refusal::TooLarge)?;
             let mut plan = self.plan(total_tokens);
             plan.cache = with_extra(add(plan.cache, self.planned));
+            plan.cache.kv += self.parked;
             plan.check(limit).map_err(Refusal::Busy)?;
         }
         let planned = with_extra(self.planned_cache(total_tokens));
@@ -241,6 +250,16 @@ impl CacheBudget {
         self.held -= lease.held;
         self.live -= 1;
         lease.held
+    }
+
+    /// The prefix cache's parked sequences now hold `bytes`.
+    pub fn set_parked(&mut self, bytes: usize) {
+        self.parked = bytes;
+    }
+
+    /// Bytes the parked sequences hold.
+    pub fn parked_bytes(&self) -> usize {
+        self.parked
     }
 
     /// Sequences admitted and not released.
@@ -352,12 +371,13 @@ mod tests {
         assert_eq!(x.held_bytes(), cache_bytes(&config, 40).total() + extra);
         b.release(x);
         assert_eq!((b.held_bytes(), b.planned_bytes()), (0, 0));
-        // Under a limit that fits the plan alone, the speculation's bytes tip it over.
+        // Under a limit that fits the plan alone, the speculation's bytes tip it over: too
+        // large however empty the batch.
         let one = budget(None).plan(400);
         let mut tight = budget(Some(one.total() + extra / 2));
         assert!(matches!(
             tight.admit(1, 400, 10, true, 0),
-            Err(Refusal::Busy(_))
+            Err(Refusal::TooLarge(_))
         ));
         let plain = tight.admit(1, 400, 10, false, 0).unwrap();
         tight.release(plain);

@@ -189,6 +189,8 @@ pub struct Engine<B: Backend> {
     pub(crate) speculated: SpeculationStats,
     /// The draft model requests may draft with ([`Engine::set_draft`]).
     pub(crate) draft: Option<crate::step::Drafting<B>>,
+    /// Ended sequences kept for prompts that begin with their tokens ([`Engine::set_prefix_cache`]).
+    pub(crate) prefix: Option<crate::prefix::PrefixCache<B>>,
 }
 
 /// How speculative decoding fared: draft tokens verified, how many stood, and the steps that
@@ -249,6 +251,8 @@ pub struct Generation {
     pub tokens: Vec<SampledToken>,
     pub finish: FinishReason,
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from the prefix cache (not read again).
+    pub cached_tokens: usize,
     pub prefill_time: Duration,
     /// Time of the decode steps (every generated token after the first).
     pub decode_time: Duration,
@@ -343,6 +347,7 @@ impl<B: Backend> Engine<B> {
             grammars: std::sync::Arc::new(grammars),
             speculated: SpeculationStats::default(),
             draft: None,
+            prefix: None,
             backend,
             model,
             tokenizer,
@@ -395,6 +400,18 @@ impl<B: Backend> Engine<B> {
         CacheBudget::new(&self.model.config, self.workspace.max_rows, &self.backend)
             .with_limit(self.memory_limit.clone())
             .with_resident(self.draft.as_ref().map_or(0, |d| d.model.resident_bytes()))
+    }
+
+    /// Keeps ended sequences for prompts that begin with their tokens, in at most
+    /// `limit_bytes` (by the memory formula; parked sequences also go when a request needs
+    /// their memory); `None` turns the prefix cache off and frees what it holds.
+    pub fn set_prefix_cache(&mut self, limit_bytes: Option<usize>) {
+        self.prefix = limit_bytes.map(crate::prefix::PrefixCache::new);
+    }
+
+    /// What the prefix cache has served, and the bytes it holds; `None` when it is off.
+    pub fn prefix_cache(&self) -> Option<(crate::prefix::PrefixStats, usize)> {
+        self.prefix.as_ref().map(|p| (p.stats(), p.bytes()))
     }
 
     /// Lets the cache budget ask the backend what its caches hold (see [`CacheProbe`]).
@@ -552,6 +569,7 @@ impl<B: Backend> Engine<B> {
             tokens: finished.tokens,
             finish: finished.finish,
             prompt_tokens: prompt.len(),
+            cached_tokens: finished.cached_tokens,
             prefill_time: prefilled - start,
             decode_time: end - prefilled,
         })

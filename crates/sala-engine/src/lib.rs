@@ -4,6 +4,8 @@
 //!   ([`request::Event`]), and the typed errors a request may end with.
 //! - [`scheduler`]: the per-step token budget: decode rows first, then whole prompt chunks.
 //! - [`cache`]: the cache budget, the one place that admits memory and counts what is held.
+//! - [`prefix`]: the prefix cache: ended sequences parked, resumed by prompts that begin
+//!   with their tokens.
 //! - [`step`]: one engine step over the [`step::Batch`] of requests in flight.
 //! - [`thread`]: the engine thread that owns the model and serves a bounded queue.
 //! - [`generate`]: the [`generate::Engine`] itself, and one request run to its end.
@@ -19,6 +21,7 @@ pub mod generate;
 pub mod grammar;
 pub mod perplexity;
 mod plain;
+pub mod prefix;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

@@ -39,6 +39,8 @@ pub struct Drafting<B: Backend> {
 pub struct Finished {
     pub finish: FinishReason,
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from the prefix cache (not read again).
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     /// The generated text and tokens.
     pub text: String,
@@ -121,6 +123,14 @@ struct Member<B: Backend, C> {
     copy_of: Option<RequestId>,
     /// Its speculative decoding, when asked for.
     spec: Option<Speculation<B>>,
+    /// Whether it goes to the prefix cache when it ends; whether it snapshots its lightning
+    /// states as its prompt is read (their memory counted in its lease), and those snapshots
+    /// (ascending).
+    parks: bool,
+    snapshots_on: bool,
+    snapshots: Vec<SeqMark<B>>,
+    /// Prompt tokens it took from the prefix cache.
+    cached: usize,
     client: C,
 }
 
@@ -417,6 +427,11 @@ impl<B: Backend, C> Batch<B, C> {
 }
 
 impl<B: Backend> Engine<B> {
+    /// Whether the sparse layers read `prompt` sparsely (by its whole length).
+    fn reads_sparsely(&self, prompt: &[u32]) -> bool {
+        self.model.sparse_mode(prompt.len()) == sala_model::SparseMode::Sparse
+    }
+
     /// An empty batch for this engine: at most [`Engine::max_batch`] requests, admitted
     /// under the engine's memory limit.
     pub fn batch<C>(&self) -> Batch<B, C> {
@@ -457,13 +472,44 @@ impl<B: Backend> Engine<B> {
             }
             _ => 0,
         };
-        let lease = batch
-            .cache
-            .admit(id, total, prompt.len(), speculates.is_some(), draft_bytes)
-            .map_err(|r| match r {
-                Refusal::TooLarge(e) => EngineError::OverBudget(e),
-                Refusal::Busy(e) => EngineError::MemoryBusy(e),
-            })?;
+        // The prefix cache serves requests that read no prompt logprobs and whose drafts
+        // need no hidden states of the prompt (a draft model's).
+        let parks = self.prefix.is_some()
+            && opts.prompt_logprobs.is_none()
+            && !speculates.is_some_and(|s| s.drafts == DraftSource::Model);
+        let snapshot_bytes =
+            crate::prefix::MAX_SNAPSHOTS * crate::prefix::snapshot_bytes(&self.model.config);
+        // Parked sequences make room for it, least recently used first; where even then its
+        // snapshots do not fit, it takes none (the prefix cache never refuses a request).
+        let mut snapshots_on = parks;
+        let lease = loop {
+            batch
+                .cache
+                .set_parked(self.prefix.as_ref().map_or(0, |p| p.bytes()));
+            let state_bytes = draft_bytes + if snapshots_on { snapshot_bytes } else { 0 };
+            match batch
+                .cache
+                .admit(id, total, prompt.len(), speculates.is_some(), state_bytes)
+            {
+                Ok(lease) => break lease,
+                Err(Refusal::Busy(_)) if self.prefix.as_mut().is_some_and(|p| p.evict_one()) => {}
+                Err(_) if snapshots_on => snapshots_on = false,
+                Err(Refusal::TooLarge(e)) => return Err(EngineError::OverBudget(e)),
+                Err(Refusal::Busy(e)) => return Err(EngineError::MemoryBusy(e)),
+            }
+        };
+        // A prefix-cache hit: the parked sequence, rewound to where this prompt resumes. A
+        // sequence the backend fails to rewind is dropped, and the prompt read whole.
+        let sparse = self.reads_sparsely(&prompt);
+        let resume = match self.prefix.as_mut().filter(|_| parks) {
+            Some(cache) => cache
+                .take(&self.model, &self.backend, &prompt, sparse)
+                .unwrap_or(None),
+            None => None,
+        };
+        if let Some(cache) = &self.prefix {
+            batch.cache.set_parked(cache.bytes());
+        }
         let started = (|| {
             let stream = TokenStream::new(
                 &self.tokenizer,
@@ -473,7 +519,11 @@ impl<B: Backend> Engine<B> {
                 total - prompt.len(),
                 logprobs,
             )?;
-            let mut seq = self.model.new_sequence(&self.backend)?;
+            let (mut seq, snapshots, cached) = match resume {
+                Some(r) if snapshots_on => (r.seq, r.snapshots, r.pos),
+                Some(r) => (r.seq, Vec::new(), r.pos),
+                None => (self.model.new_sequence(&self.backend)?, Vec::new(), 0),
+            };
             self.model.reserve(&self.backend, &mut seq, total)?;
             // With the draft model, the target keeps the hidden states the draft reads.
             let drafts = opts
@@ -489,9 +539,9 @@ impl<B: Backend> Engine<B> {
                     Some(d.model.new_state(&self.backend, &self.model)?)
                 }
             };
-            Ok::<_, EngineError>((stream, seq, draft_state))
+            Ok::<_, EngineError>((stream, seq, draft_state, snapshots, cached))
         })();
-        let (stream, seq, draft_state) = match started {
+        let (stream, seq, draft_state, snapshots, cached) = match started {
             Ok(s) => s,
             Err(e) => {
                 batch.cache.release(lease);
@@ -516,7 +566,7 @@ impl<B: Backend> Engine<B> {
             id,
             seq,
             prompt,
-            read: 0,
+            read: cached,
             stream,
             lease: Some(lease),
             logits: None,
@@ -525,6 +575,10 @@ impl<B: Backend> Engine<B> {
             done: None,
             copy_of: None,
             spec,
+            parks,
+            snapshots_on,
+            snapshots,
+            cached,
             client,
         });
         Ok(id)
@@ -800,6 +854,18 @@ impl<B: Backend> Engine<B> {
                                 });
                             }
                             m.read += len;
+                            if m.snapshots_on {
+                                match model.snapshot(backend, &m.seq) {
+                                    Ok(s) => {
+                                        m.snapshots.push(s);
+                                        crate::prefix::thin_snapshots(&mut m.snapshots);
+                                    }
+                                    Err(e) => {
+                                        m.done = Some(Err(e.into()));
+                                        continue;
+                                    }
+                                }
+                            }
                             let cx = StepContext {
                                 cache,
                                 probe: &probe,
@@ -917,6 +983,11 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let mut m = batch.take(i);
+            let parked = match (&self.prefix, &m.done) {
+                (Some(_), Some(Ok(_))) if m.parks => held_tokens(&m),
+                _ => None,
+            };
+            let sparse = self.reads_sparsely(&m.prompt);
             let done = m
                 .done
                 .take()
@@ -924,6 +995,7 @@ impl<B: Backend> Engine<B> {
                 .map(|finish| Finished {
                     finish,
                     prompt_tokens: m.prompt.len(),
+                    cached_tokens: m.cached,
                     completion_tokens: m.stream.tokens.len(),
                     text: std::mem::take(&mut m.stream.text),
                     tokens: std::mem::take(&mut m.stream.tokens),
@@ -938,8 +1010,47 @@ impl<B: Backend> Engine<B> {
                 client.event(StepEvent::Done(done), &cx);
                 Ok(())
             });
+            if let (Some(cache), Some(tokens)) = (self.prefix.as_mut(), parked) {
+                let mut seq = m.seq;
+                let at_end = seq.pos == tokens.len()
+                    || m.snapshots
+                        .iter()
+                        .find(|s| s.pos() == tokens.len())
+                        .is_some_and(|s| self.model.rewind(&self.backend, &mut seq, s).is_ok());
+                if at_end {
+                    let bytes = crate::prefix::parked_bytes(
+                        &self.model.config,
+                        tokens.len(),
+                        m.snapshots.len(),
+                    );
+                    cache.park(seq, tokens, sparse, m.snapshots, bytes);
+                    batch.cache.set_parked(cache.bytes());
+                }
+            }
         }
     }
+}
+
+/// The tokens an ended request's sequence holds, for the prefix cache: its prompt and the
+/// tokens fed after it (each a token it sampled, in order). A request that speculated may
+/// have read drafts past its last sampled token: it parks at its prompt's end (rewound to
+/// its snapshot there), or not at all without one.
+fn held_tokens<B: Backend, C>(m: &Member<B, C>) -> Option<Vec<u32>> {
+    let (pos, prompt) = (m.seq.pos, &m.prompt);
+    if m.spec.is_some() {
+        return (pos >= prompt.len()).then(|| prompt.clone());
+    }
+    if pos <= prompt.len() {
+        return Some(prompt[..pos].to_vec());
+    }
+    let fed = m.stream.tokens.get(..pos - prompt.len())?;
+    Some(
+        prompt
+            .iter()
+            .copied()
+            .chain(fed.iter().map(|t| t.id))
+            .collect(),
+    )
 }
 
 /// The logprob of each row's next prompt token (`next[i]` follows row `i` of the `rows` rows

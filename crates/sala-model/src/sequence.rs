@@ -96,6 +96,13 @@ pub struct SeqMark<B: Backend> {
     states: Vec<B::LightningState>,
 }
 
+impl<B: Backend> SeqMark<B> {
+    /// The position it was taken at.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+}
+
 impl<B: Backend> Model<B> {
     /// A mark to rewind `seq` to ([`Model::rewind`]): its position and a copy of every
     /// lightning state (the sparse caches are cut back instead).
@@ -139,6 +146,22 @@ impl<B: Backend> Model<B> {
             kv.rows = 0;
             kv.armed = true;
         }
+        self.snapshot_with(be, seq, spare)
+    }
+
+    /// A snapshot of `seq` to rewind it to ([`Model::rewind`]): [`Model::mark`] without
+    /// keeping the next span's rows (so no [`Model::rewind_to`] into it), as a prefix cache
+    /// keeps the states of a sequence at the points it may resume from.
+    pub fn snapshot(&self, be: &B, seq: &SeqState<B>) -> BResult<SeqMark<B>> {
+        self.snapshot_with(be, seq, None)
+    }
+
+    fn snapshot_with(
+        &self,
+        be: &B,
+        seq: &SeqState<B>,
+        spare: Option<SeqMark<B>>,
+    ) -> BResult<SeqMark<B>> {
         let mut spare = spare.map(|m| m.states).unwrap_or_default().into_iter();
         let mut states = Vec::new();
         for state in &seq.layers {

@@ -250,6 +250,35 @@ fn resident_bytes() -> Option<usize> {
     Some(kib << 10)
 }
 
+/// The prefix cache's flags (`sala chat`, `sala serve`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PrefixCacheArgs {
+    /// Keep the states of ended requests for prompts that begin with the same tokens (a
+    /// chat's next turn, another question about the same document): `on` or `off`.
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
+    pub prefix_cache: String,
+    /// Most memory the prefix cache keeps (e.g. 8G) [default: what the memory limit leaves
+    /// for caches, else 4G]. Kept states also go whenever a request needs their memory.
+    #[arg(long, value_name = "SIZE")]
+    pub prefix_cache_memory: Option<String>,
+}
+
+impl PrefixCacheArgs {
+    /// The prefix cache's byte limit (`None`: off); `room` is what the memory limit leaves
+    /// for caches, where there is one.
+    pub fn limit(&self, room: Option<usize>) -> Result<Option<usize>> {
+        if self.prefix_cache == "off" {
+            return Ok(None);
+        }
+        match &self.prefix_cache_memory {
+            Some(s) => Ok(Some(
+                parse_size(s).map_err(|e| anyhow!("--prefix-cache-memory {e}"))?,
+            )),
+            None => Ok(Some(room.unwrap_or(4 << 30))),
+        }
+    }
+}
+
 /// `--max-memory SIZE` as a limit (an error naming the flag for junk).
 pub fn user_memory_limit(arg: Option<&str>) -> Result<Option<MemoryLimit>> {
     arg.map(|s| {

@@ -12,7 +12,8 @@ use anyhow::{bail, Context, Result};
 use builtin::builtin_model;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use device::{
-    memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened, RunChoices,
+    memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened, PrefixCacheArgs,
+    RunChoices,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use sala_checkpoint::{preset, Checkpoint, DType, ModelConfig, WriteOptions};
@@ -95,6 +96,8 @@ struct ServeArgs {
     /// powers of 1024). On a GPU its total memory is a limit anyway.
     #[arg(long, value_name = "SIZE")]
     max_memory: Option<String>,
+    #[command(flatten)]
+    prefix: PrefixCacheArgs,
     /// On SIGTERM or Ctrl-C: seconds the requests in flight may run on before they are ended
     /// with an error; no new request is taken meanwhile.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
@@ -214,6 +217,9 @@ struct GenerateArgs {
     /// 1024). On a GPU its total memory is a limit anyway.
     #[arg(long, value_name = "SIZE")]
     max_memory: Option<String>,
+    /// (`sala chat`: each turn resumes from the last one's state.)
+    #[command(flatten)]
+    prefix: PrefixCacheArgs,
     /// Write each generated token to FILE as a JSON line: its id and log-probability and the
     /// two most likely tokens of its step (to compare devices: where greedy choices part, was
     /// it a near-tie?).
@@ -422,6 +428,8 @@ fn generate_on<B: Backend + DeviceStats>(
     let mut engine = load_engine(backend, args, dir, checkpoint, tokenizer)?;
     engine.set_memory_limit(limit);
     let Some(ids) = ids else {
+        // A chat session: each turn resumes from the state the last one left.
+        engine.set_prefix_cache(args.prefix.limit(engine.cache_budget().room_for_caches())?);
         return chat_loop(&mut engine, args, &opts, prompt);
     };
     let gen = stream_generation(
@@ -861,6 +869,7 @@ struct ServeLoad {
     user_limit: Option<MemoryLimit>,
     draft: Option<PathBuf>,
     choices: RunChoices,
+    prefix: PrefixCacheArgs,
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
@@ -905,6 +914,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         user_limit,
         draft,
         choices: args.device.choices()?,
+        prefix: args.prefix.clone(),
     };
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
         let runner = runner
@@ -923,6 +933,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 user_limit,
                 draft,
                 choices,
+                prefix,
             } = load;
             let dir = dir.as_path();
             let limit = memory_limit(&be, user_limit);
@@ -962,6 +973,12 @@ fn serve(args: ServeArgs) -> Result<()> {
             // The page pool, where there is one, counts what the caches take.
             let probe = |be: &B| be.page_pool().map(|(pages, bytes)| pages * bytes);
             engine.set_cache_probe(Some(Box::new(probe)));
+            // What the memory limit leaves for caches, on the engine's workspace.
+            let room = engine
+                .cache_budget()
+                .with_limit(limit.clone())
+                .room_for_caches();
+            engine.set_prefix_cache(prefix.limit(room).map_err(|e| format!("{e:#}"))?);
             runner.memory_limit(limit).max_batch(max_batch).run(engine);
             Ok(())
         }

@@ -1,0 +1,260 @@
+//! The prefix cache: sequences that ended are parked with the tokens their state holds and
+//! snapshots of their lightning states taken while their prompts were read; a request whose
+//! prompt begins with the tokens of a parked sequence takes that sequence over, rewound to
+//! the deepest point it can resume from exactly, and reads only the rest of its prompt.
+//!
+//! A resume point is a position `p` where the lightning states are known: a snapshot's, or
+//! the parked state's own end. The sparse layers' caches are cut back to `p` (the tokens
+//! before `p` are the same, so their keys, values and compressed keys are too); the lightning
+//! states, being running sums, can only come from a snapshot at `p` exactly. Never from zero:
+//! a match without a snapshot inside it is a miss. The point must leave at least one prompt
+//! token to read, whose logits the request samples from.
+//!
+//! The sparse layers attend densely or sparsely by the length of the whole prompt (SPEC §5.2:
+//! dense iff shorter than `dense_len`), so a sequence serves only prompts read the same way
+//! as its own (its decode rows then were too: positions only grow).
+//!
+//! A hit is exact: the rewound sequence holds what reading its first `p` tokens gives. Where
+//! `p` is a boundary of the chunks the cold run would read, the rest is read in the same
+//! chunks and the logits are the cold run's bit for bit; elsewhere the chunks differ and the
+//! logits agree to the accumulation order (as chunked prefill agrees with one pass).
+
+use sala_checkpoint::ModelConfig;
+use sala_model::memory::cache_bytes;
+use sala_model::{BResult, Backend, Model, SeqMark, SeqState};
+
+/// Most snapshots a sequence keeps; past them the one closest to its predecessor goes.
+pub const MAX_SNAPSHOTS: usize = 8;
+
+/// How much the prefix cache has served: prompt tokens taken from it and read anew, over the
+/// requests that looked it up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    pub lookups: u64,
+    pub hits: u64,
+    pub hit_tokens: u64,
+    pub missed_tokens: u64,
+    pub evictions: u64,
+}
+
+/// A parked sequence: its state, the tokens it holds (`seq.pos` of them), whether its prompt
+/// was read sparsely, its snapshots (positions below `seq.pos`, ascending), when it was last
+/// used, and its bytes.
+struct Parked<B: Backend> {
+    seq: SeqState<B>,
+    tokens: Vec<u32>,
+    sparse: bool,
+    snapshots: Vec<SeqMark<B>>,
+    used: u64,
+    bytes: usize,
+}
+
+/// A request's start from the cache: the sequence, rewound to `pos`, and the snapshots it
+/// keeps (all at or below `pos`).
+pub struct Resume<B: Backend> {
+    pub seq: SeqState<B>,
+    pub snapshots: Vec<SeqMark<B>>,
+    pub pos: usize,
+}
+
+/// The parked sequences, least recently used first to go, within `limit` bytes.
+pub struct PrefixCache<B: Backend> {
+    limit: usize,
+    entries: Vec<Parked<B>>,
+    clock: u64,
+    stats: PrefixStats,
+}
+
+/// Bytes a sequence of `tokens` tokens with `snapshots` snapshots holds, by the memory
+/// formula.
+pub fn parked_bytes(config: &ModelConfig, tokens: usize, snapshots: usize) -> usize {
+    cache_bytes(config, tokens).total() + snapshots * snapshot_bytes(config)
+}
+
+/// Bytes of one snapshot: a copy of every lightning state.
+pub fn snapshot_bytes(config: &ModelConfig) -> usize {
+    cache_bytes(config, 0).lightning_state
+}
+
+/// The deepest point a sequence holding `tokens` with snapshots at `snapshots` (positions)
+/// can resume `prompt` from: 0 when none.
+fn resume_point(tokens: &[u32], snapshots: &[usize], prompt: &[u32]) -> usize {
+    let common = tokens
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count();
+    // At least one prompt token is left to read.
+    let reach = common.min(prompt.len().saturating_sub(1));
+    let end = (tokens.len() <= reach).then_some(tokens.len());
+    snapshots
+        .iter()
+        .copied()
+        .filter(|&p| p <= reach)
+        .chain(end)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Keeps at most [`MAX_SNAPSHOTS`] of `snapshots` (ascending): while over, drops the one
+/// (never the last) whose gap to its predecessor is smallest, so they stay spread out.
+pub fn thin_snapshots<B: Backend>(snapshots: &mut Vec<SeqMark<B>>) {
+    while snapshots.len() > MAX_SNAPSHOTS {
+        let last = snapshots.len() - 1;
+        let drop = (0..last)
+            .min_by_key(|&i| snapshots[i].pos() - if i == 0 { 0 } else { snapshots[i - 1].pos() })
+            .unwrap_or(0);
+        snapshots.remove(drop);
+    }
+}
+
+impl<B: Backend> PrefixCache<B> {
+    /// An empty cache holding at most `limit` bytes.
+    pub fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            entries: Vec::new(),
+            clock: 0,
+            stats: PrefixStats::default(),
+        }
+    }
+
+    /// Bytes its sequences hold, by the memory formula.
+    pub fn bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.bytes).sum()
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Sequences parked.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn stats(&self) -> PrefixStats {
+        self.stats
+    }
+
+    /// Takes the parked sequence `prompt` (read `sparse`ly or not) resumes deepest from,
+    /// rewound to that point; `None` (a miss) when no sequence read the same way has a resume
+    /// point in `prompt`. Counts the lookup.
+    pub fn take(
+        &mut self,
+        model: &Model<B>,
+        be: &B,
+        prompt: &[u32],
+        sparse: bool,
+    ) -> BResult<Option<Resume<B>>> {
+        self.stats.lookups += 1;
+        let best = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.sparse == sparse)
+            .map(|(i, e)| {
+                let at: Vec<usize> = e.snapshots.iter().map(|s| s.pos()).collect();
+                (i, resume_point(&e.tokens, &at, prompt))
+            })
+            .filter(|&(_, p)| p > 0)
+            .max_by_key(|&(i, p)| (p, self.entries[i].used));
+        let Some((i, pos)) = best else {
+            self.stats.missed_tokens += prompt.len() as u64;
+            return Ok(None);
+        };
+        let Parked {
+            mut seq,
+            mut snapshots,
+            ..
+        } = self.entries.swap_remove(i);
+        snapshots.retain(|s| s.pos() <= pos);
+        if seq.pos > pos {
+            let mark = snapshots
+                .iter()
+                .find(|s| s.pos() == pos)
+                .expect("a resume point below the end is a snapshot's");
+            model.rewind(be, &mut seq, mark)?;
+        }
+        self.stats.hits += 1;
+        self.stats.hit_tokens += pos as u64;
+        self.stats.missed_tokens += (prompt.len() - pos) as u64;
+        Ok(Some(Resume {
+            seq,
+            snapshots,
+            pos,
+        }))
+    }
+
+    /// Parks `seq`, which holds `tokens` (`seq.pos` of them; its prompt read `sparse`ly or
+    /// not), with its snapshots, counted as `bytes`; the least recently used sequences go
+    /// while the cache is over its limit (this one too, when it alone is).
+    pub fn park(
+        &mut self,
+        seq: SeqState<B>,
+        tokens: Vec<u32>,
+        sparse: bool,
+        mut snapshots: Vec<SeqMark<B>>,
+        bytes: usize,
+    ) {
+        if tokens.len() != seq.pos || tokens.is_empty() {
+            return;
+        }
+        snapshots.retain(|s| s.pos() > 0 && s.pos() < seq.pos);
+        self.clock += 1;
+        self.entries.push(Parked {
+            seq,
+            tokens,
+            sparse,
+            snapshots,
+            used: self.clock,
+            bytes,
+        });
+        while self.bytes() > self.limit && self.evict_one() {}
+    }
+
+    /// Drops the least recently used sequence; false when none is parked.
+    pub fn evict_one(&mut self) -> bool {
+        let Some(i) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else {
+            return false;
+        };
+        self.entries.swap_remove(i);
+        self.stats.evictions += 1;
+        true
+    }
+
+    /// Drops every parked sequence.
+    pub fn clear(&mut self) {
+        self.stats.evictions += self.entries.len() as u64;
+        self.entries.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resume_point;
+
+    #[test]
+    fn resume_points_are_snapshots_or_the_end_within_the_match() {
+        let tokens: Vec<u32> = (0..100).collect();
+        let prompt: Vec<u32> = (0..70).chain([999, 998]).collect();
+        // The match is 70 tokens: the snapshot at 64 is the deepest inside it.
+        assert_eq!(resume_point(&tokens, &[32, 64, 96], &prompt), 64);
+        // Without a snapshot inside the match: a miss, never a start from zero state.
+        assert_eq!(resume_point(&tokens, &[96], &prompt), 0);
+        // The whole sequence matches and the prompt goes on: its end.
+        let longer: Vec<u32> = (0..120).collect();
+        assert_eq!(resume_point(&tokens, &[64], &longer), 100);
+        // The prompt is the sequence exactly: one token must be left to read.
+        assert_eq!(resume_point(&tokens, &[64, 99], &tokens), 99);
+        assert_eq!(resume_point(&tokens, &[64], &tokens), 64);
+        // A match ending inside a block of 64 resumes from the snapshot below it.
+        let inside: Vec<u32> = (0..90).chain([5]).collect();
+        assert_eq!(resume_point(&tokens, &[64], &inside), 64);
+        assert_eq!(resume_point(&tokens, &[], &[]), 0);
+    }
+}
