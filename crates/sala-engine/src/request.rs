@@ -271,6 +271,8 @@ pub enum Event {
     Done {
         finish: FinishReason,
         prompt_tokens: usize,
+        /// Prompt tokens taken from the prefix cache.
+        cached_tokens: usize,
         completion_tokens: usize,
     },
     Error(RequestError),

@@ -64,6 +64,8 @@ pub trait Observer: Send + Sync {
     fn cache(&self, _held: usize, _in_use: usize) {}
     /// Speculative decoding's totals so far ([`Engine::speculation_stats`]).
     fn speculation(&self, _totals: crate::generate::SpeculationStats) {}
+    /// The prefix cache's totals so far and the bytes it holds ([`Engine::prefix_cache`]).
+    fn prefix_cache(&self, _totals: crate::prefix::PrefixStats, _bytes: usize) {}
     /// An admitted request's sequence is gone.
     fn released(&self) {}
     /// A request ended, admitted or not: how it finished, or why it failed.
@@ -596,6 +598,9 @@ impl<B: Backend> Serving<B> {
         let (engine, batch) = (&mut self.engine, &mut self.batch);
         let stepped = catch_unwind(AssertUnwindSafe(|| engine.step(batch)));
         self.observer.speculation(self.engine.speculation_stats());
+        if let Some((totals, bytes)) = self.engine.prefix_cache() {
+            self.observer.prefix_cache(totals, bytes);
+        }
         if stepped.is_err() {
             // A panic leaves the batch in an unknown state: every request in it fails.
             for (_, sink) in self.batch.cancel_where(|_, _| true) {
@@ -689,6 +694,7 @@ impl Client for Sink {
                         let _ = self.send(Event::Done {
                             finish: done.finish,
                             prompt_tokens: done.prompt_tokens,
+                            cached_tokens: done.cached_tokens,
                             completion_tokens: done.completion_tokens,
                         });
                     }

@@ -112,6 +112,7 @@ fn drain(
                 finish,
                 prompt_tokens,
                 completion_tokens,
+                ..
             }) => return (text, Ok((finish, prompt_tokens, completion_tokens))),
             Some(Event::Error(e)) => return (text, Err(e)),
             other => panic!("unexpected {other:?}"),

@@ -166,6 +166,10 @@ pub struct Metrics {
     drafted: AtomicU64,
     accepted: AtomicU64,
     draft_steps: AtomicU64,
+    /// The prefix cache's totals: prompt tokens taken from it and read anew, its bytes.
+    prefix_hit_tokens: AtomicU64,
+    prefix_missed_tokens: AtomicU64,
+    prefix_bytes: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
     rate: RateWindow,
@@ -191,6 +195,9 @@ impl Metrics {
             drafted: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             draft_steps: AtomicU64::new(0),
+            prefix_hit_tokens: AtomicU64::new(0),
+            prefix_missed_tokens: AtomicU64::new(0),
+            prefix_bytes: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
             rate: RateWindow {
@@ -338,6 +345,27 @@ impl Metrics {
             "Draft tokens that stood per step that verified drafts.",
             format!("{}", accepted as f64 / steps.max(1) as f64),
         );
+        metric(
+            "sala_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens taken from the prefix cache (not read again).",
+            self.prefix_hit_tokens.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "sala_prefix_cache_missed_tokens_total",
+            "counter",
+            "Prompt tokens read by requests that looked the prefix cache up.",
+            self.prefix_missed_tokens
+                .load(Ordering::Relaxed)
+                .to_string(),
+        );
+        metric(
+            "sala_prefix_cache_bytes",
+            "gauge",
+            "Bytes the prefix cache's parked sequences and snapshots hold, by the memory \
+             formula.",
+            self.prefix_bytes.load(Ordering::Relaxed).to_string(),
+        );
         let now = self.started.elapsed().as_secs_f64();
         metric(
             "sala_generation_tokens_per_second",
@@ -390,6 +418,14 @@ impl Observer for Metrics {
         self.drafted.store(totals.drafted, Ordering::Relaxed);
         self.accepted.store(totals.accepted, Ordering::Relaxed);
         self.draft_steps.store(totals.spans, Ordering::Relaxed);
+    }
+
+    fn prefix_cache(&self, totals: sala_engine::prefix::PrefixStats, bytes: usize) {
+        self.prefix_hit_tokens
+            .store(totals.hit_tokens, Ordering::Relaxed);
+        self.prefix_missed_tokens
+            .store(totals.missed_tokens, Ordering::Relaxed);
+        self.prefix_bytes.store(bytes as u64, Ordering::Relaxed);
     }
 
     fn released(&self) {

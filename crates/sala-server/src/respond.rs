@@ -261,12 +261,9 @@ async fn whole_response(
         .map(|(index, mut rx)| async move { whole_choice(meta, index, &mut rx, reply).await });
     // The first failure drops the other choices, which cancels them.
     let choices = futures_util::future::try_join_all(reads).await?;
-    let (mut prompt, mut completion) = (0, 0);
-    for (i, (_, p, c)) in choices.iter().enumerate() {
-        if i.is_multiple_of(meta.n) {
-            prompt += p;
-        }
-        completion += c;
+    let mut counts = Usage::default();
+    for (i, (_, c)) in choices.iter().enumerate() {
+        counts.add(i, meta.n, *c);
     }
     Ok(json!({
         "id": meta.id,
@@ -276,18 +273,18 @@ async fn whole_response(
         },
         "created": meta.created,
         "model": meta.model,
-        "choices": choices.into_iter().map(|(c, _, _)| c).collect::<Vec<_>>(),
-        "usage": usage(prompt, completion),
+        "choices": choices.into_iter().map(|(c, _)| c).collect::<Vec<_>>(),
+        "usage": counts.json(),
     }))
 }
 
-/// One choice of a whole response, its prompt tokens and its completion tokens.
+/// One choice of a whole response, and its token counts.
 async fn whole_choice(
     meta: &Meta,
     index: usize,
     events: &mut mpsc::Receiver<Event>,
     reply: &ReplySetup,
-) -> Result<(Value, usize, usize), Failed> {
+) -> Result<(Value, Usage), Failed> {
     let kind = meta.kind;
     let mut reader = ReplyReader::new(reply);
     let mut read = ReplyPiece::default();
@@ -307,8 +304,14 @@ async fn whole_choice(
             Some(Event::Done {
                 finish,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
             }) => {
+                let counts = Usage {
+                    prompt: prompt_tokens,
+                    cached: cached_tokens,
+                    completion: completion_tokens,
+                };
                 let report = meta.prompt.as_ref();
                 let wants_scores = report.is_some_and(|r| r.vllm.is_some())
                     || (meta.logprobs && report.and_then(|r| r.echo(index / meta.n)).is_some());
@@ -356,7 +359,7 @@ async fn whole_choice(
                 {
                     choice["prompt_logprobs"] = r.vllm(lp, n);
                 }
-                return Ok((choice, prompt_tokens, completion_tokens));
+                return Ok((choice, counts));
             }
             Some(Event::Error(e)) => return Err(Failed::Engine(ApiError::from(&e))),
             Some(Event::Started { .. }) => {}
@@ -451,8 +454,7 @@ struct StreamState {
     choices: Vec<ChoiceState>,
     /// Choices not yet done.
     left: usize,
-    prompt_tokens: usize,
-    completion_tokens: usize,
+    counts: Usage,
 }
 
 fn data(v: &Value) -> SseEvent {
@@ -516,6 +518,7 @@ impl StreamState {
             Some(Event::Done {
                 finish,
                 prompt_tokens,
+                cached_tokens,
                 completion_tokens,
             }) => {
                 // A chat reply's held-back text goes out before its finish chunk.
@@ -533,17 +536,19 @@ impl StreamState {
                 );
                 self.choices[i].done = true;
                 self.left -= 1;
-                if i.is_multiple_of(self.meta.n) {
-                    self.prompt_tokens += prompt_tokens;
-                }
-                self.completion_tokens += completion_tokens;
+                let counts = Usage {
+                    prompt: prompt_tokens,
+                    cached: cached_tokens,
+                    completion: completion_tokens,
+                };
+                self.counts.add(i, self.meta.n, counts);
                 if self.left > 0 {
                     return;
                 }
                 if self.include_usage {
                     let mut chunk = self.meta.chunk(0, Map::new(), "", Value::Null, None);
                     chunk["choices"] = json!([]);
-                    chunk["usage"] = usage(self.prompt_tokens, self.completion_tokens);
+                    chunk["usage"] = self.counts.json();
                     self.send(chunk);
                 }
                 self.end();
@@ -592,8 +597,7 @@ fn stream_response(
         include_usage,
         queue: VecDeque::new(),
         ended: false,
-        prompt_tokens: 0,
-        completion_tokens: 0,
+        counts: Usage::default(),
     };
     // An echo without logprobs: the prompt's text first (with them it comes with its
     // tokens' logprobs, once the prompt is read).
@@ -637,12 +641,34 @@ pub(crate) fn finish_str(f: FinishReason) -> &'static str {
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    })
+/// A response's token counts: its prompts' (those taken from the prefix cache among them)
+/// and its choices'.
+#[derive(Debug, Default, Clone, Copy)]
+struct Usage {
+    prompt: usize,
+    cached: usize,
+    completion: usize,
+}
+
+impl Usage {
+    /// Adds choice `i`'s counts; its prompt counts once for the `n` choices that share it.
+    fn add(&mut self, i: usize, n: usize, c: Usage) {
+        if i.is_multiple_of(n) {
+            self.prompt += c.prompt;
+            self.cached += c.cached;
+        }
+        self.completion += c.completion;
+    }
+
+    /// OpenAI's `usage` object.
+    fn json(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        })
+    }
 }
 
 /// A logprob as JSON; a non-finite one (a token the model rules out) is -9999, OpenAI's

@@ -22,6 +22,7 @@ async fn scripted(pieces: &[&str], finish: FinishReason) -> mpsc::Receiver<Event
     tx.send(Event::Done {
         finish,
         prompt_tokens: 3,
+        cached_tokens: 0,
         completion_tokens: pieces.len(),
     })
     .await

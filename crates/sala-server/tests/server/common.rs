@@ -47,10 +47,21 @@ pub fn spawn_engine_sized(
     max_batch: usize,
     context: usize,
 ) -> sala_server::EngineHandle {
+    spawn_engine_with(queue, max_batch, context, |_| {})
+}
+
+/// [`spawn_engine_sized`] with `setup` applied to the engine before it serves.
+pub fn spawn_engine_with(
+    queue: usize,
+    max_batch: usize,
+    context: usize,
+    setup: impl FnOnce(&mut Engine<CpuBackend>) + Send + 'static,
+) -> sala_server::EngineHandle {
     let dir = model_dir().to_path_buf();
     sala_server::spawn_engine(MODEL_ID.into(), Some(context), queue, move |runner| {
-        let engine =
+        let mut engine =
             Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        setup(&mut engine);
         runner.max_batch(max_batch).run(engine);
         Ok(())
     })

@@ -223,3 +223,41 @@ fn metrics_count_speculation_and_a_request_may_opt_out() {
     );
     assert_eq!(status, 400, "{bad}");
 }
+
+/// With the prefix cache on, a prompt that begins with an earlier one's tokens takes them
+/// from the cache: `usage.prompt_tokens_details.cached_tokens` says how many (as OpenAI
+/// does), and `/metrics` counts hit and missed tokens and the bytes held.
+#[test]
+fn the_prefix_cache_shows_in_usage_and_metrics() {
+    let engine = spawn_engine_with(8, 4, MAX_CONTEXT, |e| e.set_prefix_cache(Some(1 << 30)));
+    let addr = serve(engine);
+    let m = metrics(addr);
+    for name in [
+        "sala_prefix_cache_hit_tokens_total",
+        "sala_prefix_cache_missed_tokens_total",
+        "sala_prefix_cache_bytes",
+    ] {
+        assert_eq!(m[name], 0.0, "{name}");
+    }
+    // Token ids past `dense_len` (96), so both prompts are read sparsely.
+    let first: Vec<u32> = (0..150).map(|i| 10 + (i * 7) % 200).collect();
+    let second: Vec<u32> = first[..140].iter().copied().chain([3, 4, 5]).collect();
+    let ask = |prompt: &[u32]| {
+        let body = json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 3});
+        let (status, v) = post_to(addr, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(ask(&first), 0);
+    // Two 64-token chunks of the first prompt come from the cache.
+    assert_eq!(ask(&second), 128);
+    let m = metrics(addr);
+    assert_eq!(m["sala_prefix_cache_hit_tokens_total"], 128.0);
+    assert_eq!(
+        m["sala_prefix_cache_missed_tokens_total"],
+        (150 + second.len() - 128) as f64
+    );
+    assert!(m["sala_prefix_cache_bytes"] > 0.0);
+}
