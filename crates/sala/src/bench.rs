@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Instant;
 
+mod follow_up;
 mod ops;
 mod speculative;
 use ops::{lightning_op, sparse_op};
@@ -110,6 +111,11 @@ pub struct BenchArgs {
     /// speculating, against the plain batch's.
     #[arg(long, value_name = "DRAFTS,...", value_delimiter = ',')]
     speculative: Vec<String>,
+    /// The prefix cache's case: for each --context, a document with a 64-token question, then
+    /// the same document with another: both times to first token and the cache's memory; then
+    /// 8 prompts sharing nothing, with the cache off and on.
+    #[arg(long)]
+    follow_up: bool,
 }
 
 fn parse_len(s: &str) -> Result<usize> {
@@ -294,11 +300,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             Opened::Cpu(be) => speculative(be, &config, &contexts, &modes, &args),
             Opened::Cuda(be) => speculative(*be, &config, &contexts, &modes, &args),
         }?;
-        if let Some(path) = &args.json {
-            std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-                .with_context(|| format!("writing {}", path.display()))?;
-        }
-        return Ok(());
+        return write_json(&args.json, &doc);
+    }
+    if args.follow_up {
+        let doc = match args.device.open()? {
+            Opened::Cpu(be) => follow_up::follow_up(be, &config, &contexts, &args),
+            Opened::Cuda(be) => follow_up::follow_up(*be, &config, &contexts, &args),
+        }?;
+        return write_json(&args.json, &doc);
     }
     if let Some(n) = args.concurrent {
         if n == 0 || args.decode_tokens == 0 {
@@ -309,17 +318,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
             Opened::Cpu(be) => concurrent(be, &config, len, n, &modes, &args),
             Opened::Cuda(be) => concurrent(*be, &config, len, n, &modes, &args),
         }?;
-        if let Some(path) = &args.json {
-            std::fs::write(path, serde_json::to_string_pretty(&doc)?)
-                .with_context(|| format!("writing {}", path.display()))?;
-        }
-        return Ok(());
+        return write_json(&args.json, &doc);
     }
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     match args.device.open()? {
         Opened::Cpu(be) => bench_on(&be, &args, config, &contexts, user_limit),
         Opened::Cuda(be) => bench_on(be.as_ref(), &args, config, &contexts, user_limit),
     }
+}
+
+/// Writes `doc` to `path` (`--json`), when given.
+fn write_json(path: &Option<PathBuf>, doc: &Value) -> Result<()> {
+    if let Some(path) = path {
+        std::fs::write(path, serde_json::to_string_pretty(doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn gib(bytes: usize) -> f64 {
