@@ -7,7 +7,8 @@ use sala_cpu::reference::ReferenceBackend;
 use sala_cpu::CpuBackend;
 use sala_model::numerics::{rel_l2, TestRng};
 use sala_model::testing::{
-    check_greedy_picks, check_mixed_step, check_rewind, check_stepwise_spans, decode_step,
+    check_greedy_picks, check_mixed_step, check_resume, check_rewind, check_stepwise_spans,
+    decode_step,
 };
 use sala_model::{Backend, HostDType, HostTensor, LogitRows, Model, SparseMode, WeightSource};
 use std::collections::HashMap;
@@ -484,6 +485,15 @@ fn mixed_step_equals_running_apart() {
     let config = tiny_config(150);
     check_mixed_step(&CpuBackend, &load(&CpuBackend, &config, 23)).unwrap();
     check_mixed_step(&ReferenceBackend, &load(&ReferenceBackend, &config, 23)).unwrap();
+}
+
+/// A sequence rewound to a snapshot reads on as a cold one, bit for bit, at a chunk
+/// boundary ([`sala_model::testing::check_resume`]: the prefix cache's resume).
+#[test]
+fn a_sequence_resumed_from_a_snapshot_reads_on_as_a_cold_one() {
+    let config = tiny_config(150);
+    check_resume(&CpuBackend, &load(&CpuBackend, &config, 33)).unwrap();
+    check_resume(&ReferenceBackend, &load(&ReferenceBackend, &config, 33)).unwrap();
 }
 
 /// Rewinding a sequence undoes the tokens fed since its mark, bit for bit

@@ -388,6 +388,57 @@ pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), 
     Ok(())
 }
 
+/// Resuming from a snapshot, as the prefix cache does: a sequence reads prompt A (230
+/// tokens) in chunks of 64 with a snapshot ([`Model::snapshot`]) after each, decodes on, then
+/// is rewound to the snapshot at 128 and reads the rest of prompt B (which shares A's first
+/// 150 tokens) in chunks of 64 from there: every row's logits are those of a fresh sequence
+/// reading B in chunks of 64, bit for bit (128 is a chunk boundary of that cold run).
+pub fn check_resume<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> {
+    let err = |e: crate::BackendError| e.0;
+    let vocab = model.config.vocab_size;
+    let a = tokens(230, vocab, 41);
+    let mut b = a[..150].to_vec();
+    b.extend(tokens(70, vocab, 42));
+    let mut ws = model.workspace(be, 64).map_err(err)?;
+    // Reads `prompt[from..]` into `seq` in chunks of 64 (the whole prompt's attention mode),
+    // snapshotting after each; returns every row's logits.
+    let read = |ws: &mut Workspace<B>,
+                seq: &mut SeqState<B>,
+                prompt: &[u32],
+                snaps: &mut Vec<crate::SeqMark<B>>|
+     -> Result<Vec<f32>, String> {
+        let mode = model.sparse_mode(prompt.len());
+        let mut rows = Vec::new();
+        for chunk in prompt[seq.pos..].chunks(64) {
+            rows.extend(
+                model
+                    .forward_one(be, ws, seq, chunk, mode, LogitRows::All)
+                    .map_err(err)?,
+            );
+            snaps.push(model.snapshot(be, seq).map_err(err)?);
+        }
+        Ok(rows)
+    };
+    let mut cold = model.new_sequence(be).map_err(err)?;
+    let want = read(&mut ws, &mut cold, &b, &mut Vec::new())?;
+    let mut seq = model.new_sequence(be).map_err(err)?;
+    let mut snaps = Vec::new();
+    read(&mut ws, &mut seq, &a, &mut snaps)?;
+    for &t in &tokens(5, vocab, 43) {
+        model.decode(be, &mut ws, &mut seq, t).map_err(err)?;
+    }
+    let at = snaps
+        .iter()
+        .find(|s| s.pos() == 128)
+        .ok_or("no snapshot at 128")?;
+    model.rewind(be, &mut seq, at).map_err(err)?;
+    let got = read(&mut ws, &mut seq, &b, &mut Vec::new())?;
+    if got[..] != want[128 * vocab..] {
+        return Err("resumed from the snapshot at 128, the logits differ from a cold read".into());
+    }
+    Ok(())
+}
+
 /// Rewinding a sequence undoes the tokens fed since its mark exactly: a sequence that reads
 /// rejected tokens (a span of them, as a speculative step would), is rewound and goes on gives
 /// the logits of one that never read them, bit for bit. Past a 190-token prompt, the rejected

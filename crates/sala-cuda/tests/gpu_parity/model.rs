@@ -704,6 +704,21 @@ fn short_spans_equal_decoding_token_by_token_on_the_gpu() {
     }
 }
 
+/// A sequence rewound to a snapshot on the GPU reads on as a cold one, bit for bit, at a
+/// chunk boundary ([`sala_model::testing::check_resume`]: the prefix cache's resume), dense
+/// and sparse (few blocks selected).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn a_sequence_resumed_from_a_snapshot_reads_on_as_a_cold_one_on_the_gpu() {
+    let g = gpu();
+    for (name, dense_len) in [("tiny", 100), ("small", 100), ("small", 1000)] {
+        let mut config = few_blocks(name);
+        config.sparse.dense_len = dense_len;
+        let model = Model::random(&g, config, 23, &mut |_, _| {}).unwrap();
+        sala_model::testing::check_resume(&g, &model).unwrap();
+    }
+}
+
 /// Rewinding a sequence on the GPU undoes the tokens fed since its mark, bit for bit
 /// ([`sala_model::testing::check_rewind`]): lightning states copied back, sparse caches and
 /// their compressed tiers cut back; few blocks selected, so the tiers matter.
