@@ -7,8 +7,8 @@ use sala_cpu::reference::ReferenceBackend;
 use sala_cpu::CpuBackend;
 use sala_model::numerics::{rel_l2, TestRng};
 use sala_model::testing::{
-    check_greedy_picks, check_mixed_step, check_resume, check_rewind, check_stepwise_spans,
-    decode_step,
+    check_fork, check_greedy_picks, check_mixed_step, check_resume, check_rewind,
+    check_stepwise_spans, decode_step,
 };
 use sala_model::{Backend, HostDType, HostTensor, LogitRows, Model, SparseMode, WeightSource};
 use std::collections::HashMap;
@@ -494,6 +494,21 @@ fn a_sequence_resumed_from_a_snapshot_reads_on_as_a_cold_one() {
     let config = tiny_config(150);
     check_resume(&CpuBackend, &load(&CpuBackend, &config, 33)).unwrap();
     check_resume(&ReferenceBackend, &load(&ReferenceBackend, &config, 33)).unwrap();
+}
+
+/// Forks of a sequence read on as cold ones and leave it as it was
+/// ([`sala_model::testing::check_fork`]: the prefix cache's hits).
+#[test]
+fn forks_read_on_as_cold_sequences_and_leave_theirs_alone() {
+    let config = tiny_config(150);
+    check_fork(
+        &CpuBackend,
+        &load(&CpuBackend, &config, 35),
+        300,
+        64,
+        &[128, 256],
+    )
+    .unwrap();
 }
 
 /// Rewinding a sequence undoes the tokens fed since its mark, bit for bit

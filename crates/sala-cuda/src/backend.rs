@@ -534,6 +534,16 @@ impl Backend for CudaBackend {
         self.copy_cache(src, dst)
     }
 
+    fn share_sparse_cache(
+        &self,
+        src: &DevSparseCache,
+        dst: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        len: usize,
+    ) -> BResult<()> {
+        self.share_cache(src, dst, cfg, len)
+    }
+
     fn truncate_sparse_cache(
         &self,
         cache: &mut DevSparseCache,

@@ -536,6 +536,69 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Makes `dst` (an empty cache of the same shape) hold `src`'s first `len` tokens (as
+    /// `truncate_sparse_cache` leaves them), its keys and values on `src`'s pool pages where
+    /// whole pages of them lie below `len` (shared, read-only for both: neither writes below
+    /// `len` again), the page `len` falls in and the compressed tiers copied. Without the
+    /// pool, a copy.
+    pub(crate) fn share_cache(
+        &self,
+        src: &DevSparseCache,
+        dst: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        len: usize,
+    ) -> BResult<()> {
+        use crate::plan::windows;
+        if src.kv_width != dst.kv_width || src.fp8 != dst.fp8 || dst.len != 0 || len > src.len {
+            return Err(BackendError(format!(
+                "share_sparse_cache: {len} tokens of a cache of {} into one not empty or not of its shape",
+                src.len
+            )));
+        }
+        let page = match self.pool.as_ref() {
+            Some(p) => p.borrow().page_bytes(),
+            None => 0,
+        };
+        let shared = |from: &Store<u16>| -> BResult<Option<Store<u16>>> {
+            let (Store::Paged { buf, len: units }, true) = (from, page > 0) else {
+                return Ok(None);
+            };
+            let bytes = len * src.row_units * 2;
+            let whole = bytes / page;
+            let mut own = pool::PagedBuf::share_prefix(buf, whole)?;
+            own.ensure(*units * 2)?;
+            let store = Store::Paged {
+                buf: own,
+                len: *units,
+            };
+            let start = whole * page / 2;
+            self.copy(&store, start, from, start, bytes / 2 - start)?;
+            Ok(Some(store))
+        };
+        let (Some(k), Some(v)) = (shared(&src.k)?, shared(&src.v)?) else {
+            self.copy_cache(src, dst)?;
+            dst.len = len;
+            dst.n1 = windows(len, cfg.k1_window(), cfg.k1_stride());
+            dst.n2 = windows(len, cfg.k2_window(), cfg.k2_stride());
+            return Ok(());
+        };
+        (dst.k, dst.v) = (k, v);
+        let (n1, n2) = (
+            windows(len, cfg.k1_window(), cfg.k1_stride()),
+            windows(len, cfg.k2_window(), cfg.k2_stride()),
+        );
+        if dst.cap < src.cap {
+            self.grow_store(&mut dst.k1, 0, src.k1.len())?;
+            self.grow_store(&mut dst.k2, 0, src.k2.len())?;
+            dst.cap = src.cap;
+        }
+        let kw = src.kv_width;
+        self.copy(&dst.k1, 0, &src.k1, 0, n1 * kw)?;
+        self.copy(&dst.k2, 0, &src.k2, 0, n2 * kw)?;
+        (dst.len, dst.n1, dst.n2) = (len, n1, n2);
+        Ok(())
+    }
+
     /// Makes `store` hold `n` elements, keeping its first `kept`: in place in the page pool,
     /// else by a new allocation and a copy.
     fn grow_store(&self, store: &mut Store<u16>, kept: usize, n: usize) -> BResult<()> {

@@ -3,12 +3,15 @@
 //! pool's pages (the allocation granularity, 2 MiB on current GPUs) are mapped as it grows, and
 //! from which they go back to the pool when it is dropped. Kernels see one contiguous range; a
 //! buffer that outgrows its addresses maps the same pages into a range twice as large, so its
-//! data is never copied; the pages a finished sequence held serve the next one.
+//! data is never copied; the pages a finished sequence held serve the next one. A buffer may
+//! begin with another's pages ([`PagedBuf::share_prefix`]: a prefix-cache hit's keys and
+//! values), which then go back to the pool when the last buffer mapping them drops.
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
 use sala_model::{BResult, BackendError};
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -33,6 +36,8 @@ pub struct PagePool {
     ordinal: i32,
     page: usize,
     free: Vec<CUmemGenericAllocationHandle>,
+    /// Pages mapped by more than one buffer: how many buffers beyond the first.
+    shared: HashMap<CUmemGenericAllocationHandle, usize>,
     created: usize,
     limit: usize,
 }
@@ -65,6 +70,7 @@ impl PagePool {
             ordinal,
             page,
             free: Vec::new(),
+            shared: HashMap::new(),
             created: 0,
             limit: limit_bytes / page,
         })
@@ -97,6 +103,17 @@ impl PagePool {
     /// Pages already created stay, so a cap below them only stops growth.
     pub fn set_limit(&mut self, limit_bytes: usize) {
         self.limit = limit_bytes / self.page;
+    }
+
+    /// One buffer fewer maps page `h`: it is free once none does.
+    fn release(&mut self, h: CUmemGenericAllocationHandle) {
+        match self.shared.get_mut(&h) {
+            Some(1) => {
+                self.shared.remove(&h);
+            }
+            Some(n) => *n -= 1,
+            None => self.free.push(h),
+        }
     }
 
     fn take(&mut self) -> BResult<CUmemGenericAllocationHandle> {
@@ -160,6 +177,35 @@ impl PagedBuf {
             reserved,
             pages: Vec::new(),
         })
+    }
+
+    /// A buffer whose first `pages` pages are `src`'s (mapped again, read by both; neither
+    /// may write them while the other reads them), with addresses for as many bytes as `src`
+    /// reserves. Grow it with [`PagedBuf::ensure`].
+    pub fn share_prefix(src: &PagedBuf, pages: usize) -> BResult<Self> {
+        if pages > src.pages.len() {
+            return Err(BackendError(format!(
+                "sharing {pages} pages of a buffer of {}",
+                src.pages.len()
+            )));
+        }
+        let mut buf = Self::new(&src.pool, &src.stream, src.reserved)?;
+        let mut pool = src.pool.borrow_mut();
+        let (page, rw) = (pool.page, access(pool.ordinal));
+        for &h in &src.pages[..pages] {
+            let at = buf.base + (buf.pages.len() * page) as u64;
+            check("mapping a shared cache page", unsafe {
+                sys::cuMemMap(at, page, 0, h, 0)
+            })?;
+            // Mapped: from here the buffer holds the page (its drop unmaps and releases it).
+            *pool.shared.entry(h).or_insert(0) += 1;
+            buf.pages.push(h);
+            check("shared cache page access", unsafe {
+                sys::cuMemSetAccess(at, page, &rw, 1)
+            })?;
+        }
+        drop(pool);
+        Ok(buf)
     }
 
     /// The device address of the buffer's first byte.
@@ -280,7 +326,7 @@ impl Drop for PagedBuf {
         for (i, h) in self.pages.drain(..).enumerate() {
             // SAFETY: page i of this buffer's range is mapped to `h`, and no work uses it.
             unsafe { sys::cuMemUnmap(self.base + (i * page) as u64, page) };
-            pool.free.push(h);
+            pool.release(h);
         }
         // SAFETY: the range this buffer reserved, now unmapped.
         unsafe { sys::cuMemAddressFree(self.base, self.reserved) };

@@ -409,9 +409,17 @@ impl<B: Backend> Engine<B> {
         self.prefix = limit_bytes.map(crate::prefix::PrefixCache::new);
     }
 
-    /// What the prefix cache has served, and the bytes it holds; `None` when it is off.
+    /// What the prefix cache has served, and the bytes it holds (by the memory formula, each
+    /// parked sequence whole, though forks share pages); `None` when it is off.
     pub fn prefix_cache(&self) -> Option<(crate::prefix::PrefixStats, usize)> {
         self.prefix.as_ref().map(|p| (p.stats(), p.bytes()))
+    }
+
+    /// Sequences parked in the prefix cache, and the snapshots they hold.
+    pub fn prefix_cache_entries(&self) -> (usize, usize) {
+        self.prefix
+            .as_ref()
+            .map_or((0, 0), |p| (p.len(), p.snapshots()))
     }
 
     /// Lets the cache budget ask the backend what its caches hold (see [`CacheProbe`]).

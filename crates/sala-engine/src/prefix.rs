@@ -1,14 +1,17 @@
 //! The prefix cache: sequences that ended are parked with the tokens their state holds and
 //! snapshots of their lightning states taken while their prompts were read; a request whose
-//! prompt begins with the tokens of a parked sequence takes that sequence over, rewound to
-//! the deepest point it can resume from exactly, and reads only the rest of its prompt.
+//! prompt begins with the tokens of a parked sequence starts from a fork of it at the deepest
+//! point it can resume from exactly ([`Model::fork_sequence`]), and reads only the rest of its
+//! prompt. The parked sequence stays, unchanged, for the next request: on the GPU the fork's
+//! keys and values below that point are the parked sequence's own pages (shared, never
+//! written again), so any number of requests on one document hold it once.
 //!
 //! A resume point is a position `p` where the lightning states are known: a snapshot's, or
-//! the parked state's own end. The sparse layers' caches are cut back to `p` (the tokens
-//! before `p` are the same, so their keys, values and compressed keys are too); the lightning
-//! states, being running sums, can only come from a snapshot at `p` exactly. Never from zero:
-//! a match without a snapshot inside it is a miss. The point must leave at least one prompt
-//! token to read, whose logits the request samples from.
+//! the parked state's own end. The sparse layers' caches hold the first `p` tokens (they are
+//! the same tokens, so their keys, values and compressed keys are too); the lightning states,
+//! being running sums, can only come from a snapshot at `p` exactly. Never from zero: a match
+//! without a snapshot inside it is a miss. The point must leave at least one prompt token to
+//! read, whose logits the request samples from.
 //!
 //! The sparse layers attend densely or sparsely by the length of the whole prompt (SPEC §5.2:
 //! dense iff shorter than `dense_len`), so a sequence serves only prompts read the same way
@@ -49,11 +52,9 @@ struct Parked<B: Backend> {
     bytes: usize,
 }
 
-/// A request's start from the cache: the sequence, rewound to `pos`, and the snapshots it
-/// keeps (all at or below `pos`).
+/// A request's start from the cache: its sequence, holding the prompt's first `pos` tokens.
 pub struct Resume<B: Backend> {
     pub seq: SeqState<B>,
-    pub snapshots: Vec<SeqMark<B>>,
     pub pos: usize,
 }
 
@@ -137,13 +138,18 @@ impl<B: Backend> PrefixCache<B> {
         self.entries.is_empty()
     }
 
+    /// Snapshots its sequences hold.
+    pub fn snapshots(&self) -> usize {
+        self.entries.iter().map(|e| e.snapshots.len()).sum()
+    }
+
     pub fn stats(&self) -> PrefixStats {
         self.stats
     }
 
-    /// Takes the parked sequence `prompt` (read `sparse`ly or not) resumes deepest from,
-    /// rewound to that point; `None` (a miss) when no sequence read the same way has a resume
-    /// point in `prompt`. Counts the lookup.
+    /// A fork of the parked sequence `prompt` (read `sparse`ly or not) resumes deepest from,
+    /// at that point; `None` (a miss) when no sequence read the same way has a resume point in
+    /// `prompt`. Counts the lookup.
     pub fn take(
         &mut self,
         model: &Model<B>,
@@ -167,27 +173,15 @@ impl<B: Backend> PrefixCache<B> {
             self.stats.missed_tokens += prompt.len() as u64;
             return Ok(None);
         };
-        let Parked {
-            mut seq,
-            mut snapshots,
-            ..
-        } = self.entries.swap_remove(i);
-        snapshots.retain(|s| s.pos() <= pos);
-        if seq.pos > pos {
-            let mark = snapshots
-                .iter()
-                .find(|s| s.pos() == pos)
-                .expect("a resume point below the end is a snapshot's");
-            model.rewind(be, &mut seq, mark)?;
-        }
+        self.clock += 1;
+        let entry = &mut self.entries[i];
+        entry.used = self.clock;
+        let at = entry.snapshots.iter().find(|s| s.pos() == pos);
+        let seq = model.fork_sequence(be, &entry.seq, at.filter(|_| pos < entry.seq.pos), pos)?;
         self.stats.hits += 1;
         self.stats.hit_tokens += pos as u64;
         self.stats.missed_tokens += (prompt.len() - pos) as u64;
-        Ok(Some(Resume {
-            seq,
-            snapshots,
-            pos,
-        }))
+        Ok(Some(Resume { seq, pos }))
     }
 
     /// Parks `seq`, which holds `tokens` (`seq.pos` of them; its prompt read `sparse`ly or

@@ -498,8 +498,8 @@ impl<B: Backend> Engine<B> {
                 Err(Refusal::Busy(e)) => return Err(EngineError::MemoryBusy(e)),
             }
         };
-        // A prefix-cache hit: the parked sequence, rewound to where this prompt resumes. A
-        // sequence the backend fails to rewind is dropped, and the prompt read whole.
+        // A prefix-cache hit: a fork of the parked sequence where this prompt resumes (where
+        // the backend fails to make one, the prompt is read whole).
         let sparse = self.reads_sparsely(&prompt);
         let resume = match self.prefix.as_mut().filter(|_| parks) {
             Some(cache) => cache
@@ -519,10 +519,9 @@ impl<B: Backend> Engine<B> {
                 total - prompt.len(),
                 logprobs,
             )?;
-            let (mut seq, snapshots, cached) = match resume {
-                Some(r) if snapshots_on => (r.seq, r.snapshots, r.pos),
-                Some(r) => (r.seq, Vec::new(), r.pos),
-                None => (self.model.new_sequence(&self.backend)?, Vec::new(), 0),
+            let (mut seq, cached) = match resume {
+                Some(r) => (r.seq, r.pos),
+                None => (self.model.new_sequence(&self.backend)?, 0),
             };
             self.model.reserve(&self.backend, &mut seq, total)?;
             // With the draft model, the target keeps the hidden states the draft reads.
@@ -539,9 +538,9 @@ impl<B: Backend> Engine<B> {
                     Some(d.model.new_state(&self.backend, &self.model)?)
                 }
             };
-            Ok::<_, EngineError>((stream, seq, draft_state, snapshots, cached))
+            Ok::<_, EngineError>((stream, seq, draft_state, cached))
         })();
-        let (stream, seq, draft_state, snapshots, cached) = match started {
+        let (stream, seq, draft_state, cached) = match started {
             Ok(s) => s,
             Err(e) => {
                 batch.cache.release(lease);
@@ -577,7 +576,7 @@ impl<B: Backend> Engine<B> {
             spec,
             parks,
             snapshots_on,
-            snapshots,
+            snapshots: Vec::new(),
             cached,
             client,
         });

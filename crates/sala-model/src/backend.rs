@@ -403,6 +403,21 @@ pub trait Backend {
         )))
     }
 
+    /// Makes `dst` (an empty cache of the same shape) hold `src`'s first `len` tokens, as
+    /// `src` truncated to `len` would, without changing `src`: a prefix-cache hit. A backend
+    /// may share `src`'s memory below `len` instead of copying it; then neither cache writes
+    /// there again (both only append past their lengths). By default a copy, truncated.
+    fn share_sparse_cache(
+        &self,
+        src: &Self::SparseCache,
+        dst: &mut Self::SparseCache,
+        cfg: &SparseConfig,
+        len: usize,
+    ) -> BResult<()> {
+        self.copy_sparse_cache(src, dst)?;
+        self.truncate_sparse_cache(dst, cfg, len)
+    }
+
     /// A forward pass begins: its tokens, its spans (one per sequence, in row order) and the
     /// sequences' ids. A backend may choose how to launch the step's work from them (and, for
     /// a step it has seen before, replay it).

@@ -182,6 +182,49 @@ impl<B: Backend> Model<B> {
         })
     }
 
+    /// A new sequence holding what `src` held after its first `len` tokens, `src` unchanged:
+    /// its sparse caches shared up to `len` where the backend can ([`Backend::share_sparse_cache`]),
+    /// its lightning states copied from `at` (a snapshot of `src` taken at `len`) or, where
+    /// `len` is `src`'s position, from `src`'s own. A prefix-cache hit that leaves the parked
+    /// sequence for the next one.
+    pub fn fork_sequence(
+        &self,
+        be: &B,
+        src: &SeqState<B>,
+        at: Option<&SeqMark<B>>,
+        len: usize,
+    ) -> BResult<SeqState<B>> {
+        let states: Option<&[B::LightningState]> = match at {
+            Some(m) if m.seq == src.id && m.pos == len => Some(&m.states),
+            None if len == src.pos => None,
+            _ => {
+                return Err(BackendError(format!(
+                    "fork_sequence: no state of the sequence at {len} (it holds {})",
+                    src.pos
+                )))
+            }
+        };
+        let mut dst = self.new_sequence(be)?;
+        let mut saved = states.map(|s| s.iter());
+        for (s, d) in src.layers.iter().zip(&mut dst.layers) {
+            match (s, d) {
+                (LayerState::Lightning(s), LayerState::Lightning(d)) => {
+                    let from = match saved.as_mut() {
+                        Some(it) => it.next().ok_or_else(state_mismatch)?,
+                        None => s,
+                    };
+                    be.copy_lightning_state(from, d)?
+                }
+                (LayerState::Sparse(s), LayerState::Sparse(d)) => {
+                    be.share_sparse_cache(s, d, &self.config.sparse, len)?
+                }
+                _ => return Err(state_mismatch()),
+            }
+        }
+        dst.pos = len;
+        Ok(dst)
+    }
+
     /// Makes `seq` hold what it held at `mark` followed by the first `keep` tokens of the one
     /// span it read since (at most [`crate::STEPWISE_SPAN_ROWS`] tokens): the rest is undone
     /// exactly, and the lightning states are the mark's advanced over the kept rows as

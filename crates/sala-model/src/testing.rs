@@ -439,6 +439,77 @@ pub fn check_resume<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
     Ok(())
 }
 
+/// Forking a sequence ([`Model::fork_sequence`], a prefix-cache hit that leaves the parked
+/// sequence as it was): a sequence reads a prompt of `len` tokens in chunks of `chunk` with a
+/// snapshot after each; forks of it at each of `cuts` (chunk boundaries) read the rest of
+/// another prompt sharing those tokens, in chunks of `chunk`, each getting the logits of a
+/// fresh sequence reading that prompt, bit for bit; and the parked sequence is untouched by
+/// the forks' writes: a fork at its end decodes the same logits before and after them. On a
+/// backend that shares cache memory, `len` past a page of keys makes the forks share pages.
+pub fn check_fork<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    len: usize,
+    chunk: usize,
+    cuts: &[usize],
+) -> Result<(), String> {
+    let err = |e: crate::BackendError| e.0;
+    let vocab = model.config.vocab_size;
+    let a = tokens(len, vocab, 51);
+    let mut ws = model.workspace(be, chunk).map_err(err)?;
+    let read = |ws: &mut Workspace<B>,
+                seq: &mut SeqState<B>,
+                prompt: &[u32],
+                snaps: &mut Vec<crate::SeqMark<B>>|
+     -> Result<Vec<f32>, String> {
+        let mode = model.sparse_mode(prompt.len());
+        let mut rows = Vec::new();
+        for part in prompt[seq.pos..].chunks(chunk) {
+            rows.extend(
+                model
+                    .forward_one(be, ws, seq, part, mode, LogitRows::All)
+                    .map_err(err)?,
+            );
+            snaps.push(model.snapshot(be, seq).map_err(err)?);
+        }
+        Ok(rows)
+    };
+    let mut parked = model.new_sequence(be).map_err(err)?;
+    let mut snaps = Vec::new();
+    read(&mut ws, &mut parked, &a, &mut snaps)?;
+    let probe = tokens(1, vocab, 52)[0];
+    let at_end = |ws: &mut Workspace<B>| -> Result<Vec<f32>, String> {
+        let mut f = model.fork_sequence(be, &parked, None, len).map_err(err)?;
+        model.decode(be, ws, &mut f, probe).map_err(err)
+    };
+    let before = at_end(&mut ws)?;
+    let mut forks = Vec::new();
+    for (i, &cut) in cuts.iter().enumerate() {
+        let mut b = a[..cut].to_vec();
+        b.extend(tokens(len - cut + chunk + 7, vocab, 60 + i as u64));
+        let mode = model.sparse_mode(b.len());
+        if mode != model.sparse_mode(len) {
+            return Err(format!("cut {cut}: the prompts are read differently"));
+        }
+        let mut cold = model.new_sequence(be).map_err(err)?;
+        let want = read(&mut ws, &mut cold, &b, &mut Vec::new())?;
+        let snap = snaps.iter().find(|s| s.pos() == cut).ok_or("no snapshot")?;
+        let mut fork = model
+            .fork_sequence(be, &parked, Some(snap), cut)
+            .map_err(err)?;
+        let got = read(&mut ws, &mut fork, &b, &mut Vec::new())?;
+        if got[..] != want[cut * vocab..] {
+            return Err(format!("a fork at {cut} reads on unlike a cold sequence"));
+        }
+        // Kept alive while the next forks are made and written.
+        forks.push(fork);
+    }
+    if at_end(&mut ws)? != before {
+        return Err("the forks' writes changed the sequence they forked".into());
+    }
+    Ok(())
+}
+
 /// Rewinding a sequence undoes the tokens fed since its mark exactly: a sequence that reads
 /// rejected tokens (a span of them, as a speculative step would), is rewound and goes on gives
 /// the logits of one that never read them, bit for bit. Past a 190-token prompt, the rejected

@@ -719,6 +719,23 @@ fn a_sequence_resumed_from_a_snapshot_reads_on_as_a_cold_one_on_the_gpu() {
     }
 }
 
+/// Forks of a sequence on the GPU (a prefix-cache hit) read on as cold sequences, bit for
+/// bit, and leave it as it was ([`sala_model::testing::check_fork`]): 5000 tokens of the small
+/// shape's keys (512 bytes a token) fill more than a 2 MiB page, so forks at 4096 share one
+/// whole page and at 2048 and 4608 copy the page they fall in; sparse, few blocks selected.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn forks_read_on_as_cold_sequences_and_leave_theirs_alone_on_the_gpu() {
+    let g = gpu();
+    let model = Model::random(&g, few_blocks("small"), 29, &mut |_, _| {}).unwrap();
+    let in_use = || g.page_pool().map(|p| p.borrow().pages_in_use());
+    let before = in_use();
+    assert!(before.is_some(), "the page pool is on");
+    sala_model::testing::check_fork(&g, &model, 5000, 512, &[2048, 4096, 4608]).unwrap();
+    // Every page, shared or not, went back to the pool with the last sequence mapping it.
+    assert_eq!(in_use(), before);
+}
+
 /// Rewinding a sequence on the GPU undoes the tokens fed since its mark, bit for bit
 /// ([`sala_model::testing::check_rewind`]): lightning states copied back, sparse caches and
 /// their compressed tiers cut back; few blocks selected, so the tiers matter.

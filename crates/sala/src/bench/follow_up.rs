@@ -1,7 +1,8 @@
 //! `sala bench --follow-up`: the prefix cache's case. A document of each `--context` tokens
 //! with a first 64-token question, then the same document with another question: the second
 //! request's time to first token with the prefix cache on (it reads only its question) against
-//! the first's (the whole document), and the memory the cache holds. Then a workload with no
+//! the first's (the whole document), and the memory the cache holds (the page pool's count,
+//! where there is one: the two parked sequences share the document's keys and values). Then a workload with no
 //! shared prefixes (8 prompts of the first context, one after another) with the cache off and
 //! on: what it costs when nothing is shared.
 
@@ -54,8 +55,8 @@ pub fn follow_up<B: Backend + DeviceStats>(
         "follow-up questions on {name}: a document, a {QUESTION}-token question, then another"
     );
     println!(
-        "{:>9} {:>12} {:>14} {:>8} {:>12} {:>14}",
-        "context", "first TTFT s", "follow-up s", "cached", "cache GiB", "snapshots GiB"
+        "{:>9} {:>12} {:>14} {:>8} {:>7} {:>10} {:>14}",
+        "context", "first TTFT s", "follow-up s", "cached", "parked", "pool GiB", "snapshots GiB"
     );
     let mut rows = Vec::new();
     for &len in contexts {
@@ -71,21 +72,21 @@ pub fn follow_up<B: Backend + DeviceStats>(
         print_profile(&engine.backend, &format!("first question at {len}"));
         let (t2, cached) = ttft(&mut engine, &second, &opts)?;
         print_profile(&engine.backend, &format!("follow-up at {len}"));
-        let (_, bytes) = engine.prefix_cache().unwrap_or_default();
-        // The parked sequence holds the second prompt and its answer, with the snapshots of
-        // its first request's chunks at or below the resume point and its own.
-        let snapshots = bytes.saturating_sub(
-            sala_model::memory::cache_bytes(config, second.len() + args.decode_tokens - 1).total(),
-        );
+        // Two parked sequences (the first question's and the follow-up's, a fork sharing
+        // its keys and values where the backend can) and their snapshots; the page pool's
+        // count says what they take together.
+        let (parked, snaps) = engine.prefix_cache_entries();
+        let snapshots = snaps * snapshot;
+        let pool = engine.backend.page_pool().map(|(pages, page)| pages * page);
         println!(
-            "{len:>9} {t1:>12.3} {t2:>14.3} {cached:>8} {:>12.2} {:>14.2}",
-            gib(bytes),
+            "{len:>9} {t1:>12.3} {t2:>14.3} {cached:>8} {parked:>7} {:>10} {:>14.2}",
+            pool.map_or("-".into(), |b| format!("{:.2}", gib(b))),
             gib(snapshots)
         );
         rows.push(json!({
             "context": len, "first_ttft_s": t1, "follow_up_ttft_s": t2,
-            "cached_tokens": cached, "cache_bytes": bytes, "snapshot_bytes": snapshots,
-            "snapshot_each_bytes": snapshot,
+            "cached_tokens": cached, "parked": parked, "pool_bytes": pool,
+            "snapshots": snaps, "snapshot_bytes": snapshots,
         }));
         engine.set_prefix_cache(None);
     }
