@@ -5,7 +5,7 @@
 //! - [`scheduler`]: the per-step token budget: decode rows first, then whole prompt chunks.
 //! - [`cache`]: the cache budget, the one place that admits memory and counts what is held.
 //! - [`prefix`]: the prefix cache: ended sequences parked, resumed by prompts that begin
-//!   with their tokens.
+//!   with their tokens (`block_tree`: their index, a radix tree of 64-token blocks).
 //! - [`step`]: one engine step over the [`step::Batch`] of requests in flight.
 //! - [`thread`]: the engine thread that owns the model and serves a bounded queue.
 //! - [`generate`]: the [`generate::Engine`] itself, and one request run to its end.
@@ -15,6 +15,7 @@
 //! - [`draft`]: draft tokens for speculative decoding (prompt lookup).
 //! - `plain`: special-token text in a chat request's own text kept as plain text.
 
+mod block_tree;
 pub mod cache;
 pub mod draft;
 pub mod generate;

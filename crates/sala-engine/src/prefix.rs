@@ -22,9 +22,11 @@
 //! chunks and the logits are the cold run's bit for bit; elsewhere the chunks differ and the
 //! logits agree to the accumulation order (as chunked prefill agrees with one pass).
 
+use crate::block_tree::BlockTree;
 use sala_checkpoint::ModelConfig;
 use sala_model::memory::cache_bytes;
 use sala_model::{BResult, Backend, Model, SeqMark, SeqState};
+use std::collections::HashMap;
 
 /// Most snapshots a sequence keeps; past them the one closest to its predecessor goes.
 pub const MAX_SNAPSHOTS: usize = 8;
@@ -58,10 +60,13 @@ pub struct Resume<B: Backend> {
     pub pos: usize,
 }
 
-/// The parked sequences, least recently used first to go, within `limit` bytes.
+/// The parked sequences, least recently used first to go, within `limit` bytes, indexed by
+/// their tokens' 64-token blocks in a radix tree.
 pub struct PrefixCache<B: Backend> {
     limit: usize,
-    entries: Vec<Parked<B>>,
+    entries: HashMap<u64, Parked<B>>,
+    tree: BlockTree,
+    next_id: u64,
     clock: u64,
     stats: PrefixStats,
 }
@@ -77,17 +82,22 @@ pub fn snapshot_bytes(config: &ModelConfig) -> usize {
     cache_bytes(config, 0).lightning_state
 }
 
-/// The deepest point a sequence holding `tokens` with snapshots at `snapshots` (positions)
-/// can resume `prompt` from: 0 when none.
-fn resume_point(tokens: &[u32], snapshots: &[usize], prompt: &[u32]) -> usize {
-    let common = tokens
+/// How many first tokens `a` and `b` share, given that they share their first `from`.
+fn common_prefix(a: &[u32], b: &[u32], from: usize) -> usize {
+    from + a[from..]
         .iter()
-        .zip(prompt)
-        .take_while(|(a, b)| a == b)
-        .count();
+        .zip(&b[from..])
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// The deepest point a sequence of `held` tokens, with snapshots at `snapshots` (positions),
+/// whose first `common` tokens are a prompt's of `prompt` tokens, can resume it from: 0 when
+/// none.
+fn resume_point(common: usize, held: usize, snapshots: &[usize], prompt: usize) -> usize {
     // At least one prompt token is left to read.
-    let reach = common.min(prompt.len().saturating_sub(1));
-    let end = (tokens.len() <= reach).then_some(tokens.len());
+    let reach = common.min(prompt.saturating_sub(1));
+    let end = (held <= reach).then_some(held);
     snapshots
         .iter()
         .copied()
@@ -114,7 +124,9 @@ impl<B: Backend> PrefixCache<B> {
     pub fn new(limit: usize) -> Self {
         Self {
             limit,
-            entries: Vec::new(),
+            entries: HashMap::new(),
+            tree: BlockTree::default(),
+            next_id: 0,
             clock: 0,
             stats: PrefixStats::default(),
         }
@@ -122,7 +134,7 @@ impl<B: Backend> PrefixCache<B> {
 
     /// Bytes its sequences hold, by the memory formula.
     pub fn bytes(&self) -> usize {
-        self.entries.iter().map(|e| e.bytes).sum()
+        self.entries.values().map(|e| e.bytes).sum()
     }
 
     pub fn limit(&self) -> usize {
@@ -140,7 +152,7 @@ impl<B: Backend> PrefixCache<B> {
 
     /// Snapshots its sequences hold.
     pub fn snapshots(&self) -> usize {
-        self.entries.iter().map(|e| e.snapshots.len()).sum()
+        self.entries.values().map(|e| e.snapshots.len()).sum()
     }
 
     pub fn stats(&self) -> PrefixStats {
@@ -158,23 +170,31 @@ impl<B: Backend> PrefixCache<B> {
         sparse: bool,
     ) -> BResult<Option<Resume<B>>> {
         self.stats.lookups += 1;
+        // The sequences sharing whole blocks with the prompt, from the tree; the rest of each
+        // one's match (under a block) by comparing tokens.
         let best = self
-            .entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.sparse == sparse)
-            .map(|(i, e)| {
+            .tree
+            .shared(prompt)
+            .into_iter()
+            .filter_map(|(id, blocks)| Some((id, blocks, self.entries.get(&id)?)))
+            .filter(|(_, _, e)| e.sparse == sparse)
+            .map(|(id, blocks, e)| {
                 let at: Vec<usize> = e.snapshots.iter().map(|s| s.pos()).collect();
-                (i, resume_point(&e.tokens, &at, prompt))
+                let common = common_prefix(&e.tokens, prompt, blocks);
+                (
+                    id,
+                    resume_point(common, e.tokens.len(), &at, prompt.len()),
+                    e.used,
+                )
             })
-            .filter(|&(_, p)| p > 0)
-            .max_by_key(|&(i, p)| (p, self.entries[i].used));
-        let Some((i, pos)) = best else {
+            .filter(|&(_, p, _)| p > 0)
+            .max_by_key(|&(_, p, used)| (p, used));
+        let Some((id, pos, _)) = best else {
             self.stats.missed_tokens += prompt.len() as u64;
             return Ok(None);
         };
         self.clock += 1;
-        let entry = &mut self.entries[i];
+        let entry = self.entries.get_mut(&id).expect("found above");
         entry.used = self.clock;
         let at = entry.snapshots.iter().find(|s| s.pos() == pos);
         let seq = model.fork_sequence(be, &entry.seq, at.filter(|_| pos < entry.seq.pos), pos)?;
@@ -200,23 +220,36 @@ impl<B: Backend> PrefixCache<B> {
         }
         snapshots.retain(|s| s.pos() > 0 && s.pos() < seq.pos);
         self.clock += 1;
-        self.entries.push(Parked {
-            seq,
-            tokens,
-            sparse,
-            snapshots,
-            used: self.clock,
-            bytes,
-        });
+        let id = self.next_id;
+        self.next_id += 1;
+        self.tree.insert(id, &tokens);
+        self.entries.insert(
+            id,
+            Parked {
+                seq,
+                tokens,
+                sparse,
+                snapshots,
+                used: self.clock,
+                bytes,
+            },
+        );
         while self.bytes() > self.limit && self.evict_one() {}
     }
 
     /// Drops the least recently used sequence; false when none is parked.
     pub fn evict_one(&mut self) -> bool {
-        let Some(i) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else {
+        let Some(id) = self
+            .entries
+            .iter()
+            .min_by_key(|(_, e)| e.used)
+            .map(|(&id, _)| id)
+        else {
             return false;
         };
-        self.entries.swap_remove(i);
+        if let Some(e) = self.entries.remove(&id) {
+            self.tree.remove(id, &e.tokens);
+        }
         self.stats.evictions += 1;
         true
     }
@@ -225,12 +258,20 @@ impl<B: Backend> PrefixCache<B> {
     pub fn clear(&mut self) {
         self.stats.evictions += self.entries.len() as u64;
         self.entries.clear();
+        self.tree = BlockTree::default();
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::resume_point;
+    use super::common_prefix;
+
+    /// `super::resume_point` over the tokens themselves.
+    fn resume_point(tokens: &[u32], snapshots: &[usize], prompt: &[u32]) -> usize {
+        let n = tokens.len().min(prompt.len());
+        let common = common_prefix(&tokens[..n], &prompt[..n], 0);
+        super::resume_point(common, tokens.len(), snapshots, prompt.len())
+    }
 
     #[test]
     fn resume_points_are_snapshots_or_the_end_within_the_match() {
