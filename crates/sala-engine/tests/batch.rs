@@ -3,11 +3,11 @@
 //! request leaves at once, admission checks the memory of the whole batch, and the cache
 //! budget counts what the batch holds until each request ends.
 
-use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
+mod common;
+
 use sala_cpu::CpuBackend;
 use sala_engine::generate::{Engine, EngineError, FinishReason, GenerateOptions};
 use sala_engine::request::RequestId;
-use sala_engine::sampling::SamplingParams;
 use sala_engine::step::StepEvent;
 use sala_model::memory::{cache_bytes, MemoryLimit};
 use sala_model::numerics::TestRng;
@@ -15,38 +15,14 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
-    let config = preset("tiny").unwrap();
-    write_random_checkpoint(
-        dir,
-        &config,
-        &WriteOptions {
-            seed: 3,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
     // 64-token prefill chunks: prompts longer than that take several steps to read.
-    let mut e = Engine::load(CpuBackend, dir, 64, &mut |_, _| {}).unwrap();
+    let mut e = common::tiny_engine(dir, 3, 64, |_| {});
     e.set_max_batch(32).unwrap();
     e
 }
 
 fn opts(max_tokens: usize, temperature: f32, seed: u64) -> GenerateOptions {
-    GenerateOptions {
-        sampling: SamplingParams {
-            temperature,
-            seed: Some(seed),
-            ..SamplingParams::default()
-        },
-        max_tokens,
-        max_context: 4096,
-        stop: Vec::new(),
-        eos_ids: Vec::new(),
-        grammar: None,
-        prompt_logprobs: None,
-        speculate: None,
-    }
+    common::options(max_tokens, common::seeded(temperature, seed))
 }
 
 /// Prompts of many lengths: shorter than a chunk, several chunks, past `dense_len` (96).

@@ -1,36 +1,17 @@
 //! The generation loop on a tiny random checkpoint: stop conditions, budgets, streaming.
 
-use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
+mod common;
+
 use sala_cpu::CpuBackend;
 use sala_engine::generate::{Engine, EngineError, FinishReason, GenerateOptions, Generation};
 use sala_engine::sampling::SamplingParams;
 
 fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
-    let config = preset("tiny").unwrap();
-    write_random_checkpoint(
-        dir,
-        &config,
-        &WriteOptions {
-            seed: 11,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
-    Engine::load(CpuBackend, dir, 16, &mut |_, _| {}).unwrap()
+    common::tiny_engine(dir, 11, 16, |_| {})
 }
 
 fn opts(max_tokens: usize) -> GenerateOptions {
-    GenerateOptions {
-        sampling: SamplingParams::default(),
-        max_tokens,
-        max_context: 4096,
-        stop: Vec::new(),
-        eos_ids: Vec::new(),
-        grammar: None,
-        prompt_logprobs: None,
-        speculate: None,
-    }
+    common::options(max_tokens, SamplingParams::default())
 }
 
 fn run(e: &mut Engine<CpuBackend>, prompt: &[u32], o: &GenerateOptions) -> (Generation, String) {

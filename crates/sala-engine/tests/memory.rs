@@ -1,7 +1,9 @@
 //! The memory plan against what the model allocates, and the engine's memory limit: a
 //! request whose plan does not fit is refused before any work.
 
-use sala_checkpoint::{preset, write_random_checkpoint, ModelConfig, WriteOptions};
+mod common;
+
+use sala_checkpoint::{preset, ModelConfig};
 use sala_cpu::CpuBackend;
 use sala_engine::generate::{request_tokens, Engine, EngineError, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
@@ -38,22 +40,13 @@ fn workspace_matches_the_memory_plan() {
 }
 
 fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
-    let config = preset("tiny").unwrap();
-    write_random_checkpoint(dir, &config, &WriteOptions::default()).unwrap();
-    sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
-    Engine::load(CpuBackend, dir, 16, &mut |_, _| {}).unwrap()
+    common::tiny_engine(dir, 0, 16, |_| {})
 }
 
 fn opts(max_tokens: usize, max_context: usize) -> GenerateOptions {
     GenerateOptions {
-        sampling: SamplingParams::default(),
-        max_tokens,
         max_context,
-        stop: Vec::new(),
-        eos_ids: Vec::new(),
-        grammar: None,
-        prompt_logprobs: None,
-        speculate: None,
+        ..common::options(max_tokens, SamplingParams::default())
     }
 }
 

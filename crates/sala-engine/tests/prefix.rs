@@ -5,11 +5,11 @@
 //! sparsely, a hit and a miss in one step, eviction under the memory limit, speculative
 //! decoding after a hit, and identical prompts at once (each forks the parked sequence).
 
-use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
+mod common;
+
 use sala_cpu::CpuBackend;
 use sala_engine::draft::{DraftSource, Speculate};
 use sala_engine::generate::{Engine, GenerateOptions};
-use sala_engine::sampling::SamplingParams;
 use sala_engine::step::StepEvent;
 use sala_model::memory::MemoryLimit;
 use sala_model::numerics::TestRng;
@@ -19,39 +19,14 @@ use std::cell::RefCell;
 const CHUNK: usize = 32;
 
 fn engine(dir: &std::path::Path, prefix: bool) -> Engine<CpuBackend> {
-    let config = preset("tiny").unwrap();
-    if !dir.join("config.json").exists() {
-        write_random_checkpoint(
-            dir,
-            &config,
-            &WriteOptions {
-                seed: 5,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
-    }
-    let mut e = Engine::load(CpuBackend, dir, CHUNK, &mut |_, _| {}).unwrap();
+    let mut e = common::tiny_engine(dir, 5, CHUNK, |_| {});
     e.set_max_batch(4).unwrap();
     e.set_prefix_cache(prefix.then_some(1 << 30));
     e
 }
 
 fn opts(max_tokens: usize) -> GenerateOptions {
-    GenerateOptions {
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
-        max_tokens,
-        max_context: 4096,
-        stop: Vec::new(),
-        eos_ids: Vec::new(),
-        grammar: None,
-        prompt_logprobs: None,
-        speculate: None,
-    }
+    common::options(max_tokens, common::greedy())
 }
 
 fn tokens(rng: &mut TestRng, n: usize) -> Vec<u32> {

@@ -3,12 +3,12 @@
 //! batch, copied to the choices of one prompt, consistent with a generated token's logprobs;
 //! and the perplexity made from them.
 
-use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
+mod common;
+
 use sala_cpu::CpuBackend;
 use sala_engine::generate::{Engine, EngineError, GenerateOptions};
 use sala_engine::perplexity::windows;
 use sala_engine::request::PromptLogprobs;
-use sala_engine::sampling::SamplingParams;
 use sala_engine::step::StepEvent;
 use sala_model::numerics::TestRng;
 use sala_model::LogitRows;
@@ -21,22 +21,11 @@ fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
 /// The tiny model; its sparse layers attend densely below `dense_len` tokens (`usize::MAX`:
 /// the preset's).
 fn engine_with(dir: &std::path::Path, dense_len: usize) -> Engine<CpuBackend> {
-    let mut config = preset("tiny").unwrap();
-    if dense_len != usize::MAX {
-        config.sparse.dense_len = dense_len;
-    }
-    write_random_checkpoint(
-        dir,
-        &config,
-        &WriteOptions {
-            seed: 11,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
-    // 64-token chunks: longer prompts are read over several steps.
-    let mut e = Engine::load(CpuBackend, dir, 64, &mut |_, _| {}).unwrap();
+    let mut e = common::tiny_engine(dir, 11, 64, |c| {
+        if dense_len != usize::MAX {
+            c.sparse.dense_len = dense_len;
+        }
+    });
     e.set_max_batch(8).unwrap();
     e
 }
@@ -48,18 +37,8 @@ fn prompt(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
 
 fn opts(max_tokens: usize, prompt_logprobs: Option<usize>) -> GenerateOptions {
     GenerateOptions {
-        sampling: SamplingParams {
-            temperature: 0.8,
-            seed: Some(4),
-            ..SamplingParams::default()
-        },
-        max_tokens,
-        max_context: 4096,
-        stop: Vec::new(),
-        eos_ids: Vec::new(),
-        grammar: None,
         prompt_logprobs,
-        speculate: None,
+        ..common::options(max_tokens, common::seeded(0.8, 4))
     }
 }
 

@@ -2,7 +2,9 @@
 //! plain greedy decoding, drafts that really are verified and taken, and requests that
 //! speculate beside others in one batch.
 
-use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
+mod common;
+
+use common::greedy;
 use sala_cpu::CpuBackend;
 use sala_engine::draft::Speculate;
 use sala_engine::generate::{Engine, GenerateOptions};
@@ -12,33 +14,15 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
-    let mut config = preset("tiny").unwrap();
     // Few blocks selected past dense_len, so the sparse layers' caches and tiers matter when
     // a span is undone.
-    config.sparse.dense_len = 96;
-    write_random_checkpoint(
-        dir,
-        &config,
-        &WriteOptions {
-            seed: 5,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
-    Engine::load(CpuBackend, dir, 64, &mut |_, _| {}).unwrap()
+    common::tiny_engine(dir, 5, 64, |c| c.sparse.dense_len = 96)
 }
 
 fn opts(max_tokens: usize, speculate: Option<usize>, sampling: SamplingParams) -> GenerateOptions {
     GenerateOptions {
-        sampling,
-        max_tokens,
-        max_context: 4096,
-        stop: Vec::new(),
-        eos_ids: Vec::new(),
-        grammar: None,
-        prompt_logprobs: None,
         speculate: speculate.map(Speculate::prompt_lookup),
+        ..common::options(max_tokens, sampling)
     }
 }
 
@@ -47,13 +31,6 @@ fn opts(max_tokens: usize, speculate: Option<usize>, sampling: SamplingParams) -
 fn prompt(len: usize, seed: u32) -> Vec<u32> {
     let passage: Vec<u32> = (0..40).map(|i| 5 + (i * 37 + seed * 11) % 400).collect();
     passage.iter().copied().cycle().take(len).collect()
-}
-
-fn greedy() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        ..SamplingParams::default()
-    }
 }
 
 /// One generated token and, when asked for, the step's two likeliest tokens.

@@ -2,47 +2,26 @@
 //! parses as JSON and matches the schema; invalid schemas are refused at compile time; and an
 //! unconstrained request gives the same tokens beside constrained ones as alone.
 
-use sala_checkpoint::{preset, write_random_checkpoint, WriteOptions};
+mod common;
+
 use sala_cpu::CpuBackend;
 use sala_engine::generate::{Engine, FinishReason, GenerateOptions};
 use sala_engine::grammar::{GrammarSpec, MAX_SCHEMA_BYTES};
 use sala_engine::request::RequestError;
-use sala_engine::sampling::SamplingParams;
 use sala_engine::step::StepEvent;
 use serde_json::{json, Value};
 use std::cell::RefCell;
 
 fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
-    let config = preset("tiny").unwrap();
-    write_random_checkpoint(
-        dir,
-        &config,
-        &WriteOptions {
-            seed: 5,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
-    let mut e = Engine::load(CpuBackend, dir, 32, &mut |_, _| {}).unwrap();
+    let mut e = common::tiny_engine(dir, 5, 32, |_| {});
     e.set_max_batch(8).unwrap();
     e
 }
 
 fn opts(e: &Engine<CpuBackend>, temperature: f32, seed: u64) -> GenerateOptions {
     GenerateOptions {
-        sampling: SamplingParams {
-            temperature,
-            seed: Some(seed),
-            ..SamplingParams::default()
-        },
-        max_tokens: 400,
-        max_context: 4096,
-        stop: Vec::new(),
         eos_ids: e.eos_ids(),
-        grammar: None,
-        prompt_logprobs: None,
-        speculate: None,
+        ..common::options(400, common::seeded(temperature, seed))
     }
 }
 
