@@ -803,6 +803,12 @@ fn chat_loop<B: Backend>(
                 if gen.finish == sala_engine::generate::FinishReason::Cancelled {
                     eprintln!("(stopped)");
                 }
+                if gen.cached_tokens > 0 {
+                    eprintln!(
+                        "({} of the {} prompt tokens resumed from the last turns)",
+                        gen.cached_tokens, gen.prompt_tokens
+                    );
+                }
                 messages.push(sala_tokenizer::ChatMessage::new(
                     "assistant",
                     gen.text.trim(),

@@ -255,6 +255,62 @@ fn chat_keeps_going_after_a_turn_that_does_not_fit() {
     assert!(stdout(&o).lines().count() >= 2, "{}", stdout(&o));
 }
 
+/// `sala chat` resumes each turn from the state the last one left (the prefix cache, on by
+/// default): the second and third turns read only what is new; `--prefix-cache off` reads
+/// every turn whole.
+#[test]
+fn chat_turns_resume_from_the_last_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), "tiny", &[]);
+    let d = dir.to_str().unwrap();
+    let input = "Tell me about the sea
+And the mountains
+And the sky
+";
+    let resumed = |extra: &[&str]| {
+        let mut args = vec!["chat", "--device", "cpu", "-m", d, "--max-tokens", "5"];
+        args.extend_from_slice(&["--ignore-eos", "--temperature", "0"]);
+        args.extend_from_slice(extra);
+        let o = sala_with_stdin(&args, input.as_bytes(), tmp.path());
+        ok(&o);
+        stderr(&o)
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix('(')?;
+                let (n, rest) = rest.split_once(" of the ")?;
+                let (m, _) = rest.split_once(" prompt tokens resumed")?;
+                Some((n.parse::<usize>().ok()?, m.parse::<usize>().ok()?))
+            })
+            .collect::<Vec<_>>()
+    };
+    let on = resumed(&[]);
+    assert_eq!(on.len(), 2, "{on:?}");
+    // Each later turn's prompt holds the last turn's, read before.
+    assert!(on.iter().all(|&(n, m)| n > 0 && n < m), "{on:?}");
+    assert!(on[1].0 > on[0].0, "{on:?}");
+    assert!(resumed(&["--prefix-cache", "off"]).is_empty());
+    // A wrong value is refused by name (the command-line parser's usage error).
+    let o = sala_with_stdin(
+        &[
+            "chat",
+            "--device",
+            "cpu",
+            "-m",
+            d,
+            "--prefix-cache",
+            "maybe",
+        ],
+        b"hi\n",
+        tmp.path(),
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("'maybe' for '--prefix-cache"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[test]
 fn generate_chat_and_serve_honour_max_memory() {
     let tmp = tempfile::tempdir().unwrap();
