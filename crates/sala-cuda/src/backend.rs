@@ -534,6 +534,10 @@ impl Backend for CudaBackend {
         self.copy_cache(src, dst)
     }
 
+    fn shares_cache_prefixes(&self) -> bool {
+        self.page_pool().is_some()
+    }
+
     fn share_sparse_cache(
         &self,
         src: &DevSparseCache,

@@ -54,6 +54,13 @@ struct Parked<B: Backend> {
     bytes: usize,
 }
 
+/// A prompt's best parked sequence (`id`) and the point it resumes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hit {
+    pub id: u64,
+    pub pos: usize,
+}
+
 /// A request's start from the cache: its sequence, holding the prompt's first `pos` tokens.
 pub struct Resume<B: Backend> {
     pub seq: SeqState<B>,
@@ -159,21 +166,12 @@ impl<B: Backend> PrefixCache<B> {
         self.stats
     }
 
-    /// A fork of the parked sequence `prompt` (read `sparse`ly or not) resumes deepest from,
-    /// at that point; `None` (a miss) when no sequence read the same way has a resume point in
-    /// `prompt`. Counts the lookup.
-    pub fn take(
-        &mut self,
-        model: &Model<B>,
-        be: &B,
-        prompt: &[u32],
-        sparse: bool,
-    ) -> BResult<Option<Resume<B>>> {
-        self.stats.lookups += 1;
+    /// The parked sequence `prompt` (read `sparse`ly or not) resumes deepest from, and that
+    /// point; `None` when no sequence read the same way has a resume point in `prompt`.
+    pub fn find(&self, prompt: &[u32], sparse: bool) -> Option<Hit> {
         // The sequences sharing whole blocks with the prompt, from the tree; the rest of each
         // one's match (under a block) by comparing tokens.
-        let best = self
-            .tree
+        self.tree
             .shared(prompt)
             .into_iter()
             .filter_map(|(id, blocks)| Some((id, blocks, self.entries.get(&id)?)))
@@ -181,20 +179,32 @@ impl<B: Backend> PrefixCache<B> {
             .map(|(id, blocks, e)| {
                 let at: Vec<usize> = e.snapshots.iter().map(|s| s.pos()).collect();
                 let common = common_prefix(&e.tokens, prompt, blocks);
-                (
-                    id,
-                    resume_point(common, e.tokens.len(), &at, prompt.len()),
-                    e.used,
-                )
+                let pos = resume_point(common, e.tokens.len(), &at, prompt.len());
+                (Hit { id, pos }, e.used)
             })
-            .filter(|&(_, p, _)| p > 0)
-            .max_by_key(|&(_, p, used)| (p, used));
-        let Some((id, pos, _)) = best else {
+            .filter(|(hit, _)| hit.pos > 0)
+            .max_by_key(|&(hit, used)| (hit.pos, used))
+            .map(|(hit, _)| hit)
+    }
+
+    /// A fork of the parked sequence of `hit` (from [`PrefixCache::find`]) at its point, for
+    /// `prompt`; `None` (a miss) without a hit, or where the sequence went meanwhile. Counts
+    /// the lookup.
+    pub fn fork(
+        &mut self,
+        model: &Model<B>,
+        be: &B,
+        prompt: &[u32],
+        hit: Option<Hit>,
+    ) -> BResult<Option<Resume<B>>> {
+        self.stats.lookups += 1;
+        let Some((Hit { pos, .. }, entry)) =
+            hit.and_then(|h| Some((h, self.entries.get_mut(&h.id)?)))
+        else {
             self.stats.missed_tokens += prompt.len() as u64;
             return Ok(None);
         };
         self.clock += 1;
-        let entry = self.entries.get_mut(&id).expect("found above");
         entry.used = self.clock;
         let at = entry.snapshots.iter().find(|s| s.pos() == pos);
         let seq = model.fork_sequence(be, &entry.seq, at.filter(|_| pos < entry.seq.pos), pos)?;
@@ -239,9 +249,15 @@ impl<B: Backend> PrefixCache<B> {
 
     /// Drops the least recently used sequence; false when none is parked.
     pub fn evict_one(&mut self) -> bool {
+        self.evict_one_but(None)
+    }
+
+    /// Drops the least recently used sequence but `keep`; false when there is none.
+    pub fn evict_one_but(&mut self, keep: Option<u64>) -> bool {
         let Some(id) = self
             .entries
             .iter()
+            .filter(|(&id, _)| Some(id) != keep)
             .min_by_key(|(_, e)| e.used)
             .map(|(&id, _)| id)
         else {

@@ -479,36 +479,64 @@ impl<B: Backend> Engine<B> {
             && !speculates.is_some_and(|s| s.drafts == DraftSource::Model);
         let snapshot_bytes =
             crate::prefix::MAX_SNAPSHOTS * crate::prefix::snapshot_bytes(&self.model.config);
-        // Parked sequences make room for it, least recently used first; where even then its
-        // snapshots do not fit, it takes none (the prefix cache never refuses a request).
+        // The parked sequence it would resume from, found first so that making room never
+        // evicts it: where the backend shares a fork's memory with its source, the source's
+        // caches below the resume point are this request's too (counted in its lease, not
+        // again as parked).
+        let sparse = self.reads_sparsely(&prompt);
+        let mut hit = match &self.prefix {
+            Some(cache) if parks => cache.find(&prompt, sparse),
+            _ => None,
+        };
+        let shares = self.backend.shares_cache_prefixes();
+        let config = &self.model.config;
+        let shared = |hit: Option<crate::prefix::Hit>| {
+            hit.filter(|_| shares).map_or(0, |h| {
+                sala_model::memory::cache_bytes(config, h.pos).total()
+            })
+        };
+        // Other parked sequences make room for it, least recently used first; then it takes
+        // no snapshots; then it gives up its hit (the prefix cache never refuses a request).
         let mut snapshots_on = parks;
         let lease = loop {
-            batch
-                .cache
-                .set_parked(self.prefix.as_ref().map_or(0, |p| p.bytes()));
+            let parked = self.prefix.as_ref().map_or(0, |p| p.bytes());
+            batch.cache.set_parked(parked.saturating_sub(shared(hit)));
             let state_bytes = draft_bytes + if snapshots_on { snapshot_bytes } else { 0 };
+            let source = hit.map(|h| h.id);
             match batch
                 .cache
                 .admit(id, total, prompt.len(), speculates.is_some(), state_bytes)
             {
                 Ok(lease) => break lease,
-                Err(Refusal::Busy(_)) if self.prefix.as_mut().is_some_and(|p| p.evict_one()) => {}
+                Err(Refusal::Busy(_))
+                    if self
+                        .prefix
+                        .as_mut()
+                        .is_some_and(|p| p.evict_one_but(source)) => {}
                 Err(_) if snapshots_on => snapshots_on = false,
+                Err(Refusal::Busy(_)) if hit.is_some() => {
+                    if let Some(p) = self.prefix.as_mut() {
+                        p.evict_one();
+                    }
+                    hit = None;
+                }
                 Err(Refusal::TooLarge(e)) => return Err(EngineError::OverBudget(e)),
                 Err(Refusal::Busy(e)) => return Err(EngineError::MemoryBusy(e)),
             }
         };
         // A prefix-cache hit: a fork of the parked sequence where this prompt resumes (where
         // the backend fails to make one, the prompt is read whole).
-        let sparse = self.reads_sparsely(&prompt);
         let resume = match self.prefix.as_mut().filter(|_| parks) {
             Some(cache) => cache
-                .take(&self.model, &self.backend, &prompt, sparse)
+                .fork(&self.model, &self.backend, &prompt, hit)
                 .unwrap_or(None),
             None => None,
         };
         if let Some(cache) = &self.prefix {
-            batch.cache.set_parked(cache.bytes());
+            let hit = hit.filter(|_| resume.is_some());
+            batch
+                .cache
+                .set_parked(cache.bytes().saturating_sub(shared(hit)));
         }
         let started = (|| {
             let stream = TokenStream::new(

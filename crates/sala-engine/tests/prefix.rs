@@ -303,3 +303,39 @@ fn a_hit_then_speculative_decoding_is_the_cold_run() {
     assert!(r.1 >= 128, "{}", r.1);
     assert_eq!(ids(&r), ids(&run(&mut cold, &next, &plain)));
 }
+
+/// Under a memory limit with room for one request and one parked sequence, a follow-up makes
+/// room by evicting the other parked sequences, never the one it resumes from (the least
+/// recently used here), and still gives the cold run's tokens.
+#[test]
+fn making_room_never_evicts_the_sequence_a_request_resumes_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut hot, mut cold) = (engine(dir.path(), true), engine(dir.path(), false));
+    let mut rng = TestRng::new(8);
+    let o = opts(4);
+    let doc = tokens(&mut rng, 140);
+    let other = tokens(&mut rng, 140);
+    // What one parked sequence of these holds (the document's, measured alone).
+    run(&mut hot, &doc, &o);
+    let (_, parked) = hot.prefix_cache().unwrap();
+    let plan = hot.memory_plan(140 + 4);
+    let snapshots =
+        sala_engine::prefix::MAX_SNAPSHOTS * sala_engine::prefix::snapshot_bytes(&hot.model.config);
+    let limit = plan.total() + snapshots + parked + parked / 2;
+    for e in [&mut hot, &mut cold] {
+        e.set_memory_limit(Some(MemoryLimit {
+            bytes: limit,
+            source: "test".into(),
+        }));
+    }
+    // The other prompt fits beside the parked document; the follow-up does not fit beside
+    // both, and the document is the least recently used.
+    run(&mut hot, &other, &o);
+    assert_eq!(hot.prefix_cache().unwrap().0.evictions, 0);
+    let follow: Vec<u32> = doc[..130].iter().copied().chain([9, 9]).collect();
+    let r = run(&mut hot, &follow, &o);
+    assert_eq!(r.1, 128);
+    assert_eq!(r.0, run(&mut cold, &follow, &o).0);
+    let (stats, _) = hot.prefix_cache().unwrap();
+    assert!(stats.evictions >= 1, "{stats:?}");
+}

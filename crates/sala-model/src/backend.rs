@@ -403,6 +403,12 @@ pub trait Backend {
         )))
     }
 
+    /// Whether [`Backend::share_sparse_cache`] shares memory (rather than copying): a fork's
+    /// source then takes no memory of its own beside the fork.
+    fn shares_cache_prefixes(&self) -> bool {
+        false
+    }
+
     /// Makes `dst` (an empty cache of the same shape) hold `src`'s first `len` tokens, as
     /// `src` truncated to `len` would, without changing `src`: a prefix-cache hit. A backend
     /// may share `src`'s memory below `len` instead of copying it; then neither cache writes
