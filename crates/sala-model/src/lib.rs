@@ -8,6 +8,7 @@ pub mod memory;
 pub mod model;
 pub mod numerics;
 pub mod oracle;
+pub mod parallel;
 pub mod sequence;
 pub mod testing;
 

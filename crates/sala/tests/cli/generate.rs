@@ -290,19 +290,16 @@ And the sky
     assert!(on[1].0 > on[0].0, "{on:?}");
     assert!(resumed(&["--prefix-cache", "off"]).is_empty());
     // A wrong value is refused by name (the command-line parser's usage error).
-    let o = sala_with_stdin(
-        &[
-            "chat",
-            "--device",
-            "cpu",
-            "-m",
-            d,
-            "--prefix-cache",
-            "maybe",
-        ],
-        b"hi\n",
-        tmp.path(),
-    );
+    let args = [
+        "chat",
+        "--device",
+        "cpu",
+        "-m",
+        d,
+        "--prefix-cache",
+        "maybe",
+    ];
+    let o = sala(&args, tmp.path());
     assert!(!o.status.success());
     assert!(
         stderr(&o).contains("'maybe' for '--prefix-cache"),

@@ -1,0 +1,335 @@
+//! Several GPUs (tensor and context parallelism), the parts that need none: how tensor
+//! parallelism splits each layer's weights among ranks, and how context parallelism splits a
+//! prompt into ranges and carries the lightning states across them (a scan). Checked here
+//! against one device's results with simulated ranks; the ranks' communication (NCCL) builds
+//! on these.
+
+use crate::oracle::AttnShape;
+use sala_checkpoint::{MixerKind, ModelConfig};
+use std::ops::Range;
+
+/// A weight's part on one rank: rows `rows` (output features) and columns `cols` (input
+/// features) of the whole `[out, in]` matrix, or of a vector's entries (`cols` `0..1`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shard {
+    pub name: &'static str,
+    pub rows: Range<usize>,
+    pub cols: Range<usize>,
+}
+
+/// Tensor parallelism over `ranks` ranks. Lightning layers split by heads (their q, k, v, z
+/// rows, o_proj's columns, o_norm's entries: o_norm is one RMSNorm over all heads, so the
+/// ranks add their rows' sums of squares before it); the MLP by the intermediate dimension
+/// (gate and up rows, down's columns); sparse layers by query heads, each rank holding the KV
+/// head its query heads read (the released model has 2: past 2 ranks they are replicated).
+/// Row-split products' outputs (o_proj, down) are summed across ranks. Embeddings, norms
+/// and lm_head are held whole by every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorParallel {
+    pub ranks: usize,
+}
+
+impl TensorParallel {
+    /// Tensor parallelism over `ranks` ranks for `config`: an error naming what does not
+    /// divide.
+    pub fn new(config: &ModelConfig, ranks: usize) -> Result<Self, String> {
+        let heads = config.num_attention_heads;
+        let checks = [
+            ("attention heads (num_attention_heads)", heads),
+            ("lightning KV heads (lightning_nkv)", config.lightning_nkv),
+            ("MLP width (intermediate_size)", config.intermediate_size),
+        ];
+        if ranks == 0 {
+            return Err("tensor parallelism needs at least 1 rank".into());
+        }
+        for (what, n) in checks {
+            if !n.is_multiple_of(ranks) {
+                return Err(format!(
+                    "tensor parallel {ranks}: {n} {what} do not split into {ranks}"
+                ));
+            }
+        }
+        let kv = config.num_key_value_heads;
+        if !kv.is_multiple_of(ranks) && !ranks.is_multiple_of(kv) {
+            return Err(format!(
+                "tensor parallel {ranks}: the sparse layers' {kv} KV heads neither split into {ranks} ranks nor replicate across them"
+            ));
+        }
+        Ok(Self { ranks })
+    }
+
+    /// Rank `rank`'s query heads and KV heads in a sparse layer: an even share of the query
+    /// heads, and the KV heads they read (one KV head on several ranks past `kv_heads`).
+    pub fn sparse_heads(&self, config: &ModelConfig, rank: usize) -> (Range<usize>, Range<usize>) {
+        let (heads, kv) = (config.num_attention_heads, config.num_key_value_heads);
+        let q = part(heads, self.ranks, rank);
+        let group = heads / kv;
+        (q.clone(), q.start / group..q.end.div_ceil(group))
+    }
+
+    /// Rank `rank`'s parts of layer `layer`'s weights.
+    pub fn shards(&self, config: &ModelConfig, layer: usize, rank: usize) -> Vec<Shard> {
+        let (hidden, d) = (config.hidden_size, config.head_dim);
+        let inter = part(config.intermediate_size, self.ranks, rank);
+        let all = 0..hidden;
+        let feat = |h: Range<usize>| h.start * d..h.end * d;
+        let rows = |name, rows| Shard {
+            name,
+            rows,
+            cols: all.clone(),
+        };
+        let cols = |name, cols| Shard {
+            name,
+            rows: all.clone(),
+            cols,
+        };
+        let mut out = Vec::new();
+        match config.mixer_types[layer] {
+            MixerKind::Lightning => {
+                let q = feat(part(config.num_attention_heads, self.ranks, rank));
+                let kv = feat(part(config.lightning_nkv, self.ranks, rank));
+                out.push(rows("q_proj", q.clone()));
+                out.push(rows("k_proj", kv.clone()));
+                out.push(rows("v_proj", kv));
+                out.push(rows("z_proj", q.clone()));
+                out.push(cols("o_proj", q.clone()));
+                out.push(Shard {
+                    name: "o_norm",
+                    rows: q,
+                    cols: 0..1,
+                });
+            }
+            MixerKind::Sparse => {
+                let (qh, kvh) = self.sparse_heads(config, rank);
+                out.push(rows("q_proj", feat(qh.clone())));
+                out.push(rows("k_proj", feat(kvh.clone())));
+                out.push(rows("v_proj", feat(kvh)));
+                out.push(rows("o_gate", feat(qh.clone())));
+                out.push(cols("o_proj", feat(qh)));
+            }
+        }
+        out.push(rows("gate_proj", inter.clone()));
+        out.push(rows("up_proj", inter.clone()));
+        out.push(Shard {
+            name: "down_proj",
+            rows: all,
+            cols: inter,
+        });
+        out
+    }
+}
+
+/// Part `rank` of `n` things split evenly among `ranks` (which divides `n`).
+fn part(n: usize, ranks: usize, rank: usize) -> Range<usize> {
+    let each = n / ranks;
+    rank * each..(rank + 1) * each
+}
+
+/// Context parallelism's ranges: `len` prompt tokens in `ranks` contiguous ranges, each but
+/// the last a multiple of `align` tokens (the sparse block size, so compressed windows and
+/// blocks never straddle two ranks' first tokens), as even as that allows. Fewer ranges than
+/// `ranks` where the prompt has fewer blocks.
+pub fn context_ranges(len: usize, ranks: usize, align: usize) -> Vec<Range<usize>> {
+    let align = align.max(1);
+    let blocks = len.div_ceil(align);
+    let ranks = ranks.clamp(1, blocks.max(1));
+    let mut out = Vec::with_capacity(ranks);
+    let mut start = 0;
+    for r in 0..ranks {
+        // Blocks before rank r + 1: an even share, rounded down.
+        let end = ((r + 1) * blocks / ranks * align).min(len);
+        if end > start {
+            out.push(start..end);
+            start = end;
+        }
+    }
+    out
+}
+
+/// The lightning scan across context-parallel ranks: from the state before the prompt
+/// (`init`, zero when `None`) and each rank's `(tokens, local end state)` in order (its
+/// range's final state when started from zero, `[heads, d, d]`), the state each rank starts
+/// from and the state after the last: `S_0 = init`, `S_{r+1} = γ^{n_r} S_r + L_r` per head
+/// (γ = exp(-slope), SPEC §4.2).
+pub fn lightning_scan(
+    slopes: &[f32],
+    d: usize,
+    init: Option<&[f32]>,
+    parts: &[(usize, &[f32])],
+) -> Vec<Vec<f32>> {
+    let size = slopes.len() * d * d;
+    let mut s = init.map_or_else(|| vec![0.0; size], <[f32]>::to_vec);
+    let mut out = Vec::with_capacity(parts.len() + 1);
+    for &(n, local) in parts {
+        out.push(s.clone());
+        for (h, &slope) in slopes.iter().enumerate() {
+            let decay = (-(slope as f64) * n as f64).exp();
+            for (x, &l) in s[h * d * d..][..d * d].iter_mut().zip(&local[h * d * d..]) {
+                *x = (decay * *x as f64 + l as f64) as f32;
+            }
+        }
+    }
+    out.push(s);
+    out
+}
+
+/// A rank's lightning outputs, computed from a zero state, made those of its true start
+/// state `s_in`: `o_t += scale·γ^{t+1} q_t S_in` (t counted from the rank's first token;
+/// SPEC §4.2's inter-chunk term). `q` and `out` are `[tokens, heads·d]`.
+pub fn lightning_correct(
+    shape: AttnShape,
+    slopes: &[f32],
+    q: &[f32],
+    s_in: &[f32],
+    out: &mut [f32],
+) {
+    let (heads, d) = (shape.heads, shape.head_dim);
+    let width = shape.q_width();
+    let scale = shape.scale();
+    for (t, (qt, ot)) in q.chunks(width).zip(out.chunks_mut(width)).enumerate() {
+        for h in 0..heads {
+            let decay = (-(slopes[h] as f64) * (t + 1) as f64).exp();
+            let s = &s_in[h * d * d..][..d * d];
+            for e in 0..d {
+                let dot: f64 = (0..d)
+                    .map(|a| qt[h * d + a] as f64 * s[a * d + e] as f64)
+                    .sum();
+                ot[h * d + e] = (ot[h * d + e] as f64 + scale * decay * dot) as f32;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::numerics::TestRng;
+    use crate::oracle;
+
+    #[test]
+    fn tensor_parallel_splits_every_weight_and_sparse_heads_read_their_kv() {
+        let config = sala_checkpoint::preset("minicpm-sala-9b").unwrap();
+        for ranks in [1usize, 2, 4, 8] {
+            let tp = TensorParallel::new(&config, ranks).unwrap();
+            for layer in 0..config.num_hidden_layers {
+                let parts: Vec<Vec<Shard>> =
+                    (0..ranks).map(|r| tp.shards(&config, layer, r)).collect();
+                for (i, s0) in parts[0].iter().enumerate() {
+                    let replicated_kv = matches!(s0.name, "k_proj" | "v_proj")
+                        && config.mixer_types[layer] == MixerKind::Sparse
+                        && ranks > config.num_key_value_heads;
+                    if replicated_kv {
+                        continue;
+                    }
+                    // Split along rows or columns: the ranks' parts tile it, in order, evenly.
+                    let split_rows = parts.iter().all(|p| p[i].cols == s0.cols);
+                    let ranges: Vec<Range<usize>> = parts
+                        .iter()
+                        .map(|p| {
+                            if split_rows {
+                                p[i].rows.clone()
+                            } else {
+                                p[i].cols.clone()
+                            }
+                        })
+                        .collect();
+                    assert_eq!(ranges[0].start, 0, "{} of layer {layer}", s0.name);
+                    for w in ranges.windows(2) {
+                        assert_eq!(w[0].end, w[1].start, "{} of layer {layer}", s0.name);
+                        assert_eq!(w[0].len(), w[1].len(), "{} of layer {layer}", s0.name);
+                    }
+                    assert!(parts.iter().all(|p| p[i].name == s0.name));
+                }
+                if config.mixer_types[layer] == MixerKind::Sparse {
+                    let group = config.num_attention_heads / config.num_key_value_heads;
+                    for r in 0..ranks {
+                        let (q, kv) = tp.sparse_heads(&config, r);
+                        assert!(q.clone().all(|h| kv.contains(&(h / group))), "rank {r}");
+                        assert_eq!(kv.len(), (config.num_key_value_heads / ranks).max(1));
+                    }
+                }
+            }
+        }
+        let e = TensorParallel::new(&config, 3).unwrap_err();
+        assert!(e.contains("tensor parallel 3") && e.contains("32"), "{e}");
+        assert!(TensorParallel::new(&config, 64).is_err());
+        assert!(TensorParallel::new(&config, 0).is_err());
+    }
+
+    #[test]
+    fn context_ranges_are_aligned_contiguous_and_even() {
+        assert_eq!(
+            context_ranges(1000, 4, 64),
+            [0..256, 256..512, 512..768, 768..1000]
+        );
+        assert_eq!(context_ranges(100, 8, 64), [0..64, 64..100]);
+        assert_eq!(context_ranges(1 << 20, 8, 64)[7], (7 << 17)..(1 << 20));
+        assert_eq!(context_ranges(5, 3, 64), vec![0..5]);
+        for (len, ranks) in [(1usize, 1usize), (777, 3), (4096, 7), (65, 2)] {
+            let r = context_ranges(len, ranks, 64);
+            assert_eq!(r.first().unwrap().start, 0);
+            assert_eq!(r.last().unwrap().end, len);
+            assert!(r
+                .windows(2)
+                .all(|w| w[0].end == w[1].start && w[0].end % 64 == 0));
+        }
+    }
+
+    /// Simulated ranks: each runs the lightning attention of its range from a zero state
+    /// (the oracle), the scan carries the states across, and each corrects its outputs by
+    /// its start state; outputs and the final state equal one pass over the whole prompt.
+    #[test]
+    fn the_lightning_scan_across_ranks_equals_one_pass() {
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+        };
+        let slopes: Vec<f32> = (0..4).map(|i| 2f32.powf(-(i as f32 + 1.0) / 4.0)).collect();
+        let mut rng = TestRng::new(7);
+        let t = 150;
+        let q = rng.bf16_vec(t * shape.q_width(), -1.0, 1.0);
+        let k = rng.bf16_vec(t * shape.kv_width(), -1.0, 1.0);
+        let v = rng.bf16_vec(t * shape.kv_width(), -1.0, 1.0);
+        let init = rng.bf16_vec(4 * 8 * 8, -0.5, 0.5);
+        let (want, want_state) = oracle::lightning(shape, &slopes, &q, &k, &v, Some(&init));
+        for ranks in [1usize, 2, 3, 5] {
+            let ranges = context_ranges(t, ranks, 16);
+            let (qw, kw) = (shape.q_width(), shape.kv_width());
+            let locals: Vec<(Vec<f32>, Vec<f32>)> = ranges
+                .iter()
+                .map(|r| {
+                    let qs = &q[r.start * qw..r.end * qw];
+                    let (ks, vs) = (&k[r.start * kw..r.end * kw], &v[r.start * kw..r.end * kw]);
+                    oracle::lightning(shape, &slopes, qs, ks, vs, None)
+                })
+                .collect();
+            let parts: Vec<(usize, &[f32])> = ranges
+                .iter()
+                .zip(&locals)
+                .map(|(r, (_, s))| (r.len(), s.as_slice()))
+                .collect();
+            let starts = lightning_scan(&slopes, 8, Some(&init), &parts);
+            let mut got = Vec::new();
+            for ((r, (o, _)), s_in) in ranges.iter().zip(&locals).zip(&starts) {
+                let mut o = o.clone();
+                lightning_correct(shape, &slopes, &q[r.start * qw..r.end * qw], s_in, &mut o);
+                got.extend(o);
+            }
+            let close = |a: &[f32], b: &[f32], what: &str| {
+                for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                    assert!(
+                        (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                        "{what} {i}: {x} vs {y}"
+                    );
+                }
+            };
+            close(&got, &want, &format!("{ranks} ranks: outputs"));
+            close(
+                starts.last().unwrap(),
+                &want_state,
+                &format!("{ranks} ranks: state"),
+            );
+        }
+    }
+}
