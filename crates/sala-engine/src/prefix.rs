@@ -28,7 +28,8 @@ use sala_model::memory::cache_bytes;
 use sala_model::{BResult, Backend, Model, SeqMark, SeqState};
 use std::collections::HashMap;
 
-/// Most snapshots a sequence keeps; past them the one closest to its predecessor goes.
+/// Most snapshots a sequence keeps (one a prompt chunk, up to this); past them the one
+/// closest to its predecessor goes.
 pub const MAX_SNAPSHOTS: usize = 8;
 
 /// How much the prefix cache has served: prompt tokens taken from it and read anew, over the
@@ -114,10 +115,10 @@ fn resume_point(common: usize, held: usize, snapshots: &[usize], prompt: usize) 
         .unwrap_or(0)
 }
 
-/// Keeps at most [`MAX_SNAPSHOTS`] of `snapshots` (ascending): while over, drops the one
+/// Keeps at most `cap` (at least 1) of `snapshots` (ascending): while over, drops the one
 /// (never the last) whose gap to its predecessor is smallest, so they stay spread out.
-pub fn thin_snapshots<B: Backend>(snapshots: &mut Vec<SeqMark<B>>) {
-    while snapshots.len() > MAX_SNAPSHOTS {
+pub fn thin_snapshots<B: Backend>(snapshots: &mut Vec<SeqMark<B>>, cap: usize) {
+    while snapshots.len() > cap.max(1) {
         let last = snapshots.len() - 1;
         let drop = (0..last)
             .min_by_key(|&i| snapshots[i].pos() - if i == 0 { 0 } else { snapshots[i - 1].pos() })

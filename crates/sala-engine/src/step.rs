@@ -123,11 +123,11 @@ struct Member<B: Backend, C> {
     copy_of: Option<RequestId>,
     /// Its speculative decoding, when asked for.
     spec: Option<Speculation<B>>,
-    /// Whether it goes to the prefix cache when it ends; whether it snapshots its lightning
-    /// states as its prompt is read (their memory counted in its lease), and those snapshots
-    /// (ascending).
+    /// Whether it goes to the prefix cache when it ends; how many snapshots of its lightning
+    /// states it keeps as its prompt is read (their memory counted in its lease; 0: none),
+    /// and those snapshots (ascending).
     parks: bool,
-    snapshots_on: bool,
+    snapshot_cap: usize,
     snapshots: Vec<SeqMark<B>>,
     /// Prompt tokens it took from the prefix cache.
     cached: usize,
@@ -477,8 +477,10 @@ impl<B: Backend> Engine<B> {
         let parks = self.prefix.is_some()
             && opts.prompt_logprobs.is_none()
             && !speculates.is_some_and(|s| s.drafts == DraftSource::Model);
-        let snapshot_bytes =
-            crate::prefix::MAX_SNAPSHOTS * crate::prefix::snapshot_bytes(&self.model.config);
+        // A snapshot at each prompt chunk's end, at most MAX_SNAPSHOTS kept.
+        let chunks = prompt.len().div_ceil(self.workspace.chunk.max(1)).max(1);
+        let cap = chunks.min(crate::prefix::MAX_SNAPSHOTS);
+        let snapshot_bytes = cap * crate::prefix::snapshot_bytes(&self.model.config);
         // The parked sequence it would resume from, found first so that making room never
         // evicts it: where the backend shares a fork's memory with its source, the source's
         // caches below the resume point are this request's too (counted in its lease, not
@@ -603,7 +605,7 @@ impl<B: Backend> Engine<B> {
             copy_of: None,
             spec,
             parks,
-            snapshots_on,
+            snapshot_cap: if snapshots_on { cap } else { 0 },
             snapshots: Vec::new(),
             cached,
             client,
@@ -881,11 +883,12 @@ impl<B: Backend> Engine<B> {
                                 });
                             }
                             m.read += len;
-                            if m.snapshots_on {
+                            if m.snapshot_cap > 0 {
                                 match model.snapshot(backend, &m.seq) {
                                     Ok(s) => {
                                         m.snapshots.push(s);
-                                        crate::prefix::thin_snapshots(&mut m.snapshots);
+                                        let cap = m.snapshot_cap;
+                                        crate::prefix::thin_snapshots(&mut m.snapshots, cap);
                                     }
                                     Err(e) => {
                                         m.done = Some(Err(e.into()));
