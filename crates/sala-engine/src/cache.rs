@@ -252,6 +252,26 @@ impl CacheBudget {
         lease.held
     }
 
+    /// Bytes a sequence of `tokens` tokens with `snapshots` copies of its lightning states
+    /// holds: by its plan's cache terms under a limit (whole pages where the backend's caches
+    /// come in pages), else by the memory formula. What the prefix cache counts a parked
+    /// sequence.
+    pub fn sequence_bytes(&self, tokens: usize, snapshots: usize) -> usize {
+        self.planned_cache(tokens).total() + snapshots * self.snapshot_bytes()
+    }
+
+    /// Bytes of one copy of a sequence's lightning states (a prefix-cache snapshot), counted
+    /// as [`CacheBudget::sequence_bytes`] counts them.
+    pub fn snapshot_bytes(&self) -> usize {
+        self.planned_cache(0).lightning_state
+    }
+
+    /// Key and value bytes of a sequence's first `tokens` tokens, counted as
+    /// [`CacheBudget::sequence_bytes`] counts them (what a fork may share with its source).
+    pub fn kv_bytes(&self, tokens: usize) -> usize {
+        self.planned_cache(tokens).kv
+    }
+
     /// The prefix cache's parked sequences now hold `bytes`.
     pub fn set_parked(&mut self, bytes: usize) {
         self.parked = bytes;

@@ -23,8 +23,6 @@
 //! logits agree to the accumulation order (as chunked prefill agrees with one pass).
 
 use crate::block_tree::BlockTree;
-use sala_checkpoint::ModelConfig;
-use sala_model::memory::cache_bytes;
 use sala_model::{BResult, Backend, Model, SeqMark, SeqState};
 use std::collections::HashMap;
 
@@ -77,17 +75,6 @@ pub struct PrefixCache<B: Backend> {
     next_id: u64,
     clock: u64,
     stats: PrefixStats,
-}
-
-/// Bytes a sequence of `tokens` tokens with `snapshots` snapshots holds, by the memory
-/// formula.
-pub fn parked_bytes(config: &ModelConfig, tokens: usize, snapshots: usize) -> usize {
-    cache_bytes(config, tokens).total() + snapshots * snapshot_bytes(config)
-}
-
-/// Bytes of one snapshot: a copy of every lightning state.
-pub fn snapshot_bytes(config: &ModelConfig) -> usize {
-    cache_bytes(config, 0).lightning_state
 }
 
 /// How many first tokens `a` and `b` share, given that they share their first `from`.

@@ -480,7 +480,7 @@ impl<B: Backend> Engine<B> {
         // A snapshot at each prompt chunk's end, at most MAX_SNAPSHOTS kept.
         let chunks = prompt.len().div_ceil(self.workspace.chunk.max(1)).max(1);
         let cap = chunks.min(crate::prefix::MAX_SNAPSHOTS);
-        let snapshot_bytes = cap * crate::prefix::snapshot_bytes(&self.model.config);
+        let snapshot_bytes = cap * batch.cache.snapshot_bytes();
         // The parked sequence it would resume from, found first so that making room never
         // evicts it: where the backend shares a fork's memory with its source, the source's
         // caches below the resume point are this request's too (counted in its lease, not
@@ -490,19 +490,19 @@ impl<B: Backend> Engine<B> {
             Some(cache) if parks => cache.find(&prompt, sparse),
             _ => None,
         };
+        // The keys and values below the resume point, shared where the backend shares them.
         let shares = self.backend.shares_cache_prefixes();
-        let config = &self.model.config;
-        let shared = |hit: Option<crate::prefix::Hit>| {
-            hit.filter(|_| shares).map_or(0, |h| {
-                sala_model::memory::cache_bytes(config, h.pos).total()
-            })
+        let shared = |cache: &CacheBudget, hit: Option<crate::prefix::Hit>| {
+            hit.filter(|_| shares).map_or(0, |h| cache.kv_bytes(h.pos))
         };
         // Other parked sequences make room for it, least recently used first; then it takes
         // no snapshots; then it gives up its hit (the prefix cache never refuses a request).
         let mut snapshots_on = parks;
         let lease = loop {
             let parked = self.prefix.as_ref().map_or(0, |p| p.bytes());
-            batch.cache.set_parked(parked.saturating_sub(shared(hit)));
+            batch
+                .cache
+                .set_parked(parked.saturating_sub(shared(&batch.cache, hit)));
             let state_bytes = draft_bytes + if snapshots_on { snapshot_bytes } else { 0 };
             let source = hit.map(|h| h.id);
             match batch
@@ -538,7 +538,7 @@ impl<B: Backend> Engine<B> {
             let hit = hit.filter(|_| resume.is_some());
             batch
                 .cache
-                .set_parked(cache.bytes().saturating_sub(shared(hit)));
+                .set_parked(cache.bytes().saturating_sub(shared(&batch.cache, hit)));
         }
         let started = (|| {
             let stream = TokenStream::new(
@@ -1048,11 +1048,7 @@ impl<B: Backend> Engine<B> {
                         .find(|s| s.pos() == tokens.len())
                         .is_some_and(|s| self.model.rewind(&self.backend, &mut seq, s).is_ok());
                 if at_end {
-                    let bytes = crate::prefix::parked_bytes(
-                        &self.model.config,
-                        tokens.len(),
-                        m.snapshots.len(),
-                    );
+                    let bytes = batch.cache.sequence_bytes(tokens.len(), m.snapshots.len());
                     cache.park(seq, tokens, sparse, m.snapshots, bytes);
                     batch.cache.set_parked(cache.bytes());
                 }

@@ -242,8 +242,7 @@ fn parked_sequences_make_room_and_stay_within_their_limit() {
     // A limit that fits one request's plan and little more: the next request needs the
     // parked sequence's memory.
     let plan = hot.memory_plan(150 + 5);
-    let snapshots =
-        sala_engine::prefix::MAX_SNAPSHOTS * sala_engine::prefix::snapshot_bytes(&hot.model.config);
+    let snapshots = sala_engine::prefix::MAX_SNAPSHOTS * hot.cache_budget().snapshot_bytes();
     let limit = plan.total() + snapshots + plan.cache.total() / 4;
     for e in [&mut hot, &mut cold] {
         e.set_memory_limit(Some(MemoryLimit {
@@ -258,7 +257,7 @@ fn parked_sequences_make_room_and_stay_within_their_limit() {
     assert!(stats.evictions >= 2, "{stats:?}");
     // And a byte limit of its own: one parked sequence's worth at most.
     hot.set_memory_limit(None);
-    let one = sala_engine::prefix::parked_bytes(&hot.model.config, 155, 8);
+    let one = hot.cache_budget().sequence_bytes(155, 8);
     hot.set_prefix_cache(Some(one));
     for p in &prompts {
         run(&mut hot, p, &o);
@@ -319,8 +318,7 @@ fn making_room_never_evicts_the_sequence_a_request_resumes_from() {
     run(&mut hot, &doc, &o);
     let (_, parked) = hot.prefix_cache().unwrap();
     let plan = hot.memory_plan(140 + 4);
-    let snapshots =
-        sala_engine::prefix::MAX_SNAPSHOTS * sala_engine::prefix::snapshot_bytes(&hot.model.config);
+    let snapshots = sala_engine::prefix::MAX_SNAPSHOTS * hot.cache_budget().snapshot_bytes();
     let limit = plan.total() + snapshots + parked + parked / 2;
     for e in [&mut hot, &mut cold] {
         e.set_memory_limit(Some(MemoryLimit {

@@ -50,7 +50,7 @@ pub fn follow_up<B: Backend + DeviceStats>(
     // Warm-up: kernels and GEMM plans for a chunk and a decode step.
     let warm = random_tokens(&mut rng, vocab, args.prefill_chunk.min(contexts[0]));
     ttft(&mut engine, &warm, &opts)?;
-    let snapshot = sala_engine::prefix::snapshot_bytes(config);
+    let snapshot = engine.cache_budget().snapshot_bytes();
     println!(
         "follow-up questions on {name}: a document, a {QUESTION}-token question, then another"
     );
