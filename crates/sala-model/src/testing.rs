@@ -388,6 +388,31 @@ pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), 
     Ok(())
 }
 
+/// Reads `prompt[seq.pos..]` into `seq` in chunks of `chunk` (the whole prompt's attention
+/// mode), snapshotting after each into `snaps`; returns every row's logits.
+fn read_in_chunks<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    ws: &mut Workspace<B>,
+    seq: &mut SeqState<B>,
+    prompt: &[u32],
+    chunk: usize,
+    snaps: &mut Vec<crate::SeqMark<B>>,
+) -> Result<Vec<f32>, String> {
+    let err = |e: crate::BackendError| e.0;
+    let mode = model.sparse_mode(prompt.len());
+    let mut rows = Vec::new();
+    for part in prompt[seq.pos..].chunks(chunk) {
+        rows.extend(
+            model
+                .forward_one(be, ws, seq, part, mode, LogitRows::All)
+                .map_err(err)?,
+        );
+        snaps.push(model.snapshot(be, seq).map_err(err)?);
+    }
+    Ok(rows)
+}
+
 /// Resuming from a snapshot, as the prefix cache does: a sequence reads prompt A (230
 /// tokens) in chunks of 64 with a snapshot ([`Model::snapshot`]) after each, decodes on, then
 /// is rewound to the snapshot at 128 and reads the rest of prompt B (which shares A's first
@@ -400,24 +425,11 @@ pub fn check_resume<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
     let mut b = a[..150].to_vec();
     b.extend(tokens(70, vocab, 42));
     let mut ws = model.workspace(be, 64).map_err(err)?;
-    // Reads `prompt[from..]` into `seq` in chunks of 64 (the whole prompt's attention mode),
-    // snapshotting after each; returns every row's logits.
     let read = |ws: &mut Workspace<B>,
                 seq: &mut SeqState<B>,
                 prompt: &[u32],
-                snaps: &mut Vec<crate::SeqMark<B>>|
-     -> Result<Vec<f32>, String> {
-        let mode = model.sparse_mode(prompt.len());
-        let mut rows = Vec::new();
-        for chunk in prompt[seq.pos..].chunks(64) {
-            rows.extend(
-                model
-                    .forward_one(be, ws, seq, chunk, mode, LogitRows::All)
-                    .map_err(err)?,
-            );
-            snaps.push(model.snapshot(be, seq).map_err(err)?);
-        }
-        Ok(rows)
+                snaps: &mut Vec<crate::SeqMark<B>>| {
+        read_in_chunks(be, model, ws, seq, prompt, 64, snaps)
     };
     let mut cold = model.new_sequence(be).map_err(err)?;
     let want = read(&mut ws, &mut cold, &b, &mut Vec::new())?;
@@ -460,19 +472,8 @@ pub fn check_fork<B: Backend>(
     let read = |ws: &mut Workspace<B>,
                 seq: &mut SeqState<B>,
                 prompt: &[u32],
-                snaps: &mut Vec<crate::SeqMark<B>>|
-     -> Result<Vec<f32>, String> {
-        let mode = model.sparse_mode(prompt.len());
-        let mut rows = Vec::new();
-        for part in prompt[seq.pos..].chunks(chunk) {
-            rows.extend(
-                model
-                    .forward_one(be, ws, seq, part, mode, LogitRows::All)
-                    .map_err(err)?,
-            );
-            snaps.push(model.snapshot(be, seq).map_err(err)?);
-        }
-        Ok(rows)
+                snaps: &mut Vec<crate::SeqMark<B>>| {
+        read_in_chunks(be, model, ws, seq, prompt, chunk, snaps)
     };
     let mut parked = model.new_sequence(be).map_err(err)?;
     let mut snaps = Vec::new();
