@@ -256,6 +256,180 @@ mod tests {
         assert!(TensorParallel::new(&config, 0).is_err());
     }
 
+    /// `x [t, cols]` times rows `rows` of `w` (`[n, cols]`), transposed, over the columns
+    /// `wcols` only, in f64.
+    fn product(
+        x: &[f64],
+        cols: usize,
+        w: &[f64],
+        rows: Range<usize>,
+        wcols: Range<usize>,
+    ) -> Vec<f64> {
+        let t = x.len() / cols;
+        let mut out = Vec::with_capacity(t * rows.len());
+        for r in 0..t {
+            let xr = &x[r * cols..(r + 1) * cols];
+            for o in rows.clone() {
+                let wr = &w[o * cols..(o + 1) * cols];
+                out.push(wcols.clone().map(|i| xr[i] * wr[i]).sum());
+            }
+        }
+        out
+    }
+
+    /// Simulated ranks: a lightning layer (q, k, v, the attention, o_norm over all heads,
+    /// the z gate, o_proj) and the MLP computed by each rank on its shards of the weights,
+    /// o_norm's sums of squares and the row-split products' outputs added across ranks, equal
+    /// the layer on one device (f64, so the sums differ only in their order).
+    #[test]
+    fn a_layer_split_by_the_shard_plan_equals_it_whole() {
+        let config = sala_checkpoint::preset("tiny").unwrap();
+        let layer = config
+            .mixer_types
+            .iter()
+            .position(|m| *m == MixerKind::Lightning)
+            .unwrap();
+        let (hid, heads, d, inter) = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.head_dim,
+            config.intermediate_size,
+        );
+        let mut rng = TestRng::new(11);
+        let mut w = |n: usize| -> Vec<f64> {
+            rng.bf16_vec(n, -0.2, 0.2)
+                .into_iter()
+                .map(f64::from)
+                .collect()
+        };
+        let t = 7;
+        let x = w(t * hid);
+        let (wq, wk, wv, wz, wo) = (
+            w(hid * hid),
+            w(hid * hid),
+            w(hid * hid),
+            w(hid * hid),
+            w(hid * hid),
+        );
+        let norm_w = w(hid);
+        let (wg, wu, wd) = (w(inter * hid), w(inter * hid), w(hid * inter));
+        let slopes: Vec<f32> = (0..heads)
+            .map(|i| 2f32.powf(-(i as f32 + 1.0) / 4.0))
+            .collect();
+        let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let silu = |x: f64| x * sigmoid(x);
+        // A rank's part of the layer, for `heads_r` heads (features `f`) and MLP rows `m`:
+        // its attention output before o_norm, its z, its MLP rows' activations.
+        let attention = |f: Range<usize>, hs: Range<usize>| -> (Vec<f64>, Vec<f64>) {
+            let shape = AttnShape {
+                heads: hs.len(),
+                kv_heads: hs.len(),
+                head_dim: d,
+            };
+            let all = 0..hid;
+            let q = product(&x, hid, &wq, f.clone(), all.clone());
+            let k = product(&x, hid, &wk, f.clone(), all.clone());
+            let v = product(&x, hid, &wv, f.clone(), all.clone());
+            let (o, _) =
+                oracle::lightning(shape, &slopes[hs], &f32s(&q), &f32s(&k), &f32s(&v), None);
+            let z = product(&x, hid, &wz, f, all);
+            (o.into_iter().map(f64::from).collect(), z)
+        };
+        // One device.
+        let (o, z) = attention(0..hid, 0..heads);
+        let rms = |ss: f64| 1.0 / (ss / hid as f64 + config.rms_norm_eps).sqrt();
+        let gated = |o: &[f64], z: &[f64], f: Range<usize>, ss: &[f64]| -> Vec<f64> {
+            let n = f.len();
+            (0..o.len())
+                .map(|i| o[i] * rms(ss[i / n]) * norm_w[f.start + i % n] * sigmoid(z[i]))
+                .collect()
+        };
+        let sums = |o: &[f64], n: usize| -> Vec<f64> {
+            o.chunks(n).map(|r| r.iter().map(|v| v * v).sum()).collect()
+        };
+        let whole_g = gated(&o, &z, 0..hid, &sums(&o, hid));
+        let want_attn = product(&whole_g, hid, &wo, 0..hid, 0..hid);
+        let g = product(&x, hid, &wg, 0..inter, 0..hid);
+        let u = product(&x, hid, &wu, 0..inter, 0..hid);
+        let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+        let want_mlp = product(&act, inter, &wd, 0..hid, 0..inter);
+        for ranks in [1usize, 2, 4] {
+            let tp = TensorParallel::new(&config, ranks).unwrap();
+            let shards: Vec<Vec<Shard>> =
+                (0..ranks).map(|r| tp.shards(&config, layer, r)).collect();
+            let find =
+                |r: usize, name: &str| shards[r].iter().find(|s| s.name == name).unwrap().clone();
+            // Each rank's heads: its q rows / d.
+            let parts: Vec<(Range<usize>, Vec<f64>, Vec<f64>)> = (0..ranks)
+                .map(|r| {
+                    let f = find(r, "q_proj").rows;
+                    assert_eq!(find(r, "k_proj").rows, f);
+                    assert_eq!(find(r, "z_proj").rows, f);
+                    let (o, z) = attention(f.clone(), f.start / d..f.end / d);
+                    (f, o, z)
+                })
+                .collect();
+            // o_norm's sums of squares, added across ranks (an all-reduce of one value a row).
+            let mut ss = vec![0.0; t];
+            for (f, o, _) in &parts {
+                for (s, p) in ss.iter_mut().zip(sums(o, f.len())) {
+                    *s += p;
+                }
+            }
+            let mut got_attn = vec![0.0; t * hid];
+            let mut got_mlp = vec![0.0; t * hid];
+            for (r, (f, o, z)) in parts.iter().enumerate() {
+                assert_eq!(find(r, "o_norm").rows, *f);
+                let gr = gated(o, z, f.clone(), &ss);
+                // o_proj's columns for these features: a partial output, summed across ranks.
+                let cols = find(r, "o_proj").cols;
+                let mut wo_r = vec![0.0; hid * f.len()];
+                for o in 0..hid {
+                    wo_r[o * f.len()..(o + 1) * f.len()]
+                        .copy_from_slice(&wo[o * hid + cols.start..o * hid + cols.end]);
+                }
+                for (a, p) in
+                    got_attn
+                        .iter_mut()
+                        .zip(product(&gr, f.len(), &wo_r, 0..hid, 0..f.len()))
+                {
+                    *a += p;
+                }
+                let m = find(r, "gate_proj").rows;
+                assert_eq!(find(r, "up_proj").rows, m);
+                let g = product(&x, hid, &wg, m.clone(), 0..hid);
+                let u = product(&x, hid, &wu, m.clone(), 0..hid);
+                let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+                let dc = find(r, "down_proj").cols;
+                assert_eq!(dc, m);
+                let mut wd_r = vec![0.0; hid * m.len()];
+                for o in 0..hid {
+                    wd_r[o * m.len()..(o + 1) * m.len()]
+                        .copy_from_slice(&wd[o * inter + dc.start..o * inter + dc.end]);
+                }
+                for (a, p) in
+                    got_mlp
+                        .iter_mut()
+                        .zip(product(&act, m.len(), &wd_r, 0..hid, 0..m.len()))
+                {
+                    *a += p;
+                }
+            }
+            for (what, got, want) in [
+                ("attention", &got_attn, &want_attn),
+                ("mlp", &got_mlp, &want_mlp),
+            ] {
+                for (i, (a, b)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-9 * (1.0 + b.abs()),
+                        "{ranks} ranks, {what} {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn context_ranges_are_aligned_contiguous_and_even() {
         assert_eq!(
