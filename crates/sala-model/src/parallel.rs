@@ -146,6 +146,22 @@ pub fn context_ranges(len: usize, ranks: usize, align: usize) -> Vec<Range<usize
     out
 }
 
+/// Context parallelism's compressed keys of one rank (`range` of the prompt's tokens):
+/// the windows (of `window` keys every `stride`) whose last key is in its range, the ones
+/// its tokens are the first to see, and the keys it needs from the ranks before it to make
+/// them (the halo before `range.start`). Each window is made by exactly one rank.
+pub fn rank_windows(
+    range: &Range<usize>,
+    window: usize,
+    stride: usize,
+) -> (Range<usize>, Range<usize>) {
+    // Window i ends at key stride·i + window − 1: the first ending at or past range.start.
+    let first_end = |at: usize| (at + 1).saturating_sub(window).div_ceil(stride);
+    let windows = first_end(range.start)..first_end(range.end);
+    let halo = (windows.start * stride).min(range.start)..range.start;
+    (windows, halo)
+}
+
 /// The lightning scan across context-parallel ranks: from the state before the prompt
 /// (`init`, zero when `None`) and each rank's `(tokens, local end state)` in order (its
 /// range's final state when started from zero, `[heads, d, d]`), the state each rank starts
@@ -426,6 +442,41 @@ mod tests {
                         "{ranks} ranks, {what} {i}: {a} vs {b}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Simulated ranks make the compressed keys of both levels from their own keys and the
+    /// halo before them, and together they are those of the whole prompt, each window once.
+    #[test]
+    fn ranks_make_every_compressed_window_once_from_their_keys_and_halos() {
+        let mut rng = TestRng::new(13);
+        let width = 6;
+        for (len, ranks, align) in [
+            (1000usize, 4usize, 64usize),
+            (777, 3, 64),
+            (300, 5, 16),
+            (40, 2, 16),
+        ] {
+            let keys = rng.bf16_vec(len * width, -1.0, 1.0);
+            for (window, stride) in [(32usize, 16usize), (128, 64), (8, 4)] {
+                let want = oracle::compress_keys(&keys, width, window, stride);
+                let mut got = Vec::new();
+                let mut next = 0;
+                for r in context_ranges(len, ranks, align) {
+                    let (windows, halo) = rank_windows(&r, window, stride);
+                    assert_eq!(windows.start, next, "windows in order, each once");
+                    next = windows.end;
+                    // The rank's keys and the halo's: windows from the halo's start on.
+                    let held = &keys[halo.start * width..r.end * width];
+                    let made = oracle::compress_keys(held, width, window, stride);
+                    let skip = windows.start - halo.start / stride;
+                    got.extend_from_slice(&made[skip * width..(skip + windows.len()) * width]);
+                }
+                assert_eq!(
+                    got, want,
+                    "{len} tokens, {ranks} ranks, windows of {window}"
+                );
             }
         }
     }
