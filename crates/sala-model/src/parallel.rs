@@ -23,7 +23,10 @@ pub struct Shard {
 /// (gate and up rows, down's columns); sparse layers by query heads, each rank holding the KV
 /// head its query heads read (the released model has 2: past 2 ranks they are replicated).
 /// Row-split products' outputs (o_proj, down) are summed across ranks. Embeddings, norms
-/// and lm_head are held whole by every rank.
+/// and lm_head are held whole by every rank. Past 2 ranks a KV group's 16 query heads sit on
+/// several ranks, while block selection scores a block by the sum over all of them (SPEC
+/// §5.4, rounded once): those ranks must add their partial sums before the rounding and the
+/// top-k (or each compute stage 1 for the whole group), else they select differently.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorParallel {
     pub ranks: usize,
