@@ -3,7 +3,7 @@
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
 # Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity (own plans, then each profile of
 # $PROFILES) lightning 4k hopper rtx5090-1m profile sweep 1m
-# dense concurrent concurrent55k concurrent-profile pool random random-profile profile1m ncu-select (default: parity lightning 4k
+# dense concurrent concurrent55k concurrent-profile pool random random-profile profile1m ncu-select follow-up (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
 set -uo pipefail
@@ -56,6 +56,9 @@ for step in $steps; do
       timeout 500 $S bench --device cuda --context 4K,32K,128K,256K,512K,1M --decode-tokens 32 --max-memory 30G --json "$L/sweep.json" 2>&1 | tee "$L/sweep.txt" | tail -16 ;;
     1m)
       $S bench --device cuda --context 1M --decode-tokens 16 --max-memory 30G --json "$L/bench1m.json" 2>&1 | tee "$L/bench1m.txt" | tail -6 ;;
+    follow-up)
+      # Issue 20's figures: the second question about a document, 128K and 1M.
+      $S bench --device cuda --context 4K,128K,1M --follow-up --json "$L/follow_up.json" 2>&1 | tee "$L/follow_up.txt" | grep -v '^kernel ' | tail -7 ;;
     dense)
       $S bench --device cuda --context 256K --decode-tokens 2 --compare-dense --dense-time-limit 60 --json "$L/dense256k.json" 2>&1 | tee "$L/dense256k.txt" | tail -4 ;;
     concurrent)
