@@ -554,17 +554,14 @@ impl Backend for CudaBackend {
         cfg: &SparseConfig,
         len: usize,
     ) -> BResult<()> {
-        use crate::plan::windows;
         if len > cache.len {
             return Err(BackendError(format!(
                 "truncate_sparse_cache: {len} tokens of a cache of {}",
                 cache.len
             )));
         }
-        // What lies past the counts is never read, and is written again as tokens come.
-        cache.len = len;
-        cache.n1 = windows(len, cfg.k1_window(), cfg.k1_stride());
-        cache.n2 = windows(len, cfg.k2_window(), cfg.k2_stride());
+        // What lies past the counts is written again as tokens come.
+        cache.hold(cfg, len);
         Ok(())
     }
 

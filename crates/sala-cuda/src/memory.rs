@@ -177,6 +177,17 @@ pub struct DevSparseCache {
     pub(crate) row_units: usize,
 }
 
+impl DevSparseCache {
+    /// Makes it hold its first `len` tokens: their keys and values, and the compressed
+    /// windows they complete (what lies past the counts is never read).
+    pub(crate) fn hold(&mut self, cfg: &SparseConfig, len: usize) {
+        use crate::plan::windows;
+        self.len = len;
+        self.n1 = windows(len, cfg.k1_window(), cfg.k1_stride());
+        self.n2 = windows(len, cfg.k2_window(), cfg.k2_stride());
+    }
+}
+
 /// The backend's own scratch, allowed for on top of the model's buffers: the stacked product
 /// of `matmul_split` (chunk rows × the widest stacked projection: 256 MiB at 8192 rows of the
 /// released shape), block-selection scratch (block scores capped at 128 MiB, selected block
@@ -548,7 +559,6 @@ impl CudaBackend {
         cfg: &SparseConfig,
         len: usize,
     ) -> BResult<()> {
-        use crate::plan::windows;
         if src.kv_width != dst.kv_width || src.fp8 != dst.fp8 || dst.len != 0 || len > src.len {
             return Err(BackendError(format!(
                 "share_sparse_cache: {len} tokens of a cache of {} into one not empty or not of its shape",
@@ -577,26 +587,19 @@ impl CudaBackend {
         };
         let (Some(k), Some(v)) = (shared(&src.k)?, shared(&src.v)?) else {
             self.copy_cache(src, dst)?;
-            dst.len = len;
-            dst.n1 = windows(len, cfg.k1_window(), cfg.k1_stride());
-            dst.n2 = windows(len, cfg.k2_window(), cfg.k2_stride());
+            dst.hold(cfg, len);
             return Ok(());
         };
         (dst.k, dst.v) = (k, v);
-        let (n1, n2) = (
-            windows(len, cfg.k1_window(), cfg.k1_stride()),
-            windows(len, cfg.k2_window(), cfg.k2_stride()),
-        );
+        dst.hold(cfg, len);
         if dst.cap < src.cap {
             self.grow_store(&mut dst.k1, 0, src.k1.len())?;
             self.grow_store(&mut dst.k2, 0, src.k2.len())?;
             dst.cap = src.cap;
         }
         let kw = src.kv_width;
-        self.copy(&dst.k1, 0, &src.k1, 0, n1 * kw)?;
-        self.copy(&dst.k2, 0, &src.k2, 0, n2 * kw)?;
-        (dst.len, dst.n1, dst.n2) = (len, n1, n2);
-        Ok(())
+        self.copy(&dst.k1, 0, &src.k1, 0, dst.n1 * kw)?;
+        self.copy(&dst.k2, 0, &src.k2, 0, dst.n2 * kw)
     }
 
     /// Makes `store` hold `n` elements, keeping its first `kept`: in place in the page pool,
