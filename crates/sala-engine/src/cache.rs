@@ -277,11 +277,6 @@ impl CacheBudget {
         self.parked = bytes;
     }
 
-    /// Bytes the parked sequences hold.
-    pub fn parked_bytes(&self) -> usize {
-        self.parked
-    }
-
     /// Sequences admitted and not released.
     pub fn sequences(&self) -> usize {
         self.live

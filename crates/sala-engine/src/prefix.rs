@@ -132,10 +132,6 @@ impl<B: Backend> PrefixCache<B> {
         self.entries.values().map(|e| e.bytes).sum()
     }
 
-    pub fn limit(&self) -> usize {
-        self.limit
-    }
-
     /// Sequences parked.
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -256,13 +252,6 @@ impl<B: Backend> PrefixCache<B> {
         }
         self.stats.evictions += 1;
         true
-    }
-
-    /// Drops every parked sequence.
-    pub fn clear(&mut self) {
-        self.stats.evictions += self.entries.len() as u64;
-        self.entries.clear();
-        self.tree = BlockTree::default();
     }
 }
 
