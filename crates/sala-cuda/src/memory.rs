@@ -548,10 +548,10 @@ impl CudaBackend {
     }
 
     /// Makes `dst` (an empty cache of the same shape) hold `src`'s first `len` tokens (as
-    /// `truncate_sparse_cache` leaves them), its keys and values on `src`'s pool pages where
-    /// whole pages of them lie below `len` (shared, read-only for both: neither writes below
-    /// `len` again), the page `len` falls in and the compressed tiers copied. Without the
-    /// pool, a copy.
+    /// `truncate_sparse_cache` leaves them): of its keys, values and both compressed tiers,
+    /// the whole pool pages below what `len` tokens hold are `src`'s own (shared, read-only
+    /// for both: neither writes below those lengths again), the page each length falls in
+    /// copied. Without the pool, a copy.
     pub(crate) fn share_cache(
         &self,
         src: &DevSparseCache,
@@ -569,37 +569,41 @@ impl CudaBackend {
             Some(p) => p.borrow().page_bytes(),
             None => 0,
         };
-        let shared = |from: &Store<u16>| -> BResult<Option<Store<u16>>> {
-            let (Store::Paged { buf, len: units }, true) = (from, page > 0) else {
-                return Ok(None);
-            };
-            let bytes = len * src.row_units * 2;
-            let whole = bytes / page;
-            let mut own = pool::PagedBuf::share_prefix(buf, whole)?;
-            own.ensure(*units * 2)?;
-            let store = Store::Paged {
-                buf: own,
-                len: *units,
-            };
-            let start = whole * page / 2;
-            self.copy(&store, start, from, start, bytes / 2 - start)?;
-            Ok(Some(store))
-        };
-        let (Some(k), Some(v)) = (shared(&src.k)?, shared(&src.v)?) else {
+        let paged = [&src.k, &src.v, &src.k1, &src.k2]
+            .iter()
+            .all(|s| matches!(s, Store::Paged { .. }));
+        if page == 0 || !paged {
             self.copy_cache(src, dst)?;
             dst.hold(cfg, len);
             return Ok(());
-        };
-        (dst.k, dst.v) = (k, v);
-        dst.hold(cfg, len);
-        if dst.cap < src.cap {
-            self.grow_store(&mut dst.k1, 0, src.k1.len())?;
-            self.grow_store(&mut dst.k2, 0, src.k2.len())?;
-            dst.cap = src.cap;
         }
-        let kw = src.kv_width;
-        self.copy(&dst.k1, 0, &src.k1, 0, dst.n1 * kw)?;
-        self.copy(&dst.k2, 0, &src.k2, 0, dst.n2 * kw)
+        dst.hold(cfg, len);
+        // A store holding `src`'s first `units` 16-bit units: its whole pages shared, the
+        // rest copied; addresses and pages for as many units as `src`'s store has.
+        let shared = |from: &Store<u16>, units: usize| -> BResult<Store<u16>> {
+            let Store::Paged { buf, len: cap } = from else {
+                return Err(BackendError(
+                    "share_sparse_cache: a store outside the pool".into(),
+                ));
+            };
+            let whole = units * 2 / page;
+            let mut own = pool::PagedBuf::share_prefix(buf, whole)?;
+            own.ensure(*cap * 2)?;
+            let store = Store::Paged {
+                buf: own,
+                len: *cap,
+            };
+            let start = whole * page / 2;
+            self.copy(&store, start, from, start, units - start)?;
+            Ok(store)
+        };
+        let (ru, kw) = (src.row_units, src.kv_width);
+        dst.k = shared(&src.k, len * ru)?;
+        dst.v = shared(&src.v, len * ru)?;
+        dst.k1 = shared(&src.k1, dst.n1 * kw)?;
+        dst.k2 = shared(&src.k2, dst.n2 * kw)?;
+        dst.cap = src.cap;
+        Ok(())
     }
 
     /// Makes `store` hold `n` elements, keeping its first `kept`: in place in the page pool,

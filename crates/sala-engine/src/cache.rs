@@ -11,7 +11,8 @@
 use crate::request::RequestId;
 use sala_checkpoint::ModelConfig;
 use sala_model::memory::{
-    cache_bytes, speculation_bytes, BackendMemory, CacheBytes, MemoryLimit, MemoryPlan, OverBudget,
+    cache_bytes, shared_prefix_bytes, speculation_bytes, BackendMemory, CacheBytes, MemoryLimit,
+    MemoryPlan, OverBudget,
 };
 use sala_model::Backend;
 
@@ -266,10 +267,18 @@ impl CacheBudget {
         self.planned_cache(0).lightning_state
     }
 
-    /// Key and value bytes of a sequence's first `tokens` tokens, counted as
-    /// [`CacheBudget::sequence_bytes`] counts them (what a fork may share with its source).
-    pub fn kv_bytes(&self, tokens: usize) -> usize {
-        self.planned_cache(tokens).kv
+    /// Bytes a fork at `tokens` maps from its source where the backend's caches come in
+    /// pages (their whole pages below that point; 0 without pages).
+    pub fn shared_bytes(&self, tokens: usize) -> usize {
+        self.facts.cache_page.map_or(0, |page| {
+            shared_prefix_bytes(
+                &self.config,
+                tokens,
+                self.facts.value_bytes,
+                page,
+                self.facts.packs_fp8_kv,
+            )
+        })
     }
 
     /// The prefix cache's parked sequences now hold `bytes`.

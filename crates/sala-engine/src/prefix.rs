@@ -43,7 +43,7 @@ pub struct PrefixStats {
 
 /// A parked sequence: its state, the tokens it holds (`seq.pos` of them), whether its prompt
 /// was read sparsely, its snapshots (positions below `seq.pos`, ascending), when it was last
-/// used, and its bytes.
+/// used, its bytes, and what it maps from the sequence it was forked from.
 struct Parked<B: Backend> {
     seq: SeqState<B>,
     tokens: Vec<u32>,
@@ -51,6 +51,16 @@ struct Parked<B: Backend> {
     snapshots: Vec<SeqMark<B>>,
     used: u64,
     bytes: usize,
+    shares: Option<Shared>,
+}
+
+/// The cache bytes a fork maps from the parked sequence `source` rather than holding its own
+/// (the backend's shared pages below the fork's point): while `source` stays parked, they are
+/// counted once, as its bytes, not again as the fork's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shared {
+    pub source: u64,
+    pub bytes: usize,
 }
 
 /// A prompt's best parked sequence (`id`) and the point it resumes from.
@@ -127,9 +137,20 @@ impl<B: Backend> PrefixCache<B> {
         }
     }
 
-    /// Bytes its sequences hold, by the memory formula.
+    /// Bytes its sequences hold, by the memory formula, less what a parked fork maps from a
+    /// parked source (held once).
     pub fn bytes(&self) -> usize {
-        self.entries.values().map(|e| e.bytes).sum()
+        let all: usize = self.entries.values().map(|e| e.bytes).sum();
+        all.saturating_sub(self.shared_with(self.entries.values().filter_map(|e| e.shares)))
+    }
+
+    /// The bytes of `forks` whose sources are still parked (the cache counts those already).
+    pub fn shared_with(&self, forks: impl IntoIterator<Item = Shared>) -> usize {
+        forks
+            .into_iter()
+            .filter(|s| self.entries.contains_key(&s.source))
+            .map(|s| s.bytes)
+            .sum()
     }
 
     /// Sequences parked.
@@ -199,8 +220,9 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     /// Parks `seq`, which holds `tokens` (`seq.pos` of them; its prompt read `sparse`ly or
-    /// not), with its snapshots, counted as `bytes`; the least recently used sequences go
-    /// while the cache is over its limit (this one too, when it alone is).
+    /// not), with its snapshots, counted as `bytes` (of which it `shares` some with the
+    /// sequence it was forked from); the least recently used sequences go while the cache is
+    /// over its limit (this one too, when it alone is).
     pub fn park(
         &mut self,
         seq: SeqState<B>,
@@ -208,6 +230,7 @@ impl<B: Backend> PrefixCache<B> {
         sparse: bool,
         mut snapshots: Vec<SeqMark<B>>,
         bytes: usize,
+        shares: Option<Shared>,
     ) {
         if tokens.len() != seq.pos || tokens.is_empty() {
             return;
@@ -226,6 +249,7 @@ impl<B: Backend> PrefixCache<B> {
                 snapshots,
                 used: self.clock,
                 bytes,
+                shares,
             },
         );
         while self.bytes() > self.limit && self.evict_one() {}

@@ -19,6 +19,7 @@ use crate::generate::{
     isolated, request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream,
 };
 use crate::grammar::Constraint;
+use crate::prefix::{PrefixCache, Shared};
 use crate::request::{FinishReason, PromptLogprobs, RequestId};
 use crate::sampling::{prompt_token_logprobs, PromptTokenLogprobs, SampledToken};
 use crate::scheduler::{Scheduler, Want, Work};
@@ -129,8 +130,10 @@ struct Member<B: Backend, C> {
     parks: bool,
     snapshot_cap: usize,
     snapshots: Vec<SeqMark<B>>,
-    /// Prompt tokens it took from the prefix cache.
+    /// Prompt tokens it took from the prefix cache, and the cache memory its sequence maps
+    /// from the parked one it was forked from.
     cached: usize,
+    shares: Option<Shared>,
     client: C,
 }
 
@@ -490,19 +493,20 @@ impl<B: Backend> Engine<B> {
             Some(cache) if parks => cache.find(&prompt, sparse),
             _ => None,
         };
-        // The keys and values below the resume point, shared where the backend shares them.
+        // The cache pages below the resume point, shared where the backend shares them.
         let shares = self.backend.shares_cache_prefixes();
         let shared = |cache: &CacheBudget, hit: Option<crate::prefix::Hit>| {
-            hit.filter(|_| shares).map_or(0, |h| cache.kv_bytes(h.pos))
+            hit.filter(|_| shares).map(|h| Shared {
+                source: h.id,
+                bytes: cache.shared_bytes(h.pos),
+            })
         };
         // Other parked sequences make room for it, least recently used first; then it takes
         // no snapshots; then it gives up its hit (the prefix cache never refuses a request).
         let mut snapshots_on = parks;
         let lease = loop {
-            let parked = self.prefix.as_ref().map_or(0, |p| p.bytes());
-            batch
-                .cache
-                .set_parked(parked.saturating_sub(shared(&batch.cache, hit)));
+            let parked = parked_bytes(&self.prefix, &batch.members, shared(&batch.cache, hit));
+            batch.cache.set_parked(parked);
             let state_bytes = draft_bytes + if snapshots_on { snapshot_bytes } else { 0 };
             let source = hit.map(|h| h.id);
             match batch
@@ -534,12 +538,9 @@ impl<B: Backend> Engine<B> {
                 .unwrap_or(None),
             None => None,
         };
-        if let Some(cache) = &self.prefix {
-            let hit = hit.filter(|_| resume.is_some());
-            batch
-                .cache
-                .set_parked(cache.bytes().saturating_sub(shared(&batch.cache, hit)));
-        }
+        let shares = shared(&batch.cache, hit.filter(|_| resume.is_some()));
+        let parked = parked_bytes(&self.prefix, &batch.members, shares);
+        batch.cache.set_parked(parked);
         let started = (|| {
             let stream = TokenStream::new(
                 &self.tokenizer,
@@ -608,6 +609,7 @@ impl<B: Backend> Engine<B> {
             snapshot_cap: if snapshots_on { cap } else { 0 },
             snapshots: Vec::new(),
             cached,
+            shares,
             client,
         });
         Ok(id)
@@ -958,6 +960,7 @@ impl<B: Backend> Engine<B> {
                                 (&b[0], &mut a[c])
                             };
                             dst.copy_of = None;
+                            dst.shares = None;
                             if let Err(e) = model.copy_sequence(backend, &src.seq, &mut dst.seq) {
                                 // Part of the state may have been copied: no reading it again.
                                 dst.done = Some(Err(e.into()));
@@ -1049,12 +1052,29 @@ impl<B: Backend> Engine<B> {
                         .is_some_and(|s| self.model.rewind(&self.backend, &mut seq, s).is_ok());
                 if at_end {
                     let bytes = batch.cache.sequence_bytes(tokens.len(), m.snapshots.len());
-                    cache.park(seq, tokens, sparse, m.snapshots, bytes);
-                    batch.cache.set_parked(cache.bytes());
+                    cache.park(seq, tokens, sparse, m.snapshots, bytes, m.shares);
                 }
             }
+            // Its lease is gone, and with it what its fork shared with a parked sequence.
+            let parked = parked_bytes(&self.prefix, &batch.members, None);
+            batch.cache.set_parked(parked);
         }
     }
+}
+
+/// Bytes the prefix cache's parked sequences add to the cache budget: theirs, less what the
+/// requests in `members` (and one being admitted, `admitting`) map from them, which their
+/// leases count already.
+fn parked_bytes<B: Backend, C>(
+    prefix: &Option<PrefixCache<B>>,
+    members: &[Member<B, C>],
+    admitting: Option<Shared>,
+) -> usize {
+    let Some(cache) = prefix else {
+        return 0;
+    };
+    let forks = members.iter().filter_map(|m| m.shares).chain(admitting);
+    cache.bytes().saturating_sub(cache.shared_with(forks))
 }
 
 /// The tokens an ended request's sequence holds, for the prefix cache: its prompt and the

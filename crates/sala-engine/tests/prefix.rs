@@ -337,3 +337,46 @@ fn making_room_never_evicts_the_sequence_a_request_resumes_from() {
     let (stats, _) = hot.prefix_cache().unwrap();
     assert!(stats.evictions >= 1, "{stats:?}");
 }
+
+/// What a fork maps from its source (a backend's shared pages) is counted once: while the
+/// source stays parked, a parked fork's bytes leave out the shared part, and so do a running
+/// fork's (its lease counts them); once the source goes, the fork holds them alone.
+#[test]
+fn a_fork_sharing_its_source_is_counted_once() {
+    use sala_engine::prefix::{PrefixCache, Shared};
+    let be = CpuBackend;
+    let model = sala_model::Model::random(
+        &be,
+        sala_checkpoint::preset("tiny").unwrap(),
+        3,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let mut cache = PrefixCache::new(1 << 30);
+    let park = |cache: &mut PrefixCache<CpuBackend>, first: u32, bytes, shares| {
+        let mut seq = model.new_sequence(&be).unwrap();
+        let mut ws = model.workspace(&be, 8).unwrap();
+        let prompt: Vec<u32> = (first..first + 8).collect();
+        model
+            .prefill(&be, &mut ws, &mut seq, &prompt, &mut |_| {})
+            .unwrap();
+        cache.park(seq, prompt, false, Vec::new(), bytes, shares);
+    };
+    park(&mut cache, 10, 1000, None);
+    assert_eq!(cache.bytes(), 1000);
+    let source = cache.find(&(10..30).collect::<Vec<_>>(), false).unwrap().id;
+    let shared = Shared { source, bytes: 600 };
+    // A fork of it parks: 700 bytes, 600 of them the source's pages.
+    park(&mut cache, 40, 700, Some(shared));
+    assert_eq!(cache.bytes(), 1000 + 100);
+    // Running forks' shares of a parked source are theirs; of a gone one, nothing.
+    let gone = Shared {
+        source: source + 100,
+        bytes: 50,
+    };
+    assert_eq!(cache.shared_with([shared, shared, gone]), 1200);
+    // The source goes (least recently used): the parked fork holds its pages alone.
+    assert!(cache.evict_one());
+    assert_eq!(cache.bytes(), 700);
+    assert_eq!(cache.shared_with([shared]), 0);
+}

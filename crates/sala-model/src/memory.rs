@@ -60,6 +60,37 @@ pub fn cache_bytes(c: &ModelConfig, context: usize) -> CacheBytes {
     cache_bytes_with(c, context, BF16, None, true)
 }
 
+/// What one sparse layer of a sequence at `context` tokens holds: level-1 and level-2
+/// compressed windows, bytes of a compressed key in `value_bytes` each, and of a token's K
+/// (or V) row (an FP8 row for an FP8 cache when `packs_fp8`).
+struct SparseRows {
+    n1: usize,
+    n2: usize,
+    row: usize,
+    kv_row: usize,
+}
+
+fn sparse_rows(c: &ModelConfig, context: usize, value_bytes: usize, packs_fp8: bool) -> SparseRows {
+    let s = &c.sparse;
+    let windows = |w: usize, st: usize| {
+        if context >= w {
+            (context - w) / st + 1
+        } else {
+            0
+        }
+    };
+    let row = c.kv_dim() * value_bytes;
+    SparseRows {
+        n1: windows(s.k1_window(), s.k1_stride()),
+        n2: windows(s.k2_window(), s.k2_stride()),
+        row,
+        kv_row: match c.sparse.kv_cache {
+            KvCacheDtype::Fp8 if packs_fp8 => fp8_kv_row_bytes(c.num_key_value_heads, c.head_dim),
+            _ => row,
+        },
+    }
+}
+
 /// Cache bytes with K, V and compressed keys stored in `value_bytes` each (K and V as FP8
 /// rows instead for an FP8 cache when `packs_fp8`); with `page`, each buffer (a sparse
 /// layer's K and V, its level-1 and level-2 keys with one spare row each as a reserved cache
@@ -73,21 +104,12 @@ fn cache_bytes_with(
 ) -> CacheBytes {
     let sparse = c.layer_count(MixerKind::Sparse);
     let lightning = c.layer_count(MixerKind::Lightning);
-    let s = &c.sparse;
-    let windows = |w: usize, st: usize| {
-        if context >= w {
-            (context - w) / st + 1
-        } else {
-            0
-        }
-    };
-    let n1 = windows(s.k1_window(), s.k1_stride());
-    let n2 = windows(s.k2_window(), s.k2_stride());
-    let row = c.kv_dim() * value_bytes;
-    let kv_row = match c.sparse.kv_cache {
-        KvCacheDtype::Fp8 if packs_fp8 => fp8_kv_row_bytes(c.num_key_value_heads, c.head_dim),
-        _ => row,
-    };
+    let SparseRows {
+        n1,
+        n2,
+        row,
+        kv_row,
+    } = sparse_rows(c, context, value_bytes, packs_fp8);
     let state = c.num_attention_heads * c.head_dim * c.head_dim * F32;
     match page {
         None => CacheBytes {
@@ -104,6 +126,22 @@ fn cache_bytes_with(
             }
         }
     }
+}
+
+/// Bytes of the whole pages of `page` bytes that a fork of a sequence at `context` tokens
+/// maps from it rather than copying (each sparse layer's K, V and compressed tiers below
+/// what `context` tokens fill), values and FP8 rows as [`cache_bytes_with`] counts them.
+pub fn shared_prefix_bytes(
+    c: &ModelConfig,
+    context: usize,
+    value_bytes: usize,
+    page: usize,
+    packs_fp8: bool,
+) -> usize {
+    let r = sparse_rows(c, context, value_bytes, packs_fp8);
+    let whole = |bytes: usize| bytes / page.max(1) * page.max(1);
+    c.layer_count(MixerKind::Sparse)
+        * (2 * whole(context * r.kv_row) + whole(r.n1 * r.row) + whole(r.n2 * r.row))
 }
 
 /// Bytes a sequence that speculates holds beside its caches: a copy of every lightning state
@@ -483,5 +521,22 @@ mod tests {
         for bad in ["", "G", "30X", "-1G", "0", "1.2.3G", "30 G B", "abc"] {
             assert!(parse_size(bad).is_err(), "{bad:?} parsed");
         }
+    }
+
+    #[test]
+    fn a_fork_shares_the_whole_pages_below_its_point() {
+        let c = released();
+        let page = 2 * MIB;
+        let shared = |tokens| shared_prefix_bytes(&c, tokens, BF16, page, false);
+        // 4096 tokens of K (2 KV heads x 128 x 2 bytes) fill one page exactly; the compressed
+        // tiers (255 and 63 windows) fill none.
+        assert_eq!(shared(4095), 0);
+        assert_eq!(shared(4096), 8 * 2 * page);
+        // At 1M: K and V are 256 whole pages each, level 1 (65,535 windows of 512 bytes) 15
+        // whole pages of its 16, level 2 (16,383) 3 of its 4.
+        assert_eq!(shared(1 << 20), 8 * (2 * 256 + 15 + 3) * page);
+        // Never more than the pages the sequence holds.
+        let held = cache_bytes_with(&c, 1 << 20, BF16, Some(page), false);
+        assert!(shared(1 << 20) <= held.kv + held.compressed);
     }
 }

@@ -389,7 +389,9 @@ pub fn check_stepwise_spans<B: Backend>(be: &B, model: &Model<B>) -> Result<(), 
 }
 
 /// Reads `prompt[seq.pos..]` into `seq` in chunks of `chunk` (the whole prompt's attention
-/// mode), snapshotting after each into `snaps`; returns every row's logits.
+/// mode), snapshotting after each into `snaps`; returns the logits of the rows from position
+/// `keep_from` on.
+#[allow(clippy::too_many_arguments)]
 fn read_in_chunks<B: Backend>(
     be: &B,
     model: &Model<B>,
@@ -398,16 +400,25 @@ fn read_in_chunks<B: Backend>(
     prompt: &[u32],
     chunk: usize,
     snaps: &mut Vec<crate::SeqMark<B>>,
+    keep_from: usize,
 ) -> Result<Vec<f32>, String> {
     let err = |e: crate::BackendError| e.0;
     let mode = model.sparse_mode(prompt.len());
+    let vocab = model.config.vocab_size;
     let mut rows = Vec::new();
     for part in prompt[seq.pos..].chunks(chunk) {
-        rows.extend(
-            model
-                .forward_one(be, ws, seq, part, mode, LogitRows::All)
-                .map_err(err)?,
-        );
+        let (start, end) = (seq.pos, seq.pos + part.len());
+        let wanted = if end > keep_from {
+            LogitRows::All
+        } else {
+            LogitRows::None
+        };
+        let got = model
+            .forward_one(be, ws, seq, part, mode, wanted)
+            .map_err(err)?;
+        if end > keep_from {
+            rows.extend_from_slice(&got[keep_from.saturating_sub(start) * vocab..]);
+        }
         snaps.push(model.snapshot(be, seq).map_err(err)?);
     }
     Ok(rows)
@@ -429,7 +440,7 @@ pub fn check_resume<B: Backend>(be: &B, model: &Model<B>) -> Result<(), String> 
                 seq: &mut SeqState<B>,
                 prompt: &[u32],
                 snaps: &mut Vec<crate::SeqMark<B>>| {
-        read_in_chunks(be, model, ws, seq, prompt, 64, snaps)
+        read_in_chunks(be, model, ws, seq, prompt, 64, snaps, 0)
     };
     let mut cold = model.new_sequence(be).map_err(err)?;
     let want = read(&mut ws, &mut cold, &b, &mut Vec::new())?;
@@ -472,12 +483,13 @@ pub fn check_fork<B: Backend>(
     let read = |ws: &mut Workspace<B>,
                 seq: &mut SeqState<B>,
                 prompt: &[u32],
-                snaps: &mut Vec<crate::SeqMark<B>>| {
-        read_in_chunks(be, model, ws, seq, prompt, chunk, snaps)
+                snaps: &mut Vec<crate::SeqMark<B>>,
+                keep_from: usize| {
+        read_in_chunks(be, model, ws, seq, prompt, chunk, snaps, keep_from)
     };
     let mut parked = model.new_sequence(be).map_err(err)?;
     let mut snaps = Vec::new();
-    read(&mut ws, &mut parked, &a, &mut snaps)?;
+    read(&mut ws, &mut parked, &a, &mut snaps, len)?;
     let probe = tokens(1, vocab, 52)[0];
     let at_end = |ws: &mut Workspace<B>| -> Result<Vec<f32>, String> {
         let mut f = model.fork_sequence(be, &parked, None, len).map_err(err)?;
@@ -493,13 +505,13 @@ pub fn check_fork<B: Backend>(
             return Err(format!("cut {cut}: the prompts are read differently"));
         }
         let mut cold = model.new_sequence(be).map_err(err)?;
-        let want = read(&mut ws, &mut cold, &b, &mut Vec::new())?;
+        let want = read(&mut ws, &mut cold, &b, &mut Vec::new(), cut)?;
         let snap = snaps.iter().find(|s| s.pos() == cut).ok_or("no snapshot")?;
         let mut fork = model
             .fork_sequence(be, &parked, Some(snap), cut)
             .map_err(err)?;
-        let got = read(&mut ws, &mut fork, &b, &mut Vec::new())?;
-        if got[..] != want[cut * vocab..] {
+        let got = read(&mut ws, &mut fork, &b, &mut Vec::new(), cut)?;
+        if got != want {
             return Err(format!("a fork at {cut} reads on unlike a cold sequence"));
         }
         // Kept alive while the next forks are made and written.

@@ -722,7 +722,9 @@ fn a_sequence_resumed_from_a_snapshot_reads_on_as_a_cold_one_on_the_gpu() {
 /// Forks of a sequence on the GPU (a prefix-cache hit) read on as cold sequences, bit for
 /// bit, and leave it as it was ([`sala_model::testing::check_fork`]): 5000 tokens of the small
 /// shape's keys (512 bytes a token) fill more than a 2 MiB page, so forks at 4096 share one
-/// whole page and at 2048 and 4608 copy the page they fall in; sparse, few blocks selected.
+/// whole page and at 2048 and 4608 copy the page they fall in; a fork at 270,336 of 272,000
+/// tokens shares whole pages of both compressed tiers too (level-1 windows every 16 tokens,
+/// level-2 every 64, 512 bytes each: 4 and 1 pages); sparse, few blocks selected.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn forks_read_on_as_cold_sequences_and_leave_theirs_alone_on_the_gpu() {
@@ -732,6 +734,7 @@ fn forks_read_on_as_cold_sequences_and_leave_theirs_alone_on_the_gpu() {
     let before = in_use();
     assert!(before.is_some(), "the page pool is on");
     sala_model::testing::check_fork(&g, &model, 5000, 512, &[2048, 4096, 4608]).unwrap();
+    sala_model::testing::check_fork(&g, &model, 272_000, 8192, &[270_336]).unwrap();
     // Every page, shared or not, went back to the pool with the last sequence mapping it.
     assert_eq!(in_use(), before);
 }
