@@ -204,6 +204,12 @@ pub trait Backend {
 
     fn name(&self) -> String;
 
+    /// Prompt tokens a prefill chunk reads when the user asks for no size: what this backend
+    /// reads long prompts best in, within a few hundred MiB of workspace.
+    fn default_prefill_chunk(&self) -> usize {
+        256
+    }
+
     /// What this backend holds for a model of `config` whose step workspace has `rows` rows:
     /// its value width, cache pages, scratch and runtime ([`crate::memory::MemoryPlan`] sums
     /// them with the model's buffers).

@@ -85,9 +85,9 @@ struct ServeArgs {
     /// Requests that may wait for the engine; more get HTTP 429.
     #[arg(long, default_value_t = 64)]
     queue: usize,
-    /// Prompt tokens per prefill chunk.
-    #[arg(long, default_value_t = 256)]
-    prefill_chunk: usize,
+    /// Prompt tokens per prefill chunk [default: 8192 on a GPU, 256 on the CPU].
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// Most requests generating together (continuous batching): each step holds a prompt
     /// chunk beside a decode row for each.
     #[arg(long, default_value_t = 64)]
@@ -206,9 +206,9 @@ struct GenerateArgs {
     json_schema: Option<PathBuf>,
     #[command(flatten)]
     device: DeviceArgs,
-    /// Prompt tokens per prefill chunk.
-    #[arg(long, default_value_t = 256)]
-    prefill_chunk: usize,
+    /// Prompt tokens per prefill chunk [default: 8192 on a GPU, 256 on the CPU].
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// CPU threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
@@ -322,7 +322,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let options = args.device.cuda_options()?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     set_threads(args.threads)?;
-    if args.prefill_chunk == 0 {
+    if args.prefill_chunk == Some(0) {
         bail!("--prefill-chunk must be at least 1");
     }
     let dir = model_dir(&args.model, "its output is random text")?;
@@ -396,6 +396,9 @@ fn generate_on<B: Backend + DeviceStats>(
     user_limit: Option<MemoryLimit>,
 ) -> Result<()> {
     let limit = memory_limit(&backend, user_limit);
+    let chunk = args
+        .prefill_chunk
+        .unwrap_or_else(|| backend.default_prefill_chunk());
     // The checkpoint and the tokenizer first: the request is sized, and checked against the
     // memory limit, before any weight is uploaded.
     let (checkpoint, tokenizer) = open_model_files(dir, args.device.choices()?)?;
@@ -415,8 +418,7 @@ fn generate_on<B: Backend + DeviceStats>(
     };
     // The engine's cache budget (its workspace: a chunk beside one decode row), asked before
     // any weight is loaded.
-    let budget = CacheBudget::new(&config, step_rows(args.prefill_chunk, 1), &backend)
-        .with_limit(limit.clone());
+    let budget = CacheBudget::new(&config, step_rows(chunk, 1), &backend).with_limit(limit.clone());
     if budget.limit().is_some() {
         // A chat turn holds at least one prompt token; each turn is checked again.
         let tokens = request_tokens(ids.as_ref().map_or(1, Vec::len), &opts)?;
@@ -425,7 +427,7 @@ fn generate_on<B: Backend + DeviceStats>(
             backend.limit_cache_memory(room);
         }
     }
-    let mut engine = load_engine(backend, args, dir, checkpoint, tokenizer)?;
+    let mut engine = load_engine(backend, args, chunk, dir, checkpoint, tokenizer)?;
     engine.set_memory_limit(limit);
     let Some(ids) = ids else {
         // A chat session: each turn resumes from the state the last one left.
@@ -436,7 +438,7 @@ fn generate_on<B: Backend + DeviceStats>(
         &mut engine,
         &ids,
         &opts,
-        args.prefill_chunk,
+        chunk,
         args.trace_tokens.as_deref(),
         None,
     )?;
@@ -463,6 +465,7 @@ fn generate_on<B: Backend + DeviceStats>(
 fn load_engine<B: Backend>(
     backend: B,
     args: &GenerateArgs,
+    chunk: usize,
     dir: &Path,
     checkpoint: Checkpoint,
     tokenizer: Tokenizer,
@@ -473,7 +476,7 @@ fn load_engine<B: Backend>(
         dir,
         checkpoint,
         tokenizer,
-        args.prefill_chunk,
+        chunk,
         &mut |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
@@ -794,7 +797,7 @@ fn chat_loop<B: Backend>(
             engine,
             &ids,
             opts,
-            args.prefill_chunk,
+            engine.prefill_chunk(),
             None,
             Some(&interrupted),
         ) {
@@ -870,7 +873,8 @@ async fn shutdown_signal() {
 /// What `sala serve` loads, and how.
 struct ServeLoad {
     dir: PathBuf,
-    chunk: usize,
+    /// `--prefill-chunk`, else the backend's default.
+    chunk: Option<usize>,
     max_batch: usize,
     user_limit: Option<MemoryLimit>,
     draft: Option<PathBuf>,
@@ -881,7 +885,7 @@ struct ServeLoad {
 fn serve(args: ServeArgs) -> Result<()> {
     let device = Device::parse(&args.device.device)?;
     let options = args.device.cuda_options()?;
-    if args.prefill_chunk == 0 {
+    if args.prefill_chunk == Some(0) {
         bail!("--prefill-chunk must be at least 1");
     }
     if args.max_context == Some(0) {
@@ -942,6 +946,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 prefix,
             } = load;
             let dir = dir.as_path();
+            let chunk = chunk.unwrap_or_else(|| be.default_prefill_chunk());
             let limit = memory_limit(&be, user_limit);
             if limit.is_some() {
                 let mut config = ModelConfig::from_file(&dir.join("config.json"))

@@ -38,9 +38,9 @@ pub struct PerplexityArgs {
     json: bool,
     #[command(flatten)]
     device: DeviceArgs,
-    /// Prompt tokens per prefill chunk.
-    #[arg(long, default_value_t = 256)]
-    prefill_chunk: usize,
+    /// Prompt tokens per prefill chunk [default: 8192 on a GPU, 256 on the CPU].
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// CPU threads [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
@@ -55,7 +55,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let options = args.device.cuda_options()?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     crate::set_threads(args.threads)?;
-    if args.prefill_chunk == 0 {
+    if args.prefill_chunk == Some(0) {
         bail!("--prefill-chunk must be at least 1");
     }
     let dir = crate::model_dir(&args.model, "its perplexity is that of random weights")?;
@@ -79,6 +79,9 @@ fn run_on<B: Backend + DeviceStats>(
     user_limit: Option<MemoryLimit>,
 ) -> Result<()> {
     let limit = memory_limit(&backend, user_limit);
+    let chunk = args
+        .prefill_chunk
+        .unwrap_or_else(|| backend.default_prefill_chunk());
     // The text, its windows and their memory are checked before any weight is uploaded.
     let (checkpoint, tokenizer) = crate::open_model_files(dir, args.device.choices()?)?;
     let config = checkpoint.config().clone();
@@ -109,8 +112,7 @@ fn run_on<B: Backend + DeviceStats>(
             anyhow::anyhow!("--stride {stride}: it must be in 1..={context} (the context)")
         }
     })?;
-    let budget = CacheBudget::new(&config, step_rows(args.prefill_chunk, 1), &backend)
-        .with_limit(limit.clone());
+    let budget = CacheBudget::new(&config, step_rows(chunk, 1), &backend).with_limit(limit.clone());
     if budget.limit().is_some() {
         budget.check(context.min(ids.len()))?;
         if let Some(room) = budget.room_for_caches() {
@@ -124,7 +126,7 @@ fn run_on<B: Backend + DeviceStats>(
         dir,
         checkpoint,
         tokenizer,
-        args.prefill_chunk,
+        chunk,
         &mut |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
