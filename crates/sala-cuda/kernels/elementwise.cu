@@ -4,6 +4,7 @@
 #include "common/types.cuh"
 #include "common/head_norm.cuh"
 #include "common/rows.cuh"
+#include "common/fp8.cuh"
 
 // launch: grid = rows, block = 256
 extern "C" __global__ void embed(const bf16* table, const u32* ids, float scale, bf16* out, int dim) {
@@ -15,6 +16,9 @@ extern "C" __global__ void embed(const bf16* table, const u32* ids, float scale,
 
 // One row per block. Rows whose width is a multiple of 8 and at most 8 * 2 * blockDim.x are
 // read once, 16 bytes per load, and kept in registers; others take the plain loop.
+// With `codes` non-null (rows read packed only), each output row is also made E4M3 codes at its
+// own scale, into `codes` (dim a row) and `scales`, as quant_rows_f8 would (an FP8 product's
+// inputs).
 // launch: grid = rows, block = 512
 #define RMS_PACKS 2
 // With `gate` non-null, the result is then multiplied by round(sigmoid(gate)) (the lightning
@@ -25,7 +29,7 @@ __device__ __forceinline__ float gated(float normed, const bf16* gate, u64 i) {
 }
 
 extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const bf16* w, float eps, bf16* out, int dim,
-                                                           const bf16* gate) {
+                                                           const bf16* gate, unsigned char* codes, float* scales) {
     pdl_start();
     __shared__ float scratch[32];
     const bf16* xr = x + (u64)blockIdx.x * dim;
@@ -51,22 +55,23 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
             }
         }
         float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
+        u32 o[RMS_PACKS][4] = {};
 #pragma unroll
         for (int p = 0; p < RMS_PACKS; p++) {
             int pk = threadIdx.x + p * blockDim.x;
             if (pk * 8 < dim) {
                 u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
-                u32 o[4];
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     u64 at = (u64)blockIdx.x * dim + pk * 8 + 2 * i;
                     float lo = gated(round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16), gate, at);
                     float hi = gated(round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u), gate, at + 1);
-                    o[i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                    o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
                 }
-                ((uint4*)yr)[pk] = make_uint4(o[0], o[1], o[2], o[3]);
+                ((uint4*)yr)[pk] = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);
             }
         }
+        if (codes) row_codes_f8<RMS_PACKS>(o, dim, scratch, codes + (u64)blockIdx.x * dim, scales + blockIdx.x);
         return;
     }
     float ss = 0.0f;
@@ -82,8 +87,10 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
 // h = round(h + round(branch·scale)), then out = RMSNorm(h)·w: the residual add fused with the
 // norm that follows it. Rows of width a multiple of 8, at most 8 * 2 * blockDim.x.
 // launch: grid = rows, block = 512
+// With `codes` non-null, the outputs' E4M3 codes and scales too, as rms_norm makes them.
 extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf16* branch, float scale, const bf16* w,
-                                                               float eps, bf16* out, int dim) {
+                                                               float eps, bf16* out, int dim, unsigned char* codes,
+                                                               float* scales) {
     pdl_start();
     __shared__ float scratch[32];
     bf16* hr = h + (u64)blockIdx.x * dim;
@@ -114,21 +121,22 @@ extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf
         }
     }
     float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
+    u32 o[2][4] = {};
 #pragma unroll
     for (int p = 0; p < 2; p++) {
         int pk = threadIdx.x + p * blockDim.x;
         if (pk * 8 < dim) {
             u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
-            u32 o[4];
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 float lo = round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16);
                 float hi = round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u);
-                o[i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
             }
-            ((uint4*)yr)[pk] = make_uint4(o[0], o[1], o[2], o[3]);
+            ((uint4*)yr)[pk] = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);
         }
     }
+    if (codes) row_codes_f8<2>(o, dim, scratch, codes + (u64)blockIdx.x * dim, scales + blockIdx.x);
 }
 
 // launch: grid = ceil(n / 256), block = 256

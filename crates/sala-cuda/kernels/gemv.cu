@@ -536,15 +536,6 @@ dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 
 // E4M3 tensor cores from 8.9 on, on f16 ones before (E4M3 values are exact in f16, times
 // F8_F16_UNIT each).
 
-// The largest magnitude of 8 bf16 values (a 16-byte load).
-__device__ __forceinline__ float amax8(uint4 v) {
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
-    float m = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) m = fmaxf(m, fmaxf(fabsf(bf2f((bf16)(w[j] & 0xffffu))), fabsf(bf2f((bf16)(w[j] >> 16)))));
-    return m;
-}
-
 // Each of `rows` rows of x (k apart, k a multiple of 8) as FP8 at its own scale: its codes
 // (`codes`, when not NULL), their bf16 values (`values`, when not NULL), its scale.
 // launch: grid = rows, block = 256, dynamic smem = 0 bytes

@@ -44,6 +44,11 @@ pub struct CudaBackend {
     /// The step under way is a graph step: its token ids and positions are in their device
     /// buffers already ([`CudaBackend::preload_step`]).
     pub(crate) preloaded: Cell<bool>,
+    /// Some product has FP8 weights: norms make their outputs' E4M3 codes too.
+    pub(crate) fp8_products: Cell<bool>,
+    /// The FP8 input scratch holds the codes of these rows (address, rows, width), made by
+    /// the norm that wrote them: the product reading them next need not make them again.
+    pub(crate) fresh_f8: Cell<Option<(u64, usize, usize)>>,
 }
 
 /// The limits plans use under `options`: the driver's, or its device profile's.
@@ -117,6 +122,8 @@ impl CudaBackend {
             target,
             graphs,
             preloaded: Cell::new(false),
+            fp8_products: Cell::new(false),
+            fresh_f8: Cell::new(None),
             waited: Default::default(),
             sparse_rows_batched: Default::default(),
             pool,
@@ -406,6 +413,7 @@ impl Backend for CudaBackend {
             )));
         }
         let err = |e| be_err(&format!("uploading {name}"), e);
+        self.fp8_products.set(true);
         Ok(DevMatrix {
             buf: self.alloc_u16(0)?,
             rows: m.rows,

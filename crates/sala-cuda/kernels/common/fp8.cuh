@@ -76,3 +76,39 @@ __device__ __forceinline__ u32 e4m3x2_f16(u32 c) {
 #endif
 }
 #define F8_F16_UNIT (F8_HW ? 1.0f : 0.00390625f)
+
+// The largest magnitude of 8 bf16 values (a 16-byte load).
+__device__ __forceinline__ float amax8(uint4 v) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) m = fmaxf(m, fmaxf(fabsf(bf2f((bf16)(w[j] & 0xffffu))), fabsf(bf2f((bf16)(w[j] >> 16)))));
+    return m;
+}
+
+// A row of bf16 values held by a block, P packs of 8 a thread (pack threadIdx.x + p·blockDim.x,
+// `o[p]` its four bf16x2 words, where its first value is below `dim`), as E4M3 codes at the
+// row's own scale, into `codes` (the row's first code) and `*scale`: the codes and scale
+// quant_rows_f8 makes of the same values. `scratch` holds 32 floats.
+template <int P>
+__device__ __forceinline__ void row_codes_f8(const u32 (&o)[P][4], int dim, float* scratch, unsigned char* codes,
+                                             float* scale) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int p = 0; p < P; p++)
+        if ((threadIdx.x + p * blockDim.x) * 8 < dim) amax = fmaxf(amax, amax8(make_uint4(o[p][0], o[p][1], o[p][2], o[p][3])));
+    amax = block_max(amax, scratch);
+    const float s = f8_scale(amax), inv = __fdiv_rn(1.0f, s);
+#pragma unroll
+    for (int p = 0; p < P; p++) {
+        const int pk = threadIdx.x + p * blockDim.x;
+        if (pk * 8 < dim) {
+            u32 c[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                c[j] = e4m3x2_code(bf2f((bf16)(o[p][j] & 0xffffu)) * inv, bf2f((bf16)(o[p][j] >> 16)) * inv);
+            *(uint2*)(codes + pk * 8) = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+        }
+    }
+    if (threadIdx.x == 0) *scale = s;
+}

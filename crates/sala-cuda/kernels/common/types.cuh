@@ -45,6 +45,18 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Maximum over a block whose size is a multiple of 32 (at most 1024); `scratch` holds 32 floats.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = warp_max(lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.0f);
+    __syncthreads();
+    return v;
+}
+
 // Sum over a block whose size is a multiple of 32 (at most 1024); `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

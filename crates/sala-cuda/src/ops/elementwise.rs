@@ -97,6 +97,7 @@ impl CudaBackend {
         gate: Option<&DevAct>,
         out: &mut DevAct,
     ) -> BResult<()> {
+        let (codes, scales) = self.norm_codes(out)?;
         self.k.rms_norm(
             Launch::new((x.rows, 1, 1), 512, 0),
             self.act_ptr(x),
@@ -105,7 +106,28 @@ impl CudaBackend {
             self.act_ptr(out),
             x.cols as i32,
             gate.map_or(0, |g| self.act_ptr(g)),
+            codes,
+            scales,
         )
+    }
+
+    /// Where a norm writing `out` also writes its rows' E4M3 codes and scales (0, 0: it does
+    /// not): with FP8 products, for rows the norm kernels read packed (a width a multiple of
+    /// 8, at most 8192) and an FP8 product would read as codes (any rows from 8.9 on, decode
+    /// rows elsewhere). The product reading `out` next then takes them as they are.
+    fn norm_codes(&self, out: &DevAct) -> BResult<(u64, u64)> {
+        let wanted =
+            self.fp8_products.get() && out.cols.is_multiple_of(8) && out.cols <= 8 * 2 * 512 && {
+                let p = self.k.planner();
+                p.limits.cc >= (8, 9) || p.gemv_fits(out.rows, out.cols)
+            };
+        if !wanted {
+            return Ok((0, 0));
+        }
+        let scratch = self.f8_input_scratch(out.rows, out.cols, true)?;
+        self.fresh_f8
+            .set(Some((self.act_ptr(out), out.rows, out.cols)));
+        Ok(scratch)
     }
 
     /// `h += scale · branch`, then the RMS norm of `h` into `out`, in one pass.
@@ -123,6 +145,7 @@ impl CudaBackend {
             self.elementwise(ElementOp::AddScaled(scale), h, branch)?;
             return self.rms_norm_rows(h, w, eps, None, out);
         }
+        let (codes, scales) = self.norm_codes(out)?;
         self.k.add_rms_norm(
             Launch::new((h.rows, 1, 1), 512, 0),
             self.act_ptr(h),
@@ -132,6 +155,8 @@ impl CudaBackend {
             eps,
             self.act_ptr(out),
             h.cols as i32,
+            codes,
+            scales,
         )
     }
 

@@ -146,13 +146,11 @@ impl CudaBackend {
     /// `rows` product inputs (`k` wide, at `xp`) as FP8 rows in scratch: their codes when
     /// `codes`, else their bf16 values; returns (inputs, scales).
     fn quantize_inputs(&self, xp: u64, rows: usize, k: usize, codes: bool) -> BResult<(u64, u64)> {
-        let units = if codes {
-            (rows * k).div_ceil(2)
-        } else {
-            rows * k
-        };
-        let inputs = self.scratch_ptr(|s| &mut s.f8_in, units)?;
-        let scales = self.scratch_ptr(|s| &mut s.f8_scales, rows)?;
+        // Made by the norm that wrote these rows (`norm_codes`): nothing left to do.
+        if codes && self.fresh_f8.take() == Some((xp, rows, k)) {
+            return self.f8_input_scratch(rows, k, true);
+        }
+        let (inputs, scales) = self.f8_input_scratch(rows, k, codes)?;
         let (c, v) = if codes { (inputs, 0) } else { (0, inputs) };
         self.k.quant_rows_f8(
             Launch::new((rows, 1, 1), 256, 0),
@@ -162,6 +160,24 @@ impl CudaBackend {
             v,
             scales,
         )?;
+        Ok((inputs, scales))
+    }
+
+    /// The FP8 input scratch for `rows` rows of width `k`: their codes (bytes) or bf16 values,
+    /// and their scales.
+    pub(crate) fn f8_input_scratch(
+        &self,
+        rows: usize,
+        k: usize,
+        codes: bool,
+    ) -> BResult<(u64, u64)> {
+        let units = if codes {
+            (rows * k).div_ceil(2)
+        } else {
+            rows * k
+        };
+        let inputs = self.scratch_ptr(|s| &mut s.f8_in, units)?;
+        let scales = self.scratch_ptr(|s| &mut s.f8_scales, rows)?;
         Ok((inputs, scales))
     }
 

@@ -1116,6 +1116,77 @@ fn fp8_products_match_cpu() {
     assert!(e.0.contains("odd") && e.0.contains("16"), "{}", e.0);
 }
 
+/// A norm feeding an FP8 product makes the product's E4M3 codes as it writes its output; the
+/// product takes them instead of making them again. The same product run again on the same
+/// output (making the codes itself, `quant_rows_f8`) gives the same bits: plain, gated and
+/// residual norms, decode rows and prefill rows, with the H200's plans and as an A100 (whose
+/// prefill products read bf16 values, so only its decode rows take the norm's codes).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn fp8_codes_made_by_norms_are_those_the_products_make() {
+    let g = gpu();
+    let base = g.options();
+    let mut rng = TestRng::new(47);
+    let (inner, out) = (1024usize, 768usize);
+    let values = rng.bf16_vec(out * inner, -0.1, 0.1);
+    let (codes, scales) = sala_model::quantize_fp8(&values, out, inner);
+    let m = sala_model::Fp8Matrix {
+        rows: out,
+        cols: inner,
+        codes: &codes,
+        scales: &scales,
+    };
+    let gw = g.upload_fp8("w", m).unwrap();
+    let w = rng.bf16_vec(inner, 0.5, 1.5);
+    let gv = g
+        .upload_vector(
+            "norm",
+            HostTensor {
+                dtype: HostDType::Bf16,
+                shape: &[inner],
+                bytes: &bf16_bytes(&w),
+            },
+        )
+        .unwrap();
+    let mut a100 = base.clone();
+    a100.set_device_profile("a100").unwrap();
+    for (name, options) in [("own plans", base.clone()), ("as an A100", a100)] {
+        g.set_options(options).unwrap();
+        for rows in [1usize, 5, 16, 40, 300] {
+            let x = rng.bf16_vec(rows * inner, -3.0, 3.0);
+            let y = rng.bf16_vec(rows * inner, -3.0, 3.0);
+            let gx = g.act_from_host(&x, inner).unwrap();
+            let gy = g.act_from_host(&y, inner).unwrap();
+            let mut normed = g.act_from_host(&vec![0.0; rows * inner], inner).unwrap();
+            let mut first = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            let mut again = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            for norm in ["rms_norm", "rms_norm_gate", "add_scaled_norm"] {
+                match norm {
+                    "rms_norm" => g.rms_norm(&gx, &gv, 1e-6, &mut normed).unwrap(),
+                    "rms_norm_gate" => g
+                        .rms_norm_gate(&gx, &gv, 1e-6, Some(&gy), &mut normed)
+                        .unwrap(),
+                    _ => {
+                        let mut h = g.act_from_host(&x, inner).unwrap();
+                        g.add_scaled_norm(&mut h, &gy, 0.25, &gv, 1e-6, &mut normed)
+                            .unwrap()
+                    }
+                }
+                g.matmul(&normed, &gw, &mut first).unwrap();
+                g.matmul(&normed, &gw, &mut again).unwrap();
+                let (a, b) = (g.to_host(&first).unwrap(), g.to_host(&again).unwrap());
+                let differ = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(p, q)| p.to_bits() != q.to_bits())
+                    .count();
+                assert_eq!(differ, 0, "{name}, {norm}, {rows} rows: products differ");
+            }
+        }
+    }
+    g.set_options(base).unwrap();
+}
+
 /// A matrix's products on the GPU against the CPU's (`what` names them): the product of `x`'s
 /// `rows` rows within `tol`, each row alone with the same bits (decode-sized steps only: a
 /// GEMM's may differ), and, for an even output count, the MLP's SiLU half. Returns the CPU's
