@@ -113,15 +113,23 @@ fn resume_point(common: usize, held: usize, snapshots: &[usize], prompt: usize) 
 }
 
 /// Keeps at most `cap` (at least 1) of `snapshots` (ascending): while over, drops the one
-/// (never the last) whose gap to its predecessor is smallest, so they stay spread out.
+/// [`to_drop`] picks, so they stay spread out.
 pub fn thin_snapshots<B: Backend>(snapshots: &mut Vec<SeqMark<B>>, cap: usize) {
     while snapshots.len() > cap.max(1) {
-        let last = snapshots.len() - 1;
-        let drop = (0..last)
-            .min_by_key(|&i| snapshots[i].pos() - if i == 0 { 0 } else { snapshots[i - 1].pos() })
-            .unwrap_or(0);
-        snapshots.remove(drop);
+        let at: Vec<usize> = snapshots.iter().map(|s| s.pos()).collect();
+        snapshots.remove(to_drop(&at));
     }
+}
+
+/// Which of `positions` (ascending, at least one) goes first: the one whose gap to its
+/// predecessor is smallest, never one of the last two (a prompt's end and, for a long
+/// prompt, its tail cut, where follow-up prompts resume: `scheduler::tail_cut`), unless
+/// there are only two.
+fn to_drop(positions: &[usize]) -> usize {
+    let keep = if positions.len() > 2 { 2 } else { 1 };
+    (0..positions.len().saturating_sub(keep))
+        .min_by_key(|&i| positions[i] - if i == 0 { 0 } else { positions[i - 1] })
+        .unwrap_or(0)
 }
 
 impl<B: Backend> PrefixCache<B> {
@@ -281,7 +289,17 @@ impl<B: Backend> PrefixCache<B> {
 
 #[cfg(test)]
 mod tests {
-    use super::common_prefix;
+    use super::{common_prefix, to_drop};
+
+    #[test]
+    fn thinning_keeps_the_snapshots_spread_and_the_last_two() {
+        // The closest to its predecessor goes, never the end nor the tail cut before it.
+        assert_eq!(to_drop(&[8192, 16384, 24576, 32256, 32768]), 0);
+        assert_eq!(to_drop(&[100, 8192, 16384, 24576, 32256, 32768]), 0);
+        assert_eq!(to_drop(&[8192, 9000, 24576, 32256, 32768]), 1);
+        assert_eq!(to_drop(&[64, 128]), 0);
+        assert_eq!(to_drop(&[64]), 0);
+    }
 
     /// `super::resume_point` over the tokens themselves.
     fn resume_point(tokens: &[u32], snapshots: &[usize], prompt: &[u32]) -> usize {

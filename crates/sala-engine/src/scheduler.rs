@@ -8,6 +8,12 @@
 //! reading it alone; a chunk that does not fit waits for a later step (a shorter one behind
 //! it may still go). Prompts that score every token (their logits all kept) read chunks of at
 //! most [`SCORED_ROWS`], and a step holds at most that many such rows.
+//!
+//! A long prompt (at least 4 chunks) is also cut a little before its end ([`tail_cut`]), where
+//! a later prompt sharing all but its last words (the same document, another question) most
+//! likely parts from it: the prefix cache snapshots the lightning states at every cut, so such
+//! a prompt resumes there and reads only its tail. The cut depends on the prompt's length
+//! alone, so a prompt is cut the same way read cold or resumed.
 
 /// What a request in flight asks of the next step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,12 +25,14 @@ pub enum Want {
     /// A span of `rows` rows ending with the token it sampled last (speculative decoding:
     /// accepted tokens to read again, the token, then drafts to verify).
     Span { rows: usize },
-    /// The rest of its prompt: `read` of its `len` tokens are read. A `scored` prompt wants
-    /// the logits of every row (its log-probabilities).
+    /// The rest of its prompt: `read` of its `len` tokens are read, of which it read those
+    /// from `from` on (before: from the prefix cache). A `scored` prompt wants the logits of
+    /// every row (its log-probabilities).
     Prompt {
         read: usize,
         len: usize,
         scored: bool,
+        from: usize,
     },
 }
 
@@ -78,6 +86,15 @@ impl StepPlan {
 /// for the released vocabulary: 37 MB in bf16 on a device, 75 MB in f32 on the host).
 pub const SCORED_ROWS: usize = 256;
 
+/// Where a prompt of `len` tokens read in chunks of `chunk` is cut besides the chunks'
+/// boundaries: `len − min(chunk / 2, 512)` for prompts of at least 4 chunks (the extra step
+/// costs one pass's fixed overhead, a few ms on a GPU beside a TTFT of a second and more),
+/// none for shorter ones.
+pub fn tail_cut(len: usize, chunk: usize) -> Option<usize> {
+    let back = (chunk / 2).clamp(1, 512);
+    (chunk > 1 && len >= 4 * chunk).then(|| len - back)
+}
+
 /// Rows of a step's workspace: a prompt chunk beside a decode row for each of `max_batch`
 /// requests.
 pub fn step_rows(chunk: usize, max_batch: usize) -> usize {
@@ -116,13 +133,26 @@ impl Scheduler {
             }
         }
         for (index, w) in wants.iter().enumerate() {
-            if let Want::Prompt { read, len, scored } = *w {
+            if let Want::Prompt {
+                read,
+                len,
+                scored,
+                from,
+            } = *w
+            {
                 let chunk = if scored {
                     self.chunk.min(SCORED_ROWS)
                 } else {
                     self.chunk
                 };
-                let n = chunk.min(len.saturating_sub(read));
+                // To the next chunk boundary (counted from where it began reading), or the end.
+                let boundary = from + ((read.saturating_sub(from)) / chunk + 1) * chunk;
+                let mut n = boundary.min(len).saturating_sub(read);
+                if let Some(cut) = tail_cut(len, self.chunk).filter(|_| !scored) {
+                    if read < cut && cut < read + n {
+                        n = cut - read;
+                    }
+                }
                 let fits_scored = !scored || scored_used + n <= SCORED_ROWS;
                 if n > 0 && used + n <= self.budget && fits_scored {
                     if scored {
@@ -169,6 +199,7 @@ mod tests {
                 read: 0,
                 len: 20,
                 scored: false,
+                from: 0,
             },
             Want::Decode,
             Want::Nothing,
@@ -177,6 +208,7 @@ mod tests {
                 read: 8,
                 len: 30,
                 scored: false,
+                from: 0,
             },
         ];
         let plan = s.plan(&wants);
@@ -193,16 +225,19 @@ mod tests {
                 read: 0,
                 len: 5,
                 scored: false,
+                from: 0,
             },
             Want::Prompt {
                 read: 0,
                 len: 30,
                 scored: false,
+                from: 0,
             },
             Want::Prompt {
                 read: 16,
                 len: 19,
                 scored: false,
+                from: 0,
             },
         ];
         // 5 rows used: request 1's 8-token chunk does not fit, request 2's last 3 tokens do.
@@ -220,7 +255,7 @@ mod tests {
     #[test]
     fn a_prompt_is_cut_where_reading_it_alone_cuts_it() {
         // However the budget is shared, every chunk starts at a multiple of the chunk length
-        // and is whole (the last one is the rest of the prompt).
+        // or at the tail cut and is whole (the last one is the rest of the prompt).
         let (chunk_len, len) = (16, 70);
         let alone: Vec<Work> = {
             let s = Scheduler::new(chunk_len, chunk_len);
@@ -231,13 +266,17 @@ mod tests {
                     read,
                     len,
                     scored: false,
+                    from: 0,
                 }]);
                 out.push(plan.slots[0].work);
                 read += plan.rows();
             }
             out
         };
-        assert_eq!(alone.len(), 5);
+        // 0, 16, 32, 48..62 (70 tokens are 4 chunks and more: cut 8 before the end), 62..64,
+        // then 64..70 (the chunks' boundaries stay where they were).
+        assert_eq!(tail_cut(len, chunk_len), Some(62));
+        assert_eq!(alone.len(), 6);
         for decodes in [0, 3, 7] {
             let s = Scheduler::new(chunk_len + 7, chunk_len);
             // A 40-token prompt ahead of ours and `decodes` decode rows share the steps.
@@ -250,11 +289,13 @@ mod tests {
                     read: ahead,
                     len: 40,
                     scored: false,
+                    from: 0,
                 });
                 wants.push(Want::Prompt {
                     read,
                     len,
                     scored: false,
+                    from: 0,
                 });
                 for slot in s.plan(&wants).slots {
                     if slot.index == decodes {
@@ -272,9 +313,46 @@ mod tests {
                 let Work::Chunk { start, .. } = *w else {
                     panic!("{w:?}")
                 };
-                assert_eq!(start % chunk_len, 0);
+                assert!(start % chunk_len == 0 || start == 62, "{w:?}");
             }
         }
+    }
+
+    /// Reads a prompt of `len` from `read` alone, returning where each piece starts.
+    fn starts(chunk: usize, mut read: usize, len: usize, scored: bool) -> Vec<usize> {
+        let s = Scheduler::new(chunk + 3, chunk);
+        let from = read;
+        let mut out = Vec::new();
+        while read < len {
+            let plan = s.plan(&[Want::Prompt {
+                read,
+                len,
+                scored,
+                from,
+            }]);
+            out.push(read);
+            read += plan.rows();
+        }
+        out
+    }
+
+    #[test]
+    fn long_prompts_are_also_cut_before_their_tails_read_cold_or_resumed() {
+        // 4 chunks and more: a cut min(chunk / 2, 512) tokens before the end.
+        assert_eq!(tail_cut(8192 * 4, 8192), Some(8192 * 4 - 512));
+        assert_eq!(tail_cut(8192 * 4 - 1, 8192), None);
+        assert_eq!(tail_cut(1100, 256), Some(972));
+        assert_eq!(tail_cut(1000, 1), None);
+        assert_eq!(starts(32, 0, 150, false), [0, 32, 64, 96, 128, 134]);
+        // Resumed at a chunk boundary (a prefix-cache hit), the same cuts from there on.
+        assert_eq!(starts(32, 64, 150, false), [64, 96, 128, 134]);
+        // Resumed at the tail cut: the tail alone.
+        assert_eq!(starts(32, 134, 150, false), [134]);
+        // A cut that falls on a chunk boundary adds no step.
+        assert_eq!(starts(32, 0, 144, false), [0, 32, 64, 96, 128]);
+        // Short prompts and prompts that score their tokens: chunks only.
+        assert_eq!(starts(32, 0, 100, false), [0, 32, 64, 96]);
+        assert_eq!(starts(32, 0, 150, true), [0, 32, 64, 96, 128]);
     }
 
     #[test]
@@ -284,11 +362,13 @@ mod tests {
             read,
             len: 10 * SCORED_ROWS,
             scored: true,
+            from: 0,
         };
         let plain = Want::Prompt {
             read: 0,
             len: 10 * SCORED_ROWS,
             scored: false,
+            from: 0,
         };
         // The first scored prompt takes a whole chunk of SCORED_ROWS; the second waits (a
         // part of its chunk would move its chunk boundaries); the plain one reads its chunk.

@@ -347,6 +347,7 @@ impl<B: Backend, C> Member<B, C> {
                 read: self.read,
                 len: self.prompt.len(),
                 scored: self.prompt_logprobs.is_some(),
+                from: self.cached,
             },
             // Its logits wait to be sampled.
             (None, None) => Want::Nothing,
@@ -480,9 +481,11 @@ impl<B: Backend> Engine<B> {
         let parks = self.prefix.is_some()
             && opts.prompt_logprobs.is_none()
             && !speculates.is_some_and(|s| s.drafts == DraftSource::Model);
-        // A snapshot at each prompt chunk's end, at most MAX_SNAPSHOTS kept.
-        let chunks = prompt.len().div_ceil(self.workspace.chunk.max(1)).max(1);
-        let cap = chunks.min(crate::prefix::MAX_SNAPSHOTS);
+        // A snapshot at each prompt chunk's end (and its tail cut), at most MAX_SNAPSHOTS kept.
+        let chunk = self.workspace.chunk.max(1);
+        let cuts = prompt.len().div_ceil(chunk).max(1)
+            + crate::scheduler::tail_cut(prompt.len(), chunk).is_some() as usize;
+        let cap = cuts.min(crate::prefix::MAX_SNAPSHOTS);
         let snapshot_bytes = cap * batch.cache.snapshot_bytes();
         // The parked sequence it would resume from, found first so that making room never
         // evicts it: where the backend shares a fork's memory with its source, the source's

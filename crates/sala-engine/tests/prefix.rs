@@ -131,11 +131,16 @@ fn a_session_resumes_after_its_answer_and_a_whole_chunk_prompt_below_its_end() {
         assert!((x - y).abs() < 1e-3, "{x} vs {y}");
     }
     // A prompt of whole chunks asked again: its end is no resume point (one token must be
-    // read for its logits), the snapshot a chunk below is, at a chunk boundary.
+    // read for its logits), the snapshot below it is: at its tail cut (4 chunks make a long
+    // prompt, cut half a chunk before its end), a boundary of the cold run's pieces.
     let whole = tokens(&mut rng, 4 * CHUNK);
     let first = run(&mut hot, &whole, &o);
     let again = run(&mut hot, &whole, &o);
-    assert_eq!(again.1, 3 * CHUNK);
+    assert_eq!(
+        Some(again.1),
+        sala_engine::scheduler::tail_cut(4 * CHUNK, CHUNK)
+    );
+    assert_eq!(again.1, 4 * CHUNK - CHUNK / 2);
     assert_eq!(again.0, first.0);
     assert_eq!(again.0, run(&mut cold, &whole, &o).0);
 }
@@ -379,4 +384,32 @@ fn a_fork_sharing_its_source_is_counted_once() {
     assert!(cache.evict_one());
     assert_eq!(cache.bytes(), 700);
     assert_eq!(cache.shared_with([shared]), 0);
+}
+
+/// A second question about a document of any length: the first prompt (long: 4 chunks and
+/// more) was also cut shortly before its end, inside the document when its question is
+/// short, so the follow-up resumes there and reads little more than its own question (rather
+/// than from the chunk boundary below the document's end).
+#[test]
+fn a_follow_up_question_resumes_at_the_first_prompts_tail_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut hot, mut cold) = (engine(dir.path(), true), engine(dir.path(), false));
+    let mut rng = TestRng::new(9);
+    let doc = tokens(&mut rng, 150);
+    let first: Vec<u32> = doc.iter().copied().chain(tokens(&mut rng, 10)).collect();
+    let second: Vec<u32> = doc.iter().copied().chain(tokens(&mut rng, 12)).collect();
+    assert_ne!(first[150], second[150]);
+    let cut = sala_engine::scheduler::tail_cut(first.len(), CHUNK).unwrap();
+    assert!(cut > 4 * CHUNK && cut <= doc.len(), "{cut}");
+    let o = opts(8);
+    run(&mut hot, &first, &o);
+    let b = run(&mut hot, &second, &o);
+    assert_eq!(b.1, cut);
+    // Not a boundary of the cold run's pieces: the same tokens, logprobs to rounding.
+    let c = run(&mut cold, &second, &o);
+    assert_eq!(ids(&b), ids(&c));
+    for (x, y) in b.0.iter().zip(&c.0) {
+        let (x, y) = (f32::from_bits(x.1), f32::from_bits(y.1));
+        assert!((x - y).abs() < 1e-3, "{x} vs {y}");
+    }
 }
