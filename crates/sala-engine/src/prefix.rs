@@ -18,9 +18,14 @@
 //! as its own (its decode rows then were too: positions only grow).
 //!
 //! A hit is exact: the rewound sequence holds what reading its first `p` tokens gives. Where
-//! `p` is a boundary of the chunks the cold run would read, the rest is read in the same
-//! chunks and the logits are the cold run's bit for bit; elsewhere the chunks differ and the
-//! logits agree to the accumulation order (as chunked prefill agrees with one pass).
+//! the pieces both prompts were read in below `p` are the same and `p` is a boundary of the
+//! cold run's pieces, the rest is read in the same pieces and the logits are the cold run's
+//! bit for bit; elsewhere the pieces differ and the logits agree to the accumulation order
+//! (as chunked prefill agrees with one pass). Pieces are chunks from where a prompt began
+//! reading, and for a long prompt a tail cut ([`crate::scheduler::tail_cut`]) in its last
+//! half chunk: so a chunk boundary above the parked prompt's tail cut is the one case where
+//! a boundary of both runs may still differ in the bits (on a backend whose sums depend on
+//! the pieces; the CPU's do not).
 
 use crate::block_tree::BlockTree;
 use sala_model::{BResult, Backend, Model, SeqMark, SeqState};
