@@ -118,7 +118,7 @@ fn resume_point(common: usize, held: usize, snapshots: &[usize], prompt: usize) 
 }
 
 /// Keeps at most `cap` (at least 1) of `snapshots` (ascending): while over, drops the one
-/// [`to_drop`] picks, so they stay spread out.
+/// `to_drop` picks, so they stay spread out.
 pub fn thin_snapshots<B: Backend>(snapshots: &mut Vec<SeqMark<B>>, cap: usize) {
     while snapshots.len() > cap.max(1) {
         let at: Vec<usize> = snapshots.iter().map(|s| s.pos()).collect();
