@@ -127,22 +127,56 @@ pub fn stage1_scores(
     k1: &[f32],
     k2: &[f32],
 ) -> Vec<Vec<f32>> {
+    let sums = stage1_sums(shape, cfg, q_row, t, k1, k2, 0..shape.heads);
+    round_stage1(&sums)
+}
+
+/// [`stage1_scores`]' rounding: each group's sums to bf16 (NaN as 0).
+pub fn round_stage1(sums: &[Vec<f64>]) -> Vec<Vec<f32>> {
+    sums.iter()
+        .map(|g| {
+            g.iter()
+                .map(|&x| {
+                    let v = bf16_round(x as f32);
+                    if v.is_nan() {
+                        0.0
+                    } else {
+                        v
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// [`stage1_scores`]' sums before their rounding, over the query heads `heads` only (each
+/// group's sum over those of its heads; 0 for a group without one): what a rank holding
+/// those heads adds to the other ranks' sums of the same groups (tensor parallelism).
+pub fn stage1_sums(
+    shape: AttnShape,
+    cfg: &SparseConfig,
+    q_row: &[f32],
+    t: usize,
+    k1: &[f32],
+    k2: &[f32],
+    heads: std::ops::Range<usize>,
+) -> Vec<Vec<f64>> {
     let d = shape.head_dim;
     let kw = shape.kv_width();
     let n1 = k1.len() / kw;
     let n2 = k2.len() / kw;
     let visible = |i: usize, window: usize, stride: usize| stride * i + window - 1 <= t;
     let s = shape.scale();
-    let mut p = vec![vec![0f32; n1]; shape.kv_heads];
-    for (g, pg) in p.iter_mut().enumerate() {
+    let mut p = vec![vec![0f64; n1]; shape.kv_heads];
+    for (g, sums) in p.iter_mut().enumerate() {
         let vis2: Vec<usize> = (0..n2)
             .filter(|&c| visible(c, cfg.k2_window(), cfg.k2_stride()))
             .collect();
         if vis2.is_empty() {
             continue;
         }
-        let mut sums = vec![0f64; n1];
-        for h in g * shape.group()..(g + 1) * shape.group() {
+        let group = g * shape.group()..(g + 1) * shape.group();
+        for h in group.start.max(heads.start)..group.end.min(heads.end) {
             let qh = &q_row[h * d..][..d];
             let logits2: Vec<f64> = vis2
                 .iter()
@@ -155,10 +189,6 @@ pub fn stage1_scores(
                     *sum += (s * dot(qh, &k1[i * kw + g * d..][..d]) - lse).exp();
                 }
             }
-        }
-        for (dst, sum) in pg.iter_mut().zip(sums) {
-            let v = bf16_round(sum as f32);
-            *dst = if v.is_nan() { 0.0 } else { v };
         }
     }
     p
@@ -199,10 +229,23 @@ fn attend(
     values: &[f32],
     sel: &[Vec<usize>],
 ) -> Vec<f32> {
+    attend_heads(shape, q_row, keys, values, sel, 0..shape.heads)
+}
+
+/// [`attend`] for the query heads `heads` only: their `heads.len()·d` outputs (a rank's).
+pub fn attend_heads(
+    shape: AttnShape,
+    q_row: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    sel: &[Vec<usize>],
+    heads: std::ops::Range<usize>,
+) -> Vec<f32> {
     let d = shape.head_dim;
     let kw = shape.kv_width();
-    let mut out = vec![0f32; shape.q_width()];
-    for h in 0..shape.heads {
+    let first = heads.start;
+    let mut out = vec![0f32; heads.len() * d];
+    for h in heads {
         let g = h / shape.group();
         let qh = &q_row[h * d..][..d];
         let logits: Vec<f64> = sel[g]
@@ -218,7 +261,7 @@ fn attend(
                 .zip(&w)
                 .map(|(&j, wj)| wj * values[j * kw + g * d + e] as f64)
                 .sum();
-            out[h * d + e] = (acc / z) as f32;
+            out[(h - first) * d + e] = (acc / z) as f32;
         }
     }
     out
@@ -251,15 +294,19 @@ pub fn attended_keys(
         cfg.k2_stride(),
     );
     let p = stage1_scores(shape, cfg, q_row, t, &k1, &k2);
-    let qb = t / cfg.block_size;
-    p.iter()
-        .map(|pg| {
-            let blocks = select_blocks(&block_scores(cfg, pg, qb), cfg.selected_blocks());
-            blocks
-                .iter()
-                .flat_map(|&b| b * cfg.block_size..((b + 1) * cfg.block_size).min(t + 1))
-                .collect()
-        })
+    p.iter().map(|pg| selected_keys(cfg, pg, t)).collect()
+}
+
+/// The keys (token indices) the query at position `t` attends to in a KV group whose stage-1
+/// scores are `p`: the tokens of its selected blocks (SPEC §5.5).
+pub fn selected_keys(cfg: &SparseConfig, p: &[f32], t: usize) -> Vec<usize> {
+    let blocks = select_blocks(
+        &block_scores(cfg, p, t / cfg.block_size),
+        cfg.selected_blocks(),
+    );
+    blocks
+        .iter()
+        .flat_map(|&b| b * cfg.block_size..((b + 1) * cfg.block_size).min(t + 1))
         .collect()
 }
 

@@ -4,8 +4,8 @@
 //! against one device's results with simulated ranks; the ranks' communication (NCCL) builds
 //! on these.
 
-use crate::oracle::AttnShape;
-use sala_checkpoint::{MixerKind, ModelConfig};
+use crate::oracle::{self, AttnShape, SparseMode};
+use sala_checkpoint::{MixerKind, ModelConfig, SparseConfig};
 use std::ops::Range;
 
 /// A weight's part on one rank: rows `rows` (output features) and columns `cols` (input
@@ -217,6 +217,61 @@ pub fn lightning_correct(
             }
         }
     }
+}
+
+/// Tensor-parallel sparse attention (SPEC §5.2–5.6) over `ranks` simulated ranks, rank r
+/// holding an even share of the query heads and the KV heads they read: for each query, each
+/// rank makes its stage-1 sums over its own heads ([`oracle::stage1_sums`]), the ranks add
+/// them (the all-reduce that past 2 ranks of the released shape joins the ranks sharing a KV
+/// group, before the rounding; a rank's sum for a group it does not hold is 0), every rank
+/// selects each group's blocks from the same rounded scores as one device would, and attends
+/// with its own heads. `kv` is the K and V rows up to the last query. Returns each rank's
+/// `[T, heads_r·d]` outputs.
+pub fn sparse_attention_ranks(
+    ranks: usize,
+    shape: AttnShape,
+    cfg: &SparseConfig,
+    mode: SparseMode,
+    q: &[f32],
+    first_pos: usize,
+    (keys, values): (&[f32], &[f32]),
+) -> Vec<Vec<f32>> {
+    let heads: Vec<Range<usize>> = (0..ranks).map(|r| part(shape.heads, ranks, r)).collect();
+    let kw = shape.kv_width();
+    let mut out = vec![Vec::new(); ranks];
+    for (i, q_row) in q.chunks(shape.q_width()).enumerate() {
+        let t = first_pos + i;
+        let sel: Vec<Vec<usize>> = match mode {
+            SparseMode::Dense => vec![(0..=t).collect(); shape.kv_heads],
+            SparseMode::Sparse => {
+                let visible = &keys[..(t + 1) * kw];
+                let k1 = oracle::compress_keys(visible, kw, cfg.k1_window(), cfg.k1_stride());
+                let k2 = oracle::compress_keys(visible, kw, cfg.k2_window(), cfg.k2_stride());
+                let mut total = vec![vec![0f64; k1.len() / kw]; shape.kv_heads];
+                for h in &heads {
+                    let part = oracle::stage1_sums(shape, cfg, q_row, t, &k1, &k2, h.clone());
+                    for (tg, pg) in total.iter_mut().zip(part) {
+                        tg.iter_mut().zip(pg).for_each(|(x, y)| *x += y);
+                    }
+                }
+                oracle::round_stage1(&total)
+                    .iter()
+                    .map(|p| oracle::selected_keys(cfg, p, t))
+                    .collect()
+            }
+        };
+        for (o, h) in out.iter_mut().zip(&heads) {
+            o.extend(oracle::attend_heads(
+                shape,
+                q_row,
+                keys,
+                values,
+                &sel,
+                h.clone(),
+            ));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -559,5 +614,65 @@ mod tests {
                 &format!("{ranks} ranks: state"),
             );
         }
+    }
+
+    /// Simulated ranks of a sparse layer's attention: 8 query heads in 2 KV groups split among
+    /// 1, 2, 4 and 8 ranks (past 2, a group's heads sit on several ranks), sparse and dense
+    /// queries. With the ranks' stage-1 sums added before the rounding, every rank's heads get
+    /// what one device gives them (f64 sums, in another order only); a rank selecting from its
+    /// own heads' scores alone would select other blocks.
+    #[test]
+    fn sparse_attention_split_by_heads_equals_it_whole_when_ranks_add_their_scores() {
+        let shape = AttnShape {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 16,
+        };
+        let mut cfg = sala_checkpoint::preset("tiny").unwrap().sparse;
+        // Blocks of 16: 1 initial and 3 local ones forced, 4 chosen of the ~20 others.
+        cfg.topk = 6;
+        cfg.window_size = 32;
+        let (len, first) = (420usize, 380usize);
+        let mut rng = TestRng::new(23);
+        let keys = rng.bf16_vec(len * shape.kv_width(), -2.0, 2.0);
+        let values = rng.bf16_vec(len * shape.kv_width(), -1.0, 1.0);
+        let q = rng.bf16_vec((len - first) * shape.q_width(), -2.0, 2.0);
+        for mode in [SparseMode::Sparse, SparseMode::Dense] {
+            let whole =
+                oracle::sparse_layer_attention(shape, &cfg, mode, &q, first, &keys, &values);
+            for ranks in [1usize, 2, 4, 8] {
+                let parts =
+                    sparse_attention_ranks(ranks, shape, &cfg, mode, &q, first, (&keys, &values));
+                let width = shape.q_width() / ranks;
+                for (i, row) in whole.chunks(shape.q_width()).enumerate() {
+                    for (r, part) in parts.iter().enumerate() {
+                        let got = &part[i * width..][..width];
+                        let want = &row[r * width..][..width];
+                        for (x, y) in got.iter().zip(want) {
+                            assert!(
+                                (x - y).abs() <= 1e-6,
+                                "{mode:?}, {ranks} ranks, query {i}, rank {r}: {x} vs {y}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Without adding: a rank holding half of a group's heads selects from half the sums.
+        let kw = shape.kv_width();
+        let differs = (first..len).any(|t| {
+            let q_row = &q[(t - first) * shape.q_width()..][..shape.q_width()];
+            let visible = &keys[..(t + 1) * kw];
+            let k1 = oracle::compress_keys(visible, kw, cfg.k1_window(), cfg.k1_stride());
+            let k2 = oracle::compress_keys(visible, kw, cfg.k2_window(), cfg.k2_stride());
+            let all = oracle::stage1_scores(shape, &cfg, q_row, t, &k1, &k2);
+            let own =
+                oracle::round_stage1(&oracle::stage1_sums(shape, &cfg, q_row, t, &k1, &k2, 0..2));
+            oracle::selected_keys(&cfg, &own[0], t) != oracle::selected_keys(&cfg, &all[0], t)
+        });
+        assert!(
+            differs,
+            "half a group's heads select as the whole group does for every query"
+        );
     }
 }
