@@ -274,6 +274,97 @@ pub fn sparse_attention_ranks(
     out
 }
 
+/// What one rank of a context-parallel sparse layer read beyond its own range: the keys of
+/// its compressed windows' halo, and the K/V blocks (of `block_size` tokens) its queries
+/// selected in the ranks before it, each fetched once.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RankReads {
+    pub halo_keys: usize,
+    pub fetched_blocks: Vec<usize>,
+}
+
+/// Context-parallel sparse attention (SPEC §5.2–5.6) of one prompt split into `ranges` (from
+/// [`context_ranges`]), simulated: each rank holds its range's K/V rows and queries; it makes
+/// the compressed windows whose last key is in its range from its keys and halo
+/// ([`rank_windows`]), the ranks gather every rank's windows (each made once), and each
+/// query selects among them as one device would; a rank fetches, once, each selected block
+/// that lies in an earlier rank's range, and attends. `kv` holds every K and V row of the
+/// prompt (a rank reads only its own, its halo and its fetched blocks of them). Returns the
+/// outputs `[len, H·d]` and each rank's reads.
+pub fn context_sparse_attention(
+    ranges: &[Range<usize>],
+    shape: AttnShape,
+    cfg: &SparseConfig,
+    mode: SparseMode,
+    q: &[f32],
+    (keys, values): (&[f32], &[f32]),
+) -> (Vec<f32>, Vec<RankReads>) {
+    let kw = shape.kv_width();
+    let levels = [
+        (cfg.k1_window(), cfg.k1_stride()),
+        (cfg.k2_window(), cfg.k2_stride()),
+    ];
+    // Each rank's windows of both levels, made from its halo and its own keys; gathered in
+    // rank order.
+    let mut reads = vec![RankReads::default(); ranges.len()];
+    let mut gathered = [Vec::new(), Vec::new()];
+    for (range, rank) in ranges.iter().zip(reads.iter_mut()) {
+        for ((window, stride), all) in levels.iter().zip(gathered.iter_mut()) {
+            let (windows, halo) = rank_windows(range, *window, *stride);
+            rank.halo_keys = rank.halo_keys.max(halo.len());
+            if windows.is_empty() {
+                continue;
+            }
+            let from = windows.start * stride;
+            let to = (windows.end - 1) * stride + window;
+            assert!(
+                from >= halo.start && to <= range.end,
+                "a window outside the rank's keys"
+            );
+            all.extend(oracle::compress_keys(
+                &keys[from * kw..to * kw],
+                kw,
+                *window,
+                *stride,
+            ));
+        }
+    }
+    let [k1, k2] = gathered;
+    let len = ranges.last().map_or(0, |r| r.end);
+    let mut out = Vec::with_capacity(len * shape.q_width());
+    for (range, rank) in ranges.iter().zip(reads.iter_mut()) {
+        let mut fetched = std::collections::BTreeSet::new();
+        for t in range.clone() {
+            let q_row = &q[t * shape.q_width()..][..shape.q_width()];
+            let sel: Vec<Vec<usize>> = match mode {
+                SparseMode::Dense => vec![(0..=t).collect(); shape.kv_heads],
+                SparseMode::Sparse => {
+                    // The windows visible at t are a prefix of the gathered ones.
+                    let p = oracle::stage1_scores(shape, cfg, q_row, t, &k1, &k2);
+                    p.iter()
+                        .map(|pg| oracle::selected_keys(cfg, pg, t))
+                        .collect()
+                }
+            };
+            for &j in sel.iter().flatten() {
+                if j < range.start {
+                    fetched.insert(j / cfg.block_size);
+                }
+            }
+            out.extend(oracle::attend_heads(
+                shape,
+                q_row,
+                keys,
+                values,
+                &sel,
+                0..shape.heads,
+            ));
+        }
+        rank.fetched_blocks = fetched.into_iter().collect();
+    }
+    (out, reads)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -674,5 +765,54 @@ mod tests {
             differs,
             "half a group's heads select as the whole group does for every query"
         );
+    }
+
+    /// Simulated context parallelism of a sparse layer: a 700-token prompt split among 1 to 5
+    /// ranks (block-aligned ranges), each rank making the compressed windows that end in its
+    /// range from its keys and halo, all of them gathered, and each query selecting and
+    /// attending as on one device: the same outputs, bit for bit (the same f64 arithmetic on
+    /// the same windows). Dense queries fetch every earlier block; sparse ones only blocks
+    /// they select (with random keys a rank's queries together still select most of them: on
+    /// real text the fetches are what the selection makes them).
+    #[test]
+    fn context_parallel_sparse_attention_equals_one_pass_and_fetches_its_selected_blocks() {
+        let shape = AttnShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+        };
+        let mut cfg = sala_checkpoint::preset("tiny").unwrap().sparse;
+        cfg.topk = 6;
+        cfg.window_size = 32;
+        let len = 700usize;
+        let mut rng = TestRng::new(29);
+        let keys = rng.bf16_vec(len * shape.kv_width(), -2.0, 2.0);
+        let values = rng.bf16_vec(len * shape.kv_width(), -1.0, 1.0);
+        let q = rng.bf16_vec(len * shape.q_width(), -2.0, 2.0);
+        for mode in [SparseMode::Sparse, SparseMode::Dense] {
+            let whole = oracle::sparse_layer_attention(shape, &cfg, mode, &q, 0, &keys, &values);
+            for ranks in [1usize, 2, 3, 5] {
+                let ranges = context_ranges(len, ranks, cfg.block_size);
+                let (got, reads) =
+                    context_sparse_attention(&ranges, shape, &cfg, mode, &q, (&keys, &values));
+                assert!(
+                    got.iter()
+                        .zip(&whole)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{mode:?}, {ranks} ranks: outputs differ"
+                );
+                for (range, r) in ranges.iter().zip(&reads) {
+                    let earlier = range.start / cfg.block_size;
+                    assert!(r.fetched_blocks.iter().all(|&b| b < earlier));
+                    assert!(r.halo_keys < cfg.k2_window(), "{:?}", r.halo_keys);
+                    match mode {
+                        SparseMode::Dense => assert_eq!(r.fetched_blocks.len(), earlier),
+                        SparseMode::Sparse => {
+                            assert!(r.fetched_blocks.len() <= range.len() * cfg.selected_blocks())
+                        }
+                    }
+                }
+            }
+        }
     }
 }
