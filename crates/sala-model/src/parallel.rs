@@ -1,8 +1,10 @@
 //! Several GPUs (tensor and context parallelism), the parts that need none: how tensor
 //! parallelism splits each layer's weights among ranks, and how context parallelism splits a
-//! prompt into ranges and carries the lightning states across them (a scan). Checked here
-//! against one device's results with simulated ranks; the ranks' communication (NCCL) builds
-//! on these.
+//! prompt into ranges and carries the lightning states across them (a scan); the sparse
+//! layers' attention under both, with the exchanges they need (stage-1 sums added across the
+//! ranks sharing a KV group; compressed windows gathered, selected blocks fetched). Checked
+//! here against one device's results with simulated ranks; the ranks' communication (NCCL)
+//! builds on these.
 
 use crate::oracle::{self, AttnShape, SparseMode};
 use sala_checkpoint::{MixerKind, ModelConfig, SparseConfig};
