@@ -71,3 +71,4 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 
 mod model;
 mod ops;
+mod quantized;

@@ -1,0 +1,538 @@
+//! Quantized weights and caches on the GPU against the CPU: 4-bit and FP8 products, the FP8
+//! K/V cache's attention, and the FP8 codes the norms make for the products.
+
+use super::ops::{small_sparse, whole};
+use super::*;
+
+/// 4-bit weights on the GPU: products of 1 to 16 rows (`gemv_w4`), 17 and 40 (two launches),
+/// 100 (dequantized into scratch, then cuBLAS), the stacked MLP half and a split product, and
+/// 4-bit matrices stacked (4-bit beside 4-bit, and beside bf16), against the CPU on the same
+/// values (the CPU holds the bf16 values the 4-bit weights stand for); groups of 32, 128 and a
+/// whole row; a group of 8 (no 4-bit kernel takes it) goes up as bf16. A step of rows gives
+/// each row the bits it gets alone (batch-invariant).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn four_bit_products_match_cpu() {
+    use sala_model::QuantMatrix;
+    let g = gpu();
+    let mut rng = TestRng::new(41);
+    let random_w4 = |rng: &mut TestRng, out: usize, inner: usize, group: usize| {
+        let words: Vec<u32> = (0..out * inner / 8)
+            .map(|_| (rng.next_u64() & 0xffff_ffff) as u32)
+            .collect();
+        let groups = inner / group;
+        let scales: Vec<f32> = (0..out * groups)
+            .map(|_| 0.002 + 0.02 * rng.uniform() as f32)
+            .collect();
+        let zeros: Vec<f32> = (0..out * groups).map(|_| rng.below(16) as f32).collect();
+        (words, scales, zeros)
+    };
+    for (rows, inner, out, group) in [
+        (1usize, 256usize, 384usize, 32usize),
+        (1, 4096, 1000, 128),
+        (3, 1024, 512, 1024),
+        (16, 512, 776, 128),
+        (17, 512, 256, 64),
+        (40, 2048, 512, 128),
+        (100, 768, 1024, 128),
+        (2, 256, 96, 8),
+    ] {
+        let (words, scales, zeros) = random_w4(&mut rng, out, inner, group);
+        let q = QuantMatrix {
+            rows: out,
+            cols: inner,
+            group,
+            words: &words,
+            scales: &scales,
+            zeros: &zeros,
+        };
+        let cw = CpuBackend.upload_quantized("w", q).unwrap();
+        let gw = g.upload_quantized("w", q).unwrap();
+        let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
+        let what = format!("w4 matmul {rows}x{inner} by {out}, groups of {group}");
+        check_products(&g, (&cw, &gw), &x, rows, &what, 5e-3);
+        // Stacked: two 4-bit halves, then 4-bit beside bf16.
+        let (w2, s2, z2) = random_w4(&mut rng, 64, inner, group);
+        let q2 = QuantMatrix {
+            rows: 64,
+            cols: inner,
+            group,
+            words: &w2,
+            scales: &s2,
+            zeros: &z2,
+        };
+        let plain = rng.bf16_vec(32 * inner, -0.1, 0.1);
+        let ht = HostTensor {
+            dtype: HostDType::Bf16,
+            shape: &[32, inner],
+            bytes: &bf16_bytes(&plain),
+        };
+        for with_bf16 in [false, true] {
+            let mut cparts = vec![
+                CpuBackend.upload_quantized("a", q).unwrap(),
+                CpuBackend.upload_quantized("b", q2).unwrap(),
+            ];
+            let mut gparts = vec![
+                g.upload_quantized("a", q).unwrap(),
+                g.upload_quantized("b", q2).unwrap(),
+            ];
+            if with_bf16 {
+                cparts.push(CpuBackend.upload_matrix("c", ht).unwrap());
+                gparts.push(g.upload_matrix("c", ht).unwrap());
+            }
+            let total = out + 64 + if with_bf16 { 32 } else { 0 };
+            let cs = CpuBackend.concat_rows(cparts).unwrap();
+            let gs = g.concat_rows(gparts).unwrap();
+            let mut co = cpu_act(&vec![0.0; rows * total], total);
+            CpuBackend
+                .matmul(&cpu_act(&x, inner), &cs, &mut co)
+                .unwrap();
+            let mut go = g.act_from_host(&vec![0.0; rows * total], total).unwrap();
+            g.matmul(&g.act_from_host(&x, inner).unwrap(), &gs, &mut go)
+                .unwrap();
+            close(
+                &format!("w4 stacked (bf16 beside: {with_bf16}) {rows}x{inner}"),
+                &g.to_host(&go).unwrap(),
+                &co.data,
+                5e-3,
+            );
+        }
+    }
+}
+
+/// An FP8 K/V cache (`--kv-cache-dtype fp8`) against the CPU's FP8 cache: prompt chunks (one
+/// split, written directly), lone decode rows (split and merged), a step of decode rows of
+/// several sequences (the batched kernel), a short span as decode rows, a copied and a
+/// truncated cache; keys and values of magnitudes far apart from token to token, so each
+/// token's scale matters. Then a random fill (slabs) against the bf16 cache's, and the
+/// refusal of a shape the FP8 kernels do not take.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn fp8_kv_cache_attention_matches_cpu() {
+    let g = gpu();
+    let released = SparseConfig {
+        kv_cache: KvCacheDtype::Fp8,
+        ..SparseConfig::default()
+    };
+    let cases = [
+        (
+            AttnShape {
+                heads: 8,
+                kv_heads: 1,
+                head_dim: 64,
+            },
+            SparseConfig {
+                window_size: 128,
+                topk: 4,
+                dense_len: 0,
+                ..released.clone()
+            },
+            vec![700, 1, 37, 3, 762, 1],
+        ),
+        (
+            AttnShape {
+                heads: 32,
+                kv_heads: 2,
+                head_dim: 128,
+            },
+            released.clone(),
+            vec![4000, 2999, 1, 5, 1],
+        ),
+    ];
+    for (seed, (shape, cfg, chunks)) in cases.into_iter().enumerate() {
+        let n: usize = chunks.iter().sum();
+        let mut rng = TestRng::new(90 + seed as u64);
+        let q = rng.bf16_vec(n * shape.q_width(), -1.5, 1.5);
+        let scaled = |rng: &mut TestRng, spread: f32| -> Vec<f32> {
+            let mut x = rng.bf16_vec(n * shape.kv_width(), -spread, spread);
+            for row in x.chunks_mut(shape.head_dim) {
+                let f = 2f32.powi(rng.below(9) as i32 - 4);
+                row.iter_mut()
+                    .for_each(|v| *v = sala_model::numerics::bf16_round(*v * f));
+            }
+            x
+        };
+        let (k, v) = (scaled(&mut rng, 0.4), scaled(&mut rng, 1.0));
+        for mode in [SparseMode::Dense, SparseMode::Sparse] {
+            // Sequence 0 is the one under test; 1 and 2 copy it and ride along in the
+            // decode steps, as a batch of three.
+            let mut cc = SparseCache::new(shape, &cfg);
+            let mut gc = [0, 1, 2].map(|_| g.new_sparse_cache(shape, &cfg).unwrap());
+            let mut at = 0;
+            for &c in &chunks {
+                let (qa, qb) = (at * shape.q_width(), (at + c) * shape.q_width());
+                let (ka, kb) = (at * shape.kv_width(), (at + c) * shape.kv_width());
+                cc.append(&k[ka..kb], &v[ka..kb]);
+                let want: Vec<f32> = cpu_attn::sparse_layer_attention(&cc, mode, &q[qa..qb])
+                    .into_iter()
+                    .map(sala_model::numerics::bf16_round)
+                    .collect();
+                let what = format!("fp8 {mode:?} {shape:?} at {at} len {c}");
+                let batched = c == 1 && at > 0;
+                let (rows, spans, caches): (usize, Vec<Span>, Vec<usize>) = if batched {
+                    // The row for every sequence: 0 and copies of 0 made just before.
+                    for i in 1..3 {
+                        let (src, dst) = gc.split_at_mut(i);
+                        let fresh = g.new_sparse_cache(shape, &cfg).unwrap();
+                        dst[0] = fresh;
+                        g.copy_sparse_cache(&src[0], &mut dst[0]).unwrap();
+                    }
+                    let spans = (0..3)
+                        .map(|i| Span {
+                            first_row: i,
+                            len: 1,
+                            pos: at,
+                        })
+                        .collect();
+                    (3, spans, vec![0, 1, 2])
+                } else {
+                    (c, vec![whole(c)], vec![0])
+                };
+                let rep = |x: &[f32]| x.repeat(rows / c);
+                let mut out = g
+                    .act_from_host(&vec![0.0; rows * shape.q_width()], shape.q_width())
+                    .unwrap();
+                let io = AttnIo {
+                    q: &mut g.act_from_host(&rep(&q[qa..qb]), shape.q_width()).unwrap(),
+                    k: &mut g.act_from_host(&rep(&k[ka..kb]), shape.kv_width()).unwrap(),
+                    v: &mut g.act_from_host(&rep(&v[ka..kb]), shape.kv_width()).unwrap(),
+                    out: &mut out,
+                };
+                let modes = vec![mode; spans.len()];
+                let (a, rest) = gc.split_at_mut(1);
+                let (b, c2) = rest.split_at_mut(1);
+                let mut all: Vec<&mut DevSparseCache> = vec![&mut a[0], &mut b[0], &mut c2[0]];
+                all.truncate(caches.len());
+                g.sparse_attention(shape, &cfg, io, &spans, &modes, &mut all)
+                    .unwrap();
+                let got = g.to_host(&out).unwrap();
+                for (r, row) in got.chunks(c * shape.q_width()).enumerate() {
+                    close(&format!("{what} sequence {r}"), row, &want, 1e-2);
+                }
+                at += c;
+            }
+            // Cut back past the last chunk and go on: the cache reads as the CPU's.
+            let keep = n - chunks[chunks.len() - 2] - 1;
+            g.truncate_sparse_cache(&mut gc[0], &cfg, keep).unwrap();
+            cc.truncate(keep).unwrap();
+            let (qa, ka) = (keep * shape.q_width(), keep * shape.kv_width());
+            cc.append(&k[ka..ka + shape.kv_width()], &v[ka..ka + shape.kv_width()]);
+            let want: Vec<f32> =
+                cpu_attn::sparse_layer_attention(&cc, mode, &q[qa..qa + shape.q_width()])
+                    .into_iter()
+                    .map(sala_model::numerics::bf16_round)
+                    .collect();
+            let mut out = g
+                .act_from_host(&vec![0.0; shape.q_width()], shape.q_width())
+                .unwrap();
+            let io = AttnIo {
+                q: &mut g
+                    .act_from_host(&q[qa..qa + shape.q_width()], shape.q_width())
+                    .unwrap(),
+                k: &mut g
+                    .act_from_host(&k[ka..ka + shape.kv_width()], shape.kv_width())
+                    .unwrap(),
+                v: &mut g
+                    .act_from_host(&v[ka..ka + shape.kv_width()], shape.kv_width())
+                    .unwrap(),
+                out: &mut out,
+            };
+            g.sparse_attention(shape, &cfg, io, &[whole(1)], &[mode], &mut [&mut gc[0]])
+                .unwrap();
+            close(
+                &format!("fp8 {mode:?} {shape:?} after truncating to {keep}"),
+                &g.to_host(&out).unwrap(),
+                &want,
+                1e-2,
+            );
+        }
+    }
+
+    // A random fill of 20000 tokens (two slabs) reads as the bf16 cache's random fill, to FP8.
+    let shape = AttnShape {
+        heads: 8,
+        kv_heads: 1,
+        head_dim: 64,
+    };
+    let bf16_cfg = SparseConfig {
+        window_size: 128,
+        topk: 4,
+        dense_len: 0,
+        ..SparseConfig::default()
+    };
+    let fp8_cfg = SparseConfig {
+        kv_cache: KvCacheDtype::Fp8,
+        ..bf16_cfg.clone()
+    };
+    let mut rng = TestRng::new(7);
+    let q = rng.bf16_vec(3 * shape.q_width(), -1.5, 1.5);
+    let kv = rng.bf16_vec(3 * shape.kv_width(), -1.0, 1.0);
+    let mut outs = Vec::new();
+    for cfg in [&bf16_cfg, &fp8_cfg] {
+        let mut c = g.new_sparse_cache(shape, cfg).unwrap();
+        g.fill_sparse_cache_random(&mut c, cfg, 20000, 5).unwrap();
+        let mut out = g
+            .act_from_host(&vec![0.0; 3 * shape.q_width()], shape.q_width())
+            .unwrap();
+        let io = AttnIo {
+            q: &mut g.act_from_host(&q, shape.q_width()).unwrap(),
+            k: &mut g.act_from_host(&kv, shape.kv_width()).unwrap(),
+            v: &mut g.act_from_host(&kv, shape.kv_width()).unwrap(),
+            out: &mut out,
+        };
+        g.sparse_attention(
+            shape,
+            cfg,
+            io,
+            &[whole(3)],
+            &[SparseMode::Sparse],
+            &mut [&mut c],
+        )
+        .unwrap();
+        outs.push(g.to_host(&out).unwrap());
+    }
+    let err = sala_model::numerics::rel_l2(&outs[1], &outs[0]);
+    assert!(
+        err > 0.0 && err < 0.06,
+        "FP8 random fill vs bf16: relative L2 {err}"
+    );
+
+    // head_dim 32 and 16-token blocks: refused by name, not run wrong.
+    let tiny = AttnShape {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+    };
+    let cfg = SparseConfig {
+        kv_cache: KvCacheDtype::Fp8,
+        ..small_sparse()
+    };
+    let err = g.new_sparse_cache(tiny, &cfg).err().expect("refused");
+    assert!(
+        err.0.contains("FP8") && err.0.contains("head_dim 32"),
+        "{}",
+        err.0
+    );
+    // A model of that shape is refused when it loads, not at its first request.
+    let mut config = preset("tiny").unwrap();
+    config.sparse.kv_cache = KvCacheDtype::Fp8;
+    let err = Model::random(&g, config, 1, &mut |_, _| {})
+        .err()
+        .expect("refused at load");
+    assert!(err.0.contains("FP8"), "{}", err.0);
+}
+
+/// FP8 weights (`--quantize fp8`) against the CPU's FP8 products: decode-sized GEMVs (each row
+/// alone giving the same bits), cuBLASLt GEMMs with vector scales, scaled after, and as the
+/// cards without FP8 tensor cores run them (bf16 products of the codes' values, under the
+/// A100's profile); split and SiLU products; stacking.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn fp8_products_match_cpu() {
+    let g = gpu();
+    let base = g.options();
+    let mut rng = TestRng::new(43);
+    let shapes = [
+        (1usize, 256usize, 384usize),
+        (1, 4096, 1000),
+        (3, 1024, 512),
+        (16, 512, 776),
+        (17, 512, 256),
+        (40, 2048, 512),
+        (100, 768, 1024),
+        (300, 4096, 2048),
+        (2, 16384, 48),
+    ];
+    let mut variants = vec![("vector scales", base.clone())];
+    let mut after = base.clone();
+    after.fp8_vector_scales = false;
+    variants.push(("scaled after", after));
+    let mut a100 = base.clone();
+    a100.set_device_profile("a100").unwrap();
+    variants.push(("as an A100", a100));
+    for (name, options) in variants {
+        g.set_options(options).unwrap();
+        for &(rows, inner, out) in &shapes {
+            let values = rng.bf16_vec(out * inner, -0.1, 0.1);
+            let (codes, scales) = sala_model::quantize_fp8(&values, out, inner);
+            let m = sala_model::Fp8Matrix {
+                rows: out,
+                cols: inner,
+                codes: &codes,
+                scales: &scales,
+            };
+            let cw = CpuBackend.upload_fp8("w", m).unwrap();
+            let gw = g.upload_fp8("w", m).unwrap();
+            // Rows of very different sizes: each gets its own scale.
+            let mut x = rng.bf16_vec(rows * inner, -1.0, 1.0);
+            for (r, row) in x.chunks_mut(inner).enumerate() {
+                let f = 2f32.powi(r as i32 % 7 - 3);
+                row.iter_mut()
+                    .for_each(|v| *v = sala_model::numerics::bf16_round(*v * f));
+            }
+            let what = format!("fp8 {name}: matmul {rows}x{inner} by {out}");
+            let co = check_products(&g, (&cw, &gw), &x, rows, &what, 1e-2);
+            if out % 2 == 0 {
+                // Split into two outputs over the stacked weight.
+                let stacked = g
+                    .concat_rows(vec![
+                        g.upload_fp8("a", m).unwrap(),
+                        g.upload_fp8("b", m).unwrap(),
+                    ])
+                    .unwrap();
+                let mut o1 = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+                let mut o2 = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+                g.matmul_split(
+                    &g.act_from_host(&x, inner).unwrap(),
+                    &stacked,
+                    &mut [&mut o1, &mut o2],
+                )
+                .unwrap();
+                for o in [&o1, &o2] {
+                    close(
+                        &format!("{what}: stacked"),
+                        &g.to_host(o).unwrap(),
+                        &co,
+                        1e-2,
+                    );
+                }
+            }
+        }
+    }
+    g.set_options(base).unwrap();
+    // A shape the FP8 products do not take, and a bf16 matrix stacked with an FP8 one.
+    let (codes, scales) = sala_model::quantize_fp8(&[0.5; 24], 2, 12);
+    let bad = sala_model::Fp8Matrix {
+        rows: 2,
+        cols: 12,
+        codes: &codes,
+        scales: &scales,
+    };
+    let e = g.upload_fp8("odd", bad).err().expect("refused");
+    assert!(e.0.contains("odd") && e.0.contains("16"), "{}", e.0);
+}
+
+/// A norm feeding an FP8 product makes the product's E4M3 codes as it writes its output; the
+/// product takes them instead of making them again. The same product run again on the same
+/// output (making the codes itself, `quant_rows_f8`) gives the same bits: plain, gated and
+/// residual norms, decode rows and prefill rows, with the H200's plans and as an A100 (whose
+/// prefill products read bf16 values, so only its decode rows take the norm's codes).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn fp8_codes_made_by_norms_are_those_the_products_make() {
+    let g = gpu();
+    let base = g.options();
+    let mut rng = TestRng::new(47);
+    let (inner, out) = (1024usize, 768usize);
+    let values = rng.bf16_vec(out * inner, -0.1, 0.1);
+    let (codes, scales) = sala_model::quantize_fp8(&values, out, inner);
+    let m = sala_model::Fp8Matrix {
+        rows: out,
+        cols: inner,
+        codes: &codes,
+        scales: &scales,
+    };
+    let gw = g.upload_fp8("w", m).unwrap();
+    let w = rng.bf16_vec(inner, 0.5, 1.5);
+    let gv = g
+        .upload_vector(
+            "norm",
+            HostTensor {
+                dtype: HostDType::Bf16,
+                shape: &[inner],
+                bytes: &bf16_bytes(&w),
+            },
+        )
+        .unwrap();
+    let mut a100 = base.clone();
+    a100.set_device_profile("a100").unwrap();
+    for (name, options) in [("own plans", base.clone()), ("as an A100", a100)] {
+        g.set_options(options).unwrap();
+        for rows in [1usize, 5, 16, 40, 300] {
+            let x = rng.bf16_vec(rows * inner, -3.0, 3.0);
+            let y = rng.bf16_vec(rows * inner, -3.0, 3.0);
+            let gx = g.act_from_host(&x, inner).unwrap();
+            let gy = g.act_from_host(&y, inner).unwrap();
+            let mut normed = g.act_from_host(&vec![0.0; rows * inner], inner).unwrap();
+            let mut first = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            let mut again = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            for norm in ["rms_norm", "rms_norm_gate", "add_scaled_norm"] {
+                match norm {
+                    "rms_norm" => g.rms_norm(&gx, &gv, 1e-6, &mut normed).unwrap(),
+                    "rms_norm_gate" => g
+                        .rms_norm_gate(&gx, &gv, 1e-6, Some(&gy), &mut normed)
+                        .unwrap(),
+                    _ => {
+                        let mut h = g.act_from_host(&x, inner).unwrap();
+                        g.add_scaled_norm(&mut h, &gy, 0.25, &gv, 1e-6, &mut normed)
+                            .unwrap()
+                    }
+                }
+                g.matmul(&normed, &gw, &mut first).unwrap();
+                g.matmul(&normed, &gw, &mut again).unwrap();
+                let (a, b) = (g.to_host(&first).unwrap(), g.to_host(&again).unwrap());
+                let differ = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(p, q)| p.to_bits() != q.to_bits())
+                    .count();
+                assert_eq!(differ, 0, "{name}, {norm}, {rows} rows: products differ");
+            }
+        }
+    }
+    g.set_options(base).unwrap();
+}
+
+/// A matrix's products on the GPU against the CPU's (`what` names them): the product of `x`'s
+/// `rows` rows within `tol`, each row alone with the same bits (decode-sized steps only: a
+/// GEMM's may differ), and, for an even output count, the MLP's SiLU half. Returns the CPU's
+/// product.
+fn check_products(
+    g: &CudaBackend,
+    (cw, gw): (&sala_cpu::CpuMatrix, &sala_cuda::DevMatrix),
+    x: &[f32],
+    rows: usize,
+    what: &str,
+    tol: f64,
+) -> Vec<f32> {
+    let (out, inner) = (gw.rows, gw.cols);
+    let mut co = cpu_act(&vec![0.0; rows * out], out);
+    CpuBackend.matmul(&cpu_act(x, inner), cw, &mut co).unwrap();
+    let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+    g.matmul(&g.act_from_host(x, inner).unwrap(), gw, &mut go)
+        .unwrap();
+    let got = g.to_host(&go).unwrap();
+    close(what, &got, &co.data, tol);
+    if rows <= 64 {
+        for r in [0, rows - 1] {
+            let mut one = g.act_from_host(&vec![0.0; out], out).unwrap();
+            let xr = g
+                .act_from_host(&x[r * inner..(r + 1) * inner], inner)
+                .unwrap();
+            g.matmul(&xr, gw, &mut one).unwrap();
+            assert!(
+                g.to_host(&one).unwrap() == got[r * out..(r + 1) * out],
+                "{what}: row {r} alone differs"
+            );
+        }
+    }
+    if out % 2 == 0 {
+        let half = out / 2;
+        let mut cgu = cpu_act(&vec![0.0; rows * out], out);
+        let mut cm = cpu_act(&vec![0.0; rows * half], half);
+        CpuBackend
+            .matmul_silu(&cpu_act(x, inner), cw, &mut cgu, &mut cm)
+            .unwrap();
+        let mut ggu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+        let mut gm = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
+        g.matmul_silu(&g.act_from_host(x, inner).unwrap(), gw, &mut ggu, &mut gm)
+            .unwrap();
+        close(
+            &format!("{what}: matmul_silu"),
+            &g.to_host(&gm).unwrap(),
+            &cm.data,
+            tol,
+        );
+    }
+    co.data
+}
