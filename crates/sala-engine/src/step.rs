@@ -497,9 +497,9 @@ impl<B: Backend> Engine<B> {
             _ => None,
         };
         // The cache pages below the resume point, shared where the backend shares them.
-        let shares = self.backend.shares_cache_prefixes();
+        let backend_shares = self.backend.shares_cache_prefixes();
         let shared = |cache: &CacheBudget, hit: Option<crate::prefix::Hit>| {
-            hit.filter(|_| shares).map(|h| Shared {
+            hit.filter(|_| backend_shares).map(|h| Shared {
                 source: h.id,
                 bytes: cache.shared_bytes(h.pos),
             })
