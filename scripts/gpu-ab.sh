@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On the GPU machine, after scripts/gpu-build.sh (.gpu/: A) and scripts/gpu-build-patch.sh
+# (.gpu-b/: B) here: B's parity suite with the GPU's own plans and under each profile of
+# $PROFILES (default rtx5090), then each `sala bench` argument string given, run by A and B
+# in turn, twice (A B A B: machines drift), their result lines together. Logs in $OUT/ab/.
+# PARITY=0 skips the parity suite (~6 minutes with one profile: a device call lasts at most 10,
+# so parity and a long A/B may need two calls).
+# Usage: bash scripts/gpu-ab.sh "--context 4K --decode-tokens 256" ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export XDG_CACHE_HOME=/tmp/sala-cache
+L=${OUT:-/tmp/sala-out}/ab
+mkdir -p "$L"
+if [ "${PARITY:-1}" != 0 ]; then
+  echo "== parity of B, own plans"
+  timeout 300 .gpu-b/gpu_parity --include-ignored --test-threads=1 > "$L/parity.log" 2>&1
+  grep -E 'test result|panicked|FAILED' "$L/parity.log" | head -12
+  for p in ${PROFILES-rtx5090}; do
+    echo "== parity of B under $p"
+    SALA_DEVICE_PROFILE=$p timeout 300 .gpu-b/gpu_parity --include-ignored --test-threads=1 > "$L/parity_$p.log" 2>&1
+    grep -E 'test result|panicked|FAILED' "$L/parity_$p.log" | head -12
+  done
+fi
+i=0
+for args in "$@"; do
+  i=$((i + 1))
+  echo "== bench $i: sala bench --device cuda $args"
+  for round in 1 2; do
+    for side in A B; do
+      dir=.gpu; [ $side = B ] && dir=.gpu-b
+      # shellcheck disable=SC2086
+      timeout 280 $dir/sala bench --device cuda $args > "$L/bench${i}_${side}${round}.txt" 2>&1
+      echo "-- $side (round $round):"
+      grep -vE '^kernel |^note|^ *$' "$L/bench${i}_${side}${round}.txt" | tail -4
+    done
+  done
+done
