@@ -20,6 +20,7 @@ mod graphs;
 pub mod kernels;
 pub mod libs;
 pub mod memory;
+pub mod nccl;
 mod ops;
 pub mod options;
 pub mod plan;

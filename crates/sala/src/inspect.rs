@@ -92,6 +92,15 @@ fn describe_gpu(be: &CudaBackend, c: &ModelConfig, chunk: usize) -> Result<()> {
             .map_or(String::new(), |b| format!(", {:.2} TB/s", b / 1000.0)),
         if l.hopper_instructions { "yes" } else { "no" }
     );
+    // The library several GPUs would talk through (issue 21: not used by a forward yet).
+    match sala_cuda::nccl::load() {
+        Ok(n) => println!(
+            "nccl            {} ({})",
+            n.version().unwrap_or_else(|e| e),
+            n.path().display()
+        ),
+        Err(e) => println!("nccl            {e}"),
+    }
     let shape = CheckShape {
         attn: AttnShape {
             heads: c.num_attention_heads,

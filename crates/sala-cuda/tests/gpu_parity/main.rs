@@ -70,5 +70,6 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 mod model;
+mod nccl;
 mod ops;
 mod quantized;
