@@ -51,7 +51,11 @@ fn search_dirs() -> Vec<PathBuf> {
     }
     dirs.push("/usr/local/cuda/lib64".into());
     dirs.push("/usr/lib/x86_64-linux-gnu".into());
-    let mut lib_roots: Vec<PathBuf> = vec!["/usr/local/lib".into(), "/usr/lib".into()];
+    let mut lib_roots: Vec<PathBuf> = vec![
+        "/usr/local/lib".into(),
+        "/usr/lib".into(),
+        "/opt/conda/lib".into(),
+    ];
     for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
         if let Some(p) = std::env::var_os(var) {
             lib_roots.push(PathBuf::from(p).join("lib"));
