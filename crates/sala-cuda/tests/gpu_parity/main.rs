@@ -69,6 +69,19 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
         .collect()
 }
 
+/// `values` (bf16-exact) uploaded as a norm weight vector.
+fn gpu_vector(g: &CudaBackend, values: &[f32]) -> <CudaBackend as Backend>::Vector {
+    g.upload_vector(
+        "w",
+        HostTensor {
+            dtype: HostDType::Bf16,
+            shape: &[values.len()],
+            bytes: &bf16_bytes(values),
+        },
+    )
+    .unwrap()
+}
+
 mod model;
 mod nccl;
 mod ops;

@@ -19,16 +19,7 @@ fn elementwise_ops_match_cpu() {
         CpuBackend
             .rms_norm(&cpu_act(&x, cols), &w, 1e-6, &mut c_out)
             .unwrap();
-        let gv = g
-            .upload_vector(
-                "w",
-                HostTensor {
-                    dtype: HostDType::Bf16,
-                    shape: &[cols],
-                    bytes: &bf16_bytes(&w),
-                },
-            )
-            .unwrap();
+        let gv = gpu_vector(&g, &w);
         let mut g_out = g.act_from_host(&vec![0.0; n], cols).unwrap();
         g.rms_norm(&g.act_from_host(&x, cols).unwrap(), &gv, 1e-6, &mut g_out)
             .unwrap();
@@ -234,16 +225,7 @@ fn embed_matmul_head_norm_rope_match_cpu() {
         let w = rng.bf16_vec(d, 0.5, 1.5);
         let inv = rope_inv_freq(d, 10000.0);
         let cw = w.clone();
-        let gw = g
-            .upload_vector(
-                "n",
-                HostTensor {
-                    dtype: HostDType::Bf16,
-                    shape: &[d],
-                    bytes: &bf16_bytes(&w),
-                },
-            )
-            .unwrap();
+        let gw = gpu_vector(&g, &w);
         let ginv = g.upload_table(&inv).unwrap();
         for (norm, rope) in [(true, true), (false, true), (true, false)] {
             let mut c = cpu_act(&x, cols);

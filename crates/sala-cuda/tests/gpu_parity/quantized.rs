@@ -434,16 +434,7 @@ fn fp8_codes_made_by_norms_are_those_the_products_make() {
     };
     let gw = g.upload_fp8("w", m).unwrap();
     let w = rng.bf16_vec(inner, 0.5, 1.5);
-    let gv = g
-        .upload_vector(
-            "norm",
-            HostTensor {
-                dtype: HostDType::Bf16,
-                shape: &[inner],
-                bytes: &bf16_bytes(&w),
-            },
-        )
-        .unwrap();
+    let gv = gpu_vector(&g, &w);
     let mut a100 = base.clone();
     a100.set_device_profile("a100").unwrap();
     for (name, options) in [("own plans", base.clone()), ("as an A100", a100)] {
