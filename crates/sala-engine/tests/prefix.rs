@@ -50,28 +50,18 @@ fn run(e: &mut Engine<CpuBackend>, prompt: &[u32], o: &GenerateOptions) -> Run {
 /// Requests admitted together in one batch, run to their ends.
 fn together(e: &mut Engine<CpuBackend>, prompts: &[Vec<u32>], o: &GenerateOptions) -> Vec<Run> {
     let out: RefCell<Vec<Run>> = RefCell::new(vec![(Vec::new(), 0); prompts.len()]);
-    let mut batch = e.batch();
-    for (i, p) in prompts.iter().enumerate() {
-        let out = &out;
-        let client = move |ev: StepEvent<'_>| {
-            let r = &mut out.borrow_mut()[i];
-            match ev {
-                StepEvent::Token(s) => {
-                    if let Some(t) = s.token {
-                        r.0.push((t.id, t.logprobs.as_ref().map_or(0, |l| l.logprob.to_bits())));
-                    }
+    common::run_together(e, prompts.iter().map(|p| (p, o)), &|i, ev| {
+        let r = &mut out.borrow_mut()[i];
+        match ev {
+            StepEvent::Token(s) => {
+                if let Some(t) = s.token {
+                    r.0.push((t.id, t.logprobs.as_ref().map_or(0, |l| l.logprob.to_bits())));
                 }
-                StepEvent::Done(d) => r.1 = d.unwrap().cached_tokens,
-                _ => {}
             }
-            true
-        };
-        e.admit(&mut batch, p.clone(), o, None, client).unwrap();
-    }
-    while !batch.is_empty() {
-        e.step(&mut batch);
-    }
-    drop(batch);
+            StepEvent::Done(d) => r.1 = d.unwrap().cached_tokens,
+            _ => {}
+        }
+    });
     out.into_inner()
 }
 

@@ -247,25 +247,13 @@ fn invalid_schemas_are_refused_naming_response_format() {
 /// Every request's generated token ids, run as one batch that all join at once.
 fn batched(e: &mut Engine<CpuBackend>, ps: &[Vec<u32>], os: &[GenerateOptions]) -> Vec<Vec<u32>> {
     let out: RefCell<Vec<Vec<u32>>> = RefCell::new(vec![Vec::new(); ps.len()]);
-    let mut batch = e.batch();
-    for (i, (p, o)) in ps.iter().zip(os).enumerate() {
-        let out = &out;
-        let client = move |ev: StepEvent<'_>| {
-            match ev {
-                StepEvent::Token(s) => out.borrow_mut()[i].extend(s.token.map(|t| t.id)),
-                StepEvent::Done(r) => {
-                    r.unwrap();
-                }
-                _ => {}
-            }
-            true
-        };
-        e.admit(&mut batch, p.clone(), o, None, client).unwrap();
-    }
-    while !batch.is_empty() {
-        e.step(&mut batch);
-    }
-    drop(batch);
+    common::run_together(e, ps.iter().zip(os), &|i, ev| match ev {
+        StepEvent::Token(s) => out.borrow_mut()[i].extend(s.token.map(|t| t.id)),
+        StepEvent::Done(r) => {
+            r.unwrap();
+        }
+        _ => {}
+    });
     out.into_inner()
 }
 

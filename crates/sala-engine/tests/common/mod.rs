@@ -1,11 +1,12 @@
 //! What the engine's test files share: the tiny preset's engine on the CPU over a random
-//! checkpoint, and generation options.
+//! checkpoint, generation options, and a batch of requests run together.
 #![allow(dead_code)] // each test file uses its part
 
 use sala_checkpoint::{preset, write_random_checkpoint, ModelConfig, WriteOptions};
 use sala_cpu::CpuBackend;
 use sala_engine::generate::{Engine, GenerateOptions};
 use sala_engine::sampling::SamplingParams;
+use sala_engine::step::StepEvent;
 use std::path::Path;
 
 /// The tiny preset's engine on the CPU, reading prompts in chunks of `chunk` tokens, over a
@@ -59,5 +60,25 @@ pub fn seeded(temperature: f32, seed: u64) -> SamplingParams {
         temperature,
         seed: Some(seed),
         ..SamplingParams::default()
+    }
+}
+
+/// Admits every request (a prompt and its options) into one batch, each one's events to
+/// `on_event(its index, event)`, and steps until all have ended.
+pub fn run_together<'a>(
+    e: &mut Engine<CpuBackend>,
+    requests: impl IntoIterator<Item = (&'a Vec<u32>, &'a GenerateOptions)>,
+    on_event: &dyn Fn(usize, StepEvent<'_>),
+) {
+    let mut batch = e.batch();
+    for (i, (p, o)) in requests.into_iter().enumerate() {
+        let client = move |ev: StepEvent<'_>| {
+            on_event(i, ev);
+            true
+        };
+        e.admit(&mut batch, p.clone(), o, None, client).unwrap();
+    }
+    while !batch.is_empty() {
+        e.step(&mut batch);
     }
 }
