@@ -122,6 +122,14 @@ impl CudaBackend {
                 p.limits.cc >= (8, 9) || p.gemv_fits(out.rows, out.cols)
             };
         if !wanted {
+            // Codes made before for these rows would no longer be theirs.
+            if self
+                .fresh_f8
+                .get()
+                .is_some_and(|(p, ..)| p == self.act_ptr(out))
+            {
+                self.fresh_f8.set(None);
+            }
             return Ok((0, 0));
         }
         let scratch = self.f8_input_scratch(out.rows, out.cols, true)?;

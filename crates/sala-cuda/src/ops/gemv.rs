@@ -146,8 +146,10 @@ impl CudaBackend {
     /// `rows` product inputs (`k` wide, at `xp`) as FP8 rows in scratch: their codes when
     /// `codes`, else their bf16 values; returns (inputs, scales).
     fn quantize_inputs(&self, xp: u64, rows: usize, k: usize, codes: bool) -> BResult<(u64, u64)> {
-        // Made by the norm that wrote these rows (`norm_codes`): nothing left to do.
-        if codes && self.fresh_f8.take() == Some((xp, rows, k)) {
+        // Made by the norm that wrote these rows (`norm_codes`): nothing left to do. Either way
+        // the scratch is this product's from here on.
+        let fresh = self.fresh_f8.take();
+        if codes && fresh == Some((xp, rows, k)) {
             return self.f8_input_scratch(rows, k, true);
         }
         let (inputs, scales) = self.f8_input_scratch(rows, k, codes)?;
