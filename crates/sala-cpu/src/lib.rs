@@ -401,6 +401,7 @@ impl Backend for CpuBackend {
 
     fn random_matrix(
         &self,
+        name: &str,
         rows: usize,
         cols: usize,
         seed: u64,
@@ -408,14 +409,21 @@ impl Backend for CpuBackend {
         std: f32,
     ) -> BResult<CpuMatrix> {
         Ok(CpuMatrix {
-            data: self.random_vector(rows * cols, seed, mean, std)?,
+            data: self.random_vector(name, rows * cols, seed, mean, std)?,
             rows,
             cols,
             fp8_scales: None,
         })
     }
 
-    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<Vec<f32>> {
+    fn random_vector(
+        &self,
+        _name: &str,
+        len: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<Vec<f32>> {
         Ok((0..len as u64)
             .into_par_iter()
             .map(|i| random_normal(i, seed, mean, std))
@@ -488,8 +496,8 @@ impl Backend for CpuBackend {
             ));
         }
         let n = tokens * cache.shape.kv_width();
-        let k = self.random_vector(n, seed, 0.0, RANDOM_KV_STD)?;
-        let v = self.random_vector(n, seed ^ 1, 0.0, RANDOM_KV_STD)?;
+        let k = self.random_vector("keys", n, seed, 0.0, RANDOM_KV_STD)?;
+        let v = self.random_vector("values", n, seed ^ 1, 0.0, RANDOM_KV_STD)?;
         cache.reserve(cfg, tokens).map_err(BackendError)?;
         cache.append(&k, &v);
         Ok(())
@@ -521,7 +529,7 @@ impl Backend for CpuBackend {
     }
 
     fn fill_lightning_state_random(&self, state: &mut Vec<f32>, seed: u64) -> BResult<()> {
-        *state = self.random_vector(state.len(), seed, 0.0, RANDOM_STATE_STD)?;
+        *state = self.random_vector("state", state.len(), seed, 0.0, RANDOM_STATE_STD)?;
         Ok(())
     }
 
@@ -614,6 +622,54 @@ impl Backend for CpuBackend {
             .zip(gate.data.par_iter())
             .for_each(|(v, &z)| *v = bf16_round(*v * bf16_round(sigmoid(z))));
         Ok(())
+    }
+
+    fn row_sums_of_squares(&self, x: &CpuAct, sums: &mut Vec<f32>) -> BResult<()> {
+        if sums.len() < x.rows {
+            return Err(BackendError(format!(
+                "row sums of squares: a table of {} entries for {} rows",
+                sums.len(),
+                x.rows
+            )));
+        }
+        for (s, row) in sums.iter_mut().zip(x.data.chunks(x.cols).take(x.rows)) {
+            *s = row.iter().map(|&v| v * v).sum();
+        }
+        Ok(())
+    }
+
+    fn rms_norm_gate_with_sums(
+        &self,
+        x: &CpuAct,
+        sums: &Vec<f32>,
+        width: usize,
+        w: &Vec<f32>,
+        eps: f32,
+        gate: Option<&CpuAct>,
+        out: &mut CpuAct,
+    ) -> BResult<()> {
+        if sums.len() < x.rows || w.len() != x.cols || out.cols != x.cols || width < x.cols {
+            return Err(BackendError(format!(
+                "norm of split rows: {} rows of {} columns (of {width}), {} sums, a weight of {}, \
+                 an output of {} columns",
+                x.rows,
+                x.cols,
+                sums.len(),
+                w.len(),
+                out.cols
+            )));
+        }
+        let rows = x.data.chunks(x.cols).zip(out.data.chunks_mut(x.cols));
+        for ((xr, o), &s) in rows.take(x.rows).zip(sums.iter()) {
+            let r = 1.0 / (s / width as f32 + eps).sqrt();
+            for ((o, &xi), &wi) in o.iter_mut().zip(xr).zip(w) {
+                *o = bf16_round(bf16_round(xi * r) * wi);
+            }
+        }
+        match gate {
+            Some(g) => self.sigmoid_gate(out, g),
+            None => Ok(()),
+        }
     }
 
     fn rope(
@@ -749,4 +805,56 @@ impl Backend for CpuBackend {
     fn to_host(&self, a: &CpuAct) -> BResult<Vec<f32>> {
         Ok(a.data.clone())
     }
+}
+
+/// Tensor parallelism's sums among CPU ranks (simulated ranks, all in this process): in rank
+/// order, in f32, an activation's sum rounded to bf16 as every op's output is.
+pub struct HostSum;
+
+impl sala_model::ranks::Collective<CpuBackend> for HostSum {
+    fn sum_acts(&self, _ranks: &[CpuBackend], parts: &mut [&mut CpuAct]) -> BResult<()> {
+        let sums = host_sums(parts.iter().map(|p| &p.data[..p.rows * p.cols]))?;
+        for p in parts.iter_mut() {
+            for (d, &s) in p.data.iter_mut().zip(&sums) {
+                *d = bf16_round(s);
+            }
+        }
+        Ok(())
+    }
+
+    fn sum_tables(
+        &self,
+        _ranks: &[CpuBackend],
+        parts: &mut [&mut Vec<f32>],
+        len: usize,
+    ) -> BResult<()> {
+        let sums = host_sums(parts.iter().map(|p| p.get(..len).unwrap_or(&[])))?;
+        if sums.len() != len {
+            return Err(BackendError(format!(
+                "a table sum of {len} entries over shorter tables"
+            )));
+        }
+        for p in parts.iter_mut() {
+            p[..len].copy_from_slice(&sums);
+        }
+        Ok(())
+    }
+}
+
+/// The element-wise f32 sum of equally long slices, in order.
+fn host_sums<'a>(mut parts: impl Iterator<Item = &'a [f32]>) -> BResult<Vec<f32>> {
+    let mut sums = parts.next().unwrap_or(&[]).to_vec();
+    for p in parts {
+        if p.len() != sums.len() {
+            return Err(BackendError(format!(
+                "ranks' sums of {} and {} values",
+                sums.len(),
+                p.len()
+            )));
+        }
+        for (s, &v) in sums.iter_mut().zip(p) {
+            *s += v;
+        }
+    }
+    Ok(sums)
 }

@@ -58,16 +58,24 @@ impl Backend for ReferenceBackend {
     }
     fn random_matrix(
         &self,
+        name: &str,
         rows: usize,
         cols: usize,
         seed: u64,
         mean: f32,
         std: f32,
     ) -> BResult<CpuMatrix> {
-        CpuBackend.random_matrix(rows, cols, seed, mean, std)
+        CpuBackend.random_matrix(name, rows, cols, seed, mean, std)
     }
-    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<Vec<f32>> {
-        CpuBackend.random_vector(len, seed, mean, std)
+    fn random_vector(
+        &self,
+        name: &str,
+        len: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<Vec<f32>> {
+        CpuBackend.random_vector(name, len, seed, mean, std)
     }
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<CpuAct> {
         CpuBackend.alloc(max_rows, cols)

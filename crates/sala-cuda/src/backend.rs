@@ -349,6 +349,7 @@ impl Backend for CudaBackend {
 
     fn random_matrix(
         &self,
+        _name: &str,
         rows: usize,
         cols: usize,
         seed: u64,
@@ -426,7 +427,14 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<CudaSlice<u16>> {
+    fn random_vector(
+        &self,
+        _name: &str,
+        len: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<CudaSlice<u16>> {
         self.random_bf16(len, seed, mean, std)
     }
 

@@ -220,15 +220,24 @@ pub trait Backend {
     fn upload_table(&self, data: &[f32]) -> BResult<Self::Table>;
     /// A `[rows, cols]` matrix of seeded normal values `mean + std·z` rounded to bf16, with
     /// `|z|` kept away from 0 so that no weight is zero (benchmarks without a checkpoint).
+    /// `name` is the weight's (tensor parallelism takes its part of it by name).
     fn random_matrix(
         &self,
+        name: &str,
         rows: usize,
         cols: usize,
         seed: u64,
         mean: f32,
         std: f32,
     ) -> BResult<Self::Matrix>;
-    fn random_vector(&self, len: usize, seed: u64, mean: f32, std: f32) -> BResult<Self::Vector>;
+    fn random_vector(
+        &self,
+        name: &str,
+        len: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<Self::Vector>;
     /// A `[rows, cols]` 4-bit matrix in groups of `group` with seeded random values of about
     /// `std` (uniform 4-bit values around a zero of 8; benchmarks of 4-bit weights).
     fn random_quantized(
@@ -316,6 +325,11 @@ pub trait Backend {
 
     /// A buffer with room for `max_rows` rows of `cols`; its row count starts at `max_rows`.
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<Self::Act>;
+    /// [`Backend::alloc`] for an activation whose columns tensor parallelism splits among its
+    /// ranks (heads, the MLP's width); a backend of one device holds them all.
+    fn alloc_split(&self, max_rows: usize, cols: usize) -> BResult<Self::Act> {
+        self.alloc(max_rows, cols)
+    }
     /// Sets the row count of `a` (at most its capacity) before an op writes it.
     fn set_rows(&self, a: &mut Self::Act, rows: usize);
     /// Copies rows `src_row..src_row + n` of `src` over rows `dst_row..` of `dst` (same
@@ -520,6 +534,33 @@ pub trait Backend {
             Some(g) => self.sigmoid_gate(out, g),
             None => Ok(()),
         }
+    }
+    /// Tensor parallelism: each row's sum of squares of `x` (f32, not rounded) into the first
+    /// entries of `sums`, a table of at least `x`'s rows.
+    fn row_sums_of_squares(&self, _x: &Self::Act, _sums: &mut Self::Table) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: no tensor parallelism (row sums of squares)",
+            self.name()
+        )))
+    }
+    /// Tensor parallelism: [`Backend::rms_norm_gate`] of rows whose columns are split among
+    /// ranks, each row's mean square given as `sums[r] / width` (the sums over every rank's
+    /// columns, `width` the whole row's).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_gate_with_sums(
+        &self,
+        _x: &Self::Act,
+        _sums: &Self::Table,
+        _width: usize,
+        _w: &Self::Vector,
+        _eps: f32,
+        _gate: Option<&Self::Act>,
+        _out: &mut Self::Act,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: no tensor parallelism (a norm of split rows)",
+            self.name()
+        )))
     }
     /// RoPE (rotate-half, SPEC §7) of every head (of `head_dim` features) of `q` and `k`, in
     /// place: span `i`'s rows at positions `pos..`, each value rounded to bf16 (as the

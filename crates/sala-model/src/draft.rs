@@ -234,7 +234,7 @@ impl<B: Backend> DraftModel<B> {
             seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ n
         };
         let mut mat = |rows: usize, cols: usize| {
-            be.random_matrix(rows, cols, next(), 0.0, (1.0 / cols as f32).sqrt())
+            be.random_matrix("draft", rows, cols, next(), 0.0, (1.0 / cols as f32).sqrt())
         };
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let q = c.num_attention_heads * c.head_dim;
@@ -242,7 +242,7 @@ impl<B: Backend> DraftModel<B> {
         let (qkv_embed, qkv_hidden) = (mat(c.qkv_width(), h)?, mat(c.qkv_width(), h)?);
         let (o_proj, gate_up, down_proj) = (mat(h, q)?, mat(2 * i, h)?, mat(h, i)?);
         let lm_head = mat(c.draft_vocab_size, h)?;
-        let norm = |k: u64| be.random_vector(h, seed ^ k, 1.0, 0.0);
+        let norm = |k: u64| be.random_vector("draft", h, seed ^ k, 1.0, 0.0);
         let step = c.vocab_size / c.draft_vocab_size.max(1);
         Ok(Self {
             embed: None,

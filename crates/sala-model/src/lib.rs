@@ -9,6 +9,7 @@ pub mod model;
 pub mod numerics;
 pub mod oracle;
 pub mod parallel;
+pub mod ranks;
 pub mod sequence;
 pub mod testing;
 

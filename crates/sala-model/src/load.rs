@@ -171,7 +171,7 @@ impl<B: Backend> Loader<'_, B> {
                     return be.random_quantized(r.shape[0], r.shape[1], group, r.seed, r.std);
                 }
             }
-            return be.random_matrix(r.shape[0], r.shape[1], r.seed, r.mean, r.std);
+            return be.random_matrix(name, r.shape[0], r.shape[1], r.seed, r.mean, r.std);
         }
         if let Source::Weights(w) = &self.src {
             let mut out = None;
@@ -190,7 +190,7 @@ impl<B: Backend> Loader<'_, B> {
         self.step();
         let be = self.be;
         match self.random_spec(name)? {
-            Some(r) => be.random_vector(r.shape[0], r.seed, r.mean, r.std),
+            Some(r) => be.random_vector(name, r.shape[0], r.seed, r.mean, r.std),
             None => self.fetch(name, |t| be.upload_vector(name, t)),
         }
     }

@@ -684,7 +684,11 @@ impl<B: Backend> Model<B> {
         let max_rows = chunk + decode_rows;
         let bufs = workspace_columns(&self.config)
             .iter()
-            .map(|&(_, cols)| be.alloc(max_rows, cols))
+            .map(|&(name, cols)| match name {
+                // The residual stream and what its norms make: whole on every rank.
+                "h" | "a" | "branch" => be.alloc(max_rows, cols),
+                _ => be.alloc_split(max_rows, cols),
+            })
             .collect::<BResult<Vec<_>>>()?;
         let Ok([h, a, branch, q, o, z, ks, vs, kl, vl, gate_up, act]) =
             <[B::Act; WORKSPACE_BUFFERS]>::try_from(bufs)

@@ -19,6 +19,14 @@ pub struct Shard {
     pub cols: Range<usize>,
 }
 
+impl Shard {
+    /// Whether the weight is split by its inputs (o_proj, down_proj): each rank's product is
+    /// a partial sum of the whole output. The others are split by outputs, or are vectors.
+    pub fn splits_inputs(&self) -> bool {
+        matches!(self.name, "o_proj" | "down_proj")
+    }
+}
+
 /// Tensor parallelism over `ranks` ranks. Lightning layers split by heads (their q, k, v, z
 /// rows, o_proj's columns, o_norm's entries: o_norm is one RMSNorm over all heads, so the
 /// ranks add their rows' sums of squares before it); the MLP by the intermediate dimension
@@ -61,6 +69,17 @@ impl TensorParallel {
             ));
         }
         Ok(Self { ranks })
+    }
+
+    /// The shape of one rank's part of the model: its heads, KV heads and MLP width (what its
+    /// caches, states and workspace hold). Past the sparse layers' KV heads a rank holds one.
+    pub fn rank_config(&self, config: &ModelConfig) -> ModelConfig {
+        let mut c = config.clone();
+        c.num_attention_heads /= self.ranks;
+        c.num_key_value_heads = (c.num_key_value_heads / self.ranks).max(1);
+        c.lightning_nkv /= self.ranks;
+        c.intermediate_size /= self.ranks;
+        c
     }
 
     /// Rank `rank`'s query heads and KV heads in a sparse layer: an even share of the query

@@ -3,7 +3,7 @@
 //! memory plan, as a table and as JSON; optionally the same on the all-dense variant of the
 //! same size, with the TTFT ratio.
 
-use crate::device::{cap_caches, memory_limit, user_memory_limit, DeviceArgs, DeviceStats, Opened};
+use crate::device::{cap_caches, memory_limit, user_memory_limit, DeviceArgs, DeviceStats};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use sala_checkpoint::{expected_parameter_count, preset, MixerKind, ModelConfig};
@@ -275,12 +275,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if args.repeat == 0 {
             bail!("--repeat must be at least 1");
         }
-        let rows = match (args.device.open()?, op.as_str()) {
-            (Opened::Cpu(be), "lightning") => lightning_op(&be, &config, &contexts, &args),
-            (Opened::Cuda(be), "lightning") => lightning_op(be.as_ref(), &config, &contexts, &args),
-            (Opened::Cpu(be), _) => sparse_op(&be, &config, &contexts, &args),
-            (Opened::Cuda(be), _) => sparse_op(be.as_ref(), &config, &contexts, &args),
-        }?;
+        let opened = args.device.open(|| Ok(config.clone()))?;
+        let rows = crate::on_backend!(opened, be => match op.as_str() {
+            "lightning" => lightning_op(&be, &config, &contexts, &args),
+            _ => sparse_op(&be, &config, &contexts, &args),
+        })?;
         if let Some(path) = &args.json {
             std::fs::write(
                 path,
@@ -296,17 +295,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map(|s| BenchDrafts::parse(s))
         .collect::<Result<Vec<_>>>()?;
     if !modes.is_empty() && args.concurrent.is_none() {
-        let doc = match args.device.open()? {
-            Opened::Cpu(be) => speculative(be, &config, &contexts, &modes, &args),
-            Opened::Cuda(be) => speculative(*be, &config, &contexts, &modes, &args),
-        }?;
+        let opened = args.device.open(|| Ok(config.clone()))?;
+        let doc =
+            crate::on_backend!(opened, be => speculative(be, &config, &contexts, &modes, &args))?;
         return write_json(&args.json, &doc);
     }
     if args.follow_up {
-        let doc = match args.device.open()? {
-            Opened::Cpu(be) => follow_up::follow_up(be, &config, &contexts, &args),
-            Opened::Cuda(be) => follow_up::follow_up(*be, &config, &contexts, &args),
-        }?;
+        let opened = args.device.open(|| Ok(config.clone()))?;
+        let doc =
+            crate::on_backend!(opened, be => follow_up::follow_up(be, &config, &contexts, &args))?;
         return write_json(&args.json, &doc);
     }
     if let Some(n) = args.concurrent {
@@ -314,17 +311,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
             bail!("--concurrent and --decode-tokens must be at least 1");
         }
         let len = contexts[0];
-        let doc = match args.device.open()? {
-            Opened::Cpu(be) => concurrent(be, &config, len, n, &modes, &args),
-            Opened::Cuda(be) => concurrent(*be, &config, len, n, &modes, &args),
-        }?;
+        let opened = args.device.open(|| Ok(config.clone()))?;
+        let doc = crate::on_backend!(opened, be => concurrent(be, &config, len, n, &modes, &args))?;
         return write_json(&args.json, &doc);
     }
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
-    match args.device.open()? {
-        Opened::Cpu(be) => bench_on(&be, &args, config, &contexts, user_limit),
-        Opened::Cuda(be) => bench_on(be.as_ref(), &args, config, &contexts, user_limit),
-    }
+    let opened = args.device.open(|| Ok(config.clone()))?;
+    crate::on_backend!(opened, be => bench_on(&be, &args, config, &contexts, user_limit))
 }
 
 /// Writes `doc` to `path` (`--json`), when given.

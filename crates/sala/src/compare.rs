@@ -4,7 +4,7 @@
 //! KL(A ‖ B) of the next-token distributions and whether the greedy tokens agree; and how many
 //! greedy continuations come out the same.
 
-use crate::device::{DeviceArgs, Opened, RunChoices};
+use crate::device::{DeviceArgs, RunChoices};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use sala_checkpoint::{Checkpoint, KvCacheDtype};
@@ -73,10 +73,8 @@ pub fn run(args: CompareArgs) -> Result<()> {
             b.config().vocab_size
         );
     }
-    match args.device.open()? {
-        Opened::Cpu(be) => compare_on(&be, &a, &b, &args),
-        Opened::Cuda(be) => compare_on(be.as_ref(), &a, &b, &args),
-    }
+    let opened = args.device.open(|| Ok(a.config().clone()))?;
+    crate::on_backend!(opened, be => compare_on(&be, &a, &b, &args))
 }
 
 /// Softmax of `x` in f64.

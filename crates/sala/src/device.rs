@@ -3,9 +3,10 @@
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use sala_checkpoint::{Checkpoint, KvCacheDtype, ModelConfig};
-use sala_cpu::CpuBackend;
+use sala_cpu::{CpuBackend, HostSum};
 use sala_cuda::{CudaBackend, CudaOptions};
 use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan};
+use sala_model::ranks::Ranks;
 use sala_model::Backend;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +21,26 @@ pub enum Device {
 pub enum Opened {
     Cpu(CpuBackend),
     Cuda(Box<CudaBackend>),
+    /// Tensor parallelism over simulated ranks on the CPU (`--tensor-parallel N --device cpu`).
+    CpuRanks(Box<Ranks<CpuBackend>>),
+}
+
+/// `$body` with `$be` bound to the opened backend (by value), whatever its kind.
+#[macro_export]
+macro_rules! on_backend {
+    ($opened:expr, $be:ident => $body:expr) => {
+        match $opened {
+            $crate::device::Opened::Cpu($be) => $body,
+            $crate::device::Opened::Cuda($be) => {
+                let $be = *$be;
+                $body
+            }
+            $crate::device::Opened::CpuRanks($be) => {
+                let $be = *$be;
+                $body
+            }
+        }
+    };
 }
 
 impl Device {
@@ -84,6 +105,11 @@ pub struct DeviceArgs {
     /// about half the memory; compressed keys and lightning states stay as they are).
     #[arg(long, value_name = "DTYPE", default_value = "bf16")]
     pub kv_cache_dtype: String,
+    /// Split the model over N ranks (tensor parallelism: attention heads and the MLP's width
+    /// split, partial sums added across the ranks). With --device cpu, N simulated ranks in
+    /// this process (for tests; no faster than one).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub tensor_parallel: usize,
     /// Quantize a bf16 checkpoint's decoder linears as it loads: fp8 (E4M3 weights with a
     /// scale per output channel, inputs made E4M3 per token; embeddings, norms and lm_head
     /// stay bf16), or none.
@@ -129,8 +155,36 @@ impl DeviceArgs {
         })
     }
 
-    pub fn open(&self) -> Result<Opened> {
-        Device::parse(&self.device)?.open_with(self.cuda_options()?)
+    /// Opens the device; with `--tensor-parallel N` above 1, N ranks for the model whose
+    /// config `config` reads (asked only then).
+    pub fn open(&self, config: impl FnOnce() -> Result<ModelConfig>) -> Result<Opened> {
+        let device = Device::parse(&self.device)?;
+        let n = self.tensor_parallel;
+        if n == 0 {
+            bail!("--tensor-parallel must be at least 1");
+        }
+        if n == 1 {
+            return device.open_with(self.cuda_options()?);
+        }
+        let gpu = match device {
+            Device::Cpu => false,
+            Device::Cuda(_) => true,
+            Device::Auto => CudaBackend::new(0, self.cuda_options()?).is_ok(),
+        };
+        if gpu {
+            bail!(
+                "--tensor-parallel {n}: tensor parallelism over GPUs (NCCL) is not in this \
+                 build yet; --device cpu runs {n} simulated ranks"
+            );
+        }
+        let config = config()?;
+        let ranks = Ranks::new(
+            (0..n).map(|_| CpuBackend).collect(),
+            Box::new(HostSum),
+            &config,
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+        Ok(Opened::CpuRanks(Box::new(ranks)))
     }
 
     /// The CUDA options of the environment and these flags.
@@ -203,6 +257,45 @@ impl DeviceStats for CpuBackend {
     }
     fn host_wait(&self) -> Option<std::time::Duration> {
         None
+    }
+}
+
+/// Each rank's device holds its part: memory in use is the fullest rank's, the total the
+/// smallest rank's.
+impl<B: Backend + DeviceStats> DeviceStats for Ranks<B> {
+    fn memory_in_use(&self) -> Option<usize> {
+        self.ranks()
+            .iter()
+            .map(|b| b.memory_in_use())
+            .max()
+            .flatten()
+    }
+    fn total_memory(&self) -> Option<usize> {
+        self.ranks()
+            .iter()
+            .map(|b| b.total_memory())
+            .min()
+            .flatten()
+    }
+    fn total_memory_source(&self) -> String {
+        format!("{} (a rank's)", self.ranks()[0].total_memory_source())
+    }
+    fn host_wait(&self) -> Option<std::time::Duration> {
+        self.ranks().iter().map(|b| b.host_wait()).max().flatten()
+    }
+    fn synchronize(&self) -> anyhow::Result<()> {
+        self.ranks().iter().try_for_each(|b| b.synchronize())
+    }
+    fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
+        self.ranks()[0].profile()
+    }
+    fn page_pool(&self) -> Option<(usize, usize)> {
+        self.ranks()[0].page_pool()
+    }
+    fn limit_cache_memory(&self, bytes: usize) {
+        for b in self.ranks() {
+            b.limit_cache_memory(bytes);
+        }
     }
 }
 

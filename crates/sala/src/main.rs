@@ -12,8 +12,7 @@ use anyhow::{bail, Context, Result};
 use builtin::builtin_model;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use device::{
-    memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened, PrefixCacheArgs,
-    RunChoices,
+    memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, PrefixCacheArgs, RunChoices,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use sala_checkpoint::{preset, Checkpoint, DType, ModelConfig, WriteOptions};
@@ -318,8 +317,9 @@ fn progress_bar(len: usize, what: &str) -> ProgressBar {
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    let device = Device::parse(&args.device.device)?;
-    let options = args.device.cuda_options()?;
+    // The device flags are checked before anything is read.
+    Device::parse(&args.device.device)?;
+    args.device.cuda_options()?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     set_threads(args.threads)?;
     if args.prefill_chunk == Some(0) {
@@ -337,10 +337,18 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
     };
 
-    match device.open_with(options)? {
-        Opened::Cpu(be) => generate_on(be, &args, &dir, &prompt, user_limit),
-        Opened::Cuda(be) => generate_on(*be, &args, &dir, &prompt, user_limit),
-    }
+    let opened = args
+        .device
+        .open(|| model_config(&dir, args.device.choices()?))?;
+    on_backend!(opened, be => generate_on(be, &args, &dir, &prompt, user_limit))
+}
+
+/// The config of the checkpoint in `dir`, as `choices` run it.
+fn model_config(dir: &Path, choices: RunChoices) -> Result<ModelConfig> {
+    let mut checkpoint =
+        Checkpoint::open(dir).with_context(|| format!("loading {}", dir.display()))?;
+    choices.apply_to(&mut checkpoint);
+    Ok(checkpoint.config().clone())
 }
 
 /// Runs rayon on `n` threads when given (`--threads`).
@@ -883,8 +891,9 @@ struct ServeLoad {
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
-    let device = Device::parse(&args.device.device)?;
-    let options = args.device.cuda_options()?;
+    Device::parse(&args.device.device)?;
+    args.device.cuda_options()?;
+    let device_args = args.device.clone();
     if args.prefill_chunk == Some(0) {
         bail!("--prefill-chunk must be at least 1");
     }
@@ -993,10 +1002,10 @@ fn serve(args: ServeArgs) -> Result<()> {
             runner.memory_limit(limit).max_batch(max_batch).run(engine);
             Ok(())
         }
-        match device.open_with(options).map_err(|e| format!("{e:#}"))? {
-            Opened::Cpu(be) => start(runner, be, load),
-            Opened::Cuda(be) => start(runner, *be, load),
-        }
+        let opened = device_args
+            .open(|| model_config(&load.dir, load.choices))
+            .map_err(|e| format!("{e:#}"))?;
+        on_backend!(opened, be => start(runner, be, load))
     })
     .map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;

@@ -1,7 +1,7 @@
 //! `sala perplexity`: the sliding-window perplexity of a text file
 //! ([`sala_engine::perplexity`]), on any backend, through the engine's own steps.
 
-use crate::device::{memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats, Opened};
+use crate::device::{memory_limit, user_memory_limit, Device, DeviceArgs, DeviceStats};
 use crate::progress_bar;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -51,8 +51,8 @@ pub struct PerplexityArgs {
 }
 
 pub fn run(args: PerplexityArgs) -> Result<()> {
-    let device = Device::parse(&args.device.device)?;
-    let options = args.device.cuda_options()?;
+    Device::parse(&args.device.device)?;
+    args.device.cuda_options()?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     crate::set_threads(args.threads)?;
     if args.prefill_chunk == Some(0) {
@@ -65,10 +65,10 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
         std::fs::read_to_string(&args.file)
             .with_context(|| format!("reading {}", args.file.display()))?
     };
-    match device.open_with(options)? {
-        Opened::Cpu(be) => run_on(be, &args, &dir, &text, user_limit),
-        Opened::Cuda(be) => run_on(*be, &args, &dir, &text, user_limit),
-    }
+    let opened = args
+        .device
+        .open(|| crate::model_config(&dir, args.device.choices()?))?;
+    crate::on_backend!(opened, be => run_on(be, &args, &dir, &text, user_limit))
 }
 
 fn run_on<B: Backend + DeviceStats>(

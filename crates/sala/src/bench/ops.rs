@@ -19,7 +19,7 @@ pub fn lightning_flops(t: usize, heads: usize, d: usize) -> f64 {
 /// Random activations `[rows, cols]`: rows of a random table, gathered with `embed` (a backend
 /// op).
 fn random_act<B: Backend>(be: &B, rows: usize, cols: usize, seed: u64) -> Result<B::Act> {
-    let table = be.random_matrix(rows, cols, seed, 0.0, 1.0)?;
+    let table = be.random_matrix("table", rows, cols, seed, 0.0, 1.0)?;
     let mut act = be.alloc(rows, cols)?;
     let ids: Vec<u32> = (0..rows as u32).collect();
     be.embed(&table, &ids, 1.0, &mut act)?;
@@ -219,7 +219,8 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
             );
             if args.locality != 0.0 {
                 // One random row under every query, `--locality` times over.
-                let shared = be.random_matrix(1, shape.q_width(), args.seed ^ 7, 0.0, 1.0)?;
+                let shared =
+                    be.random_matrix("query", 1, shape.q_width(), args.seed ^ 7, 0.0, 1.0)?;
                 let mut under = be.alloc(rows, shape.q_width())?;
                 be.embed(&shared, &vec![0; rows], 1.0, &mut under)?;
                 be.add_scaled(&mut q, &under, args.locality)?;

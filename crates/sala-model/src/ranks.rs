@@ -1,0 +1,963 @@
+//! Tensor parallelism as a backend. [`Ranks`] holds one backend a rank and runs every op of
+//! the model on each, with that rank's part of the weights (the split of
+//! [`TensorParallel::shards`], taken by weight name as they are uploaded). Products whose
+//! inputs are split among the ranks (o_proj, down_proj) leave each rank a partial sum, which
+//! a [`Collective`] adds across the ranks, as it adds the lightning output norm's sums of
+//! squares. The model, the engine and the server run on it as on any backend.
+
+use crate::backend::{
+    AttnIo, BResult, Backend, BackendError, Fp8Matrix, HostDType, HostTensor, LogitsOut,
+    QuantMatrix, Span, StepInfo,
+};
+use crate::memory::BackendMemory;
+use crate::numerics::random_normal;
+use crate::oracle::{AttnShape, SparseMode};
+use crate::parallel::{Shard, TensorParallel};
+use sala_checkpoint::{expected_tensors, ModelConfig, SparseConfig};
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::ops::Range;
+
+/// The sums across ranks that tensor parallelism needs (NCCL's all-reduce on GPUs).
+pub trait Collective<B: Backend> {
+    /// Each `parts[r]` (rank r's activation; the same shape on every rank) becomes the sum
+    /// over the ranks, rounded as an activation: every rank gets the same values.
+    fn sum_acts(&self, ranks: &[B], parts: &mut [&mut B::Act]) -> BResult<()>;
+    /// The first `len` entries of each rank's table become their f32 sum over the ranks.
+    fn sum_tables(&self, ranks: &[B], parts: &mut [&mut B::Table], len: usize) -> BResult<()>;
+}
+
+/// Which columns of an activation each rank holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds every column (the same values).
+    Whole,
+    /// Each rank holds its part of the columns (its heads, its part of the MLP's width).
+    Columns,
+}
+
+/// An activation on every rank.
+pub struct RankAct<A> {
+    parts: Vec<A>,
+    split: Split,
+    /// Columns of the whole activation.
+    cols: usize,
+    rows: usize,
+}
+
+/// How a weight is split among the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatrixSplit {
+    Whole,
+    /// By output features: a product gives each rank its columns of the output.
+    Rows,
+    /// By input features: a product gives each rank a partial sum of the whole output.
+    Columns,
+}
+
+/// A weight on every rank.
+pub struct RankMatrix<M> {
+    parts: Vec<M>,
+    split: MatrixSplit,
+}
+
+/// A table on every rank: whole, and, where it has an entry per attention head (the
+/// lightning decay slopes), each rank's heads' entries.
+pub struct RankTable<T> {
+    whole: Vec<T>,
+    by_heads: Option<Vec<T>>,
+}
+
+/// Tensor parallelism over the backends of its ranks, one per device.
+pub struct Ranks<B: Backend> {
+    ranks: Vec<B>,
+    collective: Box<dyn Collective<B> + Send>,
+    tp: TensorParallel,
+    /// The whole model's config (the shards are cut from it).
+    config: ModelConfig,
+    /// The model's weights' names: no other weight is taken.
+    weights: HashSet<String>,
+    /// Each rank's f32 scratch for a split norm's row sums, and its length.
+    sums: RefCell<Vec<(usize, B::Table)>>,
+}
+
+fn err(msg: impl Into<String>) -> BackendError {
+    BackendError(format!("tensor parallelism: {}", msg.into()))
+}
+
+/// Rows `rows` and columns `cols` of a row-major `[.., width]` array of `elem`-byte values.
+fn cut_bytes(
+    bytes: &[u8],
+    elem: usize,
+    width: usize,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows.len() * cols.len() * elem);
+    for r in rows.clone() {
+        out.extend_from_slice(
+            &bytes[(r * width + cols.start) * elem..(r * width + cols.end) * elem],
+        );
+    }
+    out
+}
+
+impl<B: Backend> Ranks<B> {
+    /// Tensor parallelism over `ranks` (one backend a rank, in rank order) for a model of
+    /// `config`, summing through `collective`. An error names what does not split.
+    pub fn new(
+        ranks: Vec<B>,
+        collective: Box<dyn Collective<B> + Send>,
+        config: &ModelConfig,
+    ) -> BResult<Self> {
+        let tp = TensorParallel::new(config, ranks.len()).map_err(BackendError)?;
+        let kv = config.num_key_value_heads;
+        if ranks.len() > kv {
+            return Err(err(format!(
+                "{} ranks: the sparse layers have {kv} KV heads; more ranks than that \
+                 (each a copy of one KV head, selection summed across its ranks) are not \
+                 supported yet: use at most {kv}",
+                ranks.len()
+            )));
+        }
+        if config.quantization.is_some() {
+            return Err(err(
+                "4-bit checkpoints are not split among ranks yet; use bf16 weights (or FP8)",
+            ));
+        }
+        let sums = ranks
+            .iter()
+            .map(|be| Ok((1, be.upload_table(&[0.0])?)))
+            .collect::<BResult<_>>()?;
+        Ok(Self {
+            ranks,
+            collective,
+            tp,
+            config: config.clone(),
+            weights: expected_tensors(config)
+                .into_iter()
+                .map(|t| t.name)
+                .collect(),
+            sums: RefCell::new(sums),
+        })
+    }
+
+    /// The ranks' backends, in rank order.
+    pub fn ranks(&self) -> &[B] {
+        &self.ranks
+    }
+
+    /// An error unless `name` is one of the model's weights (a draft model's are not).
+    fn check_weight(&self, name: &str) -> BResult<()> {
+        if !self.weights.contains(name) {
+            return Err(err(format!(
+                "weight {name} is not one of the model's; a draft model (and a single op's \
+                 benchmark) runs on one device only"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Rank `rank`'s part of weight `name`, or `None` for a weight every rank holds whole.
+    fn shard(&self, name: &str, rank: usize) -> Option<Shard> {
+        let rest = name.strip_prefix("model.layers.")?;
+        let (layer, rest) = rest.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        if layer >= self.config.num_hidden_layers {
+            return None;
+        }
+        let module = rest.strip_suffix(".weight")?.rsplit('.').next()?;
+        self.tp
+            .shards(&self.config, layer, rank)
+            .into_iter()
+            .find(|s| s.name == module)
+    }
+
+    /// How weight `name` is split (over one rank too, so that its products' outputs are
+    /// what the activations they go to expect).
+    fn matrix_split(&self, name: &str) -> MatrixSplit {
+        match self.shard(name, 0) {
+            Some(s) if s.splits_inputs() => MatrixSplit::Columns,
+            Some(_) => MatrixSplit::Rows,
+            None => MatrixSplit::Whole,
+        }
+    }
+
+    /// One rank's shape of an attention of the model's shape `shape`.
+    fn rank_shape(&self, shape: AttnShape) -> BResult<AttnShape> {
+        let c = &self.config;
+        let n = self.ranks.len();
+        let ours = shape.heads == c.num_attention_heads
+            && shape.head_dim == c.head_dim
+            && (shape.kv_heads == c.num_key_value_heads || shape.kv_heads == c.lightning_nkv);
+        if !ours || !shape.kv_heads.is_multiple_of(n) {
+            return Err(err(format!(
+                "an attention of {} heads ({} KV) is not one of the model's layers (a draft \
+                 model runs on one device only)",
+                shape.heads, shape.kv_heads
+            )));
+        }
+        Ok(AttnShape {
+            heads: shape.heads / n,
+            kv_heads: shape.kv_heads / n,
+            head_dim: shape.head_dim,
+        })
+    }
+
+    /// Every rank's `f(rank, backend)`, in rank order.
+    fn each<T>(&self, mut f: impl FnMut(usize, &B) -> BResult<T>) -> BResult<Vec<T>> {
+        self.ranks
+            .iter()
+            .enumerate()
+            .map(|(r, be)| f(r, be))
+            .collect()
+    }
+
+    /// Rank `rank`'s part of a tensor: rows and columns of a matrix, entries of a vector.
+    fn upload_part<T>(
+        &self,
+        name: &str,
+        t: HostTensor<'_>,
+        part: &Shard,
+        upload: impl Fn(HostTensor<'_>) -> BResult<T>,
+    ) -> BResult<T> {
+        let elem = match t.dtype {
+            HostDType::F32 => 4,
+            HostDType::Bf16 | HostDType::F16 => 2,
+        };
+        let (bytes, shape) = match *t.shape {
+            [rows, cols] if part.rows.end <= rows && part.cols.end <= cols => (
+                cut_bytes(t.bytes, elem, cols, &part.rows, &part.cols),
+                vec![part.rows.len(), part.cols.len()],
+            ),
+            [len] if part.rows.end <= len => (
+                cut_bytes(t.bytes, elem, 1, &part.rows, &(0..1)),
+                vec![part.rows.len()],
+            ),
+            _ => {
+                return Err(err(format!(
+                    "weight {name}: shape {:?} does not hold rows {:?}, columns {:?}",
+                    t.shape, part.rows, part.cols
+                )))
+            }
+        };
+        upload(HostTensor {
+            dtype: t.dtype,
+            shape: &shape,
+            bytes: &bytes,
+        })
+    }
+
+    /// The values `random_normal` gives a `[.., width]` tensor at rows `rows`, columns `cols`
+    /// (what one device's random weight holds there), as f32 bytes.
+    fn random_part(width: usize, part: &Shard, seed: u64, mean: f32, std: f32) -> Vec<u8> {
+        let cols = part.cols.clone();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let rows: Vec<usize> = part.rows.clone().collect();
+        let per = rows.len().div_ceil(threads).max(1);
+        let mut out = vec![0u8; rows.len() * cols.len() * 4];
+        std::thread::scope(|s| {
+            for (chunk, dst) in rows.chunks(per).zip(out.chunks_mut(per * cols.len() * 4)) {
+                let cols = cols.clone();
+                s.spawn(move || {
+                    let values = chunk.iter().flat_map(|&r| {
+                        cols.clone()
+                            .map(move |c| random_normal((r * width + c) as u64, seed, mean, std))
+                    });
+                    for (d, v) in dst.chunks_exact_mut(4).zip(values) {
+                        d.copy_from_slice(&v.to_le_bytes());
+                    }
+                });
+            }
+        });
+        out
+    }
+
+    fn check_whole(&self, what: &str, a: &RankAct<B::Act>) -> BResult<()> {
+        if a.split != Split::Whole {
+            return Err(err(format!(
+                "{what} takes whole rows, not a rank's columns"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Rank `r`'s parts of a slice of rank activations.
+fn parts_mut<'a, A>(acts: &'a mut [&mut RankAct<A>], r: usize) -> Vec<&'a mut A> {
+    acts.iter_mut().map(|a| &mut a.parts[r]).collect()
+}
+
+impl<B: Backend> Backend for Ranks<B> {
+    type Act = RankAct<B::Act>;
+    type Matrix = RankMatrix<B::Matrix>;
+    type Vector = Vec<B::Vector>;
+    type LightningState = Vec<B::LightningState>;
+    type SparseCache = Vec<B::SparseCache>;
+    type Table = RankTable<B::Table>;
+
+    fn name(&self) -> String {
+        format!(
+            "{} x {} (tensor parallel)",
+            self.ranks.len(),
+            self.ranks[0].name()
+        )
+    }
+
+    fn default_prefill_chunk(&self) -> usize {
+        self.ranks[0].default_prefill_chunk()
+    }
+
+    /// One rank's facts, for its part of the model.
+    fn memory_facts(&self, config: &ModelConfig, rows: usize) -> BackendMemory {
+        self.ranks[0].memory_facts(&self.tp.rank_config(config), rows)
+    }
+
+    fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Matrix> {
+        self.check_weight(name)?;
+        if t.shape.len() != 2 {
+            return Err(err(format!(
+                "weight {name}: shape {:?} is not a matrix",
+                t.shape
+            )));
+        }
+        let split = self.matrix_split(name);
+        let parts = self.each(|r, be| match self.shard(name, r) {
+            Some(part) => self.upload_part(name, t, &part, |p| be.upload_matrix(name, p)),
+            _ => be.upload_matrix(name, t),
+        })?;
+        Ok(RankMatrix { parts, split })
+    }
+
+    fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Vector> {
+        self.check_weight(name)?;
+        self.each(|r, be| match self.shard(name, r) {
+            Some(part) => self.upload_part(name, t, &part, |p| be.upload_vector(name, p)),
+            _ => be.upload_vector(name, t),
+        })
+    }
+
+    fn upload_table(&self, data: &[f32]) -> BResult<Self::Table> {
+        let whole = self.each(|_, be| be.upload_table(data))?;
+        let heads = self.config.num_attention_heads;
+        let by_heads = (data.len() == heads)
+            .then(|| {
+                self.each(|r, be| {
+                    let each = heads / self.ranks.len();
+                    be.upload_table(&data[r * each..(r + 1) * each])
+                })
+            })
+            .transpose()?;
+        Ok(RankTable { whole, by_heads })
+    }
+
+    fn random_matrix(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<Self::Matrix> {
+        self.check_weight(name)?;
+        let split = self.matrix_split(name);
+        let parts = self.each(|r, be| match self.shard(name, r) {
+            Some(part) => {
+                let bytes = Self::random_part(cols, &part, seed, mean, std);
+                let shape = [part.rows.len(), part.cols.len()];
+                be.upload_matrix(
+                    name,
+                    HostTensor {
+                        dtype: HostDType::F32,
+                        shape: &shape,
+                        bytes: &bytes,
+                    },
+                )
+            }
+            _ => be.random_matrix(name, rows, cols, seed, mean, std),
+        })?;
+        Ok(RankMatrix { parts, split })
+    }
+
+    fn random_vector(
+        &self,
+        name: &str,
+        len: usize,
+        seed: u64,
+        mean: f32,
+        std: f32,
+    ) -> BResult<Self::Vector> {
+        self.check_weight(name)?;
+        self.each(|r, be| match self.shard(name, r) {
+            Some(part) => {
+                let bytes = Self::random_part(1, &part, seed, mean, std);
+                let shape = [part.rows.len()];
+                be.upload_vector(
+                    name,
+                    HostTensor {
+                        dtype: HostDType::F32,
+                        shape: &shape,
+                        bytes: &bytes,
+                    },
+                )
+            }
+            _ => be.random_vector(name, len, seed, mean, std),
+        })
+    }
+
+    fn random_quantized(
+        &self,
+        _rows: usize,
+        _cols: usize,
+        _group: usize,
+        _seed: u64,
+        _std: f32,
+    ) -> BResult<Self::Matrix> {
+        Err(err("4-bit weights are not split among ranks yet"))
+    }
+
+    fn upload_quantized(&self, name: &str, _q: QuantMatrix<'_>) -> BResult<Self::Matrix> {
+        Err(err(format!(
+            "weight {name}: 4-bit weights are not split among ranks yet"
+        )))
+    }
+
+    fn upload_fp8(&self, name: &str, m: Fp8Matrix<'_>) -> BResult<Self::Matrix> {
+        self.check_weight(name)?;
+        let split = self.matrix_split(name);
+        let parts = self.each(|r, be| match self.shard(name, r) {
+            Some(part) => {
+                if part.rows.end > m.rows || part.cols.end > m.cols {
+                    return Err(err(format!("weight {name}: not of the model's shape")));
+                }
+                let codes = cut_bytes(m.codes, 1, m.cols, &part.rows, &part.cols);
+                // Each output row keeps its scale: a part of its inputs is scaled alike.
+                be.upload_fp8(
+                    name,
+                    Fp8Matrix {
+                        rows: part.rows.len(),
+                        cols: part.cols.len(),
+                        codes: &codes,
+                        scales: &m.scales[part.rows.clone()],
+                    },
+                )
+            }
+            _ => be.upload_fp8(name, m),
+        })?;
+        Ok(RankMatrix { parts, split })
+    }
+
+    fn random_fp8(
+        &self,
+        _rows: usize,
+        _cols: usize,
+        _seed: u64,
+        _std: f32,
+    ) -> BResult<Self::Matrix> {
+        Err(err(
+            "random FP8 weights are not split among ranks; quantize a checkpoint as it loads",
+        ))
+    }
+
+    fn alloc(&self, max_rows: usize, cols: usize) -> BResult<Self::Act> {
+        Ok(RankAct {
+            parts: self.each(|_, be| be.alloc(max_rows, cols))?,
+            split: Split::Whole,
+            cols,
+            rows: max_rows,
+        })
+    }
+
+    fn alloc_split(&self, max_rows: usize, cols: usize) -> BResult<Self::Act> {
+        let n = self.ranks.len();
+        if !cols.is_multiple_of(n) {
+            return Err(err(format!("{cols} columns do not split into {n} ranks")));
+        }
+        Ok(RankAct {
+            parts: self.each(|_, be| be.alloc_split(max_rows, cols / n))?,
+            split: Split::Columns,
+            cols,
+            rows: max_rows,
+        })
+    }
+
+    fn set_rows(&self, a: &mut Self::Act, rows: usize) {
+        for (be, p) in self.ranks.iter().zip(&mut a.parts) {
+            be.set_rows(p, rows);
+        }
+        a.rows = rows;
+    }
+
+    fn copy_rows(
+        &self,
+        src: &Self::Act,
+        src_row: usize,
+        dst: &mut Self::Act,
+        dst_row: usize,
+        n: usize,
+    ) -> BResult<()> {
+        if src.split != dst.split {
+            return Err(err("a copy between whole rows and a rank's columns"));
+        }
+        self.each(|r, be| be.copy_rows(&src.parts[r], src_row, &mut dst.parts[r], dst_row, n))?;
+        Ok(())
+    }
+
+    fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Self::LightningState> {
+        let n = self.ranks.len();
+        if !heads.is_multiple_of(n) {
+            return Err(err(format!(
+                "{heads} lightning heads do not split into {n} ranks"
+            )));
+        }
+        self.each(|_, be| be.new_lightning_state(heads / n, head_dim))
+    }
+
+    fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<Self::SparseCache> {
+        let shape = self.rank_shape(shape)?;
+        self.each(|_, be| be.new_sparse_cache(shape, cfg))
+    }
+
+    fn reserve_sparse_cache(
+        &self,
+        cache: &mut Self::SparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+    ) -> BResult<()> {
+        self.each(|r, be| be.reserve_sparse_cache(&mut cache[r], cfg, tokens))?;
+        Ok(())
+    }
+
+    fn fill_sparse_cache_random(
+        &self,
+        cache: &mut Self::SparseCache,
+        cfg: &SparseConfig,
+        tokens: usize,
+        seed: u64,
+    ) -> BResult<()> {
+        let seed = |r: usize| seed ^ ((r as u64) << 40);
+        self.each(|r, be| be.fill_sparse_cache_random(&mut cache[r], cfg, tokens, seed(r)))?;
+        Ok(())
+    }
+
+    fn fill_lightning_state_random(
+        &self,
+        state: &mut Self::LightningState,
+        seed: u64,
+    ) -> BResult<()> {
+        let seed = |r: usize| seed ^ ((r as u64) << 40);
+        self.each(|r, be| be.fill_lightning_state_random(&mut state[r], seed(r)))?;
+        Ok(())
+    }
+
+    fn copy_lightning_state(
+        &self,
+        src: &Self::LightningState,
+        dst: &mut Self::LightningState,
+    ) -> BResult<()> {
+        self.each(|r, be| be.copy_lightning_state(&src[r], &mut dst[r]))?;
+        Ok(())
+    }
+
+    fn copy_sparse_cache(
+        &self,
+        src: &Self::SparseCache,
+        dst: &mut Self::SparseCache,
+    ) -> BResult<()> {
+        self.each(|r, be| be.copy_sparse_cache(&src[r], &mut dst[r]))?;
+        Ok(())
+    }
+
+    fn truncate_sparse_cache(
+        &self,
+        cache: &mut Self::SparseCache,
+        cfg: &SparseConfig,
+        len: usize,
+    ) -> BResult<()> {
+        self.each(|r, be| be.truncate_sparse_cache(&mut cache[r], cfg, len))?;
+        Ok(())
+    }
+
+    fn shares_cache_prefixes(&self) -> bool {
+        self.ranks.iter().all(|be| be.shares_cache_prefixes())
+    }
+
+    fn share_sparse_cache(
+        &self,
+        src: &Self::SparseCache,
+        dst: &mut Self::SparseCache,
+        cfg: &SparseConfig,
+        len: usize,
+    ) -> BResult<()> {
+        self.each(|r, be| be.share_sparse_cache(&src[r], &mut dst[r], cfg, len))?;
+        Ok(())
+    }
+
+    fn begin_step(&self, step: &StepInfo<'_>) -> BResult<()> {
+        self.each(|_, be| be.begin_step(step))?;
+        Ok(())
+    }
+
+    /// Ends the step on every rank, whatever one of them says.
+    fn end_step(&self, ok: bool) -> BResult<()> {
+        let ends: Vec<BResult<()>> = self.ranks.iter().map(|be| be.end_step(ok)).collect();
+        ends.into_iter().collect()
+    }
+
+    fn embed(
+        &self,
+        table: &Self::Matrix,
+        ids: &[u32],
+        scale: f32,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        self.each(|r, be| be.embed(&table.parts[r], ids, scale, &mut out.parts[r]))?;
+        out.split = Split::Whole;
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        self.check_whole("a norm", x)?;
+        self.each(|r, be| be.rms_norm(&x.parts[r], &w[r], eps, &mut out.parts[r]))?;
+        Ok(())
+    }
+
+    fn matmul(&self, x: &Self::Act, w: &Self::Matrix, out: &mut Self::Act) -> BResult<()> {
+        let (input, output) = match w.split {
+            MatrixSplit::Whole => (Split::Whole, Split::Whole),
+            MatrixSplit::Rows => (Split::Whole, Split::Columns),
+            MatrixSplit::Columns => (Split::Columns, Split::Whole),
+        };
+        if x.split != input {
+            return Err(err(format!(
+                "a product of a weight split as {:?} takes {input:?} inputs, got {:?}",
+                w.split, x.split
+            )));
+        }
+        self.each(|r, be| be.matmul(&x.parts[r], &w.parts[r], &mut out.parts[r]))?;
+        if w.split == MatrixSplit::Columns {
+            let mut parts: Vec<&mut B::Act> = out.parts.iter_mut().collect();
+            self.collective.sum_acts(&self.ranks, &mut parts)?;
+        }
+        out.split = output;
+        Ok(())
+    }
+
+    fn concat_rows(&self, parts: Vec<Self::Matrix>) -> BResult<Self::Matrix> {
+        let split = parts.first().map_or(MatrixSplit::Whole, |p| p.split);
+        if parts.iter().any(|p| p.split != split) {
+            return Err(err("stacked weights split in different ways"));
+        }
+        let mut per_rank: Vec<Vec<B::Matrix>> = self.ranks.iter().map(|_| Vec::new()).collect();
+        for p in parts {
+            for (r, m) in p.parts.into_iter().enumerate() {
+                per_rank[r].push(m);
+            }
+        }
+        let parts = self
+            .ranks
+            .iter()
+            .zip(per_rank)
+            .map(|(be, ms)| be.concat_rows(ms))
+            .collect::<BResult<_>>()?;
+        Ok(RankMatrix { parts, split })
+    }
+
+    fn matmul_split(
+        &self,
+        x: &Self::Act,
+        w: &Self::Matrix,
+        outs: &mut [&mut Self::Act],
+    ) -> BResult<()> {
+        let output = match w.split {
+            MatrixSplit::Whole => Split::Whole,
+            MatrixSplit::Rows => Split::Columns,
+            MatrixSplit::Columns => return Err(err("a stacked product of input-split weights")),
+        };
+        self.check_whole("a stacked product", x)?;
+        for r in 0..self.ranks.len() {
+            self.ranks[r].matmul_split(&x.parts[r], &w.parts[r], &mut parts_mut(outs, r))?;
+        }
+        for o in outs.iter_mut() {
+            o.split = output;
+        }
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> BResult<()> {
+        self.each(|r, be| be.silu_mul(&mut gate.parts[r], &up.parts[r]))?;
+        Ok(())
+    }
+
+    fn silu_mul_halves(&self, gu: &Self::Act, out: &mut Self::Act) -> BResult<()> {
+        self.each(|r, be| be.silu_mul_halves(&gu.parts[r], &mut out.parts[r]))?;
+        out.split = gu.split;
+        Ok(())
+    }
+
+    fn matmul_silu(
+        &self,
+        x: &Self::Act,
+        w: &Self::Matrix,
+        gu: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        let output = match w.split {
+            MatrixSplit::Whole => Split::Whole,
+            MatrixSplit::Rows => Split::Columns,
+            MatrixSplit::Columns => return Err(err("an MLP product of input-split weights")),
+        };
+        self.check_whole("the MLP's first product", x)?;
+        self.each(|r, be| {
+            be.matmul_silu(
+                &x.parts[r],
+                &w.parts[r],
+                &mut gu.parts[r],
+                &mut out.parts[r],
+            )
+        })?;
+        gu.split = output;
+        out.split = output;
+        Ok(())
+    }
+
+    fn add_scaled(&self, h: &mut Self::Act, branch: &Self::Act, scale: f32) -> BResult<()> {
+        self.each(|r, be| be.add_scaled(&mut h.parts[r], &branch.parts[r], scale))?;
+        Ok(())
+    }
+
+    fn add_scaled_norm(
+        &self,
+        h: &mut Self::Act,
+        branch: &Self::Act,
+        scale: f32,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        self.check_whole("a residual add and norm", branch)?;
+        self.each(|r, be| {
+            be.add_scaled_norm(
+                &mut h.parts[r],
+                &branch.parts[r],
+                scale,
+                &w[r],
+                eps,
+                &mut out.parts[r],
+            )
+        })?;
+        out.split = Split::Whole;
+        Ok(())
+    }
+
+    fn sigmoid_gate(&self, x: &mut Self::Act, gate: &Self::Act) -> BResult<()> {
+        self.each(|r, be| be.sigmoid_gate(&mut x.parts[r], &gate.parts[r]))?;
+        Ok(())
+    }
+
+    /// Whole rows: each rank's norm. A rank's columns (the lightning output norm, one norm
+    /// over every head): each rank's sums of squares, added across the ranks, then each
+    /// rank's columns normed with the whole row's mean square.
+    fn rms_norm_gate(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vector,
+        eps: f32,
+        gate: Option<&Self::Act>,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        if x.split == Split::Whole {
+            self.each(|r, be| {
+                be.rms_norm_gate(
+                    &x.parts[r],
+                    &w[r],
+                    eps,
+                    gate.map(|g| &g.parts[r]),
+                    &mut out.parts[r],
+                )
+            })?;
+            out.split = Split::Whole;
+            return Ok(());
+        }
+        let mut sums = self.sums.borrow_mut();
+        for (be, (len, table)) in self.ranks.iter().zip(sums.iter_mut()) {
+            if *len < x.rows {
+                *table = be.upload_table(&vec![0.0; x.rows])?;
+                *len = x.rows;
+            }
+        }
+        for (r, be) in self.ranks.iter().enumerate() {
+            be.row_sums_of_squares(&x.parts[r], &mut sums[r].1)?;
+        }
+        let mut tables: Vec<&mut B::Table> = sums.iter_mut().map(|(_, t)| t).collect();
+        self.collective
+            .sum_tables(&self.ranks, &mut tables, x.rows)?;
+        for (r, be) in self.ranks.iter().enumerate() {
+            be.rms_norm_gate_with_sums(
+                &x.parts[r],
+                &sums[r].1,
+                x.cols,
+                &w[r],
+                eps,
+                gate.map(|g| &g.parts[r]),
+                &mut out.parts[r],
+            )?;
+        }
+        out.split = Split::Columns;
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        head_dim: usize,
+        inv_freq: &Self::Table,
+        spans: &[Span],
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+    ) -> BResult<()> {
+        self.each(|r, be| {
+            be.rope(
+                head_dim,
+                &inv_freq.whole[r],
+                spans,
+                &mut q.parts[r],
+                &mut k.parts[r],
+            )
+        })?;
+        Ok(())
+    }
+
+    fn lightning(
+        &self,
+        shape: AttnShape,
+        slopes: &Self::Table,
+        norms: Option<(&Self::Vector, &Self::Vector, f32)>,
+        inv_freq: Option<&Self::Table>,
+        io: AttnIo<'_, Self::Act>,
+        spans: &[Span],
+        states: &mut [&mut Self::LightningState],
+    ) -> BResult<()> {
+        let shape = self.rank_shape(shape)?;
+        let slopes = slopes
+            .by_heads
+            .as_ref()
+            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        for (r, be) in self.ranks.iter().enumerate() {
+            let io = AttnIo {
+                q: &mut io.q.parts[r],
+                k: &mut io.k.parts[r],
+                v: &mut io.v.parts[r],
+                out: &mut io.out.parts[r],
+            };
+            let mut st: Vec<&mut B::LightningState> =
+                states.iter_mut().map(|s| &mut s[r]).collect();
+            be.lightning(
+                shape,
+                &slopes[r],
+                norms.map(|(q, k, eps)| (&q[r], &k[r], eps)),
+                inv_freq.map(|t| &t.whole[r]),
+                io,
+                spans,
+                &mut st,
+            )?;
+        }
+        io.out.split = Split::Columns;
+        Ok(())
+    }
+
+    fn lightning_replay(
+        &self,
+        shape: AttnShape,
+        slopes: &Self::Table,
+        k_norm: Option<(&Self::Vector, f32)>,
+        inv_freq: Option<&Self::Table>,
+        (k, v, rows): (&Self::Act, &Self::Act, usize),
+        pos: usize,
+        state: &mut Self::LightningState,
+    ) -> BResult<()> {
+        let shape = self.rank_shape(shape)?;
+        let slopes = slopes
+            .by_heads
+            .as_ref()
+            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        self.each(|r, be| {
+            be.lightning_replay(
+                shape,
+                &slopes[r],
+                k_norm.map(|(w, eps)| (&w[r], eps)),
+                inv_freq.map(|t| &t.whole[r]),
+                (&k.parts[r], &v.parts[r], rows),
+                pos,
+                &mut state[r],
+            )
+        })?;
+        Ok(())
+    }
+
+    fn sparse_attention(
+        &self,
+        shape: AttnShape,
+        cfg: &SparseConfig,
+        io: AttnIo<'_, Self::Act>,
+        spans: &[Span],
+        modes: &[SparseMode],
+        caches: &mut [&mut Self::SparseCache],
+    ) -> BResult<()> {
+        let shape = self.rank_shape(shape)?;
+        for (r, be) in self.ranks.iter().enumerate() {
+            let io = AttnIo {
+                q: &mut io.q.parts[r],
+                k: &mut io.k.parts[r],
+                v: &mut io.v.parts[r],
+                out: &mut io.out.parts[r],
+            };
+            let mut cs: Vec<&mut B::SparseCache> = caches.iter_mut().map(|c| &mut c[r]).collect();
+            be.sparse_attention(shape, cfg, io, spans, modes, &mut cs)?;
+        }
+        io.out.split = Split::Columns;
+        Ok(())
+    }
+
+    /// Rank 0's: every rank holds the final hidden states and lm_head whole.
+    fn logits(
+        &self,
+        h: &Self::Act,
+        rows: &[usize],
+        keep: &[bool],
+        lm_head: &Self::Matrix,
+        divisor: f32,
+    ) -> BResult<LogitsOut> {
+        self.check_whole("the logits", h)?;
+        if lm_head.split != MatrixSplit::Whole {
+            return Err(err("lm_head is held whole by every rank"));
+        }
+        self.ranks[0].logits(&h.parts[0], rows, keep, &lm_head.parts[0], divisor)
+    }
+
+    /// Whole rows: rank 0's. A rank's columns: every rank's, put side by side.
+    fn to_host(&self, a: &Self::Act) -> BResult<Vec<f32>> {
+        if a.split == Split::Whole {
+            return self.ranks[0].to_host(&a.parts[0]);
+        }
+        let parts = self.each(|r, be| be.to_host(&a.parts[r]))?;
+        let each = a.cols / self.ranks.len();
+        let mut out = Vec::with_capacity(a.rows * a.cols);
+        for row in 0..a.rows {
+            for p in &parts {
+                out.extend_from_slice(
+                    p.get(row * each..(row + 1) * each).ok_or_else(|| {
+                        err("a rank's activation holds fewer rows than the whole")
+                    })?,
+                );
+            }
+        }
+        Ok(out)
+    }
+}
