@@ -273,6 +273,19 @@ impl<B: Backend> Ranks<B> {
         out
     }
 
+    /// Makes each rank's row-sums table hold at least `rows` entries: when split activations
+    /// are allocated (outside any step), and, as a fallback, before a split norm.
+    fn grow_sums(&self, rows: usize) -> BResult<()> {
+        let mut sums = self.sums.borrow_mut();
+        for (be, (len, table)) in self.ranks.iter().zip(sums.iter_mut()) {
+            if *len < rows {
+                *table = be.upload_table(&vec![0.0; rows])?;
+                *len = rows;
+            }
+        }
+        Ok(())
+    }
+
     fn check_whole(&self, what: &str, a: &RankAct<B::Act>) -> BResult<()> {
         if a.split != Split::Whole {
             return Err(err(format!(
@@ -474,6 +487,7 @@ impl<B: Backend> Backend for Ranks<B> {
         if !cols.is_multiple_of(n) {
             return Err(err(format!("{cols} columns do not split into {n} ranks")));
         }
+        self.grow_sums(max_rows)?;
         Ok(RankAct {
             parts: self.each(|_, be| be.alloc_split(max_rows, cols / n))?,
             split: Split::Columns,
@@ -786,13 +800,8 @@ impl<B: Backend> Backend for Ranks<B> {
             out.split = Split::Whole;
             return Ok(());
         }
+        self.grow_sums(x.rows)?;
         let mut sums = self.sums.borrow_mut();
-        for (be, (len, table)) in self.ranks.iter().zip(sums.iter_mut()) {
-            if *len < x.rows {
-                *table = be.upload_table(&vec![0.0; x.rows])?;
-                *len = x.rows;
-            }
-        }
         for (r, be) in self.ranks.iter().enumerate() {
             be.row_sums_of_squares(&x.parts[r], &mut sums[r].1)?;
         }
