@@ -337,7 +337,15 @@ impl RequestError {
 impl From<EngineError> for RequestError {
     fn from(e: EngineError) -> Self {
         match e {
-            EngineError::Sampling(e) => Self::invalid(e.to_string()),
+            EngineError::Sampling(e) => {
+                let message = e.to_string();
+                match e {
+                    crate::sampling::SamplingError::InvalidParam { param, .. } => {
+                        Self::invalid(message).param(param)
+                    }
+                    _ => Self::invalid(message),
+                }
+            }
             EngineError::Stop(e) => Self::invalid(e.to_string()).param("stop"),
             EngineError::Grammar(e) => Self::invalid(e.to_string()).param("response_format"),
             EngineError::EmptyPrompt => Self::invalid(e.to_string()),

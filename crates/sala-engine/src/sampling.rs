@@ -1,8 +1,8 @@
 //! Next-token sampling.
 //!
 //! Processing order for every step:
-//! penalties → greedy (if `temperature == 0`) → temperature → top-k → top-p →
-//! min-p → draw from the renormalised distribution.
+//! logit bias → penalties → greedy (if `temperature == 0`) → temperature → top-k →
+//! top-p → min-p → draw from the renormalised distribution.
 //!
 //! Logit hygiene: NaN logits are treated as `-inf`, `+inf` logits as `f32::MAX`
 //! (so a `+inf` token dominates without producing NaN in the softmax).
@@ -61,6 +61,9 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// RNG seed; `None` seeds from the clock and std's random hasher keys.
     pub seed: Option<u64>,
+    /// OpenAI logit bias: `(token, bias)`, the bias added to the token's logit before the
+    /// penalties (in [-100, 100]; -100 all but bans a token, 100 all but forces it).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -75,6 +78,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -100,6 +104,20 @@ impl SamplingParams {
         }
         if !self.frequency_penalty.is_finite() {
             return Err(invalid("frequency_penalty", "must be finite"));
+        }
+        for (i, &(id, bias)) in self.logit_bias.iter().enumerate() {
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(SamplingError::InvalidParam {
+                    param: "logit_bias",
+                    reason: format!("token {id}'s bias {bias} is not in [-100, 100]"),
+                });
+            }
+            if self.logit_bias[..i].iter().any(|&(other, _)| other == id) {
+                return Err(SamplingError::InvalidParam {
+                    param: "logit_bias",
+                    reason: format!("token {id} is biased twice"),
+                });
+            }
         }
         Ok(())
     }
@@ -463,6 +481,16 @@ impl Sampler {
         if vocab_size == 0 || vocab_size - 1 > u32::MAX as usize {
             return Err(invalid("vocab_size", "must be in 1..=2^32"));
         }
+        if let Some(&(id, _)) = params
+            .logit_bias
+            .iter()
+            .find(|&&(id, _)| id as usize >= vocab_size)
+        {
+            return Err(SamplingError::InvalidParam {
+                param: "logit_bias",
+                reason: format!("token {id} is outside the vocabulary of {vocab_size} tokens"),
+            });
+        }
         let rng = match params.seed {
             Some(seed) => Rng::seed_from_u64(seed),
             None => rng_from_entropy(),
@@ -558,14 +586,18 @@ impl Sampler {
         Ok(())
     }
 
-    /// Applies repetition, presence and frequency penalties in place. Entries
-    /// it changes are sanitised (NaN → `-inf`, `+inf` → `f32::MAX`).
+    /// Applies the logit bias, then the repetition, presence and frequency penalties, in
+    /// place. Entries it changes are sanitised (NaN → `-inf`, `+inf` → `f32::MAX`).
     pub fn apply_penalties(&self, logits: &mut [f32]) -> Result<(), SamplingError> {
         if logits.len() != self.vocab_size {
             return Err(SamplingError::LogitsLength {
                 expected: self.vocab_size,
                 got: logits.len(),
             });
+        }
+        for &(id, bias) in &self.params.logit_bias {
+            let x = &mut logits[id as usize];
+            *x = sanitize(*x + bias);
         }
         let rp = self.params.repetition_penalty;
         if self.params.uses_repetition_penalty() {
@@ -586,12 +618,13 @@ impl Sampler {
         Ok(())
     }
 
-    /// True when the next token is the first argmax of the raw logits (greedy, no penalty),
-    /// so that a backend's greedy pick serves instead of the logits.
+    /// True when the next token is the first argmax of the raw logits (greedy, no penalty,
+    /// no bias), so that a backend's greedy pick serves instead of the logits.
     pub fn is_plain_argmax(&self) -> bool {
         self.params.is_greedy()
             && !self.params.uses_repetition_penalty()
             && !self.params.uses_count_penalties()
+            && self.params.logit_bias.is_empty()
     }
 
     /// Samples the next token from `logits` (one per vocabulary entry). The

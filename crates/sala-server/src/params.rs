@@ -133,9 +133,7 @@ pub(crate) fn check_common(
             );
         }
     }
-    if p.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(ApiError::invalid("logit_bias is not supported").param("logit_bias"));
-    }
+    let logit_bias = logit_bias(p.logit_bias.as_ref())?;
     if let Some(t) = p.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
         return Err(
             ApiError::invalid(format!("temperature is {t}; it must be in [0, 2]"))
@@ -151,6 +149,7 @@ pub(crate) fn check_common(
         presence_penalty: p.presence_penalty.unwrap_or(0.0),
         frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
         seed: p.seed.map(|s| s.value()),
+        logit_bias,
     };
     sampling.validate().map_err(|e| {
         let err = ApiError::invalid(e.to_string());
@@ -199,4 +198,31 @@ pub(crate) fn check_common(
         echo: false,
         prompt_logprobs: None,
     })
+}
+
+/// OpenAI's `logit_bias`: token ids (as strings) to biases in [-100, 100].
+fn logit_bias(
+    map: Option<&serde_json::Map<String, serde_json::Value>>,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |msg: String| ApiError::invalid(msg).param("logit_bias");
+    let Some(map) = map else {
+        return Ok(Vec::new());
+    };
+    map.iter()
+        .map(|(key, value)| {
+            let id: u32 = key
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("logit_bias key {key:?} is not a token id")))?;
+            let bias = value
+                .as_f64()
+                .ok_or_else(|| bad(format!("logit_bias of token {id} is not a number")))?;
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(bad(format!(
+                    "logit_bias of token {id} is {bias}; it must be in [-100, 100]"
+                )));
+            }
+            Ok((id, bias as f32))
+        })
+        .collect()
 }

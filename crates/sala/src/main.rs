@@ -514,6 +514,7 @@ fn generate_options(
             presence_penalty: args.presence_penalty,
             frequency_penalty: args.frequency_penalty,
             seed: args.seed,
+            logit_bias: Vec::new(),
         },
         max_tokens: args.max_tokens,
         max_context: match args.max_context {

@@ -831,3 +831,51 @@ fn a_greedy_draft_stands_iff_it_is_the_argmax() {
         "a draft outside the vocabulary"
     );
 }
+
+/// The logit bias is added to each listed token's logit before the penalties: it moves the
+/// greedy pick (-100 bans the top token, +100 forces a low one), shifts the processed
+/// logprob by exactly the bias, and turns off the backend's own greedy pick; biases out of
+/// [-100, 100], twice on one token or on a token outside the vocabulary are errors.
+#[test]
+fn logit_bias_moves_picks_and_is_checked() {
+    let logits = [1.0f32, 3.0, 2.0, -1.0];
+    let greedy = |bias: Vec<(u32, f32)>| {
+        let p = params(|p| {
+            p.temperature = 0.0;
+            p.logit_bias = bias;
+        });
+        Sampler::new(p, logits.len()).unwrap()
+    };
+    assert_eq!(greedy(vec![]).sample(&logits).unwrap().id, 1);
+    assert!(greedy(vec![]).is_plain_argmax());
+    let mut banned = greedy(vec![(1, -100.0)]);
+    assert!(!banned.is_plain_argmax());
+    assert_eq!(banned.sample(&logits).unwrap().id, 2);
+    assert_eq!(greedy(vec![(3, 100.0)]).sample(&logits).unwrap().id, 3);
+    // The processed logits are the biased ones: the logprob is their log-softmax.
+    let biased = [1.0f32, 3.0, 2.5, -1.0];
+    let got = greedy(vec![(2, 0.5)]).sample(&logits).unwrap();
+    assert_eq!(got.id, 1);
+    assert!((got.logprob as f64 - log_softmax(&biased)[1]).abs() < 1e-6);
+    // Sampled: a token biased by +100 is drawn every time, one by -100 never.
+    let mut s = Sampler::new(params(|p| p.logit_bias = vec![(0, 100.0)]), 4).unwrap();
+    assert!((0..50).all(|_| s.sample(&logits).unwrap().id == 0));
+    let mut s = Sampler::new(params(|p| p.logit_bias = vec![(1, -100.0)]), 4).unwrap();
+    assert!((0..200).all(|_| s.sample(&logits).unwrap().id != 1));
+    for (bias, needle) in [
+        (vec![(0, 100.5)], "not in [-100, 100]"),
+        (vec![(0, f32::NAN)], "not in [-100, 100]"),
+        (vec![(2, 1.0), (2, -1.0)], "biased twice"),
+        (vec![(4, 1.0)], "outside the vocabulary"),
+    ] {
+        let e = Sampler::new(params(|p| p.logit_bias = bias), 4).unwrap_err();
+        assert!(matches!(
+            e,
+            SamplingError::InvalidParam {
+                param: "logit_bias",
+                ..
+            }
+        ));
+        assert!(e.to_string().contains(needle), "{e}");
+    }
+}

@@ -445,9 +445,30 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
             Some("best_of"),
         ),
         (
-            "logit_bias",
+            "logit_bias above 100",
             chat,
-            json!({"messages": msgs, "logit_bias": {"5": 10}}).to_string().into_bytes(),
+            json!({"messages": msgs, "logit_bias": {"5": 150}}).to_string().into_bytes(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "logit_bias key not a token id",
+            chat,
+            json!({"messages": msgs, "logit_bias": {"five": 1}}).to_string().into_bytes(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "logit_bias value not a number",
+            comp,
+            json!({"prompt": "hi", "logit_bias": {"5": "1"}}).to_string().into_bytes(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
+            "logit_bias of a token outside the vocabulary",
+            comp,
+            json!({"prompt": "hi", "logit_bias": {"99999999": 1}}).to_string().into_bytes(),
             400,
             Some("logit_bias"),
         ),
@@ -645,6 +666,23 @@ fn every_parameter_is_accepted_and_applied() {
     ] {
         assert_eq!(text_of(&with(extra.clone())), text_of(&greedy), "{extra}");
     }
+    // logit_bias: +100 on a token makes it every pick, greedy or sampled (the greedy text
+    // repeats no token ten times).
+    let tokens_of = |v: &Value| v["choices"][0]["logprobs"]["tokens"].clone();
+    for temperature in [0.0, 1.0] {
+        let forced =
+            with(json!({"temperature": temperature, "logit_bias": {"77": 100}, "logprobs": 0}));
+        let toks = tokens_of(&forced);
+        let toks = toks.as_array().unwrap();
+        assert_eq!(toks.len(), 10, "{forced}");
+        assert!(toks.windows(2).all(|w| w[0] == w[1]), "{forced}");
+    }
+    let plain = tokens_of(&with(json!({"temperature": 0, "logprobs": 0})));
+    let plain = plain.as_array().unwrap();
+    assert!(plain.windows(2).any(|w| w[0] != w[1]), "{plain:?}");
+    // Biases that change nothing (0, or on tokens greedy does not pick) leave greedy alone.
+    let zero = with(json!({"temperature": 0, "logit_bias": {"77": 0, "5": 0.0}}));
+    assert_eq!(text_of(&zero), text_of(&greedy));
     // A seed repeats a sampled answer, a negative one included.
     for seed in [json!(7), json!(-7), json!(u64::MAX)] {
         let params = json!({"temperature": 1.0, "top_p": 0.95, "top_k": 50, "seed": seed});
