@@ -439,6 +439,21 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn set_width(&self, a: &mut CpuAct, cols: usize) -> BResult<()> {
+        if cols == a.cols {
+            return Ok(());
+        }
+        if cols == 0 {
+            return Err(BackendError("an activation of no columns".into()));
+        }
+        let capacity = a.cap_rows * a.cols;
+        a.cols = cols;
+        a.cap_rows = capacity / cols;
+        a.rows = a.rows.min(a.cap_rows);
+        a.data.resize(a.rows * cols, 0.0);
+        Ok(())
+    }
+
     fn set_rows(&self, a: &mut CpuAct, rows: usize) {
         let rows = rows.min(a.cap_rows);
         a.rows = rows;

@@ -83,6 +83,9 @@ impl Backend for ReferenceBackend {
     fn set_rows(&self, a: &mut CpuAct, rows: usize) {
         CpuBackend.set_rows(a, rows)
     }
+    fn set_width(&self, a: &mut CpuAct, cols: usize) -> BResult<()> {
+        CpuBackend.set_width(a, cols)
+    }
     fn copy_rows(
         &self,
         src: &CpuAct,

@@ -609,31 +609,49 @@ fn ranks(n: usize, config: &ModelConfig) -> Ranks<CpuBackend> {
 /// NCCL's bf16 all-reduce adds them), one rounding more per product than one device makes.
 const RANKS_MEDIAN_ERR: f64 = 2e-2;
 
-/// Tensor parallelism: the model over 1 rank gives one device's logits bit for bit; over 2
-/// ranks (heads, KV heads and the MLP's width split, o_proj's and down_proj's partial sums
-/// and the lightning output norm's sums of squares added across the ranks) the same within
-/// the rounding of the split sums, in dense and sparse attention, in chunks and decode steps.
+/// A model of 8 heads (2 KV heads in its sparse layers) for tensor parallelism up to 8
+/// ranks: the released model's split in small.
+fn tp_config() -> ModelConfig {
+    let mut json = tiny_config(96).raw.clone();
+    let extra = serde_json::json!({
+        "hidden_size": 256, "num_attention_heads": 8, "lightning_nkv": 8,
+        "intermediate_size": 512,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        json[k] = v.clone();
+    }
+    ModelConfig::from_json(json).unwrap()
+}
+
+/// Tensor parallelism: the model over 1 rank gives one device's logits bit for bit; over 2,
+/// 4 and 8 ranks (heads and the MLP's width split; past the sparse layers' 2 KV heads each
+/// rank scores and attends its KV head's whole group and counts its own heads; o_proj's and
+/// down_proj's partial sums and the lightning output norm's sums of squares added across
+/// the ranks) the same within the rounding of the split sums, in dense and sparse
+/// attention, in chunks and decode steps.
 #[test]
 fn tensor_parallel_ranks_give_one_devices_logits() {
-    let config = tiny_config(96);
-    let one = load(&CpuBackend, &config, 41);
-    let v = config.vocab_size;
-    for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
-        let toks = tokens(n, v, 42 + n as u64);
-        let chunks = [(n - 12, mode), (8, mode), (1, mode), (1, mode), (2, mode)];
-        let want = run(&CpuBackend, &one, &toks, &chunks);
-        let alone = ranks(1, &config);
-        let got = run(&alone, &load(&alone, &config, 41), &toks, &chunks);
-        assert_eq!(got, want, "{mode:?}: 1 rank");
-        let pair = ranks(2, &config);
-        let got = run(&pair, &load(&pair, &config, 41), &toks, &chunks);
-        assert_logits_within(
-            &format!("{mode:?}: 2 ranks"),
-            &got,
-            &want,
-            v,
-            RANKS_MEDIAN_ERR,
-        );
+    for (config, counts) in [(tiny_config(96), &[1, 2, 4][..]), (tp_config(), &[8][..])] {
+        let one = load(&CpuBackend, &config, 41);
+        let v = config.vocab_size;
+        for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
+            let toks = tokens(n, v, 42 + n as u64);
+            let chunks = [(n - 12, mode), (8, mode), (1, mode), (1, mode), (2, mode)];
+            let want = run(&CpuBackend, &one, &toks, &chunks);
+            for &count in counts {
+                let be = ranks(count, &config);
+                let got = run(&be, &load(&be, &config, 41), &toks, &chunks);
+                let what = format!(
+                    "{mode:?}: {count} ranks of {} heads",
+                    config.num_attention_heads
+                );
+                if count == 1 {
+                    assert_eq!(got, want, "{what}");
+                } else {
+                    assert_logits_within(&what, &got, &want, v, RANKS_MEDIAN_ERR);
+                }
+            }
+        }
     }
 }
 
@@ -658,11 +676,13 @@ fn tensor_parallel_random_weights_are_one_devices_cut() {
 #[test]
 fn tensor_parallel_ranks_keep_batch_invariance_resume_fork_and_rewind() {
     let config = tiny_config(150);
-    let be = ranks(2, &config);
-    check_mixed_step(&be, &load(&be, &config, 23)).unwrap();
-    check_resume(&be, &load(&be, &config, 33)).unwrap();
-    check_fork(&be, &load(&be, &config, 35), 300, 64, &[128, 256]).unwrap();
-    check_rewind(&be, &load(&be, &config, 31)).unwrap();
+    for count in [2, 4] {
+        let be = ranks(count, &config);
+        check_mixed_step(&be, &load(&be, &config, 23)).unwrap();
+        check_resume(&be, &load(&be, &config, 33)).unwrap();
+        check_fork(&be, &load(&be, &config, 35), 300, 64, &[128, 256]).unwrap();
+        check_rewind(&be, &load(&be, &config, 31)).unwrap();
+    }
 }
 
 /// Rank counts the model does not split into are refused by name.
@@ -678,8 +698,8 @@ fn tensor_parallel_refuses_what_does_not_split() {
     };
     let three = refuse(3);
     assert!(three.contains("do not split into 3"), "{three}");
-    let four = refuse(4);
-    assert!(four.contains("2 KV heads"), "{four}");
+    let eight = refuse(8);
+    assert!(eight.contains("4 attention heads"), "{eight}");
     assert!(refuse(0).contains("at least 1 rank"));
     // A draft model's weights are not the model's: refused, not split as if they were.
     let be = ranks(2, &config);

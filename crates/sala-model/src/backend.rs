@@ -325,10 +325,20 @@ pub trait Backend {
 
     /// A buffer with room for `max_rows` rows of `cols`; its row count starts at `max_rows`.
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<Self::Act>;
-    /// [`Backend::alloc`] for an activation whose columns tensor parallelism splits among its
+    /// [`Backend::alloc`] for the workspace buffer `buffer` (a name of
+    /// [`crate::memory::workspace_columns`]) whose columns tensor parallelism splits among its
     /// ranks (heads, the MLP's width); a backend of one device holds them all.
-    fn alloc_split(&self, max_rows: usize, cols: usize) -> BResult<Self::Act> {
+    fn alloc_split(&self, _buffer: &str, max_rows: usize, cols: usize) -> BResult<Self::Act> {
         self.alloc(max_rows, cols)
+    }
+    /// Makes `a` hold rows of `cols` values within its allocation (its row capacity follows;
+    /// its rows are kept where they fit, their values are not): tensor parallelism, whose
+    /// ranks' parts of one buffer are as wide as the layer they serve.
+    fn set_width(&self, _a: &mut Self::Act, _cols: usize) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: activations cannot change width",
+            self.name()
+        )))
     }
     /// Sets the row count of `a` (at most its capacity) before an op writes it.
     fn set_rows(&self, a: &mut Self::Act, rows: usize);

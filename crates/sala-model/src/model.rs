@@ -687,7 +687,7 @@ impl<B: Backend> Model<B> {
             .map(|&(name, cols)| match name {
                 // The residual stream and what its norms make: whole on every rank.
                 "h" | "a" | "branch" => be.alloc(max_rows, cols),
-                _ => be.alloc_split(max_rows, cols),
+                _ => be.alloc_split(name, max_rows, cols),
             })
             .collect::<BResult<Vec<_>>>()?;
         let Ok([h, a, branch, q, o, z, ks, vs, kl, vl, gate_up, act]) =

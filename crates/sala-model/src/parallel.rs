@@ -1,8 +1,8 @@
 //! Several GPUs (tensor and context parallelism), the parts that need none: how tensor
 //! parallelism splits each layer's weights among ranks, and how context parallelism splits a
 //! prompt into ranges and carries the lightning states across them (a scan); the sparse
-//! layers' attention under both, with the exchanges they need (stage-1 sums added across the
-//! ranks sharing a KV group; compressed windows gathered, selected blocks fetched). Checked
+//! layers' attention under context parallelism, with the exchanges it needs (compressed
+//! windows gathered, selected blocks fetched). Checked
 //! here against one device's results with simulated ranks; the ranks' communication (NCCL)
 //! builds on these.
 
@@ -17,6 +17,10 @@ pub struct Shard {
     pub name: &'static str,
     pub rows: Range<usize>,
     pub cols: Range<usize>,
+    /// Where the rank holds columns it shares with other ranks but counts only some of them
+    /// (the sparse layers' o_proj past their KV heads): those it counts; the others are held
+    /// as zeros.
+    pub own_cols: Option<Range<usize>>,
 }
 
 impl Shard {
@@ -31,12 +35,10 @@ impl Shard {
 /// rows, o_proj's columns, o_norm's entries: o_norm is one RMSNorm over all heads, so the
 /// ranks add their rows' sums of squares before it); the MLP by the intermediate dimension
 /// (gate and up rows, down's columns); sparse layers by query heads, each rank holding the KV
-/// head its query heads read (the released model has 2: past 2 ranks they are replicated).
-/// Row-split products' outputs (o_proj, down) are summed across ranks. Embeddings, norms
-/// and lm_head are held whole by every rank. Past 2 ranks a KV group's 16 query heads sit on
-/// several ranks, while block selection scores a block by the sum over all of them (SPEC
-/// §5.4, rounded once): those ranks must add their partial sums before the rounding and the
-/// top-k (or each compute stage 1 for the whole group), else they select differently.
+/// head its query heads read (the released model has 2: past 2 ranks they are replicated,
+/// and each rank scores and attends its KV head's whole group: [`TensorParallel::
+/// sparse_group`]). Input-split products' outputs (o_proj, down) are summed across ranks.
+/// Embeddings, norms and lm_head are held whole by every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorParallel {
     pub ranks: usize,
@@ -101,11 +103,13 @@ impl TensorParallel {
             name,
             rows,
             cols: all.clone(),
+            own_cols: None,
         };
         let cols = |name, cols| Shard {
             name,
             rows: all.clone(),
             cols,
+            own_cols: None,
         };
         let mut out = Vec::new();
         match config.mixer_types[layer] {
@@ -121,15 +125,22 @@ impl TensorParallel {
                     name: "o_norm",
                     rows: q,
                     cols: 0..1,
+                    own_cols: None,
                 });
             }
             MixerKind::Sparse => {
+                // The query heads of the rank's KV heads: its own, or past the KV heads
+                // the whole group, which it scores and attends whole (see `sparse_group`).
                 let (qh, kvh) = self.sparse_heads(config, rank);
-                out.push(rows("q_proj", feat(qh.clone())));
+                let gh = self.sparse_group(config, rank);
+                out.push(rows("q_proj", feat(gh.clone())));
                 out.push(rows("k_proj", feat(kvh.clone())));
                 out.push(rows("v_proj", feat(kvh)));
-                out.push(rows("o_gate", feat(qh.clone())));
-                out.push(cols("o_proj", feat(qh)));
+                out.push(rows("o_gate", feat(gh.clone())));
+                out.push(Shard {
+                    own_cols: (gh != qh).then(|| feat(qh)),
+                    ..cols("o_proj", feat(gh))
+                });
             }
         }
         out.push(rows("gate_proj", inter.clone()));
@@ -138,8 +149,23 @@ impl TensorParallel {
             name: "down_proj",
             rows: all,
             cols: inter,
+            own_cols: None,
         });
         out
+    }
+
+    /// The query heads of rank `rank`'s KV heads in a sparse layer: its own heads while the
+    /// ranks are at most the KV heads; past them, the whole group of the KV head it shares
+    /// with other ranks. Such a rank projects, scores and attends the whole group (block
+    /// selection sums its scores over every head of the group, SPEC §5.4) and counts its own
+    /// heads' outputs only (its o_proj part is zero in the others' columns). Adding the
+    /// group's stage-1 scores across its ranks instead would move a score a query and
+    /// compressed key each layer (gigabytes a prefill chunk at long contexts) to save
+    /// attention work that decode barely has.
+    pub fn sparse_group(&self, config: &ModelConfig, rank: usize) -> Range<usize> {
+        let (_, kv) = self.sparse_heads(config, rank);
+        let group = config.num_attention_heads / config.num_key_value_heads;
+        kv.start * group..kv.end * group
     }
 }
 
@@ -238,61 +264,6 @@ pub fn lightning_correct(
             }
         }
     }
-}
-
-/// Tensor-parallel sparse attention (SPEC §5.2–5.6) over `ranks` simulated ranks, rank r
-/// holding an even share of the query heads and the KV heads they read: for each query, each
-/// rank makes its stage-1 sums over its own heads ([`oracle::stage1_sums`]), the ranks add
-/// them (the all-reduce that past 2 ranks of the released shape joins the ranks sharing a KV
-/// group, before the rounding; a rank's sum for a group it does not hold is 0), every rank
-/// selects each group's blocks from the same rounded scores as one device would, and attends
-/// with its own heads. `kv` is the K and V rows up to the last query. Returns each rank's
-/// `[T, heads_r·d]` outputs.
-pub fn sparse_attention_ranks(
-    ranks: usize,
-    shape: AttnShape,
-    cfg: &SparseConfig,
-    mode: SparseMode,
-    q: &[f32],
-    first_pos: usize,
-    (keys, values): (&[f32], &[f32]),
-) -> Vec<Vec<f32>> {
-    let heads: Vec<Range<usize>> = (0..ranks).map(|r| part(shape.heads, ranks, r)).collect();
-    let kw = shape.kv_width();
-    let mut out = vec![Vec::new(); ranks];
-    for (i, q_row) in q.chunks(shape.q_width()).enumerate() {
-        let t = first_pos + i;
-        let sel: Vec<Vec<usize>> = match mode {
-            SparseMode::Dense => vec![(0..=t).collect(); shape.kv_heads],
-            SparseMode::Sparse => {
-                let visible = &keys[..(t + 1) * kw];
-                let k1 = oracle::compress_keys(visible, kw, cfg.k1_window(), cfg.k1_stride());
-                let k2 = oracle::compress_keys(visible, kw, cfg.k2_window(), cfg.k2_stride());
-                let mut total = vec![vec![0f64; k1.len() / kw]; shape.kv_heads];
-                for h in &heads {
-                    let part = oracle::stage1_sums(shape, cfg, q_row, t, &k1, &k2, h.clone());
-                    for (tg, pg) in total.iter_mut().zip(part) {
-                        tg.iter_mut().zip(pg).for_each(|(x, y)| *x += y);
-                    }
-                }
-                oracle::round_stage1(&total)
-                    .iter()
-                    .map(|p| oracle::selected_keys(cfg, p, t))
-                    .collect()
-            }
-        };
-        for (o, h) in out.iter_mut().zip(&heads) {
-            o.extend(oracle::attend_heads(
-                shape,
-                q_row,
-                keys,
-                values,
-                &sel,
-                h.clone(),
-            ));
-        }
-    }
-    out
 }
 
 /// What one rank of a context-parallel sparse layer read beyond its own range: the keys of
@@ -400,14 +371,26 @@ mod tests {
             for layer in 0..config.num_hidden_layers {
                 let parts: Vec<Vec<Shard>> =
                     (0..ranks).map(|r| tp.shards(&config, layer, r)).collect();
+                let sparse = config.mixer_types[layer] == MixerKind::Sparse;
+                let shared = sparse && ranks > config.num_key_value_heads;
                 for (i, s0) in parts[0].iter().enumerate() {
-                    let replicated_kv = matches!(s0.name, "k_proj" | "v_proj")
-                        && config.mixer_types[layer] == MixerKind::Sparse
-                        && ranks > config.num_key_value_heads;
-                    if replicated_kv {
+                    if shared && matches!(s0.name, "q_proj" | "k_proj" | "v_proj" | "o_gate") {
+                        // A KV head's group, whole on each of the ranks sharing it.
+                        for (r, p) in parts.iter().enumerate() {
+                            let d = config.head_dim;
+                            let g = tp.sparse_group(&config, r);
+                            let (_, kv) = tp.sparse_heads(&config, r);
+                            let heads = if matches!(s0.name, "k_proj" | "v_proj") {
+                                kv
+                            } else {
+                                g
+                            };
+                            assert_eq!(p[i].rows, heads.start * d..heads.end * d, "rank {r}");
+                        }
                         continue;
                     }
-                    // Split along rows or columns: the ranks' parts tile it, in order, evenly.
+                    // Split along rows or columns: the ranks' parts tile it, in order, evenly
+                    // (o_proj past the KV heads by the columns each rank counts).
                     let split_rows = parts.iter().all(|p| p[i].cols == s0.cols);
                     let ranges: Vec<Range<usize>> = parts
                         .iter()
@@ -415,7 +398,7 @@ mod tests {
                             if split_rows {
                                 p[i].rows.clone()
                             } else {
-                                p[i].cols.clone()
+                                p[i].own_cols.clone().unwrap_or(p[i].cols.clone())
                             }
                         })
                         .collect();
@@ -728,13 +711,11 @@ mod tests {
         }
     }
 
-    /// Simulated ranks of a sparse layer's attention: 8 query heads in 2 KV groups split among
-    /// 1, 2, 4 and 8 ranks (past 2, a group's heads sit on several ranks), sparse and dense
-    /// queries. With the ranks' stage-1 sums added before the rounding, every rank's heads get
-    /// what one device gives them (f64 sums, in another order only); a rank selecting from its
-    /// own heads' scores alone would select other blocks.
+    /// Why a rank past the KV heads scores its KV head's whole group ([`TensorParallel::
+    /// sparse_group`]): a rank scoring only its own half of a group's heads selects other
+    /// blocks than the group does for some queries.
     #[test]
-    fn sparse_attention_split_by_heads_equals_it_whole_when_ranks_add_their_scores() {
+    fn a_rank_scoring_half_a_group_selects_other_blocks() {
         let shape = AttnShape {
             heads: 8,
             kv_heads: 2,
@@ -747,30 +728,7 @@ mod tests {
         let (len, first) = (420usize, 380usize);
         let mut rng = TestRng::new(23);
         let keys = rng.bf16_vec(len * shape.kv_width(), -2.0, 2.0);
-        let values = rng.bf16_vec(len * shape.kv_width(), -1.0, 1.0);
         let q = rng.bf16_vec((len - first) * shape.q_width(), -2.0, 2.0);
-        for mode in [SparseMode::Sparse, SparseMode::Dense] {
-            let whole =
-                oracle::sparse_layer_attention(shape, &cfg, mode, &q, first, &keys, &values);
-            for ranks in [1usize, 2, 4, 8] {
-                let parts =
-                    sparse_attention_ranks(ranks, shape, &cfg, mode, &q, first, (&keys, &values));
-                let width = shape.q_width() / ranks;
-                for (i, row) in whole.chunks(shape.q_width()).enumerate() {
-                    for (r, part) in parts.iter().enumerate() {
-                        let got = &part[i * width..][..width];
-                        let want = &row[r * width..][..width];
-                        for (x, y) in got.iter().zip(want) {
-                            assert!(
-                                (x - y).abs() <= 1e-6,
-                                "{mode:?}, {ranks} ranks, query {i}, rank {r}: {x} vs {y}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-        // Without adding: a rank holding half of a group's heads selects from half the sums.
         let kw = shape.kv_width();
         let differs = (first..len).any(|t| {
             let q_row = &q[(t - first) * shape.q_width()..][..shape.q_width()];

@@ -42,6 +42,8 @@ pub struct RankAct<A> {
     split: Split,
     /// Columns of the whole activation.
     cols: usize,
+    /// Columns of each rank's part now (the width of the layer it last served).
+    width: usize,
     rows: usize,
 }
 
@@ -59,6 +61,9 @@ pub enum MatrixSplit {
 pub struct RankMatrix<M> {
     parts: Vec<M>,
     split: MatrixSplit,
+    /// Each rank's output rows of each matrix stacked here ([`Backend::concat_rows`]), the
+    /// same on every rank: the widths of a product's outputs.
+    pieces: Vec<usize>,
 }
 
 /// A table on every rank: whole, and, where it has an entry per attention head (the
@@ -85,19 +90,26 @@ fn err(msg: impl Into<String>) -> BackendError {
     BackendError(format!("tensor parallelism: {}", msg.into()))
 }
 
-/// Rows `rows` and columns `cols` of a row-major `[.., width]` array of `elem`-byte values.
+/// Rows `rows` and columns `cols` of a row-major `[.., width]` array of `elem`-byte values;
+/// with `own`, the columns outside it zero (all-zero bytes: 0 in every format here).
 fn cut_bytes(
     bytes: &[u8],
     elem: usize,
     width: usize,
     rows: &Range<usize>,
     cols: &Range<usize>,
+    own: Option<&Range<usize>>,
 ) -> Vec<u8> {
     let mut out = Vec::with_capacity(rows.len() * cols.len() * elem);
     for r in rows.clone() {
-        out.extend_from_slice(
-            &bytes[(r * width + cols.start) * elem..(r * width + cols.end) * elem],
-        );
+        let row = &bytes[(r * width + cols.start) * elem..(r * width + cols.end) * elem];
+        for (c, v) in cols.clone().zip(row.chunks_exact(elem)) {
+            if own.is_none_or(|o| o.contains(&c)) {
+                out.extend_from_slice(v);
+            } else {
+                out.extend(std::iter::repeat_n(0u8, elem));
+            }
+        }
     }
     out
 }
@@ -111,15 +123,6 @@ impl<B: Backend> Ranks<B> {
         config: &ModelConfig,
     ) -> BResult<Self> {
         let tp = TensorParallel::new(config, ranks.len()).map_err(BackendError)?;
-        let kv = config.num_key_value_heads;
-        if ranks.len() > kv {
-            return Err(err(format!(
-                "{} ranks: the sparse layers have {kv} KV heads; more ranks than that \
-                 (each a copy of one KV head, selection summed across its ranks) are not \
-                 supported yet: use at most {kv}",
-                ranks.len()
-            )));
-        }
         if config.quantization.is_some() {
             return Err(err(
                 "4-bit checkpoints are not split among ranks yet; use bf16 weights (or FP8)",
@@ -183,14 +186,30 @@ impl<B: Backend> Ranks<B> {
         }
     }
 
-    /// One rank's shape of an attention of the model's shape `shape`.
+    /// Each rank's output rows of weight `name` (of `rows` rows).
+    fn rank_rows(&self, name: &str, rows: usize) -> usize {
+        self.shard(name, 0).map_or(rows, |p| p.rows.len())
+    }
+
+    /// Ranks among which each sparse layer is split: at most its KV heads (past them a KV
+    /// head's group is whole on each of the ranks sharing it).
+    fn sparse_ways(&self) -> usize {
+        self.ranks.len().min(self.config.num_key_value_heads)
+    }
+
+    /// One rank's shape of an attention of the model's shape `shape`: the lightning layers'
+    /// heads split among the ranks, the sparse layers' [`Ranks::sparse_ways`] ways.
     fn rank_shape(&self, shape: AttnShape) -> BResult<AttnShape> {
         let c = &self.config;
-        let n = self.ranks.len();
+        let ways = if shape.kv_heads == c.lightning_nkv {
+            self.ranks.len()
+        } else {
+            self.sparse_ways()
+        };
         let ours = shape.heads == c.num_attention_heads
             && shape.head_dim == c.head_dim
             && (shape.kv_heads == c.num_key_value_heads || shape.kv_heads == c.lightning_nkv);
-        if !ours || !shape.kv_heads.is_multiple_of(n) {
+        if !ours || !shape.kv_heads.is_multiple_of(ways) {
             return Err(err(format!(
                 "an attention of {} heads ({} KV) is not one of the model's layers (a draft \
                  model runs on one device only)",
@@ -198,10 +217,21 @@ impl<B: Backend> Ranks<B> {
             )));
         }
         Ok(AttnShape {
-            heads: shape.heads / n,
-            kv_heads: shape.kv_heads / n,
+            heads: shape.heads / ways,
+            kv_heads: shape.kv_heads / ways,
             head_dim: shape.head_dim,
         })
+    }
+
+    /// Sets every rank's part of `a` to `width` columns.
+    fn set_width(&self, a: &mut RankAct<B::Act>, width: usize) -> BResult<()> {
+        if a.width != width {
+            for (be, p) in self.ranks.iter().zip(&mut a.parts) {
+                be.set_width(p, width)?;
+            }
+            a.width = width;
+        }
+        Ok(())
     }
 
     /// Every rank's `f(rank, backend)`, in rank order.
@@ -227,11 +257,18 @@ impl<B: Backend> Ranks<B> {
         };
         let (bytes, shape) = match *t.shape {
             [rows, cols] if part.rows.end <= rows && part.cols.end <= cols => (
-                cut_bytes(t.bytes, elem, cols, &part.rows, &part.cols),
+                cut_bytes(
+                    t.bytes,
+                    elem,
+                    cols,
+                    &part.rows,
+                    &part.cols,
+                    part.own_cols.as_ref(),
+                ),
                 vec![part.rows.len(), part.cols.len()],
             ),
             [len] if part.rows.end <= len => (
-                cut_bytes(t.bytes, elem, 1, &part.rows, &(0..1)),
+                cut_bytes(t.bytes, elem, 1, &part.rows, &(0..1), None),
                 vec![part.rows.len()],
             ),
             _ => {
@@ -260,9 +297,13 @@ impl<B: Backend> Ranks<B> {
             for (chunk, dst) in rows.chunks(per).zip(out.chunks_mut(per * cols.len() * 4)) {
                 let cols = cols.clone();
                 s.spawn(move || {
-                    let values = chunk.iter().flat_map(|&r| {
-                        cols.clone()
-                            .map(move |c| random_normal((r * width + c) as u64, seed, mean, std))
+                    let own = part.own_cols.clone();
+                    let values = chunk.iter().flat_map(move |&r| {
+                        let own = own.clone();
+                        cols.clone().map(move |c| match &own {
+                            Some(o) if !o.contains(&c) => 0.0,
+                            _ => random_normal((r * width + c) as u64, seed, mean, std),
+                        })
                     });
                     for (d, v) in dst.chunks_exact_mut(4).zip(values) {
                         d.copy_from_slice(&v.to_le_bytes());
@@ -339,7 +380,12 @@ impl<B: Backend> Backend for Ranks<B> {
             Some(part) => self.upload_part(name, t, &part, |p| be.upload_matrix(name, p)),
             _ => be.upload_matrix(name, t),
         })?;
-        Ok(RankMatrix { parts, split })
+        let pieces = vec![self.rank_rows(name, t.shape[0])];
+        Ok(RankMatrix {
+            parts,
+            split,
+            pieces,
+        })
     }
 
     fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Vector> {
@@ -390,7 +436,12 @@ impl<B: Backend> Backend for Ranks<B> {
             }
             _ => be.random_matrix(name, rows, cols, seed, mean, std),
         })?;
-        Ok(RankMatrix { parts, split })
+        let pieces = vec![self.rank_rows(name, rows)];
+        Ok(RankMatrix {
+            parts,
+            split,
+            pieces,
+        })
     }
 
     fn random_vector(
@@ -444,7 +495,14 @@ impl<B: Backend> Backend for Ranks<B> {
                 if part.rows.end > m.rows || part.cols.end > m.cols {
                     return Err(err(format!("weight {name}: not of the model's shape")));
                 }
-                let codes = cut_bytes(m.codes, 1, m.cols, &part.rows, &part.cols);
+                let codes = cut_bytes(
+                    m.codes,
+                    1,
+                    m.cols,
+                    &part.rows,
+                    &part.cols,
+                    part.own_cols.as_ref(),
+                );
                 // Each output row keeps its scale: a part of its inputs is scaled alike.
                 be.upload_fp8(
                     name,
@@ -458,7 +516,12 @@ impl<B: Backend> Backend for Ranks<B> {
             }
             _ => be.upload_fp8(name, m),
         })?;
-        Ok(RankMatrix { parts, split })
+        let pieces = vec![self.rank_rows(name, m.rows)];
+        Ok(RankMatrix {
+            parts,
+            split,
+            pieces,
+        })
     }
 
     fn random_fp8(
@@ -478,20 +541,28 @@ impl<B: Backend> Backend for Ranks<B> {
             parts: self.each(|_, be| be.alloc(max_rows, cols))?,
             split: Split::Whole,
             cols,
+            width: cols,
             rows: max_rows,
         })
     }
 
-    fn alloc_split(&self, max_rows: usize, cols: usize) -> BResult<Self::Act> {
-        let n = self.ranks.len();
-        if !cols.is_multiple_of(n) {
-            return Err(err(format!("{cols} columns do not split into {n} ranks")));
+    /// Each rank's part as wide as the widest layer it serves: the attention buffers of a
+    /// sparse layer past its KV heads hold a whole KV group on each rank.
+    fn alloc_split(&self, buffer: &str, max_rows: usize, cols: usize) -> BResult<Self::Act> {
+        let ways = match buffer {
+            "q" | "o" | "z" | "ks" | "vs" => self.sparse_ways(),
+            _ => self.ranks.len(),
+        };
+        if !cols.is_multiple_of(ways) {
+            return Err(err(format!("{cols} columns do not split {ways} ways")));
         }
         self.grow_sums(max_rows)?;
+        let width = cols / ways;
         Ok(RankAct {
-            parts: self.each(|_, be| be.alloc_split(max_rows, cols / n))?,
+            parts: self.each(|_, be| be.alloc_split(buffer, max_rows, width))?,
             split: Split::Columns,
             cols,
+            width,
             rows: max_rows,
         })
     }
@@ -655,6 +726,7 @@ impl<B: Backend> Backend for Ranks<B> {
                 w.split, x.split
             )));
         }
+        self.set_width(out, w.pieces.iter().sum())?;
         self.each(|r, be| be.matmul(&x.parts[r], &w.parts[r], &mut out.parts[r]))?;
         if w.split == MatrixSplit::Columns {
             let mut parts: Vec<&mut B::Act> = out.parts.iter_mut().collect();
@@ -670,7 +742,9 @@ impl<B: Backend> Backend for Ranks<B> {
             return Err(err("stacked weights split in different ways"));
         }
         let mut per_rank: Vec<Vec<B::Matrix>> = self.ranks.iter().map(|_| Vec::new()).collect();
+        let mut pieces = Vec::new();
         for p in parts {
+            pieces.extend(p.pieces);
             for (r, m) in p.parts.into_iter().enumerate() {
                 per_rank[r].push(m);
             }
@@ -681,7 +755,11 @@ impl<B: Backend> Backend for Ranks<B> {
             .zip(per_rank)
             .map(|(be, ms)| be.concat_rows(ms))
             .collect::<BResult<_>>()?;
-        Ok(RankMatrix { parts, split })
+        Ok(RankMatrix {
+            parts,
+            split,
+            pieces,
+        })
     }
 
     fn matmul_split(
@@ -696,6 +774,16 @@ impl<B: Backend> Backend for Ranks<B> {
             MatrixSplit::Columns => return Err(err("a stacked product of input-split weights")),
         };
         self.check_whole("a stacked product", x)?;
+        if outs.len() != w.pieces.len() {
+            return Err(err(format!(
+                "a product of {} stacked weights into {} outputs",
+                w.pieces.len(),
+                outs.len()
+            )));
+        }
+        for (o, &width) in outs.iter_mut().zip(&w.pieces) {
+            self.set_width(o, width)?;
+        }
         for r in 0..self.ranks.len() {
             self.ranks[r].matmul_split(&x.parts[r], &w.parts[r], &mut parts_mut(outs, r))?;
         }
@@ -729,6 +817,9 @@ impl<B: Backend> Backend for Ranks<B> {
             MatrixSplit::Columns => return Err(err("an MLP product of input-split weights")),
         };
         self.check_whole("the MLP's first product", x)?;
+        let width: usize = w.pieces.iter().sum();
+        self.set_width(gu, width)?;
+        self.set_width(out, width / 2)?;
         self.each(|r, be| {
             be.matmul_silu(
                 &x.parts[r],
@@ -858,6 +949,7 @@ impl<B: Backend> Backend for Ranks<B> {
             .by_heads
             .as_ref()
             .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        self.set_width(io.out, shape.q_width())?;
         for (r, be) in self.ranks.iter().enumerate() {
             let io = AttnIo {
                 q: &mut io.q.parts[r],
@@ -920,6 +1012,7 @@ impl<B: Backend> Backend for Ranks<B> {
         caches: &mut [&mut Self::SparseCache],
     ) -> BResult<()> {
         let shape = self.rank_shape(shape)?;
+        self.set_width(io.out, shape.q_width())?;
         for (r, be) in self.ranks.iter().enumerate() {
             let io = AttnIo {
                 q: &mut io.q.parts[r],
@@ -950,13 +1043,19 @@ impl<B: Backend> Backend for Ranks<B> {
         self.ranks[0].logits(&h.parts[0], rows, keep, &lm_head.parts[0], divisor)
     }
 
-    /// Whole rows: rank 0's. A rank's columns: every rank's, put side by side.
+    /// Whole rows: rank 0's. A rank's columns: every rank's, put side by side (an error for
+    /// the parts of a sparse layer past its KV heads, which ranks share).
     fn to_host(&self, a: &Self::Act) -> BResult<Vec<f32>> {
         if a.split == Split::Whole {
             return self.ranks[0].to_host(&a.parts[0]);
         }
+        let each = a.width;
+        if each * self.ranks.len() != a.cols {
+            return Err(err(
+                "this activation's columns are held by groups of ranks, not split among them",
+            ));
+        }
         let parts = self.each(|r, be| be.to_host(&a.parts[r]))?;
-        let each = a.cols / self.ranks.len();
         let mut out = Vec::with_capacity(a.rows * a.cols);
         for row in 0..a.rows {
             for p in &parts {

@@ -129,8 +129,8 @@ impl<B: Backend> Model<B> {
             let layers = (0..n)
                 .map(|_| {
                     Ok((
-                        be.alloc_split(crate::STEPWISE_SPAN_ROWS, width)?,
-                        be.alloc_split(crate::STEPWISE_SPAN_ROWS, width)?,
+                        be.alloc_split("kl", crate::STEPWISE_SPAN_ROWS, width)?,
+                        be.alloc_split("vl", crate::STEPWISE_SPAN_ROWS, width)?,
                     ))
                 })
                 .collect::<BResult<Vec<_>>>()?;

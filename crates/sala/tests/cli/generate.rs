@@ -1059,8 +1059,10 @@ fn generate_and_bench_run_tensor_parallel_ranks() {
         let (_, one) = run("1");
         let (o, two) = run("2");
         assert!(stderr(&o).contains("2 x cpu"), "{}", stderr(&o));
+        // Past the sparse layers' 2 KV heads too.
+        let (_, four) = run("4");
         assert_eq!(one.len(), 16);
-        for (a, b) in one.iter().zip(&two) {
+        for (a, b) in one.iter().zip(&two).chain(one.iter().zip(&four)) {
             if a["id"] == b["id"] {
                 agreed += 1;
                 continue;
@@ -1109,7 +1111,10 @@ fn generate_and_bench_run_tensor_parallel_ranks() {
         sala(&extra, cache)
     };
     fails_with(&with("3", "cpu"), &["do not split into 3"]);
-    fails_with(&with("4", "cpu"), &["2 KV heads", "at most 2"]);
+    fails_with(
+        &with("8", "cpu"),
+        &["4 attention heads", "do not split into 8"],
+    );
     fails_with(&with("0", "cpu"), &["--tensor-parallel must be at least 1"]);
     fails_with(&with("2", "cuda"), &["not in this build yet"]);
 }
