@@ -367,6 +367,7 @@ impl Backend for CpuBackend {
             runtime: 0,
             packs_quantized: false,
             packs_fp8_kv: false,
+            ranks: None,
         }
     }
 
@@ -827,6 +828,10 @@ impl Backend for CpuBackend {
 pub struct HostSum;
 
 impl sala_model::ranks::Collective<CpuBackend> for HostSum {
+    fn one_memory(&self) -> bool {
+        true
+    }
+
     fn sum_acts(&self, _ranks: &[CpuBackend], parts: &mut [&mut CpuAct]) -> BResult<()> {
         let sums = host_sums(parts.iter().map(|p| &p.data[..p.rows * p.cols]))?;
         for p in parts.iter_mut() {

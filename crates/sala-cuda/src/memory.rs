@@ -247,6 +247,7 @@ pub fn memory_facts(
             },
         packs_quantized: true,
         packs_fp8_kv: true,
+        ranks: None,
     }
 }
 
@@ -712,6 +713,7 @@ mod tests {
                 runtime: 600 * MIB,
                 packs_quantized: true,
                 packs_fp8_kv: true,
+                ranks: None,
             }
         );
         assert_eq!(
@@ -723,6 +725,7 @@ mod tests {
                 runtime: (600 + 256) * MIB,
                 packs_quantized: true,
                 packs_fp8_kv: true,
+                ranks: None,
             }
         );
     }

@@ -30,6 +30,17 @@ pub struct BackendMemory {
     /// An FP8 K/V cache is kept as codes and scales ([`fp8_kv_row_bytes`] a token and layer
     /// for K, the same for V), not as values.
     pub packs_fp8_kv: bool,
+    /// Tensor parallelism: the plan counts one rank's part of the weights, caches and
+    /// workspace (all ranks' together where they share one memory).
+    pub ranks: Option<RankShare>,
+}
+
+/// How a tensor-parallel backend's ranks hold the model ([`BackendMemory::ranks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankShare {
+    pub tp: crate::parallel::TensorParallel,
+    /// The ranks share one memory (simulated ranks on the CPU): a plan is all of theirs.
+    pub one_memory: bool,
 }
 
 /// Bytes of a token's FP8 K (or V) row in a sparse layer: `kv_heads · head_dim` E4M3 codes,
@@ -163,7 +174,22 @@ pub fn weight_bytes(c: &ModelConfig) -> usize {
 /// row where the 4-bit products take their shape (inputs and group multiples of 32), FP8 ones
 /// at a byte a weight and an f32 scale a row.
 pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_quantized: bool) -> usize {
-    sala_checkpoint::expected_tensors(c)
+    tensors_held(
+        c,
+        &sala_checkpoint::expected_tensors(c),
+        value_bytes,
+        packs_quantized,
+    )
+}
+
+/// [`weights_held`] of the tensors `tensors` of a model of `c` (a rank's parts).
+fn tensors_held(
+    c: &ModelConfig,
+    tensors: &[sala_checkpoint::TensorSpec],
+    value_bytes: usize,
+    packs_quantized: bool,
+) -> usize {
+    tensors
         .iter()
         .map(|t| {
             let n = t.numel();
@@ -236,15 +262,40 @@ impl MemoryPlan {
     /// The plan on a backend whose `facts` are for a workspace of `rows` rows.
     pub fn new(c: &ModelConfig, context: usize, rows: usize, facts: &BackendMemory) -> Self {
         let vb = facts.value_bytes;
-        let row: usize = workspace_columns(c).iter().map(|(_, cols)| cols).sum();
+        let (page, fp8_kv) = (facts.cache_page, facts.packs_fp8_kv);
+        let Some(share) = facts.ranks else {
+            let row: usize = workspace_columns(c).iter().map(|(_, cols)| cols).sum();
+            return Self {
+                context,
+                rows,
+                weights: weights_held(c, vb, facts.packs_quantized),
+                cache: cache_bytes_with(c, context, vb, page, fp8_kv),
+                workspace: rows * row * vb,
+                scratch: facts.scratch,
+                runtime: facts.runtime,
+            };
+        };
+        // One rank's part: its tensors, its heads' caches, its buffers' columns.
+        let tp = share.tp;
+        let row: usize = workspace_columns(c)
+            .iter()
+            .map(|&(name, cols)| cols / tp.buffer_ways(c, name))
+            .sum();
+        let weights = tensors_held(c, &tp.rank_tensors(c, 0), vb, facts.packs_quantized);
+        let cache = cache_bytes_with(&tp.rank_config(c), context, vb, page, fp8_kv);
+        let times = if share.one_memory { tp.ranks } else { 1 };
         Self {
             context,
             rows,
-            weights: weights_held(c, vb, facts.packs_quantized),
-            cache: cache_bytes_with(c, context, vb, facts.cache_page, facts.packs_fp8_kv),
-            workspace: rows * row * vb,
-            scratch: facts.scratch,
-            runtime: facts.runtime,
+            weights: weights * times,
+            cache: CacheBytes {
+                kv: cache.kv * times,
+                compressed: cache.compressed * times,
+                lightning_state: cache.lightning_state * times,
+            },
+            workspace: rows * row * vb * times,
+            scratch: facts.scratch * times,
+            runtime: facts.runtime * times,
         }
     }
 
@@ -395,6 +446,7 @@ mod tests {
             runtime: 0,
             packs_quantized: false,
             packs_fp8_kv: false,
+            ranks: None,
         }
     }
 
@@ -538,5 +590,69 @@ mod tests {
         // Never more than the pages the sequence holds.
         let held = cache_bytes_with(&c, 1 << 20, BF16, Some(page), false);
         assert!(shared(1 << 20) <= held.kv + held.compressed);
+    }
+}
+
+#[cfg(test)]
+mod rank_tests {
+    use super::*;
+    use crate::parallel::TensorParallel;
+
+    fn facts(ranks: Option<RankShare>) -> BackendMemory {
+        BackendMemory {
+            value_bytes: BF16,
+            cache_page: None,
+            scratch: 3 * 1024,
+            runtime: 5 * 1024,
+            packs_quantized: true,
+            packs_fp8_kv: true,
+            ranks,
+        }
+    }
+
+    /// A tensor-parallel plan counts one rank's part: over 1 rank the plain plan; over 2 the
+    /// replicated tensors (embeddings, lm_head, norms) whole and the rest halved, half the
+    /// K/V, compressed keys and lightning states, the split buffers halved; past the sparse
+    /// layers' KV heads each rank's KV group whole. Ranks sharing one memory count them all.
+    #[test]
+    fn a_rank_plan_counts_one_ranks_part() {
+        let c = sala_checkpoint::preset("minicpm-sala-9b").unwrap();
+        let (ctx, rows) = (1 << 20, 8192);
+        let plain = MemoryPlan::new(&c, ctx, rows, &facts(None));
+        let share = |ranks, one_memory| RankShare {
+            tp: TensorParallel::new(&c, ranks).unwrap(),
+            one_memory,
+        };
+        let one = MemoryPlan::new(&c, ctx, rows, &facts(Some(share(1, false))));
+        assert_eq!(one, plain);
+        let whole: usize = sala_checkpoint::expected_tensors(&c)
+            .iter()
+            .filter(|t| !t.name.starts_with("model.layers.") || t.shape.len() == 1)
+            .filter(|t| !t.name.ends_with("o_norm.weight"))
+            .map(|t| t.numel() * BF16)
+            .sum();
+        let two = MemoryPlan::new(&c, ctx, rows, &facts(Some(share(2, false))));
+        assert_eq!(two.weights, whole + (plain.weights - whole) / 2);
+        assert_eq!(two.cache.kv * 2, plain.cache.kv);
+        assert_eq!(two.cache.compressed * 2, plain.cache.compressed);
+        assert_eq!(two.cache.lightning_state * 2, plain.cache.lightning_state);
+        let residual = 3 * c.hidden_size * rows * BF16;
+        assert_eq!(two.workspace, residual + (plain.workspace - residual) / 2);
+        assert_eq!((two.scratch, two.runtime), (plain.scratch, plain.runtime));
+        // Past the KV heads: a KV head (its k and v rows, its cache) on each of its ranks,
+        // its group's q, o_gate and o_proj whole (o_proj with zeros for the other ranks' heads).
+        let eight = MemoryPlan::new(&c, ctx, rows, &facts(Some(share(8, false))));
+        assert_eq!(eight.cache.kv * 2, plain.cache.kv);
+        assert_eq!(eight.cache.lightning_state * 8, plain.cache.lightning_state);
+        let sparse = c.layer_count(MixerKind::Sparse);
+        let hd = c.num_attention_heads * c.head_dim;
+        let group = hd / c.num_key_value_heads;
+        let kv = c.num_key_value_heads * c.head_dim;
+        let extra = sparse * 3 * (group - hd / 8) * c.hidden_size * BF16
+            + sparse * 2 * (c.head_dim - kv / 8) * c.hidden_size * BF16;
+        assert_eq!(eight.weights, whole + (plain.weights - whole) / 8 + extra);
+        // Simulated ranks in one memory: every rank's part.
+        let shared = MemoryPlan::new(&c, ctx, rows, &facts(Some(share(2, true))));
+        assert_eq!(shared.total(), 2 * two.total());
     }
 }

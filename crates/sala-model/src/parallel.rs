@@ -7,7 +7,7 @@
 //! builds on these.
 
 use crate::oracle::{self, AttnShape, SparseMode};
-use sala_checkpoint::{MixerKind, ModelConfig, SparseConfig};
+use sala_checkpoint::{expected_tensors, MixerKind, ModelConfig, SparseConfig, TensorSpec};
 use std::ops::Range;
 
 /// A weight's part on one rank: rows `rows` (output features) and columns `cols` (input
@@ -152,6 +152,47 @@ impl TensorParallel {
             own_cols: None,
         });
         out
+    }
+
+    /// Rank `rank`'s part of tensor `name` of the model, or `None` for a tensor every rank
+    /// holds whole (embeddings, lm_head, norms but the lightning output norm, q/k norms).
+    pub fn shard_of(&self, config: &ModelConfig, name: &str, rank: usize) -> Option<Shard> {
+        let rest = name.strip_prefix("model.layers.")?;
+        let (layer, rest) = rest.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        if layer >= config.num_hidden_layers {
+            return None;
+        }
+        let module = rest.strip_suffix(".weight")?.rsplit('.').next()?;
+        self.shards(config, layer, rank)
+            .into_iter()
+            .find(|s| s.name == module)
+    }
+
+    /// The model's tensors as rank `rank` holds them: each split one of its part's shape.
+    pub fn rank_tensors(&self, config: &ModelConfig, rank: usize) -> Vec<TensorSpec> {
+        let mut specs = expected_tensors(config);
+        for spec in &mut specs {
+            if let Some(s) = self.shard_of(config, &spec.name, rank) {
+                spec.shape = match spec.shape.len() {
+                    1 => vec![s.rows.len()],
+                    _ => vec![s.rows.len(), s.cols.len()],
+                };
+            }
+        }
+        specs
+    }
+
+    /// The ways workspace buffer `name` ([`crate::memory::workspace_columns`]) is split: the
+    /// residual stream and its norms not at all; the attention buffers as the sparse layers
+    /// are (at most their KV heads' count: past it a rank's part also serves a whole KV
+    /// group); the others among every rank.
+    pub fn buffer_ways(&self, config: &ModelConfig, name: &str) -> usize {
+        match name {
+            "h" | "a" | "branch" => 1,
+            "q" | "o" | "z" | "ks" | "vs" => self.ranks.min(config.num_key_value_heads),
+            _ => self.ranks,
+        }
     }
 
     /// The query heads of rank `rank`'s KV heads in a sparse layer: its own heads while the

@@ -9,7 +9,7 @@ use crate::backend::{
     AttnIo, BResult, Backend, BackendError, Fp8Matrix, HostDType, HostTensor, LogitsOut,
     QuantMatrix, Span, StepInfo,
 };
-use crate::memory::BackendMemory;
+use crate::memory::{BackendMemory, RankShare};
 use crate::numerics::random_normal;
 use crate::oracle::{AttnShape, SparseMode};
 use crate::parallel::{Shard, TensorParallel};
@@ -25,6 +25,10 @@ pub trait Collective<B: Backend> {
     fn sum_acts(&self, ranks: &[B], parts: &mut [&mut B::Act]) -> BResult<()>;
     /// The first `len` entries of each rank's table become their f32 sum over the ranks.
     fn sum_tables(&self, ranks: &[B], parts: &mut [&mut B::Table], len: usize) -> BResult<()>;
+    /// Whether the ranks share one memory (simulated ranks in one process's memory).
+    fn one_memory(&self) -> bool {
+        false
+    }
 }
 
 /// Which columns of an activation each rank holds.
@@ -163,17 +167,7 @@ impl<B: Backend> Ranks<B> {
 
     /// Rank `rank`'s part of weight `name`, or `None` for a weight every rank holds whole.
     fn shard(&self, name: &str, rank: usize) -> Option<Shard> {
-        let rest = name.strip_prefix("model.layers.")?;
-        let (layer, rest) = rest.split_once('.')?;
-        let layer: usize = layer.parse().ok()?;
-        if layer >= self.config.num_hidden_layers {
-            return None;
-        }
-        let module = rest.strip_suffix(".weight")?.rsplit('.').next()?;
-        self.tp
-            .shards(&self.config, layer, rank)
-            .into_iter()
-            .find(|s| s.name == module)
+        self.tp.shard_of(&self.config, name, rank)
     }
 
     /// How weight `name` is split (over one rank too, so that its products' outputs are
@@ -362,9 +356,16 @@ impl<B: Backend> Backend for Ranks<B> {
         self.ranks[0].default_prefill_chunk()
     }
 
-    /// One rank's facts, for its part of the model.
+    /// One rank's facts, for its part of the model: a plan counts one rank's part (all of
+    /// them where the ranks share one memory, as simulated CPU ranks do).
     fn memory_facts(&self, config: &ModelConfig, rows: usize) -> BackendMemory {
-        self.ranks[0].memory_facts(&self.tp.rank_config(config), rows)
+        BackendMemory {
+            ranks: Some(RankShare {
+                tp: self.tp,
+                one_memory: self.collective.one_memory(),
+            }),
+            ..self.ranks[0].memory_facts(&self.tp.rank_config(config), rows)
+        }
     }
 
     fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<Self::Matrix> {
@@ -549,10 +550,7 @@ impl<B: Backend> Backend for Ranks<B> {
     /// Each rank's part as wide as the widest layer it serves: the attention buffers of a
     /// sparse layer past its KV heads hold a whole KV group on each rank.
     fn alloc_split(&self, buffer: &str, max_rows: usize, cols: usize) -> BResult<Self::Act> {
-        let ways = match buffer {
-            "q" | "o" | "z" | "ks" | "vs" => self.sparse_ways(),
-            _ => self.ranks.len(),
-        };
+        let ways = self.tp.buffer_ways(&self.config, buffer);
         if !cols.is_multiple_of(ways) {
             return Err(err(format!("{cols} columns do not split {ways} ways")));
         }
