@@ -27,7 +27,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
     }

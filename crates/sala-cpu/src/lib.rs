@@ -785,6 +785,89 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn lightning_state_advance(
+        &self,
+        slopes: &Vec<f32>,
+        head_dim: usize,
+        tokens: usize,
+        prev: &Vec<f32>,
+        state: &mut Vec<f32>,
+    ) -> BResult<()> {
+        let size = head_dim * head_dim;
+        if prev.len() != state.len() || state.len() != slopes.len() * size {
+            return Err(BackendError(format!(
+                "lightning scan: states of {} and {} values for {} heads of {head_dim}",
+                prev.len(),
+                state.len(),
+                slopes.len()
+            )));
+        }
+        for ((s, p), &slope) in state.chunks_mut(size).zip(prev.chunks(size)).zip(slopes) {
+            let decay = (-slope * tokens as f32).exp();
+            for (x, &y) in s.iter_mut().zip(p) {
+                *x += decay * y;
+            }
+        }
+        Ok(())
+    }
+
+    fn lightning_state_term(
+        &self,
+        shape: AttnShape,
+        slopes: &Vec<f32>,
+        state: &Vec<f32>,
+        q: &CpuAct,
+        rows: usize,
+        out: &mut CpuAct,
+    ) -> BResult<()> {
+        let (d, qw) = (shape.head_dim, shape.q_width());
+        if q.cols != qw || out.cols != qw || rows > q.rows.min(out.rows) {
+            return Err(BackendError(format!(
+                "lightning start states: {rows} rows of q [{}, {}] and out [{}, {}] for {} heads",
+                q.rows, q.cols, out.rows, out.cols, shape.heads
+            )));
+        }
+        let scale = shape.scale() as f32;
+        out.data[..rows * qw]
+            .par_chunks_mut(qw)
+            .zip(q.data[..rows * qw].par_chunks(qw))
+            .enumerate()
+            .for_each(|(t, (o, qt))| {
+                for h in 0..shape.heads {
+                    let decay = (-slopes[h] * (t + 1) as f32).exp();
+                    let s = &state[h * d * d..][..d * d];
+                    let mut term = vec![0f32; d];
+                    for (a, &qa) in qt[h * d..][..d].iter().enumerate() {
+                        attention::axpy(&mut term, qa, &s[a * d..][..d]);
+                    }
+                    for (x, y) in o[h * d..][..d].iter_mut().zip(term) {
+                        *x = bf16_round(*x + scale * decay * y);
+                    }
+                }
+            });
+        Ok(())
+    }
+
+    fn append_sparse_kv(
+        &self,
+        cache: &mut SparseCache,
+        _cfg: &SparseConfig,
+        k: &CpuAct,
+        v: &CpuAct,
+        rows: usize,
+    ) -> BResult<()> {
+        let kw = cache.shape.kv_width();
+        if k.cols != kw || v.cols != kw || rows > k.rows.min(v.rows) {
+            return Err(BackendError(format!(
+                "a cache's earlier tokens: {rows} rows of k [{}, {}] and v [{}, {}] for rows of \
+                 {kw}",
+                k.rows, k.cols, v.rows, v.cols
+            )));
+        }
+        cache.append(&k.data[..rows * kw], &v.data[..rows * kw]);
+        Ok(())
+    }
+
     fn logits(
         &self,
         h: &CpuAct,
@@ -823,11 +906,47 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Tensor parallelism's sums among CPU ranks (simulated ranks, all in this process): in rank
-/// order, in f32, an activation's sum rounded to bf16 as every op's output is.
-pub struct HostSum;
+/// Simulated ranks, all in this process: tensor parallelism's sums (in rank order, in f32,
+/// an activation's sum rounded to bf16 as every op's output is) and context parallelism's
+/// copies.
+pub struct HostRanks;
 
-impl sala_model::ranks::Collective<CpuBackend> for HostSum {
+impl sala_model::context::Exchange<CpuBackend> for HostRanks {
+    fn copy_act(
+        &self,
+        _from: &CpuBackend,
+        src: &CpuAct,
+        _to: &CpuBackend,
+        dst: &mut CpuAct,
+        rows: usize,
+    ) -> BResult<()> {
+        let n = rows * src.cols;
+        if src.cols != dst.cols || rows > src.rows || rows > dst.rows {
+            return Err(BackendError(format!(
+                "a copy of {rows} rows from [{}, {}] to [{}, {}]",
+                src.rows, src.cols, dst.rows, dst.cols
+            )));
+        }
+        dst.data[..n].copy_from_slice(&src.data[..n]);
+        Ok(())
+    }
+
+    fn copy_state(
+        &self,
+        _from: &CpuBackend,
+        src: &Vec<f32>,
+        _to: &CpuBackend,
+        dst: &mut Vec<f32>,
+    ) -> BResult<()> {
+        if src.len() != dst.len() {
+            return Err(BackendError("lightning states of two shapes".into()));
+        }
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+impl sala_model::ranks::Collective<CpuBackend> for HostRanks {
     fn one_memory(&self) -> bool {
         true
     }

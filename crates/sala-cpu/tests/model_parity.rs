@@ -4,7 +4,7 @@
 
 use sala_checkpoint::{expected_tensors, KvCacheDtype, ModelConfig};
 use sala_cpu::reference::ReferenceBackend;
-use sala_cpu::{CpuBackend, HostSum};
+use sala_cpu::{CpuBackend, HostRanks};
 use sala_model::numerics::{rel_l2, TestRng};
 use sala_model::ranks::Ranks;
 use sala_model::testing::{
@@ -601,7 +601,7 @@ fn an_impossible_reservation_is_an_error_not_an_abort() {
 /// The tiny model split over `n` simulated CPU ranks ([`sala_model::ranks::Ranks`]).
 fn ranks(n: usize, config: &ModelConfig) -> Ranks<CpuBackend> {
     let backends = (0..n).map(|_| CpuBackend).collect();
-    Ranks::new(backends, Box::new(HostSum), config).unwrap()
+    Ranks::new(backends, Box::new(HostRanks), config).unwrap()
 }
 
 /// How far tensor-parallel logits may be from one device's (the median row): each rank's
@@ -691,7 +691,7 @@ fn tensor_parallel_refuses_what_does_not_split() {
     let config = tiny_config(96);
     let refuse = |n: usize| {
         let backends = (0..n).map(|_| CpuBackend).collect();
-        match Ranks::new(backends, Box::new(HostSum), &config) {
+        match Ranks::new(backends, Box::new(HostRanks), &config) {
             Ok(_) => panic!("{n} ranks accepted"),
             Err(e) => e.0,
         }
@@ -715,4 +715,74 @@ fn tensor_parallel_refuses_what_does_not_split() {
         .unwrap()
         .0;
     assert!(e.contains("draft model"), "{e}");
+}
+
+/// Context parallelism ([`sala_model::context::prefill`]): a prompt read by 1 to 5 CPU ranks
+/// at once, each a block-aligned range (lightning states scanned across the ranges, each
+/// rank's cache given the earlier ranks' keys and values), gives one device's last logits
+/// (over 1 rank bit for bit; over more within the rounding of the lightning scan), and
+/// decoding on the last rank goes on as one device's decoding does; dense and sparse.
+#[test]
+fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
+    use sala_model::context::{prefill, ContextRank};
+    let config = tiny_config(96);
+    let v = config.vocab_size;
+    let one = load(&CpuBackend, &config, 51);
+    for (n, seed) in [(40usize, 52u64), (150, 53), (301, 54)] {
+        let toks = tokens(n + 4, v, seed);
+        let (prompt, rest) = toks.split_at(n);
+        let mut ws = one.workspace(&CpuBackend, n).unwrap();
+        let mut seq = one.new_sequence(&CpuBackend).unwrap();
+        let mut want = vec![one
+            .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
+            .unwrap()];
+        for &t in rest {
+            want.push(one.decode(&CpuBackend, &mut ws, &mut seq, t).unwrap());
+        }
+        for count in [1usize, 2, 3, 5] {
+            let models: Vec<_> = (0..count).map(|_| load(&CpuBackend, &config, 51)).collect();
+            let mut wss: Vec<_> = models
+                .iter()
+                .map(|m| m.workspace(&CpuBackend, n).unwrap())
+                .collect();
+            let mut seqs: Vec<_> = models
+                .iter()
+                .map(|m| m.new_sequence(&CpuBackend).unwrap())
+                .collect();
+            let mut ranks: Vec<ContextRank<'_, CpuBackend>> = models
+                .iter()
+                .zip(wss.iter_mut())
+                .zip(seqs.iter_mut())
+                .map(|((model, ws), seq)| ContextRank {
+                    be: &CpuBackend,
+                    model,
+                    ws,
+                    seq,
+                })
+                .collect();
+            let done = prefill(&mut ranks, &HostRanks, prompt).unwrap();
+            drop(ranks);
+            let what = format!("{n} tokens over {count} ranks");
+            assert_eq!(done.ranges.last().unwrap().end, n, "{what}");
+            assert_eq!(done.last, done.ranges.len() - 1, "{what}");
+            if count > 1 && n > 16 {
+                assert!(done.ranges.len() > 1, "{what}: one range");
+            }
+            let mut got = vec![done.logits];
+            let (model, ws, seq) = (
+                &models[done.last],
+                &mut wss[done.last],
+                &mut seqs[done.last],
+            );
+            assert_eq!(seq.pos, n);
+            for &t in rest {
+                got.push(model.decode(&CpuBackend, ws, seq, t).unwrap());
+            }
+            if count == 1 {
+                assert_eq!(got, want, "{what}");
+            } else {
+                assert_logits_close(&what, &got.concat(), &want.concat(), v);
+            }
+        }
+    }
 }

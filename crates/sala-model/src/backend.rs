@@ -631,6 +631,57 @@ pub trait Backend {
         modes: &[SparseMode],
         caches: &mut [&mut Self::SparseCache],
     ) -> BResult<()>;
+    /// Context parallelism, the lightning scan: `state = γ^tokens · prev + state` per head
+    /// (γ = exp(−slope); SPEC §4.2): `state`, a range's end state computed from zero, made the
+    /// end state of the range read after `prev` (`tokens` tokens long).
+    fn lightning_state_advance(
+        &self,
+        _slopes: &Self::Table,
+        _head_dim: usize,
+        _tokens: usize,
+        _prev: &Self::LightningState,
+        _state: &mut Self::LightningState,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: no context parallelism (lightning scan)",
+            self.name()
+        )))
+    }
+    /// Context parallelism: adds to the first `rows` rows of `out` (a lightning span's
+    /// outputs computed from a zero state, its queries `q` as the layer normed and rotated
+    /// them) the term of its true start state: `out_t += scale·γ^{t+1} q_t S` per head,
+    /// rounded to bf16 as the outputs are.
+    #[allow(clippy::too_many_arguments)]
+    fn lightning_state_term(
+        &self,
+        _shape: AttnShape,
+        _slopes: &Self::Table,
+        _state: &Self::LightningState,
+        _q: &Self::Act,
+        _rows: usize,
+        _out: &mut Self::Act,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: no context parallelism (lightning start states)",
+            self.name()
+        )))
+    }
+    /// Context parallelism: appends the first `rows` rows of `k` and `v` (another rank's
+    /// tokens, before this rank's) to `cache`, with the compressed windows they complete,
+    /// attending nothing.
+    fn append_sparse_kv(
+        &self,
+        _cache: &mut Self::SparseCache,
+        _cfg: &SparseConfig,
+        _k: &Self::Act,
+        _v: &Self::Act,
+        _rows: usize,
+    ) -> BResult<()> {
+        Err(BackendError(format!(
+            "{}: no context parallelism (a cache's earlier tokens)",
+            self.name()
+        )))
+    }
     /// Logits of the rows `rows` of `h` (final-normed hidden states), in that order:
     /// `round(h / divisor)` times `lm_head`ᵀ, rounded to bf16 as the reference's bf16
     /// output. Returns as f32 `[k, vocab]` the rows whose `keep` is set (in order), and every

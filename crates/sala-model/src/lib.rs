@@ -2,6 +2,7 @@
 //! plain implementations of both attention algorithms that every fast path is held to.
 
 pub mod backend;
+pub mod context;
 pub mod draft;
 pub mod load;
 pub mod memory;

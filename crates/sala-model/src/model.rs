@@ -31,7 +31,7 @@ pub(crate) enum Mixer<B: Backend> {
 pub(crate) struct Layer<B: Backend> {
     /// Its place in the model.
     index: usize,
-    input_norm: B::Vector,
+    pub(crate) input_norm: B::Vector,
     post_norm: B::Vector,
     pub(crate) mixer: Mixer<B>,
     /// gate_proj and up_proj, stacked.
@@ -42,10 +42,10 @@ pub(crate) struct Layer<B: Backend> {
 /// A loaded model: immutable weights on one backend.
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
-    embed: B::Matrix,
-    final_norm: B::Vector,
+    pub(crate) embed: B::Matrix,
+    pub(crate) final_norm: B::Vector,
     /// `None` when the embeddings are tied.
-    lm_head: Option<B::Matrix>,
+    pub(crate) lm_head: Option<B::Matrix>,
     pub(crate) layers: Vec<Layer<B>>,
     pub(crate) slopes: B::Table,
     pub(crate) inv_freq: B::Table,
@@ -151,21 +151,11 @@ impl<B: Backend> Layer<B> {
     ) -> BResult<()> {
         let c = &m.config;
         let eps = step.eps;
-        let (stacked, o_proj, gated) = match &self.mixer {
-            Mixer::Lightning { qkvz, o, gated, .. } => (qkvz, o, *gated),
-            Mixer::Sparse { qkvg, o, gated } => (qkvg, o, *gated),
-        };
+        self.project(m, be, ws)?;
         let (k, v) = match self.mixer {
             Mixer::Lightning { .. } => (&mut ws.kl, &mut ws.vl),
             Mixer::Sparse { .. } => (&mut ws.ks, &mut ws.vs),
         };
-        let hd = c.num_attention_heads * c.head_dim;
-        m.record(be, self.index, LinearInput::Attention, &ws.a, c.hidden_size)?;
-        if gated {
-            be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v, &mut ws.z])?;
-        } else {
-            be.matmul_split(&ws.a, stacked, &mut [&mut ws.q, k, v])?;
-        }
         let io = AttnIo {
             q: &mut ws.q,
             k,
@@ -220,6 +210,55 @@ impl<B: Backend> Layer<B> {
                 )?;
             }
         }
+        self.finish(m, be, ws, step.res, eps, next_norm)
+    }
+
+    /// The layer's first product: q, k, v (and the output gate) from its input norm `ws.a`.
+    pub(crate) fn project(&self, m: &Model<B>, be: &B, ws: &mut Workspace<B>) -> BResult<()> {
+        let c = &m.config;
+        m.record(be, self.index, LinearInput::Attention, &ws.a, c.hidden_size)?;
+        let (stacked, gated) = match &self.mixer {
+            Mixer::Lightning { qkvz, gated, .. } => (qkvz, *gated),
+            Mixer::Sparse { qkvg, gated, .. } => (qkvg, *gated),
+        };
+        let Workspace {
+            a,
+            q,
+            z,
+            kl,
+            vl,
+            ks,
+            vs,
+            ..
+        } = ws;
+        let (k, v) = match self.mixer {
+            Mixer::Lightning { .. } => (kl, vl),
+            Mixer::Sparse { .. } => (ks, vs),
+        };
+        if gated {
+            be.matmul_split(a, stacked, &mut [q, k, v, z])
+        } else {
+            be.matmul_split(a, stacked, &mut [q, k, v])
+        }
+    }
+
+    /// The rest of the layer once its attention output is in `ws.o`: the output norm and
+    /// gate, o_proj, the residual add and the MLP; `ws.a` gets `next_norm` of the output.
+    pub(crate) fn finish(
+        &self,
+        m: &Model<B>,
+        be: &B,
+        ws: &mut Workspace<B>,
+        res: f32,
+        eps: f32,
+        next_norm: &B::Vector,
+    ) -> BResult<()> {
+        let c = &m.config;
+        let hd = c.num_attention_heads * c.head_dim;
+        let (o_proj, gated) = match &self.mixer {
+            Mixer::Lightning { o, gated, .. } => (o, *gated),
+            Mixer::Sparse { o, gated, .. } => (o, *gated),
+        };
         let normed = match &self.mixer {
             Mixer::Lightning {
                 o_norm: Some(w), ..
@@ -236,14 +275,7 @@ impl<B: Backend> Layer<B> {
         };
         m.record(be, self.index, LinearInput::Output, normed, hd)?;
         be.matmul(normed, o_proj, &mut ws.branch)?;
-        be.add_scaled_norm(
-            &mut ws.h,
-            &ws.branch,
-            step.res,
-            &self.post_norm,
-            eps,
-            &mut ws.a,
-        )?;
+        be.add_scaled_norm(&mut ws.h, &ws.branch, res, &self.post_norm, eps, &mut ws.a)?;
         m.record(be, self.index, LinearInput::Mlp, &ws.a, c.hidden_size)?;
         be.matmul_silu(&ws.a, &self.gate_up, &mut ws.gate_up, &mut ws.act)?;
         m.record(
@@ -254,7 +286,7 @@ impl<B: Backend> Layer<B> {
             c.intermediate_size,
         )?;
         be.matmul(&ws.act, &self.down_proj, &mut ws.branch)?;
-        be.add_scaled_norm(&mut ws.h, &ws.branch, step.res, next_norm, eps, &mut ws.a)
+        be.add_scaled_norm(&mut ws.h, &ws.branch, res, next_norm, eps, &mut ws.a)
     }
 }
 
@@ -266,18 +298,18 @@ pub struct Workspace<B: Backend> {
     /// Prompt tokens a chunk reads ([`Model::prefill`]); the rest of the rows are for the
     /// decode rows of the same step.
     pub chunk: usize,
-    h: B::Act,
-    a: B::Act,
-    branch: B::Act,
-    q: B::Act,
-    o: B::Act,
-    z: B::Act,
-    ks: B::Act,
-    vs: B::Act,
-    kl: B::Act,
-    vl: B::Act,
-    gate_up: B::Act,
-    act: B::Act,
+    pub(crate) h: B::Act,
+    pub(crate) a: B::Act,
+    pub(crate) branch: B::Act,
+    pub(crate) q: B::Act,
+    pub(crate) o: B::Act,
+    pub(crate) z: B::Act,
+    pub(crate) ks: B::Act,
+    pub(crate) vs: B::Act,
+    pub(crate) kl: B::Act,
+    pub(crate) vl: B::Act,
+    pub(crate) gate_up: B::Act,
+    pub(crate) act: B::Act,
 }
 
 impl<B: Backend> Workspace<B> {
@@ -567,7 +599,7 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    fn sparse_shape(&self) -> AttnShape {
+    pub(crate) fn sparse_shape(&self) -> AttnShape {
         AttnShape {
             heads: self.config.num_attention_heads,
             kv_heads: self.config.num_key_value_heads,

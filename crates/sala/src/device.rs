@@ -3,7 +3,7 @@
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use sala_checkpoint::{Checkpoint, KvCacheDtype, ModelConfig};
-use sala_cpu::{CpuBackend, HostSum};
+use sala_cpu::{CpuBackend, HostRanks};
 use sala_cuda::{CudaBackend, CudaOptions};
 use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan};
 use sala_model::ranks::Ranks;
@@ -180,7 +180,7 @@ impl DeviceArgs {
         let config = config()?;
         let ranks = Ranks::new(
             (0..n).map(|_| CpuBackend).collect(),
-            Box::new(HostSum),
+            Box::new(HostRanks),
             &config,
         )
         .map_err(|e| anyhow!("{e}"))?;
