@@ -490,3 +490,54 @@ fn bench_measures_a_speculating_batch_against_the_plain_one() {
         positive(r, "decode_tok_s", name);
     }
 }
+
+/// --context-parallel N: each context read by N simulated ranks at once, the ranges tiling
+/// the prompt in order, the last logits those of one rank reading it (within the lightning
+/// scan's rounding), both TTFTs and decode speeds reported; 0 ranks refused.
+#[test]
+fn bench_reads_a_prompt_with_context_parallel_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("cp.json");
+    let o = bench(
+        &[
+            "--context-parallel",
+            "3",
+            "--context",
+            "700,2K",
+            "--prefill-chunk",
+            "256",
+        ],
+        &json,
+        tmp.path(),
+    );
+    ok(&o);
+    let doc = read_json(&json);
+    assert_eq!(doc["ranks"], 3);
+    let rows = doc["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (r, len) in rows.iter().zip([700u64, 2048]) {
+        assert_eq!(r["context"], len);
+        let ranges = r["ranges"].as_array().unwrap();
+        assert_eq!(ranges.len(), 3, "{r}");
+        let mut at = 0;
+        for range in ranges {
+            assert_eq!(range[0].as_u64().unwrap(), at, "{r}");
+            at = range[1].as_u64().unwrap();
+        }
+        assert_eq!(at, len, "{r}");
+        let err = r["last_logits_rel_l2_vs_one"].as_f64().unwrap();
+        assert!(err < 5e-2, "{r}");
+        for k in [
+            "ttft_one_s",
+            "ttft_ranks_s",
+            "decode_tok_s_one",
+            "decode_tok_s_ranks",
+        ] {
+            positive(r, k, "context parallel");
+        }
+    }
+    fails_with(
+        &bench(&["--context-parallel", "0"], &json, tmp.path()),
+        &["--context-parallel must be at least 1"],
+    );
+}

@@ -1,0 +1,130 @@
+//! `sala bench --context-parallel N`: each --context read by N ranks at once
+//! ([`sala_model::context::prefill`]), then --decode-tokens decoded on the rank holding the
+//! whole prompt, against one rank reading it in chunks of --prefill-chunk: both times to first
+//! token, the ratio, and the decode speed after each. The ranks are simulated on the CPU in
+//! this build (one after another: the ratio shows the exchanges' cost, not a speedup).
+
+use super::BenchArgs;
+use anyhow::{bail, Context as _, Result};
+use sala_checkpoint::ModelConfig;
+use sala_cpu::{CpuBackend, HostRanks};
+use sala_model::context::{prefill, ContextRank};
+use sala_model::numerics::TestRng;
+use sala_model::{Model, SeqState, Workspace};
+use serde_json::{json, Value};
+use std::time::Instant;
+
+/// Decodes `n` random tokens on `seq`: the tokens a second.
+fn decode_rate(
+    model: &Model<CpuBackend>,
+    ws: &mut Workspace<CpuBackend>,
+    seq: &mut SeqState<CpuBackend>,
+    rng: &mut TestRng,
+    n: usize,
+) -> Result<f64> {
+    let start = Instant::now();
+    for _ in 0..n {
+        let t = rng.below(model.config.vocab_size) as u32;
+        model.decode(&CpuBackend, ws, seq, t)?;
+    }
+    Ok(n as f64 / start.elapsed().as_secs_f64())
+}
+
+pub fn context_parallel(
+    ranks: usize,
+    config: &ModelConfig,
+    contexts: &[usize],
+    args: &BenchArgs,
+) -> Result<Value> {
+    if args.device.runs_on_gpu()? {
+        bail!(
+            "--context-parallel over GPUs is not in this build yet; --device cpu runs {ranks} \
+             simulated ranks"
+        );
+    }
+    if args.device.tensor_parallel > 1 {
+        bail!("--context-parallel with --tensor-parallel is not supported yet");
+    }
+    let load = |_| Model::random(&CpuBackend, config.clone(), args.seed, &mut |_, _| {});
+    let models = (0..ranks)
+        .map(load)
+        .collect::<Result<Vec<_>, _>>()
+        .context("making the ranks' models")?;
+    let mut rng = TestRng::new(args.seed ^ 0xc0de);
+    println!(
+        "context parallel over {ranks} simulated CPU ranks against one reading in chunks of {}",
+        args.prefill_chunk
+    );
+    println!(
+        "{:>9} {:>11} {:>11} {:>9} {:>14} {:>14}",
+        "context", "TTFT s, 1", "TTFT s, N", "1 / N", "decode tok/s 1", "decode tok/s N"
+    );
+    let mut results = Vec::new();
+    for &len in contexts {
+        let prompt: Vec<u32> = (0..len)
+            .map(|_| rng.below(config.vocab_size) as u32)
+            .collect();
+        // One rank, in chunks.
+        let one = &models[0];
+        let mut ws = one.step_workspace(&CpuBackend, args.prefill_chunk.min(len), 1)?;
+        let mut seq = one.new_sequence(&CpuBackend)?;
+        let start = Instant::now();
+        let want = one.prefill(&CpuBackend, &mut ws, &mut seq, &prompt, &mut |_| {})?;
+        let ttft_one = start.elapsed().as_secs_f64();
+        let decode_one = decode_rate(one, &mut ws, &mut seq, &mut rng, args.decode_tokens)?;
+        drop((ws, seq));
+        // N ranks at once.
+        let mut wss = models
+            .iter()
+            .map(|m| m.step_workspace(&CpuBackend, len.div_ceil(ranks) + 64, 1))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut seqs = models
+            .iter()
+            .map(|m| m.new_sequence(&CpuBackend))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut parts: Vec<ContextRank<'_, CpuBackend>> = models
+            .iter()
+            .zip(wss.iter_mut())
+            .zip(seqs.iter_mut())
+            .map(|((model, ws), seq)| ContextRank {
+                be: &CpuBackend,
+                model,
+                ws,
+                seq,
+            })
+            .collect();
+        let start = Instant::now();
+        let done = prefill(&mut parts, &HostRanks, &prompt)?;
+        let ttft_n = start.elapsed().as_secs_f64();
+        drop(parts);
+        let err = sala_model::numerics::rel_l2(&done.logits, &want);
+        let last = done.last;
+        let decode_n = decode_rate(
+            &models[last],
+            &mut wss[last],
+            &mut seqs[last],
+            &mut rng,
+            args.decode_tokens,
+        )?;
+        println!(
+            "{len:>9} {ttft_one:>11.3} {ttft_n:>11.3} {:>8.2}x {decode_one:>14.1} {decode_n:>14.1}",
+            ttft_one / ttft_n
+        );
+        results.push(json!({
+            "context": len,
+            "ranges": done.ranges.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>(),
+            "ttft_one_s": ttft_one,
+            "ttft_ranks_s": ttft_n,
+            "ttft_ratio_one_over_ranks": ttft_one / ttft_n,
+            "decode_tok_s_one": decode_one,
+            "decode_tok_s_ranks": decode_n,
+            "last_logits_rel_l2_vs_one": err,
+        }));
+    }
+    Ok(json!({
+        "mode": "context_parallel",
+        "ranks": ranks,
+        "device": "cpu (simulated ranks)",
+        "results": results,
+    }))
+}
