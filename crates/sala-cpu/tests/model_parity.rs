@@ -749,17 +749,8 @@ fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
                 .iter()
                 .map(|m| m.new_sequence(&CpuBackend).unwrap())
                 .collect();
-            let mut ranks: Vec<ContextRank<'_, CpuBackend>> = models
-                .iter()
-                .zip(wss.iter_mut())
-                .zip(seqs.iter_mut())
-                .map(|((model, ws), seq)| ContextRank {
-                    be: &CpuBackend,
-                    model,
-                    ws,
-                    seq,
-                })
-                .collect();
+            let bes = std::iter::repeat(&CpuBackend);
+            let mut ranks = ContextRank::zip(bes, &models, &mut wss, &mut seqs);
             let done = prefill(&mut ranks, &HostRanks, prompt).unwrap();
             drop(ranks);
             let what = format!("{n} tokens over {count} ranks");

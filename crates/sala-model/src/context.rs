@@ -48,6 +48,22 @@ pub struct ContextRank<'a, B: Backend> {
     pub seq: &'a mut SeqState<B>,
 }
 
+impl<'a, B: Backend> ContextRank<'a, B> {
+    /// Ranks from lists in rank order: each backend with its model, workspace and sequence.
+    pub fn zip(
+        bes: impl IntoIterator<Item = &'a B>,
+        models: &'a [Model<B>],
+        wss: &'a mut [Workspace<B>],
+        seqs: &'a mut [SeqState<B>],
+    ) -> Vec<Self> {
+        bes.into_iter()
+            .zip(models)
+            .zip(wss.iter_mut().zip(seqs.iter_mut()))
+            .map(|((be, model), (ws, seq))| ContextRank { be, model, ws, seq })
+            .collect()
+    }
+}
+
 /// What a context-parallel prefill leaves: which rank holds the whole prompt (the last one
 /// with tokens), the ranges read, and the last token's logits.
 #[derive(Debug)]

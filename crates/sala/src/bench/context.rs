@@ -82,17 +82,8 @@ pub fn context_parallel(
             .iter()
             .map(|m| m.new_sequence(&CpuBackend))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut parts: Vec<ContextRank<'_, CpuBackend>> = models
-            .iter()
-            .zip(wss.iter_mut())
-            .zip(seqs.iter_mut())
-            .map(|((model, ws), seq)| ContextRank {
-                be: &CpuBackend,
-                model,
-                ws,
-                seq,
-            })
-            .collect();
+        let bes = std::iter::repeat(&CpuBackend);
+        let mut parts = ContextRank::zip(bes, &models, &mut wss, &mut seqs);
         let start = Instant::now();
         let done = prefill(&mut parts, &HostRanks, &prompt)?;
         let ttft_n = start.elapsed().as_secs_f64();
