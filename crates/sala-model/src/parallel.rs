@@ -752,6 +752,15 @@ mod tests {
         }
     }
 
+    /// The tiny preset's sparse layers with few blocks selected: blocks of 16, 1 initial and 3
+    /// local ones forced, 4 chosen of the others.
+    fn few_selected_blocks() -> SparseConfig {
+        let mut cfg = sala_checkpoint::preset("tiny").unwrap().sparse;
+        cfg.topk = 6;
+        cfg.window_size = 32;
+        cfg
+    }
+
     /// Why a rank past the KV heads scores its KV head's whole group ([`TensorParallel::
     /// sparse_group`]): a rank scoring only its own half of a group's heads selects other
     /// blocks than the group does for some queries.
@@ -762,10 +771,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 16,
         };
-        let mut cfg = sala_checkpoint::preset("tiny").unwrap().sparse;
-        // Blocks of 16: 1 initial and 3 local ones forced, 4 chosen of the ~20 others.
-        cfg.topk = 6;
-        cfg.window_size = 32;
+        let cfg = few_selected_blocks();
         let (len, first) = (420usize, 380usize);
         let mut rng = TestRng::new(23);
         let keys = rng.bf16_vec(len * shape.kv_width(), -2.0, 2.0);
@@ -801,9 +807,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 16,
         };
-        let mut cfg = sala_checkpoint::preset("tiny").unwrap().sparse;
-        cfg.topk = 6;
-        cfg.window_size = 32;
+        let cfg = few_selected_blocks();
         let len = 700usize;
         let mut rng = TestRng::new(29);
         let keys = rng.bf16_vec(len * shape.kv_width(), -2.0, 2.0);
