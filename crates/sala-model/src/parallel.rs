@@ -78,7 +78,7 @@ impl TensorParallel {
     pub fn rank_config(&self, config: &ModelConfig) -> ModelConfig {
         let mut c = config.clone();
         c.num_attention_heads /= self.ranks;
-        c.num_key_value_heads = (c.num_key_value_heads / self.ranks).max(1);
+        c.num_key_value_heads /= self.sparse_ways(config);
         c.lightning_nkv /= self.ranks;
         c.intermediate_size /= self.ranks;
         c
@@ -183,6 +183,12 @@ impl TensorParallel {
         specs
     }
 
+    /// The ways each sparse layer is split: among the ranks, at most its KV heads' count
+    /// (past it a KV head's group is whole on each of the ranks sharing it).
+    pub fn sparse_ways(&self, config: &ModelConfig) -> usize {
+        self.ranks.min(config.num_key_value_heads)
+    }
+
     /// The ways workspace buffer `name` ([`crate::memory::workspace_columns`]) is split: the
     /// residual stream and its norms not at all; the attention buffers as the sparse layers
     /// are (at most their KV heads' count: past it a rank's part also serves a whole KV
@@ -190,7 +196,7 @@ impl TensorParallel {
     pub fn buffer_ways(&self, config: &ModelConfig, name: &str) -> usize {
         match name {
             "h" | "a" | "branch" => 1,
-            "q" | "o" | "z" | "ks" | "vs" => self.ranks.min(config.num_key_value_heads),
+            "q" | "o" | "z" | "ks" | "vs" => self.sparse_ways(config),
             _ => self.ranks,
         }
     }

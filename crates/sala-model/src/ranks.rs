@@ -185,20 +185,14 @@ impl<B: Backend> Ranks<B> {
         self.shard(name, 0).map_or(rows, |p| p.rows.len())
     }
 
-    /// Ranks among which each sparse layer is split: at most its KV heads (past them a KV
-    /// head's group is whole on each of the ranks sharing it).
-    fn sparse_ways(&self) -> usize {
-        self.ranks.len().min(self.config.num_key_value_heads)
-    }
-
     /// One rank's shape of an attention of the model's shape `shape`: the lightning layers'
-    /// heads split among the ranks, the sparse layers' [`Ranks::sparse_ways`] ways.
+    /// heads split among the ranks, the sparse layers' [`TensorParallel::sparse_ways`] ways.
     fn rank_shape(&self, shape: AttnShape) -> BResult<AttnShape> {
         let c = &self.config;
         let ways = if shape.kv_heads == c.lightning_nkv {
             self.ranks.len()
         } else {
-            self.sparse_ways()
+            self.tp.sparse_ways(c)
         };
         let ours = shape.heads == c.num_attention_heads
             && shape.head_dim == c.head_dim
