@@ -150,7 +150,8 @@ pub fn prefill<B: Backend>(
             )?;
         }
     }
-    let result = run_layers(ranks, exchange, &spans, mode);
+    let result = scratch(ranks, &spans)
+        .and_then(|mut scratch| run_layers(ranks, exchange, &spans, mode, &mut scratch));
     // Every step begun is ended, whatever happened.
     let mut ended = Ok(());
     for rank in ranks.iter() {
@@ -181,12 +182,40 @@ pub fn prefill<B: Backend>(
     })
 }
 
+/// A rank's buffers for what it receives: the state its range starts from (lightning), the
+/// earlier ranks' keys and values (sparse).
+struct Received<B: Backend> {
+    start: B::LightningState,
+    k: B::Act,
+    v: B::Act,
+}
+
+/// The [`Received`] buffers of every rank but the first (which receives nothing), made once
+/// for the whole prefill.
+fn scratch<B: Backend>(ranks: &[ContextRank<'_, B>], spans: &[Span]) -> BResult<Vec<Received<B>>> {
+    let c = &ranks[0].model.config;
+    let widest = spans.iter().map(|s| s.len).max().unwrap_or(0);
+    ranks[1..]
+        .iter()
+        .map(|r| {
+            Ok(Received {
+                start: r
+                    .be
+                    .new_lightning_state(c.num_attention_heads, c.head_dim)?,
+                k: r.be.alloc(widest, c.kv_dim())?,
+                v: r.be.alloc(widest, c.kv_dim())?,
+            })
+        })
+        .collect()
+}
+
 /// The layers over every rank (each rank's rows embedded and normed in its `ws.a`).
 fn run_layers<B: Backend>(
     ranks: &mut [ContextRank<'_, B>],
     exchange: &dyn Exchange<B>,
     spans: &[Span],
     mode: crate::oracle::SparseMode,
+    received: &mut [Received<B>],
 ) -> BResult<()> {
     let m0 = ranks[0].model;
     let c = &m0.config;
@@ -197,8 +226,8 @@ fn run_layers<B: Backend>(
             rank.model.layers[i].project(rank.model, rank.be, rank.ws)?;
         }
         match c.mixer_types[i] {
-            MixerKind::Lightning => lightning_layer(ranks, exchange, spans, i)?,
-            MixerKind::Sparse => sparse_layer(ranks, exchange, spans, i, mode)?,
+            MixerKind::Lightning => lightning_layer(ranks, exchange, spans, i, received)?,
+            MixerKind::Sparse => sparse_layer(ranks, exchange, spans, i, mode, received)?,
         }
         for rank in ranks.iter_mut() {
             let m = rank.model;
@@ -216,9 +245,10 @@ fn lightning_layer<B: Backend>(
     exchange: &dyn Exchange<B>,
     spans: &[Span],
     i: usize,
+    received: &mut [Received<B>],
 ) -> BResult<()> {
     let c = &ranks[0].model.config;
-    let (heads, d) = (c.num_attention_heads, c.head_dim);
+    let d = c.head_dim;
     for (rank, span) in ranks.iter_mut().zip(spans) {
         let m = rank.model;
         let Mixer::Lightning { q_norm, k_norm, .. } = &m.layers[i].mixer else {
@@ -255,13 +285,13 @@ fn lightning_layer<B: Backend>(
             return Err(state_mismatch());
         };
         let be = rank.be;
-        let mut start = be.new_lightning_state(heads, d)?;
-        exchange.copy_state(prev.be, prev_state, be, &mut start)?;
+        let start = &mut received[r - 1].start;
+        exchange.copy_state(prev.be, prev_state, be, start)?;
         let m = rank.model;
         be.lightning_state_term(
             m.lightning_shape(),
             &m.slopes,
-            &start,
+            start,
             &rank.ws.q,
             spans[r].len,
             &mut rank.ws.o,
@@ -269,7 +299,7 @@ fn lightning_layer<B: Backend>(
         let LayerState::Lightning(state) = &mut rank.seq.layers[i] else {
             return Err(state_mismatch());
         };
-        be.lightning_state_advance(&m.slopes, d, spans[r].len, &start, state)?;
+        be.lightning_state_advance(&m.slopes, d, spans[r].len, start, state)?;
     }
     Ok(())
 }
@@ -282,9 +312,9 @@ fn sparse_layer<B: Backend>(
     spans: &[Span],
     i: usize,
     mode: crate::oracle::SparseMode,
+    received: &mut [Received<B>],
 ) -> BResult<()> {
     let c = &ranks[0].model.config;
-    let widest = spans.iter().map(|s| s.len).max().unwrap_or(0);
     // From the last rank down, so that every earlier rank's rows are still as projected.
     for r in (0..ranks.len()).rev() {
         let (before, after) = ranks.split_at_mut(r);
@@ -293,16 +323,14 @@ fn sparse_layer<B: Backend>(
         let LayerState::Sparse(cache) = &mut rank.seq.layers[i] else {
             return Err(state_mismatch());
         };
-        if r > 0 {
-            let (mut k, mut v) = (be.alloc(widest, c.kv_dim())?, be.alloc(widest, c.kv_dim())?);
-            for (q, earlier) in before.iter().enumerate() {
-                let n = spans[q].len;
-                be.set_rows(&mut k, n);
-                be.set_rows(&mut v, n);
-                exchange.copy_act(earlier.be, &earlier.ws.ks, be, &mut k, n)?;
-                exchange.copy_act(earlier.be, &earlier.ws.vs, be, &mut v, n)?;
-                be.append_sparse_kv(cache, &c.sparse, &k, &v, n)?;
-            }
+        for (q, earlier) in before.iter().enumerate() {
+            let Received { k, v, .. } = &mut received[r - 1];
+            let n = spans[q].len;
+            be.set_rows(k, n);
+            be.set_rows(v, n);
+            exchange.copy_act(earlier.be, &earlier.ws.ks, be, k, n)?;
+            exchange.copy_act(earlier.be, &earlier.ws.vs, be, v, n)?;
+            be.append_sparse_kv(cache, &c.sparse, k, v, n)?;
         }
         let m = rank.model;
         let ws = &mut *rank.ws;
