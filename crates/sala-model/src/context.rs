@@ -315,7 +315,8 @@ fn sparse_layer<B: Backend>(
     received: &mut [Received<B>],
 ) -> BResult<()> {
     let c = &ranks[0].model.config;
-    // From the last rank down, so that every earlier rank's rows are still as projected.
+    // From the last rank down: an attention entry may change its k in place (a lightning
+    // one does), so every earlier rank's keys are sent before that rank attends.
     for r in (0..ranks.len()).rev() {
         let (before, after) = ranks.split_at_mut(r);
         let rank = &mut after[0];
