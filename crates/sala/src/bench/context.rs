@@ -5,14 +5,18 @@
 //! this build (one after another: the ratio shows the exchanges' cost, not a speedup).
 
 use super::BenchArgs;
+use crate::device::{memory_limit, user_memory_limit, DeviceStats};
 use anyhow::{bail, Context as _, Result};
 use sala_checkpoint::ModelConfig;
 use sala_cpu::{CpuBackend, HostRanks};
 use sala_model::context::{prefill, ContextRank};
+use sala_model::memory::MemoryPlan;
 use sala_model::numerics::TestRng;
-use sala_model::{Model, SeqState, Workspace};
+use sala_model::{Backend, Model, SeqState, Workspace};
 use serde_json::{json, Value};
 use std::time::Instant;
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Decodes `n` random tokens on `seq`: the tokens a second.
 fn decode_rate(
@@ -45,6 +49,7 @@ pub fn context_parallel(
     if args.device.tensor_parallel > 1 {
         bail!("--context-parallel with --tensor-parallel is not supported yet");
     }
+    check_memory(&CpuBackend, config, contexts, ranks, ranks, args)?;
     let load = |_| Model::random(&CpuBackend, config.clone(), args.seed, &mut |_, _| {});
     let models = (0..ranks)
         .map(load)
@@ -118,4 +123,40 @@ pub fn context_parallel(
         "device": "cpu (simulated ranks)",
         "results": results,
     }))
+}
+
+/// Refuses, before any model is made, the contexts whose ranks would not fit: `per_device`
+/// ranks share a device (all of them on the CPU), each holding the whole model, its workspace
+/// and, counted for every rank as for the last, the caches of the whole prompt and the decoded
+/// tokens.
+fn check_memory<B: Backend + DeviceStats>(
+    be: &B,
+    config: &ModelConfig,
+    contexts: &[usize],
+    ranks: usize,
+    per_device: usize,
+    args: &BenchArgs,
+) -> Result<()> {
+    let user = user_memory_limit(args.max_memory.as_deref())?;
+    let Some(limit) = memory_limit(be, user) else {
+        return Ok(());
+    };
+    for &len in contexts {
+        let rows = (len.div_ceil(ranks) + config.sparse.block_size).min(len);
+        let facts = be.memory_facts(config, rows);
+        let plan = MemoryPlan::new(config, len + args.decode_tokens, rows, &facts);
+        let need = plan.total() * per_device;
+        if need > limit.bytes {
+            bail!(
+                "--context-parallel {ranks} at {len} tokens: {per_device} ranks on one device \
+                 need {:.2} GiB ({:.2} GiB each: {}), {:.2} GiB allowed ({})",
+                need as f64 / GIB,
+                plan.total() as f64 / GIB,
+                plan.describe(),
+                limit.bytes as f64 / GIB,
+                limit.source
+            );
+        }
+    }
+    Ok(())
 }
