@@ -493,7 +493,8 @@ fn bench_measures_a_speculating_batch_against_the_plain_one() {
 
 /// --context-parallel N: each context read by N simulated ranks at once, the ranges tiling
 /// the prompt in order, the last logits those of one rank reading it (within the lightning
-/// scan's rounding), both TTFTs and decode speeds reported; 0 ranks refused.
+/// scan's rounding), both TTFTs and decode speeds reported; 0 ranks, and ranks the memory
+/// limit cannot hold, refused by name before any work.
 #[test]
 fn bench_reads_a_prompt_with_context_parallel_ranks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -539,5 +540,17 @@ fn bench_reads_a_prompt_with_context_parallel_ranks() {
     fails_with(
         &bench(&["--context-parallel", "0"], &json, tmp.path()),
         &["--context-parallel must be at least 1"],
+    );
+    let small = [
+        "--context-parallel",
+        "4",
+        "--context",
+        "1K",
+        "--max-memory",
+        "10M",
+    ];
+    fails_with(
+        &bench(&small, &json, tmp.path()),
+        &["4 ranks on one device need", "--max-memory 10M"],
     );
 }
