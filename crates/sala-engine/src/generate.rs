@@ -191,6 +191,9 @@ pub struct Engine<B: Backend> {
     pub(crate) draft: Option<crate::step::Drafting<B>>,
     /// Ended sequences kept for prompts that begin with their tokens ([`Engine::set_prefix_cache`]).
     pub(crate) prefix: Option<crate::prefix::PrefixCache<B>>,
+    /// Other ranks that read long prompts with this engine's model
+    /// ([`Engine::set_context_parallel`]).
+    pub(crate) context: Option<crate::context::ContextRanks<B>>,
 }
 
 /// How speculative decoding fared: draft tokens verified, how many stood, and the steps that
@@ -348,6 +351,7 @@ impl<B: Backend> Engine<B> {
             speculated: SpeculationStats::default(),
             draft: None,
             prefix: None,
+            context: None,
             backend,
             model,
             tokenizer,
@@ -357,6 +361,14 @@ impl<B: Backend> Engine<B> {
             memory_limit: None,
             cache_probe: None,
         })
+    }
+
+    /// Has long prompts read by `ranks` and this engine's model at once (context
+    /// parallelism: the engine's model takes the last range), or, with `None`, in chunks as
+    /// usual. Requests that ask for their prompt's logprobs, resume from the prefix cache or
+    /// draft with a draft model read their prompts as usual.
+    pub fn set_context_parallel(&mut self, ranks: Option<crate::context::ContextRanks<B>>) {
+        self.context = ranks;
     }
 
     /// Prompt tokens a prefill chunk reads.

@@ -9,6 +9,7 @@
 //! - [`step`]: one engine step over the [`step::Batch`] of requests in flight.
 //! - [`thread`]: the engine thread that owns the model and serves a bounded queue.
 //! - [`generate`]: the [`generate::Engine`] itself, and one request run to its end.
+//! - [`context`]: long prompts read by several ranks at once (context parallelism).
 //! - [`sampling`], [`stop`]: choosing tokens, and stop strings.
 //! - [`grammar`]: structured output, a JSON schema enforced by constrained decoding.
 //! - [`perplexity`]: sliding-window perplexity of a text, from its prompt log-probabilities.
@@ -17,6 +18,7 @@
 
 mod block_tree;
 pub mod cache;
+pub mod context;
 pub mod draft;
 pub mod generate;
 pub mod grammar;

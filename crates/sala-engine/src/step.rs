@@ -572,9 +572,26 @@ impl<B: Backend> Engine<B> {
                     Some(d.model.new_state(&self.backend, &self.model)?)
                 }
             };
-            Ok::<_, EngineError>((stream, seq, draft_state, cached))
+            // A long prompt read from the start by the context-parallel ranks, all of it
+            // but its last token (read by the steps, for its logits).
+            let block = self.model.config.sparse.block_size;
+            let read = match &self.context {
+                Some(ranks)
+                    if cached == 0
+                        && !drafts
+                        && opts.prompt_logprobs.is_none()
+                        && ranks.takes(prompt.len(), block) =>
+                {
+                    let n = prompt.len() - 1;
+                    let mode = self.model.sparse_mode(prompt.len());
+                    ranks.read(&self.backend, &self.model, &mut seq, &prompt[..n], mode)?;
+                    n
+                }
+                _ => cached,
+            };
+            Ok::<_, EngineError>((stream, seq, draft_state, cached, read))
         })();
-        let (stream, seq, draft_state, cached) = match started {
+        let (stream, seq, draft_state, cached, read) = match started {
             Ok(s) => s,
             Err(e) => {
                 batch.cache.release(lease);
@@ -599,7 +616,7 @@ impl<B: Backend> Engine<B> {
             id,
             seq,
             prompt,
-            read: cached,
+            read,
             stream,
             lease: Some(lease),
             logits: None,

@@ -12,6 +12,7 @@
 
 use crate::backend::{AttnIo, BResult, Backend, BackendError, Span, StepInfo};
 use crate::model::{state_mismatch, LayerState, LogitRows, Mixer, Model, SeqState, Workspace};
+use crate::oracle::SparseMode;
 use crate::parallel::context_ranges;
 use sala_checkpoint::MixerKind;
 use std::ops::Range;
@@ -81,6 +82,21 @@ pub fn prefill<B: Backend>(
     exchange: &dyn Exchange<B>,
     tokens: &[u32],
 ) -> BResult<ContextPrefill> {
+    let mode = ranks
+        .first()
+        .map_or(SparseMode::Dense, |r| r.model.sparse_mode(tokens.len()));
+    prefill_as(ranks, exchange, tokens, mode)
+}
+
+/// [`prefill`] with the sparse layers' attention `mode` given: that of a longer prompt whose
+/// first `tokens` these are (the rest read after, as [`crate::Model::sparse_mode`] says for
+/// the whole).
+pub fn prefill_as<B: Backend>(
+    ranks: &mut [ContextRank<'_, B>],
+    exchange: &dyn Exchange<B>,
+    tokens: &[u32],
+    mode: SparseMode,
+) -> BResult<ContextPrefill> {
     let model = ranks
         .first()
         .ok_or_else(|| BackendError("context parallelism needs at least one rank".into()))?
@@ -108,7 +124,6 @@ pub fn prefill<B: Backend>(
             )));
         }
     }
-    let mode = model.sparse_mode(tokens.len());
     let spans: Vec<Span> = ranges
         .iter()
         .map(|r| Span {
@@ -214,7 +229,7 @@ fn run_layers<B: Backend>(
     ranks: &mut [ContextRank<'_, B>],
     exchange: &dyn Exchange<B>,
     spans: &[Span],
-    mode: crate::oracle::SparseMode,
+    mode: SparseMode,
     received: &mut [Received<B>],
 ) -> BResult<()> {
     let m0 = ranks[0].model;
@@ -311,7 +326,7 @@ fn sparse_layer<B: Backend>(
     exchange: &dyn Exchange<B>,
     spans: &[Span],
     i: usize,
-    mode: crate::oracle::SparseMode,
+    mode: SparseMode,
     received: &mut [Received<B>],
 ) -> BResult<()> {
     let c = &ranks[0].model.config;

@@ -112,11 +112,6 @@ pub struct BenchArgs {
     /// speculating, against the plain batch's.
     #[arg(long, value_name = "DRAFTS,...", value_delimiter = ',')]
     speculative: Vec<String>,
-    /// Read each --context with N ranks at once (context parallelism: each rank a range of
-    /// the prompt's tokens), decode --decode-tokens on the rank holding the whole prompt, and
-    /// compare with one rank reading it in chunks (simulated CPU ranks in this build).
-    #[arg(long, value_name = "N")]
-    context_parallel: Option<usize>,
     /// The prefix cache's case: for each --context, a document with a 64-token question, then
     /// the same document with another: both times to first token and the cache's memory; then
     /// 8 prompts sharing nothing, with the cache off and on.
@@ -306,10 +301,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             crate::on_backend!(opened, be => speculative(be, &config, &contexts, &modes, &args))?;
         return write_json(&args.json, &doc);
     }
-    if let Some(n) = args.context_parallel {
-        if n == 0 {
-            bail!("--context-parallel must be at least 1");
-        }
+    // --context-parallel N: each context read by N ranks at once, against one rank.
+    let n = args.device.context_parallel;
+    if n == 0 {
+        bail!("--context-parallel must be at least 1");
+    }
+    if n > 1 {
         let doc = context::context_parallel(n, &config, &contexts, &args)?;
         return write_json(&args.json, &doc);
     }

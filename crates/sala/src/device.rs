@@ -5,6 +5,7 @@ use clap::Args;
 use sala_checkpoint::{Checkpoint, KvCacheDtype, ModelConfig};
 use sala_cpu::{CpuBackend, HostRanks};
 use sala_cuda::{CudaBackend, CudaOptions};
+use sala_model::context::Exchange;
 use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan};
 use sala_model::ranks::Ranks;
 use sala_model::Backend;
@@ -110,6 +111,11 @@ pub struct DeviceArgs {
     /// this process (for tests; no faster than one).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub tensor_parallel: usize,
+    /// Read long prompts with N ranks at once (context parallelism: each rank a range of the
+    /// prompt and the whole model; the first device's rank takes the last range and decodes).
+    /// With --device cpu, N simulated ranks in this process (for tests: no faster than one).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub context_parallel: usize,
     /// Quantize a bf16 checkpoint's decoder linears as it loads: fp8 (E4M3 weights with a
     /// scale per output channel, inputs made E4M3 per token; embeddings, norms and lm_head
     /// stay bf16), or none.
@@ -162,6 +168,12 @@ impl DeviceArgs {
         let n = self.tensor_parallel;
         if n == 0 {
             bail!("--tensor-parallel must be at least 1");
+        }
+        if self.context_parallel == 0 {
+            bail!("--context-parallel must be at least 1");
+        }
+        if n > 1 && self.context_parallel > 1 {
+            bail!("--context-parallel with --tensor-parallel is not supported yet");
         }
         if n == 1 {
             return device.open_with(self.cuda_options()?);
@@ -242,6 +254,15 @@ pub trait DeviceStats {
     fn page_pool(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Context parallelism: `n` more ranks of this kind, and how such ranks exchange; an
+    /// error naming the device where it has none yet.
+    fn context_ranks(&self, n: usize) -> Result<ContextRanksOf<Self>>
+    where
+        Self: Backend + Sized,
+    {
+        let _ = n;
+        bail!("context parallelism on {} is not built yet", self.name())
+    }
     /// Caps the memory every sequence's caches take together, where the backend can (a page
     /// pool); elsewhere admission by the memory plan is the only check.
     fn limit_cache_memory(&self, _bytes: usize) {}
@@ -254,7 +275,14 @@ pub fn cap_caches<B: DeviceStats>(be: &B, limit: Option<&MemoryLimit>, plan: &Me
     }
 }
 
+/// More ranks of a backend's kind and their exchange ([`DeviceStats::context_ranks`]).
+pub type ContextRanksOf<B> = (Vec<B>, Box<dyn Exchange<B> + Send>);
+
 impl DeviceStats for CpuBackend {
+    /// Simulated ranks in this process.
+    fn context_ranks(&self, n: usize) -> Result<ContextRanksOf<Self>> {
+        Ok(((0..n).map(|_| CpuBackend).collect(), Box::new(HostRanks)))
+    }
     fn memory_in_use(&self) -> Option<usize> {
         resident_bytes()
     }

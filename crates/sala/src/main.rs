@@ -436,6 +436,7 @@ fn generate_on<B: Backend + DeviceStats>(
         }
     }
     let mut engine = load_engine(backend, args, chunk, dir, checkpoint, tokenizer)?;
+    add_context_ranks(&mut engine, &args.device, dir)?;
     engine.set_memory_limit(limit);
     let Some(ids) = ids else {
         // A chat session: each turn resumes from the state the last one left.
@@ -467,6 +468,32 @@ fn generate_on<B: Backend + DeviceStats>(
             s.drafted, s.accepted
         );
     }
+    Ok(())
+}
+
+/// With `--context-parallel N` above 1: the engine reads long prompts with N − 1 more ranks
+/// of its backend's kind, each holding the model loaded again from `dir`.
+fn add_context_ranks<B: Backend + DeviceStats>(
+    engine: &mut Engine<B>,
+    device: &DeviceArgs,
+    dir: &Path,
+) -> Result<()> {
+    let n = device.context_parallel;
+    if n <= 1 {
+        return Ok(());
+    }
+    let (backends, exchange) = engine
+        .backend
+        .context_ranks(n - 1)
+        .with_context(|| format!("--context-parallel {n}"))?;
+    let (checkpoint, _) = open_model_files(dir, device.choices()?)?;
+    let models = backends
+        .iter()
+        .map(|be| sala_engine::generate::load_model(be, &checkpoint, &mut |_, _| {}))
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("--context-parallel {n}: loading the ranks' models"))?;
+    let ranks = sala_engine::context::ContextRanks::new(backends, models, exchange)?;
+    engine.set_context_parallel(Some(ranks));
     Ok(())
 }
 
@@ -889,6 +916,8 @@ struct ServeLoad {
     draft: Option<PathBuf>,
     choices: RunChoices,
     prefix: PrefixCacheArgs,
+    /// The device flags (`--context-parallel`'s ranks are made from them).
+    device: DeviceArgs,
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
@@ -935,6 +964,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         draft,
         choices: args.device.choices()?,
         prefix: args.prefix.clone(),
+        device: args.device.clone(),
     };
     let engine = sala_server::spawn_engine(id, args.max_context, args.queue, move |runner| {
         let runner = runner
@@ -954,6 +984,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 draft,
                 choices,
                 prefix,
+                device,
             } = load;
             let dir = dir.as_path();
             let chunk = chunk.unwrap_or_else(|| be.default_prefill_chunk());
@@ -991,6 +1022,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             if let Some(draft) = &draft {
                 load_draft(&mut engine, draft).map_err(|e| format!("{e:#}"))?;
             }
+            add_context_ranks(&mut engine, &device, dir).map_err(|e| format!("{e:#}"))?;
             // The page pool, where there is one, counts what the caches take.
             let probe = |be: &B| be.page_pool().map(|(pages, bytes)| pages * bytes);
             engine.set_cache_probe(Some(Box::new(probe)));

@@ -1025,60 +1025,16 @@ fn gptq_calibration_beats_round_to_nearest_on_its_text() {
 fn generate_and_bench_run_tensor_parallel_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let cache = tmp.path();
-    let trace = |path: &Path| -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(path).unwrap();
-        text.lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    };
     let mut agreed = 0;
     for prompt in ["Once upon a time", "The quick brown fox"] {
-        let run = |ranks: &str| {
-            let path = cache.join(format!("trace-{ranks}.jsonl"));
-            let o = sala(
-                &[
-                    "generate",
-                    "--device",
-                    "cpu",
-                    "--temperature",
-                    "0",
-                    "--ignore-eos",
-                    "--max-tokens",
-                    "16",
-                    "--tensor-parallel",
-                    ranks,
-                    "--trace-tokens",
-                    path.to_str().unwrap(),
-                    prompt,
-                ],
-                cache,
-            );
-            ok(&o);
-            (o, trace(&path))
-        };
-        let (_, one) = run("1");
-        let (o, two) = run("2");
+        let (_, one) = greedy_trace(cache, prompt, &[]);
+        let (o, two) = greedy_trace(cache, prompt, &["--tensor-parallel", "2"]);
         assert!(stderr(&o).contains("2 x cpu"), "{}", stderr(&o));
         // Past the sparse layers' 2 KV heads too.
-        let (_, four) = run("4");
+        let (_, four) = greedy_trace(cache, prompt, &["--tensor-parallel", "4"]);
         assert_eq!(one.len(), 16);
-        for (a, b) in one.iter().zip(&two).chain(one.iter().zip(&four)) {
-            if a["id"] == b["id"] {
-                agreed += 1;
-                continue;
-            }
-            // A near-tie: each run's pick is the other's runner-up, close behind.
-            for (x, y) in [(a, b), (b, a)] {
-                let top = x["top"].as_array().unwrap();
-                assert_eq!(top[1][0], y["id"], "{prompt}: {x} vs {y}");
-                let gap = top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap();
-                assert!(
-                    gap < 0.05,
-                    "{prompt}: a gap of {gap} is no near-tie: {x} vs {y}"
-                );
-            }
-            break;
-        }
+        agreed += agreed_up_to_a_near_tie(prompt, &one, &two);
+        agreed += agreed_up_to_a_near_tie(prompt, &one, &four);
     }
     assert!(agreed >= 8, "only {agreed} tokens agreed");
     let bench = [
@@ -1117,4 +1073,89 @@ fn generate_and_bench_run_tensor_parallel_ranks() {
     );
     fails_with(&with("0", "cpu"), &["--tensor-parallel must be at least 1"]);
     fails_with(&with("2", "cuda"), &["not in this build yet"]);
+}
+
+/// `generate` of `prompt` on the CPU, greedy, 16 tokens, with `extra` flags: its output and
+/// each token's trace (`--trace-tokens`: the pick and its runner-up).
+fn greedy_trace(cache: &Path, prompt: &str, extra: &[&str]) -> (Output, Vec<serde_json::Value>) {
+    let path = cache.join(format!("trace-{}.jsonl", extra.join("_")));
+    let mut args = vec![
+        "generate",
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--max-tokens",
+        "16",
+        "--trace-tokens",
+        path.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    args.push(prompt);
+    let o = sala(&args, cache);
+    ok(&o);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let trace = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (o, trace)
+}
+
+/// Tokens two greedy traces pick alike before they part; where they part it must be a
+/// near-tie: each pick is the other's runner-up within 0.05 nats (what follows depends on
+/// which was taken, so the comparison stops there).
+fn agreed_up_to_a_near_tie(what: &str, a: &[serde_json::Value], b: &[serde_json::Value]) -> usize {
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        if x["id"] == y["id"] {
+            continue;
+        }
+        for (p, q) in [(x, y), (y, x)] {
+            let top = p["top"].as_array().unwrap();
+            assert_eq!(top[1][0], q["id"], "{what}: {p} vs {q}");
+            let gap = top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap();
+            assert!(
+                gap < 0.05,
+                "{what}: a gap of {gap} is no near-tie: {p} vs {q}"
+            );
+        }
+        return i;
+    }
+    a.len().min(b.len())
+}
+
+/// `generate` and `serve`'s engine read a long prompt with `--context-parallel N` ranks (the
+/// engine's model taking the last range, the last token read by its step) and pick one
+/// device's greedy tokens up to a near-tie; 0 ranks and ranks beside tensor parallelism are
+/// refused by name.
+#[test]
+fn generate_reads_long_prompts_with_context_parallel_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path();
+    let prompt = ["the quick brown fox jumps over the lazy dog"; 20].join(" ");
+    let (_, one) = greedy_trace(cache, &prompt, &[]);
+    let mut agreed = 0;
+    for n in ["2", "3"] {
+        let (_, ranks) = greedy_trace(cache, &prompt, &["--context-parallel", n]);
+        assert_eq!(ranks.len(), 16);
+        // The ranks read the prompt: its first token's log-probability is theirs, not one's.
+        assert_ne!(ranks[0]["logprob"], one[0]["logprob"], "{n} ranks");
+        agreed += agreed_up_to_a_near_tie(&format!("{n} ranks"), &one, &ranks);
+    }
+    assert!(agreed >= 8, "only {agreed} tokens agreed");
+    let with = |extra: &[&str]| {
+        sala(
+            &[&["generate", "--device", "cpu"], extra, &["hi"]].concat(),
+            cache,
+        )
+    };
+    fails_with(
+        &with(&["--context-parallel", "0"]),
+        &["--context-parallel must be at least 1"],
+    );
+    fails_with(
+        &with(&["--context-parallel", "2", "--tensor-parallel", "2"]),
+        &["--context-parallel with --tensor-parallel"],
+    );
 }
