@@ -240,6 +240,10 @@ impl Group {
     }
 }
 
+// SAFETY: the communicators are used by one thread at a time (the engine's, which owns the
+// ranks); NCCL allows a communicator to move between threads.
+unsafe impl Send for Group {}
+
 impl Drop for Group {
     fn drop(&mut self) {
         for &c in &self.comms {
