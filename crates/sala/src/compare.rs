@@ -55,6 +55,9 @@ pub fn run(args: CompareArgs) -> Result<()> {
         choices.apply_to(&mut c);
         Ok(c)
     };
+    if args.device.context_parallel != 1 {
+        bail!("--context-parallel does not apply to compare: it scores every token of each text");
+    }
     let on_a = args.device.choices()?;
     let mut on_b = on_a;
     if let Some(s) = &args.b_kv_cache_dtype {

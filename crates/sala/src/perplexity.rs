@@ -52,6 +52,9 @@ pub struct PerplexityArgs {
 
 pub fn run(args: PerplexityArgs) -> Result<()> {
     Device::parse(&args.device.device)?;
+    if args.device.context_parallel != 1 {
+        bail!("--context-parallel does not apply to perplexity: it scores every token of a window");
+    }
     args.device.cuda_options()?;
     let user_limit = user_memory_limit(args.max_memory.as_deref())?;
     crate::set_threads(args.threads)?;

@@ -128,6 +128,10 @@ fn perplexity_refuses_bad_windows_and_texts() {
             vec!["--max-memory 1M", "GiB are allowed"],
         ),
         (vec![f, "--prefill-chunk", "0"], vec!["--prefill-chunk"]),
+        (
+            vec![f, "--context-parallel", "2"],
+            vec!["--context-parallel does not apply to perplexity"],
+        ),
     ] {
         let mut args = vec!["perplexity", "--device", "cpu", "-m", d];
         args.extend(extra);
