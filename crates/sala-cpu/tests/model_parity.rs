@@ -685,6 +685,111 @@ fn tensor_parallel_ranks_keep_batch_invariance_resume_fork_and_rewind() {
     }
 }
 
+/// A model's weights in 4 bits (round to nearest, asymmetric, groups of `group`) over
+/// [`RandomWeights`]: every linear of its layers packed as a GPTQ checkpoint's are.
+struct QuantWeights {
+    plain: RandomWeights,
+    packed: HashMap<String, (usize, usize, sala_checkpoint::quant::Rows)>,
+}
+
+impl QuantWeights {
+    /// The config with its `quantization_config` and the weights.
+    fn new(config: &ModelConfig, group: usize, seed: u64) -> (ModelConfig, Self) {
+        let gptq = sala_checkpoint::quant::Gptq {
+            group_size: Some(group),
+            sym: false,
+            zero_minus_one: false,
+            skip: vec![],
+        };
+        let plain = RandomWeights::new(config, seed);
+        let packed = expected_tensors(config)
+            .into_iter()
+            .filter(|t| matches!(t.place, sala_checkpoint::Place::Layer(..)) && t.shape.len() == 2)
+            .map(|t| {
+                let (out, inputs) = (t.shape[0], t.shape[1]);
+                let values: Vec<f32> = plain.tensors[&t.name]
+                    .1
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect();
+                let (qweight, qzeros, scales) =
+                    gptq.quantize_rtn(&t.name, &values, (out, inputs)).unwrap();
+                let rows = gptq
+                    .to_rows(&t.name, (out, inputs), &qweight, &qzeros, &scales, None)
+                    .unwrap();
+                (t.name, (out, inputs, rows))
+            })
+            .collect();
+        let mut config = config.clone();
+        config.quantization = Some(gptq);
+        (config, Self { plain, packed })
+    }
+}
+
+impl WeightSource for QuantWeights {
+    fn tensor(&self, name: &str) -> Result<HostTensor<'_>, String> {
+        self.plain.tensor(name)
+    }
+    fn with_quantized(
+        &self,
+        name: &str,
+        f: &mut dyn FnMut(sala_model::QuantMatrix<'_>) -> sala_model::BResult<()>,
+    ) -> sala_model::BResult<bool> {
+        let Some((rows, cols, q)) = self.packed.get(name) else {
+            return Ok(false);
+        };
+        f(sala_model::QuantMatrix {
+            rows: *rows,
+            cols: *cols,
+            group: q.group,
+            words: &q.words,
+            scales: &q.scales,
+            zeros: &q.zeros,
+        })?;
+        Ok(true)
+    }
+}
+
+/// 4-bit weights over ranks: each rank's part of a packed weight in groups that lie within
+/// the whole weight's (a group wider than a rank's part, or than the heads it counts, is cut
+/// into smaller ones of the same scale and zero; the columns it holds but does not count with
+/// a zero scale) gives one device's logits within the rounding of the split sums, from a
+/// checkpoint's packed weights and from random ones; one rank bit for bit.
+#[test]
+fn tensor_parallel_ranks_run_4_bit_weights() {
+    for (config, group, counts) in [
+        (tiny_config(96), 128, &[1, 2, 4][..]),
+        (tiny_config(96), 32, &[4][..]),
+        (tp_config(), 256, &[8][..]),
+    ] {
+        let (config, src) = QuantWeights::new(&config, group, 61);
+        let v = config.vocab_size;
+        let one = Model::load(&CpuBackend, config.clone(), &src, &mut |_, _| {}).unwrap();
+        let random = Model::random(&CpuBackend, config.clone(), 62, &mut |_, _| {}).unwrap();
+        for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
+            let toks = tokens(n, v, 63 + n as u64);
+            let chunks = [(n - 4, mode), (1, mode), (3, mode)];
+            let want = run(&CpuBackend, &one, &toks, &chunks);
+            let want_random = run(&CpuBackend, &random, &toks, &chunks);
+            for &count in counts {
+                let be = ranks(count, &config);
+                let split = Model::load(&be, config.clone(), &src, &mut |_, _| {}).unwrap();
+                let got = run(&be, &split, &toks, &chunks);
+                let what = format!("{mode:?}: group {group} over {count} ranks");
+                if count == 1 {
+                    assert_eq!(got, want, "{what}");
+                } else {
+                    assert_logits_within(&what, &got, &want, v, RANKS_MEDIAN_ERR);
+                }
+                let split = Model::random(&be, config.clone(), 62, &mut |_, _| {}).unwrap();
+                let got = run(&be, &split, &toks, &chunks);
+                let what = format!("random {what}");
+                assert_logits_within(&what, &got, &want_random, v, RANKS_MEDIAN_ERR);
+            }
+        }
+    }
+}
+
 /// Rank counts the model does not split into are refused by name.
 #[test]
 fn tensor_parallel_refuses_what_does_not_split() {

@@ -242,6 +242,7 @@ pub trait Backend {
     /// `std` (uniform 4-bit values around a zero of 8; benchmarks of 4-bit weights).
     fn random_quantized(
         &self,
+        name: &str,
         rows: usize,
         cols: usize,
         group: usize,
@@ -261,7 +262,7 @@ pub trait Backend {
         let scales = vec![std / 4.6; groups];
         let zeros = vec![8.0; groups];
         self.upload_quantized(
-            "random",
+            name,
             QuantMatrix {
                 rows,
                 cols,
@@ -300,7 +301,14 @@ pub trait Backend {
         )))
     }
     /// A `[rows, cols]` FP8 matrix of seeded random codes of about `std` (benchmarks).
-    fn random_fp8(&self, rows: usize, cols: usize, seed: u64, std: f32) -> BResult<Self::Matrix> {
+    fn random_fp8(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        std: f32,
+    ) -> BResult<Self::Matrix> {
         let mut state = seed ^ 0x2545_f491_4f6c_dd1d;
         let mut codes = Vec::with_capacity(rows * cols + 8);
         while codes.len() < rows * cols {
@@ -313,7 +321,7 @@ pub trait Backend {
         codes.truncate(rows * cols);
         let scales = vec![std / 0.45; rows];
         self.upload_fp8(
-            "random",
+            name,
             Fp8Matrix {
                 rows,
                 cols,

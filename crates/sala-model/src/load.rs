@@ -128,7 +128,7 @@ impl<B: Backend> Loader<'_, B> {
         let be = self.be;
         if self.fp8.contains(name) {
             if let Some(r) = self.random_spec(name)? {
-                return be.random_fp8(r.shape[0], r.shape[1], r.seed, r.std);
+                return be.random_fp8(name, r.shape[0], r.shape[1], r.seed, r.std);
             }
             if let Source::Weights(w) = &self.src {
                 let mut out = None;
@@ -168,7 +168,7 @@ impl<B: Backend> Loader<'_, B> {
                     .filter(|q| linear && q.quantizes(name))
                 {
                     let group = q.group_size.unwrap_or(r.shape[1]);
-                    return be.random_quantized(r.shape[0], r.shape[1], group, r.seed, r.std);
+                    return be.random_quantized(name, r.shape[0], r.shape[1], group, r.seed, r.std);
                 }
             }
             return be.random_matrix(name, r.shape[0], r.shape[1], r.seed, r.mean, r.std);

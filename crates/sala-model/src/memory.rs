@@ -179,15 +179,18 @@ pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_quantized: bool) 
         &sala_checkpoint::expected_tensors(c),
         value_bytes,
         packs_quantized,
+        None,
     )
 }
 
-/// [`weights_held`] of the tensors `tensors` of a model of `c` (a rank's parts).
+/// [`weights_held`] of the tensors `tensors` of a model of `c`: with `tp`, its first rank's
+/// parts (4-bit ones in the groups [`crate::parallel::Shard::quant_group`] gives them).
 fn tensors_held(
     c: &ModelConfig,
     tensors: &[sala_checkpoint::TensorSpec],
     value_bytes: usize,
     packs_quantized: bool,
+    tp: Option<&crate::parallel::TensorParallel>,
 ) -> usize {
     tensors
         .iter()
@@ -203,8 +206,11 @@ fn tensors_held(
             match &c.quantization {
                 Some(q) if packs_quantized && linear && q.quantizes(&t.name) => {
                     let (rows, cols) = (t.shape[0], t.shape[1]);
-                    let g = q.group_size.unwrap_or(cols);
-                    if cols % 32 == 0 && g % 32 == 0 {
+                    let whole = q.group_size.unwrap_or(cols);
+                    let g = tp
+                        .and_then(|tp| tp.shard_of(c, &t.name, 0))
+                        .map_or(whole, |s| s.quant_group(whole));
+                    if cols.is_multiple_of(32) && g.is_multiple_of(32) {
                         n / 2 + rows * (cols / g) * 4
                     } else {
                         n * value_bytes
@@ -281,7 +287,13 @@ impl MemoryPlan {
             .iter()
             .map(|&(name, cols)| cols / tp.buffer_ways(c, name))
             .sum();
-        let weights = tensors_held(c, &tp.rank_tensors(c, 0), vb, facts.packs_quantized);
+        let weights = tensors_held(
+            c,
+            &tp.rank_tensors(c, 0),
+            vb,
+            facts.packs_quantized,
+            Some(&tp),
+        );
         let cache = cache_bytes_with(&tp.rank_config(c), context, vb, page, fp8_kv);
         let times = if share.one_memory { tp.ranks } else { 1 };
         Self {
@@ -654,5 +666,39 @@ mod rank_tests {
         // Simulated ranks in one memory: every rank's part.
         let shared = MemoryPlan::new(&c, ctx, rows, &facts(Some(share(2, true))));
         assert_eq!(shared.total(), 2 * two.total());
+        // 4-bit weights: a rank's part of each packed weight, its scales and zeros too.
+        for (group, ranks) in [(128, 2), (1024, 2), (1024, 8)] {
+            let mut q = c.clone();
+            q.quantization = Some(sala_checkpoint::quant::Gptq {
+                group_size: Some(group),
+                sym: true,
+                zero_minus_one: true,
+                skip: vec![],
+            });
+            let tp = TensorParallel::new(&q, ranks).unwrap();
+            let plain = MemoryPlan::new(&q, ctx, rows, &facts(None)).weights;
+            let split = MemoryPlan::new(&q, ctx, rows, &facts(Some(share(ranks, false))));
+            let linear = |t: &sala_checkpoint::TensorSpec| {
+                t.name.starts_with("model.layers.") && t.shape.len() == 2
+            };
+            let whole: usize = sala_checkpoint::expected_tensors(&q)
+                .iter()
+                .filter(|t| !linear(t) && !t.name.ends_with("o_norm.weight"))
+                .map(|t| t.numel() * BF16)
+                .sum();
+            // Over 8 ranks each part of a lightning o_proj (512 inputs) is one group of 512.
+            let o_proj = tp
+                .shard_of(&q, "model.layers.1.self_attn.o_proj.weight", 0)
+                .unwrap();
+            let g = o_proj.quant_group(group);
+            assert_eq!(g, group.min(c.hidden_size / ranks), "{group} over {ranks}");
+            if ranks == 2 {
+                assert_eq!(split.weights, whole + (plain - whole) / 2, "{group}");
+            } else {
+                // The sparse layers' extra (their KV groups whole) aside, every part of 4
+                // bits a weight and one scale and zero per row and group.
+                assert!(split.weights > whole + (plain - whole) / 8, "{group}");
+            }
+        }
     }
 }

@@ -29,6 +29,30 @@ impl Shard {
     pub fn splits_inputs(&self) -> bool {
         matches!(self.name, "o_proj" | "down_proj")
     }
+
+    /// The group size of this part of a 4-bit weight stored in groups of `group` inputs:
+    /// the largest that divides the group, the part's first column and width, and its own
+    /// columns' bounds, so each of the part's groups lies within one of the whole weight's
+    /// (its scale and zero repeated) and wholly inside or outside the columns it counts.
+    pub fn quant_group(&self, group: usize) -> usize {
+        let mut g = group;
+        let mut bounds = vec![self.cols.start, self.cols.len()];
+        if let Some(own) = &self.own_cols {
+            bounds.extend([own.start, own.end]);
+        }
+        for b in bounds {
+            g = gcd(g, b);
+        }
+        g
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// Tensor parallelism over `ranks` ranks. Lightning layers split by heads (their q, k, v, z

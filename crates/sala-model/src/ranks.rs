@@ -127,11 +127,6 @@ impl<B: Backend> Ranks<B> {
         config: &ModelConfig,
     ) -> BResult<Self> {
         let tp = TensorParallel::new(config, ranks.len()).map_err(BackendError)?;
-        if config.quantization.is_some() {
-            return Err(err(
-                "4-bit checkpoints are not split among ranks yet; use bf16 weights (or FP8)",
-            ));
-        }
         let sums = ranks
             .iter()
             .map(|be| Ok((1, be.upload_table(&[0.0])?)))
@@ -465,21 +460,61 @@ impl<B: Backend> Backend for Ranks<B> {
         })
     }
 
-    fn random_quantized(
-        &self,
-        _rows: usize,
-        _cols: usize,
-        _group: usize,
-        _seed: u64,
-        _std: f32,
-    ) -> BResult<Self::Matrix> {
-        Err(err("4-bit weights are not split among ranks yet"))
-    }
-
-    fn upload_quantized(&self, name: &str, _q: QuantMatrix<'_>) -> BResult<Self::Matrix> {
-        Err(err(format!(
-            "weight {name}: 4-bit weights are not split among ranks yet"
-        )))
+    /// Each rank's rows and columns of the packed weight, in groups that each lie within one
+    /// of the whole weight's ([`Shard::quant_group`]); the columns a rank holds but does not
+    /// count get a zero scale.
+    fn upload_quantized(&self, name: &str, q: QuantMatrix<'_>) -> BResult<Self::Matrix> {
+        self.check_weight(name)?;
+        q.check(name)?;
+        let split = self.matrix_split(name);
+        let parts = self.each(|r, be| match self.shard(name, r) {
+            Some(part) => {
+                let g = part.quant_group(q.group);
+                let (cols, width) = (&part.cols, q.cols / 8);
+                if part.rows.end > q.rows || cols.end > q.cols {
+                    return Err(err(format!("weight {name}: not of the model's shape")));
+                }
+                if !cols.start.is_multiple_of(8) || !cols.len().is_multiple_of(8) {
+                    return Err(err(format!(
+                        "4-bit weight {name}: columns {cols:?} are not whole words of 8"
+                    )));
+                }
+                let words: Vec<u32> = part
+                    .rows
+                    .clone()
+                    .flat_map(|o| &q.words[o * width + cols.start / 8..o * width + cols.end / 8])
+                    .copied()
+                    .collect();
+                let groups = q.cols / q.group;
+                let (mut scales, mut zeros) = (Vec::new(), Vec::new());
+                for o in part.rows.clone() {
+                    for c in cols.clone().step_by(g) {
+                        let at = o * groups + c / q.group;
+                        let counted = part.own_cols.as_ref().is_none_or(|own| own.contains(&c));
+                        scales.push(if counted { q.scales[at] } else { 0.0 });
+                        zeros.push(q.zeros[at]);
+                    }
+                }
+                be.upload_quantized(
+                    name,
+                    QuantMatrix {
+                        rows: part.rows.len(),
+                        cols: cols.len(),
+                        group: g,
+                        words: &words,
+                        scales: &scales,
+                        zeros: &zeros,
+                    },
+                )
+            }
+            _ => be.upload_quantized(name, q),
+        })?;
+        let pieces = vec![self.rank_rows(name, q.rows)];
+        Ok(RankMatrix {
+            parts,
+            split,
+            pieces,
+        })
     }
 
     fn upload_fp8(&self, name: &str, m: Fp8Matrix<'_>) -> BResult<Self::Matrix> {
@@ -517,18 +552,6 @@ impl<B: Backend> Backend for Ranks<B> {
             split,
             pieces,
         })
-    }
-
-    fn random_fp8(
-        &self,
-        _rows: usize,
-        _cols: usize,
-        _seed: u64,
-        _std: f32,
-    ) -> BResult<Self::Matrix> {
-        Err(err(
-            "random FP8 weights are not split among ranks; quantize a checkpoint as it loads",
-        ))
     }
 
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<Self::Act> {

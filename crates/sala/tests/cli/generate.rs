@@ -1055,6 +1055,29 @@ fn generate_and_bench_run_tensor_parallel_ranks() {
     let o = sala(&bench, cache);
     ok(&o);
     assert!(stdout(&o).contains("tensor parallel"), "{}", stdout(&o));
+    // A 4-bit checkpoint over ranks, its groups wider than a rank's part of o_proj and
+    // down_proj; random 4-bit and FP8 weights in the bench.
+    let (_, w4) = tiny_and_quantized(cache, &["--group", "128", "--asym"]);
+    let w4 = ["--model", w4.to_str().unwrap()];
+    let prompt = "Once upon a time";
+    let (_, one) = greedy_trace(cache, prompt, &w4);
+    let (_, two) = greedy_trace(
+        cache,
+        prompt,
+        &[&w4[..], &["--tensor-parallel", "2"]].concat(),
+    );
+    let (_, four) = greedy_trace(
+        cache,
+        prompt,
+        &[&w4[..], &["--tensor-parallel", "4"]].concat(),
+    );
+    let w4_agreed =
+        agreed_up_to_a_near_tie(prompt, &one, &two) + agreed_up_to_a_near_tie(prompt, &one, &four);
+    assert!(w4_agreed >= 4, "4-bit: only {w4_agreed} tokens agreed");
+    for weights in ["w4", "fp8"] {
+        let o = sala(&[&bench[..], &["--weights", weights]].concat(), cache);
+        ok(&o);
+    }
     let with = |n: &str, device: &str| {
         let extra = [
             "generate",
@@ -1078,7 +1101,8 @@ fn generate_and_bench_run_tensor_parallel_ranks() {
 /// `generate` of `prompt` on the CPU, greedy, 16 tokens, with `extra` flags: its output and
 /// each token's trace (`--trace-tokens`: the pick and its runner-up).
 fn greedy_trace(cache: &Path, prompt: &str, extra: &[&str]) -> (Output, Vec<serde_json::Value>) {
-    let path = cache.join(format!("trace-{}.jsonl", extra.join("_")));
+    let name = extra.join("_").replace(['/', '\\'], "_");
+    let path = cache.join(format!("trace-{name}.jsonl"));
     let mut args = vec![
         "generate",
         "--device",
