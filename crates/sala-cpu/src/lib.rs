@@ -944,6 +944,10 @@ impl sala_model::context::Exchange<CpuBackend> for HostRanks {
         dst.copy_from_slice(src);
         Ok(())
     }
+
+    fn one_memory(&self) -> bool {
+        true
+    }
 }
 
 impl sala_model::ranks::Collective<CpuBackend> for HostRanks {

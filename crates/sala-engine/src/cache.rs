@@ -306,6 +306,16 @@ impl CacheBudget {
         probe.unwrap_or_else(|| self.planned_bytes())
     }
 
+    /// Bytes the limit leaves beyond the caches the admitted sequences are planned for and
+    /// the parked ones hold (and the rest of a plan): room for buffers a step makes for a
+    /// while, as context-parallel ranks' workspaces; `None` without a limit.
+    pub fn spare_bytes(&self) -> Option<usize> {
+        Some(
+            self.room_for_caches()?
+                .saturating_sub(self.planned.total() + self.parked),
+        )
+    }
+
     /// Bytes the limit leaves for the caches of every sequence beside the rest of a plan
     /// (weights, workspace, the backend's scratch and runtime); `None` without a limit.
     pub fn room_for_caches(&self) -> Option<usize> {

@@ -494,6 +494,11 @@ impl<B: Backend> Engine<B> {
         self.speculated
     }
 
+    /// What the context-parallel ranks have read, when the engine has them.
+    pub fn context_stats(&self) -> Option<crate::context::ContextStats> {
+        self.context.as_ref().map(|c| c.stats())
+    }
+
     pub fn grammars(&self) -> std::sync::Arc<Grammars> {
         self.grammars.clone()
     }

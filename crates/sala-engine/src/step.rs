@@ -396,8 +396,11 @@ impl<B: Backend> Engine<B> {
                 {
                     let n = prompt.len() - 1;
                     let mode = self.model.sparse_mode(prompt.len());
-                    ranks.read(&self.backend, &self.model, &mut seq, &prompt[..n], mode)?;
-                    n
+                    let (be, model, budget) = (&self.backend, &self.model, &batch.cache);
+                    match ranks.read(be, model, budget, &mut seq, &prompt[..n], mode)? {
+                        true => n,
+                        false => cached,
+                    }
                 }
                 _ => cached,
             };

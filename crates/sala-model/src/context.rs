@@ -38,6 +38,10 @@ pub trait Exchange<B: Backend> {
         to: &B,
         dst: &mut B::LightningState,
     ) -> BResult<()>;
+    /// Whether the ranks share one memory (simulated ranks in one process's memory).
+    fn one_memory(&self) -> bool {
+        false
+    }
 }
 
 /// One rank of a context-parallel prefill: its backend, its copy of the model, a workspace

@@ -468,6 +468,22 @@ fn generate_on<B: Backend + DeviceStats>(
             s.drafted, s.accepted
         );
     }
+    if let Some(s) = engine.context_stats() {
+        let ranks = args.device.context_parallel;
+        match (s.prompts, s.read_alone) {
+            (0, 0) => eprintln!(
+                "context parallel: the prompt was read by the steps (too short for {ranks} ranks)"
+            ),
+            (_, 0) => eprintln!(
+                "context parallel: {} prompt tokens read by {ranks} ranks",
+                s.tokens
+            ),
+            _ => eprintln!(
+                "context parallel: the prompt was read by the steps (the memory limit leaves \
+                 the {ranks} ranks' workspaces no room)"
+            ),
+        }
+    }
     Ok(())
 }
 
