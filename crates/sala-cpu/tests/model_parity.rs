@@ -833,10 +833,19 @@ fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
     let config = tiny_config(96);
     let v = config.vocab_size;
     let one = load(&CpuBackend, &config, 51);
-    for (n, seed) in [(40usize, 52u64), (150, 53), (301, 54)] {
+    // Each rank reads its range in chunks of its workspace's rows: whole ranges, and chunks
+    // that end inside blocks.
+    let cases = [
+        (40usize, 52u64, 40),
+        (150, 53, 150),
+        (301, 54, 301),
+        (150, 55, 24),
+        (301, 56, 37),
+    ];
+    for (n, seed, chunk) in cases {
         let toks = tokens(n + 4, v, seed);
         let (prompt, rest) = toks.split_at(n);
-        let mut ws = one.workspace(&CpuBackend, n).unwrap();
+        let mut ws = one.workspace(&CpuBackend, chunk).unwrap();
         let mut seq = one.new_sequence(&CpuBackend).unwrap();
         let mut want = vec![one
             .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
@@ -848,7 +857,7 @@ fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
             let models: Vec<_> = (0..count).map(|_| load(&CpuBackend, &config, 51)).collect();
             let mut wss: Vec<_> = models
                 .iter()
-                .map(|m| m.workspace(&CpuBackend, n).unwrap())
+                .map(|m| m.workspace(&CpuBackend, chunk).unwrap())
                 .collect();
             let mut seqs: Vec<_> = models
                 .iter()
@@ -858,7 +867,7 @@ fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
             let mut ranks = ContextRank::zip(bes, &models, &mut wss, &mut seqs);
             let done = prefill(&mut ranks, &HostRanks, prompt).unwrap();
             drop(ranks);
-            let what = format!("{n} tokens over {count} ranks");
+            let what = format!("{n} tokens over {count} ranks in chunks of {chunk}");
             assert_eq!(done.ranges.last().unwrap().end, n, "{what}");
             assert_eq!(done.last, done.ranges.len() - 1, "{what}");
             if count > 1 && n > 16 {

@@ -5,11 +5,12 @@
 //! first token's logits, and everything after, come from the engine's own step).
 
 use crate::cache::CacheBudget;
-use sala_model::context::{prefill_as, ContextRank, Exchange};
+use sala_model::context::{prefill_as, range_bytes, ContextRank, Exchange};
 use sala_model::memory::MemoryPlan;
 use sala_model::parallel::context_ranges;
-use sala_model::{BResult, Backend, BackendError, Model, SeqState, SparseMode};
+use sala_model::{BResult, Backend, BackendError, Model, SeqState, SparseMode, Workspace};
 use std::cell::Cell;
+use std::ops::Range;
 
 /// The ranks before the engine's own: each a backend with its copy of the model, and how
 /// they exchange.
@@ -58,43 +59,38 @@ impl<B: Backend> ContextRanks<B> {
         self.stats.get()
     }
 
-    /// Why the ranks cannot read a prompt of `len` tokens beside what `budget` holds now:
-    /// each rank's workspace of its range's rows (and, on the other ranks, the caches of the
-    /// prompt up to their range's end) against the memory limit, per device, or all of them
-    /// together where the ranks share one memory. `None`: they can (always without a limit).
+    /// Why the ranks cannot read a prompt of `len` tokens, each its range in chunks of
+    /// `chunk` rows, beside what `budget` holds now: on each rank what its range keeps
+    /// ([`range_bytes`]), and on the other ranks their chunk's workspace and the caches of the
+    /// prompt up to their range's end, against the memory limit, per device, or together
+    /// where the ranks share one memory (the engine's rank reads with its step workspace).
+    /// `None`: they can (always without a limit).
     pub fn lacks_memory(
         &self,
         be: &B,
         model: &Model<B>,
         budget: &CacheBudget,
         len: usize,
+        chunk: usize,
     ) -> Option<String> {
         let (limit, spare) = (budget.limit()?, budget.spare_bytes()?);
         let c = &model.config;
         let ranges = context_ranges(len, self.ranks(), c.sparse.block_size);
-        let widest = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
-        let facts = be.memory_facts(c, widest);
-        // What a rank receives: the earlier ranks' keys and values, a lightning state.
-        let received = 2 * widest * c.kv_dim() * facts.value_bytes
-            + c.num_attention_heads * c.head_dim.pow(2) * 4;
-        let workspace = |rows: usize| MemoryPlan::new(c, 0, rows, &facts).workspace + received;
-        let own = workspace(ranges.last()?.len());
+        let rows = |range: &Range<usize>| range.len().min(chunk).max(1);
+        let vb = be.memory_facts(c, chunk).value_bytes;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let one_memory = self.exchange.one_memory();
-        let mut need = own;
+        let mut need = range_bytes(c, ranges.last()?.len(), vb);
         for (range, rank) in ranges.iter().zip(&self.backends) {
-            let plan = MemoryPlan::new(
-                c,
-                range.end,
-                range.len(),
-                &rank.memory_facts(c, range.len()),
-            );
+            let facts = rank.memory_facts(c, rows(range));
+            let plan = MemoryPlan::new(c, range.end, rows(range), &facts);
+            let kept = range_bytes(c, range.len(), facts.value_bytes);
             if one_memory {
-                need += plan.cache.total() + workspace(range.len());
-            } else if plan.total() + received > limit.bytes {
+                need += plan.cache.total() + plan.workspace + kept;
+            } else if plan.total() + kept > limit.bytes {
                 return Some(format!(
                     "a rank reading tokens {range:?} needs {:.2} GiB, {:.2} GiB allowed ({})",
-                    gib(plan.total() + received),
+                    gib(plan.total() + kept),
                     gib(limit.bytes),
                     limit.source
                 ));
@@ -102,7 +98,7 @@ impl<B: Backend> ContextRanks<B> {
         }
         (need > spare).then(|| {
             format!(
-                "the ranks' workspaces need {:.2} GiB beside the caches, {:.2} GiB spare ({})",
+                "the ranks' buffers need {:.2} GiB beside the caches, {:.2} GiB spare ({})",
                 gib(need),
                 gib(spare),
                 limit.source
@@ -111,21 +107,28 @@ impl<B: Backend> ContextRanks<B> {
     }
 
     /// Reads `tokens` into `seq` (a new sequence of `model` on `be`: the engine's, the last
-    /// rank) with the sparse layers' `mode`, and returns true; false, with `seq` untouched,
-    /// where `budget`'s limit leaves the ranks too little memory or their buffers cannot be
-    /// made (the prompt is then read by the steps, as without ranks). The other ranks'
-    /// sequences and workspaces are dropped after.
+    /// rank, reading with the step workspace `ws`, in chunks of its rows) with the sparse
+    /// layers' `mode`, and returns true; false, with `seq` untouched, where `budget`'s limit
+    /// leaves the ranks too little memory or their buffers cannot be made (the prompt is then
+    /// read by the steps, as without ranks). The other ranks read in chunks as long and drop
+    /// their sequences and workspaces after.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn read(
         &self,
         be: &B,
         model: &Model<B>,
+        ws: &mut Workspace<B>,
         budget: &CacheBudget,
         seq: &mut SeqState<B>,
         tokens: &[u32],
         mode: SparseMode,
     ) -> BResult<bool> {
         let mut stats = self.stats.get();
-        if self.lacks_memory(be, model, budget, tokens.len()).is_some() {
+        let chunk = ws.max_rows;
+        if self
+            .lacks_memory(be, model, budget, tokens.len(), chunk)
+            .is_some()
+        {
             stats.read_alone += 1;
             self.stats.set(stats);
             return Ok(false);
@@ -140,13 +143,13 @@ impl<B: Backend> ContextRanks<B> {
                 self.ranks()
             )));
         }
-        let rows = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
         let buffers = (|| {
             let wss = self
                 .models
                 .iter()
                 .zip(&self.backends)
-                .map(|(m, b)| m.workspace(b, rows))
+                .zip(&ranges)
+                .map(|((m, b), r)| m.workspace(b, r.len().min(chunk)))
                 .collect::<BResult<Vec<_>>>()?;
             let seqs = self
                 .models
@@ -154,20 +157,15 @@ impl<B: Backend> ContextRanks<B> {
                 .zip(&self.backends)
                 .map(|(m, b)| m.new_sequence(b))
                 .collect::<BResult<Vec<_>>>()?;
-            Ok::<_, BackendError>((wss, seqs, model.workspace(be, rows)?))
+            Ok::<_, BackendError>((wss, seqs))
         })();
-        let Ok((mut wss, mut seqs, mut own)) = buffers else {
+        let Ok((mut wss, mut seqs)) = buffers else {
             stats.read_alone += 1;
             self.stats.set(stats);
             return Ok(false);
         };
         let mut ranks = ContextRank::zip(&self.backends, &self.models, &mut wss, &mut seqs);
-        ranks.push(ContextRank {
-            be,
-            model,
-            ws: &mut own,
-            seq,
-        });
+        ranks.push(ContextRank { be, model, ws, seq });
         let done = prefill_as(&mut ranks, &*self.exchange, tokens, mode)?;
         if done.last + 1 != self.ranks() {
             return Err(BackendError(

@@ -397,7 +397,8 @@ impl<B: Backend> Engine<B> {
                     let n = prompt.len() - 1;
                     let mode = self.model.sparse_mode(prompt.len());
                     let (be, model, budget) = (&self.backend, &self.model, &batch.cache);
-                    match ranks.read(be, model, budget, &mut seq, &prompt[..n], mode)? {
+                    let ws = &mut self.workspace;
+                    match ranks.read(be, model, ws, budget, &mut seq, &prompt[..n], mode)? {
                         true => n,
                         false => cached,
                     }

@@ -49,6 +49,11 @@ fn ranks_read_long_prompts_where_the_memory_leaves_them_room() {
     };
     let got = generate(&mut e, &prompt);
     assert_eq!(e.context_stats(), Some(read(1, 299, 0)));
+    // The ranks' rounding differs from one device's; here not enough to change a pick.
+    for (g, w) in got.tokens.iter().zip(&want.tokens) {
+        assert_eq!(g.id, w.id, "read by the ranks");
+        assert!((g.logprob - w.logprob).abs() < 0.05, "{g:?} vs {w:?}");
+    }
     assert_eq!(got.tokens.len(), want.tokens.len());
     // A short prompt: every rank would get fewer than two blocks.
     generate(&mut e, &prompt[..60]);

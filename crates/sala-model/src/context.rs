@@ -1,12 +1,15 @@
 //! Context parallelism: one long prompt read by several ranks at once, each taking a
 //! contiguous, block-aligned range of its tokens ([`crate::parallel::context_ranges`]) and
-//! holding the whole model. Layer by layer every rank projects its own rows; the lightning
-//! layers read each range from a zero state, then scan the ranges' end states in order
-//! ([`Backend::lightning_state_advance`]: the state before each range) and add to each range's
-//! outputs the term of the state it starts from ([`Backend::lightning_state_term`]); the
-//! sparse layers give each rank the earlier ranks' keys and values
-//! ([`Backend::append_sparse_kv`]) before it attends its own rows, so block selection and
-//! attention see the whole prefix. Each rank ends holding the prompt up to its range's end,
+//! holding the whole model. Layer by layer every rank projects its own rows, in chunks of its
+//! workspace's rows (a step each), keeping of its range only what the layer's second pass
+//! needs ([`range_bytes`]); the lightning layers read each range from a zero state, then scan
+//! the ranges' end states in order ([`Backend::lightning_state_advance`]: the state before
+//! each range) and add to each chunk's outputs the term of the state before it (the range's
+//! start state moved along the chunks; [`Backend::lightning_state_term`]); the sparse layers
+//! give each rank the earlier ranks' keys and values ([`Backend::append_sparse_kv`]) before it
+//! attends its own rows, so block selection and attention see the whole prefix. The first
+//! rank, whose start is the prompt's, finishes each chunk in the first pass. Each rank ends
+//! holding the prompt up to its range's end,
 //! the last one the whole prompt (every cache and the lightning states after it): decode
 //! continues there.
 
@@ -14,7 +17,7 @@ use crate::backend::{AttnIo, BResult, Backend, BackendError, Span, StepInfo};
 use crate::model::{state_mismatch, LayerState, LogitRows, Mixer, Model, SeqState, Workspace};
 use crate::oracle::SparseMode;
 use crate::parallel::context_ranges;
-use sala_checkpoint::MixerKind;
+use sala_checkpoint::{MixerKind, ModelConfig};
 use std::ops::Range;
 
 /// What moves between context-parallel ranks: activations (keys and values of earlier
@@ -78,9 +81,19 @@ pub struct ContextPrefill {
     pub logits: Vec<f32>,
 }
 
+/// Bytes a rank holds beside its model, caches and chunk workspace while it reads a range of
+/// `rows` tokens ([`prefill`]): its range's residual stream, queries, outputs, gates, keys
+/// and values (values of `value_bytes`), what it receives (the widest range's keys and values
+/// from earlier ranks, `rows` here) and three lightning states.
+pub fn range_bytes(c: &ModelConfig, rows: usize, value_bytes: usize) -> usize {
+    let hd = c.num_attention_heads * c.head_dim;
+    let cols = c.hidden_size + 3 * hd + 4 * c.kv_dim();
+    rows * cols * value_bytes + 3 * c.num_attention_heads * c.head_dim.pow(2) * 4
+}
+
 /// Prefills `tokens` (the whole prompt of new sequences) over `ranks`, each reading its
-/// range; see the module's docs. A prompt of fewer blocks than ranks leaves the later ranks
-/// idle.
+/// range in chunks of its workspace's rows; see the module's docs. A prompt of fewer blocks
+/// than ranks leaves the later ranks idle.
 pub fn prefill<B: Backend>(
     ranks: &mut [ContextRank<'_, B>],
     exchange: &dyn Exchange<B>,
@@ -117,76 +130,65 @@ pub fn prefill_as<B: Backend>(
     }
     let ranges = context_ranges(tokens.len(), ranks.len(), c.sparse.block_size);
     let ranks = &mut ranks[..ranges.len()];
-    for (r, (rank, range)) in ranks.iter().zip(&ranges).enumerate() {
+    for (r, rank) in ranks.iter().enumerate() {
         let fresh = rank.seq.pos == 0 && rank.seq.aux.is_none() && rank.seq.span_kv.is_none();
-        if !fresh || rank.ws.max_rows < range.len() {
+        if !fresh || rank.ws.max_rows == 0 {
             return Err(BackendError(format!(
-                "context parallelism: rank {r} needs a new sequence and a workspace of {} rows \
-                 (it has {})",
-                range.len(),
-                rank.ws.max_rows
+                "context parallelism: rank {r} needs a new sequence and a workspace"
             )));
         }
     }
-    let spans: Vec<Span> = ranges
+    let mut parts = ranks
         .iter()
-        .map(|r| Span {
-            first_row: 0,
-            len: r.len(),
-            pos: r.start,
-        })
-        .collect();
-    // Each rank's step: its rows, embedded and normed for the first layer.
-    for ((rank, range), span) in ranks.iter_mut().zip(&ranges).zip(&spans) {
-        let (be, m) = (rank.be, rank.model);
-        let last = range.end == tokens.len();
-        be.begin_step(&StepInfo {
-            tokens: &tokens[range.clone()],
-            spans: std::slice::from_ref(span),
-            seq_ids: &[rank.seq.id],
-            logits: &[if last {
-                LogitRows::Last
-            } else {
-                LogitRows::None
-            }],
-            aux_rows: &[],
-        })?;
-        for buf in rank.ws.buffers_mut() {
-            be.set_rows(buf, range.len());
-        }
-        be.embed(
-            &m.embed,
-            &tokens[range.clone()],
-            m.config.scale_emb as f32,
-            &mut rank.ws.h,
-        )?;
-        if let Some(l) = m.layers.first() {
-            be.rms_norm(
-                &rank.ws.h,
-                &l.input_norm,
-                m.config.rms_norm_eps as f32,
-                &mut rank.ws.a,
-            )?;
+        .zip(&ranges)
+        .map(|(rank, range)| Part::new(rank, range.clone()))
+        .collect::<BResult<Vec<_>>>()?;
+    let widest = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
+    let mut received = ranks[1..]
+        .iter()
+        .map(|r| Received::new(r.be, c, widest))
+        .collect::<BResult<Vec<_>>>()?;
+    let last = ranks.len() - 1;
+    let mut run = Run {
+        tokens,
+        mode,
+        last_rank: last,
+    };
+    // Each rank's rows embedded, chunk by chunk.
+    for (r, (rank, part)) in ranks.iter_mut().zip(&mut parts).enumerate() {
+        for ch in part.chunks(rank.ws.max_rows) {
+            run.in_step(r, rank, part, &ch, |be, m, ws, _, part| {
+                be.embed(
+                    &m.embed,
+                    &tokens[part.at(&ch)],
+                    m.config.scale_emb as f32,
+                    &mut ws.h,
+                )?;
+                be.copy_rows(&ws.h, 0, &mut part.h, ch.start, ch.len())
+            })?;
         }
     }
-    let result = scratch(ranks, &spans)
-        .and_then(|mut scratch| run_layers(ranks, exchange, &spans, mode, &mut scratch));
-    // Every step begun is ended, whatever happened.
-    let mut ended = Ok(());
-    for rank in ranks.iter() {
-        let e = rank.be.end_step(result.is_ok());
-        ended = ended.and(e);
+    for i in 0..model.layers.len() {
+        match c.mixer_types[i] {
+            MixerKind::Lightning => {
+                lightning_layer(&mut run, ranks, &mut parts, exchange, i, &mut received)?
+            }
+            MixerKind::Sparse => {
+                sparse_layer(&mut run, ranks, &mut parts, exchange, i, &mut received)?
+            }
+        }
     }
-    result?;
-    ended?;
     for (rank, range) in ranks.iter_mut().zip(&ranges) {
         rank.seq.pos = range.end;
     }
-    let last = ranks.len() - 1;
+    // The last rank's last chunk was the last one read: its final norm is in `ws.a`.
     let rank = &ranks[last];
     let m = rank.model;
     let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-    let n = spans[last].len;
+    let n = parts[last]
+        .chunks(rank.ws.max_rows)
+        .last()
+        .map_or(0, |ch| ch.len());
     let out = rank.be.logits(
         &rank.ws.a,
         &[n - 1],
@@ -201,100 +203,227 @@ pub fn prefill_as<B: Backend>(
     })
 }
 
-/// A rank's buffers for what it receives: the state its range starts from (lightning), the
-/// earlier ranks' keys and values (sparse).
-struct Received<B: Backend> {
-    start: B::LightningState,
+/// What a rank keeps of its whole range between the layers' passes over its chunks: the
+/// residual stream, and a layer's queries, gates, raw keys and values (sparse) or outputs from
+/// a zero state (lightning) until the earlier ranks' share is known.
+struct Part<B: Backend> {
+    range: Range<usize>,
+    h: B::Act,
+    q: B::Act,
+    o: B::Act,
+    z: B::Act,
     k: B::Act,
     v: B::Act,
 }
 
-/// The [`Received`] buffers of every rank but the first (which receives nothing), made once
-/// for the whole prefill.
-fn scratch<B: Backend>(ranks: &[ContextRank<'_, B>], spans: &[Span]) -> BResult<Vec<Received<B>>> {
-    let c = &ranks[0].model.config;
-    let widest = spans.iter().map(|s| s.len).max().unwrap_or(0);
-    ranks[1..]
-        .iter()
-        .map(|r| {
-            Ok(Received {
-                start: r
-                    .be
-                    .new_lightning_state(c.num_attention_heads, c.head_dim)?,
-                k: r.be.alloc(widest, c.kv_dim())?,
-                v: r.be.alloc(widest, c.kv_dim())?,
-            })
+impl<B: Backend> Part<B> {
+    fn new(rank: &ContextRank<'_, B>, range: Range<usize>) -> BResult<Self> {
+        let (be, c) = (rank.be, &rank.model.config);
+        let (rows, hd) = (range.len(), c.num_attention_heads * c.head_dim);
+        Ok(Self {
+            h: be.alloc(rows, c.hidden_size)?,
+            q: be.alloc(rows, hd)?,
+            o: be.alloc(rows, hd)?,
+            z: be.alloc(rows, hd)?,
+            k: be.alloc(rows, c.kv_dim())?,
+            v: be.alloc(rows, c.kv_dim())?,
+            range,
         })
-        .collect()
-}
-
-/// The layers over every rank (each rank's rows embedded and normed in its `ws.a`).
-fn run_layers<B: Backend>(
-    ranks: &mut [ContextRank<'_, B>],
-    exchange: &dyn Exchange<B>,
-    spans: &[Span],
-    mode: SparseMode,
-    received: &mut [Received<B>],
-) -> BResult<()> {
-    let m0 = ranks[0].model;
-    let c = &m0.config;
-    let eps = c.rms_norm_eps as f32;
-    let res = c.residual_scale() as f32;
-    for i in 0..m0.layers.len() {
-        for rank in ranks.iter_mut() {
-            rank.model.layers[i].project(rank.model, rank.be, rank.ws)?;
-        }
-        match c.mixer_types[i] {
-            MixerKind::Lightning => lightning_layer(ranks, exchange, spans, i, received)?,
-            MixerKind::Sparse => sparse_layer(ranks, exchange, spans, i, mode, received)?,
-        }
-        for rank in ranks.iter_mut() {
-            let m = rank.model;
-            let next_norm = m.layers.get(i + 1).map_or(&m.final_norm, |l| &l.input_norm);
-            m.layers[i].finish(m, rank.be, rank.ws, res, eps, next_norm)?;
-        }
     }
-    Ok(())
+
+    /// The range's chunks of at most `rows` rows, as rows of the range.
+    fn chunks(&self, rows: usize) -> Vec<Range<usize>> {
+        let n = self.range.len();
+        (0..n)
+            .step_by(rows.max(1))
+            .map(|a| a..(a + rows).min(n))
+            .collect()
+    }
+
+    /// A chunk's positions in the prompt.
+    fn at(&self, ch: &Range<usize>) -> Range<usize> {
+        self.range.start + ch.start..self.range.start + ch.end
+    }
 }
 
-/// Lightning layer `i`: every range from a zero state (rank 0 from the sequence's, also zero),
-/// then the scan of the end states in order, each range's start-state term added on the way.
+/// A rank's buffers for what it receives: the state its range starts from (lightning; with a
+/// running copy and a zero state for moving it along the chunks), the earlier ranks' keys and
+/// values (sparse).
+struct Received<B: Backend> {
+    start: B::LightningState,
+    next: B::LightningState,
+    zero: B::LightningState,
+    k: B::Act,
+    v: B::Act,
+}
+
+impl<B: Backend> Received<B> {
+    fn new(be: &B, c: &ModelConfig, widest: usize) -> BResult<Self> {
+        let state = || be.new_lightning_state(c.num_attention_heads, c.head_dim);
+        Ok(Self {
+            start: state()?,
+            next: state()?,
+            zero: state()?,
+            k: be.alloc(widest, c.kv_dim())?,
+            v: be.alloc(widest, c.kv_dim())?,
+        })
+    }
+}
+
+/// The prefill's constants.
+struct Run<'t> {
+    tokens: &'t [u32],
+    mode: SparseMode,
+    last_rank: usize,
+}
+
+impl Run<'_> {
+    /// `f` over chunk `ch` of rank `r`'s range, as a step of the chunk's rows begun and ended
+    /// on the rank's backend (every workspace buffer holding that many rows).
+    fn in_step<B: Backend, T>(
+        &mut self,
+        r: usize,
+        rank: &mut ContextRank<'_, B>,
+        part: &mut Part<B>,
+        ch: &Range<usize>,
+        f: impl FnOnce(&B, &Model<B>, &mut Workspace<B>, &mut SeqState<B>, &mut Part<B>) -> BResult<T>,
+    ) -> BResult<T> {
+        let be = rank.be;
+        let at = part.at(ch);
+        let span = Span {
+            first_row: 0,
+            len: ch.len(),
+            pos: at.start,
+        };
+        let last = r == self.last_rank && at.end == self.tokens.len();
+        be.begin_step(&StepInfo {
+            tokens: &self.tokens[at],
+            spans: std::slice::from_ref(&span),
+            seq_ids: &[rank.seq.id],
+            logits: &[if last {
+                LogitRows::Last
+            } else {
+                LogitRows::None
+            }],
+            aux_rows: &[],
+        })?;
+        for buf in rank.ws.buffers_mut() {
+            be.set_rows(buf, ch.len());
+        }
+        let out = f(be, rank.model, rank.ws, rank.seq, part);
+        let ended = be.end_step(out.is_ok());
+        let out = out?;
+        ended?;
+        Ok(out)
+    }
+}
+
+/// A chunk's span within its step.
+fn span_of<B: Backend>(part: &Part<B>, ch: &Range<usize>) -> Span {
+    Span {
+        first_row: 0,
+        len: ch.len(),
+        pos: part.range.start + ch.start,
+    }
+}
+
+/// Layer `i`'s input for chunk `ch`: its residual rows, normed.
+fn load_input<B: Backend>(
+    be: &B,
+    m: &Model<B>,
+    i: usize,
+    ws: &mut Workspace<B>,
+    part: &Part<B>,
+    ch: &Range<usize>,
+) -> BResult<()> {
+    be.copy_rows(&part.h, ch.start, &mut ws.h, 0, ch.len())?;
+    be.rms_norm(
+        &ws.h,
+        &m.layers[i].input_norm,
+        m.config.rms_norm_eps as f32,
+        &mut ws.a,
+    )
+}
+
+/// The rest of layer `i` for chunk `ch` (its attention output in `ws.o`), its residual rows
+/// written back.
+fn finish_chunk<B: Backend>(
+    be: &B,
+    m: &Model<B>,
+    i: usize,
+    ws: &mut Workspace<B>,
+    part: &mut Part<B>,
+    ch: &Range<usize>,
+) -> BResult<()> {
+    let c = &m.config;
+    let next_norm = m.layers.get(i + 1).map_or(&m.final_norm, |l| &l.input_norm);
+    let (res, eps) = (c.residual_scale() as f32, c.rms_norm_eps as f32);
+    m.layers[i].finish(m, be, ws, res, eps, next_norm)?;
+    be.copy_rows(&ws.h, 0, &mut part.h, ch.start, ch.len())
+}
+
+/// Keeps chunk `ch`'s rows of `src` in the range-wide `dst`.
+fn keep<B: Backend>(be: &B, src: &B::Act, dst: &mut B::Act, ch: &Range<usize>) -> BResult<()> {
+    be.copy_rows(src, 0, dst, ch.start, ch.len())
+}
+
+/// Takes chunk `ch`'s rows of the range-wide `src` into `dst`.
+fn take<B: Backend>(be: &B, src: &B::Act, dst: &mut B::Act, ch: &Range<usize>) -> BResult<()> {
+    be.copy_rows(src, ch.start, dst, 0, ch.len())
+}
+
+/// Lightning layer `i`. Each rank reads its chunks from a zero state (rank 0's is the true
+/// one: it finishes them at once; the others keep their queries, outputs and gates); then the
+/// scan makes each range's end state the true one, in rank order, and each later rank adds
+/// to its chunks' outputs the term of the state before them (its range's start state moved
+/// along the chunks) and finishes them.
 fn lightning_layer<B: Backend>(
+    run: &mut Run<'_>,
     ranks: &mut [ContextRank<'_, B>],
+    parts: &mut [Part<B>],
     exchange: &dyn Exchange<B>,
-    spans: &[Span],
     i: usize,
     received: &mut [Received<B>],
 ) -> BResult<()> {
     let c = &ranks[0].model.config;
     let d = c.head_dim;
-    for (rank, span) in ranks.iter_mut().zip(spans) {
-        let m = rank.model;
-        let Mixer::Lightning { q_norm, k_norm, .. } = &m.layers[i].mixer else {
-            return Err(state_mismatch());
-        };
-        let LayerState::Lightning(state) = &mut rank.seq.layers[i] else {
-            return Err(state_mismatch());
-        };
-        let ws = &mut *rank.ws;
-        let norms = q_norm
-            .as_ref()
-            .zip(k_norm.as_ref())
-            .map(|(q, k)| (q, k, c.rms_norm_eps as f32));
-        rank.be.lightning(
-            m.lightning_shape(),
-            &m.slopes,
-            norms,
-            c.lightning_use_rope.then_some(&m.inv_freq),
-            AttnIo {
-                q: &mut ws.q,
-                k: &mut ws.kl,
-                v: &mut ws.vl,
-                out: &mut ws.o,
-            },
-            std::slice::from_ref(span),
-            &mut [state],
-        )?;
+    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
+        for ch in part.chunks(rank.ws.max_rows) {
+            run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
+                let Mixer::Lightning { q_norm, k_norm, .. } = &m.layers[i].mixer else {
+                    return Err(state_mismatch());
+                };
+                let LayerState::Lightning(state) = &mut seq.layers[i] else {
+                    return Err(state_mismatch());
+                };
+                load_input(be, m, i, ws, part, &ch)?;
+                m.layers[i].project(m, be, ws)?;
+                let norms = q_norm
+                    .as_ref()
+                    .zip(k_norm.as_ref())
+                    .map(|(q, k)| (q, k, m.config.rms_norm_eps as f32));
+                be.lightning(
+                    m.lightning_shape(),
+                    &m.slopes,
+                    norms,
+                    m.config.lightning_use_rope.then_some(&m.inv_freq),
+                    AttnIo {
+                        q: &mut ws.q,
+                        k: &mut ws.kl,
+                        v: &mut ws.vl,
+                        out: &mut ws.o,
+                    },
+                    &[span_of(part, &ch)],
+                    &mut [state],
+                )?;
+                if r == 0 {
+                    return finish_chunk(be, m, i, ws, part, &ch);
+                }
+                keep(be, &ws.q, &mut part.q, &ch)?;
+                keep(be, &ws.o, &mut part.o, &ch)?;
+                keep(be, &ws.z, &mut part.z, &ch)
+            })?;
+        }
     }
     // The scan: rank r starts from rank r − 1's end state (now the true one).
     for r in 1..ranks.len() {
@@ -306,67 +435,123 @@ fn lightning_layer<B: Backend>(
         let be = rank.be;
         let start = &mut received[r - 1].start;
         exchange.copy_state(prev.be, prev_state, be, start)?;
-        let m = rank.model;
-        be.lightning_state_term(
-            m.lightning_shape(),
-            &m.slopes,
-            start,
-            &rank.ws.q,
-            spans[r].len,
-            &mut rank.ws.o,
-        )?;
         let LayerState::Lightning(state) = &mut rank.seq.layers[i] else {
             return Err(state_mismatch());
         };
-        be.lightning_state_advance(&m.slopes, d, spans[r].len, start, state)?;
+        be.lightning_state_advance(&rank.model.slopes, d, parts[r].range.len(), start, state)?;
+    }
+    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate().skip(1) {
+        let Received {
+            start, next, zero, ..
+        } = &mut received[r - 1];
+        let chunks = part.chunks(rank.ws.max_rows);
+        let count = chunks.len();
+        for (n, ch) in chunks.into_iter().enumerate() {
+            run.in_step(r, rank, part, &ch, |be, m, ws, _, part| {
+                take(be, &part.q, &mut ws.q, &ch)?;
+                take(be, &part.o, &mut ws.o, &ch)?;
+                take(be, &part.z, &mut ws.z, &ch)?;
+                be.copy_rows(&part.h, ch.start, &mut ws.h, 0, ch.len())?;
+                be.lightning_state_term(
+                    m.lightning_shape(),
+                    &m.slopes,
+                    start,
+                    &ws.q,
+                    ch.len(),
+                    &mut ws.o,
+                )?;
+                if n + 1 < count {
+                    // The state before the next chunk, as far as the earlier ranks' share.
+                    be.copy_lightning_state(zero, next)?;
+                    be.lightning_state_advance(&m.slopes, d, ch.len(), start, next)?;
+                    std::mem::swap(start, next);
+                }
+                finish_chunk(be, m, i, ws, part, &ch)
+            })?;
+        }
     }
     Ok(())
 }
 
-/// Sparse layer `i`: each rank's cache takes the earlier ranks' keys and values, then the
-/// rank appends and attends its own rows.
+/// Sparse layer `i`. Each rank projects its chunks and keeps their queries, gates and raw
+/// keys and values (rank 0 attends and finishes them at once: no earlier keys); each later
+/// rank's cache then takes the earlier ranks' keys and values, and the rank attends its
+/// chunks in order (each appending its own) and finishes them.
 fn sparse_layer<B: Backend>(
+    run: &mut Run<'_>,
     ranks: &mut [ContextRank<'_, B>],
+    parts: &mut [Part<B>],
     exchange: &dyn Exchange<B>,
-    spans: &[Span],
     i: usize,
-    mode: SparseMode,
     received: &mut [Received<B>],
 ) -> BResult<()> {
-    let c = &ranks[0].model.config;
-    // From the last rank down: an attention entry may change its k in place (a lightning
-    // one does), so every earlier rank's keys are sent before that rank attends.
-    for r in (0..ranks.len()).rev() {
-        let (before, after) = ranks.split_at_mut(r);
-        let rank = &mut after[0];
-        let be = rank.be;
-        let LayerState::Sparse(cache) = &mut rank.seq.layers[i] else {
+    let mode = run.mode;
+    let attend = |be: &B, m: &Model<B>, ws: &mut Workspace<B>, seq: &mut SeqState<B>, span| {
+        let LayerState::Sparse(cache) = &mut seq.layers[i] else {
             return Err(state_mismatch());
         };
-        for (q, earlier) in before.iter().enumerate() {
-            let Received { k, v, .. } = &mut received[r - 1];
-            let n = spans[q].len;
-            be.set_rows(k, n);
-            be.set_rows(v, n);
-            exchange.copy_act(earlier.be, &earlier.ws.ks, be, k, n)?;
-            exchange.copy_act(earlier.be, &earlier.ws.vs, be, v, n)?;
-            be.append_sparse_kv(cache, &c.sparse, k, v, n)?;
-        }
-        let m = rank.model;
-        let ws = &mut *rank.ws;
         be.sparse_attention(
             m.sparse_shape(),
-            &c.sparse,
+            &m.config.sparse,
             AttnIo {
                 q: &mut ws.q,
                 k: &mut ws.ks,
                 v: &mut ws.vs,
                 out: &mut ws.o,
             },
-            std::slice::from_ref(&spans[r]),
+            &[span],
             &[mode],
             &mut [cache],
-        )?;
+        )
+    };
+    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
+        for ch in part.chunks(rank.ws.max_rows) {
+            run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
+                load_input(be, m, i, ws, part, &ch)?;
+                m.layers[i].project(m, be, ws)?;
+                // The raw keys and values (an attention may change its k in place).
+                keep(be, &ws.ks, &mut part.k, &ch)?;
+                keep(be, &ws.vs, &mut part.v, &ch)?;
+                if r == 0 {
+                    attend(be, m, ws, seq, span_of(part, &ch))?;
+                    return finish_chunk(be, m, i, ws, part, &ch);
+                }
+                keep(be, &ws.q, &mut part.q, &ch)?;
+                keep(be, &ws.z, &mut part.z, &ch)
+            })?;
+        }
+    }
+    for r in 1..ranks.len() {
+        let (before, after) = ranks.split_at_mut(r);
+        let rank = &mut after[0];
+        let (done, rest) = parts.split_at_mut(r);
+        let part = &mut rest[0];
+        let chunks = part.chunks(rank.ws.max_rows);
+        for (n, ch) in chunks.into_iter().enumerate() {
+            let received = &mut received[r - 1];
+            run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
+                if n == 0 {
+                    let LayerState::Sparse(cache) = &mut seq.layers[i] else {
+                        return Err(state_mismatch());
+                    };
+                    for (earlier, from) in before.iter().zip(done.iter()) {
+                        let (k, v, rows) = (&mut received.k, &mut received.v, from.range.len());
+                        be.set_rows(k, rows);
+                        be.set_rows(v, rows);
+                        exchange.copy_act(earlier.be, &from.k, be, k, rows)?;
+                        exchange.copy_act(earlier.be, &from.v, be, v, rows)?;
+                        be.append_sparse_kv(cache, &m.config.sparse, k, v, rows)?;
+                    }
+                }
+                take(be, &part.q, &mut ws.q, &ch)?;
+                take(be, &part.k, &mut ws.ks, &ch)?;
+                take(be, &part.v, &mut ws.vs, &ch)?;
+                take(be, &part.z, &mut ws.z, &ch)?;
+                be.copy_rows(&part.h, ch.start, &mut ws.h, 0, ch.len())?;
+                attend(be, m, ws, seq, span_of(part, &ch))?;
+                finish_chunk(be, m, i, ws, part, &ch)
+            })?;
+        }
     }
     Ok(())
 }

@@ -9,7 +9,7 @@ use crate::device::{memory_limit, user_memory_limit, DeviceStats};
 use anyhow::{bail, Context as _, Result};
 use sala_checkpoint::ModelConfig;
 use sala_cpu::{CpuBackend, HostRanks};
-use sala_model::context::{prefill, ContextRank};
+use sala_model::context::{prefill, range_bytes, ContextRank};
 use sala_model::memory::MemoryPlan;
 use sala_model::numerics::TestRng;
 use sala_model::{Backend, Model, SeqState, Workspace};
@@ -79,9 +79,10 @@ pub fn context_parallel(
         let decode_one = decode_rate(one, &mut ws, &mut seq, &mut rng, args.decode_tokens)?;
         drop((ws, seq));
         // N ranks at once.
+        // Each rank reads its range in chunks as long as one rank's.
         let mut wss = models
             .iter()
-            .map(|m| m.step_workspace(&CpuBackend, len.div_ceil(ranks) + 64, 1))
+            .map(|m| m.step_workspace(&CpuBackend, rank_rows(config, len, ranks, args), 1))
             .collect::<Result<Vec<_>, _>>()?;
         let mut seqs = models
             .iter()
@@ -125,10 +126,17 @@ pub fn context_parallel(
     }))
 }
 
+/// The widest range of `len` tokens over `ranks` ranks, and the rows of a rank's workspace:
+/// a chunk (--prefill-chunk) of it.
+fn rank_rows(config: &ModelConfig, len: usize, ranks: usize, args: &BenchArgs) -> usize {
+    let widest = (len.div_ceil(ranks) + config.sparse.block_size).min(len);
+    args.prefill_chunk.min(widest).max(1)
+}
+
 /// Refuses, before any model is made, the contexts whose ranks would not fit: `per_device`
-/// ranks share a device (all of them on the CPU), each holding the whole model, its workspace
-/// and, counted for every rank as for the last, the caches of the whole prompt and the decoded
-/// tokens.
+/// ranks share a device (all of them on the CPU), each holding the whole model, a chunk's
+/// workspace, what its range keeps between a layer's passes ([`range_bytes`]) and, counted for
+/// every rank as for the last, the caches of the whole prompt and the decoded tokens.
 fn check_memory<B: Backend + DeviceStats>(
     be: &B,
     config: &ModelConfig,
@@ -142,17 +150,21 @@ fn check_memory<B: Backend + DeviceStats>(
         return Ok(());
     };
     for &len in contexts {
-        let rows = (len.div_ceil(ranks) + config.sparse.block_size).min(len);
+        let widest = (len.div_ceil(ranks) + config.sparse.block_size).min(len);
+        let rows = rank_rows(config, len, ranks, args);
         let facts = be.memory_facts(config, rows);
         let plan = MemoryPlan::new(config, len + args.decode_tokens, rows, &facts);
-        let need = plan.total() * per_device;
+        let kept = range_bytes(config, widest, facts.value_bytes);
+        let need = (plan.total() + kept) * per_device;
         if need > limit.bytes {
             bail!(
                 "--context-parallel {ranks} at {len} tokens: {per_device} ranks on one device \
-                 need {:.2} GiB ({:.2} GiB each: {}), {:.2} GiB allowed ({})",
+                 need {:.2} GiB ({:.2} GiB each: {}, its range's buffers {:.2} GiB), {:.2} GiB \
+                 allowed ({})",
                 need as f64 / GIB,
-                plan.total() as f64 / GIB,
+                (plan.total() + kept) as f64 / GIB,
                 plan.describe(),
+                kept as f64 / GIB,
                 limit.bytes as f64 / GIB,
                 limit.source
             );
