@@ -327,7 +327,9 @@ fn span_of<B: Backend>(part: &Part<B>, ch: &Range<usize>) -> Span {
     }
 }
 
-/// Layer `i`'s input for chunk `ch`: its residual rows, normed.
+/// Layer `i`'s input for chunk `ch`: its residual rows, normed. A range read in one chunk
+/// has them in the workspace already past the first layer (the last layer's finish left its
+/// residual rows and their norm there, as a one-device prefill goes on from them).
 fn load_input<B: Backend>(
     be: &B,
     m: &Model<B>,
@@ -336,6 +338,9 @@ fn load_input<B: Backend>(
     part: &Part<B>,
     ch: &Range<usize>,
 ) -> BResult<()> {
+    if i > 0 && ch.len() == part.range.len() {
+        return Ok(());
+    }
     be.copy_rows(&part.h, ch.start, &mut ws.h, 0, ch.len())?;
     be.rms_norm(
         &ws.h,
