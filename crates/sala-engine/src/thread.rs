@@ -66,6 +66,9 @@ pub trait Observer: Send + Sync {
     fn speculation(&self, _totals: crate::generate::SpeculationStats) {}
     /// The prefix cache's totals so far and the bytes it holds ([`Engine::prefix_cache`]).
     fn prefix_cache(&self, _totals: crate::prefix::PrefixStats, _bytes: usize) {}
+    /// Context parallelism's totals so far ([`Engine::context_stats`]), where the engine has
+    /// ranks.
+    fn context_parallel(&self, _totals: crate::context::ContextStats) {}
     /// An admitted request's sequence is gone.
     fn released(&self) {}
     /// A request ended, admitted or not: how it finished, or why it failed.
@@ -600,6 +603,9 @@ impl<B: Backend> Serving<B> {
         self.observer.speculation(self.engine.speculation_stats());
         if let Some((totals, bytes)) = self.engine.prefix_cache() {
             self.observer.prefix_cache(totals, bytes);
+        }
+        if let Some(totals) = self.engine.context_stats() {
+            self.observer.context_parallel(totals);
         }
         if stepped.is_err() {
             // A panic leaves the batch in an unknown state: every request in it fails.

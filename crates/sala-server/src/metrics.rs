@@ -170,6 +170,11 @@ pub struct Metrics {
     prefix_hit_tokens: AtomicU64,
     prefix_missed_tokens: AtomicU64,
     prefix_bytes: AtomicU64,
+    /// Context parallelism's totals: prompts and tokens its ranks read, long prompts read
+    /// without them for want of memory.
+    context_prompts: AtomicU64,
+    context_tokens: AtomicU64,
+    context_read_alone: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
     rate: RateWindow,
@@ -198,6 +203,9 @@ impl Metrics {
             prefix_hit_tokens: AtomicU64::new(0),
             prefix_missed_tokens: AtomicU64::new(0),
             prefix_bytes: AtomicU64::new(0),
+            context_prompts: AtomicU64::new(0),
+            context_tokens: AtomicU64::new(0),
+            context_read_alone: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
             rate: RateWindow {
@@ -366,6 +374,25 @@ impl Metrics {
              formula.",
             self.prefix_bytes.load(Ordering::Relaxed).to_string(),
         );
+        metric(
+            "sala_context_parallel_prompts_total",
+            "counter",
+            "Long prompts read by the context-parallel ranks (--context-parallel).",
+            self.context_prompts.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "sala_context_parallel_tokens_total",
+            "counter",
+            "Prompt tokens read by the context-parallel ranks.",
+            self.context_tokens.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "sala_context_parallel_read_alone_total",
+            "counter",
+            "Long prompts read without the context-parallel ranks: the memory limit left \
+             their buffers no room.",
+            self.context_read_alone.load(Ordering::Relaxed).to_string(),
+        );
         let now = self.started.elapsed().as_secs_f64();
         metric(
             "sala_generation_tokens_per_second",
@@ -426,6 +453,14 @@ impl Observer for Metrics {
         self.prefix_missed_tokens
             .store(totals.missed_tokens, Ordering::Relaxed);
         self.prefix_bytes.store(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn context_parallel(&self, totals: sala_engine::context::ContextStats) {
+        self.context_prompts
+            .store(totals.prompts, Ordering::Relaxed);
+        self.context_tokens.store(totals.tokens, Ordering::Relaxed);
+        self.context_read_alone
+            .store(totals.read_alone, Ordering::Relaxed);
     }
 
     fn released(&self) {

@@ -261,3 +261,45 @@ fn the_prefix_cache_shows_in_usage_and_metrics() {
     );
     assert!(m["sala_prefix_cache_bytes"] > 0.0);
 }
+
+/// With context-parallel ranks, a long prompt read by them shows in the metrics, and the
+/// request is answered as without them.
+#[test]
+fn context_parallel_reads_show_in_metrics() {
+    let engine = spawn_engine_with(8, 4, MAX_CONTEXT, |e| {
+        let checkpoint = sala_checkpoint::Checkpoint::open(model_dir()).unwrap();
+        let be = sala_cpu::CpuBackend;
+        let model = sala_engine::generate::load_model(&be, &checkpoint, &mut |_, _| {}).unwrap();
+        let ranks = sala_engine::context::ContextRanks::new(
+            vec![be],
+            vec![model],
+            Box::new(sala_cpu::HostRanks),
+        )
+        .unwrap();
+        e.set_context_parallel(Some(ranks));
+    });
+    let addr = serve(engine);
+    let names = [
+        "sala_context_parallel_prompts_total",
+        "sala_context_parallel_tokens_total",
+        "sala_context_parallel_read_alone_total",
+    ];
+    let m = metrics(addr);
+    for name in names {
+        assert_eq!(m[name], 0.0, "{name}");
+    }
+    let ask = |prompt: &[u32]| {
+        let body = json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 3});
+        let (status, v) = post_to(addr, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    };
+    // 150 tokens: more than two blocks of 16 for each of the 2 ranks; 40: fewer.
+    let long: Vec<u32> = (0..150).map(|i| 10 + (i * 7) % 200).collect();
+    ask(&long);
+    ask(&long[..40]);
+    let m = metrics(addr);
+    assert_eq!(m[names[0]], 1.0);
+    assert_eq!(m[names[1]], 149.0);
+    assert_eq!(m[names[2]], 0.0);
+}
