@@ -18,6 +18,9 @@ use sala_engine::request::ChatEnding;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
+/// The roles a chat message may have (OpenAI's; `developer` is read as `system`).
+const CHAT_ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
 pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiError> {
     let common: CommonParams = parse_body(value)?;
     let body: ChatBody = parse_body(value)?;
@@ -49,6 +52,14 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
         .param("prompt_logprobs"));
     }
     for (i, m) in body.messages.iter().enumerate() {
+        if !CHAT_ROLES.contains(&m.role.as_str()) {
+            return Err(ApiError::invalid(format!(
+                "messages[{i}].role is {:?}; it must be one of {}",
+                m.role,
+                CHAT_ROLES.join(", ")
+            ))
+            .param(format!("messages[{i}].role")));
+        }
         m.text().map_err(|e| {
             ApiError::invalid(format!("messages[{i}]: {e}")).param(format!("messages[{i}]"))
         })?;

@@ -90,7 +90,7 @@ fn parameters_out_of_range_are_named() {
 }
 
 #[test]
-fn prompts_as_token_ids_and_the_developer_role_are_served() {
+fn prompts_as_token_ids_and_the_developer_role_are_served_unknown_roles_refused() {
     for prompt in [json!([5, 6, 7, 8]), json!([[5, 6, 7, 8]])] {
         let (status, v) = post(
             "/v1/completions",
@@ -116,6 +116,16 @@ fn prompts_as_token_ids_and_the_developer_role_are_served() {
         dev["choices"][0]["message"]["content"],
         sys["choices"][0]["message"]["content"]
     );
+    // A role OpenAI does not know is a 400 naming it, not a template's guess.
+    for role in ["robot", "", "USER"] {
+        let (status, v) = chat(role);
+        assert_eq!(status, 400, "{role}: {v}");
+        assert_eq!(v["error"]["param"], "messages[0].role", "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("user"),
+            "{v}"
+        );
+    }
 }
 
 #[test]
