@@ -5,9 +5,8 @@
 //! first token's logits, and everything after, come from the engine's own step).
 
 use crate::cache::CacheBudget;
-use sala_model::context::{prefill_as, range_bytes, ContextRank, Exchange};
+use sala_model::context::{prefill_as, prompt_ranges, range_bytes, ContextRank, Exchange};
 use sala_model::memory::MemoryPlan;
-use sala_model::parallel::context_ranges;
 use sala_model::{BResult, Backend, BackendError, Model, SeqState, SparseMode, Workspace};
 use std::cell::Cell;
 use std::ops::Range;
@@ -75,7 +74,7 @@ impl<B: Backend> ContextRanks<B> {
     ) -> Option<String> {
         let (limit, spare) = (budget.limit()?, budget.spare_bytes()?);
         let c = &model.config;
-        let ranges = context_ranges(len, self.ranks(), c.sparse.block_size);
+        let ranges = prompt_ranges(c, len, self.ranks());
         let rows = |range: &Range<usize>| range.len().min(chunk).max(1);
         let vb = be.memory_facts(c, chunk).value_bytes;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
@@ -133,8 +132,7 @@ impl<B: Backend> ContextRanks<B> {
             self.stats.set(stats);
             return Ok(false);
         }
-        let block = model.config.sparse.block_size;
-        let ranges = context_ranges(tokens.len(), self.ranks(), block);
+        let ranges = prompt_ranges(&model.config, tokens.len(), self.ranks());
         if ranges.len() != self.ranks() {
             return Err(BackendError(format!(
                 "context parallelism: {} tokens make {} ranges for {} ranks",

@@ -1,5 +1,5 @@
 //! Context parallelism: one long prompt read by several ranks at once, each taking a
-//! contiguous, block-aligned range of its tokens ([`crate::parallel::context_ranges`]) and
+//! contiguous, block-aligned range of its tokens ([`prompt_ranges`]) and
 //! holding the whole model. Layer by layer every rank projects its own rows, in chunks of its
 //! workspace's rows (a step each), keeping of its range only what the layer's second pass
 //! needs ([`range_bytes`]); the lightning layers read each range from a zero state, then scan
@@ -16,7 +16,7 @@
 use crate::backend::{AttnIo, BResult, Backend, BackendError, Span, StepInfo};
 use crate::model::{state_mismatch, LayerState, LogitRows, Mixer, Model, SeqState, Workspace};
 use crate::oracle::SparseMode;
-use crate::parallel::context_ranges;
+use crate::parallel::balanced_context_ranges;
 use sala_checkpoint::{MixerKind, ModelConfig};
 use std::ops::Range;
 
@@ -81,6 +81,27 @@ pub struct ContextPrefill {
     pub logits: Vec<f32>,
 }
 
+/// The share of a 1M-token prefill's time that grows with the position, on the H200 (issue
+/// 17's profile, BENCHMARKS.md): block selection scores each query against every compressed
+/// key before it, ~13 ms a sparse layer for an 8K chunk at 1M, so ~6.7 s of the 53 s; the
+/// products, the attention over the selected blocks and the lightning layers cost the same at
+/// every position.
+const POSITION_SHARE_AT_1M: f64 = 0.13;
+
+/// The ranges context parallelism reads a prompt of `len` tokens in, over `ranks` ranks:
+/// block-aligned, of equal modeled time ([`balanced_context_ranges`]), the position-bound
+/// share (block selection, past `dense_len`) growing with the prompt's length.
+pub fn prompt_ranges(c: &ModelConfig, len: usize, ranks: usize) -> Vec<Range<usize>> {
+    let share = if len > c.sparse.dense_len {
+        let r = POSITION_SHARE_AT_1M / (1.0 - POSITION_SHARE_AT_1M) * len as f64
+            / (1u64 << 20) as f64;
+        r / (1.0 + r)
+    } else {
+        0.0
+    };
+    balanced_context_ranges(len, ranks, c.sparse.block_size, share)
+}
+
 /// Bytes a rank holds beside its model, caches and chunk workspace while it reads a range of
 /// `rows` tokens ([`prefill`]): its range's residual stream, queries, outputs, gates, keys
 /// and values (values of `value_bytes`), what it receives (the widest range's keys and values
@@ -128,7 +149,7 @@ pub fn prefill_as<B: Backend>(
             c.vocab_size
         )));
     }
-    let ranges = context_ranges(tokens.len(), ranks.len(), c.sparse.block_size);
+    let ranges = prompt_ranges(c, tokens.len(), ranks.len());
     let ranks = &mut ranks[..ranges.len()];
     for (r, rank) in ranks.iter().enumerate() {
         let fresh = rank.seq.pos == 0 && rank.seq.aux.is_none() && rank.seq.span_kv.is_none();

@@ -251,14 +251,45 @@ fn part(n: usize, ranks: usize, rank: usize) -> Range<usize> {
 /// blocks never straddle two ranks' first tokens), as even as that allows. Fewer ranges than
 /// `ranks` where the prompt has fewer blocks.
 pub fn context_ranges(len: usize, ranks: usize, align: usize) -> Vec<Range<usize>> {
+    balanced_context_ranges(len, ranks, align, 0.0)
+}
+
+/// [`context_ranges`] of equal modeled work where a share `position_share` of the whole
+/// prompt's work grows with the position (a token at position p costs (1 − s) + 2·s·p / len
+/// in units of the mean): later ranges are shorter, each range's work the same to within a
+/// block's. Every range holds at least one block.
+pub fn balanced_context_ranges(
+    len: usize,
+    ranks: usize,
+    align: usize,
+    position_share: f64,
+) -> Vec<Range<usize>> {
     let align = align.max(1);
     let blocks = len.div_ceil(align);
     let ranks = ranks.clamp(1, blocks.max(1));
+    let s = position_share.clamp(0.0, 1.0);
+    // Blocks before rank r + 1: where the work done so far, (1 − s)·u + s·u² of the prompt's
+    // fraction u, reaches (r + 1) / ranks; an even share, rounded down, without a position share.
+    let before = |r: usize| -> usize {
+        if s == 0.0 {
+            return (r + 1) * blocks / ranks;
+        }
+        let w = (r + 1) as f64 / ranks as f64;
+        let u = (-(1.0 - s) + ((1.0 - s).powi(2) + 4.0 * s * w).sqrt()) / (2.0 * s);
+        ((u * blocks as f64).round() as usize).min(blocks)
+    };
     let mut out = Vec::with_capacity(ranks);
     let mut start = 0;
     for r in 0..ranks {
-        // Blocks before rank r + 1: an even share, rounded down.
-        let end = ((r + 1) * blocks / ranks * align).min(len);
+        // At least a block each, and a block left for each rank after.
+        let end_block = before(r)
+            .max(start / align + 1)
+            .min(blocks - (ranks - 1 - r));
+        let end = if r + 1 == ranks {
+            len
+        } else {
+            (end_block * align).min(len)
+        };
         if end > start {
             out.push(start..end);
             start = end;
@@ -703,6 +734,52 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Balanced ranges: the even split without a position share; with one, shorter later
+    /// ranges whose modeled work is equal to within a block's, aligned and tiling the prompt.
+    #[test]
+    fn balanced_ranges_give_each_rank_the_same_modeled_work() {
+        for (len, ranks) in [
+            (1000usize, 4usize),
+            (4096, 7),
+            (1 << 20, 8),
+            (65, 2),
+            (130, 2),
+        ] {
+            assert_eq!(
+                balanced_context_ranges(len, ranks, 64, 0.0),
+                context_ranges(len, ranks, 64)
+            );
+        }
+        let work = |r: &Range<usize>, len: usize, s: f64| {
+            let u = |x: usize| x as f64 / len as f64;
+            let f = |x: usize| (1.0 - s) * u(x) + s * u(x) * u(x);
+            f(r.end) - f(r.start)
+        };
+        for (len, ranks, s) in [
+            (1usize << 20, 8usize, 0.13),
+            (1 << 17, 4, 0.02),
+            (5000, 3, 0.5),
+        ] {
+            let r = balanced_context_ranges(len, ranks, 64, s);
+            assert_eq!(r.len(), ranks);
+            assert_eq!(r[0].start, 0);
+            assert_eq!(r.last().unwrap().end, len);
+            assert!(r
+                .windows(2)
+                .all(|w| w[0].end == w[1].start && w[0].end % 64 == 0));
+            assert!(r.windows(2).all(|w| w[0].len() >= w[1].len()), "{r:?}");
+            let block = work(&(len - 64..len), len, s);
+            let each: Vec<f64> = r.iter().map(|x| work(x, len, s)).collect();
+            for w in &each {
+                assert!((w - 1.0 / ranks as f64).abs() <= block, "{each:?}");
+            }
+        }
+        // Short prompts: a block each at least, every token covered.
+        let r = balanced_context_ranges(200, 3, 64, 0.9);
+        assert_eq!(r.len(), 3);
+        assert!(r.iter().all(|x| !x.is_empty()) && r[2].end == 200, "{r:?}");
     }
 
     #[test]

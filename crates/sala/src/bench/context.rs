@@ -9,7 +9,7 @@ use crate::device::{memory_limit, user_memory_limit, DeviceStats};
 use anyhow::{bail, Context as _, Result};
 use sala_checkpoint::ModelConfig;
 use sala_cpu::{CpuBackend, HostRanks};
-use sala_model::context::{prefill, range_bytes, ContextRank};
+use sala_model::context::{prefill, prompt_ranges, range_bytes, ContextRank};
 use sala_model::memory::MemoryPlan;
 use sala_model::numerics::TestRng;
 use sala_model::{Backend, Model, SeqState, Workspace};
@@ -129,8 +129,13 @@ pub fn context_parallel(
 /// The widest range of `len` tokens over `ranks` ranks, and the rows of a rank's workspace:
 /// a chunk (--prefill-chunk) of it.
 fn rank_rows(config: &ModelConfig, len: usize, ranks: usize, args: &BenchArgs) -> usize {
-    let widest = (len.div_ceil(ranks) + config.sparse.block_size).min(len);
-    args.prefill_chunk.min(widest).max(1)
+    args.prefill_chunk.min(widest(config, len, ranks)).max(1)
+}
+
+/// The longest of the ranges `len` tokens are read in over `ranks` ranks.
+fn widest(config: &ModelConfig, len: usize, ranks: usize) -> usize {
+    let ranges = prompt_ranges(config, len, ranks);
+    ranges.iter().map(|r| r.len()).max().unwrap_or(0)
 }
 
 /// Refuses, before any model is made, the contexts whose ranks would not fit: `per_device`
@@ -150,7 +155,7 @@ fn check_memory<B: Backend + DeviceStats>(
         return Ok(());
     };
     for &len in contexts {
-        let widest = (len.div_ceil(ranks) + config.sparse.block_size).min(len);
+        let widest = widest(config, len, ranks);
         let rows = rank_rows(config, len, ranks, args);
         let facts = be.memory_facts(config, rows);
         let plan = MemoryPlan::new(config, len + args.decode_tokens, rows, &facts);
