@@ -592,7 +592,8 @@ impl Backend for CudaBackend {
         let rows = step.tokens.len();
         self.k.set_step_rows(rows);
         let o = self.options();
-        let graph_step = o.cuda_graphs && !o.profile_kernels && rows <= GRAPH_MAX_ROWS;
+        let graph_step =
+            o.cuda_graphs && !o.profile_kernels && !step.eager && rows <= GRAPH_MAX_ROWS;
         self.preloaded.set(false);
         let key = if graph_step {
             self.preload_step(step)?;

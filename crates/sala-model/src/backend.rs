@@ -734,6 +734,10 @@ pub struct StepInfo<'a> {
     pub logits: &'a [crate::LogitRows],
     /// Rows whose hidden states are kept for a draft: (input, step row, buffer row, rows).
     pub aux_rows: &'a [[usize; 4]],
+    /// Whether the step's launches are made as they come, never captured into a graph: a
+    /// step whose work differs from another's of the same spans (context parallelism's
+    /// passes over a chunk, one a layer).
+    pub eager: bool,
 }
 
 /// One sequence's rows in a step: rows `first_row..first_row + len` of the step's

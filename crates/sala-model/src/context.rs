@@ -93,8 +93,8 @@ const POSITION_SHARE_AT_1M: f64 = 0.13;
 /// share (block selection, past `dense_len`) growing with the prompt's length.
 pub fn prompt_ranges(c: &ModelConfig, len: usize, ranks: usize) -> Vec<Range<usize>> {
     let share = if len > c.sparse.dense_len {
-        let r = POSITION_SHARE_AT_1M / (1.0 - POSITION_SHARE_AT_1M) * len as f64
-            / (1u64 << 20) as f64;
+        let r =
+            POSITION_SHARE_AT_1M / (1.0 - POSITION_SHARE_AT_1M) * len as f64 / (1u64 << 20) as f64;
         r / (1.0 + r)
     } else {
         0.0
@@ -327,6 +327,7 @@ impl Run<'_> {
                 LogitRows::None
             }],
             aux_rows: &[],
+            eager: true,
         })?;
         for buf in rank.ws.buffers_mut() {
             be.set_rows(buf, ch.len());

@@ -466,6 +466,7 @@ impl<B: Backend> DraftModel<B> {
             seq_ids: &[id],
             logits: &logits,
             aux_rows: &[],
+            eager: false,
         })?;
         let out = self.layer(be, target, ws, state, aux, tokens, span, pick);
         let ended = be.end_step(out.is_ok());

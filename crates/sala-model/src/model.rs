@@ -830,6 +830,7 @@ impl<B: Backend> Model<B> {
             seq_ids: &seq_ids,
             logits: &logits,
             aux_rows: &aux_rows,
+            eager: false,
         })?;
         // A panic inside the step still ends it (a capture under way is dropped).
         let mut unwinding = EndStepOnUnwind { be, armed: true };
