@@ -156,76 +156,14 @@ gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
 // Measured at batch 1 (H200, 4K decode, kernel time of 64 steps): 8 warps, one pack a lane:
 // 439 ms; 8 warps, two packs: 401; 16 warps, two packs (this): 391; the CUDA-core GEMVs: 395.
 #define GM_WARPS 16
-#define GM_U 2
 #define GM_P 2
 
-// A block's weight rows for gm_partial: pack(r, h, kk) is the 8 bf16 weights kk..kk + 7 of
-// M-tile r's row g (h = 0) or g + 8 (h = 1), for the lane's g.
-template <int R>
-struct Bf16Rows {
-    const bf16* row[R][2];
-    __device__ __forceinline__ uint4 pack(int r, int h, int kk) const { return __ldg((const uint4*)(row[r][h] + kk)); }
-};
-
-// The lane's activation rows of a gm_partial (rows nt·8 + g, k apart; NULL from nb on).
+// The lane's activation rows (rows nt·8 + g, k apart; NULL from nb on).
 template <int NT>
 __device__ __forceinline__ void gm_rows(const bf16* x, int nb, int k, const bf16* (&xr)[NT]) {
     const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? x + (size_t)(nt * 8 + g) * k : nullptr;
-}
-
-// Partial sums of this warp's slabs: c[r][nt][i] for M-tile r's weight rows (w.pack(r, 0, ..),
-// w.pack(r, 1, ..)) = rows g and g + 8 of its 16, activation rows nt·8 + 2t + (i & 1) (x rows k apart,
-// nb of them). A slab is 32·GM_P elements, lane t's GM_P packs of 8 consecutive ones.
-// U slabs a warp loads per iteration (GM_U, or 1 where registers are short) and R, the M-tiles
-// that share each load of the activations, change no bit: each tile's sums are added in the
-// same order.
-template <int NT, int R, int U, class Rows>
-__device__ __forceinline__ void gm_partial(const bf16* x, int nb, const Rows& w, int k, float (&c)[R][NT][4]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = lane & 3;
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) c[r][nt][i] = 0.0f;
-    const bf16* xr[NT];
-    gm_rows(x, nb, k, xr);
-    constexpr int SLAB = 32 * GM_P;
-    const int slabs = (k + SLAB - 1) / SLAB;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * U) {
-        uint4 a[U][GM_P][R][2], b[U][GM_P][NT];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int p = 0; p < GM_P; p++) {
-                const int kk = (s0 + u * GM_WARPS) * SLAB + (t * GM_P + p) * 8;
-                const bool in = kk < k;
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    a[u][p][r][0] = in ? w.pack(r, 0, kk) : zero;
-                    a[u][p][r][1] = in ? w.pack(r, 1, kk) : zero;
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    b[u][p][nt] = in && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
-            }
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int p = 0; p < GM_P; p++)
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        const uint4 lo = a[u][p][r][0], hi = a[u][p][r][1], x8 = b[u][p][nt];
-                        sp_mma(c[r][nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                        sp_mma(c[r][nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-                    }
-    }
 }
 
 // The block's sums: every warp's partials through shared memory, added in warp order; value
@@ -245,149 +183,281 @@ __device__ __forceinline__ float gm_block_sum(float (*red)[NT * 128], const floa
     return s;
 }
 
-// y[b, o] = round(x_b · w[o]) for o < n, b < nb ≤ 8·NT (outputs split over y0..y3 as in gemv,
-// row b of part j at y_j + b·n_j). A block owns R M-tiles (16·R weight rows), which share each
-// load of the activations. Over 16 rows, activation rows go in groups of 32 (4 tiles, one slab
-// a load): the block's weights come from DRAM once, then from L2.
-template <int NT, int R = 1>
-__device__ __forceinline__ void gemv_mma_body(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
-                                              bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
-    constexpr int G = NT <= 2 ? NT : 4;
-    constexpr int U = NT <= 2 && R == 1 ? GM_U : 1;
-    __shared__ float red[GM_WARPS][G * 128];
-    const int lane = threadIdx.x & 31;
-    const int m0 = blockIdx.x * 16 * R, g = lane >> 2;
-    Bf16Rows<R> wrows;
+// y[b, o] = round(x_b · w[o]) for o < n, b < nb ≤ 8·NT (NT ≤ 2; outputs split over y0..y3 as in
+// gemv, row b of part j at y_j + b·n_j). A block runs M-tiles blockIdx.x, + gridDim.x, ... in
+// turn (16 weight rows; with SILU, w = [gate; up] ([2·inter, k]) and a tile is 8 outputs, its
+// MMA rows 0..7 the gate rows and 8..15 the up rows, so a lane holds g_j and u_j of the same
+// output: y0[b·inter + j] = round(round(silu(round(g))) · round(u))). Each warp runs its slabs
+// of a tile in order, asking for its next slab's weights (this tile's, else its next tile's
+// first) before it multiplies the current one; the first are asked for before the PDL wait.
+template <int NT, bool SILU>
+__device__ __forceinline__ void gemv_mma_tiles_body(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0,
+                                                    int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    __shared__ float red[GM_WARPS][NT * 128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int tile_rows = SILU ? 8 : 16, inter = n / 2;
+    const int tiles = ((SILU ? inter : n) + tile_rows - 1) / tile_rows;
+    constexpr int SLAB = 32 * GM_P;
+    const int slabs = (k + SLAB - 1) / SLAB;
+    auto rows_of = [&](int tile, const bf16* (&rows)[2]) {
+        const int m0 = tile * tile_rows;
+        const int r0 = SILU ? min(m0 + g, inter - 1) : min(m0 + g, n - 1);
+        const int r1 = SILU ? inter + r0 : min(m0 + g + 8, n - 1);
+        rows[0] = w + (u64)r0 * k;
+        rows[1] = w + (u64)r1 * k;
+    };
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    auto load = [&](const bf16* const (&rows)[2], int s, uint4 (&a)[GM_P][2]) {
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        wrows.row[r][0] = w + (u64)min(m0 + 16 * r + g, n - 1) * k;
-        wrows.row[r][1] = w + (u64)min(m0 + 16 * r + g + 8, n - 1) * k;
-    }
+        for (int p = 0; p < GM_P; p++) {
+            const int kk = s * SLAB + (t * GM_P + p) * 8;
 #pragma unroll
-    for (int t0 = 0; t0 < NT; t0 += G) {
-        const int rows = nb - t0 * 8;
-        if (rows <= 0) break;
-        float c[R][G][4];
-        gm_partial<G, R, U>(x + (u64)t0 * 8 * k, rows, wrows, k, c);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const int v = threadIdx.x;
-            const float s = gm_block_sum<G>(red, c[r], v);
-            // Value v: tile nt = v / 128, fragment i = (v / 32) % 4, lane l = v % 32.
-            const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
-            const int o = m0 + 16 * r + (l >> 2) + (i >= 2 ? 8 : 0), b = (t0 + nt) * 8 + 2 * (l & 3) + (i & 1);
-            if (v < G * 128 && o < n && b < nb) gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
-            __syncthreads();
+            for (int h = 0; h < 2; h++) a[p][h] = kk < k ? __ldg((const uint4*)(rows[h] + kk)) : zero;
         }
+    };
+    const bf16* xr[NT];
+    gm_rows(x, nb, k, xr);
+    uint4 a[GM_P][2], an[GM_P][2];
+    const bf16* rows[2];
+    rows_of(blockIdx.x, rows);
+    if ((int)blockIdx.x < tiles) load(rows, warp, a);
+    pdl_start();
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float c[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
+        for (int s = warp; s < slabs; s += GM_WARPS) {
+            uint4 b[GM_P][NT];
+#pragma unroll
+            for (int p = 0; p < GM_P; p++) {
+                const int kk = s * SLAB + (t * GM_P + p) * 8;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) b[p][nt] = kk < k && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
+            }
+            const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
+            const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
+            if (ntile < tiles) {
+                const bf16* nrows[2];
+                rows_of(ntile, nrows);
+                load(nrows, ns, an);
+            }
+#pragma unroll
+            for (int p = 0; p < GM_P; p++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 lo = a[p][0], hi = a[p][1], x8 = b[p][nt];
+                    sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                    sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+                }
+#pragma unroll
+            for (int p = 0; p < GM_P; p++) a[p][0] = an[p][0], a[p][1] = an[p][1];
+        }
+        const int v = threadIdx.x, m0 = tile * tile_rows;
+        if (SILU) {
+            const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
+            const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128);
+            float us = 0.0f;
+            if (v < NT * 64)
+#pragma unroll
+                for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
+            const int jo = m0 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
+            if (v < NT * 64 && jo < inter && b < nb)
+                y0[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(gs), round_bf(us)));
+        } else {
+            const float sum = gm_block_sum<NT>(red, c, v);
+            const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
+            const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
+            if (v < NT * 128 && o < n && b < nb) gemv_store(sum, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+        }
+        __syncthreads();  // red is free for the next tile
     }
 }
 
-// launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
+// launch: grid = min(ceil(n / 16), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_mma8(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
           bf16* y3) {
-    pdl_start();
-    gemv_mma_body<1>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_mma_tiles_body<1, false>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // gemv_mma8 for nb ≤ 16 (two N tiles; each row's bits as gemv_mma8 gives them).
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_mma16(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
            bf16* y3) {
-    pdl_start();
-    gemv_mma_body<2>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_mma_tiles_body<2, false>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// gemv_mma8 for nb ≤ 32 (four N tiles, the weights read from DRAM once); a block owns
-// GM_WIDE M-tiles, so the activations are read from L2 half as often.
-// launch: grid = ceil(n / (16 · GM_WIDE)), block = 32 * GM_WARPS, dynamic smem = 0
-#define GM_WIDE 2
-extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_mma32(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
-           bf16* y3) {
-    pdl_start();
-    gemv_mma_body<4, GM_WIDE>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+// ---- 17 to 64 rows: a warp per M-tile, the chains in turn, activations staged a block ----
+// The same sums as gemv_mma8 (so a row's bits do not depend on the batch): chain w (w = 0..15)
+// runs slabs w, w + 16, ... (64 k each, in order) through the MMAs gemv_mma_tiles_body issues,
+// from zero, and the chains are added in order to a total starting at 0, as gm_block_sum adds
+// its warps. Here one warp owns an M-tile (16 weight rows; or 8 outputs' gate and up rows) for
+// every activation row (up to 8 N-tiles) and runs the chains one after another: the block's R64_W
+// warps take the same slab at once, so each activation slab (64 rows x 64 k, 8 KB) is staged once
+// a block in shared memory (cp.async, R64_STAGES in flight; 16-byte chunk c of row r at c ^ (r & 7),
+// so a quarter-warp's reads hit distinct banks) instead of read by every warp from L2, and the
+// weights go to registers a slab ahead.
+#define R64_W 4
+#define R64_STAGES 4
+
+template <int N>
+__device__ __forceinline__ void r64_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// gemv_mma32 for nb ≤ 64 (two groups of four N tiles; the second reads the weights from L2).
-extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_mma64(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
-           bf16* y3) {
-    pdl_start();
-    gemv_mma_body<8, GM_WIDE>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
-}
-
-// The MLP's first half on tensor cores: w = [gate; up] ([2·inter, k]); M-tile r of a block owns
-// outputs j0 + 8r .. j0 + 8r + 7, its MMA rows 0..7 the gate rows and 8..15 the up rows, so a
-// lane holds g_j and u_j of the same output: y[b·inter + j] = round(round(silu(round(g))) ·
-// round(u)).
-template <int NT, int R = 1>
-__device__ __forceinline__ void gemv_silu_mma_body(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    constexpr int G = NT <= 2 ? NT : 4;
-    constexpr int U = NT <= 2 && R == 1 ? GM_U : 1;
-    __shared__ float red[GM_WARPS][G * 128];
-    const int lane = threadIdx.x & 31;
-    const int j0 = blockIdx.x * 8 * R;
-    Bf16Rows<R> wrows;
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        const int j = min(j0 + 8 * r + (lane >> 2), inter - 1);
-        wrows.row[r][0] = w + (u64)j * k;
-        wrows.row[r][1] = w + (u64)(inter + j) * k;
+// Stages step j's activation slab (slab s: k = 64s ..) of rows < nb (zeros past nb and k).
+__device__ __forceinline__ void r64_stage(uint4* st, const bf16* x, int nb, int k, int s) {
+    for (int i = threadIdx.x; i < 64 * 8; i += 32 * R64_W) {
+        const int r = i >> 3, c = i & 7, kk = s * 64 + c * 8;
+        const bool in = r < nb && kk < k;
+        sp_cp_async16(sp_smem_addr(st + r * 8 + (c ^ (r & 7))), in ? (const void*)(x + (u64)r * k + kk) : (const void*)x,
+                      in ? 16 : 0);
     }
+}
+
+template <bool SILU>
+__device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
+                                                 bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    __shared__ __align__(16) uint4 xs[R64_STAGES][64 * 8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x * R64_W + warp, inter = n / 2;
+    // This warp's weight rows: M-tile rows g and g + 8, or output j's gate and up rows.
+    const bf16 *row0, *row1;
+    if (SILU) {
+        const int j = min(tile * 8 + g, inter - 1);
+        row0 = w + (u64)j * k;
+        row1 = w + (u64)(inter + j) * k;
+    } else {
+        row0 = w + (u64)min(tile * 16 + g, n - 1) * k;
+        row1 = w + (u64)min(tile * 16 + g + 8, n - 1) * k;
+    }
+    const int ntiles = (nb + 7) >> 3, slabs = (k + 63) / 64;
+    // Step j runs slab (w, s): chains in order, each chain's slabs in order.
+    auto slab_of = [&](int j) {
+        // Chain w has ceil((slabs - w) / 16) slabs (none for w >= slabs).
+        int w0 = 0;
+        while (w0 < 16 && j >= (slabs - w0 + 15) / 16) {
+            j -= max(0, (slabs - w0 + 15) / 16);
+            w0++;
+        }
+        return w0 + 16 * j;
+    };
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    auto load_w = [&](int s, uint4 (&a)[2][2]) {
 #pragma unroll
-    for (int t0 = 0; t0 < NT; t0 += G) {
-        const int rows = nb - t0 * 8;
-        if (rows <= 0) break;
-        float c[R][G][4];
-        gm_partial<G, R, U>(x + (u64)t0 * 8 * k, rows, wrows, k, c);
+        for (int p = 0; p < 2; p++) {
+            const int kk = s * 64 + (t * 2 + p) * 8;
+            const bool in = kk < k;
+            a[p][0] = in ? __ldg((const uint4*)(row0 + kk)) : zero;
+            a[p][1] = in ? __ldg((const uint4*)(row1 + kk)) : zero;
+        }
+    };
+    pdl_start();
+    const int steps = slabs;
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane: thread v < G·64
-            // adds value (nt, i, l) of the gate and (nt, i + 2, l) of the up rows.
-            const int v = threadIdx.x;
-            const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31;
-            const int vg = nt * 128 + i * 32 + l;
-            const float gs = gm_block_sum<G>(red, c[r], v < G * 64 ? vg : G * 128);
-            float us = 0.0f;
-            if (v < G * 64)
+    for (int j = 0; j < R64_STAGES - 1; j++) {
+        if (j < steps) r64_stage(xs[j], x, nb, k, slab_of(j));
+        sp_cp_commit();
+    }
+    float total[8][4], c[8][4];
 #pragma unroll
-                for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
-            const int jo = j0 + 8 * r + (l >> 2), b = (t0 + nt) * 8 + 2 * (l & 3) + i;
-            if (v < G * 64 && jo < inter && b < nb)
-                y[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(gs), round_bf(us)));
-            __syncthreads();
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) total[nt][i] = c[nt][i] = 0.0f;
+    uint4 a[2][2], an[2][2];
+    if (steps > 0) load_w(slab_of(0), a);
+    int chain = 0, left = (slabs + 15) / 16;  // slabs left in the current chain
+    for (int j = 0; j < steps; j++) {
+        // Chains without slabs (k under 16 slabs) add their zero sums in turn.
+        while (left == 0) {
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) total[nt][i] += c[nt][i], c[nt][i] = 0.0f;
+            chain++;
+            left = max(0, (slabs - chain + 15) / 16);
+        }
+        if (j + 1 < steps) load_w(slab_of(j + 1), an);
+        r64_cp_wait<R64_STAGES - 2>();
+        __syncthreads();
+        const uint4* st = xs[j % R64_STAGES];
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const uint4 lo = a[p][0], hi = a[p][1];
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+                if (nt < ntiles) {
+                    const uint4 x8 = st[(nt * 8 + g) * 8 + ((t * 2 + p) ^ g)];
+                    sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                    sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+                }
+        }
+        // The stage read at step j - 1 is free (every warp passed this step's barrier).
+        const int next = j + R64_STAGES - 1;
+        if (next < steps) r64_stage(xs[next % R64_STAGES], x, nb, k, slab_of(next));
+        sp_cp_commit();
+#pragma unroll
+        for (int p = 0; p < 2; p++) a[p][0] = an[p][0], a[p][1] = an[p][1];
+        left--;
+    }
+    // The last chain with slabs, then the chains after it (none with slabs: zero sums).
+    for (; chain < 16; chain++) {
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) total[nt][i] += c[nt][i], c[nt][i] = 0.0f;
+    }
+    r64_cp_wait<0>();
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        if (nt >= ntiles) break;
+        if (SILU) {
+            // Fragments 0, 1: the gate sums of output j, 2, 3: its up sums (as gemv_silu_mma).
+            const int jo = tile * 8 + g;
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int b = nt * 8 + 2 * t + i;
+                if (jo < inter && b < nb)
+                    y0[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(total[nt][i]), round_bf(total[nt][i + 2])));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int o = tile * 16 + g + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * t + (i & 1);
+                if (o < n && b < nb) gemv_store(total[nt][i], o, b, y0, n0, y1, n1, y2, n2, y3, n);
+            }
         }
     }
 }
 
-// launch: grid = ceil(inter / 8), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
+// y[b, o] = round(x_b · w[o]) for nb ≤ 64 (outputs as gemv_mma8), each row's bits those
+// gemv_mma8 gives it.
+// launch: grid = ceil(n / (16 · R64_W)), block = 32 * R64_W, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * R64_W)
+gemv_rows64(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
+            bf16* y3) {
+    gemv_rows64_body<false>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// gemv_silu_mma8's product for nb ≤ 64 rows: y[b·inter + j] = round(round(silu(g)) · u).
+// launch: grid = ceil(inter / (8 · R64_W)), block = 32 * R64_W, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * R64_W)
+gemv_silu_rows64(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
+    gemv_rows64_body<true>(x, w, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+}
+
+// launch: grid = min(ceil(inter / 8), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_mma8(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    pdl_start();
-    gemv_silu_mma_body<1>(x, w, y, inter, k, nb);
+    gemv_mma_tiles_body<1, true>(x, w, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
 // gemv_silu_mma8 for nb ≤ 16.
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    pdl_start();
-    gemv_silu_mma_body<2>(x, w, y, inter, k, nb);
-}
-
-// gemv_silu_mma8 for nb ≤ 32, GM_WIDE M-tiles a block.
-// launch: grid = ceil(inter / (8 · GM_WIDE)), block = 32 * GM_WARPS, dynamic smem = 0
-extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_silu_mma32(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    pdl_start();
-    gemv_silu_mma_body<4, GM_WIDE>(x, w, y, inter, k, nb);
-}
-
-// gemv_silu_mma32 for nb ≤ 64.
-extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_silu_mma64(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    pdl_start();
-    gemv_silu_mma_body<8, GM_WIDE>(x, w, y, inter, k, nb);
+    gemv_mma_tiles_body<2, true>(x, w, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
 // ---- 4-bit weights (W4A16) ----
@@ -406,99 +476,109 @@ __device__ __forceinline__ u32 w4_pair(u32 w, int shift, u32 s2, u32 b2) {
     return d;
 }
 
-// The 8 bf16 weights of one word (gm_partial's pack).
+// The 8 bf16 weights of one word (a 16-byte pack of gemv_mma_tiles_body).
 __device__ __forceinline__ uint4 w4_pack(u32 w, u32 s2, u32 b2) {
     return make_uint4(w4_pair(w, 0, s2, b2), w4_pair(w, 8, s2, b2), w4_pair(w, 16, s2, b2), w4_pair(w, 24, s2, b2));
 }
 
-#define W4_U 2
+// A warp's 4-bit weights for one slab (128 k) of rows row[0], row[1]: lane t's 32 consecutive k
+// of each (one 16-byte load of words), with their group's scale and bias as bf16x2 pairs (zeros
+// past k).
+struct W4Slab {
+    uint4 raw[2];
+    u32 s2[2], b2[2];
+};
 
-// gm_partial for one M-tile of a 4-bit matrix: the slab of a warp is 128 k, lane t's packs are
-// its 32 consecutive k (one 16-byte load of words for each of its two weight rows, W4_U slabs'
-// words loaded before any is used), each word made 8 bf16 weights in registers, then the MMAs
-// of gm_partial with the same pairing of weights and activations.
-template <int NT>
-__device__ __forceinline__ void gm_partial_w4(const bf16* x, int nb, const u32* qw, const u16* scales, const u16* bias,
-                                              const int (&row)[2], int k, int g, float (&c)[NT][4]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
-    const bf16* xr[NT];
-    gm_rows(x, nb, k, xr);
+__device__ __forceinline__ void w4_load(const u32* qw, const u16* scales, const u16* bias, const int (&row)[2], int k,
+                                        int g, int s, W4Slab& a) {
+    const int t = threadIdx.x & 3, kk = s * 128 + t * 32;
     const int per_row = k / 8, groups = k / g;
-    constexpr int SLAB = 128;
-    const int slabs = (k + SLAB - 1) / SLAB;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * W4_U) {
-        uint4 raw[W4_U][2];
-        u32 s2[W4_U][2], b2[W4_U][2];
 #pragma unroll
-        for (int u = 0; u < W4_U; u++) {
-            const int kk = (s0 + u * GM_WARPS) * SLAB + t * 32;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (kk < k) {
-                    raw[u][h] = __ldg((const uint4*)(qw + (u64)row[h] * per_row + kk / 8));
-                    const u64 at = (u64)row[h] * groups + kk / g;
-                    const u32 sc = __ldg(scales + at), bi = __ldg(bias + at);
-                    s2[u][h] = sc | (sc << 16);
-                    b2[u][h] = bi | (bi << 16);
-                } else {
-                    raw[u][h] = zero;
-                    s2[u][h] = 0;
-                    b2[u][h] = 0;
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < W4_U; u++) {
-            const int kk = (s0 + u * GM_WARPS) * SLAB + t * 32;
-            if (kk >= k) break;
-            const u32 lo_w[4] = {raw[u][0].x, raw[u][0].y, raw[u][0].z, raw[u][0].w};
-            const u32 hi_w[4] = {raw[u][1].x, raw[u][1].y, raw[u][1].z, raw[u][1].w};
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const uint4 lo = w4_pack(lo_w[p], s2[u][0], b2[u][0]);
-                const uint4 hi = w4_pack(hi_w[p], s2[u][1], b2[u][1]);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const uint4 x8 = xr[nt] ? __ldg((const uint4*)(xr[nt] + kk + 8 * p)) : zero;
-                    sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                    sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-                }
-            }
+    for (int h = 0; h < 2; h++) {
+        if (kk < k) {
+            a.raw[h] = __ldg((const uint4*)(qw + (u64)row[h] * per_row + kk / 8));
+            const u64 at = (u64)row[h] * groups + kk / g;
+            const u32 sc = __ldg(scales + at), bi = __ldg(bias + at);
+            a.s2[h] = sc | (sc << 16);
+            a.b2[h] = bi | (bi << 16);
+        } else {
+            a.raw[h] = make_uint4(0, 0, 0, 0);
+            a.s2[h] = a.b2[h] = 0;
         }
     }
 }
 
-// gemv_mma_body over a 4-bit matrix (one M-tile a block): a row's result does not depend on nb.
+// y = round(x · w[o]) over a 4-bit matrix for nb ≤ 8·NT rows, outputs as gemv: M-tiles of 16
+// weight rows, a block running tiles blockIdx.x, + gridDim.x, ... in turn. Warp w takes slabs w,
+// w + 16, ... (128 k each) in order, each word made 8 bf16 weights in registers and multiplied
+// with the MMAs of gemv_mma_tiles_body (the same pairing of weights and activations), and asks for its
+// next slab's words (this tile's, else the next tile's first) before it multiplies the current;
+// the warps' sums are added in warp order, so a row's result does not depend on nb.
 template <int NT>
 __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n,
                                              int k, int g, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
                                              int n2, bf16* y3) {
-    constexpr int G = NT;
-    __shared__ float red[GM_WARPS][G * 128];
-    const int lane = threadIdx.x & 31;
-    const int m0 = blockIdx.x * 16, gl = lane >> 2;
-    const int row[2] = {min(m0 + gl, n - 1), min(m0 + gl + 8, n - 1)};
-    float c[1][G][4];
-    gm_partial_w4<G>(x, nb, qw, scales, bias, row, k, g, c[0]);
-    const int v = threadIdx.x;
-    const float s = gm_block_sum<G>(red, c[0], v);
-    const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
-    const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
-    if (v < G * 128 && o < n && b < nb) gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+    __shared__ float red[GM_WARPS][NT * 128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
+    const int tiles = (n + 15) / 16, slabs = (k + 127) / 128;
+    auto rows_of = [&](int tile, int (&row)[2]) {
+        row[0] = min(tile * 16 + gl, n - 1);
+        row[1] = min(tile * 16 + gl + 8, n - 1);
+    };
+    const bf16* xr[NT];
+    gm_rows(x, nb, k, xr);
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    W4Slab a, an;
+    int row[2];
+    rows_of(blockIdx.x, row);
+    if ((int)blockIdx.x < tiles) w4_load(qw, scales, bias, row, k, g, warp, a);
+    pdl_start();
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float c[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
+        for (int s = warp; s < slabs; s += GM_WARPS) {
+            const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
+            const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
+            if (ntile < tiles) {
+                int nrow[2];
+                rows_of(ntile, nrow);
+                w4_load(qw, scales, bias, nrow, k, g, ns, an);
+            }
+            const int kk = s * 128 + t * 32;
+            if (kk < k) {
+                const u32 lo_w[4] = {a.raw[0].x, a.raw[0].y, a.raw[0].z, a.raw[0].w};
+                const u32 hi_w[4] = {a.raw[1].x, a.raw[1].y, a.raw[1].z, a.raw[1].w};
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    const uint4 lo = w4_pack(lo_w[p], a.s2[0], a.b2[0]);
+                    const uint4 hi = w4_pack(hi_w[p], a.s2[1], a.b2[1]);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint4 x8 = xr[nt] ? __ldg((const uint4*)(xr[nt] + kk + 8 * p)) : zero;
+                        sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                        sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+                    }
+                }
+            }
+            a = an;
+        }
+        const int v = threadIdx.x;
+        const float sum = gm_block_sum<NT>(red, c, v);
+        const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
+        const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
+        if (v < NT * 128 && o < n && b < nb) gemv_store(sum, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+        __syncthreads();  // red is free for the next tile
+    }
 }
 
-// y[b][o] = round(Σ_i x[b][i]·w[o][i]) for nb ≤ 8 activation rows (k apart), outputs as gemv.
-// launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0
+// launch: grid = min(ceil(n / 16), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
 gemv_w4_8(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
           int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
-    pdl_start();
+    // (the PDL wait: in gemv_w4_body, after its first weights are asked for)
     gemv_w4_body<1>(x, qw, scales, bias, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
@@ -506,7 +586,7 @@ gemv_w4_8(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int 
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_w4_16(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
            int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
-    pdl_start();
+    // (the PDL wait: in gemv_w4_body, after its first weights are asked for)
     gemv_w4_body<2>(x, qw, scales, bias, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
@@ -599,114 +679,117 @@ __device__ __forceinline__ void f8_mma_k32(float (&d)[4], uint2 a_lo, uint2 a_hi
     for (int i = 0; i < 4; i++) d[i] += e[i];
 }
 
-// gm_partial over an FP8 matrix whose activations are already E4M3 codes (quant_rows_f8):
-// the same slabs, each 128 k, lane (g, t) reading 2 packs of 16 consecutive codes of weight
-// rows g and g + 8 of each of its R M-tiles and of activation row g (the same k for both
-// operands: four k32 steps), U slabs in flight.
-template <int NT, int R, int U>
-__device__ __forceinline__ void gm_partial_f8(const unsigned char* xc, int nb, const unsigned char* const (&row)[R][2],
-                                              int k, float (&c)[R][NT][4]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) c[r][nt][i] = 0.0f;
-    const unsigned char* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? xc + (u64)(nt * 8 + g) * k : nullptr;
-    constexpr int SLAB = 128;
-    const int slabs = (k + SLAB - 1) / SLAB;
+// A warp's weights for one slab (128 k) of M-tile rows row[0], row[1]: lane (g, t) takes 2 packs
+// of 16 consecutive codes of each (zeros past k); its activation rows' codes at the same k.
+__device__ __forceinline__ void f8_load_w(const unsigned char* const (&row)[2], int k, int s, uint4 (&a)[2][2]) {
+    const int t = threadIdx.x & 3;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int s0 = warp; s0 < slabs; s0 += GM_WARPS * U) {
-        uint4 a[U][2][R][2], b[U][2][NT];
 #pragma unroll
-        for (int u = 0; u < U; u++)
+    for (int p = 0; p < 2; p++) {
+        const int kk = s * 128 + (t * 2 + p) * 16;
 #pragma unroll
-            for (int p = 0; p < 2; p++) {
-                const int kk = (s0 + u * GM_WARPS) * SLAB + (t * 2 + p) * 16;
-                const bool in = kk < k;
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) a[u][p][r][h] = in ? __ldg((const uint4*)(row[r][h] + kk)) : zero;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) b[u][p][nt] = in && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
-            }
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int p = 0; p < 2; p++)
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        const uint4 lo = a[u][p][r][0], hi = a[u][p][r][1], x = b[u][p][nt];
-                        f8_mma_k32(c[r][nt], make_uint2(lo.x, lo.y), make_uint2(hi.x, hi.y), make_uint2(x.x, x.y));
-                        f8_mma_k32(c[r][nt], make_uint2(lo.z, lo.w), make_uint2(hi.z, hi.w), make_uint2(x.z, x.w));
-                    }
+        for (int h = 0; h < 2; h++) a[p][h] = kk < k ? __ldg((const uint4*)(row[h] + kk)) : zero;
     }
 }
 
-// y = round(Σ codes · xs[b] · ws[o]) for R M-tiles of 16 weight rows a block, activations as
-// E4M3 codes xc (nb ≤ 8·NT rows, k apart) with their scales xs (quant_rows_f8); outputs as
-// gemv. A row's result does not depend on nb. Measured (H200, 4K decode, [gate; up] 32768x4096
-// a call): quantizing the inputs inside every block and E4M3 MMAs 50 us, codes made once
-// before (quant_rows_f8) 43 us; two M-tiles a block (R = 2) 49 us with U = 1 or 2.
+// y = round(Σ codes · xs[b] · ws[o]) for M-tiles of 16 weight rows, activations as E4M3 codes
+// xc (nb ≤ 8·NT rows, k apart) with their scales xs (quant_rows_f8); outputs as gemv. A row's
+// result does not depend on nb: warp w takes slabs w, w + 16, ... in order, each slab's four
+// k32 steps on E4M3 tensor cores (f8_mma_k32), and the warps' sums are added in warp order. A block runs M-tiles blockIdx.x, + gridDim.x, ...
+// in turn, each warp asking for its next slab's weights (this tile's, or the next tile's first)
+// before it multiplies the current one, so the weights stream while a tile's sums are added and
+// stored; the first ones are asked for before the PDL wait.
 // SILU: w is [gate; up] (n = 2·inter), each M-tile 8 gate rows j..j + 7 and their up rows, and
 // y0 gets round(round(silu(round(g))) · round(u)) (the product, then silu_mul_halves).
-template <int NT, bool SILU, int R = 1, int U = 2>
+template <int NT, bool SILU>
 __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const float* xs, const unsigned char* w,
                                              const float* ws, int n, int k, int nb, bf16* y0, int n0, bf16* y1,
                                              int n1, bf16* y2, int n2, bf16* y3) {
     __shared__ float red[GM_WARPS][NT * 128];
-    const int lane = threadIdx.x & 31;
-    const int tile = SILU ? 8 : 16, g = lane >> 2, inter = n / 2;
-    const int m0 = blockIdx.x * tile * R;
-    const unsigned char* rows[R][2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tile_rows = SILU ? 8 : 16, g = lane >> 2, inter = n / 2;
+    const int tiles = ((SILU ? inter : n) + tile_rows - 1) / tile_rows;
+    const int slabs = (k + 127) / 128;
+    auto rows_of = [&](int tile, const unsigned char* (&rows)[2]) {
+        const int m0 = tile * tile_rows;
+        const int r0 = SILU ? min(m0 + g, inter - 1) : min(m0 + g, n - 1);
+        const int r1 = SILU ? inter + r0 : min(m0 + g + 8, n - 1);
+        rows[0] = w + (u64)r0 * k;
+        rows[1] = w + (u64)r1 * k;
+    };
+    const unsigned char* xr[NT];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        const int r0 = SILU ? min(m0 + tile * r + g, inter - 1) : min(m0 + tile * r + g, n - 1);
-        const int r1 = SILU ? inter + r0 : min(m0 + tile * r + g + 8, n - 1);
-        rows[r][0] = w + (u64)r0 * k;
-        rows[r][1] = w + (u64)r1 * k;
-    }
-    float c[R][NT][4];
-    gm_partial_f8<NT, R, U>(xc, nb, rows, k, c);
-    const int v = threadIdx.x;
+    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? xc + (u64)(nt * 8 + g) * k : nullptr;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    const int t = lane & 3;
+    uint4 a[2][2], an[2][2];
+    const unsigned char* rows[2];
+    rows_of(blockIdx.x, rows);
+    if ((int)blockIdx.x < tiles) f8_load_w(rows, k, warp, a);
+    pdl_start();
     const float unit = F8_F16_UNIT * F8_F16_UNIT;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float c[NT][4];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (r) __syncthreads();  // the last tile's partial sums read
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
+        for (int s = warp; s < slabs; s += GM_WARPS) {
+            uint4 b[2][NT];
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                const int kk = s * 128 + (t * 2 + p) * 16;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) b[p][nt] = kk < k && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
+            }
+            // The next slab's weights: this tile's, else the first of the block's next tile.
+            const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
+            const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
+            if (ntile < tiles) {
+                const unsigned char* nrows[2];
+                rows_of(ntile, nrows);
+                f8_load_w(nrows, k, ns, an);
+            }
+#pragma unroll
+            for (int p = 0; p < 2; p++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 lo = a[p][0], hi = a[p][1], x = b[p][nt];
+                    f8_mma_k32(c[nt], make_uint2(lo.x, lo.y), make_uint2(hi.x, hi.y), make_uint2(x.x, x.y));
+                    f8_mma_k32(c[nt], make_uint2(lo.z, lo.w), make_uint2(hi.z, hi.w), make_uint2(x.z, x.w));
+                }
+#pragma unroll
+            for (int p = 0; p < 2; p++) a[p][0] = an[p][0], a[p][1] = an[p][1];
+        }
+        const int v = threadIdx.x, m0 = tile * tile_rows;
         if (SILU) {
             // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane (as gemv_silu_mma).
             const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
-            const float gs = gm_block_sum<NT>(red, c[r], v < NT * 64 ? vg : NT * 128);
+            const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128);
             float us = 0.0f;
             if (v < NT * 64)
                 for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
-            const int j = m0 + tile * r + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
+            const int j = m0 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
             if (v < NT * 64 && j < inter && b < nb)
                 y0[(u64)b * inter + j] = f2bf(
                     silu_times(round_bf(gs * unit * xs[b] * ws[j]), round_bf(us * unit * xs[b] * ws[inter + j])));
         } else {
-            const float s = gm_block_sum<NT>(red, c[r], v);
+            const float s = gm_block_sum<NT>(red, c, v);
             const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
-            const int o = m0 + tile * r + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
+            const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
             if (v < NT * 128 && o < n && b < nb)
                 gemv_store(s * unit * xs[b] * ws[o], o, b, y0, n0, y1, n1, y2, n2, y3, n);
         }
+        __syncthreads();  // red is free for the next tile
     }
 }
 
 // nb ≤ 8 activation rows as E4M3 codes and scales (k a multiple of 16), outputs as gemv.
-// launch: grid = ceil(n / 16), block = 32 * GM_WARPS, dynamic smem = 0
+// launch: grid = min(ceil(n / 16), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_f8_8(const unsigned char* xc, const float* xs, const unsigned char* w, const float* ws, int n, int k, int nb,
           bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
-    pdl_start();
+    // (the PDL wait: in gemv_f8_body, after its first weights are asked for)
     gemv_f8_body<1, false>(xc, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
@@ -714,18 +797,18 @@ gemv_f8_8(const unsigned char* xc, const float* xs, const unsigned char* w, cons
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_f8_16(const unsigned char* xc, const float* xs, const unsigned char* w, const float* ws, int n, int k, int nb,
            bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
-    pdl_start();
+    // (the PDL wait: in gemv_f8_body, after its first weights are asked for)
     gemv_f8_body<2, false>(xc, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // The MLP's first half on an FP8 [gate; up] matrix ([2·inter, k]) for nb ≤ 8 rows (codes and
 // scales as gemv_f8_8): y[b·inter + j] = round(round(silu(g)) · u) of the product's rounded
 // outputs g, u.
-// launch: grid = ceil(inter / 8), block = 32 * GM_WARPS, dynamic smem = 0
+// launch: grid = min(ceil(inter / 8), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_f8_8(const unsigned char* xc, const float* xs, const unsigned char* w, const float* ws, bf16* y, int inter,
                int k, int nb) {
-    pdl_start();
+    // (the PDL wait: in gemv_f8_body, after its first weights are asked for)
     gemv_f8_body<1, true>(xc, xs, w, ws, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
@@ -733,7 +816,7 @@ gemv_silu_f8_8(const unsigned char* xc, const float* xs, const unsigned char* w,
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_silu_f8_16(const unsigned char* xc, const float* xs, const unsigned char* w, const float* ws, bf16* y,
                 int inter, int k, int nb) {
-    pdl_start();
+    // (the PDL wait: in gemv_f8_body, after its first weights are asked for)
     gemv_f8_body<2, true>(xc, xs, w, ws, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 

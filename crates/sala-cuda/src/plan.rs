@@ -114,21 +114,15 @@ pub const GEMV_NARROW_MAX_ROWS: usize = 12288;
 /// Up to this many rows (a batched decode step), products run as GEMVs whose result for a
 /// row does not depend on the other rows.
 pub const GEMV_BATCH_ROWS: usize = 64;
-/// Rows per launch of the tensor-core GEMVs (`gemv_mma8` .. `gemv_mma64`), and their block
+/// Rows per launch of the tensor-core GEMVs (`gemv_mma8`, `gemv_mma16`, `gemv_rows64`), and their block
 /// (`32 * GM_WARPS`).
 pub const GEMV_MMA_ROWS: usize = 64;
 pub const GEMV_MMA_THREADS: u32 = 512;
 
-/// M-tiles (16 weight rows; 8 outputs of the SiLU product) a block of the tensor-core GEMV for
-/// `nb` activation rows owns: over 16 rows, two (`GM_WIDE` of gemv.cu), which share each load
-/// of the activations (read from L2 once per block, so half as often).
-pub fn gemv_mma_tiles(nb: usize) -> usize {
-    if nb > 16 {
-        2
-    } else {
-        1
-    }
-}
+/// M-tiles (16 weight rows; 8 outputs of the SiLU product) a block of `gemv_rows64` owns, a
+/// warp each (`R64_W` of gemv.cu): the products of 17 to 64 rows.
+pub const GEMV_ROWS64_TILES: usize = 4;
+pub const GEMV_ROWS64_THREADS: u32 = 32 * GEMV_ROWS64_TILES as u32;
 
 /// Most key splits of one staged attention (the merge reads every split's partial state).
 pub const MAX_ATTENTION_SPLIT: usize = 32;
@@ -1066,10 +1060,8 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::GemvMma16, GEMV_MMA_THREADS),
     (K::GemvSiluMma8, GEMV_MMA_THREADS),
     (K::GemvSiluMma16, GEMV_MMA_THREADS),
-    (K::GemvMma32, GEMV_MMA_THREADS),
-    (K::GemvMma64, GEMV_MMA_THREADS),
-    (K::GemvSiluMma32, GEMV_MMA_THREADS),
-    (K::GemvSiluMma64, GEMV_MMA_THREADS),
+    (K::GemvRows64, GEMV_ROWS64_THREADS),
+    (K::GemvSiluRows64, GEMV_ROWS64_THREADS),
     (K::CompressKeys, 256),
     (K::CompressKeysF8, 256),
     (K::KvStoreF8, 128),

@@ -5,8 +5,8 @@ use crate::kernels::Launcher;
 use crate::memory::{be_err, DevAct, DevMem, Fp8Weights, W4Weights};
 use crate::options::DecodeGemv;
 use crate::plan::{
-    gemv_mma_tiles, Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS,
-    GEMV_ROWS_PER_BLOCK,
+    Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS64_THREADS,
+    GEMV_ROWS64_TILES, GEMV_ROWS_PER_BLOCK,
 };
 use crate::{CudaBackend, DevMatrix};
 use sala_model::{BResult, BackendError};
@@ -72,10 +72,19 @@ impl CudaBackend {
                 let launch = match nb {
                     0..=8 => Launcher::gemv_mma8,
                     9..=16 => Launcher::gemv_mma16,
-                    17..=32 => Launcher::gemv_mma32,
-                    _ => Launcher::gemv_mma64,
+                    _ => Launcher::gemv_rows64,
                 };
-                let at = grid(16 * gemv_mma_tiles(nb), GEMV_MMA_THREADS);
+                // Up to 16 rows: M-tiles run in turn by at most two blocks an SM.
+                let at = if nb <= 16 {
+                    Launch::new(
+                        (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
+                        GEMV_MMA_THREADS,
+                        0,
+                    )
+                    .shaped(w.rows, w.cols)
+                } else {
+                    grid(16 * GEMV_ROWS64_TILES, GEMV_ROWS64_THREADS)
+                };
                 launch(
                     &self.k, at, xp, wp, n, kk, nb as i32, y0, n0, y1, n1, y2, n2, y3,
                 )?;
@@ -123,8 +132,12 @@ impl CudaBackend {
     ) -> BResult<()> {
         let (n, k, g) = (w.rows as i32, w.cols as i32, q.group as i32);
         let (wp, sp, bp) = (self.ptr(&q.words), self.ptr(&q.scales), self.ptr(&q.bias));
-        let at =
-            Launch::new((w.rows.div_ceil(16), 1, 1), GEMV_MMA_THREADS, 0).shaped(w.rows, w.cols);
+        let at = Launch::new(
+            (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
+            GEMV_MMA_THREADS,
+            0,
+        )
+        .shaped(w.rows, w.cols);
         let mut r = 0;
         while r < rows {
             let nb = 16.min(rows - r);
@@ -183,6 +196,12 @@ impl CudaBackend {
         Ok((inputs, scales))
     }
 
+    /// Blocks of a decode product of `tiles` M-tiles (up to 16 rows): two an SM at most, each
+    /// running its tiles in turn (`gemv_mma_tiles_body`, `gemv_f8_body`, `gemv_w4_body`).
+    fn tile_blocks(&self, tiles: usize) -> usize {
+        tiles.min(2 * self.k.planner().limits.sms as usize).max(1)
+    }
+
     /// `gemv` of an FP8 matrix: the rows made E4M3 (`quant_rows_f8`), then `gemv_f8_8` /
     /// `gemv_f8_16`, up to 16 rows a launch.
     fn gemv_fp8(
@@ -196,8 +215,12 @@ impl CudaBackend {
         let (n, k) = (w.rows as i32, w.cols as i32);
         let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
         let (xc, xs) = self.quantize_inputs(xp, rows, w.cols, true)?;
-        let at =
-            Launch::new((w.rows.div_ceil(16), 1, 1), GEMV_MMA_THREADS, 0).shaped(w.rows, w.cols);
+        let at = Launch::new(
+            (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
+            GEMV_MMA_THREADS,
+            0,
+        )
+        .shaped(w.rows, w.cols);
         let mut r = 0;
         while r < rows {
             let nb = 16.min(rows - r);
@@ -228,7 +251,12 @@ impl CudaBackend {
         let inter = out.cols;
         let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
         let (xc, xs) = self.quantize_inputs(self.act_ptr(x), x.rows, w.cols, true)?;
-        let at = Launch::new((inter.div_ceil(8), 1, 1), GEMV_MMA_THREADS, 0).shaped(w.rows, w.cols);
+        let at = Launch::new(
+            (self.tile_blocks(inter.div_ceil(8)), 1, 1),
+            GEMV_MMA_THREADS,
+            0,
+        )
+        .shaped(w.rows, w.cols);
         let mut r = 0;
         while r < x.rows {
             let nb = 16.min(x.rows - r);
@@ -460,19 +488,19 @@ impl CudaBackend {
                 let launch = match nb {
                     0..=8 => Launcher::gemv_silu_mma8,
                     9..=16 => Launcher::gemv_silu_mma16,
-                    17..=32 => Launcher::gemv_silu_mma32,
-                    _ => Launcher::gemv_silu_mma64,
+                    _ => Launcher::gemv_silu_rows64,
                 };
-                launch(
-                    &self.k,
-                    at(8 * gemv_mma_tiles(nb), GEMV_MMA_THREADS),
-                    xp,
-                    wp,
-                    yp,
-                    i,
-                    k,
-                    nb as i32,
-                )?;
+                let at = if nb <= 16 {
+                    Launch::new(
+                        (self.tile_blocks(inter.div_ceil(8)), 1, 1),
+                        GEMV_MMA_THREADS,
+                        0,
+                    )
+                    .shaped(w.rows, w.cols)
+                } else {
+                    at(8 * GEMV_ROWS64_TILES, GEMV_ROWS64_THREADS)
+                };
+                launch(&self.k, at, xp, wp, yp, i, k, nb as i32)?;
             }
             r += nb;
         }
