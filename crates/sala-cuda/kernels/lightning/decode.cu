@@ -62,22 +62,27 @@ __device__ __forceinline__ void lightning_out(const float (&part)[8][32], int e,
 // Block (h, y) owns value columns 32y .. 32y+31 of head h; its 8 warps split the key rows, each
 // loading all of its (at most 32) state rows before updating them. d ≤ 256. With prep.q_norm,
 // prep.k_norm or prep.table, q and k come unnormed and unrotated (d ∈ {32, 64, 128, 256}).
+// The state is read before the PDL wait (no kernel of the step writes it before this one) and
+// while q and k are staged: only q, k and v wait for the kernel that makes them.
 __device__ __forceinline__ void lightning_step(const bf16* q, const bf16* k, const bf16* v, float* state, bf16* out,
                                                const float* slopes, int heads, int kv_heads, int d, float scale,
                                                const QkPrep& prep, const float* cs) {
     __shared__ float qs[256], ks[256], part[8][32];
     const int h = blockIdx.x, lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
     const int kvh = h / (heads / kv_heads), e = blockIdx.y * 32 + lane;
+    float* S = state + (u64)h * d * d + e;
+    float sv[32];
+    if (e < d) {
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            if (grp + 8 * x < d) sv[x] = S[(u64)(grp + 8 * x) * d];
+    }
+    pdl_start();
     lightning_stage_qk(q, k, h, kvh, d, prep, cs, qs, ks);
     __syncthreads();
     const float gamma = expf(-slopes[h]);
     float acc = 0.0f;
     if (e < d) {
-        float* S = state + (u64)h * d * d + e;
-        float sv[32];
-#pragma unroll
-        for (int x = 0; x < 32; x++)
-            if (grp + 8 * x < d) sv[x] = S[(u64)(grp + 8 * x) * d];
         acc = lightning_row(qs, ks, bf2f(v[kvh * d + e]), gamma, sv, grp, d);
 #pragma unroll
         for (int x = 0; x < 32; x++)
@@ -139,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(256)
 lightning_decode_rows(const bf16* q, const bf16* k, const bf16* v, DecodeRows rows, bf16* out, const float* slopes,
                       int heads, int kv_heads, int d, float scale, const bf16* q_norm, const bf16* k_norm, float eps,
                       const float* table) {
-    pdl_start();
+    // (the PDL wait: in lightning_step, once the state is asked for)
     const u64 z = blockIdx.z, qd = (u64)heads * d, kd = (u64)kv_heads * d;
     const QkPrep prep = {q_norm, k_norm, eps, table};
     lightning_step(q + z * qd, k + z * kd, v + z * kd, rows.state[z], out + z * qd, slopes, heads, kv_heads, d, scale,
