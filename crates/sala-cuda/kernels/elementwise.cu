@@ -28,8 +28,11 @@ __device__ __forceinline__ float gated(float normed, const bf16* gate, u64 i) {
     return round_bf(normed) * round_bf(1.0f / (1.0f + expf(-bf2f(gate[i]))));
 }
 
+// With `sums` non-null (tensor parallelism: the row's columns split among ranks), the mean square
+// is sums[row] / width, the sum over every rank's columns (row_sums_sq's, added across ranks).
 extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const bf16* w, float eps, bf16* out, int dim,
-                                                           const bf16* gate, unsigned char* codes, float* scales) {
+                                                           const bf16* gate, unsigned char* codes, float* scales,
+                                                           const float* sums, int width) {
     pdl_start();
     __shared__ float scratch[32];
     const bf16* xr = x + (u64)blockIdx.x * dim;
@@ -54,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
                 for (int e = 0; e < 8; e++) ss += v[p][e] * v[p][e];
             }
         }
-        float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
+        float r = rsqrtf((sums ? sums[blockIdx.x] / width : block_sum(ss, scratch) / dim) + eps);
         u32 o[RMS_PACKS][4] = {};
 #pragma unroll
         for (int p = 0; p < RMS_PACKS; p++) {
@@ -79,9 +82,44 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
         float v = bf2f(xr[c]);
         ss += v * v;
     }
-    float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
+    float r = rsqrtf((sums ? sums[blockIdx.x] / width : block_sum(ss, scratch) / dim) + eps);
     for (int c = threadIdx.x; c < dim; c += blockDim.x)
         yr[c] = f2bf(gated(round_bf(bf2f(xr[c]) * r) * bf2f(w[c]), gate, (u64)blockIdx.x * dim + c));
+}
+
+// Each row's sum of squares into sums[row], added as rms_norm adds them (the same threads, packs
+// and block sum: over one rank, rms_norm with these sums gives its own bits).
+// launch: grid = rows, block = 512
+extern "C" __global__ void __launch_bounds__(512) row_sums_sq(const bf16* x, int dim, float* sums) {
+    pdl_start();
+    __shared__ float scratch[32];
+    const bf16* xr = x + (u64)blockIdx.x * dim;
+    float ss = 0.0f;
+    if (dim % 8 == 0 && dim <= 8 * RMS_PACKS * (int)blockDim.x) {
+#pragma unroll
+        for (int p = 0; p < RMS_PACKS; p++) {
+            int pk = threadIdx.x + p * blockDim.x;
+            if (pk * 8 < dim) {
+                uint4 raw = ((const uint4*)xr)[pk];
+                u32 wd[4] = {raw.x, raw.y, raw.z, raw.w};
+                float v[8];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    v[2 * i] = __uint_as_float(wd[i] << 16);
+                    v[2 * i + 1] = __uint_as_float(wd[i] & 0xffff0000u);
+                }
+#pragma unroll
+                for (int e = 0; e < 8; e++) ss += v[e] * v[e];
+            }
+        }
+    } else {
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+            float v = bf2f(xr[c]);
+            ss += v * v;
+        }
+    }
+    float total = block_sum(ss, scratch);
+    if (threadIdx.x == 0) sums[blockIdx.x] = total;
 }
 
 // h = round(h + round(branch·scale)), then out = RMSNorm(h)·w: the residual add fused with the

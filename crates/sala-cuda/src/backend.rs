@@ -452,6 +452,21 @@ impl Backend for CudaBackend {
         a.rows = rows.min(a.cap_rows);
     }
 
+    fn set_width(&self, a: &mut DevAct, cols: usize) -> BResult<()> {
+        if cols == a.cols {
+            return Ok(());
+        }
+        if cols == 0 || a.first != 0 {
+            return Err(BackendError(format!(
+                "an activation of {cols} columns, or one shown through a window",
+            )));
+        }
+        a.cols = cols;
+        a.cap_rows = a.storage.len() / cols;
+        a.rows = a.rows.min(a.cap_rows);
+        Ok(())
+    }
+
     fn copy_rows(
         &self,
         src: &DevAct,
@@ -726,6 +741,23 @@ impl Backend for CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         self.rms_norm_rows(x, w, eps, gate, out)
+    }
+
+    fn row_sums_of_squares(&self, x: &DevAct, sums: &mut CudaSlice<f32>) -> BResult<()> {
+        self.row_sums_sq(x, sums)
+    }
+
+    fn rms_norm_gate_with_sums(
+        &self,
+        x: &DevAct,
+        sums: &CudaSlice<f32>,
+        width: usize,
+        w: &CudaSlice<u16>,
+        eps: f32,
+        gate: Option<&DevAct>,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        self.rms_norm_rows_with(x, w, eps, gate, Some((sums, width)), out)
     }
 
     fn rope(

@@ -162,7 +162,8 @@ macro_rules! kernel_table {
 kernel_table! {
     // Elementwise, norms, RoPE, embedding, random fill.
     Embed = embed in "elementwise.cu" (table: Ptr, ids: Ptr, scale: F32, out: Ptr, dim: I32);
-    RmsNorm = rms_norm in "elementwise.cu" (x: Ptr, w: Ptr, eps: F32, out: Ptr, dim: I32, gate: Ptr, codes: Ptr, scales: Ptr);
+    RmsNorm = rms_norm in "elementwise.cu" (x: Ptr, w: Ptr, eps: F32, out: Ptr, dim: I32, gate: Ptr, codes: Ptr, scales: Ptr, sums: Ptr, width: I32);
+    RowSumsSq = row_sums_sq in "elementwise.cu" (x: Ptr, dim: I32, sums: Ptr);
     AddRmsNorm = add_rms_norm in "elementwise.cu" (h: Ptr, branch: Ptr, scale: F32, w: Ptr, eps: F32, out: Ptr, dim: I32, codes: Ptr, scales: Ptr);
     SiluMul = silu_mul in "elementwise.cu" (gate: Ptr, up: Ptr, n: U64);
     AddScaled = add_scaled in "elementwise.cu" (h: Ptr, branch: Ptr, scale: F32, n: U64);

@@ -28,6 +28,7 @@ pub mod pool;
 pub mod profile;
 pub mod registry;
 pub mod sources;
+pub mod tensor_parallel;
 
 pub use backend::CudaBackend;
 pub use device::{Card, DeviceLimits, CARDS};

@@ -1032,6 +1032,7 @@ impl Planner {
 const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::Embed, 256),
     (K::RmsNorm, 512),
+    (K::RowSumsSq, 512),
     (K::AddRmsNorm, 512),
     (K::SiluMul, 256),
     (K::AddScaled, 256),

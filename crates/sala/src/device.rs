@@ -4,6 +4,7 @@ use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use sala_checkpoint::{Checkpoint, KvCacheDtype, ModelConfig};
 use sala_cpu::{CpuBackend, HostRanks};
+use sala_cuda::tensor_parallel::NcclSum;
 use sala_cuda::{CudaBackend, CudaOptions};
 use sala_model::context::Exchange;
 use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan};
@@ -24,6 +25,8 @@ pub enum Opened {
     Cuda(Box<CudaBackend>),
     /// Tensor parallelism over simulated ranks on the CPU (`--tensor-parallel N --device cpu`).
     CpuRanks(Box<Ranks<CpuBackend>>),
+    /// Tensor parallelism over GPUs, through NCCL.
+    CudaRanks(Box<Ranks<CudaBackend>>),
 }
 
 /// `$body` with `$be` bound to the opened backend (by value), whatever its kind.
@@ -37,6 +40,10 @@ macro_rules! on_backend {
                 $body
             }
             $crate::device::Opened::CpuRanks($be) => {
+                let $be = *$be;
+                $body
+            }
+            $crate::device::Opened::CudaRanks($be) => {
                 let $be = *$be;
                 $body
             }
@@ -178,25 +185,35 @@ impl DeviceArgs {
         if n == 1 {
             return device.open_with(self.cuda_options()?);
         }
-        let gpu = match device {
-            Device::Cpu => false,
-            Device::Cuda(_) => true,
-            Device::Auto => CudaBackend::new(0, self.cuda_options()?).is_ok(),
+        let first = match device {
+            Device::Cpu => None,
+            Device::Cuda(k) => Some(k),
+            Device::Auto => CudaBackend::new(0, self.cuda_options()?)
+                .is_ok()
+                .then_some(0),
         };
-        if gpu {
-            bail!(
-                "--tensor-parallel {n}: tensor parallelism over GPUs (NCCL) is not in this \
-                 build yet; --device cpu runs {n} simulated ranks"
-            );
-        }
         let config = config()?;
-        let ranks = Ranks::new(
-            (0..n).map(|_| CpuBackend).collect(),
-            Box::new(HostRanks),
-            &config,
-        )
-        .map_err(|e| anyhow!("{e}"))?;
-        Ok(Opened::CpuRanks(Box::new(ranks)))
+        let Some(first) = first else {
+            let cpus = (0..n).map(|_| CpuBackend).collect();
+            let ranks =
+                Ranks::new(cpus, Box::new(HostRanks), &config).map_err(|e| anyhow!("{e}"))?;
+            return Ok(Opened::CpuRanks(Box::new(ranks)));
+        };
+        // GPUs first..first + n, one rank each. Decode steps are launched one by one: the
+        // ranks' graphs with NCCL inside are not captured yet.
+        let mut options = self.cuda_options()?;
+        options.cuda_graphs = false;
+        let ordinals: Vec<usize> = (first..first + n).collect();
+        let gpus = ordinals
+            .iter()
+            .map(|&k| {
+                CudaBackend::new(k, options.clone()).map_err(|e| anyhow!("--device cuda:{k}: {e}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sums = NcclSum::new(&ordinals)
+            .map_err(|e| anyhow!("--tensor-parallel {n}: NCCL over GPUs {ordinals:?}: {e}"))?;
+        let ranks = Ranks::new(gpus, Box::new(sums), &config).map_err(|e| anyhow!("{e}"))?;
+        Ok(Opened::CudaRanks(Box::new(ranks)))
     }
 
     /// Whether these flags run on a GPU: `cuda[:N]`, or `auto` where one opens.

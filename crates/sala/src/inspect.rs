@@ -51,7 +51,9 @@ pub fn run(args: InspectArgs) -> Result<()> {
     }
     match device.open_with(cuda_options(args.device_profile.as_deref())?)? {
         Opened::Cuda(be) => describe_gpu(&be, &config, args.prefill_chunk),
-        Opened::Cpu(_) | Opened::CpuRanks(_) => bail!("no GPU was opened"),
+        Opened::Cpu(_) | Opened::CpuRanks(_) | Opened::CudaRanks(_) => {
+            bail!("no GPU was opened")
+        }
     }
 }
 

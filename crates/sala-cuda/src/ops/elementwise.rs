@@ -97,6 +97,48 @@ impl CudaBackend {
         gate: Option<&DevAct>,
         out: &mut DevAct,
     ) -> BResult<()> {
+        self.rms_norm_rows_with(x, w, eps, gate, None, out)
+    }
+
+    /// Each row's sum of squares of `x` into `sums` (f32, at least `x.rows`), as the norm
+    /// adds them.
+    pub(crate) fn row_sums_sq(&self, x: &DevAct, sums: &mut CudaSlice<f32>) -> BResult<()> {
+        if sums.len() < x.rows {
+            return Err(BackendError(format!(
+                "row sums of squares: a table of {} entries for {} rows",
+                sums.len(),
+                x.rows
+            )));
+        }
+        self.k.row_sums_sq(
+            Launch::new((x.rows, 1, 1), 512, 0),
+            self.act_ptr(x),
+            x.cols as i32,
+            self.ptr(sums),
+        )
+    }
+
+    /// [`CudaBackend::rms_norm_rows`], with each row's mean square `sums[r] / width` when
+    /// `sums` is given (a row split among tensor-parallel ranks).
+    pub(crate) fn rms_norm_rows_with(
+        &self,
+        x: &DevAct,
+        w: &CudaSlice<u16>,
+        eps: f32,
+        gate: Option<&DevAct>,
+        sums: Option<(&CudaSlice<f32>, usize)>,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        if let Some((s, width)) = sums {
+            if s.len() < x.rows || width < x.cols {
+                return Err(BackendError(format!(
+                    "norm of split rows: {} sums for {} rows, a width of {width} for {} columns",
+                    s.len(),
+                    x.rows,
+                    x.cols
+                )));
+            }
+        }
         let (codes, scales) = self.norm_codes(out)?;
         self.k.rms_norm(
             Launch::new((x.rows, 1, 1), 512, 0),
@@ -108,6 +150,8 @@ impl CudaBackend {
             gate.map_or(0, |g| self.act_ptr(g)),
             codes,
             scales,
+            sums.map_or(0, |(s, _)| self.ptr(s)),
+            sums.map_or(0, |(_, width)| width as i32),
         )
     }
 

@@ -86,3 +86,4 @@ mod model;
 mod nccl;
 mod ops;
 mod quantized;
+mod tensor_parallel;

@@ -3,7 +3,7 @@
 
 use super::*;
 
-struct Ckpt(Checkpoint);
+pub(crate) struct Ckpt(pub(crate) Checkpoint);
 
 impl WeightSource for Ckpt {
     fn tensor(&self, name: &str) -> Result<HostTensor<'_>, String> {

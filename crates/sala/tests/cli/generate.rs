@@ -1020,7 +1020,7 @@ fn gptq_calibration_beats_round_to_nearest_on_its_text() {
 /// `--tensor-parallel 2` on the CPU (simulated ranks) picks the greedy tokens one device
 /// picks, up to a near-tie of the split sums (where they part, each pick is the other's
 /// runner-up within 0.05 nats), in generate and bench; rank counts the model does not split
-/// into, and GPUs (not in this build), are refused by name.
+/// into are refused by name (and GPUs where there are none).
 #[test]
 fn generate_and_bench_run_tensor_parallel_ranks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1095,7 +1095,8 @@ fn generate_and_bench_run_tensor_parallel_ranks() {
         &["4 attention heads", "do not split into 8"],
     );
     fails_with(&with("0", "cpu"), &["--tensor-parallel must be at least 1"]);
-    fails_with(&with("2", "cuda"), &["not in this build yet"]);
+    // No GPU here: the ranks' first GPU is named.
+    fails_with(&with("2", "cuda"), &["cuda:0"]);
 }
 
 /// `generate` of `prompt` on the CPU, greedy, 16 tokens, with `extra` flags: its output and

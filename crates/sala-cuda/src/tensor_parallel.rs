@@ -1,0 +1,73 @@
+//! Tensor parallelism over the GPUs of this process: the sums `sala_model::ranks::Ranks`
+//! needs, through one NCCL communicator a GPU. One host thread drives every rank (each op
+//! queued on each GPU's stream in turn, the all-reduces as one grouped call), so the ranks
+//! need no threads or ids exchanged between processes.
+
+use crate::memory::DevAct;
+use crate::nccl::{Elem, Group};
+use crate::CudaBackend;
+use cudarc::driver::CudaSlice;
+use sala_model::ranks::Collective;
+use sala_model::{BResult, BackendError};
+use std::ffi::c_void;
+
+/// The NCCL sums of ranks on GPUs `ordinals` (rank i on `ordinals[i]`).
+pub struct NcclSum {
+    group: Group,
+}
+
+impl NcclSum {
+    pub fn new(ordinals: &[usize]) -> Result<Self, String> {
+        let ordinals: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
+        Ok(Self {
+            group: Group::all(&ordinals)?,
+        })
+    }
+
+    /// Each rank's buffer at `ptr(rank)` summed in place, `count` values of `elem`, queued on
+    /// each rank's stream.
+    fn sum(
+        &self,
+        ranks: &[CudaBackend],
+        elem: Elem,
+        count: usize,
+        ptr: impl Fn(usize) -> u64,
+    ) -> BResult<()> {
+        let bufs: Vec<(u64, *mut c_void)> = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, be)| (ptr(r), be.stream.cu_stream() as *mut c_void))
+            .collect();
+        self.group
+            .all_reduce_sum(elem, &bufs, count)
+            .map_err(BackendError)
+    }
+}
+
+impl Collective<CudaBackend> for NcclSum {
+    fn sum_acts(&self, ranks: &[CudaBackend], parts: &mut [&mut DevAct]) -> BResult<()> {
+        let (rows, cols) = parts.first().map_or((0, 0), |a| (a.rows, a.cols));
+        if parts.iter().any(|a| (a.rows, a.cols) != (rows, cols)) {
+            return Err(BackendError(
+                "tensor parallelism: the ranks' partial sums differ in shape".into(),
+            ));
+        }
+        self.sum(ranks, Elem::Bf16, rows * cols, |r| {
+            ranks[r].act_ptr(parts[r])
+        })
+    }
+
+    fn sum_tables(
+        &self,
+        ranks: &[CudaBackend],
+        parts: &mut [&mut CudaSlice<f32>],
+        len: usize,
+    ) -> BResult<()> {
+        if parts.iter().any(|t| t.len() < len) {
+            return Err(BackendError(format!(
+                "tensor parallelism: a sum of {len} entries over shorter tables"
+            )));
+        }
+        self.sum(ranks, Elem::F32, len, |r| ranks[r].ptr(&*parts[r]))
+    }
+}
