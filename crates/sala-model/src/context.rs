@@ -170,7 +170,7 @@ pub fn prefill_as<B: Backend>(
         .map(|r| Received::new(r.be, c, widest))
         .collect::<BResult<Vec<_>>>()?;
     let last = ranks.len() - 1;
-    let mut run = Run {
+    let run = Run {
         tokens,
         mode,
         last_rank: last,
@@ -185,18 +185,16 @@ pub fn prefill_as<B: Backend>(
                     m.config.scale_emb as f32,
                     &mut ws.h,
                 )?;
-                be.copy_rows(&ws.h, 0, &mut part.h, ch.start, ch.len())
+                keep(be, &ws.h, &mut part.h, &ch)
             })?;
         }
     }
     for i in 0..model.layers.len() {
         match c.mixer_types[i] {
             MixerKind::Lightning => {
-                lightning_layer(&mut run, ranks, &mut parts, exchange, i, &mut received)?
+                lightning_layer(&run, ranks, &mut parts, exchange, i, &mut received)?
             }
-            MixerKind::Sparse => {
-                sparse_layer(&mut run, ranks, &mut parts, exchange, i, &mut received)?
-            }
+            MixerKind::Sparse => sparse_layer(&run, ranks, &mut parts, exchange, i, &mut received)?,
         }
     }
     for (rank, range) in ranks.iter_mut().zip(&ranges) {
@@ -302,7 +300,7 @@ impl Run<'_> {
     /// `f` over chunk `ch` of rank `r`'s range, as a step of the chunk's rows begun and ended
     /// on the rank's backend (every workspace buffer holding that many rows).
     fn in_step<B: Backend, T>(
-        &mut self,
+        &self,
         r: usize,
         rank: &mut ContextRank<'_, B>,
         part: &mut Part<B>,
@@ -311,11 +309,7 @@ impl Run<'_> {
     ) -> BResult<T> {
         let be = rank.be;
         let at = part.at(ch);
-        let span = Span {
-            first_row: 0,
-            len: ch.len(),
-            pos: at.start,
-        };
+        let span = span_of(part, ch);
         let last = r == self.last_rank && at.end == self.tokens.len();
         be.begin_step(&StepInfo {
             tokens: &self.tokens[at],
@@ -363,7 +357,7 @@ fn load_input<B: Backend>(
     if i > 0 && ch.len() == part.range.len() {
         return Ok(());
     }
-    be.copy_rows(&part.h, ch.start, &mut ws.h, 0, ch.len())?;
+    take(be, &part.h, &mut ws.h, ch)?;
     be.rms_norm(
         &ws.h,
         &m.layers[i].input_norm,
@@ -386,7 +380,7 @@ fn finish_chunk<B: Backend>(
     let next_norm = m.layers.get(i + 1).map_or(&m.final_norm, |l| &l.input_norm);
     let (res, eps) = (c.residual_scale() as f32, c.rms_norm_eps as f32);
     m.layers[i].finish(m, be, ws, res, eps, next_norm)?;
-    be.copy_rows(&ws.h, 0, &mut part.h, ch.start, ch.len())
+    keep(be, &ws.h, &mut part.h, ch)
 }
 
 /// Keeps chunk `ch`'s rows of `src` in the range-wide `dst`.
@@ -405,7 +399,7 @@ fn take<B: Backend>(be: &B, src: &B::Act, dst: &mut B::Act, ch: &Range<usize>) -
 /// to its chunks' outputs the term of the state before them (its range's start state moved
 /// along the chunks) and finishes them.
 fn lightning_layer<B: Backend>(
-    run: &mut Run<'_>,
+    run: &Run<'_>,
     ranks: &mut [ContextRank<'_, B>],
     parts: &mut [Part<B>],
     exchange: &dyn Exchange<B>,
@@ -478,7 +472,7 @@ fn lightning_layer<B: Backend>(
                 take(be, &part.q, &mut ws.q, &ch)?;
                 take(be, &part.o, &mut ws.o, &ch)?;
                 take(be, &part.z, &mut ws.z, &ch)?;
-                be.copy_rows(&part.h, ch.start, &mut ws.h, 0, ch.len())?;
+                take(be, &part.h, &mut ws.h, &ch)?;
                 be.lightning_state_term(
                     m.lightning_shape(),
                     &m.slopes,
@@ -505,7 +499,7 @@ fn lightning_layer<B: Backend>(
 /// rank's cache then takes the earlier ranks' keys and values, and the rank attends its
 /// chunks in order (each appending its own) and finishes them.
 fn sparse_layer<B: Backend>(
-    run: &mut Run<'_>,
+    run: &Run<'_>,
     ranks: &mut [ContextRank<'_, B>],
     parts: &mut [Part<B>],
     exchange: &dyn Exchange<B>,
@@ -574,7 +568,7 @@ fn sparse_layer<B: Backend>(
                 take(be, &part.k, &mut ws.ks, &ch)?;
                 take(be, &part.v, &mut ws.vs, &ch)?;
                 take(be, &part.z, &mut ws.z, &ch)?;
-                be.copy_rows(&part.h, ch.start, &mut ws.h, 0, ch.len())?;
+                take(be, &part.h, &mut ws.h, &ch)?;
                 attend(be, m, ws, seq, span_of(part, &ch))?;
                 finish_chunk(be, m, i, ws, part, &ch)
             })?;
