@@ -815,18 +815,32 @@ impl Backend for CpuBackend {
         &self,
         shape: AttnShape,
         slopes: &Vec<f32>,
+        q_norm: Option<(&Vec<f32>, f32)>,
+        inv_freq: Option<&Vec<f32>>,
         state: &Vec<f32>,
-        q: &CpuAct,
-        rows: usize,
+        (q, pos): (&mut CpuAct, usize),
         out: &mut CpuAct,
     ) -> BResult<()> {
-        let (d, qw) = (shape.head_dim, shape.q_width());
-        if q.cols != qw || out.cols != qw || rows > q.rows.min(out.rows) {
+        let (d, qw, rows) = (shape.head_dim, shape.q_width(), q.rows);
+        if q.cols != qw || out.cols != qw || rows > out.rows || state.len() != shape.heads * d * d {
             return Err(BackendError(format!(
-                "lightning start states: {rows} rows of q [{}, {}] and out [{}, {}] for {} heads",
-                q.rows, q.cols, out.rows, out.cols, shape.heads
+                "lightning start states: q [{}, {}] and out [{}, {}] for {} heads of {d}, a \
+                 state of {} values",
+                q.rows,
+                q.cols,
+                out.rows,
+                out.cols,
+                shape.heads,
+                state.len()
             )));
         }
+        head_norm_rope(
+            &mut q.data[..rows * qw],
+            qw,
+            d,
+            q_norm.map(|(w, e)| (w.as_slice(), e)),
+            inv_freq.map(|f| (f.as_slice(), pos)),
+        );
         let scale = shape.scale() as f32;
         out.data[..rows * qw]
             .par_chunks_mut(qw)

@@ -655,18 +655,21 @@ pub trait Backend {
             self.name()
         )))
     }
-    /// Context parallelism: adds to the first `rows` rows of `out` (a lightning span's
-    /// outputs computed from a zero state, its queries `q` as the layer normed and rotated
-    /// them) the term of its true start state: `out_t += scale·γ^{t+1} q_t S` per head,
-    /// rounded to bf16 as the outputs are.
+    /// Context parallelism: adds to `out` (a lightning span's outputs computed from a zero
+    /// state, one row per row of `q`) the term of its true start state `S`:
+    /// `out_t += scale·γ^{t+1} q̂_t S` per head, rounded to bf16 as the outputs are. `q` is the
+    /// span's queries as the layer's projection made them (rows at positions `pos..`); q̂,
+    /// them normed with `q_norm` and rotated as [`Backend::lightning`] does, is left in `q`.
+    /// (Whether `lightning` leaves its q normed and rotated is the backend's affair.)
     #[allow(clippy::too_many_arguments)]
     fn lightning_state_term(
         &self,
         _shape: AttnShape,
         _slopes: &Self::Table,
+        _q_norm: Option<(&Self::Vector, f32)>,
+        _inv_freq: Option<&Self::Table>,
         _state: &Self::LightningState,
-        _q: &Self::Act,
-        _rows: usize,
+        (_q, _pos): (&mut Self::Act, usize),
         _out: &mut Self::Act,
     ) -> BResult<()> {
         Err(BackendError(format!(

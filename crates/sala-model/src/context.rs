@@ -419,6 +419,10 @@ fn lightning_layer<B: Backend>(
                 };
                 load_input(be, m, i, ws, part, &ch)?;
                 m.layers[i].project(m, be, ws)?;
+                if r > 0 {
+                    // The queries as projected (the term norms and rotates them itself).
+                    keep(be, &ws.q, &mut part.q, &ch)?;
+                }
                 let norms = q_norm
                     .as_ref()
                     .zip(k_norm.as_ref())
@@ -440,7 +444,6 @@ fn lightning_layer<B: Backend>(
                 if r == 0 {
                     return finish_chunk(be, m, i, ws, part, &ch);
                 }
-                keep(be, &ws.q, &mut part.q, &ch)?;
                 keep(be, &ws.o, &mut part.o, &ch)?;
                 keep(be, &ws.z, &mut part.z, &ch)
             })?;
@@ -473,12 +476,18 @@ fn lightning_layer<B: Backend>(
                 take(be, &part.o, &mut ws.o, &ch)?;
                 take(be, &part.z, &mut ws.z, &ch)?;
                 take(be, &part.h, &mut ws.h, &ch)?;
+                let Mixer::Lightning { q_norm, k_norm, .. } = &m.layers[i].mixer else {
+                    return Err(state_mismatch());
+                };
+                // Normed as `lightning` norms them: with both norms present.
+                let q_norm = q_norm.as_ref().zip(k_norm.as_ref()).map(|(q, _)| q);
                 be.lightning_state_term(
                     m.lightning_shape(),
                     &m.slopes,
+                    q_norm.map(|w| (w, m.config.rms_norm_eps as f32)),
+                    m.config.lightning_use_rope.then_some(&m.inv_freq),
                     start,
-                    &ws.q,
-                    ch.len(),
+                    (&mut ws.q, span_of(part, &ch).pos),
                     &mut ws.o,
                 )?;
                 if n + 1 < count {
