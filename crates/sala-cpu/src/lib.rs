@@ -723,7 +723,17 @@ impl Backend for CpuBackend {
         spans: &[Span],
         states: &mut [&mut Vec<f32>],
     ) -> BResult<()> {
-        each_span(io, spans, states.len(), |i, mut rows| {
+        each_span(io, spans, states.len(), |i, given| {
+            // Normed and rotated in copies: q and k keep what the projections made, as the
+            // GPU's stepping kernels leave them, so no caller can count on either.
+            let (mut q, mut k) = (given.q.to_vec(), given.k.to_vec());
+            let mut rows = SpanRows {
+                len: given.len,
+                q: &mut q,
+                k: &mut k,
+                v: given.v,
+                out: given.out,
+            };
             lightning_norm_rope(&mut rows, shape.head_dim, norms, inv_freq, spans[i].pos);
             let (qw, kw) = (shape.q_width(), shape.kv_width());
             for (r, n) in lightning_pieces(rows.len) {
