@@ -14,7 +14,7 @@
 //! continues there.
 
 use crate::backend::{AttnIo, BResult, Backend, BackendError, Span, StepInfo};
-use crate::model::{state_mismatch, LayerState, LogitRows, Mixer, Model, SeqState, Workspace};
+use crate::model::{state_mismatch, LayerState, LogitRows, Model, SeqState, Workspace};
 use crate::oracle::SparseMode;
 use crate::parallel::balanced_context_ranges;
 use sala_checkpoint::{MixerKind, ModelConfig};
@@ -411,9 +411,6 @@ fn lightning_layer<B: Backend>(
     for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
         for ch in part.chunks(rank.ws.max_rows) {
             run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
-                let Mixer::Lightning { q_norm, k_norm, .. } = &m.layers[i].mixer else {
-                    return Err(state_mismatch());
-                };
                 let LayerState::Lightning(state) = &mut seq.layers[i] else {
                     return Err(state_mismatch());
                 };
@@ -423,10 +420,7 @@ fn lightning_layer<B: Backend>(
                     // The queries as projected (the term norms and rotates them itself).
                     keep(be, &ws.q, &mut part.q, &ch)?;
                 }
-                let norms = q_norm
-                    .as_ref()
-                    .zip(k_norm.as_ref())
-                    .map(|(q, k)| (q, k, m.config.rms_norm_eps as f32));
+                let norms = m.layers[i].mixer.head_norms(m.config.rms_norm_eps as f32);
                 be.lightning(
                     m.lightning_shape(),
                     &m.slopes,
@@ -476,15 +470,11 @@ fn lightning_layer<B: Backend>(
                 take(be, &part.o, &mut ws.o, &ch)?;
                 take(be, &part.z, &mut ws.z, &ch)?;
                 take(be, &part.h, &mut ws.h, &ch)?;
-                let Mixer::Lightning { q_norm, k_norm, .. } = &m.layers[i].mixer else {
-                    return Err(state_mismatch());
-                };
-                // Normed as `lightning` norms them: with both norms present.
-                let q_norm = q_norm.as_ref().zip(k_norm.as_ref()).map(|(q, _)| q);
+                let norms = m.layers[i].mixer.head_norms(m.config.rms_norm_eps as f32);
                 be.lightning_state_term(
                     m.lightning_shape(),
                     &m.slopes,
-                    q_norm.map(|w| (w, m.config.rms_norm_eps as f32)),
+                    norms.map(|(q, _, eps)| (q, eps)),
                     m.config.lightning_use_rope.then_some(&m.inv_freq),
                     start,
                     (&mut ws.q, span_of(part, &ch).pos),

@@ -28,6 +28,20 @@ pub(crate) enum Mixer<B: Backend> {
     },
 }
 
+impl<B: Backend> Mixer<B> {
+    /// A lightning layer's q and k head norms with `eps` (the checkpoint has both or neither).
+    pub(crate) fn head_norms(&self, eps: f32) -> Option<(&B::Vector, &B::Vector, f32)> {
+        match self {
+            Mixer::Lightning {
+                q_norm: Some(q),
+                k_norm: Some(k),
+                ..
+            } => Some((q, k, eps)),
+            _ => None,
+        }
+    }
+}
+
 pub(crate) struct Layer<B: Backend> {
     /// Its place in the model.
     index: usize,
@@ -163,7 +177,7 @@ impl<B: Backend> Layer<B> {
             out: &mut ws.o,
         };
         match &self.mixer {
-            Mixer::Lightning { q_norm, k_norm, .. } => {
+            Mixer::Lightning { .. } => {
                 // Spans a rewind may keep part of: their k and v rows as projected.
                 for (cap, s) in captures.iter_mut().zip(step.spans) {
                     if let Some((kc, vc)) = cap.as_deref_mut() {
@@ -178,14 +192,10 @@ impl<B: Backend> Layer<B> {
                         LayerState::Sparse(_) => Err(state_mismatch()),
                     })
                     .collect::<BResult<Vec<_>>>()?;
-                let norms = q_norm
-                    .as_ref()
-                    .zip(k_norm.as_ref())
-                    .map(|(qw, kw)| (qw, kw, eps));
                 be.lightning(
                     m.lightning_shape(),
                     &m.slopes,
-                    norms,
+                    self.mixer.head_norms(eps),
                     c.lightning_use_rope.then_some(&m.inv_freq),
                     io,
                     step.spans,
