@@ -822,6 +822,66 @@ fn tensor_parallel_refuses_what_does_not_split() {
     assert!(e.contains("draft model"), "{e}");
 }
 
+/// Context parallelism over tensor-parallel groups: each context rank a group of 2 or 4 CPU
+/// ranks (4 shares the sparse layers' 2 KV heads), rank `r` of each group exchanging with rank
+/// `r` of the others ([`RankExchange`]); the last group's logits are one device's within the
+/// rounding of the split sums and the scan, and decoding goes on there as one device's does.
+#[test]
+fn context_parallel_over_tensor_parallel_groups_gives_one_devices_logits() {
+    use sala_model::context::{prefill, ContextRank, Exchange};
+    use sala_model::ranks::RankExchange;
+    let config = tp_config();
+    let v = config.vocab_size;
+    let one = load(&CpuBackend, &config, 63);
+    for (n, seed, chunk) in [(150usize, 64u64, 150), (301, 65, 37)] {
+        let toks = tokens(n + 3, v, seed);
+        let (prompt, rest) = toks.split_at(n);
+        let mut ws = one.workspace(&CpuBackend, chunk).unwrap();
+        let mut seq = one.new_sequence(&CpuBackend).unwrap();
+        let mut want = vec![one
+            .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
+            .unwrap()];
+        for &t in rest {
+            want.push(one.decode(&CpuBackend, &mut ws, &mut seq, t).unwrap());
+        }
+        for (size, count) in [(2usize, 2usize), (4, 3)] {
+            let groups: Vec<_> = (0..count).map(|_| ranks(size, &config)).collect();
+            let models: Vec<_> = groups.iter().map(|g| load(g, &config, 63)).collect();
+            let mut wss: Vec<_> = models
+                .iter()
+                .zip(&groups)
+                .map(|(m, g)| m.workspace(g, chunk).unwrap())
+                .collect();
+            let mut seqs: Vec<_> = models
+                .iter()
+                .zip(&groups)
+                .map(|(m, g)| m.new_sequence(g).unwrap())
+                .collect();
+            let exchange = RankExchange::new(
+                (0..size)
+                    .map(|_| Box::new(HostRanks) as Box<dyn Exchange<CpuBackend> + Send>)
+                    .collect(),
+            );
+            let mut parts = ContextRank::zip(&groups, &models, &mut wss, &mut seqs);
+            let done = prefill(&mut parts, &exchange, prompt).unwrap();
+            drop(parts);
+            let what = format!("{n} tokens over {count} groups of {size} in chunks of {chunk}");
+            assert_eq!(done.ranges.len(), count, "{what}");
+            let last = done.last;
+            assert_eq!(last, count - 1, "{what}");
+            let mut got = vec![done.logits];
+            for &t in rest {
+                got.push(
+                    models[last]
+                        .decode(&groups[last], &mut wss[last], &mut seqs[last], t)
+                        .unwrap(),
+                );
+            }
+            assert_logits_within(&what, &got.concat(), &want.concat(), v, RANKS_MEDIAN_ERR);
+        }
+    }
+}
+
 /// Context parallelism ([`sala_model::context::prefill`]): a prompt read by 1 to 5 CPU ranks
 /// at once, each a block-aligned range (lightning states scanned across the ranges, each
 /// rank's cache given the earlier ranks' keys and values), gives one device's last logits

@@ -139,6 +139,11 @@ impl CudaBackend {
         self.k.replan(limits, options)
     }
 
+    /// The GPU it runs on.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     /// The options the backend runs with.
     pub fn options(&self) -> CudaOptions {
         self.k.planner().options.clone()

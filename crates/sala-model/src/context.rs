@@ -239,13 +239,15 @@ impl<B: Backend> Part<B> {
     fn new(rank: &ContextRank<'_, B>, range: Range<usize>) -> BResult<Self> {
         let (be, c) = (rank.be, &rank.model.config);
         let (rows, hd) = (range.len(), c.num_attention_heads * c.head_dim);
+        // The residual stream whole, the others named as the workspace buffers they keep
+        // rows of (a tensor-parallel backend splits them alike).
         Ok(Self {
             h: be.alloc(rows, c.hidden_size)?,
-            q: be.alloc(rows, hd)?,
-            o: be.alloc(rows, hd)?,
-            z: be.alloc(rows, hd)?,
-            k: be.alloc(rows, c.kv_dim())?,
-            v: be.alloc(rows, c.kv_dim())?,
+            q: be.alloc_split("q", rows, hd)?,
+            o: be.alloc_split("o", rows, hd)?,
+            z: be.alloc_split("z", rows, hd)?,
+            k: be.alloc_split("ks", rows, c.kv_dim())?,
+            v: be.alloc_split("vs", rows, c.kv_dim())?,
             range,
         })
     }
@@ -283,8 +285,8 @@ impl<B: Backend> Received<B> {
             start: state()?,
             next: state()?,
             zero: state()?,
-            k: be.alloc(widest, c.kv_dim())?,
-            v: be.alloc(widest, c.kv_dim())?,
+            k: be.alloc_split("ks", widest, c.kv_dim())?,
+            v: be.alloc_split("vs", widest, c.kv_dim())?,
         })
     }
 }

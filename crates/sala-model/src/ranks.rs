@@ -9,6 +9,7 @@ use crate::backend::{
     AttnIo, BResult, Backend, BackendError, Fp8Matrix, HostDType, HostTensor, LogitsOut,
     QuantMatrix, Span, StepInfo,
 };
+use crate::context::Exchange;
 use crate::memory::{BackendMemory, RankShare};
 use crate::numerics::random_normal;
 use crate::oracle::{AttnShape, SparseMode};
@@ -147,6 +148,11 @@ impl<B: Backend> Ranks<B> {
     /// The ranks' backends, in rank order.
     pub fn ranks(&self) -> &[B] {
         &self.ranks
+    }
+
+    /// The whole model's config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
     }
 
     /// An error unless `name` is one of the model's weights (a draft model's are not).
@@ -600,6 +606,8 @@ impl<B: Backend> Backend for Ranks<B> {
         if src.split != dst.split {
             return Err(err("a copy between whole rows and a rank's columns"));
         }
+        // A rank's columns are as wide as the layer that last wrote them: the copy's too.
+        self.set_width(dst, src.width)?;
         self.each(|r, be| be.copy_rows(&src.parts[r], src_row, &mut dst.parts[r], dst_row, n))?;
         Ok(())
     }
@@ -1042,6 +1050,75 @@ impl<B: Backend> Backend for Ranks<B> {
         Ok(())
     }
 
+    fn lightning_state_advance(
+        &self,
+        slopes: &Self::Table,
+        head_dim: usize,
+        tokens: usize,
+        prev: &Self::LightningState,
+        state: &mut Self::LightningState,
+    ) -> BResult<()> {
+        let slopes = slopes
+            .by_heads
+            .as_ref()
+            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        self.each(|r, be| {
+            be.lightning_state_advance(&slopes[r], head_dim, tokens, &prev[r], &mut state[r])
+        })?;
+        Ok(())
+    }
+
+    fn lightning_state_term(
+        &self,
+        shape: AttnShape,
+        slopes: &Self::Table,
+        q_norm: Option<(&Self::Vector, f32)>,
+        inv_freq: Option<&Self::Table>,
+        state: &Self::LightningState,
+        (q, pos): (&mut Self::Act, usize),
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        let shape = self.rank_shape(shape)?;
+        let slopes = slopes
+            .by_heads
+            .as_ref()
+            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        if q.split != Split::Columns || out.split != Split::Columns {
+            return Err(err(
+                "the lightning start-state term takes each rank's heads",
+            ));
+        }
+        self.each(|r, be| {
+            be.lightning_state_term(
+                shape,
+                &slopes[r],
+                q_norm.map(|(w, eps)| (&w[r], eps)),
+                inv_freq.map(|t| &t.whole[r]),
+                &state[r],
+                (&mut q.parts[r], pos),
+                &mut out.parts[r],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Each rank's cache takes its KV heads' columns (the keys and values its projections
+    /// made).
+    fn append_sparse_kv(
+        &self,
+        cache: &mut Self::SparseCache,
+        cfg: &SparseConfig,
+        k: &Self::Act,
+        v: &Self::Act,
+        rows: usize,
+    ) -> BResult<()> {
+        if k.split != Split::Columns || v.split != Split::Columns {
+            return Err(err("a cache's earlier tokens come as each rank's KV heads"));
+        }
+        self.each(|r, be| be.append_sparse_kv(&mut cache[r], cfg, &k.parts[r], &v.parts[r], rows))?;
+        Ok(())
+    }
+
     /// Rank 0's: every rank holds the final hidden states and lm_head whole.
     fn logits(
         &self,
@@ -1082,5 +1159,76 @@ impl<B: Backend> Backend for Ranks<B> {
             }
         }
         Ok(out)
+    }
+}
+
+/// Context parallelism over tensor-parallel groups: each group a context rank, rank `r` of
+/// one group exchanging with rank `r` of the others (the same part of every activation and
+/// state) through `by_rank[r]`.
+pub struct RankExchange<B: Backend> {
+    by_rank: Vec<Box<dyn Exchange<B> + Send>>,
+}
+
+impl<B: Backend> RankExchange<B> {
+    /// One exchange for each rank of a group, in rank order.
+    pub fn new(by_rank: Vec<Box<dyn Exchange<B> + Send>>) -> Self {
+        Self { by_rank }
+    }
+
+    fn check(&self, from: &Ranks<B>, to: &Ranks<B>) -> BResult<()> {
+        let n = self.by_rank.len();
+        if from.ranks.len() != n || to.ranks.len() != n {
+            return Err(err(format!(
+                "an exchange of {n} ranks a group between groups of {} and {}",
+                from.ranks.len(),
+                to.ranks.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Exchange<Ranks<B>> for RankExchange<B> {
+    fn copy_act(
+        &self,
+        from: &Ranks<B>,
+        src: &RankAct<B::Act>,
+        to: &Ranks<B>,
+        dst: &mut RankAct<B::Act>,
+        rows: usize,
+    ) -> BResult<()> {
+        self.check(from, to)?;
+        if src.split != dst.split {
+            return Err(err("an exchange between whole rows and a rank's columns"));
+        }
+        to.set_width(dst, src.width)?;
+        for (r, ex) in self.by_rank.iter().enumerate() {
+            ex.copy_act(
+                &from.ranks[r],
+                &src.parts[r],
+                &to.ranks[r],
+                &mut dst.parts[r],
+                rows,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn copy_state(
+        &self,
+        from: &Ranks<B>,
+        src: &Vec<B::LightningState>,
+        to: &Ranks<B>,
+        dst: &mut Vec<B::LightningState>,
+    ) -> BResult<()> {
+        self.check(from, to)?;
+        for (r, ex) in self.by_rank.iter().enumerate() {
+            ex.copy_state(&from.ranks[r], &src[r], &to.ranks[r], &mut dst[r])?;
+        }
+        Ok(())
+    }
+
+    fn one_memory(&self) -> bool {
+        self.by_rank.iter().all(|ex| ex.one_memory())
     }
 }

@@ -8,7 +8,7 @@ use sala_cuda::tensor_parallel::NcclSum;
 use sala_cuda::{CudaBackend, CudaOptions};
 use sala_model::context::Exchange;
 use sala_model::memory::{parse_size, MemoryLimit, MemoryPlan};
-use sala_model::ranks::Ranks;
+use sala_model::ranks::{Collective, RankExchange, Ranks};
 use sala_model::Backend;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,9 +179,6 @@ impl DeviceArgs {
         if self.context_parallel == 0 {
             bail!("--context-parallel must be at least 1");
         }
-        if n > 1 && self.context_parallel > 1 {
-            bail!("--context-parallel with --tensor-parallel is not supported yet");
-        }
         if n == 1 {
             return device.open_with(self.cuda_options()?);
         }
@@ -194,9 +191,9 @@ impl DeviceArgs {
         };
         let config = config()?;
         let Some(first) = first else {
-            let cpus = (0..n).map(|_| CpuBackend).collect();
-            let ranks =
-                Ranks::new(cpus, Box::new(HostRanks), &config).map_err(|e| anyhow!("{e}"))?;
+            let cpus: Vec<_> = (0..n).map(|_| CpuBackend).collect();
+            let sums = CpuBackend::collective(&cpus)?;
+            let ranks = Ranks::new(cpus, sums, &config).map_err(|e| anyhow!("{e}"))?;
             return Ok(Opened::CpuRanks(Box::new(ranks)));
         };
         // GPUs first..first + n, one rank each. Decode steps are launched one by one: the
@@ -210,9 +207,9 @@ impl DeviceArgs {
                 CudaBackend::new(k, options.clone()).map_err(|e| anyhow!("--device cuda:{k}: {e}"))
             })
             .collect::<Result<Vec<_>>>()?;
-        let sums = NcclSum::new(&ordinals)
-            .map_err(|e| anyhow!("--tensor-parallel {n}: NCCL over GPUs {ordinals:?}: {e}"))?;
-        let ranks = Ranks::new(gpus, Box::new(sums), &config).map_err(|e| anyhow!("{e}"))?;
+        let sums =
+            CudaBackend::collective(&gpus).map_err(|e| anyhow!("--tensor-parallel {n}: {e:#}"))?;
+        let ranks = Ranks::new(gpus, sums, &config).map_err(|e| anyhow!("{e}"))?;
         Ok(Opened::CudaRanks(Box::new(ranks)))
     }
 
@@ -271,14 +268,26 @@ pub trait DeviceStats {
     fn page_pool(&self) -> Option<(usize, usize)> {
         None
     }
-    /// Context parallelism: `n` more ranks of this kind, and how such ranks exchange; an
-    /// error naming the device where it has none yet.
-    fn context_ranks(&self, n: usize) -> Result<ContextRanksOf<Self>>
+    /// Context parallelism: `n` more ranks of this kind, the i-th on the device `stride · i`
+    /// past this one's where the devices are separate (a tensor-parallel group's rank asks
+    /// with its group's size, so that each new group's ranks lie side by side), and how
+    /// these ranks and this one exchange, in rank order (the new ones, then this); an error
+    /// naming the device where it has none yet.
+    fn context_ranks(&self, n: usize, stride: usize) -> Result<ContextRanksOf<Self>>
     where
         Self: Backend + Sized,
     {
-        let _ = n;
+        let _ = (n, stride);
         bail!("context parallelism on {} is not built yet", self.name())
+    }
+    /// Tensor parallelism: how `ranks` (backends of this kind, in rank order) sum across
+    /// each other.
+    fn collective(ranks: &[Self]) -> Result<Box<dyn Collective<Self> + Send>>
+    where
+        Self: Backend + Sized,
+    {
+        let name = ranks.first().map_or_else(String::new, |b| b.name());
+        bail!("tensor parallelism on {name} is not built")
     }
     /// Caps the memory every sequence's caches take together, where the backend can (a page
     /// pool); elsewhere admission by the memory plan is the only check.
@@ -297,8 +306,11 @@ pub type ContextRanksOf<B> = (Vec<B>, Box<dyn Exchange<B> + Send>);
 
 impl DeviceStats for CpuBackend {
     /// Simulated ranks in this process.
-    fn context_ranks(&self, n: usize) -> Result<ContextRanksOf<Self>> {
+    fn context_ranks(&self, n: usize, _stride: usize) -> Result<ContextRanksOf<Self>> {
         Ok(((0..n).map(|_| CpuBackend).collect(), Box::new(HostRanks)))
+    }
+    fn collective(_ranks: &[Self]) -> Result<Box<dyn Collective<Self> + Send>> {
+        Ok(Box::new(HostRanks))
     }
     fn memory_in_use(&self) -> Option<usize> {
         resident_bytes()
@@ -316,7 +328,7 @@ impl DeviceStats for CpuBackend {
 
 /// Each rank's device holds its part: memory in use is the fullest rank's, the total the
 /// smallest rank's.
-impl<B: Backend + DeviceStats> DeviceStats for Ranks<B> {
+impl<B: Backend + DeviceStats + 'static> DeviceStats for Ranks<B> {
     fn memory_in_use(&self) -> Option<usize> {
         self.ranks()
             .iter()
@@ -351,6 +363,32 @@ impl<B: Backend + DeviceStats> DeviceStats for Ranks<B> {
             b.limit_cache_memory(bytes);
         }
     }
+    /// `n` more groups as large, each a context rank: rank `r` of every group from this
+    /// group's rank `r` (its exchange joins them), the groups' devices side by side.
+    fn context_ranks(&self, n: usize, stride: usize) -> Result<ContextRanksOf<Self>> {
+        let size = self.ranks().len();
+        let mut by_rank = Vec::with_capacity(size);
+        let mut exchanges = Vec::with_capacity(size);
+        for be in self.ranks() {
+            let (more, exchange) = be.context_ranks(n, stride * size)?;
+            if more.len() != n {
+                bail!("{} context ranks made for {n}", more.len());
+            }
+            by_rank.push(more.into_iter());
+            exchanges.push(exchange);
+        }
+        let groups = (0..n)
+            .map(|_| {
+                let group: Vec<B> = by_rank.iter_mut().filter_map(|m| m.next()).collect();
+                let sums = B::collective(&group)?;
+                Ranks::new(group, sums, self.config()).map_err(|e| anyhow!("{e}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((groups, Box::new(RankExchange::new(exchanges))))
+    }
+    fn collective(_groups: &[Self]) -> Result<Box<dyn Collective<Self> + Send>> {
+        bail!("tensor parallelism over tensor-parallel groups is not built")
+    }
 }
 
 impl DeviceStats for CudaBackend {
@@ -378,6 +416,13 @@ impl DeviceStats for CudaBackend {
     }
     fn limit_cache_memory(&self, bytes: usize) {
         CudaBackend::limit_cache_memory(self, bytes)
+    }
+    /// NCCL's all-reduce over the ranks' GPUs.
+    fn collective(ranks: &[Self]) -> Result<Box<dyn Collective<Self> + Send>> {
+        let ordinals: Vec<usize> = ranks.iter().map(|b| b.ordinal()).collect();
+        let sums =
+            NcclSum::new(&ordinals).map_err(|e| anyhow!("NCCL over GPUs {ordinals:?}: {e}"))?;
+        Ok(Box::new(sums))
     }
 }
 

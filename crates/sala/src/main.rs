@@ -500,7 +500,7 @@ fn add_context_ranks<B: Backend + DeviceStats>(
     }
     let (backends, exchange) = engine
         .backend
-        .context_ranks(n - 1)
+        .context_ranks(n - 1, 1)
         .with_context(|| format!("--context-parallel {n}"))?;
     let (checkpoint, _) = open_model_files(dir, device.choices()?)?;
     let models = backends

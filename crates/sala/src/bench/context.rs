@@ -47,7 +47,10 @@ pub fn context_parallel(
         );
     }
     if args.device.tensor_parallel > 1 {
-        bail!("--context-parallel with --tensor-parallel is not supported yet");
+        bail!(
+            "sala bench --context-parallel with --tensor-parallel is not built (generate and \
+             serve run context ranks that are tensor-parallel groups)"
+        );
     }
     check_memory(&CpuBackend, config, contexts, ranks, ranks, args)?;
     let load = |_| Model::random(&CpuBackend, config.clone(), args.seed, &mut |_, _| {});

@@ -493,8 +493,9 @@ fn bench_measures_a_speculating_batch_against_the_plain_one() {
 
 /// --context-parallel N: each context read by N simulated ranks at once, the ranges tiling
 /// the prompt in order, the last logits those of one rank reading it (within the lightning
-/// scan's rounding), both TTFTs and decode speeds reported; 0 ranks, and ranks the memory
-/// limit cannot hold, refused by name before any work.
+/// scan's rounding), both TTFTs and decode speeds reported; 0 ranks, ranks beside tensor
+/// parallelism (not built in the bench), and ranks the memory limit cannot hold, refused by
+/// name before any work.
 #[test]
 fn bench_reads_a_prompt_with_context_parallel_ranks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -540,6 +541,11 @@ fn bench_reads_a_prompt_with_context_parallel_ranks() {
     fails_with(
         &bench(&["--context-parallel", "0"], &json, tmp.path()),
         &["--context-parallel must be at least 1"],
+    );
+    let groups = ["--context-parallel", "2", "--tensor-parallel", "2"];
+    fails_with(
+        &bench(&groups, &json, tmp.path()),
+        &["--context-parallel with --tensor-parallel is not built"],
     );
     let small = [
         "--context-parallel",

@@ -1152,8 +1152,8 @@ fn agreed_up_to_a_near_tie(what: &str, a: &[serde_json::Value], b: &[serde_json:
 
 /// `generate` and `serve`'s engine read a long prompt with `--context-parallel N` ranks (the
 /// engine's model taking the last range, the last token read by its step) and pick one
-/// device's greedy tokens up to a near-tie; 0 ranks and ranks beside tensor parallelism are
-/// refused by name.
+/// device's greedy tokens up to a near-tie, also where each rank is a tensor-parallel group;
+/// 0 ranks are refused by name.
 #[test]
 fn generate_reads_long_prompts_with_context_parallel_ranks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1169,6 +1169,14 @@ fn generate_reads_long_prompts_with_context_parallel_ranks() {
         agreed += agreed_up_to_a_near_tie(&format!("{n} ranks"), &one, &ranks);
     }
     assert!(agreed >= 8, "only {agreed} tokens agreed");
+    // Context ranks that are tensor-parallel groups: one device's tokens up to a near-tie.
+    let both = ["--context-parallel", "2", "--tensor-parallel", "2"];
+    let (o, groups) = greedy_trace(cache, &prompt, &both);
+    assert_eq!(groups.len(), 16);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("prompt tokens read by 2 ranks"), "{err}");
+    let agreed = agreed_up_to_a_near_tie("2 groups of 2", &one, &groups);
+    assert!(agreed >= 4, "2 groups of 2: only {agreed} tokens agreed");
     let with = |extra: &[&str]| {
         sala(
             &[&["generate", "--device", "cpu"], extra, &["hi"]].concat(),
@@ -1178,9 +1186,5 @@ fn generate_reads_long_prompts_with_context_parallel_ranks() {
     fails_with(
         &with(&["--context-parallel", "0"]),
         &["--context-parallel must be at least 1"],
-    );
-    fails_with(
-        &with(&["--context-parallel", "2", "--tensor-parallel", "2"]),
-        &["--context-parallel with --tensor-parallel"],
     );
 }
