@@ -93,6 +93,8 @@ pub struct CacheBudget {
     live: usize,
     /// Bytes the prefix cache's parked sequences hold (evictable, but counted until evicted).
     parked: usize,
+    /// Bytes a context-parallel read in progress holds beside the caches.
+    reading: usize,
 }
 
 const NO_BYTES: CacheBytes = CacheBytes {
@@ -131,6 +133,7 @@ impl CacheBudget {
             held: 0,
             live: 0,
             parked: 0,
+            reading: 0,
         }
     }
 
@@ -153,6 +156,7 @@ impl CacheBudget {
             held: 0,
             live: 0,
             parked: 0,
+            reading: 0,
             ..self.clone()
         }
     }
@@ -219,7 +223,7 @@ impl CacheBudget {
             alone.check(limit).map_err(Refusal::TooLarge)?;
             let mut plan = self.plan(total_tokens);
             plan.cache = with_extra(add(plan.cache, self.planned));
-            plan.cache.kv += self.parked;
+            plan.cache.kv += self.parked + self.reading;
             plan.check(limit).map_err(Refusal::Busy)?;
         }
         let planned = with_extra(self.planned_cache(total_tokens));
@@ -286,6 +290,11 @@ impl CacheBudget {
         self.parked = bytes;
     }
 
+    /// A context-parallel read in progress now holds `bytes` beside the caches (0: none).
+    pub fn set_reading(&mut self, bytes: usize) {
+        self.reading = bytes;
+    }
+
     /// Sequences admitted and not released.
     pub fn sequences(&self) -> usize {
         self.live
@@ -306,13 +315,14 @@ impl CacheBudget {
         probe.unwrap_or_else(|| self.planned_bytes())
     }
 
-    /// Bytes the limit leaves beyond the caches the admitted sequences are planned for and
-    /// the parked ones hold (and the rest of a plan): room for buffers a step makes for a
-    /// while, as context-parallel ranks' workspaces; `None` without a limit.
+    /// Bytes the limit leaves beyond the caches the admitted sequences are planned for, the
+    /// parked ones and a context-parallel read in progress hold (and the rest of a plan):
+    /// room for buffers made for a while, as context-parallel ranks' workspaces; `None`
+    /// without a limit.
     pub fn spare_bytes(&self) -> Option<usize> {
         Some(
             self.room_for_caches()?
-                .saturating_sub(self.planned.total() + self.parked),
+                .saturating_sub(self.planned.total() + self.parked + self.reading),
         )
     }
 

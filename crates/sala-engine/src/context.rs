@@ -2,10 +2,12 @@
 //! request's long prompt read by the engine's model and the other ranks at once
 //! ([`sala_model::context`]), the engine's model taking the last range; its sequence then holds
 //! the whole prompt but its last token, which the steps read as any prompt's rest (so the
-//! first token's logits, and everything after, come from the engine's own step).
+//! first token's logits, and everything after, come from the engine's own step). The ranks
+//! read a stage (the embedding, a layer) each step, the other requests' steps running
+//! between ([`ContextRanks::start`], [`ContextRanks::advance`]).
 
 use crate::cache::CacheBudget;
-use sala_model::context::{prefill_as, prompt_ranges, range_bytes, ContextRank, Exchange};
+use sala_model::context::{prompt_ranges, range_bytes, ContextRank, ContextRead, Exchange};
 use sala_model::memory::MemoryPlan;
 use sala_model::{BResult, Backend, BackendError, Model, SeqState, SparseMode, Workspace};
 use std::cell::Cell;
@@ -58,28 +60,34 @@ impl<B: Backend> ContextRanks<B> {
         self.stats.get()
     }
 
-    /// Why the ranks cannot read a prompt of `len` tokens, each its range in chunks of
+    /// What the ranks need to read a prompt of `len` tokens, each its range in chunks of
     /// `chunk` rows, beside what `budget` holds now: on each rank what its range keeps
     /// ([`range_bytes`]), and on the other ranks their chunk's workspace and the caches of the
     /// prompt up to their range's end, against the memory limit, per device, or together
     /// where the ranks share one memory (the engine's rank reads with its step workspace).
-    /// `None`: they can (always without a limit).
-    pub fn lacks_memory(
+    /// `Ok(bytes)`: they can, holding `bytes` of the engine's memory beside the caches while
+    /// they read (0 without a limit); `Err`: why not.
+    pub fn memory_needed(
         &self,
         be: &B,
         model: &Model<B>,
         budget: &CacheBudget,
         len: usize,
         chunk: usize,
-    ) -> Option<String> {
-        let (limit, spare) = (budget.limit()?, budget.spare_bytes()?);
+    ) -> Result<usize, String> {
+        let (Some(limit), Some(spare)) = (budget.limit(), budget.spare_bytes()) else {
+            return Ok(0);
+        };
         let c = &model.config;
         let ranges = prompt_ranges(c, len, self.ranks());
         let rows = |range: &Range<usize>| range.len().min(chunk).max(1);
         let vb = be.memory_facts(c, chunk).value_bytes;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let one_memory = self.exchange.one_memory();
-        let mut need = range_bytes(c, ranges.last()?.len(), vb);
+        let Some(last) = ranges.last() else {
+            return Ok(0);
+        };
+        let mut need = range_bytes(c, last.len(), vb);
         for (range, rank) in ranges.iter().zip(&self.backends) {
             let facts = rank.memory_facts(c, rows(range));
             let plan = MemoryPlan::new(c, range.end, rows(range), &facts);
@@ -87,7 +95,7 @@ impl<B: Backend> ContextRanks<B> {
             if one_memory {
                 need += plan.cache.total() + plan.workspace + kept;
             } else if plan.total() + kept > limit.bytes {
-                return Some(format!(
+                return Err(format!(
                     "a rank reading tokens {range:?} needs {:.2} GiB, {:.2} GiB allowed ({})",
                     gib(plan.total() + kept),
                     gib(limit.bytes),
@@ -95,24 +103,25 @@ impl<B: Backend> ContextRanks<B> {
                 ));
             }
         }
-        (need > spare).then(|| {
-            format!(
+        if need > spare {
+            return Err(format!(
                 "the ranks' buffers need {:.2} GiB beside the caches, {:.2} GiB spare ({})",
                 gib(need),
                 gib(spare),
                 limit.source
-            )
-        })
+            ));
+        }
+        Ok(need)
     }
 
-    /// Reads `tokens` into `seq` (a new sequence of `model` on `be`: the engine's, the last
-    /// rank, reading with the step workspace `ws`, in chunks of its rows) with the sparse
-    /// layers' `mode`, and returns true; false, with `seq` untouched, where `budget`'s limit
-    /// leaves the ranks too little memory or their buffers cannot be made (the prompt is then
-    /// read by the steps, as without ranks). The other ranks read in chunks as long and drop
-    /// their sequences and workspaces after.
+    /// Begins reading `tokens` into `seq` (a new sequence of `model` on `be`: the engine's,
+    /// the last rank, reading with the step workspace `ws` in chunks of its rows) with the
+    /// sparse layers' `mode`; [`ContextRanks::advance`] reads a stage at a time, and other
+    /// steps may run on `ws` between. `None` where `budget`'s limit leaves the ranks too
+    /// little memory or their buffers cannot be made (the prompt is then read by the steps,
+    /// as without ranks). The other ranks read in chunks as long.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn read(
+    pub(crate) fn start(
         &self,
         be: &B,
         model: &Model<B>,
@@ -121,17 +130,17 @@ impl<B: Backend> ContextRanks<B> {
         seq: &mut SeqState<B>,
         tokens: &[u32],
         mode: SparseMode,
-    ) -> BResult<bool> {
-        let mut stats = self.stats.get();
+    ) -> BResult<Option<PendingRead<B>>> {
         let chunk = ws.max_rows;
-        if self
-            .lacks_memory(be, model, budget, tokens.len(), chunk)
-            .is_some()
-        {
+        let alone = || {
+            let mut stats = self.stats.get();
             stats.read_alone += 1;
             self.stats.set(stats);
-            return Ok(false);
-        }
+            Ok(None)
+        };
+        let Ok(bytes) = self.memory_needed(be, model, budget, tokens.len(), chunk) else {
+            return alone();
+        };
         let ranges = prompt_ranges(&model.config, tokens.len(), self.ranks());
         if ranges.len() != self.ranks() {
             return Err(BackendError(format!(
@@ -142,38 +151,91 @@ impl<B: Backend> ContextRanks<B> {
             )));
         }
         let buffers = (|| {
-            let wss = self
+            let mut wss = self
                 .models
                 .iter()
                 .zip(&self.backends)
                 .zip(&ranges)
                 .map(|((m, b), r)| m.workspace(b, r.len().min(chunk)))
                 .collect::<BResult<Vec<_>>>()?;
-            let seqs = self
+            let mut seqs = self
                 .models
                 .iter()
                 .zip(&self.backends)
                 .map(|(m, b)| m.new_sequence(b))
                 .collect::<BResult<Vec<_>>>()?;
-            Ok::<_, BackendError>((wss, seqs))
+            let mut ranks = ContextRank::zip(&self.backends, &self.models, &mut wss, &mut seqs);
+            ranks.push(ContextRank { be, model, ws, seq });
+            let read = ContextRead::new(&ranks, tokens, mode, false)?;
+            drop(ranks);
+            Ok::<_, BackendError>(PendingRead {
+                read,
+                wss,
+                seqs,
+                bytes,
+            })
         })();
-        let Ok((mut wss, mut seqs)) = buffers else {
-            stats.read_alone += 1;
-            self.stats.set(stats);
+        match buffers {
+            Ok(pending) => Ok(Some(pending)),
+            Err(_) => alone(),
+        }
+    }
+
+    /// Runs the next stage of `pending` (begun by [`ContextRanks::start`] with these `be`,
+    /// `model` and `seq`, `ws` the engine's step workspace); true once the read is done:
+    /// `seq` then holds its tokens, and the other ranks' buffers are dropped.
+    pub(crate) fn advance(
+        &self,
+        pending: &mut Option<PendingRead<B>>,
+        be: &B,
+        model: &Model<B>,
+        ws: &mut Workspace<B>,
+        seq: &mut SeqState<B>,
+    ) -> BResult<bool> {
+        let Some(p) = pending.as_mut() else {
+            return Err(BackendError(
+                "context parallelism: no read in progress".into(),
+            ));
+        };
+        let mut ranks = ContextRank::zip(&self.backends, &self.models, &mut p.wss, &mut p.seqs);
+        ranks.push(ContextRank { be, model, ws, seq });
+        p.read.advance(&mut ranks, &*self.exchange)?;
+        if !p.read.is_done() {
+            return Ok(false);
+        }
+        drop(ranks);
+        let Some(mut p) = pending.take() else {
             return Ok(false);
         };
-        let mut ranks = ContextRank::zip(&self.backends, &self.models, &mut wss, &mut seqs);
+        let mut ranks = ContextRank::zip(&self.backends, &self.models, &mut p.wss, &mut p.seqs);
         ranks.push(ContextRank { be, model, ws, seq });
-        let done = prefill_as(&mut ranks, &*self.exchange, tokens, mode)?;
-        if done.last + 1 != self.ranks() {
+        let (ranges, last) = p.read.finish(&mut ranks)?;
+        if last + 1 != self.ranks() {
             return Err(BackendError(
                 "context parallelism: the engine's rank did not read the prompt's end".into(),
             ));
         }
+        let mut stats = self.stats.get();
         stats.prompts += 1;
-        stats.tokens += tokens.len() as u64;
+        stats.tokens += ranges[last].end as u64;
         self.stats.set(stats);
         Ok(true)
+    }
+}
+
+/// A context-parallel read in progress ([`ContextRanks::start`]): the read, the other ranks'
+/// workspaces and sequences, and the bytes of the engine's memory it holds beside the caches.
+pub(crate) struct PendingRead<B: Backend> {
+    read: ContextRead<B>,
+    wss: Vec<Workspace<B>>,
+    seqs: Vec<SeqState<B>>,
+    pub(crate) bytes: usize,
+}
+
+impl<B: Backend> PendingRead<B> {
+    /// Tokens it reads.
+    pub(crate) fn tokens(&self) -> usize {
+        self.read.ranges().last().map_or(0, |r| r.end)
     }
 }
 

@@ -14,6 +14,7 @@
 //! forward pass fails the requests it served in that step, and the others go on.
 
 use crate::cache::{CacheBudget, Lease, Refusal};
+use crate::context::PendingRead;
 use crate::draft::DraftSource;
 use crate::generate::{
     isolated, request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream,
@@ -132,6 +133,9 @@ struct Member<B: Backend, C> {
     /// from the parked one it was forked from.
     cached: usize,
     shares: Option<Shared>,
+    /// Its prompt's read by the context-parallel ranks, while in progress (a stage each
+    /// step; the steps read nothing of its prompt meanwhile).
+    context: Option<PendingRead<B>>,
     client: C,
 }
 
@@ -153,8 +157,8 @@ impl<B: Backend, C> Member<B, C> {
                 },
                 _ => Want::Decode,
             },
-            // It waits for the prompt's state to copy.
-            (None, None) if self.copy_of.is_some() => Want::Nothing,
+            // It waits for the prompt's state to copy, or for the ranks to read it.
+            (None, None) if self.copy_of.is_some() || self.context.is_some() => Want::Nothing,
             (None, None) if self.read < self.prompt.len() => Want::Prompt {
                 read: self.read,
                 len: self.prompt.len(),
@@ -237,6 +241,9 @@ impl<B: Backend, C> Batch<B, C> {
         let mut m = self.members.remove(i);
         if let Some(lease) = m.lease.take() {
             self.cache.release(lease);
+        }
+        if m.context.take().is_some() {
+            self.cache.set_reading(0);
         }
         m
     }
@@ -356,6 +363,8 @@ impl<B: Backend> Engine<B> {
         let shares = shared(&batch.cache, hit.filter(|_| resume.is_some()));
         let parked = parked_bytes(&self.prefix, &batch.members, shares);
         batch.cache.set_parked(parked);
+        // The ranks read one prompt at a time: while they read one, others are the steps'.
+        let ranks_free = !batch.members.iter().any(|m| m.context.is_some());
         let started = (|| {
             let stream = TokenStream::new(
                 &self.tokenizer,
@@ -385,11 +394,12 @@ impl<B: Backend> Engine<B> {
                 }
             };
             // A long prompt read from the start by the context-parallel ranks, all of it
-            // but its last token (read by the steps, for its logits).
+            // but its last token (read by the steps, for its logits), a stage each step.
             let block = self.model.config.sparse.block_size;
-            let read = match &self.context {
+            let context = match &self.context {
                 Some(ranks)
-                    if cached == 0
+                    if ranks_free
+                        && cached == 0
                         && !drafts
                         && opts.prompt_logprobs.is_none()
                         && ranks.takes(prompt.len(), block) =>
@@ -398,16 +408,13 @@ impl<B: Backend> Engine<B> {
                     let mode = self.model.sparse_mode(prompt.len());
                     let (be, model, budget) = (&self.backend, &self.model, &batch.cache);
                     let ws = &mut self.workspace;
-                    match ranks.read(be, model, ws, budget, &mut seq, &prompt[..n], mode)? {
-                        true => n,
-                        false => cached,
-                    }
+                    ranks.start(be, model, ws, budget, &mut seq, &prompt[..n], mode)?
                 }
-                _ => cached,
+                _ => None,
             };
-            Ok::<_, EngineError>((stream, seq, draft_state, cached, read))
+            Ok::<_, EngineError>((stream, seq, draft_state, cached, context))
         })();
-        let (stream, seq, draft_state, cached, read) = match started {
+        let (stream, seq, draft_state, cached, context) = match started {
             Ok(s) => s,
             Err(e) => {
                 batch.cache.release(lease);
@@ -427,12 +434,15 @@ impl<B: Backend> Engine<B> {
                 return Err(e);
             }
         };
+        if let Some(p) = &context {
+            batch.cache.set_reading(p.bytes);
+        }
         batch.next_id += 1;
         batch.members.push(Member {
             id,
             seq,
             prompt,
-            read,
+            read: cached,
             stream,
             lease: Some(lease),
             logits: None,
@@ -446,6 +456,7 @@ impl<B: Backend> Engine<B> {
             snapshots: Vec::new(),
             cached,
             shares,
+            context,
             client,
         });
         Ok(id)
@@ -616,6 +627,42 @@ impl<B: Backend> Engine<B> {
             self.speculated.draft_micros += started.elapsed().as_micros() as u64;
             if let Err(e) = planned {
                 m.done = Some(Err(e));
+            }
+        }
+
+        // A long prompt's context-parallel read: its next stage (the embedding or a layer),
+        // between the other requests' steps. Once done, its last token is this step's.
+        let reading = members
+            .iter_mut()
+            .find(|m| m.context.is_some() && m.done.is_none());
+        if let (Some(ranks), Some(m)) = (&self.context, reading) {
+            let tokens = m.context.as_ref().map_or(0, |p| p.tokens());
+            let (be, model, ws) = (&self.backend, &self.model, &mut self.workspace);
+            let advanced = isolated("the context-parallel read", || {
+                Ok(ranks.advance(&mut m.context, be, model, ws, &mut m.seq)?)
+            });
+            if !matches!(advanced, Ok(false)) {
+                m.context = None;
+                cache.set_reading(0);
+            }
+            match advanced {
+                Ok(true) => {
+                    m.read = tokens;
+                    let cx = StepContext {
+                        cache,
+                        probe: &probe,
+                    };
+                    let client = &mut m.client;
+                    let heard = isolated("the request's events", || {
+                        client.event(StepEvent::Read { tokens }, &cx);
+                        Ok(())
+                    });
+                    if let Err(e) = heard {
+                        m.done = Some(Err(e));
+                    }
+                }
+                Ok(false) => {}
+                Err(e) => m.done = Some(Err(e)),
             }
         }
 

@@ -78,3 +78,129 @@ fn ranks_read_long_prompts_where_the_memory_leaves_them_room() {
     generate(&mut e, &prompt);
     assert_eq!(e.context_stats(), Some(read(2, 598, 1)));
 }
+
+type Log = std::rc::Rc<std::cell::RefCell<Vec<(usize, String)>>>;
+
+/// A client logging request `i`'s events: `read N`, `prefilled`, `token ID`, `done`.
+fn logger(log: &Log, i: usize) -> Box<dyn FnMut(sala_engine::step::StepEvent<'_>) -> bool> {
+    use sala_engine::step::StepEvent;
+    let log = log.clone();
+    Box::new(move |ev: StepEvent<'_>| {
+        let what = match ev {
+            StepEvent::Read { tokens } => format!("read {tokens}"),
+            StepEvent::Prefilled { .. } => "prefilled".into(),
+            StepEvent::Token(s) => match s.token {
+                Some(t) => format!("token {}", t.id),
+                None => return true,
+            },
+            StepEvent::Done(_) => "done".into(),
+        };
+        log.borrow_mut().push((i, what));
+        true
+    })
+}
+
+/// The ranks read a long prompt a stage (the embedding, then each layer) a step, so a request
+/// already decoding gets a token in each of those steps; the long prompt's tokens are those it
+/// gets read alone, and its first event is the ranks' read of all of it but its last token.
+/// While they read one prompt another long one is the steps'; a request cancelled while the
+/// ranks read it frees them (and the memory their read holds) for the next.
+#[test]
+fn ranks_read_a_stage_a_step_beside_the_other_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = TestRng::new(11);
+    let long: Vec<u32> = (0..300).map(|_| 3 + rng.below(200) as u32).collect();
+    let other: Vec<u32> = (0..280).map(|_| 3 + rng.below(200) as u32).collect();
+    let short: Vec<u32> = (0..20).map(|_| 3 + rng.below(200) as u32).collect();
+    let mut e = engine(dir.path(), 1);
+    let layers = e.model.config.num_hidden_layers;
+    let want = generate(&mut e, &long);
+    assert_eq!(e.context_stats().unwrap().prompts, 1);
+    let log: Log = Default::default();
+    e.set_max_batch(4).unwrap();
+    let mut batch = e.batch();
+    let o = common::options(6, common::greedy());
+    let decoding = common::options(2 * layers + 8, common::greedy());
+    e.admit(&mut batch, short.clone(), &decoding, None, logger(&log, 0))
+        .unwrap();
+    while !log
+        .borrow()
+        .iter()
+        .any(|(i, w)| *i == 0 && w.starts_with("token"))
+    {
+        e.step(&mut batch);
+    }
+    let at = log.borrow().len();
+    e.admit(&mut batch, long.clone(), &o, None, logger(&log, 1))
+        .unwrap();
+    // Admitted while the ranks read `long`: read by the steps.
+    e.admit(&mut batch, other.clone(), &o, None, logger(&log, 2))
+        .unwrap();
+    let mut steps = 0;
+    while !log
+        .borrow()
+        .iter()
+        .any(|(i, w)| *i == 1 && w == "prefilled")
+    {
+        e.step(&mut batch);
+        steps += 1;
+        assert!(steps < 10 * layers, "the long prompt was never read");
+    }
+    assert!(steps > layers, "{steps} steps for {layers} layers");
+    let events = log.borrow()[at..].to_vec();
+    let first = events.iter().find(|(i, _)| *i == 1).unwrap();
+    assert_eq!(first.1, "read 299", "{events:?}");
+    let beside = events
+        .iter()
+        .take_while(|(i, w)| !(*i == 1 && w == "prefilled"))
+        .filter(|(i, w)| *i == 0 && w.starts_with("token"))
+        .count();
+    assert!(
+        beside >= layers,
+        "{beside} tokens beside the read: {events:?}"
+    );
+    while !batch.is_empty() {
+        e.step(&mut batch);
+    }
+    let got: Vec<String> = log
+        .borrow()
+        .iter()
+        .filter(|(i, w)| *i == 1 && w.starts_with("token"))
+        .map(|(_, w)| w.clone())
+        .collect();
+    let alone: Vec<String> = want
+        .tokens
+        .iter()
+        .map(|t| format!("token {}", t.id))
+        .collect();
+    assert_eq!(got, alone);
+    let stats = e.context_stats().unwrap();
+    assert_eq!((stats.prompts, stats.tokens), (2, 598), "{stats:?}");
+    // Cancelled mid-read: the ranks take the next long prompt, the memory held is freed.
+    let limit = MemoryLimit {
+        bytes: 1 << 40,
+        source: "test".into(),
+    };
+    e.set_memory_limit(Some(limit));
+    let mut batch = e.batch();
+    let spare = batch.cache().spare_bytes().unwrap();
+    let id = e
+        .admit(&mut batch, long.clone(), &o, None, logger(&log, 3))
+        .unwrap();
+    let reading = batch.cache().spare_bytes().unwrap();
+    e.step(&mut batch);
+    e.step(&mut batch);
+    batch.cancel_where(|x, _| x == id);
+    assert_eq!(batch.cache().spare_bytes(), Some(spare));
+    let planned = spare - reading;
+    assert!(
+        planned > e.cache_budget().plan(long.len() + 6).cache.total(),
+        "nothing held"
+    );
+    e.admit(&mut batch, long.clone(), &o, None, logger(&log, 4))
+        .unwrap();
+    while !batch.is_empty() {
+        e.step(&mut batch);
+    }
+    assert_eq!(e.context_stats().unwrap().prompts, 3);
+}

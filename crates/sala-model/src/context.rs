@@ -11,7 +11,7 @@
 //! rank, whose start is the prompt's, finishes each chunk in the first pass. Each rank ends
 //! holding the prompt up to its range's end,
 //! the last one the whole prompt (every cache and the lightning states after it): decode
-//! continues there.
+//! continues there. [`ContextRead`] runs the same a stage (the embedding, a layer) at a time.
 
 use crate::backend::{AttnIo, BResult, Backend, BackendError, Span, StepInfo};
 use crate::model::{state_mismatch, LayerState, LogitRows, Model, SeqState, Workspace};
@@ -135,79 +135,16 @@ pub fn prefill_as<B: Backend>(
     tokens: &[u32],
     mode: SparseMode,
 ) -> BResult<ContextPrefill> {
-    let model = ranks
-        .first()
-        .ok_or_else(|| BackendError("context parallelism needs at least one rank".into()))?
-        .model;
-    let c = &model.config;
-    if tokens.is_empty() {
-        return Err(BackendError("cannot prefill an empty prompt".into()));
+    let mut read = ContextRead::new(ranks, tokens, mode, true)?;
+    while !read.is_done() {
+        read.advance(ranks, exchange)?;
     }
-    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-        return Err(BackendError(format!(
-            "token id {bad} is outside the vocabulary ({})",
-            c.vocab_size
-        )));
-    }
-    let ranges = prompt_ranges(c, tokens.len(), ranks.len());
-    let ranks = &mut ranks[..ranges.len()];
-    for (r, rank) in ranks.iter().enumerate() {
-        let fresh = rank.seq.pos == 0 && rank.seq.aux.is_none() && rank.seq.span_kv.is_none();
-        if !fresh || rank.ws.max_rows == 0 {
-            return Err(BackendError(format!(
-                "context parallelism: rank {r} needs a new sequence and a workspace"
-            )));
-        }
-    }
-    let mut parts = ranks
-        .iter()
-        .zip(&ranges)
-        .map(|(rank, range)| Part::new(rank, range.clone()))
-        .collect::<BResult<Vec<_>>>()?;
-    let widest = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
-    let mut received = ranks[1..]
-        .iter()
-        .map(|r| Received::new(r.be, c, widest))
-        .collect::<BResult<Vec<_>>>()?;
-    let last = ranks.len() - 1;
-    let run = Run {
-        tokens,
-        mode,
-        last_rank: last,
-    };
-    // Each rank's rows embedded, chunk by chunk.
-    for (r, (rank, part)) in ranks.iter_mut().zip(&mut parts).enumerate() {
-        for ch in part.chunks(rank.ws.max_rows) {
-            run.in_step(r, rank, part, &ch, |be, m, ws, _, part| {
-                be.embed(
-                    &m.embed,
-                    &tokens[part.at(&ch)],
-                    m.config.scale_emb as f32,
-                    &mut ws.h,
-                )?;
-                keep(be, &ws.h, &mut part.h, &ch)
-            })?;
-        }
-    }
-    for i in 0..model.layers.len() {
-        match c.mixer_types[i] {
-            MixerKind::Lightning => {
-                lightning_layer(&run, ranks, &mut parts, exchange, i, &mut received)?
-            }
-            MixerKind::Sparse => sparse_layer(&run, ranks, &mut parts, exchange, i, &mut received)?,
-        }
-    }
-    for (rank, range) in ranks.iter_mut().zip(&ranges) {
-        rank.seq.pos = range.end;
-    }
+    let (ranges, last) = read.finish(ranks)?;
     // The last rank's last chunk was the last one read: its final norm is in `ws.a`.
     let rank = &ranks[last];
     let m = rank.model;
     let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-    let n = parts[last]
-        .chunks(rank.ws.max_rows)
-        .last()
-        .map_or(0, |ch| ch.len());
+    let n = (ranges[last].len() - 1) % rank.ws.max_rows + 1;
     let out = rank.be.logits(
         &rank.ws.a,
         &[n - 1],
@@ -220,6 +157,180 @@ pub fn prefill_as<B: Backend>(
         ranges,
         logits: out.rows,
     })
+}
+
+/// A context-parallel read of a prompt in progress ([`prefill`] a stage at a time): the
+/// embedding, then each layer, each stage one call of [`ContextRead::advance`], so that other
+/// work (another request's step) may run on the ranks between stages. It holds what each
+/// rank keeps of its range; the ranks themselves are lent to each call, the same ones in the
+/// same order every time.
+pub struct ContextRead<B: Backend> {
+    tokens: Vec<u32>,
+    mode: SparseMode,
+    ranges: Vec<Range<usize>>,
+    parts: Vec<Part<B>>,
+    received: Vec<Received<B>>,
+    /// The next stage: 0 embeds the rows, `i + 1` reads layer `i`.
+    next: usize,
+    layers: usize,
+    /// Whether nothing else runs on the ranks' workspaces between stages (a layer may then
+    /// go on from the rows the last one left there).
+    kept: bool,
+}
+
+impl<B: Backend> ContextRead<B> {
+    /// A read of `tokens` (the whole prompt of new sequences, or the first tokens of one whose
+    /// sparse layers read with `mode`) over `ranks`; `kept`: see [`ContextRead::advance`].
+    /// A prompt of fewer blocks than ranks leaves the later ranks idle.
+    pub fn new(
+        ranks: &[ContextRank<'_, B>],
+        tokens: &[u32],
+        mode: SparseMode,
+        kept: bool,
+    ) -> BResult<Self> {
+        let model = ranks
+            .first()
+            .ok_or_else(|| BackendError("context parallelism needs at least one rank".into()))?
+            .model;
+        let c = &model.config;
+        if tokens.is_empty() {
+            return Err(BackendError("cannot prefill an empty prompt".into()));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(BackendError(format!(
+                "token id {bad} is outside the vocabulary ({})",
+                c.vocab_size
+            )));
+        }
+        let ranges = prompt_ranges(c, tokens.len(), ranks.len());
+        let ranks = &ranks[..ranges.len()];
+        for (r, rank) in ranks.iter().enumerate() {
+            let fresh = rank.seq.pos == 0 && rank.seq.aux.is_none() && rank.seq.span_kv.is_none();
+            if !fresh || rank.ws.max_rows == 0 {
+                return Err(BackendError(format!(
+                    "context parallelism: rank {r} needs a new sequence and a workspace"
+                )));
+            }
+        }
+        let parts = ranks
+            .iter()
+            .zip(&ranges)
+            .map(|(rank, range)| Part::new(rank, range.clone()))
+            .collect::<BResult<Vec<_>>>()?;
+        let widest = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
+        let received = ranks[1..]
+            .iter()
+            .map(|r| Received::new(r.be, c, widest))
+            .collect::<BResult<Vec<_>>>()?;
+        Ok(Self {
+            tokens: tokens.to_vec(),
+            mode,
+            ranges,
+            parts,
+            received,
+            next: 0,
+            layers: model.layers.len(),
+            kept,
+        })
+    }
+
+    /// The ranges the ranks read, in rank order (as many as the ranks with tokens).
+    pub fn ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+
+    /// Whether every stage has run.
+    pub fn is_done(&self) -> bool {
+        self.next > self.layers
+    }
+
+    /// Stages left to run.
+    pub fn stages_left(&self) -> usize {
+        (self.layers + 1).saturating_sub(self.next)
+    }
+
+    /// Runs the next stage over `ranks`. Where the read is not `kept`, each stage loads its
+    /// rows from what the ranks keep, whatever the workspaces hold.
+    pub fn advance(
+        &mut self,
+        ranks: &mut [ContextRank<'_, B>],
+        exchange: &dyn Exchange<B>,
+    ) -> BResult<()> {
+        if self.is_done() {
+            return Err(BackendError(
+                "context parallelism: the read is done already".into(),
+            ));
+        }
+        let ranks = self.lent(ranks)?;
+        let run = Run {
+            tokens: &self.tokens,
+            mode: self.mode,
+            last_rank: ranks.len() - 1,
+            kept: self.kept,
+        };
+        let (parts, received) = (&mut self.parts, &mut self.received);
+        match self.next {
+            0 => {
+                // Each rank's rows embedded, chunk by chunk.
+                for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
+                    for ch in part.chunks(rank.ws.max_rows) {
+                        run.in_step(r, rank, part, &ch, |be, m, ws, _, part| {
+                            be.embed(
+                                &m.embed,
+                                &run.tokens[part.at(&ch)],
+                                m.config.scale_emb as f32,
+                                &mut ws.h,
+                            )?;
+                            keep(be, &ws.h, &mut part.h, &ch)
+                        })?;
+                    }
+                }
+            }
+            stage => {
+                let i = stage - 1;
+                match ranks[0].model.config.mixer_types[i] {
+                    MixerKind::Lightning => {
+                        lightning_layer(&run, ranks, parts, exchange, i, received)?
+                    }
+                    MixerKind::Sparse => sparse_layer(&run, ranks, parts, exchange, i, received)?,
+                }
+            }
+        }
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Ends a read that [`ContextRead::is_done`]: each rank's sequence then holds the prompt
+    /// up to its range's end. Returns the ranges and the rank holding the whole.
+    pub fn finish(self, ranks: &mut [ContextRank<'_, B>]) -> BResult<(Vec<Range<usize>>, usize)> {
+        if !self.is_done() {
+            return Err(BackendError(format!(
+                "context parallelism: {} stages of the read left",
+                self.stages_left()
+            )));
+        }
+        let ranks = self.lent(ranks)?;
+        for (rank, range) in ranks.iter_mut().zip(&self.ranges) {
+            rank.seq.pos = range.end;
+        }
+        let last = self.ranges.len() - 1;
+        Ok((self.ranges, last))
+    }
+
+    /// The ranks with tokens among `ranks`, which must be those the read began with.
+    fn lent<'r, 'a>(
+        &self,
+        ranks: &'r mut [ContextRank<'a, B>],
+    ) -> BResult<&'r mut [ContextRank<'a, B>]> {
+        if ranks.len() < self.ranges.len() {
+            return Err(BackendError(format!(
+                "context parallelism: {} ranks lent to a read over {}",
+                ranks.len(),
+                self.ranges.len()
+            )));
+        }
+        Ok(&mut ranks[..self.ranges.len()])
+    }
 }
 
 /// What a rank keeps of its whole range between the layers' passes over its chunks: the
@@ -296,6 +407,8 @@ struct Run<'t> {
     tokens: &'t [u32],
     mode: SparseMode,
     last_rank: usize,
+    /// [`ContextRead`]'s `kept`.
+    kept: bool,
 }
 
 impl Run<'_> {
@@ -346,8 +459,9 @@ fn span_of<B: Backend>(part: &Part<B>, ch: &Range<usize>) -> Span {
 }
 
 /// Layer `i`'s input for chunk `ch`: its residual rows, normed. A range read in one chunk
-/// has them in the workspace already past the first layer (the last layer's finish left its
-/// residual rows and their norm there, as a one-device prefill goes on from them).
+/// has them in the workspace already past the first layer where it is `kept` (the last
+/// layer's finish left its residual rows and their norm there, as a one-device prefill goes
+/// on from them).
 fn load_input<B: Backend>(
     be: &B,
     m: &Model<B>,
@@ -355,8 +469,9 @@ fn load_input<B: Backend>(
     ws: &mut Workspace<B>,
     part: &Part<B>,
     ch: &Range<usize>,
+    kept: bool,
 ) -> BResult<()> {
-    if i > 0 && ch.len() == part.range.len() {
+    if kept && i > 0 && ch.len() == part.range.len() {
         return Ok(());
     }
     take(be, &part.h, &mut ws.h, ch)?;
@@ -416,7 +531,7 @@ fn lightning_layer<B: Backend>(
                 let LayerState::Lightning(state) = &mut seq.layers[i] else {
                     return Err(state_mismatch());
                 };
-                load_input(be, m, i, ws, part, &ch)?;
+                load_input(be, m, i, ws, part, &ch, run.kept)?;
                 m.layers[i].project(m, be, ws)?;
                 if r > 0 {
                     // The queries as projected (the term norms and rotates them itself).
@@ -529,7 +644,7 @@ fn sparse_layer<B: Backend>(
     for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
         for ch in part.chunks(rank.ws.max_rows) {
             run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
-                load_input(be, m, i, ws, part, &ch)?;
+                load_input(be, m, i, ws, part, &ch, run.kept)?;
                 m.layers[i].project(m, be, ws)?;
                 // The raw keys and values (an attention may change its k in place).
                 keep(be, &ws.ks, &mut part.k, &ch)?;
