@@ -120,7 +120,8 @@ pub struct DeviceArgs {
     pub tensor_parallel: usize,
     /// Read long prompts with N ranks at once (context parallelism: each rank a range of the
     /// prompt and the whole model; the first device's rank takes the last range and decodes).
-    /// With --device cpu, N simulated ranks in this process (for tests: no faster than one).
+    /// With --tensor-parallel M, each rank a group of M devices (N x M in all). With --device
+    /// cpu, N simulated ranks in this process (for tests: no faster than one).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub context_parallel: usize,
     /// Quantize a bf16 checkpoint's decoder linears as it loads: fp8 (E4M3 weights with a
