@@ -822,6 +822,25 @@ fn tensor_parallel_refuses_what_does_not_split() {
     assert!(e.contains("draft model"), "{e}");
 }
 
+/// One device's logits: of `prompt`'s last token read in chunks of `chunk`, then of each of
+/// `rest` decoded after it.
+fn prefill_and_decode(
+    one: &Model<CpuBackend>,
+    prompt: &[u32],
+    rest: &[u32],
+    chunk: usize,
+) -> Vec<Vec<f32>> {
+    let mut ws = one.workspace(&CpuBackend, chunk).unwrap();
+    let mut seq = one.new_sequence(&CpuBackend).unwrap();
+    let mut out = vec![one
+        .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
+        .unwrap()];
+    for &t in rest {
+        out.push(one.decode(&CpuBackend, &mut ws, &mut seq, t).unwrap());
+    }
+    out
+}
+
 /// Context parallelism over tensor-parallel groups: each context rank a group of 2 or 4 CPU
 /// ranks (4 shares the sparse layers' 2 KV heads), rank `r` of each group exchanging with rank
 /// `r` of the others ([`RankExchange`]); the last group's logits are one device's within the
@@ -836,14 +855,7 @@ fn context_parallel_over_tensor_parallel_groups_gives_one_devices_logits() {
     for (n, seed, chunk) in [(150usize, 64u64, 150), (301, 65, 37)] {
         let toks = tokens(n + 3, v, seed);
         let (prompt, rest) = toks.split_at(n);
-        let mut ws = one.workspace(&CpuBackend, chunk).unwrap();
-        let mut seq = one.new_sequence(&CpuBackend).unwrap();
-        let mut want = vec![one
-            .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
-            .unwrap()];
-        for &t in rest {
-            want.push(one.decode(&CpuBackend, &mut ws, &mut seq, t).unwrap());
-        }
+        let want = prefill_and_decode(&one, prompt, rest, chunk);
         for (size, count) in [(2usize, 2usize), (4, 3)] {
             let groups: Vec<_> = (0..count).map(|_| ranks(size, &config)).collect();
             let models: Vec<_> = groups.iter().map(|g| load(g, &config, 63)).collect();
@@ -905,14 +917,7 @@ fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
     for (n, seed, chunk) in cases {
         let toks = tokens(n + 4, v, seed);
         let (prompt, rest) = toks.split_at(n);
-        let mut ws = one.workspace(&CpuBackend, chunk).unwrap();
-        let mut seq = one.new_sequence(&CpuBackend).unwrap();
-        let mut want = vec![one
-            .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
-            .unwrap()];
-        for &t in rest {
-            want.push(one.decode(&CpuBackend, &mut ws, &mut seq, t).unwrap());
-        }
+        let want = prefill_and_decode(&one, prompt, rest, chunk);
         for count in [1usize, 2, 3, 5] {
             let models: Vec<_> = (0..count).map(|_| load(&CpuBackend, &config, 51)).collect();
             let mut wss: Vec<_> = models

@@ -78,6 +78,15 @@ pub struct RankTable<T> {
     by_heads: Option<Vec<T>>,
 }
 
+impl<T> RankTable<T> {
+    /// Each rank's heads' entries (the lightning decay slopes).
+    fn heads(&self) -> BResult<&[T]> {
+        self.by_heads
+            .as_deref()
+            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))
+    }
+}
+
 /// Tensor parallelism over the backends of its ranks, one per device.
 pub struct Ranks<B: Backend> {
     ranks: Vec<B>,
@@ -968,10 +977,7 @@ impl<B: Backend> Backend for Ranks<B> {
         states: &mut [&mut Self::LightningState],
     ) -> BResult<()> {
         let shape = self.rank_shape(shape)?;
-        let slopes = slopes
-            .by_heads
-            .as_ref()
-            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        let slopes = slopes.heads()?;
         self.set_width(io.out, shape.q_width())?;
         for (r, be) in self.ranks.iter().enumerate() {
             let io = AttnIo {
@@ -1007,10 +1013,7 @@ impl<B: Backend> Backend for Ranks<B> {
         state: &mut Self::LightningState,
     ) -> BResult<()> {
         let shape = self.rank_shape(shape)?;
-        let slopes = slopes
-            .by_heads
-            .as_ref()
-            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        let slopes = slopes.heads()?;
         self.each(|r, be| {
             be.lightning_replay(
                 shape,
@@ -1058,10 +1061,7 @@ impl<B: Backend> Backend for Ranks<B> {
         prev: &Self::LightningState,
         state: &mut Self::LightningState,
     ) -> BResult<()> {
-        let slopes = slopes
-            .by_heads
-            .as_ref()
-            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        let slopes = slopes.heads()?;
         self.each(|r, be| {
             be.lightning_state_advance(&slopes[r], head_dim, tokens, &prev[r], &mut state[r])
         })?;
@@ -1079,10 +1079,7 @@ impl<B: Backend> Backend for Ranks<B> {
         out: &mut Self::Act,
     ) -> BResult<()> {
         let shape = self.rank_shape(shape)?;
-        let slopes = slopes
-            .by_heads
-            .as_ref()
-            .ok_or_else(|| err("the lightning slopes are not a table of the heads"))?;
+        let slopes = slopes.heads()?;
         if q.split != Split::Columns || out.split != Split::Columns {
             return Err(err(
                 "the lightning start-state term takes each rank's heads",
