@@ -214,15 +214,6 @@ impl DeviceArgs {
         Ok(Opened::CudaRanks(Box::new(ranks)))
     }
 
-    /// Whether these flags run on a GPU: `cuda[:N]`, or `auto` where one opens.
-    pub fn runs_on_gpu(&self) -> Result<bool> {
-        Ok(match Device::parse(&self.device)? {
-            Device::Cpu => false,
-            Device::Cuda(_) => true,
-            Device::Auto => CudaBackend::new(0, self.cuda_options()?).is_ok(),
-        })
-    }
-
     /// The CUDA options of the environment and these flags.
     pub fn cuda_options(&self) -> Result<CudaOptions> {
         let mut o = cuda_options(self.device_profile.as_deref())?;

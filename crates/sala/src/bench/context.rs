@@ -1,14 +1,15 @@
 //! `sala bench --context-parallel N`: each --context read by N ranks at once
 //! ([`sala_model::context::prefill`]), then --decode-tokens decoded on the rank holding the
 //! whole prompt, against one rank reading it in chunks of --prefill-chunk: both times to first
-//! token, the ratio, and the decode speed after each. The ranks are simulated on the CPU in
-//! this build (one after another: the ratio shows the exchanges' cost, not a speedup).
+//! token, the ratio, and the decode speed after each. The ranks are those the device's kind
+//! makes ([`DeviceStats::context_ranks`]), each a tensor-parallel group with
+//! --tensor-parallel; on the CPU they are simulated (one after another: the ratio shows the
+//! exchanges' cost, not a speedup).
 
 use super::BenchArgs;
 use crate::device::{memory_limit, user_memory_limit, DeviceStats};
 use anyhow::{bail, Context as _, Result};
 use sala_checkpoint::ModelConfig;
-use sala_cpu::{CpuBackend, HostRanks};
 use sala_model::context::{prefill, prompt_ranges, range_bytes, ContextRank};
 use sala_model::memory::MemoryPlan;
 use sala_model::numerics::TestRng;
@@ -19,18 +20,20 @@ use std::time::Instant;
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Decodes `n` random tokens on `seq`: the tokens a second.
-fn decode_rate(
-    model: &Model<CpuBackend>,
-    ws: &mut Workspace<CpuBackend>,
-    seq: &mut SeqState<CpuBackend>,
+fn decode_rate<B: Backend + DeviceStats>(
+    be: &B,
+    model: &Model<B>,
+    ws: &mut Workspace<B>,
+    seq: &mut SeqState<B>,
     rng: &mut TestRng,
     n: usize,
 ) -> Result<f64> {
     let start = Instant::now();
     for _ in 0..n {
         let t = rng.below(model.config.vocab_size) as u32;
-        model.decode(&CpuBackend, ws, seq, t)?;
+        model.decode(be, ws, seq, t)?;
     }
+    be.synchronize()?;
     Ok(n as f64 / start.elapsed().as_secs_f64())
 }
 
@@ -40,27 +43,42 @@ pub fn context_parallel(
     contexts: &[usize],
     args: &BenchArgs,
 ) -> Result<Value> {
-    if args.device.runs_on_gpu()? {
-        bail!(
-            "--context-parallel over GPUs is not in this build yet; --device cpu runs {ranks} \
-             simulated ranks"
-        );
-    }
-    if args.device.tensor_parallel > 1 {
-        bail!(
-            "sala bench --context-parallel with --tensor-parallel is not built (generate and \
-             serve run context ranks that are tensor-parallel groups)"
-        );
-    }
-    check_memory(&CpuBackend, config, contexts, ranks, ranks, args)?;
-    let load = |_| Model::random(&CpuBackend, config.clone(), args.seed, &mut |_, _| {});
-    let models = (0..ranks)
-        .map(load)
+    let opened = args.device.open(|| Ok(config.clone()))?;
+    crate::on_backend!(opened, be => over_ranks(be, ranks, config, contexts, args))
+}
+
+/// [`context_parallel`] over `be` (a device, or a tensor-parallel group) and `ranks` − 1 more
+/// of its kind ([`DeviceStats::context_ranks`]); `be` is the last rank, as the engine's is.
+fn over_ranks<B: Backend + DeviceStats>(
+    be: B,
+    ranks: usize,
+    config: &ModelConfig,
+    contexts: &[usize],
+    args: &BenchArgs,
+) -> Result<Value> {
+    let (mut backends, exchange) = be
+        .context_ranks(ranks - 1, 1)
+        .with_context(|| format!("--context-parallel {ranks}"))?;
+    backends.push(be);
+    let per_device = if exchange.one_memory() { ranks } else { 1 };
+    check_memory(&backends[0], config, contexts, ranks, per_device, args)?;
+    let what = format!(
+        "{ranks} ranks of {}{}",
+        backends[0].name(),
+        if exchange.one_memory() {
+            " (one memory)"
+        } else {
+            ""
+        }
+    );
+    let models = backends
+        .iter()
+        .map(|be| Model::random(be, config.clone(), args.seed, &mut |_, _| {}))
         .collect::<Result<Vec<_>, _>>()
         .context("making the ranks' models")?;
     let mut rng = TestRng::new(args.seed ^ 0xc0de);
     println!(
-        "context parallel over {ranks} simulated CPU ranks against one reading in chunks of {}",
+        "context parallel over {what} against one reading in chunks of {}",
         args.prefill_chunk
     );
     println!(
@@ -73,33 +91,39 @@ pub fn context_parallel(
             .map(|_| rng.below(config.vocab_size) as u32)
             .collect();
         // One rank, in chunks.
-        let one = &models[0];
-        let mut ws = one.step_workspace(&CpuBackend, args.prefill_chunk.min(len), 1)?;
-        let mut seq = one.new_sequence(&CpuBackend)?;
+        let (one, be0) = (&models[0], &backends[0]);
+        let mut ws = one.step_workspace(be0, args.prefill_chunk.min(len), 1)?;
+        let mut seq = one.new_sequence(be0)?;
+        be0.synchronize()?;
         let start = Instant::now();
-        let want = one.prefill(&CpuBackend, &mut ws, &mut seq, &prompt, &mut |_| {})?;
+        let want = one.prefill(be0, &mut ws, &mut seq, &prompt, &mut |_| {})?;
         let ttft_one = start.elapsed().as_secs_f64();
-        let decode_one = decode_rate(one, &mut ws, &mut seq, &mut rng, args.decode_tokens)?;
+        let decode_one = decode_rate(be0, one, &mut ws, &mut seq, &mut rng, args.decode_tokens)?;
         drop((ws, seq));
-        // N ranks at once.
-        // Each rank reads its range in chunks as long as one rank's.
+        // N ranks at once, each reading its range in chunks as long as one rank's.
+        let rows = rank_rows(config, len, ranks, args);
         let mut wss = models
             .iter()
-            .map(|m| m.step_workspace(&CpuBackend, rank_rows(config, len, ranks, args), 1))
+            .zip(&backends)
+            .map(|(m, be)| m.step_workspace(be, rows, 1))
             .collect::<Result<Vec<_>, _>>()?;
         let mut seqs = models
             .iter()
-            .map(|m| m.new_sequence(&CpuBackend))
+            .zip(&backends)
+            .map(|(m, be)| m.new_sequence(be))
             .collect::<Result<Vec<_>, _>>()?;
-        let bes = std::iter::repeat(&CpuBackend);
-        let mut parts = ContextRank::zip(bes, &models, &mut wss, &mut seqs);
+        for be in &backends {
+            be.synchronize()?;
+        }
+        let mut parts = ContextRank::zip(&backends, &models, &mut wss, &mut seqs);
         let start = Instant::now();
-        let done = prefill(&mut parts, &HostRanks, &prompt)?;
+        let done = prefill(&mut parts, &*exchange, &prompt)?;
         let ttft_n = start.elapsed().as_secs_f64();
         drop(parts);
         let err = sala_model::numerics::rel_l2(&done.logits, &want);
         let last = done.last;
         let decode_n = decode_rate(
+            &backends[last],
             &models[last],
             &mut wss[last],
             &mut seqs[last],
@@ -124,7 +148,7 @@ pub fn context_parallel(
     Ok(json!({
         "mode": "context_parallel",
         "ranks": ranks,
-        "device": "cpu (simulated ranks)",
+        "device": what,
         "results": results,
     }))
 }

@@ -493,9 +493,9 @@ fn bench_measures_a_speculating_batch_against_the_plain_one() {
 
 /// --context-parallel N: each context read by N simulated ranks at once, the ranges tiling
 /// the prompt in order, the last logits those of one rank reading it (within the lightning
-/// scan's rounding), both TTFTs and decode speeds reported; 0 ranks, ranks beside tensor
-/// parallelism (not built in the bench), and ranks the memory limit cannot hold, refused by
-/// name before any work.
+/// scan's rounding), both TTFTs and decode speeds reported, also where each rank is a
+/// tensor-parallel group; 0 ranks, and ranks the memory limit cannot hold, refused by name
+/// before any work.
 #[test]
 fn bench_reads_a_prompt_with_context_parallel_ranks() {
     let tmp = tempfile::tempdir().unwrap();
@@ -542,10 +542,27 @@ fn bench_reads_a_prompt_with_context_parallel_ranks() {
         &bench(&["--context-parallel", "0"], &json, tmp.path()),
         &["--context-parallel must be at least 1"],
     );
-    let groups = ["--context-parallel", "2", "--tensor-parallel", "2"];
-    fails_with(
-        &bench(&groups, &json, tmp.path()),
-        &["--context-parallel with --tensor-parallel is not built"],
+    // Each rank a tensor-parallel group of 2 simulated ranks.
+    let groups = [
+        "--context-parallel",
+        "2",
+        "--tensor-parallel",
+        "2",
+        "--context",
+        "700",
+    ];
+    ok(&bench(&groups, &json, tmp.path()));
+    let doc = read_json(&json);
+    assert_eq!(doc["ranks"], 2);
+    assert!(
+        doc["device"].as_str().unwrap().contains("tensor parallel"),
+        "{doc}"
+    );
+    let r = &doc["results"][0];
+    assert_eq!(r["ranges"].as_array().unwrap().len(), 2, "{r}");
+    assert!(
+        r["last_logits_rel_l2_vs_one"].as_f64().unwrap() < 5e-2,
+        "{r}"
     );
     let small = [
         "--context-parallel",
