@@ -148,6 +148,16 @@ pub use speculation::SPECULATE_MAX_PAUSE;
 pub const SPECULATE_MAX_REQUESTS: usize = 8;
 
 impl<B: Backend, C> Member<B, C> {
+    /// Where it takes snapshots, one of its sequence now (at the end of a prompt chunk),
+    /// the oldest thinned past its cap.
+    fn snapshot(&mut self, model: &sala_model::Model<B>, be: &B) -> Result<(), EngineError> {
+        if self.snapshot_cap > 0 {
+            self.snapshots.push(model.snapshot(be, &self.seq)?);
+            crate::prefix::thin_snapshots(&mut self.snapshots, self.snapshot_cap);
+        }
+        Ok(())
+    }
+
     fn want(&self) -> Want {
         match (&self.done, self.feed) {
             (Some(_), _) => Want::Nothing,
@@ -393,9 +403,15 @@ impl<B: Backend> Engine<B> {
                     Some(d.model.new_state(&self.backend, &self.model)?)
                 }
             };
-            // A long prompt read from the start by the context-parallel ranks, all of it
-            // but its last token (read by the steps, for its logits), a stage each step.
+            // A long prompt read from the start by the context-parallel ranks, a stage each
+            // step: all of it but its last token (read by the steps, for its logits), or,
+            // where it takes snapshots, up to its tail cut (snapshotted there, as the steps
+            // would, so a follow-up on the same document resumes there).
             let block = self.model.config.sparse.block_size;
+            let ranks_read = match crate::scheduler::tail_cut(prompt.len(), chunk) {
+                Some(cut) if snapshots_on => cut,
+                _ => prompt.len() - 1,
+            };
             let context = match &self.context {
                 Some(ranks)
                     if ranks_free
@@ -404,7 +420,7 @@ impl<B: Backend> Engine<B> {
                         && opts.prompt_logprobs.is_none()
                         && ranks.takes(prompt.len(), block) =>
                 {
-                    let n = prompt.len() - 1;
+                    let n = ranks_read;
                     let mode = self.model.sparse_mode(prompt.len());
                     let (be, model, budget) = (&self.backend, &self.model, &batch.cache);
                     let ws = &mut self.workspace;
@@ -648,6 +664,9 @@ impl<B: Backend> Engine<B> {
             match advanced {
                 Ok(true) => {
                     m.read = tokens;
+                    if let Err(e) = m.snapshot(model, be) {
+                        m.done = Some(Err(e));
+                    }
                     let cx = StepContext {
                         cache,
                         probe: &probe,
@@ -768,18 +787,9 @@ impl<B: Backend> Engine<B> {
                                 });
                             }
                             m.read += len;
-                            if m.snapshot_cap > 0 {
-                                match model.snapshot(backend, &m.seq) {
-                                    Ok(s) => {
-                                        m.snapshots.push(s);
-                                        let cap = m.snapshot_cap;
-                                        crate::prefix::thin_snapshots(&mut m.snapshots, cap);
-                                    }
-                                    Err(e) => {
-                                        m.done = Some(Err(e.into()));
-                                        continue;
-                                    }
-                                }
+                            if let Err(e) = m.snapshot(model, backend) {
+                                m.done = Some(Err(e));
+                                continue;
                             }
                             let cx = StepContext {
                                 cache,

@@ -204,3 +204,37 @@ fn ranks_read_a_stage_a_step_beside_the_other_requests() {
     }
     assert_eq!(e.context_stats().unwrap().prompts, 3);
 }
+
+/// With the prefix cache on, the ranks read a long prompt up to its tail cut and the engine
+/// snapshots it there, as the steps would: a follow-up on the same document with another
+/// question resumes at that snapshot instead of being read by the ranks again, and picks what
+/// reading it whole on one device picks (within the ranks' rounding).
+#[test]
+fn ranks_leave_a_snapshot_at_the_tail_cut_for_a_follow_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = TestRng::new(12);
+    let mut draw = |n: usize| -> Vec<u32> { (0..n).map(|_| 3 + rng.below(200) as u32).collect() };
+    let doc = draw(290);
+    let first = [doc.clone(), draw(10)].concat();
+    let second = [doc, draw(10)].concat();
+    let mut e = engine(dir.path(), 1);
+    e.set_prefix_cache(Some(1 << 30));
+    let cut = sala_engine::scheduler::tail_cut(first.len(), 64).unwrap();
+    assert!(cut < 290, "the cut {cut} lies past the document");
+    generate(&mut e, &first);
+    let stats = e.context_stats().unwrap();
+    assert_eq!((stats.prompts, stats.tokens), (1, cut as u64), "{stats:?}");
+    let got = generate(&mut e, &second);
+    assert_eq!(got.cached_tokens, cut);
+    assert_eq!(
+        e.context_stats().unwrap().prompts,
+        1,
+        "read by the ranks again"
+    );
+    let want = generate(&mut engine(dir.path(), 0), &second);
+    assert_eq!(got.tokens.len(), want.tokens.len());
+    for (g, w) in got.tokens.iter().zip(&want.tokens) {
+        assert_eq!(g.id, w.id, "resumed at the ranks' snapshot");
+        assert!((g.logprob - w.logprob).abs() < 0.05, "{g:?} vs {w:?}");
+    }
+}
