@@ -7,7 +7,11 @@ use clap::Args;
 use sala_checkpoint::{preset, Checkpoint, KvCacheDtype, MixerKind, ModelConfig};
 use sala_cuda::plan::CheckShape;
 use sala_cuda::CudaBackend;
-use sala_model::memory::{cache_bytes, speculation_bytes, weight_bytes, MemoryPlan};
+use sala_model::context::{prompt_ranges, range_bytes};
+use sala_model::memory::{
+    cache_bytes, speculation_bytes, weight_bytes, BackendMemory, MemoryPlan, RankShare,
+};
+use sala_model::parallel::TensorParallel;
 use sala_model::{AttnShape, Backend};
 use std::path::{Path, PathBuf};
 
@@ -28,20 +32,38 @@ pub struct InspectArgs {
     /// The K/V cache of the GPU's memory plan: bf16 or fp8.
     #[arg(long, value_name = "DTYPE", default_value = "bf16")]
     kv_cache_dtype: String,
+    /// The memory each GPU of N in tensor parallelism holds (with --context-parallel, each
+    /// context rank a group of N).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    tensor_parallel: usize,
+    /// The memory each GPU holds when N context-parallel ranks read a prompt.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    context_parallel: usize,
 }
 
 pub fn run(args: InspectArgs) -> Result<()> {
     let gpu = args.device.is_some() || args.device_profile.is_some();
+    let (tp, cp) = (args.tensor_parallel, args.context_parallel);
+    if tp == 0 || cp == 0 {
+        bail!("--tensor-parallel and --context-parallel must be at least 1");
+    }
+    let several = tp > 1 || cp > 1;
     let mut config = match &args.model {
         Some(dir) => {
             checkpoint(dir)?;
             Checkpoint::open(dir)?.config().clone()
         }
-        None if gpu => preset("minicpm-sala-9b")?,
-        None => bail!("give a checkpoint directory, or --device cuda to describe the GPU"),
+        None if gpu || several => preset("minicpm-sala-9b")?,
+        None => bail!(
+            "give a checkpoint directory, or --device cuda to describe the GPU (or \
+             --tensor-parallel / --context-parallel for the released shape over several GPUs)"
+        ),
     };
     config.sparse.kv_cache =
         KvCacheDtype::parse(&args.kv_cache_dtype).map_err(|e| anyhow!("--kv-cache-dtype: {e}"))?;
+    if several {
+        describe_gpus(&config, tp, cp, args.prefill_chunk)?;
+    }
     if !gpu {
         return Ok(());
     }
@@ -131,6 +153,79 @@ fn describe_gpu(be: &CudaBackend, c: &ModelConfig, chunk: usize) -> Result<()> {
             gib(plan.total()),
             if fits { "fits" } else { "DOES NOT FIT" },
             plan.describe()
+        );
+    }
+    Ok(())
+}
+
+/// What each GPU holds at 8K / 128K / 1M when `cp` context-parallel ranks, each a group of
+/// `tp` tensor-parallel GPUs, read one prompt in chunks of `chunk` and the last group decodes
+/// on: every rank the whole model (its part of it, in a group), the caches of the prompt up to
+/// its range's end and, while it reads, its range's buffers ([`range_bytes`]); beside one GPU
+/// alone. By the GPU backend's memory formula (no GPU needed).
+fn describe_gpus(c: &ModelConfig, tp: usize, cp: usize, chunk: usize) -> Result<()> {
+    let split = TensorParallel::new(c, tp).map_err(|e| anyhow!("{e}"))?;
+    let gib = |b: usize| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    let facts = |rows: usize, ranks: bool| BackendMemory {
+        ranks: ranks.then_some(RankShare {
+            tp: split,
+            one_memory: false,
+        }),
+        ..sala_cuda::memory::memory_facts(c, rows, None, true)
+    };
+    println!();
+    let ranks = match (cp, tp) {
+        (1, _) => format!("tensor parallel over {tp}"),
+        (_, 1) => format!("{cp} context-parallel ranks"),
+        _ => format!("{cp} context-parallel ranks of {tp} in tensor parallel"),
+    };
+    println!(
+        "several GPUs    {} GPUs, {ranks}; prefill chunks of {chunk}, a {} K/V cache; per GPU, \
+         the fullest (while a prompt is read: the last rank's, which decodes on), against one \
+         GPU alone:",
+        tp * cp,
+        c.sparse.kv_cache.name()
+    );
+    for (label, n) in [("8K", 8usize << 10), ("128K", 128 << 10), ("1M", 1 << 20)] {
+        let ranges = prompt_ranges(c, n, cp);
+        let alone = MemoryPlan::new(c, n, chunk.min(n), &facts(chunk.min(n), false));
+        let last = ranges.len().saturating_sub(1);
+        let fullest = ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                // The last rank reads with the engine's step workspace, the others a chunk.
+                let rows = if i == last {
+                    chunk.min(n)
+                } else {
+                    chunk.min(r.len())
+                };
+                let plan = MemoryPlan::new(c, r.end, rows, &facts(rows, tp > 1));
+                // A rank keeps its columns of the range's buffers (the residual stream whole).
+                let kept = match cp {
+                    1 => 0,
+                    _ => range_bytes(c, r.len(), 2).div_ceil(split.sparse_ways(c)),
+                };
+                (plan.total() + kept, plan, kept)
+            })
+            .max_by_key(|(total, ..)| *total);
+        let Some((total, plan, kept)) = fullest else {
+            continue;
+        };
+        let longest = ranges.iter().map(|r| r.len()).max().unwrap_or(0);
+        let read = match cp {
+            1 => String::new(),
+            _ => format!(
+                ", range buffers {}; {} ranges, the longest {longest} tokens",
+                gib(kept),
+                ranges.len()
+            ),
+        };
+        println!(
+            "  {label:>5}  {} (one GPU alone {}): {}{read}",
+            gib(total),
+            gib(alone.total()),
+            plan.describe(),
         );
     }
     Ok(())

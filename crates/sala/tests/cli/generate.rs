@@ -97,6 +97,68 @@ fn init_inspect_generate_round_trip() {
     ok(&o);
 }
 
+/// `sala inspect --tensor-parallel N --context-parallel M` (the released shape without a
+/// checkpoint): each GPU's plan at 8K / 128K / 1M beside one GPU's; tensor parallelism halves
+/// a GPU's weights, context parallelism leaves every rank the whole model and the last the
+/// whole caches; shapes that do not split are refused by name.
+#[test]
+fn inspect_plans_several_gpus() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gib = |line: &str, after: &str| -> f64 {
+        let at = line.find(after).unwrap() + after.len();
+        line[at..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let rows = |extra: &[&str]| -> Vec<String> {
+        let o = sala(&[&["inspect"], extra].concat(), tmp.path());
+        ok(&o);
+        let out = stdout(&o);
+        let rows: Vec<String> = out
+            .lines()
+            .filter(|l| l.contains("(one GPU alone"))
+            .map(String::from)
+            .collect();
+        assert_eq!(rows.len(), 3, "{out}");
+        assert!(rows[2].trim_start().starts_with("1M"), "{out}");
+        rows
+    };
+    let tp = rows(&["--tensor-parallel", "2"]);
+    for r in &tp {
+        let mine: f64 = r.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let alone = gib(r, "one GPU alone ");
+        assert!(mine < 0.6 * alone, "{r}");
+        assert!(gib(r, "weights ") < 9.5, "{r}");
+    }
+    let cp = rows(&["--context-parallel", "8"]);
+    assert!(gib(&cp[2], "weights ") > 17.0, "{}", cp[2]);
+    assert!(gib(&cp[2], "K/V cache ") == 8.0, "{}", cp[2]);
+    assert!(cp[2].contains("8 ranges"), "{}", cp[2]);
+    let both = sala(
+        &[
+            "inspect",
+            "--tensor-parallel",
+            "2",
+            "--context-parallel",
+            "4",
+        ],
+        tmp.path(),
+    );
+    ok(&both);
+    assert!(stdout(&both).contains("8 GPUs, 4 context-parallel ranks of 2"));
+    fails_with(
+        &sala(&["inspect", "--tensor-parallel", "3"], tmp.path()),
+        &["do not split into 3"],
+    );
+    fails_with(
+        &sala(&["inspect", "--context-parallel", "0"], tmp.path()),
+        &["must be at least 1"],
+    );
+}
+
 #[test]
 fn bad_inputs_get_clear_errors() {
     let tmp = tempfile::tempdir().unwrap();
