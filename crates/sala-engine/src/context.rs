@@ -3,8 +3,8 @@
 //! ([`sala_model::context`]), the engine's model taking the last range; its sequence then holds
 //! the whole prompt but its last token, which the steps read as any prompt's rest (so the
 //! first token's logits, and everything after, come from the engine's own step). The ranks
-//! read a stage (the embedding, a layer) each step, the other requests' steps running
-//! between ([`ContextRanks::start`], [`ContextRanks::advance`]).
+//! read over several steps, each about a chunk of each range through every layer, the other
+//! requests' steps running between ([`ContextRanks::start`], [`ContextRanks::advance`]).
 
 use crate::cache::CacheBudget;
 use sala_model::context::{prompt_ranges, range_bytes, ContextRank, ContextRead, Exchange};
@@ -181,9 +181,10 @@ impl<B: Backend> ContextRanks<B> {
         }
     }
 
-    /// Runs the next stage of `pending` (begun by [`ContextRanks::start`] with these `be`,
-    /// `model` and `seq`, `ws` the engine's step workspace); true once the read is done:
-    /// `seq` then holds its tokens, and the other ranks' buffers are dropped.
+    /// Runs the next stages of `pending` (begun by [`ContextRanks::start`] with these `be`,
+    /// `model` and `seq`, `ws` the engine's step workspace): about a chunk of each rank's range
+    /// through every layer ([`stages_a_step`]), the work a step gives a prompt chunk. True once
+    /// the read is done: `seq` then holds its tokens, and the other ranks' buffers are dropped.
     pub(crate) fn advance(
         &self,
         pending: &mut Option<PendingRead<B>>,
@@ -199,7 +200,12 @@ impl<B: Backend> ContextRanks<B> {
         };
         let mut ranks = ContextRank::zip(&self.backends, &self.models, &mut p.wss, &mut p.seqs);
         ranks.push(ContextRank { be, model, ws, seq });
-        p.read.advance(&mut ranks, &*self.exchange)?;
+        for _ in 0..stages_a_step(model) {
+            p.read.advance(&mut ranks, &*self.exchange)?;
+            if p.read.is_done() {
+                break;
+            }
+        }
         if !p.read.is_done() {
             return Ok(false);
         }
@@ -221,6 +227,14 @@ impl<B: Backend> ContextRanks<B> {
         self.stats.set(stats);
         Ok(true)
     }
+}
+
+/// Stages of a context-parallel read an engine step runs: a chunk of each rank's range
+/// through both passes of every layer (a stage is one chunk through one pass), so a step that
+/// reads ranks does about what one that reads a prompt chunk does, and the other requests'
+/// tokens come as often as beside any long prompt.
+pub(crate) fn stages_a_step<B: Backend>(model: &Model<B>) -> usize {
+    2 * model.config.num_hidden_layers + 1
 }
 
 /// A context-parallel read in progress ([`ContextRanks::start`]): the read, the other ranks'

@@ -100,13 +100,14 @@ fn logger(log: &Log, i: usize) -> Box<dyn FnMut(sala_engine::step::StepEvent<'_>
     })
 }
 
-/// The ranks read a long prompt a stage (the embedding, then each layer) a step, so a request
-/// already decoding gets a token in each of those steps; the long prompt's tokens are those it
-/// gets read alone, and its first event is the ranks' read of all of it but its last token.
+/// The ranks read a long prompt over several steps (each about a chunk of each range through
+/// every layer), so a request already decoding gets a token in each of those steps; the long
+/// prompt's tokens are those it gets read alone, and its first event is the ranks' read of all
+/// of it but its last token.
 /// While they read one prompt another long one is the steps'; a request cancelled while the
 /// ranks read it frees them (and the memory their read holds) for the next.
 #[test]
-fn ranks_read_a_stage_a_step_beside_the_other_requests() {
+fn ranks_read_over_steps_beside_the_other_requests() {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = TestRng::new(11);
     let long: Vec<u32> = (0..300).map(|_| 3 + rng.below(200) as u32).collect();
@@ -146,7 +147,7 @@ fn ranks_read_a_stage_a_step_beside_the_other_requests() {
         steps += 1;
         assert!(steps < 10 * layers, "the long prompt was never read");
     }
-    assert!(steps > layers, "{steps} steps for {layers} layers");
+    assert!(steps >= 2, "read in {steps} step(s)");
     let events = log.borrow()[at..].to_vec();
     let first = events.iter().find(|(i, _)| *i == 1).unwrap();
     assert_eq!(first.1, "read 299", "{events:?}");
@@ -156,8 +157,8 @@ fn ranks_read_a_stage_a_step_beside_the_other_requests() {
         .filter(|(i, w)| *i == 0 && w.starts_with("token"))
         .count();
     assert!(
-        beside >= layers,
-        "{beside} tokens beside the read: {events:?}"
+        beside + 1 >= steps,
+        "{beside} tokens in {steps} steps: {events:?}"
     );
     while !batch.is_empty() {
         e.step(&mut batch);

@@ -11,7 +11,8 @@
 //! rank, whose start is the prompt's, finishes each chunk in the first pass. Each rank ends
 //! holding the prompt up to its range's end,
 //! the last one the whole prompt (every cache and the lightning states after it): decode
-//! continues there. [`ContextRead`] runs the same a stage (the embedding, a layer) at a time.
+//! continues there. [`ContextRead`] runs the same a stage (a chunk of each range through one
+//! pass) at a time.
 
 use crate::backend::{AttnIo, BResult, Backend, BackendError, Span, StepInfo};
 use crate::model::{state_mismatch, LayerState, LogitRows, Model, SeqState, Workspace};
@@ -159,19 +160,21 @@ pub fn prefill_as<B: Backend>(
     })
 }
 
-/// A context-parallel read of a prompt in progress ([`prefill`] a stage at a time): the
-/// embedding, then each layer, each stage one call of [`ContextRead::advance`], so that other
-/// work (another request's step) may run on the ranks between stages. It holds what each
-/// rank keeps of its range; the ranks themselves are lent to each call, the same ones in the
-/// same order every time.
+/// A context-parallel read of a prompt in progress ([`prefill`] a stage at a time): a stage
+/// is one chunk of every rank's range through one pass (the embedding; a layer's first pass;
+/// its second, on the ranks after the first), one call of [`ContextRead::advance`], so that
+/// other work (another request's step) may run on the ranks between stages. Each rank runs
+/// its own ops in the order [`prefill`] runs them. It holds what each rank keeps of its range;
+/// the ranks themselves are lent to each call, the same ones in the same order every time.
 pub struct ContextRead<B: Backend> {
     tokens: Vec<u32>,
     mode: SparseMode,
     ranges: Vec<Range<usize>>,
     parts: Vec<Part<B>>,
     received: Vec<Received<B>>,
-    /// The next stage: 0 embeds the rows, `i + 1` reads layer `i`.
-    next: usize,
+    /// Each rank's chunk rows (its workspace's).
+    rows: Vec<usize>,
+    next: Stage,
     layers: usize,
     /// Whether nothing else runs on the ranks' workspaces between stages (a layer may then
     /// go on from the rows the last one left there).
@@ -225,10 +228,15 @@ impl<B: Backend> ContextRead<B> {
         Ok(Self {
             tokens: tokens.to_vec(),
             mode,
+            rows: ranks.iter().map(|r| r.ws.max_rows).collect(),
             ranges,
             parts,
             received,
-            next: 0,
+            next: Stage {
+                layer: 0,
+                pass: Pass::First,
+                chunk: 0,
+            },
             layers: model.layers.len(),
             kept,
         })
@@ -241,12 +249,30 @@ impl<B: Backend> ContextRead<B> {
 
     /// Whether every stage has run.
     pub fn is_done(&self) -> bool {
-        self.next > self.layers
+        self.next.layer > self.layers
     }
 
-    /// Stages left to run.
-    pub fn stages_left(&self) -> usize {
-        (self.layers + 1).saturating_sub(self.next)
+    /// The most chunks a rank's range takes, of every rank (`from` 0) or of the ranks after
+    /// the first (`from` 1).
+    fn chunks(&self, from: usize) -> usize {
+        self.ranges
+            .iter()
+            .zip(&self.rows)
+            .skip(from)
+            .map(|(range, &rows)| range.len().div_ceil(rows))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The stage after `s`.
+    fn after(&self, s: Stage) -> Stage {
+        let at = |layer, pass, chunk| Stage { layer, pass, chunk };
+        match s.pass {
+            Pass::First if s.chunk + 1 < self.chunks(0) => at(s.layer, Pass::First, s.chunk + 1),
+            Pass::First if s.layer > 0 && self.ranges.len() > 1 => at(s.layer, Pass::Second, 0),
+            Pass::Second if s.chunk + 1 < self.chunks(1) => at(s.layer, Pass::Second, s.chunk + 1),
+            _ => at(s.layer + 1, Pass::First, 0),
+        }
     }
 
     /// Runs the next stage over `ranks`. Where the read is not `kept`, each stage loads its
@@ -262,6 +288,15 @@ impl<B: Backend> ContextRead<B> {
             ));
         }
         let ranks = self.lent(ranks)?;
+        if ranks
+            .iter()
+            .zip(&self.rows)
+            .any(|(r, &rows)| r.ws.max_rows != rows)
+        {
+            return Err(BackendError(
+                "context parallelism: a rank's workspace changed during the read".into(),
+            ));
+        }
         let run = Run {
             tokens: &self.tokens,
             mode: self.mode,
@@ -269,34 +304,29 @@ impl<B: Backend> ContextRead<B> {
             kept: self.kept,
         };
         let (parts, received) = (&mut self.parts, &mut self.received);
-        match self.next {
-            0 => {
-                // Each rank's rows embedded, chunk by chunk.
-                for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
-                    for ch in part.chunks(rank.ws.max_rows) {
-                        run.in_step(r, rank, part, &ch, |be, m, ws, _, part| {
-                            be.embed(
-                                &m.embed,
-                                &run.tokens[part.at(&ch)],
-                                m.config.scale_emb as f32,
-                                &mut ws.h,
-                            )?;
-                            keep(be, &ws.h, &mut part.h, &ch)
-                        })?;
-                    }
-                }
+        let Stage { layer, pass, chunk } = self.next;
+        let kind = layer
+            .checked_sub(1)
+            .map(|i| (i, ranks[0].model.config.mixer_types[i]));
+        match (kind, pass) {
+            (None, _) => embed(&run, ranks, parts, chunk)?,
+            (Some((i, MixerKind::Lightning)), Pass::First) => {
+                lightning_first(&run, ranks, parts, i, chunk)?
             }
-            stage => {
-                let i = stage - 1;
-                match ranks[0].model.config.mixer_types[i] {
-                    MixerKind::Lightning => {
-                        lightning_layer(&run, ranks, parts, exchange, i, received)?
-                    }
-                    MixerKind::Sparse => sparse_layer(&run, ranks, parts, exchange, i, received)?,
+            (Some((i, MixerKind::Lightning)), Pass::Second) => {
+                if chunk == 0 {
+                    lightning_scan(ranks, parts, exchange, i, received)?;
                 }
+                lightning_second(&run, ranks, parts, i, chunk, received)?
+            }
+            (Some((i, MixerKind::Sparse)), Pass::First) => {
+                sparse_first(&run, ranks, parts, i, chunk)?
+            }
+            (Some((i, MixerKind::Sparse)), Pass::Second) => {
+                sparse_second(&run, ranks, parts, exchange, i, chunk, received)?
             }
         }
-        self.next += 1;
+        self.next = self.after(self.next);
         Ok(())
     }
 
@@ -305,8 +335,8 @@ impl<B: Backend> ContextRead<B> {
     pub fn finish(self, ranks: &mut [ContextRank<'_, B>]) -> BResult<(Vec<Range<usize>>, usize)> {
         if !self.is_done() {
             return Err(BackendError(format!(
-                "context parallelism: {} stages of the read left",
-                self.stages_left()
+                "context parallelism: the read is at layer {} of {}",
+                self.next.layer, self.layers
             )));
         }
         let ranks = self.lent(ranks)?;
@@ -331,6 +361,23 @@ impl<B: Backend> ContextRead<B> {
         }
         Ok(&mut ranks[..self.ranges.len()])
     }
+}
+
+/// A pass of [`ContextRead`]: a layer's first (every rank, from a zero state or without the
+/// earlier ranks' keys) or second (the ranks after the first, given the earlier ranks' share).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    First,
+    Second,
+}
+
+/// A stage of [`ContextRead`]: chunk `chunk` of every rank's range through `pass` of layer
+/// `layer − 1` (layer 0: the embedding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stage {
+    layer: usize,
+    pass: Pass,
+    chunk: usize,
 }
 
 /// What a rank keeps of its whole range between the layers' passes over its chunks: the
@@ -510,57 +557,100 @@ fn take<B: Backend>(be: &B, src: &B::Act, dst: &mut B::Act, ch: &Range<usize>) -
     be.copy_rows(src, ch.start, dst, 0, ch.len())
 }
 
-/// Lightning layer `i`. Each rank reads its chunks from a zero state (rank 0's is the true
-/// one: it finishes them at once; the others keep their queries, outputs and gates); then the
-/// scan makes each range's end state the true one, in rank order, and each later rank adds
-/// to its chunks' outputs the term of the state before them (its range's start state moved
-/// along the chunks) and finishes them.
-fn lightning_layer<B: Backend>(
+/// Chunk `c` of a rank's range (as rows of the range) and the range's chunk count, where it
+/// has that many chunks.
+fn chunk_of<B: Backend>(
+    rank: &ContextRank<'_, B>,
+    part: &Part<B>,
+    c: usize,
+) -> Option<(Range<usize>, usize)> {
+    let chunks = part.chunks(rank.ws.max_rows);
+    chunks.get(c).cloned().map(|ch| (ch, chunks.len()))
+}
+
+/// The embedding of chunk `c` of each rank's range.
+fn embed<B: Backend>(
     run: &Run<'_>,
     ranks: &mut [ContextRank<'_, B>],
     parts: &mut [Part<B>],
+    c: usize,
+) -> BResult<()> {
+    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
+        let Some((ch, _)) = chunk_of(rank, part, c) else {
+            continue;
+        };
+        run.in_step(r, rank, part, &ch, |be, m, ws, _, part| {
+            be.embed(
+                &m.embed,
+                &run.tokens[part.at(&ch)],
+                m.config.scale_emb as f32,
+                &mut ws.h,
+            )?;
+            keep(be, &ws.h, &mut part.h, &ch)
+        })?;
+    }
+    Ok(())
+}
+
+/// Lightning layer `i`, first pass, chunk `c` of each rank: read from a zero state (rank 0's
+/// is the true one: it finishes the chunk at once; the others keep its queries, outputs and
+/// gates). Then ([`lightning_scan`]) each range's end state is made the true one, in rank
+/// order, and ([`lightning_second`]) each later rank adds to its chunks' outputs the term of
+/// the state before them (its range's start state moved along the chunks) and finishes them.
+fn lightning_first<B: Backend>(
+    run: &Run<'_>,
+    ranks: &mut [ContextRank<'_, B>],
+    parts: &mut [Part<B>],
+    i: usize,
+    c: usize,
+) -> BResult<()> {
+    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
+        let Some((ch, _)) = chunk_of(rank, part, c) else {
+            continue;
+        };
+        run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
+            let LayerState::Lightning(state) = &mut seq.layers[i] else {
+                return Err(state_mismatch());
+            };
+            load_input(be, m, i, ws, part, &ch, run.kept)?;
+            m.layers[i].project(m, be, ws)?;
+            if r > 0 {
+                // The queries as projected (the term norms and rotates them itself).
+                keep(be, &ws.q, &mut part.q, &ch)?;
+            }
+            let norms = m.layers[i].mixer.head_norms(m.config.rms_norm_eps as f32);
+            be.lightning(
+                m.lightning_shape(),
+                &m.slopes,
+                norms,
+                m.config.lightning_use_rope.then_some(&m.inv_freq),
+                AttnIo {
+                    q: &mut ws.q,
+                    k: &mut ws.kl,
+                    v: &mut ws.vl,
+                    out: &mut ws.o,
+                },
+                &[span_of(part, &ch)],
+                &mut [state],
+            )?;
+            if r == 0 {
+                return finish_chunk(be, m, i, ws, part, &ch);
+            }
+            keep(be, &ws.o, &mut part.o, &ch)?;
+            keep(be, &ws.z, &mut part.z, &ch)
+        })?;
+    }
+    Ok(())
+}
+
+/// Lightning layer `i`'s scan: rank r starts from rank r − 1's end state (now the true one).
+fn lightning_scan<B: Backend>(
+    ranks: &mut [ContextRank<'_, B>],
+    parts: &[Part<B>],
     exchange: &dyn Exchange<B>,
     i: usize,
     received: &mut [Received<B>],
 ) -> BResult<()> {
-    let c = &ranks[0].model.config;
-    let d = c.head_dim;
-    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
-        for ch in part.chunks(rank.ws.max_rows) {
-            run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
-                let LayerState::Lightning(state) = &mut seq.layers[i] else {
-                    return Err(state_mismatch());
-                };
-                load_input(be, m, i, ws, part, &ch, run.kept)?;
-                m.layers[i].project(m, be, ws)?;
-                if r > 0 {
-                    // The queries as projected (the term norms and rotates them itself).
-                    keep(be, &ws.q, &mut part.q, &ch)?;
-                }
-                let norms = m.layers[i].mixer.head_norms(m.config.rms_norm_eps as f32);
-                be.lightning(
-                    m.lightning_shape(),
-                    &m.slopes,
-                    norms,
-                    m.config.lightning_use_rope.then_some(&m.inv_freq),
-                    AttnIo {
-                        q: &mut ws.q,
-                        k: &mut ws.kl,
-                        v: &mut ws.vl,
-                        out: &mut ws.o,
-                    },
-                    &[span_of(part, &ch)],
-                    &mut [state],
-                )?;
-                if r == 0 {
-                    return finish_chunk(be, m, i, ws, part, &ch);
-                }
-                keep(be, &ws.o, &mut part.o, &ch)?;
-                keep(be, &ws.z, &mut part.z, &ch)
-            })?;
-        }
-    }
-    // The scan: rank r starts from rank r − 1's end state (now the true one).
     for r in 1..ranks.len() {
         let (before, after) = ranks.split_at_mut(r);
         let (prev, rank) = (&before[r - 1], &mut after[0]);
@@ -573,122 +663,160 @@ fn lightning_layer<B: Backend>(
         let LayerState::Lightning(state) = &mut rank.seq.layers[i] else {
             return Err(state_mismatch());
         };
+        let d = rank.model.config.head_dim;
         be.lightning_state_advance(&rank.model.slopes, d, parts[r].range.len(), start, state)?;
-    }
-    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate().skip(1) {
-        let Received {
-            start, next, zero, ..
-        } = &mut received[r - 1];
-        let chunks = part.chunks(rank.ws.max_rows);
-        let count = chunks.len();
-        for (n, ch) in chunks.into_iter().enumerate() {
-            run.in_step(r, rank, part, &ch, |be, m, ws, _, part| {
-                take(be, &part.q, &mut ws.q, &ch)?;
-                take(be, &part.o, &mut ws.o, &ch)?;
-                take(be, &part.z, &mut ws.z, &ch)?;
-                take(be, &part.h, &mut ws.h, &ch)?;
-                let norms = m.layers[i].mixer.head_norms(m.config.rms_norm_eps as f32);
-                be.lightning_state_term(
-                    m.lightning_shape(),
-                    &m.slopes,
-                    norms.map(|(q, _, eps)| (q, eps)),
-                    m.config.lightning_use_rope.then_some(&m.inv_freq),
-                    start,
-                    (&mut ws.q, span_of(part, &ch).pos),
-                    &mut ws.o,
-                )?;
-                if n + 1 < count {
-                    // The state before the next chunk, as far as the earlier ranks' share.
-                    be.copy_lightning_state(zero, next)?;
-                    be.lightning_state_advance(&m.slopes, d, ch.len(), start, next)?;
-                    std::mem::swap(start, next);
-                }
-                finish_chunk(be, m, i, ws, part, &ch)
-            })?;
-        }
     }
     Ok(())
 }
 
-/// Sparse layer `i`. Each rank projects its chunks and keeps their queries, gates and raw
-/// keys and values (rank 0 attends and finishes them at once: no earlier keys); each later
-/// rank's cache then takes the earlier ranks' keys and values, and the rank attends its
-/// chunks in order (each appending its own) and finishes them.
-fn sparse_layer<B: Backend>(
+/// Lightning layer `i`, second pass, chunk `c` of each rank after the first: its outputs
+/// given the term of the state before it, then finished.
+fn lightning_second<B: Backend>(
+    run: &Run<'_>,
+    ranks: &mut [ContextRank<'_, B>],
+    parts: &mut [Part<B>],
+    i: usize,
+    c: usize,
+    received: &mut [Received<B>],
+) -> BResult<()> {
+    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate().skip(1) {
+        let Some((ch, count)) = chunk_of(rank, part, c) else {
+            continue;
+        };
+        let Received {
+            start, next, zero, ..
+        } = &mut received[r - 1];
+        run.in_step(r, rank, part, &ch, |be, m, ws, _, part| {
+            take(be, &part.q, &mut ws.q, &ch)?;
+            take(be, &part.o, &mut ws.o, &ch)?;
+            take(be, &part.z, &mut ws.z, &ch)?;
+            take(be, &part.h, &mut ws.h, &ch)?;
+            let norms = m.layers[i].mixer.head_norms(m.config.rms_norm_eps as f32);
+            be.lightning_state_term(
+                m.lightning_shape(),
+                &m.slopes,
+                norms.map(|(q, _, eps)| (q, eps)),
+                m.config.lightning_use_rope.then_some(&m.inv_freq),
+                start,
+                (&mut ws.q, span_of(part, &ch).pos),
+                &mut ws.o,
+            )?;
+            if c + 1 < count {
+                // The state before the next chunk, as far as the earlier ranks' share.
+                be.copy_lightning_state(zero, next)?;
+                let d = m.config.head_dim;
+                be.lightning_state_advance(&m.slopes, d, ch.len(), start, next)?;
+                std::mem::swap(start, next);
+            }
+            finish_chunk(be, m, i, ws, part, &ch)
+        })?;
+    }
+    Ok(())
+}
+
+/// Sparse layer `i`'s attention of a chunk (the layer's projections in `ws`) over `seq`'s
+/// cache, appending the chunk's keys and values.
+fn attend<B: Backend>(
+    run: &Run<'_>,
+    be: &B,
+    m: &Model<B>,
+    ws: &mut Workspace<B>,
+    seq: &mut SeqState<B>,
+    i: usize,
+    span: Span,
+) -> BResult<()> {
+    let LayerState::Sparse(cache) = &mut seq.layers[i] else {
+        return Err(state_mismatch());
+    };
+    be.sparse_attention(
+        m.sparse_shape(),
+        &m.config.sparse,
+        AttnIo {
+            q: &mut ws.q,
+            k: &mut ws.ks,
+            v: &mut ws.vs,
+            out: &mut ws.o,
+        },
+        &[span],
+        &[run.mode],
+        &mut [cache],
+    )
+}
+
+/// Sparse layer `i`, first pass, chunk `c` of each rank: projected, its queries, gates and raw
+/// keys and values kept (rank 0 attends and finishes it at once: no earlier keys). Then
+/// ([`sparse_second`]) each later rank's cache takes the earlier ranks' keys and values, and
+/// the rank attends its chunks in order (each appending its own) and finishes them.
+fn sparse_first<B: Backend>(
+    run: &Run<'_>,
+    ranks: &mut [ContextRank<'_, B>],
+    parts: &mut [Part<B>],
+    i: usize,
+    c: usize,
+) -> BResult<()> {
+    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
+        let Some((ch, _)) = chunk_of(rank, part, c) else {
+            continue;
+        };
+        run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
+            load_input(be, m, i, ws, part, &ch, run.kept)?;
+            m.layers[i].project(m, be, ws)?;
+            // The raw keys and values (an attention may change its k in place).
+            keep(be, &ws.ks, &mut part.k, &ch)?;
+            keep(be, &ws.vs, &mut part.v, &ch)?;
+            if r == 0 {
+                attend(run, be, m, ws, seq, i, span_of(part, &ch))?;
+                return finish_chunk(be, m, i, ws, part, &ch);
+            }
+            keep(be, &ws.q, &mut part.q, &ch)?;
+            keep(be, &ws.z, &mut part.z, &ch)
+        })?;
+    }
+    Ok(())
+}
+
+/// Sparse layer `i`, second pass, chunk `c` of each rank after the first (before its first
+/// chunk, its cache takes the earlier ranks' keys and values): attended and finished.
+fn sparse_second<B: Backend>(
     run: &Run<'_>,
     ranks: &mut [ContextRank<'_, B>],
     parts: &mut [Part<B>],
     exchange: &dyn Exchange<B>,
     i: usize,
+    c: usize,
     received: &mut [Received<B>],
 ) -> BResult<()> {
-    let mode = run.mode;
-    let attend = |be: &B, m: &Model<B>, ws: &mut Workspace<B>, seq: &mut SeqState<B>, span| {
-        let LayerState::Sparse(cache) = &mut seq.layers[i] else {
-            return Err(state_mismatch());
-        };
-        be.sparse_attention(
-            m.sparse_shape(),
-            &m.config.sparse,
-            AttnIo {
-                q: &mut ws.q,
-                k: &mut ws.ks,
-                v: &mut ws.vs,
-                out: &mut ws.o,
-            },
-            &[span],
-            &[mode],
-            &mut [cache],
-        )
-    };
-    for (r, (rank, part)) in ranks.iter_mut().zip(parts.iter_mut()).enumerate() {
-        for ch in part.chunks(rank.ws.max_rows) {
-            run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
-                load_input(be, m, i, ws, part, &ch, run.kept)?;
-                m.layers[i].project(m, be, ws)?;
-                // The raw keys and values (an attention may change its k in place).
-                keep(be, &ws.ks, &mut part.k, &ch)?;
-                keep(be, &ws.vs, &mut part.v, &ch)?;
-                if r == 0 {
-                    attend(be, m, ws, seq, span_of(part, &ch))?;
-                    return finish_chunk(be, m, i, ws, part, &ch);
-                }
-                keep(be, &ws.q, &mut part.q, &ch)?;
-                keep(be, &ws.z, &mut part.z, &ch)
-            })?;
-        }
-    }
     for r in 1..ranks.len() {
         let (before, after) = ranks.split_at_mut(r);
         let rank = &mut after[0];
         let (done, rest) = parts.split_at_mut(r);
         let part = &mut rest[0];
-        let chunks = part.chunks(rank.ws.max_rows);
-        for (n, ch) in chunks.into_iter().enumerate() {
-            let received = &mut received[r - 1];
-            run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
-                if n == 0 {
-                    let LayerState::Sparse(cache) = &mut seq.layers[i] else {
-                        return Err(state_mismatch());
-                    };
-                    for (earlier, from) in before.iter().zip(done.iter()) {
-                        let (k, v, rows) = (&mut received.k, &mut received.v, from.range.len());
-                        be.set_rows(k, rows);
-                        be.set_rows(v, rows);
-                        exchange.copy_act(earlier.be, &from.k, be, k, rows)?;
-                        exchange.copy_act(earlier.be, &from.v, be, v, rows)?;
-                        be.append_sparse_kv(cache, &m.config.sparse, k, v, rows)?;
-                    }
+        let Some((ch, _)) = chunk_of(rank, part, c) else {
+            continue;
+        };
+        let received = &mut received[r - 1];
+        run.in_step(r, rank, part, &ch, |be, m, ws, seq, part| {
+            if c == 0 {
+                let LayerState::Sparse(cache) = &mut seq.layers[i] else {
+                    return Err(state_mismatch());
+                };
+                for (earlier, from) in before.iter().zip(done.iter()) {
+                    let (k, v, rows) = (&mut received.k, &mut received.v, from.range.len());
+                    be.set_rows(k, rows);
+                    be.set_rows(v, rows);
+                    exchange.copy_act(earlier.be, &from.k, be, k, rows)?;
+                    exchange.copy_act(earlier.be, &from.v, be, v, rows)?;
+                    be.append_sparse_kv(cache, &m.config.sparse, k, v, rows)?;
                 }
-                take(be, &part.q, &mut ws.q, &ch)?;
-                take(be, &part.k, &mut ws.ks, &ch)?;
-                take(be, &part.v, &mut ws.vs, &ch)?;
-                take(be, &part.z, &mut ws.z, &ch)?;
-                take(be, &part.h, &mut ws.h, &ch)?;
-                attend(be, m, ws, seq, span_of(part, &ch))?;
-                finish_chunk(be, m, i, ws, part, &ch)
-            })?;
-        }
+            }
+            take(be, &part.q, &mut ws.q, &ch)?;
+            take(be, &part.k, &mut ws.ks, &ch)?;
+            take(be, &part.v, &mut ws.vs, &ch)?;
+            take(be, &part.z, &mut ws.z, &ch)?;
+            take(be, &part.h, &mut ws.h, &ch)?;
+            attend(run, be, m, ws, seq, i, span_of(part, &ch))?;
+            finish_chunk(be, m, i, ws, part, &ch)
+        })?;
     }
     Ok(())
 }
