@@ -163,8 +163,9 @@ pub fn prefill_as<B: Backend>(
 /// A context-parallel read of a prompt in progress ([`prefill`] a stage at a time): a stage
 /// is one chunk of every rank's range through one pass (the embedding; a layer's first pass;
 /// its second, on the ranks after the first), one call of [`ContextRead::advance`], so that
-/// other work (another request's step) may run on the ranks between stages. Each rank runs
-/// its own ops in the order [`prefill`] runs them. It holds what each rank keeps of its range;
+/// other work (another request's step) may run on the ranks between stages. A rank's own ops
+/// run in its chunks' order within each pass, as reading its range alone would run them. It
+/// holds what each rank keeps of its range;
 /// the ranks themselves are lent to each call, the same ones in the same order every time.
 pub struct ContextRead<B: Backend> {
     tokens: Vec<u32>,
