@@ -60,6 +60,13 @@ impl<B: Backend> ContextRanks<B> {
         self.stats.get()
     }
 
+    /// Counts a long prompt the steps read because the ranks were reading another.
+    pub(crate) fn count_busy(&self) {
+        let mut stats = self.stats.get();
+        stats.busy += 1;
+        self.stats.set(stats);
+    }
+
     /// What the ranks need to read a prompt of `len` tokens, each its range in chunks of
     /// `chunk` rows, beside what `budget` holds now: on each rank what its range keeps
     /// ([`range_bytes`]), and on the other ranks their chunk's workspace and the caches of the
@@ -254,10 +261,11 @@ impl<B: Backend> PendingRead<B> {
 }
 
 /// What context-parallel ranks have read: prompts and their tokens, and the long prompts
-/// read without them for want of memory.
+/// read without them for want of memory (`read_alone`) or while they read another (`busy`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ContextStats {
     pub prompts: u64,
     pub tokens: u64,
     pub read_alone: u64,
+    pub busy: u64,
 }

@@ -414,12 +414,15 @@ impl<B: Backend> Engine<B> {
             };
             let context = match &self.context {
                 Some(ranks)
-                    if ranks_free
-                        && cached == 0
+                    if cached == 0
                         && !drafts
                         && opts.prompt_logprobs.is_none()
                         && ranks.takes(prompt.len(), block) =>
                 {
+                    if !ranks_free {
+                        ranks.count_busy();
+                        return Ok((stream, seq, draft_state, cached, None));
+                    }
                     let n = ranks_read;
                     let mode = self.model.sparse_mode(prompt.len());
                     let (be, model, budget) = (&self.backend, &self.model, &batch.cache);

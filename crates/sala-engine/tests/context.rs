@@ -46,6 +46,7 @@ fn ranks_read_long_prompts_where_the_memory_leaves_them_room() {
         prompts,
         tokens,
         read_alone,
+        busy: 0,
     };
     let got = generate(&mut e, &prompt);
     assert_eq!(e.context_stats(), Some(read(1, 299, 0)));
@@ -177,6 +178,7 @@ fn ranks_read_over_steps_beside_the_other_requests() {
     assert_eq!(got, alone);
     let stats = e.context_stats().unwrap();
     assert_eq!((stats.prompts, stats.tokens), (2, 598), "{stats:?}");
+    assert_eq!((stats.read_alone, stats.busy), (0, 1), "{stats:?}");
     // Cancelled mid-read: the ranks take the next long prompt, the memory held is freed.
     let limit = MemoryLimit {
         bytes: 1 << 40,

@@ -175,6 +175,7 @@ pub struct Metrics {
     context_prompts: AtomicU64,
     context_tokens: AtomicU64,
     context_read_alone: AtomicU64,
+    context_busy: AtomicU64,
     ttft: Histogram,
     itl: Histogram,
     rate: RateWindow,
@@ -206,6 +207,7 @@ impl Metrics {
             context_prompts: AtomicU64::new(0),
             context_tokens: AtomicU64::new(0),
             context_read_alone: AtomicU64::new(0),
+            context_busy: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BOUNDS),
             itl: Histogram::new(ITL_BOUNDS),
             rate: RateWindow {
@@ -393,6 +395,12 @@ impl Metrics {
              their buffers no room.",
             self.context_read_alone.load(Ordering::Relaxed).to_string(),
         );
+        metric(
+            "sala_context_parallel_busy_total",
+            "counter",
+            "Long prompts read without the context-parallel ranks: they were reading another.",
+            self.context_busy.load(Ordering::Relaxed).to_string(),
+        );
         let now = self.started.elapsed().as_secs_f64();
         metric(
             "sala_generation_tokens_per_second",
@@ -461,6 +469,7 @@ impl Observer for Metrics {
         self.context_tokens.store(totals.tokens, Ordering::Relaxed);
         self.context_read_alone
             .store(totals.read_alone, Ordering::Relaxed);
+        self.context_busy.store(totals.busy, Ordering::Relaxed);
     }
 
     fn released(&self) {

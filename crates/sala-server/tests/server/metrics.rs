@@ -283,6 +283,7 @@ fn context_parallel_reads_show_in_metrics() {
         "sala_context_parallel_prompts_total",
         "sala_context_parallel_tokens_total",
         "sala_context_parallel_read_alone_total",
+        "sala_context_parallel_busy_total",
     ];
     let m = metrics(addr);
     for name in names {
@@ -302,4 +303,5 @@ fn context_parallel_reads_show_in_metrics() {
     assert_eq!(m[names[0]], 1.0);
     assert_eq!(m[names[1]], 149.0);
     assert_eq!(m[names[2]], 0.0);
+    assert_eq!(m[names[3]], 0.0);
 }
