@@ -125,8 +125,9 @@ impl<B: Backend> ContextRanks<B> {
     /// the last rank, reading with the step workspace `ws` in chunks of its rows) with the
     /// sparse layers' `mode`; [`ContextRanks::advance`] reads a stage at a time, and other
     /// steps may run on `ws` between. `None` where `budget`'s limit leaves the ranks too
-    /// little memory or their buffers cannot be made (the prompt is then read by the steps,
-    /// as without ranks). The other ranks read in chunks as long.
+    /// little memory, their buffers cannot be made or the tokens make fewer ranges than ranks
+    /// (the prompt is then read by the steps, as without ranks). The other ranks read in
+    /// chunks as long.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         &self,
@@ -148,14 +149,11 @@ impl<B: Backend> ContextRanks<B> {
         let Ok(bytes) = self.memory_needed(be, model, budget, tokens.len(), chunk) else {
             return alone();
         };
+        // Fewer ranges than ranks (a read that [`ContextRanks::takes`] would not give them):
+        // the steps read it.
         let ranges = prompt_ranges(&model.config, tokens.len(), self.ranks());
         if ranges.len() != self.ranks() {
-            return Err(BackendError(format!(
-                "context parallelism: {} tokens make {} ranges for {} ranks",
-                tokens.len(),
-                ranges.len(),
-                self.ranks()
-            )));
+            return Ok(None);
         }
         let buffers = (|| {
             let mut wss = self

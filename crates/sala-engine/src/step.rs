@@ -417,7 +417,7 @@ impl<B: Backend> Engine<B> {
                     if cached == 0
                         && !drafts
                         && opts.prompt_logprobs.is_none()
-                        && ranks.takes(prompt.len(), block) =>
+                        && ranks.takes(ranks_read + 1, block) =>
                 {
                     if !ranks_free {
                         ranks.count_busy();
