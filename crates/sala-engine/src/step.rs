@@ -133,7 +133,7 @@ struct Member<B: Backend, C> {
     /// from the parked one it was forked from.
     cached: usize,
     shares: Option<Shared>,
-    /// Its prompt's read by the context-parallel ranks, while in progress (a stage each
+    /// Its prompt's read by the context-parallel ranks, while in progress (some of it each
     /// step; the steps read nothing of its prompt meanwhile).
     context: Option<PendingRead<B>>,
     client: C,
@@ -403,8 +403,8 @@ impl<B: Backend> Engine<B> {
                     Some(d.model.new_state(&self.backend, &self.model)?)
                 }
             };
-            // A long prompt read from the start by the context-parallel ranks, a stage each
-            // step: all of it but its last token (read by the steps, for its logits), or,
+            // A long prompt read from the start by the context-parallel ranks, over several
+            // steps: all of it but its last token (read by the steps, for its logits), or,
             // where it takes snapshots, up to its tail cut (snapshotted there, as the steps
             // would, so a follow-up on the same document resumes there).
             let block = self.model.config.sparse.block_size;
@@ -649,8 +649,9 @@ impl<B: Backend> Engine<B> {
             }
         }
 
-        // A long prompt's context-parallel read: its next stage (the embedding or a layer),
-        // between the other requests' steps. Once done, its last token is this step's.
+        // A long prompt's context-parallel read: its next stages (about a chunk of each range
+        // through every layer), between the other requests' steps. Once done, the rest of its
+        // prompt is this step's.
         let reading = members
             .iter_mut()
             .find(|m| m.context.is_some() && m.done.is_none());
