@@ -841,6 +841,89 @@ fn prefill_and_decode(
     out
 }
 
+/// A context-parallel read a stage at a time ([`sala_model::context::ContextRead`]) with
+/// other work on the last rank's workspace between stages (not `kept`) gives the logits of a
+/// whole read bit for bit; it refuses, by name, fewer ranks than it began with, a rank whose
+/// workspace changed, a stage past its end and an end before its last stage.
+#[test]
+fn context_read_in_stages_is_the_whole_read() {
+    use sala_model::context::{prefill, ContextRank, ContextRead};
+    let config = tiny_config(96);
+    let v = config.vocab_size;
+    let toks = tokens(301, v, 66);
+    // Each range in one chunk: a kept read goes on from the rows its workspace holds.
+    const ROWS: usize = 301;
+    let models: Vec<_> = (0..3).map(|_| load(&CpuBackend, &config, 51)).collect();
+    let fresh = |rows: usize| {
+        let wss: Vec<_> = models
+            .iter()
+            .map(|m| m.workspace(&CpuBackend, rows).unwrap())
+            .collect();
+        let seqs: Vec<_> = models
+            .iter()
+            .map(|m| m.new_sequence(&CpuBackend).unwrap())
+            .collect();
+        (wss, seqs)
+    };
+    let bes = || std::iter::repeat(&CpuBackend);
+    let (mut wss, mut seqs) = fresh(ROWS);
+    let mut ranks = ContextRank::zip(bes(), &models, &mut wss, &mut seqs);
+    let whole = prefill(&mut ranks, &HostRanks, &toks).unwrap();
+    drop(ranks);
+    let (mut wss, mut seqs) = fresh(ROWS);
+    let mode = models[0].sparse_mode(toks.len());
+    let mut stages = 0;
+    {
+        let mut ranks = ContextRank::zip(bes(), &models, &mut wss, &mut seqs);
+        let mut read = ContextRead::new(&ranks, &toks, mode, false).unwrap();
+        let e = read.advance(&mut ranks[..1], &HostRanks).unwrap_err().0;
+        assert!(e.contains("1 ranks lent to a read over 3"), "{e}");
+        while !read.is_done() {
+            read.advance(&mut ranks, &HostRanks).unwrap();
+            stages += 1;
+            // Another sequence's step on the last rank's workspace.
+            let last = ranks.last_mut().unwrap();
+            let mut other = models[2].new_sequence(&CpuBackend).unwrap();
+            models[2]
+                .prefill(&CpuBackend, last.ws, &mut other, &toks[..5], &mut |_| {})
+                .unwrap();
+        }
+        let e = read.advance(&mut ranks, &HostRanks).unwrap_err().0;
+        assert!(e.contains("done already"), "{e}");
+        let (ranges, last) = read.finish(&mut ranks).unwrap();
+        assert_eq!((ranges, last), (whole.ranges.clone(), whole.last));
+    }
+    assert!(
+        stages > models[0].config.num_hidden_layers,
+        "{stages} stages"
+    );
+    // The last rank's logits, from a decode of the prompt's last token on both.
+    let last = whole.last;
+    let next = toks[0];
+    let (mut wss_a, mut seqs_a) = fresh(ROWS);
+    let mut ranks = ContextRank::zip(bes(), &models, &mut wss_a, &mut seqs_a);
+    prefill(&mut ranks, &HostRanks, &toks).unwrap();
+    drop(ranks);
+    let a = models[last]
+        .decode(&CpuBackend, &mut wss_a[last], &mut seqs_a[last], next)
+        .unwrap();
+    let b = models[last]
+        .decode(&CpuBackend, &mut wss[last], &mut seqs[last], next)
+        .unwrap();
+    assert_eq!(a, b, "a read in stages with other work between");
+    // An end before the last stage; a workspace changed under the read.
+    let (mut wss, mut seqs) = fresh(ROWS);
+    let mut ranks = ContextRank::zip(bes(), &models, &mut wss, &mut seqs);
+    let mut read = ContextRead::new(&ranks, &toks, mode, false).unwrap();
+    read.advance(&mut ranks, &HostRanks).unwrap();
+    let mut other = models[0].workspace(&CpuBackend, 20).unwrap();
+    ranks[0].ws = &mut other;
+    let e = read.advance(&mut ranks, &HostRanks).unwrap_err().0;
+    assert!(e.contains("workspace changed"), "{e}");
+    let e = read.finish(&mut ranks).unwrap_err().0;
+    assert!(e.contains("the read is at layer"), "{e}");
+}
+
 /// Context parallelism over tensor-parallel groups: each context rank a group of 2 or 4 CPU
 /// ranks (4 shares the sparse layers' 2 KV heads), rank `r` of each group exchanging with rank
 /// `r` of the others ([`RankExchange`]); the last group's logits are one device's within the
