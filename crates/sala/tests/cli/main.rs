@@ -136,6 +136,16 @@ impl Drop for Server {
     }
 }
 
+/// `sala init --preset tiny` into `bf16` and `sala quantize` of it (with `args`) into `w4`.
+fn tiny_and_quantized(cache: &Path, args: &[&str]) -> (PathBuf, PathBuf) {
+    let (src, out) = (cache.join("bf16"), cache.join("w4"));
+    let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+    ok(&sala(&["init", "--preset", "tiny", s], cache));
+    ok(&sala(&[&["quantize", s, o][..], args].concat(), cache));
+    (src, out)
+}
+
 mod bench;
 mod generate;
+mod parallel;
 mod perplexity;
