@@ -214,22 +214,18 @@ impl<B: Backend> ContextRanks<B> {
         if !p.read.is_done() {
             return Ok(false);
         }
-        drop(ranks);
-        let Some(mut p) = pending.take() else {
-            return Ok(false);
-        };
-        let mut ranks = ContextRank::zip(&self.backends, &self.models, &mut p.wss, &mut p.seqs);
-        ranks.push(ContextRank { be, model, ws, seq });
-        let (ranges, last) = p.read.finish(&mut ranks)?;
+        let last = p.read.finish(&mut ranks)?;
         if last + 1 != self.ranks() {
             return Err(BackendError(
                 "context parallelism: the engine's rank did not read the prompt's end".into(),
             ));
         }
+        drop(ranks);
         let mut stats = self.stats.get();
         stats.prompts += 1;
-        stats.tokens += ranges[last].end as u64;
+        stats.tokens += p.tokens() as u64;
         self.stats.set(stats);
+        *pending = None;
         Ok(true)
     }
 }

@@ -140,7 +140,8 @@ pub fn prefill_as<B: Backend>(
     while !read.is_done() {
         read.advance(ranks, exchange)?;
     }
-    let (ranges, last) = read.finish(ranks)?;
+    let last = read.finish(ranks)?;
+    let ranges = read.ranges().to_vec();
     // The last rank's last chunk was the last one read: its final norm is in `ws.a`.
     let rank = &ranks[last];
     let m = rank.model;
@@ -332,8 +333,8 @@ impl<B: Backend> ContextRead<B> {
     }
 
     /// Ends a read that [`ContextRead::is_done`]: each rank's sequence then holds the prompt
-    /// up to its range's end. Returns the ranges and the rank holding the whole.
-    pub fn finish(self, ranks: &mut [ContextRank<'_, B>]) -> BResult<(Vec<Range<usize>>, usize)> {
+    /// up to its range's end. Returns the rank holding the whole (the last with a range).
+    pub fn finish(&self, ranks: &mut [ContextRank<'_, B>]) -> BResult<usize> {
         if !self.is_done() {
             return Err(BackendError(format!(
                 "context parallelism: the read is at layer {} of {}",
@@ -344,8 +345,7 @@ impl<B: Backend> ContextRead<B> {
         for (rank, range) in ranks.iter_mut().zip(&self.ranges) {
             rank.seq.pos = range.end;
         }
-        let last = self.ranges.len() - 1;
-        Ok((self.ranges, last))
+        Ok(self.ranges.len() - 1)
     }
 
     /// The ranks with tokens among `ranks`, which must be those the read began with.
