@@ -124,18 +124,6 @@ pub fn prefill<B: Backend>(
     let mode = ranks
         .first()
         .map_or(SparseMode::Dense, |r| r.model.sparse_mode(tokens.len()));
-    prefill_as(ranks, exchange, tokens, mode)
-}
-
-/// [`prefill`] with the sparse layers' attention `mode` given: that of a longer prompt whose
-/// first `tokens` these are (the rest read after, as [`crate::Model::sparse_mode`] says for
-/// the whole).
-pub fn prefill_as<B: Backend>(
-    ranks: &mut [ContextRank<'_, B>],
-    exchange: &dyn Exchange<B>,
-    tokens: &[u32],
-    mode: SparseMode,
-) -> BResult<ContextPrefill> {
     let mut read = ContextRead::new(ranks, tokens, mode, true)?;
     while !read.is_done() {
         read.advance(ranks, exchange)?;
