@@ -67,6 +67,21 @@ fn common_json(vocab: usize) -> serde_json::Value {
         "bos_token_id": 1,
         "eos_token_id": [2, vocab - 8],
         "pad_token_id": 2,
+        // Read by the official modeling code's config class, not by the forward pass: a written
+        // checkpoint loads there (with its .py files beside it) as the released one does.
+        "auto_map": {
+            "AutoConfig": "configuration_minicpm_sala.MiniCPMSALAConfig",
+            "AutoModel": "modeling_minicpm_sala.MiniCPMSALAModel",
+            "AutoModelForCausalLM": "modeling_minicpm_sala.MiniCPMSALAForCausalLM",
+            "AutoModelForSeq2SeqLM": "modeling_minicpm_sala.MiniCPMSALAForCausalLM",
+            "AutoModelForSequenceClassification":
+                "modeling_minicpm_sala.MiniCPMSALAForSequenceClassification"
+        },
+        "attention_dropout": 0.0,
+        "initializer_range": 0.1,
+        "mup_denominator": 32,
+        "use_cache": true,
+        "shift_labels": true,
     })
 }
 
@@ -215,6 +230,21 @@ mod tests {
         assert_eq!(sparse_layers(&c), vec![0, 9, 16, 17, 22, 29, 30, 31]);
         assert_eq!(expected_tensors(&c).len(), 3 + 32 * 5 + 8 * 5 + 24 * 8);
         assert_eq!(c.raw["mup_denominator"], 32);
+    }
+
+    #[test]
+    fn small_presets_carry_every_key_of_the_released_config() {
+        // But the version, and the dtype: the writer adds the one it writes.
+        let released = preset("minicpm-sala-9b").unwrap().raw;
+        for name in ["tiny", "small"] {
+            let c = preset(name).unwrap().to_json();
+            for key in released.as_object().unwrap().keys() {
+                if key != "transformers_version" && key != "torch_dtype" {
+                    assert!(c.get(key).is_some(), "preset {name} lacks `{key}`");
+                }
+            }
+            assert_eq!(c["auto_map"], released["auto_map"]);
+        }
     }
 
     fn round_trip(max_shard_bytes: usize) -> usize {

@@ -244,9 +244,22 @@ fn main() {
         Command::Perplexity(args) => perplexity::run(args),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", error_text(&e));
         std::process::exit(1);
     }
+}
+
+/// An error and its causes, `: ` between, each cause left out where the text already ends with it
+/// (an error whose message quotes its source would otherwise say it twice).
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.ends_with(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
 }
 
 fn dtype_of(d: WeightDType) -> DType {
@@ -873,7 +886,7 @@ fn chat_loop<B: Backend>(
                 // A turn that cannot run (e.g. the conversation outgrew the context) is reported
                 // and dropped; the session goes on.
                 messages.pop();
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", error_text(&e));
             }
         }
     }
@@ -1031,14 +1044,14 @@ fn serve(args: ServeArgs) -> Result<()> {
                 }
             }
             let (checkpoint, tokenizer) =
-                open_model_files(dir, choices).map_err(|e| format!("{e:#}"))?;
+                open_model_files(dir, choices).map_err(|e| error_text(&e))?;
             let mut engine =
                 Engine::from_parts(be, dir, checkpoint, tokenizer, chunk, &mut |_, _| {})
                     .map_err(|e| format!("loading {}: {e}", dir.display()))?;
             if let Some(draft) = &draft {
-                load_draft(&mut engine, draft).map_err(|e| format!("{e:#}"))?;
+                load_draft(&mut engine, draft).map_err(|e| error_text(&e))?;
             }
-            add_context_ranks(&mut engine, &device, dir).map_err(|e| format!("{e:#}"))?;
+            add_context_ranks(&mut engine, &device, dir).map_err(|e| error_text(&e))?;
             // The page pool, where there is one, counts what the caches take.
             let probe = |be: &B| be.page_pool().map(|(pages, bytes)| pages * bytes);
             engine.set_cache_probe(Some(Box::new(probe)));
@@ -1047,13 +1060,13 @@ fn serve(args: ServeArgs) -> Result<()> {
                 .cache_budget()
                 .with_limit(limit.clone())
                 .room_for_caches();
-            engine.set_prefix_cache(prefix.limit(room).map_err(|e| format!("{e:#}"))?);
+            engine.set_prefix_cache(prefix.limit(room).map_err(|e| error_text(&e))?);
             runner.memory_limit(limit).max_batch(max_batch).run(engine);
             Ok(())
         }
         let opened = device_args
             .open(|| model_config(&load.dir, load.choices))
-            .map_err(|e| format!("{e:#}"))?;
+            .map_err(|e| error_text(&e))?;
         on_backend!(opened, be => start(runner, be, load))
     })
     .map_err(anyhow::Error::msg)?;

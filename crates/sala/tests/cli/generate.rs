@@ -203,9 +203,14 @@ fn bad_inputs_get_clear_errors() {
         .unwrap()
         .replacen("lightning-attn", "mamba2", 1);
     std::fs::write(&cfg_path, cfg).unwrap();
-    fails_with(
-        &sala(&["inspect", bad.to_str().unwrap()], cache),
-        &["mixer_types[1]", "mamba2"],
+    let unknown_mixer = sala(&["inspect", bad.to_str().unwrap()], cache);
+    fails_with(&unknown_mixer, &["mixer_types[1]", "mamba2"]);
+    // Said once: an error that quotes its cause is not followed by the cause again.
+    assert_eq!(
+        stderr(&unknown_mixer).matches("mamba2").count(),
+        1,
+        "{}",
+        stderr(&unknown_mixer)
     );
 
     // A truncated shard names the file.
