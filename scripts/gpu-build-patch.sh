@@ -12,7 +12,7 @@ tree=$(mktemp -d)/tree
 git worktree add -q --detach "$tree" HEAD
 trap 'git worktree remove --force "$tree"; git worktree prune' EXIT
 for p in "$@"; do
-  (cd "$tree" && git am -q "$root/$p") || { echo "$p does not apply to HEAD" >&2; exit 1; }
+  (cd "$tree" && git am -3 -q "$root/$p") || { echo "$p does not apply to HEAD" >&2; exit 1; }
 done
 export CARGO_TARGET_DIR="$root/target-b"
 (cd "$tree" && cargo build --release -p sala)
