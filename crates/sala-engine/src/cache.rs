@@ -194,6 +194,21 @@ impl CacheBudget {
         }
     }
 
+    /// Whether sequences that may reach `totals` tokens fit the limit together with nothing
+    /// else admitted (always, without one): the check of one request's several choices, which
+    /// the batch can never hold at once if this fails. Their states beside the caches (drafts,
+    /// snapshots) are not counted, so a pass is no promise; a failure is certain.
+    pub fn check_together(&self, totals: &[usize]) -> Result<(), OverBudget> {
+        let mut budget = self.empty();
+        for (i, &total) in totals.iter().enumerate() {
+            match budget.admit(i as RequestId, total, 0, false, 0) {
+                Ok(_) => {}
+                Err(Refusal::TooLarge(e) | Refusal::Busy(e)) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Admits request `id`, whose sequence may reach `total_tokens` tokens and holds
     /// `held_tokens` now, if its plan fits beside the caches of every sequence admitted and
     /// the parked ones; a request that `speculates` holds [`speculation_bytes`] more, and

@@ -25,6 +25,30 @@ use std::sync::{Arc, OnceLock};
 /// Most bytes a request's JSON schema may take (as compact JSON).
 pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 
+/// Most alternatives one `enum`, `anyOf` or `oneOf` of a schema may list: the parser holds
+/// every alternative of a choice in one row, and fails mid-generation past 2000.
+pub const MAX_ALTERNATIVES: usize = 1024;
+
+/// The most alternatives any `enum`, `anyOf` or `oneOf` in `schema` lists (0 without one).
+pub fn widest_choice(schema: &serde_json::Value) -> usize {
+    use serde_json::Value;
+    match schema {
+        Value::Object(map) => map
+            .iter()
+            .map(|(key, v)| {
+                let own = match (key.as_str(), v) {
+                    ("enum" | "anyOf" | "oneOf", Value::Array(list)) => list.len(),
+                    _ => 0,
+                };
+                own.max(widest_choice(v))
+            })
+            .max()
+            .unwrap_or(0),
+        Value::Array(list) => list.iter().map(widest_choice).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
 /// The request parameter that structured output answers to.
 const PARAM: &str = "response_format";
 
@@ -47,6 +71,8 @@ pub struct Grammar {
     matcher: Matcher,
     /// The mask of the first token, computed when it was compiled.
     first_mask: SimpleVob,
+    /// The request field it comes from (`response_format`, `tools`), named by its errors.
+    param: String,
 }
 
 impl std::fmt::Debug for Grammar {
@@ -153,6 +179,7 @@ impl Grammars {
             return Ok(Grammar {
                 matcher,
                 first_mask,
+                param: param.clone(),
             });
         }
         let invalid = |m: &str| RequestError::invalid(format!("{PARAM}: {m}")).param(PARAM);
@@ -166,10 +193,26 @@ impl Grammars {
                         "the JSON schema takes {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed"
                     )));
                 }
-                if !s.is_object() {
-                    return Err(invalid("the JSON schema must be a JSON object"));
+                let widest = widest_choice(s);
+                if widest > MAX_ALTERNATIVES {
+                    return Err(invalid(&format!(
+                        "the JSON schema has an enum, anyOf or oneOf of {widest} alternatives; at \
+                         most {MAX_ALTERNATIVES} are supported"
+                    )));
                 }
-                s.clone()
+                match s {
+                    // The boolean schemas: `true` takes any JSON value, `false` none.
+                    serde_json::Value::Bool(true) => serde_json::json!({}),
+                    serde_json::Value::Bool(false) => {
+                        return Err(invalid("the JSON schema is false: no output can match it"))
+                    }
+                    serde_json::Value::Object(_) => s.clone(),
+                    _ => {
+                        return Err(invalid(
+                            "the JSON schema must be a JSON object (or true or false)",
+                        ))
+                    }
+                }
             }
         };
         if schema.get("x-guidance").is_none() {
@@ -197,6 +240,7 @@ impl Grammars {
         Ok(Grammar {
             matcher,
             first_mask,
+            param: PARAM.into(),
         })
     }
 }
@@ -213,15 +257,19 @@ fn brief(e: &(impl std::fmt::Display + ?Sized)) -> String {
     line
 }
 
-/// Why a request's constraint failed while it generated.
+/// Why a request's constraint failed while it generated, and the request field it came from.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("structured output failed: {0}")]
-pub struct GrammarError(pub String);
+#[error("structured output failed: {message}")]
+pub struct GrammarError {
+    pub message: String,
+    pub param: String,
+}
 
 /// One request's grammar as it generates: the matcher and the mask of its next token.
 pub struct Constraint {
     matcher: Matcher,
     mask: Option<Result<SimpleVob, GrammarError>>,
+    param: String,
     /// The message of a panic while the mask was computed beside the forward pass: raised
     /// again by [`Constraint::apply`], inside the request's own sampling, so that it fails
     /// that request only.
@@ -233,12 +281,21 @@ impl From<Grammar> for Constraint {
         Self {
             matcher: g.matcher,
             mask: Some(Ok(g.first_mask)),
+            param: g.param,
             panicked: None,
         }
     }
 }
 
 impl Constraint {
+    /// An error of this constraint.
+    fn error(&self, message: String) -> GrammarError {
+        GrammarError {
+            message,
+            param: self.param.clone(),
+        }
+    }
+
     /// Whether the next token's mask is still to be computed.
     pub fn needs_mask(&self) -> bool {
         self.mask.is_none() && !self.matcher.is_stopped()
@@ -258,15 +315,13 @@ impl Constraint {
     /// Computes the next token's mask (it may take a millisecond: [`crate::step`] runs it
     /// beside the forward pass).
     pub fn compute_mask(&mut self) {
-        let mask = self
-            .matcher
-            .compute_mask()
-            .map_err(|e| GrammarError(brief(&e)));
+        let mask = self.matcher.compute_mask().map_err(|e| brief(&e));
         self.mask = Some(match mask {
-            Ok(m) if m.is_zero() => Err(GrammarError(
-                "the grammar allows no token of this model here".into(),
-            )),
-            m => m,
+            Ok(m) if m.is_zero() => {
+                Err(self.error("the grammar allows no token of this model here".into()))
+            }
+            Ok(m) => Ok(m),
+            Err(e) => Err(self.error(e)),
         });
     }
 
@@ -307,9 +362,9 @@ impl Constraint {
     /// nothing may follow (generation should stop).
     pub fn advance(&mut self, token: u32) -> Result<bool, GrammarError> {
         self.mask = None;
-        self.matcher
-            .consume_token(token)
-            .map_err(|e| GrammarError(brief(&e)))?;
+        if let Err(e) = self.matcher.consume_token(token) {
+            return Err(self.error(brief(&e)));
+        }
         Ok(self.matcher.is_stopped())
     }
 }
@@ -366,7 +421,8 @@ mod tests {
         let (_dir, g, tok) = grammars();
         let mut c = Constraint::from(g.compile(&GrammarSpec::JsonObject).unwrap());
         let e = c.advance(id(&tok, "a")).unwrap_err();
-        assert!(!e.0.is_empty());
+        assert!(!e.message.is_empty());
+        assert_eq!(e.param, "response_format");
         assert!(
             e.to_string().starts_with("structured output failed: "),
             "{e}"

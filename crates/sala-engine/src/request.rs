@@ -347,7 +347,7 @@ impl From<EngineError> for RequestError {
                 }
             }
             EngineError::Stop(e) => Self::invalid(e.to_string()).param("stop"),
-            EngineError::Grammar(e) => Self::invalid(e.to_string()).param("response_format"),
+            EngineError::Grammar(e) => Self::invalid(e.to_string()).param(e.param.clone()),
             EngineError::EmptyPrompt => Self::invalid(e.to_string()),
             EngineError::PromptTooLong { .. } | EngineError::OverBudget(_) => {
                 Self::ContextLengthExceeded {

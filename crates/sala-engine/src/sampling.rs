@@ -105,14 +105,15 @@ impl SamplingParams {
         if !self.frequency_penalty.is_finite() {
             return Err(invalid("frequency_penalty", "must be finite"));
         }
-        for (i, &(id, bias)) in self.logit_bias.iter().enumerate() {
+        let mut seen = std::collections::HashSet::with_capacity(self.logit_bias.len());
+        for &(id, bias) in &self.logit_bias {
             if !(-100.0..=100.0).contains(&bias) {
                 return Err(SamplingError::InvalidParam {
                     param: "logit_bias",
                     reason: format!("token {id}'s bias {bias} is not in [-100, 100]"),
                 });
             }
-            if self.logit_bias[..i].iter().any(|&(other, _)| other == id) {
+            if !seen.insert(id) {
                 return Err(SamplingError::InvalidParam {
                     param: "logit_bias",
                     reason: format!("token {id} is biased twice"),

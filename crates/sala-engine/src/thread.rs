@@ -3,7 +3,9 @@
 //!
 //! [`spawn`] starts it and returns a [`Handle`] once the model is loaded; [`Handle::submit`]
 //! queues a request and returns the receiver of its [`Event`]s. Dropping the receiver cancels
-//! the request. A client that does not read pauses only its own request. A panic in one
+//! the request, in the batch or still waiting. A client that does not read pauses only its
+//! own request, and, while others wait for its place, for at most [`Runner::pause_limit`]: then
+//! the request ends, as if its client had left. A panic in one
 //! request's work (admission, sampling, its grammar, its text and events) fails that request
 //! only; one in the forward pass fails the requests of that step; anything else that panics in
 //! a step fails the requests in flight. The thread goes on. An [`Observer`] hears of every
@@ -22,7 +24,7 @@ use std::cell::Cell;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -32,6 +34,20 @@ pub const DEFAULT_MAX_BATCH: usize = 64;
 
 /// Events buffered per request before the engine waits for the client.
 const EVENT_BUFFER: usize = 64;
+
+/// How long a request may stay paused by a client that does not read while others wait for
+/// its place, unless [`Runner::pause_limit`] says otherwise.
+pub const DEFAULT_PAUSE_LIMIT: Duration = Duration::from_secs(30);
+
+/// A place in the queue, held from [`Handle::submit_choices`] until every request of its job
+/// has left the waiting line (admitted, refused, or dropped because its client left).
+struct QueueSlot(Arc<AtomicUsize>);
+
+impl Drop for QueueSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// What the engine thread tells of its model once loaded.
 #[derive(Debug, Clone)]
@@ -49,6 +65,9 @@ pub struct EngineInfo {
     /// Structured output's grammars for the model, so that callers compile a request's
     /// grammar off the engine thread ([`Handle::grammar`]).
     pub grammars: Arc<Grammars>,
+    /// The memory budget with nothing admitted, so that callers can refuse a request whose
+    /// choices could never be held at once ([`Handle::check_together`]).
+    pub budget: crate::cache::CacheBudget,
 }
 
 /// Hears of every request's progress on the engine thread, before its client does. Every
@@ -87,6 +106,7 @@ struct Job {
     queued: Instant,
     /// Other choices of the same prompt ([`Handle::submit_choices`]).
     also: Vec<(Request, mpsc::Sender<Event>)>,
+    slot: QueueSlot,
 }
 
 /// Handed to the factory of [`spawn`] on the engine thread; [`Runner::run`] serves the queue
@@ -105,6 +125,8 @@ pub struct Runner {
     specials_in_content: bool,
     /// Speculative decoding's longest draft for every request (`None`: off).
     speculate: Option<Speculate>,
+    /// How long a stalled client may hold its place while others wait.
+    pause_limit: Duration,
 }
 
 /// The callers' end of the queue.
@@ -114,6 +136,9 @@ pub struct Handle {
     pub info: EngineInfo,
     /// Set by [`Handle::end_all`].
     ending: Arc<AtomicBool>,
+    /// Jobs queued or waiting for room in the batch, and how many may be.
+    waiting: Arc<AtomicUsize>,
+    capacity: usize,
 }
 
 /// Starts the engine thread: `factory` runs there, builds the backend and the [`Engine`]
@@ -129,7 +154,8 @@ pub fn spawn<F>(
 where
     F: FnOnce(Runner) -> Result<(), String> + Send + 'static,
 {
-    let (jobs_tx, jobs_rx) = mpsc::channel(queue.max(1));
+    let capacity = queue.max(1);
+    let (jobs_tx, jobs_rx) = mpsc::channel(capacity);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let failed = ready_tx.clone();
     let ending = Arc::new(AtomicBool::new(false));
@@ -143,6 +169,7 @@ where
         max_batch: None,
         specials_in_content: false,
         speculate: None,
+        pause_limit: DEFAULT_PAUSE_LIMIT,
     };
     std::thread::Builder::new()
         .name("sala-engine".into())
@@ -157,6 +184,8 @@ where
             jobs: jobs_tx,
             info,
             ending,
+            waiting: Arc::new(AtomicUsize::new(0)),
+            capacity,
         }),
         Ok(Err(e)) => Err(e),
         Err(_) => Err("the engine thread ended before loading a model".into()),
@@ -196,12 +225,19 @@ impl Handle {
         if jobs.is_empty() {
             return Ok(receivers);
         }
+        // A place in the queue, counted until the job's requests leave the waiting line.
+        if self.waiting.fetch_add(1, Ordering::Relaxed) >= self.capacity {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(RequestError::QueueFull);
+        }
+        let slot = QueueSlot(self.waiting.clone());
         let (request, events) = jobs.remove(0);
         let job = Job {
             request,
             events,
             queued: Instant::now(),
             also: jobs,
+            slot,
         };
         match self.jobs.try_send(job) {
             Ok(()) => Ok(receivers),
@@ -219,6 +255,28 @@ impl Handle {
             &self.info.template,
             self.info.specials_in_content,
         )
+    }
+
+    /// Whether sequences of these prompt lengths, each with `max_tokens` more (within the
+    /// context budget), fit the memory limit together with nothing else in flight: a request
+    /// whose choices fail this can never be served, whatever it waits for.
+    pub fn check_together(&self, prompts: &[usize], max_tokens: usize) -> Result<(), RequestError> {
+        let max = self.info.max_context;
+        let totals: Vec<usize> = prompts
+            .iter()
+            .filter(|&&p| p < max)
+            .map(|&p| p + max_tokens.min(max - p))
+            .collect();
+        self.info
+            .budget
+            .check_together(&totals)
+            .map_err(|e| RequestError::ContextLengthExceeded {
+                message: format!(
+                    "the request's {} sequences (its prompts times n) cannot be held at once: {e}; \
+                     ask for fewer choices or fewer max_tokens",
+                    totals.len()
+                ),
+            })
     }
 
     /// `spec` compiled for the model, on the calling thread (it may take milliseconds): a
@@ -240,14 +298,15 @@ impl Handle {
         !self.jobs.is_closed()
     }
 
-    /// Requests waiting in the queue.
+    /// Jobs (a prompt's choices) waiting: queued, or taken by the engine and waiting for room
+    /// in the batch.
     pub fn queue_depth(&self) -> usize {
-        self.jobs.max_capacity() - self.jobs.capacity()
+        self.waiting.load(Ordering::Relaxed)
     }
 
-    /// Most requests that may wait.
+    /// Most jobs that may wait.
     pub fn queue_capacity(&self) -> usize {
-        self.jobs.max_capacity()
+        self.capacity
     }
 }
 
@@ -270,6 +329,14 @@ impl Runner {
     /// Speculative decoding for every request (`None`: off).
     pub fn speculate(mut self, s: Option<Speculate>) -> Self {
         self.speculate = s;
+        self
+    }
+
+    /// How long a request paused by a client that does not read may keep its place while
+    /// others wait for one (default [`DEFAULT_PAUSE_LIMIT`]); then it ends as if its client
+    /// had left.
+    pub fn pause_limit(mut self, limit: Duration) -> Self {
+        self.pause_limit = limit;
         self
     }
 
@@ -318,6 +385,7 @@ impl Runner {
             max_context,
             backend: engine.backend_name(),
             grammars: engine.grammars(),
+            budget: engine.cache_budget(),
         };
         if self.ready.send(Ok(info)).is_err() {
             return;
@@ -332,6 +400,7 @@ impl Runner {
             observer: self.observer.clone(),
             engine,
             waiting: VecDeque::new(),
+            pause_limit: self.pause_limit,
         };
         let mut open = true;
         while open || !serving.batch.is_empty() || !serving.waiting.is_empty() {
@@ -347,28 +416,27 @@ impl Runner {
                         .blocking_send(Event::Error(RequestError::ShuttingDown));
                 }
             }
-            // Admit waiting requests (a job's choices one by one), then queued jobs, while the
-            // batch has room; wait for a job when idle.
-            while serving.batch.has_room() {
-                if let Some(w) = serving.waiting.pop_front() {
-                    serving.admit_waiting(w);
-                    continue;
-                }
-                if !open {
-                    break;
-                }
-                let job = if serving.batch.is_empty() {
-                    self.jobs.blocking_recv()
-                } else {
-                    match self.jobs.try_recv() {
-                        Ok(job) => Some(job),
-                        Err(mpsc::error::TryRecvError::Empty) => break,
-                        Err(mpsc::error::TryRecvError::Disconnected) => None,
-                    }
-                };
-                match job {
+            // Every queued job joins the waiting line (waiting for a job when idle), where a
+            // request whose client leaves is dropped at once; then waiting requests are
+            // admitted in order (a job's choices one by one) while the batch has room.
+            if open && serving.batch.is_empty() && serving.waiting.is_empty() {
+                match self.jobs.blocking_recv() {
                     Some(job) => serving.expand(job),
                     None => open = false,
+                }
+            }
+            while open {
+                match self.jobs.try_recv() {
+                    Ok(job) => serving.expand(job),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => open = false,
+                }
+            }
+            serving.drop_left();
+            while serving.batch.has_room() {
+                match serving.waiting.pop_front() {
+                    Some(w) => serving.admit_waiting(w),
+                    None => break,
                 }
             }
             serving.step();
@@ -389,15 +457,18 @@ struct Serving<B: Backend> {
     observer: Arc<dyn Observer>,
     /// Requests taken from the queue, waiting for room in the batch.
     waiting: VecDeque<Waiting>,
+    pause_limit: Duration,
 }
 
-/// A request taken from the queue; the choices of one job share a [`Group`].
+/// A request taken from the queue; the choices of one job share a [`Group`] and its place in
+/// the queue.
 struct Waiting {
     request: Request,
     events: mpsc::Sender<Event>,
     queued: Instant,
     group: Group,
     lead: bool,
+    _slot: Rc<QueueSlot>,
 }
 
 /// The id of a job's first request once admitted: the others copy its prompt's state.
@@ -412,13 +483,16 @@ impl<B: Backend> Serving<B> {
             events,
             queued,
             also,
+            slot,
         } = job;
+        let slot = Rc::new(slot);
         self.waiting.push_back(Waiting {
             request,
             events,
             queued,
             group: group.clone(),
             lead: true,
+            _slot: slot.clone(),
         });
         for (request, events) in also {
             self.waiting.push_back(Waiting {
@@ -427,8 +501,21 @@ impl<B: Backend> Serving<B> {
                 queued,
                 group: group.clone(),
                 lead: false,
+                _slot: slot.clone(),
             });
         }
+    }
+
+    /// Drops the waiting requests whose clients left.
+    fn drop_left(&mut self) {
+        let observer = &self.observer;
+        self.waiting.retain(|w| {
+            let left = w.events.is_closed();
+            if left {
+                observer.finished(Ok(FinishReason::Cancelled));
+            }
+            !left
+        });
     }
 
     /// Admits a waiting request: the first of its job reads the prompt, the others copy it.
@@ -543,6 +630,7 @@ impl<B: Backend> Serving<B> {
             queued,
             last_token: None,
             pending: Vec::new(),
+            paused_since: Cell::new(None),
         };
         // The cache budget checks this request's memory beside the batch's: too large even
         // alone is `ContextLengthExceeded`, else busy memory is `MemoryBusy`.
@@ -583,10 +671,15 @@ impl<B: Backend> Serving<B> {
         }
     }
 
-    /// Drops the requests whose clients left, then runs a step; a panic that the step does
-    /// not isolate to a request fails every request in flight.
+    /// Drops the requests whose clients left (or, while others wait for a place, stopped
+    /// reading longer than the pause limit), then runs a step; a panic that the step does not
+    /// isolate to a request fails every request in flight.
     fn step(&mut self) {
-        for _ in self.batch.cancel_where(|_, sink| sink.events.is_closed()) {
+        let (others_wait, limit) = (!self.waiting.is_empty(), self.pause_limit);
+        let gone = |_: RequestId, sink: &Sink| {
+            sink.events.is_closed() || (others_wait && sink.paused_for() > limit)
+        };
+        for _ in self.batch.cancel_where(gone) {
             self.report_cache();
             self.observer.released();
             self.observer.finished(Ok(FinishReason::Cancelled));
@@ -629,9 +722,18 @@ struct Sink {
     last_token: Option<Instant>,
     /// Logprobs of the tokens since the last `Text`.
     pending: Vec<LogprobEntry>,
+    /// Since when the client has had no room for a step's events.
+    paused_since: Cell<Option<Instant>>,
 }
 
 impl Sink {
+    /// How long the client has had no room for a step's events (zero while it reads).
+    fn paused_for(&self) -> Duration {
+        self.paused_since
+            .get()
+            .map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
     /// Sends an event; false when the client has left.
     fn send(&self, ev: Event) -> bool {
         match self.events.try_send(ev) {
@@ -651,7 +753,13 @@ impl Sink {
 impl Client for Sink {
     /// Whether the client has room for a step's events (a token's text, then the end).
     fn ready(&self) -> bool {
-        self.events.capacity() >= 4
+        let ready = self.events.capacity() >= 4;
+        match (ready, self.paused_since.get()) {
+            (true, Some(_)) => self.paused_since.set(None),
+            (false, None) => self.paused_since.set(Some(Instant::now())),
+            _ => {}
+        }
+        ready
     }
 
     fn event(&mut self, event: StepEvent<'_>, cx: &StepContext<'_>) -> bool {

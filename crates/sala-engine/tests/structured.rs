@@ -231,6 +231,11 @@ fn invalid_schemas_are_refused_naming_response_format() {
         ),
         (json!({"$ref": "#/$defs/missing"}), "missing"),
         (json!(5), "must be a JSON object"),
+        (json!(false), "no output can match"),
+        (
+            json!({"enum": (0..1025).collect::<Vec<u32>>()}),
+            "1025 alternatives",
+        ),
         (huge, "at most 65536"),
     ] {
         match grammars.compile(&GrammarSpec::JsonSchema(schema.clone())) {
@@ -241,6 +246,14 @@ fn invalid_schemas_are_refused_naming_response_format() {
             }
             other => panic!("{schema}: {other:?}"),
         }
+    }
+    // The schema `true` takes any JSON value; an enum at the limit compiles.
+    for schema in [
+        json!(true),
+        json!({"enum": (0..1024).collect::<Vec<u32>>()}),
+    ] {
+        let compiled = grammars.compile(&GrammarSpec::JsonSchema(schema.clone()));
+        assert!(compiled.is_ok(), "{schema}: {compiled:?}");
     }
 }
 

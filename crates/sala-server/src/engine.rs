@@ -96,6 +96,12 @@ impl EngineHandle {
         &self.engine.info.tokenizer
     }
 
+    /// Whether a request's sequences (their prompt lengths, `max_tokens` each) fit the memory
+    /// limit at once with nothing else in flight.
+    pub fn check_together(&self, prompts: &[usize], max_tokens: usize) -> Result<(), RequestError> {
+        self.engine.check_together(prompts, max_tokens)
+    }
+
     /// `spec` compiled for the model, on the calling thread.
     pub fn grammar(&self, spec: &GrammarSpec) -> Result<Grammar, RequestError> {
         self.engine.grammar(spec)

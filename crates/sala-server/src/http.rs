@@ -23,7 +23,8 @@ pub struct ServerOptions {
     /// How long a graceful shutdown lets the requests in flight run before ending them.
     pub shutdown_timeout: std::time::Duration,
     /// How long a connection may take to send a request's headers, or stay idle between
-    /// requests; then it is closed.
+    /// requests, or take to send a request's body once its headers are in; then it is closed
+    /// (a late body is answered 408 first).
     pub header_timeout: std::time::Duration,
 }
 
@@ -76,7 +77,88 @@ pub fn router(engine: EngineHandle, opts: &ServerOptions) -> Router {
         .fallback(not_found)
         .layer(axum::middleware::map_response(method_not_allowed))
         .layer(DefaultBodyLimit::max(opts.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            BodyRead {
+                limit: opts.max_body_bytes,
+                within: opts.header_timeout,
+            },
+            read_body,
+        ))
         .with_state(state)
+}
+
+/// How a request's body must arrive.
+#[derive(Clone, Copy)]
+struct BodyRead {
+    limit: usize,
+    within: std::time::Duration,
+}
+
+/// Reads a request's whole body before its route runs: a body larger than the limit is 413,
+/// one that has not arrived in time 408, and either closes the connection (what is left of
+/// the body is not read).
+async fn read_body(
+    State(read): State<BodyRead>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    let refuse = |status: StatusCode, message: String| {
+        let mut res = ApiError::new(status, "invalid_request_error", message).into_response();
+        res.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
+        res
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > read.limit as u64) {
+        return refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "the request body is too large".into(),
+        );
+    }
+    enum Failed {
+        TooLarge,
+        Read(axum::Error),
+    }
+    let whole = async {
+        use futures_util::StreamExt;
+        let mut stream = body.into_data_stream();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(Failed::Read)?;
+            if bytes.len() + chunk.len() > read.limit {
+                return Err(Failed::TooLarge);
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(bytes)
+    };
+    match tokio::time::timeout(read.within, whole).await {
+        Ok(Ok(bytes)) => {
+            next.run(axum::extract::Request::from_parts(parts, bytes.into()))
+                .await
+        }
+        Ok(Err(Failed::TooLarge)) => refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "the request body is too large".into(),
+        ),
+        Ok(Err(Failed::Read(e))) => refuse(
+            StatusCode::BAD_REQUEST,
+            format!("reading the request body: {e}"),
+        ),
+        Err(_) => refuse(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {} s",
+                read.within.as_secs_f64()
+            ),
+        ),
+    }
 }
 
 /// Serves `router(engine, opts)` on `listener` until the process ends.
@@ -257,8 +339,20 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
 
 async fn model(
     State(st): State<Arc<AppState>>,
-    axum::extract::Path(id): axum::extract::Path<String>,
+    id: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Response {
+    let id = match id {
+        Ok(axum::extract::Path(id)) => id,
+        Err(e) => {
+            return ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!("the model id in the path: {}", e.body_text()),
+            )
+            .param("model")
+            .into_response()
+        }
+    };
     if id == st.engine.info.id {
         Json(model_card(&st)).into_response()
     } else {

@@ -14,6 +14,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use choices::{wait_started, Choice};
 use futures_util::stream::{self, Stream, StreamExt};
 use sala_engine::generate::FinishReason;
 use sala_engine::request::{PromptLogprobs, RequestError};
@@ -166,6 +167,26 @@ async fn admit(
     // prompt's choices; a prompt's choices are queued together, so that the engine reads the
     // prompt once and copies its state to the others.
     let n = checked.n;
+    // Several sequences that the memory limit could never hold at once are refused whole (each
+    // alone is checked at admission).
+    if prompts.len() * n > 1 {
+        let lens: Option<Vec<usize>> = prompts
+            .iter()
+            .map(|p| match p {
+                Prompt::Tokens(ids) => Some(ids.len()),
+                _ => None,
+            })
+            .collect();
+        if let Some(lens) = lens {
+            let each: Vec<usize> = lens
+                .iter()
+                .flat_map(|&l| std::iter::repeat_n(l, n))
+                .collect();
+            st.engine
+                .check_together(&each, checked.request.max_tokens)
+                .map_err(|e| ApiError::from(&e))?;
+        }
+    }
     let mut events = Vec::with_capacity(prompts.len() * n);
     for prompt in prompts {
         let choices = (0..n)
@@ -205,17 +226,11 @@ pub(crate) async fn handle(
         e
     };
     let admitted = admit(&st, body, kind).await.map_err(counted)?;
-    let mut events = admitted.events;
-    for choice in &mut events {
-        match choice.recv().await {
-            Some(Event::Started { .. }) => {}
-            Some(Event::Error(e)) => return Err(ApiError::from(&e)),
-            _ => {
-                return Err(counted(ApiError::internal(
-                    "the engine stopped before answering",
-                )))
-            }
-        }
+    let mut events: Vec<Choice> = admitted.events.into_iter().map(Choice::new).collect();
+    match wait_started(&mut events).await {
+        Ok(()) => {}
+        Err(Failed::Engine(e)) => return Err(e),
+        Err(Failed::Here(e)) => return Err(counted(e)),
     }
     let id = st.new_id(match kind {
         Kind::Chat => "chatcmpl",
@@ -252,7 +267,7 @@ enum Failed {
 /// (together, so that none waits for its reader).
 async fn whole_response(
     meta: &Meta,
-    events: Vec<mpsc::Receiver<Event>>,
+    events: Vec<Choice>,
     reply: &ReplySetup,
 ) -> Result<Value, Failed> {
     let reads = events
@@ -282,7 +297,7 @@ async fn whole_response(
 async fn whole_choice(
     meta: &Meta,
     index: usize,
-    events: &mut mpsc::Receiver<Event>,
+    events: &mut Choice,
     reply: &ReplySetup,
 ) -> Result<(Value, Usage), Failed> {
     let kind = meta.kind;
@@ -423,7 +438,7 @@ impl Meta {
 /// A choice's events, tagged with its index; `None` once its channel has closed.
 type Tagged = futures_util::stream::BoxStream<'static, (usize, Option<Event>)>;
 
-fn tagged(index: usize, rx: mpsc::Receiver<Event>) -> Tagged {
+fn tagged(index: usize, rx: Choice) -> Tagged {
     Box::pin(stream::unfold(Some(rx), move |rx| async move {
         let mut rx = rx?;
         match rx.recv().await {
@@ -576,7 +591,7 @@ impl StreamState {
 /// left, or a choice failed) closes the event channels, which stops the generation.
 fn stream_response(
     meta: Meta,
-    events: Vec<mpsc::Receiver<Event>>,
+    events: Vec<Choice>,
     include_usage: bool,
     reply: &ReplySetup,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
@@ -766,5 +781,6 @@ impl Legacy {
     }
 }
 
+mod choices;
 #[cfg(test)]
 mod tests;

@@ -878,4 +878,17 @@ fn logit_bias_moves_picks_and_is_checked() {
         ));
         assert!(e.to_string().contains(needle), "{e}");
     }
+    // A huge map is checked in linear time (it ran on the server's threads in quadratic time:
+    // seconds a request at 10^5 entries); its duplicate, last, still found.
+    let mut huge: Vec<(u32, f32)> = (0..300_000).map(|i| (i, 1.0)).collect();
+    let t = std::time::Instant::now();
+    assert!(params(|p| p.logit_bias = huge.clone()).validate().is_ok());
+    huge.push((123_456, -1.0));
+    let e = params(|p| p.logit_bias = huge).validate().unwrap_err();
+    assert!(e.to_string().contains("biased twice"), "{e}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(2),
+        "{:?}",
+        t.elapsed()
+    );
 }

@@ -320,6 +320,19 @@ impl Lark {
                 }
                 continue;
             }
+            // A strict function's parameter whose schema is `false` takes no value: left out,
+            // and a request that requires it can never be answered.
+            if t.strict && t.param_schema(key) == Some(&Value::Bool(false)) {
+                if required.contains(&key.as_str()) {
+                    return Err(ApiError::invalid(format!(
+                        "the strict function {:?} requires the parameter {key:?}, whose schema \
+                         is false: no value can satisfy it",
+                        t.name
+                    ))
+                    .param("tools"));
+                }
+                continue;
+            }
             let open = lit(&format!("<param name=\"{key}\">"));
             let one = format!("({open} {})", self.value(t, key));
             parts.push(if required.contains(&key.as_str()) {

@@ -27,6 +27,7 @@ pub mod grammar;
 pub mod parse;
 
 use crate::api::{ApiError, MAX_TOOLS};
+use sala_engine::grammar::{widest_choice, MAX_ALTERNATIVES};
 use sala_engine::request::ChatEnding;
 use sala_tokenizer::ChatMessage;
 use serde_json::Value;
@@ -56,10 +57,15 @@ impl ToolDef {
         args::schema_types(self.param_schema(key), self.parameters.as_ref())
     }
 
-    /// Whether the parameter `key`'s values are JSON: its schema allows types and no string.
+    /// Whether the parameter `key`'s values are JSON: its schema allows types and no string;
+    /// or, for a strict function, names no type it allows (a reference, `anyOf`, a bad
+    /// `type`), so that the JSON schema compiler checks it and writes its values.
     pub fn json_valued(&self, key: &str) -> bool {
         let types = self.param_types(key);
-        !types.is_empty() && !types.iter().any(|t| t == "string")
+        if types.is_empty() {
+            return self.strict;
+        }
+        !types.iter().any(|t| t == "string")
     }
 }
 
@@ -140,6 +146,16 @@ impl ToolSet {
                 Some(p @ Value::Object(_)) => Some(p.clone()),
                 Some(_) => return Err(bad(".function.parameters", "must be a JSON schema object")),
             };
+            let widest = parameters.as_ref().map_or(0, widest_choice);
+            if widest > MAX_ALTERNATIVES {
+                return Err(bad(
+                    ".function.parameters",
+                    &format!(
+                        "has an enum, anyOf or oneOf of {widest} alternatives; at most \
+                         {MAX_ALTERNATIVES} are supported"
+                    ),
+                ));
+            }
             let strict = match f.get("strict") {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,

@@ -38,6 +38,9 @@ fn one_model_is_listed_and_found_by_id() {
         body.contains("model_not_found") && body.contains("gpt-nothing"),
         "{body}"
     );
+    // An id that is not UTF-8 once decoded: an OpenAI error body too.
+    let (status, body) = request("GET", "/v1/models/%ff%fe", b"");
+    assert_error(status, &body, 400, Some("model"), "a model id of bad UTF-8");
 }
 
 #[test]

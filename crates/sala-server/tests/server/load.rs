@@ -175,8 +175,9 @@ fn a_huge_prompt_does_not_hold_up_a_small_request() {
     );
 }
 
-/// A connection that does not finish its headers, or idles between requests, is closed after
-/// the header timeout (slow-loris clients hold nothing for long).
+/// A connection that does not finish its headers, or idles between requests, or does not
+/// finish a request's body, is closed after the header timeout (slow-loris clients hold nothing
+/// for long; a late body hears 408 first).
 #[test]
 fn slow_and_idle_connections_are_closed() {
     use std::io::{Read, Write};
@@ -215,5 +216,20 @@ fn slow_and_idle_connections_are_closed() {
     assert!(
         waited < Duration::from_secs(5),
         "an idle connection held on for {waited:?}"
+    );
+    // Headers in, the body never finished: 408 with an OpenAI error body, then closed.
+    let mut partial = std::net::TcpStream::connect(addr).unwrap();
+    partial
+        .write_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              Content-Length: 1000\r\n\r\n{\"messages\"",
+        )
+        .unwrap();
+    let (answer, waited) = until_closed(&mut partial);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"error\""), "{answer}");
+    assert!(
+        waited < Duration::from_secs(5),
+        "a half-sent body held on for {waited:?}"
     );
 }

@@ -4,6 +4,7 @@
 mod api_edges;
 mod choices;
 mod common;
+mod crowding;
 mod echo;
 mod fuzz;
 mod load;

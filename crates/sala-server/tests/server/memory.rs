@@ -89,6 +89,33 @@ fn requests_over_the_memory_limit_are_refused_at_admission() {
     assert_error(status, &text, 400, None, "default max_tokens");
 }
 
+/// A request whose choices fit one by one but never all at once (n = 8 under a limit that
+/// holds about one sequence beside the model) is a 400 naming its sequences, with nothing in
+/// flight (it used to be a 503 "retry later", which no retry could pass); n = 1 is served.
+#[test]
+fn choices_the_limit_can_never_hold_at_once_are_a_400() {
+    let addr = serve(spawn_limited(plan(100).total()).unwrap());
+    let body = |n: usize| json!({"prompt": "Once upon a time", "max_tokens": 80, "n": n, "temperature": 0});
+    let (status, text) = request_to(
+        addr,
+        "POST",
+        "/v1/completions",
+        body(8).to_string().as_bytes(),
+    );
+    assert_error(status, &text, 400, None, "8 choices over the memory limit");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{text}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("8 sequences"),
+        "{text}"
+    );
+    let (status, v) = post_to(addr, "/v1/completions", &body(1));
+    assert_eq!(status, 200, "{v}");
+}
+
 #[test]
 fn a_limit_no_request_fits_stops_the_server_from_starting() {
     let e = spawn_limited(plan(1).total())

@@ -158,6 +158,10 @@ fn bad_formats_and_schemas_are_400_naming_response_format() {
             "nsatisfiable",
         ),
         (schema(too_big), "at most 65536"),
+        (
+            schema(json!({"enum": (0..1025).collect::<Vec<u32>>()})),
+            "1025 alternatives",
+        ),
     ] {
         let mut body = chat(format.clone(), false);
         body["max_tokens"] = json!(4);

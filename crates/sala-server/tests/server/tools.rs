@@ -51,7 +51,31 @@ fn tool_requests_are_checked() {
         .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
         .collect();
     let named = |name: &str| json!({"type": "function", "function": {"name": name}});
+    let wide: Vec<String> = (0..1025).map(|j| format!("v{j}")).collect();
+    let wide_tool = json!({"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": {"x": {"enum": wide}}, "required": ["x"]}}});
     for (extra, param, words) in [
+        (
+            json!({"tools": [wide_tool], "tool_choice": "required"}),
+            "tools[0].function.parameters",
+            "1025 alternatives",
+        ),
+        // Strict schemas that name no type are checked as JSON schemas, not taken as text.
+        (
+            json!({"tools": [strict(json!({"x": {"type": 12}}))]}),
+            "tools",
+            "grammar failed",
+        ),
+        (
+            json!({"tools": [strict(json!({"x": {"$ref": "#/nope"}}))]}),
+            "tools",
+            "grammar failed",
+        ),
+        (
+            json!({"tools": [strict(json!({"x": false}))]}),
+            "tools",
+            "no value can satisfy",
+        ),
         (json!({"tools": many}), "tools", "at most 128"),
         (json!({"tools": "get_weather"}), "tools", "sequence"),
         (
