@@ -468,7 +468,7 @@ struct Waiting {
     queued: Instant,
     group: Group,
     lead: bool,
-    _slot: Rc<QueueSlot>,
+    slot: Rc<QueueSlot>,
 }
 
 /// The id of a job's first request once admitted: the others copy its prompt's state.
@@ -492,7 +492,7 @@ impl<B: Backend> Serving<B> {
             queued,
             group: group.clone(),
             lead: true,
-            _slot: slot.clone(),
+            slot: slot.clone(),
         });
         for (request, events) in also {
             self.waiting.push_back(Waiting {
@@ -501,7 +501,7 @@ impl<B: Backend> Serving<B> {
                 queued,
                 group: group.clone(),
                 lead: false,
-                _slot: slot.clone(),
+                slot: slot.clone(),
             });
         }
     }
@@ -520,10 +520,21 @@ impl<B: Backend> Serving<B> {
 
     /// Admits a waiting request: the first of its job reads the prompt, the others copy it.
     fn admit_waiting(&mut self, w: Waiting) {
-        let copy_of = if w.lead { None } else { w.group.get() };
-        let id = self.admit_one(w.request, w.events, w.queued, copy_of);
-        if w.lead {
-            w.group.set(id);
+        let Waiting {
+            request,
+            events,
+            queued,
+            group,
+            lead,
+            slot,
+        } = w;
+        // It leaves the waiting line (its job's place in the queue frees with its last
+        // request) before its client can hear of its admission.
+        drop(slot);
+        let copy_of = if lead { None } else { group.get() };
+        let id = self.admit_one(request, events, queued, copy_of);
+        if lead {
+            group.set(id);
         }
     }
 
