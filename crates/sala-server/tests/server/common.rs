@@ -325,3 +325,19 @@ pub fn histogram_count(m: &BTreeMap<String, f64>, name: &str) -> f64 {
     assert!(m[&format!("{name}_sum")] >= 0.0);
     count
 }
+
+/// An engine request for "busy busy" that generates `max_tokens` tokens (end of sequence
+/// ignored), for tests that drive the engine without HTTP.
+pub fn busy_request(max_tokens: usize) -> sala_server::engine::Request {
+    sala_server::engine::Request {
+        prompt: sala_server::engine::Prompt::Text("busy busy".into()),
+        sampling: sala_engine::sampling::SamplingParams::default(),
+        max_tokens,
+        stop: Vec::new(),
+        ignore_eos: true,
+        speculative: true,
+        logprobs: None,
+        prompt_logprobs: None,
+        grammar: None,
+    }
+}

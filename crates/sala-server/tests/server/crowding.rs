@@ -3,25 +3,9 @@
 //! at once. None of them may hold the engine for everyone else.
 
 use crate::common::*;
-use sala_engine::sampling::SamplingParams;
-use sala_server::engine::{Event, Prompt, Request};
+use sala_server::engine::Event;
 use serde_json::json;
 use std::time::{Duration, Instant};
-
-/// A request that generates until `max_tokens` (end of sequence ignored).
-fn long_request(max_tokens: usize) -> Request {
-    Request {
-        prompt: Prompt::Text("busy busy".into()),
-        sampling: SamplingParams::default(),
-        max_tokens,
-        stop: Vec::new(),
-        ignore_eos: true,
-        speculative: true,
-        logprobs: None,
-        prompt_logprobs: None,
-        grammar: None,
-    }
-}
 
 /// Reads a request's events to its end: its completion tokens, or why it failed.
 fn finish(rx: &mut tokio::sync::mpsc::Receiver<Event>) -> Result<usize, String> {
@@ -77,7 +61,7 @@ fn more_choices_than_the_batch_holds_are_all_served() {
 #[test]
 fn a_stalled_client_gives_up_its_place_to_a_waiting_request() {
     let engine = spawn_engine_runner(4, 1, |r| r.pause_limit(Duration::from_millis(500)));
-    let mut stalled = engine.submit(long_request(10_000)).unwrap();
+    let mut stalled = engine.submit(busy_request(10_000)).unwrap();
     assert!(matches!(
         stalled.blocking_recv(),
         Some(Event::Started { .. })
@@ -85,7 +69,7 @@ fn a_stalled_client_gives_up_its_place_to_a_waiting_request() {
     // Nobody reads A: its channel fills and it pauses; B waits for the batch's one place.
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
-    let mut waiting = engine.submit(long_request(5)).unwrap();
+    let mut waiting = engine.submit(busy_request(5)).unwrap();
     assert_eq!(finish(&mut waiting), Ok(5));
     assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
     // A's buffered events, then its channel closes without an end.
@@ -99,19 +83,19 @@ fn a_stalled_client_gives_up_its_place_to_a_waiting_request() {
 fn requests_abandoned_in_the_queue_free_their_places() {
     let engine = spawn_engine_runner(2, 1, |r| r.pause_limit(Duration::from_secs(3600)));
     // A fills the batch and pauses (nobody reads it) for the whole test.
-    let mut a = engine.submit(long_request(10_000)).unwrap();
+    let mut a = engine.submit(busy_request(10_000)).unwrap();
     assert!(matches!(a.blocking_recv(), Some(Event::Started { .. })));
-    let b = engine.submit(long_request(5)).unwrap();
-    let c = engine.submit(long_request(5)).unwrap();
+    let b = engine.submit(busy_request(5)).unwrap();
+    let c = engine.submit(busy_request(5)).unwrap();
     let full = engine
-        .submit(long_request(5))
+        .submit(busy_request(5))
         .expect_err("the queue is full");
     assert_eq!(full.status.as_u16(), 429);
     drop(b);
     drop(c);
     let t = Instant::now();
     let d = loop {
-        match engine.submit(long_request(5)) {
+        match engine.submit(busy_request(5)) {
             Ok(rx) => break rx,
             Err(_) if t.elapsed() < Duration::from_secs(10) => {
                 std::thread::sleep(Duration::from_millis(20))

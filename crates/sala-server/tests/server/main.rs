@@ -590,19 +590,9 @@ fn generation_stops_when_on_text_says_so() {
 
 #[test]
 fn a_full_queue_is_429_and_abandoned_requests_are_dropped() {
-    use sala_server::engine::{Event, Prompt, Request};
+    use sala_server::engine::Event;
     let engine = spawn_engine(1);
-    let req = |max_tokens| Request {
-        prompt: Prompt::Text("busy busy".into()),
-        sampling: SamplingParams::default(),
-        max_tokens,
-        stop: Vec::new(),
-        ignore_eos: true,
-        speculative: true,
-        logprobs: None,
-        prompt_logprobs: None,
-        grammar: None,
-    };
+    let req = busy_request;
     // A keeps the engine busy: nobody reads its events, so the engine waits once they fill.
     let mut a = engine.submit(req(200)).unwrap();
     assert!(matches!(a.blocking_recv(), Some(Event::Started { .. })));

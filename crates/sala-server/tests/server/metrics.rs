@@ -1,8 +1,7 @@
 //! `GET /metrics` on servers of their own, so that every count is known.
 
 use crate::common::*;
-use sala_engine::sampling::SamplingParams;
-use sala_server::engine::{Event, Prompt, Request};
+use sala_server::engine::Event;
 use serde_json::json;
 use std::time::Duration;
 
@@ -104,17 +103,7 @@ fn a_full_queue_over_http_is_429_and_metrics_show_the_backlog() {
     // A batch of one: A holds it while its client does not read (A is paused, not finished).
     let engine = spawn_engine_batched(1, 1);
     let addr = serve(engine.clone());
-    let req = |max_tokens| Request {
-        prompt: Prompt::Text("busy busy".into()),
-        sampling: SamplingParams::default(),
-        max_tokens,
-        stop: Vec::new(),
-        ignore_eos: true,
-        speculative: true,
-        logprobs: None,
-        prompt_logprobs: None,
-        grammar: None,
-    };
+    let req = busy_request;
     // A fills the batch: nobody reads its events, so it pauses once they fill.
     let mut a = engine.submit(req(200)).unwrap();
     let prompt_tokens = match a.blocking_recv() {
