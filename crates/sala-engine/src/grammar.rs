@@ -29,6 +29,44 @@ pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 /// every alternative of a choice in one row, and fails mid-generation past 2000.
 pub const MAX_ALTERNATIVES: usize = 1024;
 
+/// A local `$ref` of `schema` whose chain of references comes back to itself without reaching
+/// a schema of its own (`a` → `b` → `a`): such a value can never be written, and the parser
+/// finds it only when it gets there, mid-generation.
+pub fn ref_cycle(schema: &serde_json::Value) -> Option<String> {
+    use serde_json::Value;
+    fn refs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+        match v {
+            Value::Object(map) => {
+                if let Some(Value::String(r)) = map.get("$ref") {
+                    out.push(r);
+                }
+                map.values().for_each(|x| refs(x, out));
+            }
+            Value::Array(list) => list.iter().for_each(|x| refs(x, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    refs(schema, &mut all);
+    for start in all {
+        let mut seen = vec![start];
+        let mut at = start;
+        while let Some(next) = at
+            .strip_prefix('#')
+            .and_then(|p| schema.pointer(p))
+            .and_then(|t| t.get("$ref"))
+            .and_then(Value::as_str)
+        {
+            if seen.contains(&next) {
+                return Some(start.to_string());
+            }
+            seen.push(next);
+            at = next;
+        }
+    }
+    None
+}
+
 /// The most alternatives any `enum`, `anyOf` or `oneOf` in `schema` lists (0 without one).
 pub fn widest_choice(schema: &serde_json::Value) -> usize {
     use serde_json::Value;
@@ -191,6 +229,12 @@ impl Grammars {
                 if size > MAX_SCHEMA_BYTES {
                     return Err(invalid(&format!(
                         "the JSON schema takes {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed"
+                    )));
+                }
+                if let Some(r) = ref_cycle(s) {
+                    return Err(invalid(&format!(
+                        "the JSON schema's $ref {r:?} leads back to itself through references \
+                         only: no value can satisfy it"
                     )));
                 }
                 let widest = widest_choice(s);

@@ -303,6 +303,14 @@ pub enum RequestError {
     /// The server is shutting down: the request was not finished in time, or came too late.
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The request's client did not read its events for `millis` ms while its place in the
+    /// batch or its memory was needed: it was ended.
+    #[error(
+        "the request was ended: its client read none of its output for {} s while other \
+         requests needed its place",
+        *millis as f64 / 1000.0
+    )]
+    Stalled { millis: u64 },
     /// A failure of the engine, not of the request.
     #[error("{message}")]
     Internal { message: String },

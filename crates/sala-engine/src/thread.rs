@@ -577,7 +577,7 @@ impl<B: Backend> Serving<B> {
         queued: Instant,
         copy_of: Option<RequestId>,
     ) -> Option<RequestId> {
-        let observer = &self.observer;
+        let observer = self.observer.clone();
         if events.is_closed() {
             // The client left while the request waited.
             observer.finished(Ok(FinishReason::Cancelled));
@@ -634,29 +634,37 @@ impl<B: Backend> Serving<B> {
             prompt_logprobs: request.prompt_logprobs,
             speculate: self.speculate.clone().filter(|_| request.speculative),
         };
-        let sink = Sink {
-            events: events.clone(),
-            observer: observer.clone(),
-            tokenizer: self.engine.tokenizer.clone(),
-            queued,
-            last_token: None,
-            pending: Vec::new(),
-            paused_since: Cell::new(None),
-        };
         // The cache budget checks this request's memory beside the batch's: too large even
-        // alone is `ContextLengthExceeded`, else busy memory is `MemoryBusy`.
-        let admitted = match copy_of {
-            Some(of) => {
-                self.engine
-                    .admit_copy(&mut self.batch, of, ids, &opts, request.logprobs, sink)
+        // alone is `ContextLengthExceeded`, else busy memory is `MemoryBusy`, unless requests
+        // whose clients stopped reading past the pause limit hold it: they end, and it is
+        // tried again.
+        let mut ended_stalled = false;
+        let id = loop {
+            let sink = Sink {
+                events: events.clone(),
+                observer: observer.clone(),
+                tokenizer: self.engine.tokenizer.clone(),
+                queued,
+                last_token: None,
+                pending: Vec::new(),
+                paused_since: Cell::new(None),
+            };
+            let (batch, ids) = (&mut self.batch, ids.clone());
+            let admitted = match copy_of {
+                Some(of) => self
+                    .engine
+                    .admit_copy(batch, of, ids, &opts, request.logprobs, sink),
+                None => self.engine.admit(batch, ids, &opts, request.logprobs, sink),
+            };
+            match admitted {
+                Ok(id) => break id,
+                Err(crate::generate::EngineError::MemoryBusy(_))
+                    if !ended_stalled && self.end_stalled() > 0 =>
+                {
+                    ended_stalled = true
+                }
+                Err(e) => return fail(e.into()),
             }
-            None => self
-                .engine
-                .admit(&mut self.batch, ids, &opts, request.logprobs, sink),
-        };
-        let id = match admitted {
-            Ok(id) => id,
-            Err(e) => return fail(e.into()),
         };
         observer.admitted(prompt_tokens);
         self.report_cache();
@@ -673,6 +681,20 @@ impl<B: Backend> Serving<B> {
         Some(id)
     }
 
+    /// Ends the requests whose clients have not read for longer than the pause limit (their
+    /// places or memory are needed); how many.
+    fn end_stalled(&mut self) -> usize {
+        let limit = self.pause_limit;
+        let ended = self.batch.cancel_where(|_, sink| sink.paused_for() > limit);
+        let n = ended.len();
+        for (_, sink) in ended {
+            self.report_cache();
+            self.observer.released();
+            sink.end_stalled(limit);
+        }
+        n
+    }
+
     /// Fails every request in flight: the server is shutting down.
     fn end_all(&mut self) {
         for (_, sink) in self.batch.cancel_where(|_, _| true) {
@@ -686,14 +708,13 @@ impl<B: Backend> Serving<B> {
     /// reading longer than the pause limit), then runs a step; a panic that the step does not
     /// isolate to a request fails every request in flight.
     fn step(&mut self) {
-        let (others_wait, limit) = (!self.waiting.is_empty(), self.pause_limit);
-        let gone = |_: RequestId, sink: &Sink| {
-            sink.events.is_closed() || (others_wait && sink.paused_for() > limit)
-        };
-        for _ in self.batch.cancel_where(gone) {
+        for _ in self.batch.cancel_where(|_, sink| sink.events.is_closed()) {
             self.report_cache();
             self.observer.released();
             self.observer.finished(Ok(FinishReason::Cancelled));
+        }
+        if !self.waiting.is_empty() {
+            self.end_stalled();
         }
         if self.batch.is_empty() {
             return;
@@ -758,6 +779,17 @@ impl Sink {
     fn fail(&self, e: RequestError) {
         self.observer.finished(Err(&e));
         let _ = self.send(Event::Error(e));
+    }
+
+    /// Ends a request whose client has not read for `limit` while its place or memory was
+    /// needed: the error goes where the channel has room (a paused request's usually has a
+    /// little), never waiting for the client.
+    fn end_stalled(&self, limit: Duration) {
+        let e = RequestError::Stalled {
+            millis: limit.as_millis() as u64,
+        };
+        self.observer.finished(Err(&e));
+        let _ = self.events.try_send(Event::Error(e));
     }
 }
 

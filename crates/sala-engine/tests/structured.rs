@@ -233,6 +233,11 @@ fn invalid_schemas_are_refused_naming_response_format() {
         (json!(5), "must be a JSON object"),
         (json!(false), "no output can match"),
         (
+            json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                   "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}),
+            "leads back to itself",
+        ),
+        (
             json!({"enum": (0..1025).collect::<Vec<u32>>()}),
             "1025 alternatives",
         ),

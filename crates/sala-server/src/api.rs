@@ -89,6 +89,9 @@ impl From<&RequestError> for ApiError {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
                     .code("shutting_down")
             }
+            RequestError::Stalled { .. } => {
+                Self::new(StatusCode::REQUEST_TIMEOUT, "timeout_error", message).code("stalled")
+            }
             RequestError::Internal { .. } => Self::internal(message),
         }
     }

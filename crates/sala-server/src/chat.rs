@@ -113,6 +113,7 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
         reply_prefix: tools.reply_prefix.clone(),
     };
     let mut checked = check_common(st, common, prompt, logprobs, false)?;
+    checked.schemas = tools.strict_schemas;
     let mut reading = tools.reading;
     if checked.grammar.is_some() {
         if forced {

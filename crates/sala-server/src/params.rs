@@ -42,6 +42,9 @@ pub(crate) struct Checked {
     /// vLLM's `prompt_logprobs`: alternatives listed at each prompt position (completions
     /// only).
     pub(crate) prompt_logprobs: Option<usize>,
+    /// JSON schemas to compile before the request is queued, each with the field that holds
+    /// it (a chat's strict tools).
+    pub(crate) schemas: Vec<(String, serde_json::Value)>,
 }
 
 pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
@@ -197,6 +200,7 @@ pub(crate) fn check_common(
         reply: None,
         echo: false,
         prompt_logprobs: None,
+        schemas: Vec::new(),
     })
 }
 

@@ -14,9 +14,9 @@ use axum::extract::rejection::BytesRejection;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use choices::{wait_started, Choice};
 use futures_util::stream::{self, Stream, StreamExt};
 use sala_engine::generate::FinishReason;
+use sala_engine::grammar::GrammarSpec;
 use sala_engine::request::{PromptLogprobs, RequestError};
 use sala_tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
@@ -153,7 +153,28 @@ async fn admit(
         vllm: checked.prompt_logprobs,
         tokenizer: st.engine.tokenizer().clone(),
     });
-    // So is a grammar's compilation: an invalid schema is a 400 before any engine work.
+    // So is a grammar's compilation: an invalid schema is a 400 before any engine work. A
+    // strict tool's schema is compiled whole too, naming its field.
+    let schemas = std::mem::take(&mut checked.schemas);
+    if !schemas.is_empty() {
+        let engine = st.engine.clone();
+        tokio::task::spawn_blocking(move || {
+            for (param, schema) in schemas {
+                engine
+                    .grammar(&GrammarSpec::JsonSchema(schema))
+                    .map_err(|e| {
+                        let message = e.to_string();
+                        let detail = message
+                            .strip_prefix("response_format: ")
+                            .unwrap_or(&message);
+                        ApiError::invalid(format!("{param}: {detail}")).param(param)
+                    })?;
+            }
+            Ok::<(), ApiError>(())
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("checking the tools' schemas: {e}")))??;
+    }
     if let Some(spec) = checked.grammar.take() {
         let engine = st.engine.clone();
         let grammar = tokio::task::spawn_blocking(move || engine.grammar(&spec))
@@ -226,11 +247,22 @@ pub(crate) async fn handle(
         e
     };
     let admitted = admit(&st, body, kind).await.map_err(counted)?;
-    let mut events: Vec<Choice> = admitted.events.into_iter().map(Choice::new).collect();
-    match wait_started(&mut events).await {
-        Ok(()) => {}
-        Err(Failed::Engine(e)) => return Err(e),
-        Err(Failed::Here(e)) => return Err(counted(e)),
+    let mut events = admitted.events;
+    // A stream's status is its first choice's admission (the others, admitted as the batch
+    // has room, start while it runs; one refused then ends the stream with an error event).
+    // Nothing waits for every choice to start: the admitted ones must be read meanwhile, or
+    // they pause and never make room for the rest. A whole response reads them all at once
+    // and answers with the first refusal's status.
+    if admitted.stream {
+        match events[0].recv().await {
+            Some(Event::Started { .. }) => {}
+            Some(Event::Error(e)) => return Err(ApiError::from(&e)),
+            _ => {
+                return Err(counted(ApiError::internal(
+                    "the engine stopped before answering",
+                )))
+            }
+        }
     }
     let id = st.new_id(match kind {
         Kind::Chat => "chatcmpl",
@@ -267,7 +299,7 @@ enum Failed {
 /// (together, so that none waits for its reader).
 async fn whole_response(
     meta: &Meta,
-    events: Vec<Choice>,
+    events: Vec<mpsc::Receiver<Event>>,
     reply: &ReplySetup,
 ) -> Result<Value, Failed> {
     let reads = events
@@ -297,7 +329,7 @@ async fn whole_response(
 async fn whole_choice(
     meta: &Meta,
     index: usize,
-    events: &mut Choice,
+    events: &mut mpsc::Receiver<Event>,
     reply: &ReplySetup,
 ) -> Result<(Value, Usage), Failed> {
     let kind = meta.kind;
@@ -438,7 +470,7 @@ impl Meta {
 /// A choice's events, tagged with its index; `None` once its channel has closed.
 type Tagged = futures_util::stream::BoxStream<'static, (usize, Option<Event>)>;
 
-fn tagged(index: usize, rx: Choice) -> Tagged {
+fn tagged(index: usize, rx: mpsc::Receiver<Event>) -> Tagged {
     Box::pin(stream::unfold(Some(rx), move |rx| async move {
         let mut rx = rx?;
         match rx.recv().await {
@@ -591,7 +623,7 @@ impl StreamState {
 /// left, or a choice failed) closes the event channels, which stops the generation.
 fn stream_response(
     meta: Meta,
-    events: Vec<Choice>,
+    events: Vec<mpsc::Receiver<Event>>,
     include_usage: bool,
     reply: &ReplySetup,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
@@ -781,6 +813,5 @@ impl Legacy {
     }
 }
 
-mod choices;
 #[cfg(test)]
 mod tests;

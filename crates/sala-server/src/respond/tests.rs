@@ -45,7 +45,7 @@ fn chat_meta() -> Meta {
 /// The SSE body of a streamed chat reply generated as `pieces`, read as `reply` says.
 async fn stream_body(pieces: &[&str], reply: &ReplySetup, finish: FinishReason) -> String {
     let rx = scripted(pieces, finish).await;
-    let body = stream_response(chat_meta(), vec![Choice::new(rx)], true, reply)
+    let body = stream_response(chat_meta(), vec![rx], true, reply)
         .into_response()
         .into_body();
     let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
@@ -66,7 +66,7 @@ async fn streamed_with(pieces: &[&str], reply: &ReplySetup, finish: FinishReason
 /// The body of the same reply answered whole.
 async fn whole(pieces: &[&str], reply: &ReplySetup, finish: FinishReason) -> Value {
     let rx = scripted(pieces, finish).await;
-    match whole_response(&chat_meta(), vec![Choice::new(rx)], reply).await {
+    match whole_response(&chat_meta(), vec![rx], reply).await {
         Ok(v) => v,
         Err(Failed::Engine(e) | Failed::Here(e)) => panic!("{}", e.message),
     }

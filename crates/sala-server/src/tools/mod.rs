@@ -236,6 +236,10 @@ pub struct ToolRequest {
     /// The grammar of the reply ([`grammar`]): calls (`required`, named), or text whose calls
     /// to strict functions follow their schemas (`auto`).
     pub grammar: Option<String>,
+    /// The strict functions' parameter schemas, each with the field that holds it: the JSON
+    /// schema compiler checks them whole before the request is queued (the call grammar
+    /// compiles only the parts it writes, and some faults show only as it generates).
+    pub strict_schemas: Vec<(String, Value)>,
 }
 
 impl ToolRequest {
@@ -298,10 +302,21 @@ pub fn check_tools(
         ToolChoice::Auto => grammar::strict_grammar(&set)?,
         _ => grammar::call_grammar(&set, &choice, max_calls)?,
     };
+    let strict_schemas = set
+        .tools
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.strict)
+        .filter_map(|(i, t)| {
+            let schema = t.parameters.clone()?;
+            Some((format!("tools[{i}].function.parameters"), schema))
+        })
+        .collect();
     Ok(ToolRequest {
         template_tools: Some(tools),
         reply_prefix,
         grammar,
+        strict_schemas,
         reading: Some(CallReading {
             tools: Arc::new(set),
             max_calls,

@@ -68,14 +68,16 @@ pub fn spawn_engine_with(
     .unwrap()
 }
 
-/// An engine whose batch holds at most `max_batch` requests, its runner set up by `configure`.
+/// An engine whose batch holds at most `max_batch` requests of at most `context` tokens, its
+/// runner set up by `configure`.
 pub fn spawn_engine_runner(
     queue: usize,
     max_batch: usize,
+    context: usize,
     configure: impl FnOnce(sala_server::EngineRunner) -> sala_server::EngineRunner + Send + 'static,
 ) -> sala_server::EngineHandle {
     let dir = model_dir().to_path_buf();
-    sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), queue, move |runner| {
+    sala_server::spawn_engine(MODEL_ID.into(), Some(context), queue, move |runner| {
         let engine =
             Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
         configure(runner.max_batch(max_batch)).run(engine);

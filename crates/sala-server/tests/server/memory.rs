@@ -116,6 +116,47 @@ fn choices_the_limit_can_never_hold_at_once_are_a_400() {
     assert_eq!(status, 200, "{v}");
 }
 
+/// Memory held by a request whose client stopped reading is given to one that needs it once
+/// the stalled client is past the pause limit (before, the newcomer got 503 for as long as the
+/// stalled client kept its connection, since nobody waited and so nothing ended it).
+#[test]
+fn a_stalled_clients_memory_goes_to_a_request_that_needs_it() {
+    use sala_server::engine::Event;
+    let dir = model_dir().to_path_buf();
+    let limit = MemoryLimit {
+        bytes: plan(160).total(),
+        source: "--max-memory test".into(),
+    };
+    let engine = sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), 8, move |r| {
+        let engine =
+            Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        r.memory_limit(Some(limit))
+            .pause_limit(std::time::Duration::from_millis(300))
+            .run(engine);
+        Ok(())
+    })
+    .unwrap();
+    let mut stalled = engine.submit(busy_request(150)).unwrap();
+    assert!(matches!(
+        stalled.blocking_recv(),
+        Some(Event::Started { .. })
+    ));
+    // Nobody reads A: it pauses, holding its memory past the limit.
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let mut b = engine.submit(busy_request(150)).unwrap();
+    let mut done = None;
+    while let Some(ev) = b.blocking_recv() {
+        match ev {
+            Event::Done {
+                completion_tokens, ..
+            } => done = Some(completion_tokens),
+            Event::Error(e) => panic!("B: {e:?}"),
+            _ => {}
+        }
+    }
+    assert_eq!(done, Some(150));
+}
+
 #[test]
 fn a_limit_no_request_fits_stops_the_server_from_starting() {
     let e = spawn_limited(plan(1).total())

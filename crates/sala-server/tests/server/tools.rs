@@ -63,13 +63,21 @@ fn tool_requests_are_checked() {
         // Strict schemas that name no type are checked as JSON schemas, not taken as text.
         (
             json!({"tools": [strict(json!({"x": {"type": 12}}))]}),
-            "tools",
-            "grammar failed",
+            "tools[0].function.parameters",
+            "type must be a string",
         ),
         (
             json!({"tools": [strict(json!({"x": {"$ref": "#/nope"}}))]}),
-            "tools",
-            "grammar failed",
+            "tools[0].function.parameters",
+            "nope",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "strict": true,
+                "parameters": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                "required": ["x"]}}}], "tool_choice": "required"}),
+            "tools[0].function.parameters",
+            "leads back to itself",
         ),
         (
             json!({"tools": [strict(json!({"x": false}))]}),
@@ -128,7 +136,7 @@ fn tool_requests_are_checked() {
         (
             json!({"tools": [strict(json!({"tags": {"type": "array",
                    "items": {"type": "string", "format": "no-such-format"}}}))]}),
-            "tools",
+            "tools[0].function.parameters",
             "no-such-format",
         ),
         (
