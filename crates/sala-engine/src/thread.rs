@@ -4,8 +4,8 @@
 //! [`spawn`] starts it and returns a [`Handle`] once the model is loaded; [`Handle::submit`]
 //! queues a request and returns the receiver of its [`Event`]s. Dropping the receiver cancels
 //! the request, in the batch or still waiting. A client that does not read pauses only its
-//! own request, and, while others wait for its place, for at most [`Runner::pause_limit`]: then
-//! the request ends, as if its client had left. A panic in one
+//! own request, and, while others wait for its place or need its memory, for at most
+//! [`Runner::pause_limit`]: then the request ends ([`RequestError::Stalled`]). A panic in one
 //! request's work (admission, sampling, its grammar, its text and events) fails that request
 //! only; one in the forward pass fails the requests of that step; anything else that panics in
 //! a step fails the requests in flight. The thread goes on. An [`Observer`] hears of every
@@ -36,7 +36,7 @@ pub const DEFAULT_MAX_BATCH: usize = 64;
 const EVENT_BUFFER: usize = 64;
 
 /// How long a request may stay paused by a client that does not read while others wait for
-/// its place, unless [`Runner::pause_limit`] says otherwise.
+/// its place or need its memory, unless [`Runner::pause_limit`] says otherwise.
 pub const DEFAULT_PAUSE_LIMIT: Duration = Duration::from_secs(30);
 
 /// A place in the queue, held from [`Handle::submit_choices`] until every request of its job
@@ -333,8 +333,8 @@ impl Runner {
     }
 
     /// How long a request paused by a client that does not read may keep its place while
-    /// others wait for one (default [`DEFAULT_PAUSE_LIMIT`]); then it ends as if its client
-    /// had left.
+    /// others wait for one, or its memory while a request needs it (default
+    /// [`DEFAULT_PAUSE_LIMIT`]); then it ends with [`RequestError::Stalled`].
     pub fn pause_limit(mut self, limit: Duration) -> Self {
         self.pause_limit = limit;
         self
