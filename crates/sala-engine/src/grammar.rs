@@ -29,39 +29,81 @@ pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 /// every alternative of a choice in one row, and fails mid-generation past 2000.
 pub const MAX_ALTERNATIVES: usize = 1024;
 
-/// A local `$ref` of `schema` whose chain of references comes back to itself without reaching
-/// a schema of its own (`a` → `b` → `a`): such a value can never be written, and the parser
+/// A place in `schema` (a JSON pointer) that leads back to itself before any value is written:
+/// through local `$ref`s and the members of `allOf`, `anyOf` and `oneOf` only (`a` → `b` →
+/// `a`, or `a: {allOf: [{$ref: a}]}`). The parser cannot compile such a left recursion, and
 /// finds it only when it gets there, mid-generation.
 pub fn ref_cycle(schema: &serde_json::Value) -> Option<String> {
     use serde_json::Value;
-    fn refs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+    use std::collections::HashMap;
+    // Where a schema at `ptr` leads without writing anything.
+    let next = |ptr: &str| -> Vec<String> {
+        let Some(Value::Object(map)) = schema.pointer(ptr) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        if let Some(r) = map.get("$ref").and_then(Value::as_str) {
+            if let Some(target) = r.strip_prefix('#') {
+                out.push(target.to_string());
+            }
+        }
+        for key in ["allOf", "anyOf", "oneOf"] {
+            if let Some(Value::Array(list)) = map.get(key) {
+                out.extend((0..list.len()).map(|i| format!("{ptr}/{key}/{i}")));
+            }
+        }
+        out
+    };
+    // Every object's pointer, `~` and `/` in keys escaped.
+    fn objects(v: &Value, ptr: String, out: &mut Vec<String>) {
         match v {
             Value::Object(map) => {
-                if let Some(Value::String(r)) = map.get("$ref") {
-                    out.push(r);
+                for (k, x) in map {
+                    let key = k.replace('~', "~0").replace('/', "~1");
+                    objects(x, format!("{ptr}/{key}"), out);
                 }
-                map.values().for_each(|x| refs(x, out));
+                out.push(ptr);
             }
-            Value::Array(list) => list.iter().for_each(|x| refs(x, out)),
+            Value::Array(list) => {
+                for (i, x) in list.iter().enumerate() {
+                    objects(x, format!("{ptr}/{i}"), out);
+                }
+            }
             _ => {}
         }
     }
-    let mut all = Vec::new();
-    refs(schema, &mut all);
-    for start in all {
-        let mut seen = vec![start];
-        let mut at = start;
-        while let Some(next) = at
-            .strip_prefix('#')
-            .and_then(|p| schema.pointer(p))
-            .and_then(|t| t.get("$ref"))
-            .and_then(Value::as_str)
-        {
-            if seen.contains(&next) {
-                return Some(start.to_string());
+    let mut starts = Vec::new();
+    objects(schema, String::new(), &mut starts);
+    // Depth-first, iteratively: 1 on the path, 2 done.
+    let mut state: HashMap<String, u8> = HashMap::new();
+    for start in starts {
+        if state.contains_key(&start) {
+            continue;
+        }
+        let mut stack = vec![(start.clone(), next(&start), 0usize)];
+        state.insert(start, 1);
+        while let Some((ptr, succ, i)) = stack.last_mut() {
+            if let Some(n) = succ.get(*i).cloned() {
+                *i += 1;
+                match state.get(&n) {
+                    Some(1) => {
+                        return Some(if n.is_empty() {
+                            "#".into()
+                        } else {
+                            format!("#{n}")
+                        })
+                    }
+                    Some(_) => {}
+                    None => {
+                        state.insert(n.clone(), 1);
+                        let s = next(&n);
+                        stack.push((n, s, 0));
+                    }
+                }
+            } else {
+                state.insert(ptr.clone(), 2);
+                stack.pop();
             }
-            seen.push(next);
-            at = next;
         }
     }
     None
@@ -231,10 +273,10 @@ impl Grammars {
                         "the JSON schema takes {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed"
                     )));
                 }
-                if let Some(r) = ref_cycle(s) {
+                if let Some(at) = ref_cycle(s) {
                     return Err(invalid(&format!(
-                        "the JSON schema's $ref {r:?} leads back to itself through references \
-                         only: no value can satisfy it"
+                        "the JSON schema at {at:?} leads back to itself through $ref, allOf, \
+                         anyOf or oneOf before any value is written: it cannot be compiled"
                     )));
                 }
                 let widest = widest_choice(s);

@@ -238,6 +238,15 @@ fn invalid_schemas_are_refused_naming_response_format() {
             "leads back to itself",
         ),
         (
+            json!({"$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}},
+                   "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}),
+            "leads back to itself",
+        ),
+        (
+            json!({"anyOf": [{"type": "string"}, {"$ref": "#"}]}),
+            "leads back to itself",
+        ),
+        (
             json!({"enum": (0..1025).collect::<Vec<u32>>()}),
             "1025 alternatives",
         ),
@@ -252,10 +261,14 @@ fn invalid_schemas_are_refused_naming_response_format() {
             other => panic!("{schema}: {other:?}"),
         }
     }
-    // The schema `true` takes any JSON value; an enum at the limit compiles.
+    // The schema `true` takes any JSON value; an enum at the limit compiles; so does a
+    // recursion through a value (a tree of nodes).
+    let tree = json!({"$defs": {"node": {"type": "object", "properties": {"children":
+        {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"});
     for schema in [
         json!(true),
         json!({"enum": (0..1024).collect::<Vec<u32>>()}),
+        tree,
     ] {
         let compiled = grammars.compile(&GrammarSpec::JsonSchema(schema.clone()));
         assert!(compiled.is_ok(), "{schema}: {compiled:?}");
