@@ -109,6 +109,101 @@ pub fn ref_cycle(schema: &serde_json::Value) -> Option<String> {
     None
 }
 
+/// Whether `schema` can only be satisfied by an infinitely nested value: every value of it
+/// must hold another (`{"properties": {"x": {"$ref": "#"}}, "required": ["x"]}`). The parser
+/// finds it only as it generates, never finishing the value. A least fixpoint over the
+/// schema's objects: one can be finished if its reference, every `allOf` member, one `anyOf`
+/// or `oneOf` member, each required property and (with `minItems` >= 1) its items can be;
+/// anything else is taken as finishable. Schemas without references cannot recurse and are
+/// not walked.
+pub fn never_finite(schema: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    use std::collections::HashMap;
+    fn objects(v: &Value, ptr: String, out: &mut Vec<String>) {
+        match v {
+            Value::Object(map) => {
+                for (k, x) in map {
+                    let key = k.replace('~', "~0").replace('/', "~1");
+                    objects(x, format!("{ptr}/{key}"), out);
+                }
+                out.push(ptr);
+            }
+            Value::Array(list) => {
+                for (i, x) in list.iter().enumerate() {
+                    objects(x, format!("{ptr}/{i}"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+    if !serde_json::to_string(schema).is_ok_and(|t| t.contains("\"$ref\"")) {
+        return false;
+    }
+    let mut nodes = Vec::new();
+    objects(schema, String::new(), &mut nodes);
+    // Each pass is linear and there may be as many passes as objects: huge schemas are left
+    // to the parser.
+    if nodes.len() > 20_000 {
+        return false;
+    }
+    let mut finite: HashMap<String, bool> = nodes.iter().map(|n| (n.clone(), false)).collect();
+    // Whether the schema at `ptr` can be finished, by what is known so far.
+    let known = |finite: &HashMap<String, bool>, ptr: &str| match schema.pointer(ptr) {
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Object(_)) => finite.get(ptr).copied().unwrap_or(true),
+        _ => true,
+    };
+    loop {
+        let mut changed = false;
+        for ptr in &nodes {
+            if finite[ptr] {
+                continue;
+            }
+            let Some(Value::Object(map)) = schema.pointer(ptr) else {
+                continue;
+            };
+            let mut ok = true;
+            if let Some(target) = map
+                .get("$ref")
+                .and_then(Value::as_str)
+                .and_then(|r| r.strip_prefix('#'))
+            {
+                ok &= known(&finite, target);
+            }
+            if let Some(Value::Array(list)) = map.get("allOf") {
+                ok &= (0..list.len()).all(|i| known(&finite, &format!("{ptr}/allOf/{i}")));
+            }
+            for key in ["anyOf", "oneOf"] {
+                if let Some(Value::Array(list)) = map.get(key) {
+                    ok &= (0..list.len()).any(|i| known(&finite, &format!("{ptr}/{key}/{i}")));
+                }
+            }
+            if let (Some(Value::Array(required)), Some(Value::Object(props))) =
+                (map.get("required"), map.get("properties"))
+            {
+                for key in required.iter().filter_map(Value::as_str) {
+                    if props.contains_key(key) {
+                        let k = key.replace('~', "~0").replace('/', "~1");
+                        ok &= known(&finite, &format!("{ptr}/properties/{k}"));
+                    }
+                }
+            }
+            let min_items = map.get("minItems").and_then(Value::as_u64).unwrap_or(0);
+            if min_items > 0 && map.get("items").is_some_and(Value::is_object) {
+                ok &= known(&finite, &format!("{ptr}/items"));
+            }
+            if ok {
+                finite.insert(ptr.clone(), true);
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    !known(&finite, "")
+}
+
 /// The most alternatives any `enum`, `anyOf` or `oneOf` in `schema` lists (0 without one).
 pub fn widest_choice(schema: &serde_json::Value) -> usize {
     use serde_json::Value;
@@ -278,6 +373,12 @@ impl Grammars {
                         "the JSON schema at {at:?} leads back to itself through $ref, allOf, \
                          anyOf or oneOf before any value is written: it cannot be compiled"
                     )));
+                }
+                if never_finite(s) {
+                    return Err(invalid(
+                        "the JSON schema can only be satisfied by an infinitely nested value \
+                         (each value must hold another)",
+                    ));
                 }
                 let widest = widest_choice(s);
                 if widest > MAX_ALTERNATIVES {

@@ -247,6 +247,15 @@ fn invalid_schemas_are_refused_naming_response_format() {
             "leads back to itself",
         ),
         (
+            json!({"type": "object", "properties": {"x": {"allOf": [{"$ref": "#"}]}},
+                   "required": ["x"]}),
+            "infinitely nested",
+        ),
+        (
+            json!({"type": "array", "minItems": 1, "items": {"$ref": "#"}}),
+            "infinitely nested",
+        ),
+        (
             json!({"enum": (0..1025).collect::<Vec<u32>>()}),
             "1025 alternatives",
         ),
@@ -265,10 +274,14 @@ fn invalid_schemas_are_refused_naming_response_format() {
     // recursion through a value (a tree of nodes).
     let tree = json!({"$defs": {"node": {"type": "object", "properties": {"children":
         {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"});
+    // A list that must go on, unless it ends in null: finite.
+    let list = json!({"anyOf": [{"type": "null"}, {"type": "object", "required": ["next"],
+        "properties": {"next": {"$ref": "#"}}}]});
     for schema in [
         json!(true),
         json!({"enum": (0..1024).collect::<Vec<u32>>()}),
         tree,
+        list,
     ] {
         let compiled = grammars.compile(&GrammarSpec::JsonSchema(schema.clone()));
         assert!(compiled.is_ok(), "{schema}: {compiled:?}");

@@ -80,6 +80,12 @@ fn tool_requests_are_checked() {
             "leads back to itself",
         ),
         (
+            json!({"tools": [strict(json!({"x": {"allOf": [{"$ref": "#"}]}}))],
+                   "tool_choice": "required"}),
+            "tools[0].function.parameters",
+            "infinitely nested",
+        ),
+        (
             json!({"tools": [strict(json!({"x": false}))]}),
             "tools",
             "no value can satisfy",
