@@ -60,6 +60,13 @@ fn planned_limits(driver: &DeviceLimits, options: &CudaOptions) -> Result<Device
 }
 
 impl CudaBackend {
+    /// The GPUs visible (the CUDA libraries loaded first).
+    pub fn device_count() -> Result<usize, String> {
+        libs::ensure_loaded()?;
+        let count = CudaContext::device_count().map_err(|e| format!("CUDA driver: {e:?}"))?;
+        Ok(count.max(0) as usize)
+    }
+
     /// Opens GPU `ordinal`, compiles (or loads from the cache) the kernels, and creates the
     /// cuBLASLt handle. Every failure is an error naming what is missing.
     pub fn new(ordinal: usize, options: CudaOptions) -> Result<Self, String> {
@@ -812,6 +819,111 @@ impl Backend for CudaBackend {
         caches: &mut [&mut DevSparseCache],
     ) -> BResult<()> {
         self.sparse_spans(shape, cfg, io, spans, modes, caches)
+    }
+
+    fn lightning_state_advance(
+        &self,
+        slopes: &CudaSlice<f32>,
+        head_dim: usize,
+        tokens: usize,
+        prev: &DevLightningState,
+        state: &mut DevLightningState,
+    ) -> BResult<()> {
+        let per_head = head_dim * head_dim;
+        if prev.len() != state.len() || state.len() != slopes.len() * per_head {
+            return Err(BackendError(format!(
+                "lightning scan: states of {} and {} values for {} heads of {head_dim}",
+                prev.len(),
+                state.len(),
+                slopes.len()
+            )));
+        }
+        self.k.lightning_state_advance(
+            Launch::linear(state.len(), 256),
+            self.ptr(state),
+            self.ptr(prev),
+            self.ptr(slopes),
+            tokens as i32,
+            per_head as i32,
+            slopes.len() as i32,
+        )
+    }
+
+    fn lightning_state_term(
+        &self,
+        shape: AttnShape,
+        slopes: &CudaSlice<f32>,
+        q_norm: Option<(&CudaSlice<u16>, f32)>,
+        inv_freq: Option<&CudaSlice<f32>>,
+        state: &DevLightningState,
+        (q, pos): (&mut DevAct, usize),
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let (heads, d, qw, rows) = (shape.heads, shape.head_dim, shape.q_width(), q.rows);
+        if q.cols != qw
+            || out.cols != qw
+            || rows > out.rows
+            || d > 256
+            || state.len() != heads * d * d
+            || slopes.len() < heads
+        {
+            return Err(BackendError(format!(
+                "lightning start states: q [{}, {}] and out [{}, {}] for {heads} heads of {d} \
+                 (at most 256), a state of {} values",
+                q.rows,
+                q.cols,
+                out.rows,
+                out.cols,
+                state.len()
+            )));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        if q_norm.is_some() || inv_freq.is_some() {
+            self.norm_rope(
+                q,
+                None,
+                d,
+                q_norm.map(|(w, e)| (w, None, e)),
+                inv_freq.map(|f| (f, RopeAt::From(pos))),
+            )?;
+        }
+        let at = self.k.planner().lightning_state_term(rows, heads, d);
+        self.k.lightning_state_term(
+            at,
+            self.act_ptr(q),
+            self.ptr(state),
+            self.ptr(slopes),
+            self.act_ptr(out),
+            rows as i32,
+            heads as i32,
+            d as i32,
+            shape.scale() as f32,
+        )
+    }
+
+    fn append_sparse_kv(
+        &self,
+        cache: &mut DevSparseCache,
+        cfg: &SparseConfig,
+        k: &DevAct,
+        v: &DevAct,
+        rows: usize,
+    ) -> BResult<()> {
+        let kw = cache.kv_width;
+        if k.cols != kw || v.cols != kw || rows > k.rows.min(v.rows) {
+            return Err(BackendError(format!(
+                "a cache's earlier tokens: {rows} rows of k [{}, {}] and v [{}, {}] for rows of \
+                 {kw}",
+                k.rows, k.cols, v.rows, v.cols
+            )));
+        }
+        // The cache's length moves: outside any graph, as sparse attention runs.
+        self.graph_pause()?;
+        let appended = self.append_kv(cache, cfg, (k, v), 0, rows);
+        self.graph_resume()?;
+        appended.map(|_| ())
     }
 
     fn logits(

@@ -198,6 +198,8 @@ kernel_table! {
     SiluMulHalves8 = silu_mul_halves8 in "elementwise.cu" (gu: Ptr, out: Ptr, inter: I32);
     SiluMulHalves = silu_mul_halves in "elementwise.cu" (gu: Ptr, out: Ptr, rows: I32, inter: I32);
     // Lightning layers.
+    LightningStateAdvance = lightning_state_advance in "lightning/context.cu" (state: Ptr, prev: Ptr, slopes: Ptr, tokens: I32, per_head: I32, heads: I32);
+    LightningStateTerm = lightning_state_term in "lightning/context.cu" (q: Ptr, state: Ptr, slopes: Ptr, out: Ptr, rows: I32, heads: I32, d: I32, scale: F32);
     LightningDecodeRows = lightning_decode_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, rows: Rows, out: Ptr, slopes: Ptr, heads: I32, kv_heads: I32, d: I32, scale: F32, q_norm: Ptr, k_norm: Ptr, eps: F32, table: Ptr);
     LightningSpanRows = lightning_span_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, rows: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, q_norm: Ptr, k_norm: Ptr, eps: F32, table: Ptr);
     LightningChunked = lightning_chunked in "lightning/chunked.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32);

@@ -14,6 +14,7 @@
 
 mod backend;
 pub mod check;
+pub mod context;
 pub mod device;
 pub mod gemm;
 mod graphs;

@@ -26,6 +26,9 @@ type AllReduce = unsafe extern "C" fn(
     *mut c_void,
 ) -> NcclResult;
 
+type SendRecv =
+    unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, *mut c_void) -> NcclResult;
+
 /// The loaded library and the calls this crate makes.
 pub struct Nccl {
     path: PathBuf,
@@ -34,6 +37,8 @@ pub struct Nccl {
     comm_init_all: unsafe extern "C" fn(*mut RawComm, c_int, *const c_int) -> NcclResult,
     comm_destroy: unsafe extern "C" fn(RawComm) -> NcclResult,
     all_reduce: AllReduce,
+    send: SendRecv,
+    recv: SendRecv,
     group_start: unsafe extern "C" fn() -> NcclResult,
     group_end: unsafe extern "C" fn() -> NcclResult,
     _lib: libloading::Library,
@@ -127,6 +132,8 @@ fn bind(lib: libloading::Library, path: PathBuf) -> Result<Nccl, String> {
             comm_init_all: sym!(b"ncclCommInitAll\0"),
             comm_destroy: sym!(b"ncclCommDestroy\0"),
             all_reduce: sym!(b"ncclAllReduce\0"),
+            send: sym!(b"ncclSend\0"),
+            recv: sym!(b"ncclRecv\0"),
             group_start: sym!(b"ncclGroupStart\0"),
             group_end: sym!(b"ncclGroupEnd\0"),
             path,
@@ -200,6 +207,55 @@ impl Group {
     /// Ranks (GPUs) in the group.
     pub fn ranks(&self) -> usize {
         self.comms.len()
+    }
+
+    /// Copies `count` values of `elem` from rank `from`'s buffer to rank `to`'s: each
+    /// `(rank, device address, stream)`; one grouped send and receive, queued on the two
+    /// ranks' streams. Returns once queued.
+    pub fn send_recv(
+        &self,
+        elem: Elem,
+        (from, src, src_stream): (usize, u64, *mut c_void),
+        (to, dst, dst_stream): (usize, u64, *mut c_void),
+        count: usize,
+    ) -> Result<(), String> {
+        let ranks = self.comms.len();
+        if from == to || from >= ranks || to >= ranks {
+            return Err(format!(
+                "a copy from rank {from} to rank {to} in a group of {ranks} ranks"
+            ));
+        }
+        let ty = match elem {
+            Elem::Bf16 => BF16,
+            Elem::F32 => F32,
+        };
+        let n = self.nccl;
+        // SAFETY: a send on `from`'s communicator and stream and the matching receive on
+        // `to`'s, in one group; both buffers hold `count` values.
+        unsafe {
+            n.check("ncclGroupStart", (n.group_start)())?;
+            let sent = (n.send)(
+                src as *mut c_void,
+                count,
+                ty,
+                to as c_int,
+                self.comms[from],
+                src_stream,
+            );
+            let received = (n.recv)(
+                dst as *mut c_void,
+                count,
+                ty,
+                from as c_int,
+                self.comms[to],
+                dst_stream,
+            );
+            // The group is closed whatever happened inside it.
+            let ended = n.check("ncclGroupEnd", (n.group_end)());
+            n.check("ncclSend", sent)?;
+            n.check("ncclRecv", received)?;
+            ended
+        }
     }
 
     /// Sums `count` values of `elem` in place across the ranks: `bufs[i]` is rank i's device

@@ -275,6 +275,7 @@ impl Planner {
             K::LightningFused => lightning_fused_smem(128, 2),
             K::LightningOutputs => lightning_outputs_smem(128),
             K::LightningStates => lightning_states_smem(128),
+            K::LightningStateTerm => LST_ROWS * 256 * 4,
             K::SdTopk | K::SdTopkRows => SD_TOPK_MAX_SMEM,
             K::SdTopkScores => topk_keys_bytes(SD_TOPK_MAX_CANDIDATES),
             K::SelectScoresWg if self.limits.hopper_instructions => SELECT_WG_SMEM,
@@ -341,6 +342,15 @@ impl Planner {
 
     pub fn lightning_decode(&self, heads: usize, d: usize, rows: usize) -> Launch {
         Launch::new((heads, d.div_ceil(32), rows), 256, 0)
+    }
+
+    /// `lightning_state_term` over `rows` rows of `heads` heads of size `d` (at most 256).
+    pub fn lightning_state_term(&self, rows: usize, heads: usize, d: usize) -> Launch {
+        Launch::new(
+            (rows.div_ceil(LST_ROWS), heads, 1),
+            d as u32,
+            LST_ROWS * d * 4,
+        )
     }
 
     pub fn lightning_states(&self, heads: usize, d: usize) -> Launch {
@@ -854,6 +864,11 @@ impl Planner {
                 );
             }
         }
+        for s in shapes {
+            let (lh, ld) = (s.lightning_heads, s.lightning_d);
+            let l = self.lightning_state_term(8192, lh, ld);
+            add(K::LightningStateTerm, l, "context-parallel start states");
+        }
         // The kernels whose geometry does not depend on the shape's limits.
         for (k, block) in FIXED_BLOCKS {
             add(*k, Launch::new((1, 1, 1), *block, 0), "fixed geometry");
@@ -1028,6 +1043,9 @@ impl Planner {
     }
 }
 
+/// Rows of q a block of `lightning_state_term` takes (`LST_ROWS` in lightning/context.cu).
+const LST_ROWS: usize = 32;
+
 /// Kernels launched with a block size fixed by the kernel (no shared memory beyond static).
 const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::Embed, 256),
@@ -1040,6 +1058,7 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::ScaleRound, 256),
     (K::GreedyRows, 1024),
     (K::FillRandom, 256),
+    (K::LightningStateAdvance, 256),
     (K::RopeTable, 256),
     (K::RopeTableRows, 256),
     (K::SiluMulHalves, 256),

@@ -32,6 +32,7 @@ pub const FILES: &[(&str, &str)] = kernel_sources![
     "lightning/split.cu",
     "lightning/fused.cu",
     "lightning/two_pass.cu",
+    "lightning/context.cu",
     "sparse/compress.cu",
     "sparse/select_exact.cu",
     "sparse/select_scores.cu",

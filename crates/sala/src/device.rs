@@ -384,6 +384,30 @@ impl<B: Backend + DeviceStats + 'static> DeviceStats for Ranks<B> {
 }
 
 impl DeviceStats for CudaBackend {
+    /// Ranks on the GPUs `stride` apart after this one's, exchanging with it through NCCL,
+    /// where there are that many; else every rank on this GPU (copies within it).
+    fn context_ranks(&self, n: usize, stride: usize) -> Result<ContextRanksOf<Self>> {
+        let k = self.ordinal();
+        let gpus = CudaBackend::device_count().map_err(|e| anyhow!("counting the GPUs: {e}"))?;
+        let spread = k + n * stride < gpus;
+        let ordinals: Vec<usize> = (1..=n)
+            .map(|i| if spread { k + i * stride } else { k })
+            .collect();
+        let backends = ordinals
+            .iter()
+            .map(|&o| {
+                CudaBackend::new(o, self.options()).map_err(|e| anyhow!("--device cuda:{o}: {e}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if !spread {
+            return Ok((backends, Box::new(sala_cuda::context::OneDevice)));
+        }
+        // Rank order: the new ranks, then this one (the engine's, the last range).
+        let all: Vec<usize> = ordinals.iter().copied().chain([k]).collect();
+        let nccl = sala_cuda::context::NcclExchange::new(&all)
+            .map_err(|e| anyhow!("NCCL over GPUs {all:?}: {e}"))?;
+        Ok((backends, Box::new(nccl)))
+    }
     fn memory_in_use(&self) -> Option<usize> {
         self.memory().ok().map(|m| m.0)
     }

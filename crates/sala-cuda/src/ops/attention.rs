@@ -106,7 +106,7 @@ impl CudaBackend {
 
     /// Appends rows `row0..row0 + rows` of `k` and `v` to `cache` and compresses the windows
     /// they complete; returns the cache's length before.
-    fn append_kv(
+    pub(crate) fn append_kv(
         &self,
         cache: &mut DevSparseCache,
         cfg: &SparseConfig,

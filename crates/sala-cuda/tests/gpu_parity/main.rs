@@ -82,6 +82,7 @@ fn gpu_vector(g: &CudaBackend, values: &[f32]) -> <CudaBackend as Backend>::Vect
     .unwrap()
 }
 
+mod context_parallel;
 mod model;
 mod nccl;
 mod ops;
