@@ -2,7 +2,7 @@
 //! ([`crate::ops`]).
 
 use crate::device::DeviceLimits;
-use crate::graphs::{StepGraphs, StepKey, GRAPH_MAX_ROWS};
+use crate::graphs::{Mode, StepGraphs, StepKey, GRAPH_MAX_ROWS};
 use crate::kernels::Launcher;
 use crate::memory::{
     be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Fp8Weights, Scratch,
@@ -18,7 +18,7 @@ use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::memory::{fp8_kv_row_bytes, BackendMemory};
 use sala_model::{
     AttnIo, AttnShape, BResult, Backend, BackendError, GreedyPick, HostTensor, LogitsOut, Span,
-    SparseMode, StepInfo,
+    SparseMode, StepInfo, StepLaunches,
 };
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -263,6 +263,11 @@ impl CudaBackend {
 
     pub fn graph_steps(&self) -> (usize, usize) {
         self.graphs.borrow().stats()
+    }
+
+    /// The graphs' mode of the step under way and whether a stretch is open.
+    pub(crate) fn graph_state(&self) -> (Mode, bool) {
+        self.graphs.borrow().state()
     }
 
     /// Closes the graph stretch under way, so that what follows runs eagerly.
@@ -645,6 +650,30 @@ impl Backend for CudaBackend {
         self.k.set_skip(false);
         self.preloaded.set(false);
         ended
+    }
+
+    fn hold_graphs(&self) -> BResult<()> {
+        let held = self.graphs.borrow_mut().hold(self.k.launched());
+        self.k.set_skip(self.graphs.borrow().skipping());
+        held
+    }
+
+    fn release_graphs(&self) -> BResult<()> {
+        let released = self.graphs.borrow_mut().release(self.k.launched());
+        self.k.set_skip(self.graphs.borrow().skipping());
+        released
+    }
+
+    fn step_launches(&self) -> StepLaunches {
+        match self.graphs.borrow().state().0 {
+            Mode::Eager => StepLaunches::Eager,
+            Mode::Capture => StepLaunches::Capture,
+            Mode::Replay => StepLaunches::Replay,
+        }
+    }
+
+    fn forget_graphs(&self) {
+        self.graphs.borrow_mut().clear();
     }
 
     fn embed(&self, table: &DevMatrix, ids: &[u32], scale: f32, out: &mut DevAct) -> BResult<()> {

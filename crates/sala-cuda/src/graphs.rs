@@ -67,6 +67,11 @@ pub(crate) struct StepGraphs {
     open: bool,
     /// The launcher's count when the open stretch began.
     start: usize,
+    /// No stretch opens until [`StepGraphs::release`] (another GPU's eager work under way).
+    held: bool,
+    /// Set by the first hold: other GPUs' captures may be under way in this thread, so
+    /// captures are relaxed (a thread-local one would refuse the other GPUs' allocations).
+    shared_thread: bool,
     capture: Option<Recording>,
     captured: usize,
     replayed: usize,
@@ -84,6 +89,8 @@ impl StepGraphs {
             stretch: 0,
             open: false,
             start: 0,
+            held: false,
+            shared_thread: false,
             capture: None,
             captured: 0,
             replayed: 0,
@@ -98,6 +105,25 @@ impl StepGraphs {
     /// Whether launches are skipped now (a replayed stretch is open).
     pub fn skipping(&self) -> bool {
         self.mode == Mode::Replay && self.open
+    }
+
+    /// The step's mode, and whether a stretch is open.
+    pub fn state(&self) -> (Mode, bool) {
+        (self.mode, self.open)
+    }
+
+    /// Closes the open stretch and keeps the next from opening until [`StepGraphs::release`]
+    /// (also across [`StepGraphs::begin`]).
+    pub fn hold(&mut self, launched: usize) -> BResult<()> {
+        self.held = true;
+        self.shared_thread = true;
+        self.pause(launched)
+    }
+
+    /// Ends [`StepGraphs::hold`]: the next stretch opens.
+    pub fn release(&mut self, launched: usize) -> BResult<()> {
+        self.held = false;
+        self.resume(launched)
     }
 
     /// Decides the mode of a step (`None`: not a graph step) and opens its first stretch.
@@ -173,16 +199,21 @@ impl StepGraphs {
         }
     }
 
-    /// Opens the next stretch after eager work.
+    /// Opens the next stretch after eager work (not while held).
     pub fn resume(&mut self, launched: usize) -> BResult<()> {
-        if self.open || self.mode == Mode::Eager {
+        if self.open || self.held || self.mode == Mode::Eager {
             return Ok(());
         }
         self.open = true;
         self.start = launched;
         if self.mode == Mode::Capture {
+            let mode = if self.shared_thread {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED
+            } else {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            };
             self.stream
-                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .begin_capture(mode)
                 .map_err(|e| self.fail(format!("beginning a capture: {e:?}")))?;
         }
         Ok(())
@@ -201,6 +232,7 @@ impl StepGraphs {
             self.open = false;
             Ok(())
         };
+        self.held = false;
         let mode = std::mem::replace(&mut self.mode, Mode::Eager);
         let key = self.key.take();
         let capture = self.capture.take();

@@ -1,8 +1,11 @@
 //! Tensor parallelism over the GPUs of this process: the sums `sala_model::ranks::Ranks`
 //! needs, through one NCCL communicator a GPU. One host thread drives every rank (each op
 //! queued on each GPU's stream in turn, the all-reduces as one grouped call), so the ranks
-//! need no threads or ids exchanged between processes.
+//! need no threads or ids exchanged between processes. Decode steps are CUDA graphs on every
+//! rank, the sums captured inside them; `Ranks` holds every rank's graphs before any rank's
+//! eager or host-blocking work.
 
+use crate::graphs::Mode;
 use crate::memory::DevAct;
 use crate::nccl::{Elem, Group};
 use crate::CudaBackend;
@@ -25,7 +28,9 @@ impl NcclSum {
     }
 
     /// Each rank's buffer at `ptr(rank)` summed in place, `count` values of `elem`, queued on
-    /// each rank's stream.
+    /// each rank's stream: captured where the ranks capture a graph stretch, nothing where
+    /// they replay one (the sums are in its graphs). Ranks in different graph states are an
+    /// error, not a hang: each rank's collectives must match the others' one for one.
     fn sum(
         &self,
         ranks: &[CudaBackend],
@@ -33,6 +38,15 @@ impl NcclSum {
         count: usize,
         ptr: impl Fn(usize) -> u64,
     ) -> BResult<()> {
+        let state = ranks.first().map(CudaBackend::graph_state);
+        if ranks.iter().any(|be| Some(be.graph_state()) != state) {
+            return Err(BackendError(
+                "tensor parallelism: the ranks are in different CUDA graph states at a sum".into(),
+            ));
+        }
+        if state == Some((Mode::Replay, true)) {
+            return Ok(());
+        }
         let bufs: Vec<(u64, *mut c_void)> = ranks
             .iter()
             .enumerate()

@@ -475,6 +475,29 @@ pub trait Backend {
         Ok(())
     }
 
+    /// For a backend that replays captured steps (CUDA graphs; no-ops elsewhere): closes the
+    /// stretch under way (its graph launched) and keeps the next one from opening until
+    /// [`Backend::release_graphs`]. Ranks driving several devices from one thread hold every
+    /// device's graphs before any device's eager or host-blocking work: a graph holding one
+    /// rank's half of a collective waits on the other ranks' graphs, which must be launched
+    /// before the host waits for anything.
+    fn hold_graphs(&self) -> BResult<()> {
+        Ok(())
+    }
+
+    /// Ends [`Backend::hold_graphs`]: the next stretch opens.
+    fn release_graphs(&self) -> BResult<()> {
+        Ok(())
+    }
+
+    /// How the step begun last makes its launches.
+    fn step_launches(&self) -> StepLaunches {
+        StepLaunches::Eager
+    }
+
+    /// Forgets every captured step (devices that disagree on a step start again together).
+    fn forget_graphs(&self) {}
+
     /// `out[i] = round(table[ids[i]] * scale)`.
     fn embed(
         &self,
@@ -724,6 +747,17 @@ pub struct AttnIo<'a, A> {
     pub k: &'a mut A,
     pub v: &'a mut A,
     pub out: &'a mut A,
+}
+
+/// How a step's launches are made ([`Backend::step_launches`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepLaunches {
+    /// As the ops ask.
+    Eager,
+    /// Captured into graphs, which are then launched.
+    Capture,
+    /// Skipped: graphs recorded from an earlier step are launched instead.
+    Replay,
 }
 
 /// What [`Backend::begin_step`] is told of a step.

@@ -16,7 +16,7 @@ pub mod testing;
 
 pub use backend::{
     quantize_fp8, AttnIo, BResult, Backend, BackendError, Fp8Matrix, HostDType, HostTensor,
-    LogitsOut, QuantMatrix, Span, StepInfo, STEPWISE_SPAN_ROWS,
+    LogitsOut, QuantMatrix, Span, StepInfo, StepLaunches, STEPWISE_SPAN_ROWS,
 };
 pub use load::WeightSource;
 pub use model::{

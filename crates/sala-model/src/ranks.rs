@@ -10,16 +10,16 @@ use crate::backend::{
     QuantMatrix, Span, StepInfo,
 };
 use crate::memory::{BackendMemory, RankShare};
-use crate::numerics::random_normal;
 use crate::oracle::{AttnShape, SparseMode};
 use crate::parallel::{Shard, TensorParallel};
 use sala_checkpoint::{expected_tensors, ModelConfig, SparseConfig};
 use std::cell::RefCell;
 use std::collections::HashSet;
-use std::ops::Range;
 
 mod exchange;
+mod weights;
 pub use exchange::RankExchange;
+use weights::cut_bytes;
 
 /// The sums across ranks that tensor parallelism needs (NCCL's all-reduce on GPUs).
 pub trait Collective<B: Backend> {
@@ -104,30 +104,6 @@ pub struct Ranks<B: Backend> {
 
 fn err(msg: impl Into<String>) -> BackendError {
     BackendError(format!("tensor parallelism: {}", msg.into()))
-}
-
-/// Rows `rows` and columns `cols` of a row-major `[.., width]` array of `elem`-byte values;
-/// with `own`, the columns outside it zero (all-zero bytes: 0 in every format here).
-fn cut_bytes(
-    bytes: &[u8],
-    elem: usize,
-    width: usize,
-    rows: &Range<usize>,
-    cols: &Range<usize>,
-    own: Option<&Range<usize>>,
-) -> Vec<u8> {
-    let mut out = Vec::with_capacity(rows.len() * cols.len() * elem);
-    for r in rows.clone() {
-        let row = &bytes[(r * width + cols.start) * elem..(r * width + cols.end) * elem];
-        for (c, v) in cols.clone().zip(row.chunks_exact(elem)) {
-            if own.is_none_or(|o| o.contains(&c)) {
-                out.extend_from_slice(v);
-            } else {
-                out.extend(std::iter::repeat_n(0u8, elem));
-            }
-        }
-    }
-    out
 }
 
 impl<B: Backend> Ranks<B> {
@@ -243,75 +219,14 @@ impl<B: Backend> Ranks<B> {
             .collect()
     }
 
-    /// Rank `rank`'s part of a tensor: rows and columns of a matrix, entries of a vector.
-    fn upload_part<T>(
-        &self,
-        name: &str,
-        t: HostTensor<'_>,
-        part: &Shard,
-        upload: impl Fn(HostTensor<'_>) -> BResult<T>,
-    ) -> BResult<T> {
-        let elem = match t.dtype {
-            HostDType::F32 => 4,
-            HostDType::Bf16 | HostDType::F16 => 2,
-        };
-        let (bytes, shape) = match *t.shape {
-            [rows, cols] if part.rows.end <= rows && part.cols.end <= cols => (
-                cut_bytes(
-                    t.bytes,
-                    elem,
-                    cols,
-                    &part.rows,
-                    &part.cols,
-                    part.own_cols.as_ref(),
-                ),
-                vec![part.rows.len(), part.cols.len()],
-            ),
-            [len] if part.rows.end <= len => (
-                cut_bytes(t.bytes, elem, 1, &part.rows, &(0..1), None),
-                vec![part.rows.len()],
-            ),
-            _ => {
-                return Err(err(format!(
-                    "weight {name}: shape {:?} does not hold rows {:?}, columns {:?}",
-                    t.shape, part.rows, part.cols
-                )))
-            }
-        };
-        upload(HostTensor {
-            dtype: t.dtype,
-            shape: &shape,
-            bytes: &bytes,
-        })
-    }
-
-    /// The values `random_normal` gives a `[.., width]` tensor at rows `rows`, columns `cols`
-    /// (what one device's random weight holds there), as f32 bytes.
-    fn random_part(width: usize, part: &Shard, seed: u64, mean: f32, std: f32) -> Vec<u8> {
-        let cols = part.cols.clone();
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let rows: Vec<usize> = part.rows.clone().collect();
-        let per = rows.len().div_ceil(threads).max(1);
-        let mut out = vec![0u8; rows.len() * cols.len() * 4];
-        std::thread::scope(|s| {
-            for (chunk, dst) in rows.chunks(per).zip(out.chunks_mut(per * cols.len() * 4)) {
-                let cols = cols.clone();
-                s.spawn(move || {
-                    let own = part.own_cols.clone();
-                    let values = chunk.iter().flat_map(move |&r| {
-                        let own = own.clone();
-                        cols.clone().map(move |c| match &own {
-                            Some(o) if !o.contains(&c) => 0.0,
-                            _ => random_normal((r * width + c) as u64, seed, mean, std),
-                        })
-                    });
-                    for (d, v) in dst.chunks_exact_mut(4).zip(values) {
-                        d.copy_from_slice(&v.to_le_bytes());
-                    }
-                });
-            }
-        });
-        out
+    /// `f` with every rank's graphs held (closed and launched, none opening) before it and
+    /// released after: for work that runs eagerly or blocks the host on any rank.
+    fn graphs_held<T>(&self, f: impl FnOnce() -> BResult<T>) -> BResult<T> {
+        let held = self.each(|_, be| be.hold_graphs()).and_then(|_| f());
+        let released = self.each(|_, be| be.release_graphs());
+        let out = held?;
+        released?;
+        Ok(out)
     }
 
     /// Makes each rank's row-sums table hold at least `rows` entries: when split activations
@@ -713,9 +628,27 @@ impl<B: Backend> Backend for Ranks<B> {
         Ok(())
     }
 
+    /// Every rank begins the step with its graphs held (no capture opens while another rank
+    /// still prepares its step), then, where the ranks would launch it differently (one
+    /// replays what another has to capture), every rank forgets its graphs and runs it
+    /// eagerly: a rank's collectives must be in graphs exactly when every rank's are.
     fn begin_step(&self, step: &StepInfo<'_>) -> BResult<()> {
-        self.each(|_, be| be.begin_step(step))?;
-        Ok(())
+        self.graphs_held(|| {
+            self.each(|_, be| be.begin_step(step))?;
+            let first = self.ranks[0].step_launches();
+            if self.ranks.iter().any(|be| be.step_launches() != first) {
+                for be in &self.ranks {
+                    be.end_step(false)?;
+                    be.forget_graphs();
+                }
+                let eager = StepInfo {
+                    eager: true,
+                    ..*step
+                };
+                self.each(|_, be| be.begin_step(&eager))?;
+            }
+            Ok(())
+        })
     }
 
     /// Ends the step on every rank, whatever one of them says.
@@ -1041,16 +974,21 @@ impl<B: Backend> Backend for Ranks<B> {
     ) -> BResult<()> {
         let shape = self.rank_shape(shape)?;
         self.set_width(io.out, shape.q_width())?;
-        for (r, be) in self.ranks.iter().enumerate() {
-            let io = AttnIo {
-                q: &mut io.q.parts[r],
-                k: &mut io.k.parts[r],
-                v: &mut io.v.parts[r],
-                out: &mut io.out.parts[r],
-            };
-            let mut cs: Vec<&mut B::SparseCache> = caches.iter_mut().map(|c| &mut c[r]).collect();
-            be.sparse_attention(shape, cfg, io, spans, modes, &mut cs)?;
-        }
+        // Outside graphs on every rank (a backend runs it eagerly: the caches' lengths move).
+        self.graphs_held(|| {
+            for (r, be) in self.ranks.iter().enumerate() {
+                let io = AttnIo {
+                    q: &mut io.q.parts[r],
+                    k: &mut io.k.parts[r],
+                    v: &mut io.v.parts[r],
+                    out: &mut io.out.parts[r],
+                };
+                let mut cs: Vec<&mut B::SparseCache> =
+                    caches.iter_mut().map(|c| &mut c[r]).collect();
+                be.sparse_attention(shape, cfg, io, spans, modes, &mut cs)?;
+            }
+            Ok(())
+        })?;
         io.out.split = Split::Columns;
         Ok(())
     }
@@ -1131,12 +1069,22 @@ impl<B: Backend> Backend for Ranks<B> {
         if lm_head.split != MatrixSplit::Whole {
             return Err(err("lm_head is held whole by every rank"));
         }
-        self.ranks[0].logits(&h.parts[0], rows, keep, &lm_head.parts[0], divisor)
+        // Rank 0 waits for its logits: every rank's graphs are launched first.
+        self.graphs_held(|| {
+            self.ranks[0].logits(&h.parts[0], rows, keep, &lm_head.parts[0], divisor)
+        })
     }
 
     /// Whole rows: rank 0's. A rank's columns: every rank's, put side by side (an error for
     /// the parts of a sparse layer past its KV heads, which ranks share).
     fn to_host(&self, a: &Self::Act) -> BResult<Vec<f32>> {
+        self.graphs_held(|| self.to_host_held(a))
+    }
+}
+
+impl<B: Backend> Ranks<B> {
+    /// [`Backend::to_host`] with every rank's graphs held.
+    fn to_host_held(&self, a: &RankAct<B::Act>) -> BResult<Vec<f32>> {
         if a.split == Split::Whole {
             return self.ranks[0].to_host(&a.parts[0]);
         }

@@ -197,10 +197,9 @@ impl DeviceArgs {
             let ranks = Ranks::new(cpus, sums, &config).map_err(|e| anyhow!("{e}"))?;
             return Ok(Opened::CpuRanks(Box::new(ranks)));
         };
-        // GPUs first..first + n, one rank each. Decode steps are launched one by one: the
-        // ranks' graphs with NCCL inside are not captured yet.
-        let mut options = self.cuda_options()?;
-        options.cuda_graphs = false;
+        // GPUs first..first + n, one rank each (decode steps in CUDA graphs on each, the
+        // NCCL sums inside them).
+        let options = self.cuda_options()?;
         let ordinals: Vec<usize> = (first..first + n).collect();
         let gpus = ordinals
             .iter()

@@ -8,11 +8,12 @@ use sala_cuda::tensor_parallel::NcclSum;
 use sala_model::ranks::Ranks;
 use sala_model::testing::check_mixed_step;
 
-/// `n` ranks on GPUs 0..n, with the bit-exact block selection as [`gpu`] has it.
-fn gpu_ranks(n: usize, config: &ModelConfig) -> Ranks<CudaBackend> {
+/// `n` ranks on GPUs 0..n, with the bit-exact block selection as [`gpu`] has it, decode
+/// steps in CUDA graphs or not.
+fn gpu_ranks(n: usize, config: &ModelConfig, graphs: bool) -> Ranks<CudaBackend> {
     let mut o = base_options();
     o.exact_select = true;
-    o.cuda_graphs = false;
+    o.cuda_graphs = graphs;
     let gpus = (0..n)
         .map(|k| CudaBackend::new(k, o.clone()).unwrap())
         .collect();
@@ -132,6 +133,8 @@ fn split_row_norms_match_the_cpu_and_the_whole_rows_norm() {
 /// chunks, decode steps, dense and sparse); over two and four GPUs, where the machine has
 /// them (four: past the sparse layers' 2 KV heads), the same within the rounding of the
 /// split sums. A mixed step over the ranks gives each sequence its logits alone, bit for bit.
+/// With CUDA graphs on every rank (the NCCL sums captured inside them, replayed), the same
+/// bits as without.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn tensor_parallel_ranks_on_gpus_give_one_gpus_logits() {
@@ -160,9 +163,22 @@ fn tensor_parallel_ranks_on_gpus_give_one_gpus_logits() {
     let mut counts = vec![1, gpus.min(2), gpus.min(4)];
     counts.dedup();
     for n in counts {
-        let ranks = gpu_ranks(n, &config);
+        let ranks = gpu_ranks(n, &config, false);
         let model = Model::load(&ranks, config.clone(), &ck, &mut |_, _| {}).unwrap();
         let got = prefill_decode_logits(&ranks, &model, &toks);
+        let graphed = gpu_ranks(n, &config, true);
+        let graphed_model = Model::load(&graphed, config.clone(), &ck, &mut |_, _| {}).unwrap();
+        let with_graphs = prefill_decode_logits(&graphed, &graphed_model, &toks);
+        for (r, be) in graphed.ranks().iter().enumerate() {
+            let (captured, replayed) = be.graph_steps();
+            eprintln!("{n} ranks, rank {r}: {captured} steps captured, {replayed} replayed");
+            assert!(replayed > 0, "{n} ranks: rank {r} replayed no step");
+        }
+        assert!(
+            with_graphs == got,
+            "{n} ranks: logits with CUDA graphs differ"
+        );
+        check_mixed_step(&graphed, &graphed_model).unwrap();
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             if n == 1 {
                 assert_eq!(a, b, "1 rank, row {i}");
