@@ -462,15 +462,17 @@ gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb)
 
 // ---- 4-bit weights (W4A16) ----
 // A [n, k] matrix of 4-bit values q, eight to a word along k (word j of a row: inputs 8j..8j + 7,
-// the lowest nibble first), each row's k / g groups with a bf16 scale s and the bf16 value
-// −(128 + z) of its zero z (a whole number, 0 to 16): the weight is bf16((q − z)·s), the value
-// the CPU holds for it. k and g are multiples of 32.
+// input 8j + 2p at bits 4p and 8j + 2p + 1 at bits 16 + 4p: memory.rs's interleave_w4), each
+// row's k / g groups with a bf16 scale s and the bf16 value −(128 + z) of its zero z (a whole
+// number, 0 to 16): the weight is bf16((q − z)·s), the value the CPU holds for it. k and g are
+// multiples of 32.
 
-// Two weights (nibbles at `shift` and `shift` + 4) as a bf16 pair: 0x4300 | q is 128 + q, one
+// Weights 2p and 2p + 1 of a word as a bf16 pair: a shift and one lop3 ((w >> 4p) & 0x000F000F
+// | 0x43004300; written as C, the mask and the OR become two) put 128 + q in each half, one
 // packed FMA with −(128 + z) gives q − z exactly, a second the product with s rounded once.
-__device__ __forceinline__ u32 w4_pair(u32 w, int shift, u32 s2, u32 b2) {
-    const u32 q = ((w >> shift) & 0xFu) | (((w >> (shift + 4)) & 0xFu) << 16) | 0x43004300u;
-    u32 d;
+__device__ __forceinline__ u32 w4_pair(u32 w, int p, u32 s2, u32 b2) {
+    u32 q, d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(q) : "r"(w >> (4 * p)), "n"(0x000F000F), "n"(0x43004300));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(q), "r"(0x3F803F80u), "r"(b2));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(d), "r"(s2), "r"(0x80008000u));
     return d;
@@ -478,7 +480,7 @@ __device__ __forceinline__ u32 w4_pair(u32 w, int shift, u32 s2, u32 b2) {
 
 // The 8 bf16 weights of one word (a 16-byte pack of gemv_mma_tiles_body).
 __device__ __forceinline__ uint4 w4_pack(u32 w, u32 s2, u32 b2) {
-    return make_uint4(w4_pair(w, 0, s2, b2), w4_pair(w, 8, s2, b2), w4_pair(w, 16, s2, b2), w4_pair(w, 24, s2, b2));
+    return make_uint4(w4_pair(w, 0, s2, b2), w4_pair(w, 1, s2, b2), w4_pair(w, 2, s2, b2), w4_pair(w, 3, s2, b2));
 }
 
 // A warp's 4-bit weights for one slab (128 k) of rows row[0], row[1]: lane t's 32 consecutive k
@@ -489,15 +491,23 @@ struct W4Slab {
     u32 s2[2], b2[2];
 };
 
+// i / g for multiples of 32, i below 2^25 (an integer division is tens of instructions): with
+// a = i / 32 and b = g / 32, (a + 0.5) / b lies at least 0.5 / b from every integer, farther
+// than the fast division errs (2 ulp, under 2^-21 of the quotient: (a + 0.5) · 2^-21 / b) while
+// a < 2^20, so truncating it is exact.
+__device__ __forceinline__ int w4_div(int i, int g) {
+    return __float2int_rz(__fdividef((float)(i >> 5) + 0.5f, (float)(g >> 5)));
+}
+
 __device__ __forceinline__ void w4_load(const u32* qw, const u16* scales, const u16* bias, const int (&row)[2], int k,
                                         int g, int s, W4Slab& a) {
     const int t = threadIdx.x & 3, kk = s * 128 + t * 32;
-    const int per_row = k / 8, groups = k / g;
+    const int per_row = k / 8, groups = w4_div(k, g);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (kk < k) {
             a.raw[h] = __ldg((const uint4*)(qw + (u64)row[h] * per_row + kk / 8));
-            const u64 at = (u64)row[h] * groups + kk / g;
+            const u64 at = (u64)row[h] * groups + w4_div(kk, g);
             const u32 sc = __ldg(scales + at), bi = __ldg(bias + at);
             a.s2[h] = sc | (sc << 16);
             a.b2[h] = bi | (bi << 16);
@@ -582,7 +592,7 @@ gemv_w4_8(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int 
     gemv_w4_body<1>(x, qw, scales, bias, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// gemv_w4_8 for nb ≤ 16.
+// gemv_w4_8 for nb ≤ 16 (68-70 registers: one block an SM; held to 64 it spills).
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
 gemv_w4_16(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
            int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
@@ -607,7 +617,7 @@ dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 
     const u32 w = qw[i];
     u32* o = (u32*)(out + i * 8);
 #pragma unroll
-    for (int e = 0; e < 4; e++) o[e] = w4_pair(w, 8 * e, s2, b2);
+    for (int e = 0; e < 4; e++) o[e] = w4_pair(w, e, s2, b2);
 }
 
 // ---- FP8 weights (`--quantize fp8`): E4M3 codes with a scale per weight row, inputs as E4M3 ----

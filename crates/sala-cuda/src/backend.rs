@@ -5,8 +5,8 @@ use crate::device::DeviceLimits;
 use crate::graphs::{Mode, StepGraphs, StepKey, GRAPH_MAX_ROWS};
 use crate::kernels::Launcher;
 use crate::memory::{
-    be_err, grow, DevAct, DevLightningState, DevMatrix, DevSparseCache, Fp8Weights, Scratch,
-    W4Weights,
+    be_err, grow, interleave_w4, DevAct, DevLightningState, DevMatrix, DevSparseCache, Fp8Weights,
+    Scratch, W4Weights,
 };
 use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
@@ -402,15 +402,13 @@ impl Backend for CudaBackend {
         let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
         let scales: Vec<u16> = q.scales.iter().map(|&s| bf16(s)).collect();
         let bias: Vec<u16> = q.zeros.iter().map(|&z| bf16(-(128.0 + z))).collect();
+        let words: Vec<u32> = q.words.iter().map(|&w| interleave_w4(w)).collect();
         Ok(DevMatrix {
             buf: self.alloc_u16(0)?,
             rows: q.rows,
             cols: q.cols,
             w4: Some(W4Weights {
-                words: self
-                    .stream
-                    .clone_htod(q.words)
-                    .map_err(|e| up("words", e))?,
+                words: self.stream.clone_htod(&words).map_err(|e| up("words", e))?,
                 scales: self
                     .stream
                     .clone_htod(&scales)

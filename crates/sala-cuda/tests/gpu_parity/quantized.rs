@@ -7,8 +7,9 @@ use super::*;
 /// 4-bit weights on the GPU: products of 1 to 16 rows (`gemv_w4`), 17 and 40 (two launches),
 /// 100 (dequantized into scratch, then cuBLAS), the stacked MLP half and a split product, and
 /// 4-bit matrices stacked (4-bit beside 4-bit, and beside bf16), against the CPU on the same
-/// values (the CPU holds the bf16 values the 4-bit weights stand for); groups of 32, 128 and a
-/// whole row; a group of 8 (no 4-bit kernel takes it) goes up as bf16. A step of rows gives
+/// values (the CPU holds the bf16 values the 4-bit weights stand for); groups of 32 to 1024,
+/// 96 and a whole row of 768 (the kernels' group index by a fast division); a group of 8 (no
+/// 4-bit kernel takes it) goes up as bf16. A step of rows gives
 /// each row the bits it gets alone (batch-invariant).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
@@ -35,6 +36,8 @@ fn four_bit_products_match_cpu() {
         (17, 512, 256, 64),
         (40, 2048, 512, 128),
         (100, 768, 1024, 128),
+        (5, 768, 200, 96),
+        (9, 768, 64, 768),
         (2, 256, 96, 8),
     ] {
         let (words, scales, zeros) = random_w4(&mut rng, out, inner, group);
