@@ -307,14 +307,48 @@ __device__ __forceinline__ void r64_cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Stages step j's activation slab (slab s: k = 64s ..) of rows < nb (zeros past nb and k).
-__device__ __forceinline__ void r64_stage(uint4* st, const bf16* x, int nb, int k, int s) {
-    for (int i = threadIdx.x; i < 64 * 8; i += 32 * R64_W) {
-        const int r = i >> 3, c = i & 7, kk = s * 64 + c * 8;
-        const bool in = r < nb && kk < k;
-        sp_cp_async16(sp_smem_addr(st + r * 8 + (c ^ (r & 7))), in ? (const void*)(x + (u64)r * k + kk) : (const void*)x,
+// The slab after s in the steps' order: chain s mod 16's next, else the next chain's first
+// (chain w: slabs w, w + 16, ...).
+__device__ __forceinline__ int r64_next(int s, int slabs) { return s + 16 < slabs ? s + 16 : (s & 15) + 1; }
+
+// Where this thread stages its four 16-byte chunks of an activation slab: chunk c = tid % 8 of
+// rows r = tid / 8 + 16i (i < 4); row r's chunk c at c ^ (r & 7), the same swizzle for all four.
+struct R64Stage {
+    const bf16* src;  // x + r·k + 8c for i = 0
+    u32 dst;          // its shared-memory offset in a stage, bytes
+    int c8;           // 8c: the chunk's first k within a slab
+    unsigned rows;    // bit i: row tid / 8 + 16i is below nb
+};
+
+__device__ __forceinline__ R64Stage r64_stage_of(const bf16* x, int nb, int k) {
+    const int tid = threadIdx.x, r0 = tid >> 3, c = tid & 7;
+    R64Stage st;
+    st.src = x + (u64)r0 * k + 8 * c;
+    st.dst = (u32)(r0 * 8 + (c ^ (r0 & 7))) * 16;
+    st.c8 = 8 * c;
+    st.rows = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) st.rows |= (r0 + 16 * i < nb ? 1u : 0u) << i;
+    return st;
+}
+
+// Stages slab s (k = 64s ..) of rows < nb into the stage at shared address `stage` (zeros past
+// nb and k).
+__device__ __forceinline__ void r64_stage(u32 stage, const R64Stage& st, const bf16* x, int k, int s) {
+    const int kk = s * 64 + st.c8;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const bool in = (st.rows >> i & 1u) && kk < k;
+        sp_cp_async16(stage + st.dst + i * 16 * 8 * 16, in ? (const void*)(st.src + (u64)16 * i * k + s * 64) : (const void*)x,
                       in ? 16 : 0);
     }
+}
+
+// 16 bytes of shared memory at byte address `at`.
+__device__ __forceinline__ uint4 r64_lds(u32 at) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(at));
+    return v;
 }
 
 template <bool SILU>
@@ -334,16 +368,6 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
         row1 = w + (u64)min(tile * 16 + g + 8, n - 1) * k;
     }
     const int ntiles = (nb + 7) >> 3, slabs = (k + 63) / 64;
-    // Step j runs slab (w, s): chains in order, each chain's slabs in order.
-    auto slab_of = [&](int j) {
-        // Chain w has ceil((slabs - w) / 16) slabs (none for w >= slabs).
-        int w0 = 0;
-        while (w0 < 16 && j >= (slabs - w0 + 15) / 16) {
-            j -= max(0, (slabs - w0 + 15) / 16);
-            w0++;
-        }
-        return w0 + 16 * j;
-    };
     const uint4 zero = make_uint4(0, 0, 0, 0);
     auto load_w = [&](int s, uint4 (&a)[2][2]) {
 #pragma unroll
@@ -354,11 +378,22 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
             a[p][1] = in ? __ldg((const uint4*)(row1 + kk)) : zero;
         }
     };
+    const R64Stage sto = r64_stage_of(x, nb, k);
+    const u32 xs0 = sp_smem_addr(xs[0]);
+    // Where this lane reads pack p of activation row g of N-tile 0 in a stage (tile nt: + 1024·nt).
+    const u32 xoff[2] = {(u32)(g * 8 + ((t * 2) ^ g)) * 16, (u32)(g * 8 + ((t * 2 + 1) ^ g)) * 16};
+    constexpr u32 STAGE_BYTES = 64 * 8 * 16;
     pdl_start();
+    // Step j runs slab sj (chains in order, each chain's slabs in order); `staged` is the slab
+    // the next stage takes, R64_STAGES − 1 steps ahead.
     const int steps = slabs;
+    int staged = 0;
 #pragma unroll
     for (int j = 0; j < R64_STAGES - 1; j++) {
-        if (j < steps) r64_stage(xs[j], x, nb, k, slab_of(j));
+        if (j < steps) {
+            r64_stage(xs0 + j * STAGE_BYTES, sto, x, k, staged);
+            staged = r64_next(staged, slabs);
+        }
         sp_cp_commit();
     }
     float total[8][4], c[8][4];
@@ -367,43 +402,50 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
 #pragma unroll
         for (int i = 0; i < 4; i++) total[nt][i] = c[nt][i] = 0.0f;
     uint4 a[2][2], an[2][2];
-    if (steps > 0) load_w(slab_of(0), a);
-    int chain = 0, left = (slabs + 15) / 16;  // slabs left in the current chain
+    if (steps > 0) load_w(0, a);
+    int sj = 0;  // this step's slab
     for (int j = 0; j < steps; j++) {
-        // Chains without slabs (k under 16 slabs) add their zero sums in turn.
-        while (left == 0) {
+        // A chain's first slab (s < 16) ends the chain before it: its sum joins the total.
+        if (j > 0 && sj < 16) {
 #pragma unroll
             for (int nt = 0; nt < 8; nt++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) total[nt][i] += c[nt][i], c[nt][i] = 0.0f;
-            chain++;
-            left = max(0, (slabs - chain + 15) / 16);
         }
-        if (j + 1 < steps) load_w(slab_of(j + 1), an);
+        const int snext = r64_next(sj, slabs);
+        if (j + 1 < steps) load_w(snext, an);
         r64_cp_wait<R64_STAGES - 2>();
         __syncthreads();
-        const uint4* st = xs[j % R64_STAGES];
+        const u32 stage = xs0 + (j % R64_STAGES) * STAGE_BYTES;
+        // Two N-tiles at a time, each tile's two MMAs apart (the same sums in the same order
+        // for every tile: pack 0's halves, then pack 1's).
 #pragma unroll
         for (int p = 0; p < 2; p++) {
             const uint4 lo = a[p][0], hi = a[p][1];
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-                if (nt < ntiles) {
-                    const uint4 x8 = st[(nt * 8 + g) * 8 + ((t * 2 + p) ^ g)];
-                    sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                    sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-                }
+            for (int nt = 0; nt < 8; nt += 2) {
+                if (nt >= ntiles) break;
+                const uint4 xa = r64_lds(stage + xoff[p] + nt * 1024);
+                const uint4 xb = r64_lds(stage + xoff[p] + (nt + 1) * 1024);
+                sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, xa.x, xa.y);
+                sp_mma(c[nt + 1], lo.x, hi.x, lo.y, hi.y, xb.x, xb.y);
+                sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, xa.z, xa.w);
+                sp_mma(c[nt + 1], lo.z, hi.z, lo.w, hi.w, xb.z, xb.w);
+            }
         }
         // The stage read at step j - 1 is free (every warp passed this step's barrier).
-        const int next = j + R64_STAGES - 1;
-        if (next < steps) r64_stage(xs[next % R64_STAGES], x, nb, k, slab_of(next));
+        if (j + R64_STAGES - 1 < steps) {
+            r64_stage(xs0 + ((j + R64_STAGES - 1) % R64_STAGES) * STAGE_BYTES, sto, x, k, staged);
+            staged = r64_next(staged, slabs);
+        }
         sp_cp_commit();
 #pragma unroll
         for (int p = 0; p < 2; p++) a[p][0] = an[p][0], a[p][1] = an[p][1];
-        left--;
+        sj = snext;
     }
-    // The last chain with slabs, then the chains after it (none with slabs: zero sums).
-    for (; chain < 16; chain++) {
+    // The last chain with slabs, then the chains after it (none with slabs: zero sums), as
+    // gm_block_sum adds every warp's sum.
+    for (int chain = max(min(slabs, 16) - 1, 0); chain < 16; chain++) {
 #pragma unroll
         for (int nt = 0; nt < 8; nt++)
 #pragma unroll
