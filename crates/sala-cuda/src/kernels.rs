@@ -201,6 +201,7 @@ kernel_table! {
     LightningStateAdvance = lightning_state_advance in "lightning/context.cu" (state: Ptr, prev: Ptr, slopes: Ptr, tokens: I32, per_head: I32, heads: I32);
     LightningStateTerm = lightning_state_term in "lightning/context.cu" (q: Ptr, state: Ptr, slopes: Ptr, out: Ptr, rows: I32, heads: I32, d: I32, scale: F32);
     LightningDecodeRows = lightning_decode_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, rows: Rows, out: Ptr, slopes: Ptr, heads: I32, kv_heads: I32, d: I32, scale: F32, q_norm: Ptr, k_norm: Ptr, eps: F32, table: Ptr);
+    LightningDecodeRowsPaired = lightning_decode_rows_paired in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, rows: Rows, out: Ptr, slopes: Ptr, heads: I32, kv_heads: I32, d: I32, scale: F32, q_norm: Ptr, k_norm: Ptr, eps: F32, table: Ptr);
     LightningSpanRows = lightning_span_rows in "lightning/decode.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, rows: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, q_norm: Ptr, k_norm: Ptr, eps: F32, table: Ptr);
     LightningChunked = lightning_chunked in "lightning/chunked.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32);
     LightningChunkState = lightning_chunk_state in "lightning/split.cu" (k: Ptr, v: Ptr, ds: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32);

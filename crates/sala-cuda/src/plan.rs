@@ -101,6 +101,9 @@ pub const LIGHTNING_RANGE_MIN: usize = 2048;
 /// Most bytes of per-chunk lightning states the two-pass and split paths keep at once
 /// (128 MiB measured 4% faster at 8K tokens, for 0.09 GiB more at peak).
 pub const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
+/// Decode rows from which `lightning_decode_rows` gives each lane two value columns.
+pub const LIGHTNING_DECODE_PAIRED_ROWS: usize = 8;
+
 /// Rows of a batched decode step launched at once (`DECODE_ROWS` in rows.cuh).
 pub const DECODE_ROWS: usize = 64;
 /// Sequences of a batched sparse decode step (`SEQ_ROWS` in rows.cuh).
@@ -338,6 +341,22 @@ impl Planner {
             .into_iter()
             .find(|&b| self.fits(K::LightningFused, lightning_fused_smem(d, b)))
             .map(|b| b as u32)
+    }
+
+    /// The kernel and launch of a step's decode rows, each its own sequence: from
+    /// `LIGHTNING_DECODE_PAIRED_ROWS` rows (and d ≤ 128) the paired kernel, two value columns a
+    /// lane (half the blocks, each staging a row's q and k once for twice the state: at 64 rows
+    /// the blocks' lifetimes, not the state's bytes, bounded the kernel).
+    pub fn lightning_decode_rows(&self, heads: usize, d: usize, rows: usize) -> (K, Launch) {
+        if rows >= LIGHTNING_DECODE_PAIRED_ROWS && d <= 128 {
+            let at = Launch::new((heads, d.div_ceil(64), rows), 256, 0);
+            (K::LightningDecodeRowsPaired, at)
+        } else {
+            (
+                K::LightningDecodeRows,
+                self.lightning_decode(heads, d, rows),
+            )
+        }
     }
 
     pub fn lightning_decode(&self, heads: usize, d: usize, rows: usize) -> Launch {
@@ -735,11 +754,8 @@ impl Planner {
                     }
                 }
                 if rows > 1 && rows <= DECODE_ROWS {
-                    add(
-                        K::LightningDecodeRows,
-                        self.lightning_decode(lh, ld, rows),
-                        &r,
-                    );
+                    let (kernel, at) = self.lightning_decode_rows(lh, ld, rows);
+                    add(kernel, at, &r);
                 }
                 // A span of this many rows of one sequence, stepped token by token.
                 if rows > 1 && rows <= sala_model::STEPWISE_SPAN_ROWS {

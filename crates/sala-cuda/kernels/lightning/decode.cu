@@ -29,14 +29,15 @@ __device__ __forceinline__ void lightning_stage_qk(const bf16* q, const bf16* k,
     }
 }
 
-// One row's step of this thread's state values (rows grp + 8x of column e, in sv): s ← γs + k_a v_e
-// with pinned roundings, so every kernel that steps rows one at a time gets the same bits;
-// returns Σ_a q_a s_a over them.
-__device__ __forceinline__ float lightning_row(const float* qs, const float* ks, float ve, float gamma,
-                                               float (&sv)[32], int grp, int d) {
+// One row's step of this thread's state values (rows grp + 8x of column e, x < X, in sv):
+// s ← γs + k_a v_e with pinned roundings, so every kernel that steps rows one at a time gets
+// the same bits; returns Σ_a q_a s_a over them.
+template <int X = 32>
+__device__ __forceinline__ float lightning_row(const float* qs, const float* ks, float ve, float gamma, float* sv,
+                                               int grp, int d) {
     float acc = 0.0f;
 #pragma unroll
-    for (int x = 0; x < 32; x++) {
+    for (int x = 0; x < X; x++) {
         const int a = grp + 8 * x;
         if (a < d) {
             const float s = __fmaf_rn(ks[a], ve, __fmul_rn(gamma, sv[x]));
@@ -47,13 +48,15 @@ __device__ __forceinline__ float lightning_row(const float* qs, const float* ks,
     return acc;
 }
 
-// The output value of column e from the 8 warps' partial sums.
-__device__ __forceinline__ void lightning_out(const float (&part)[8][32], int e, int d, float scale, bf16* o) {
+// The output value of column e from the 8 warps' partial sums (part[g][lane + col]), by warp w.
+template <int W>
+__device__ __forceinline__ void lightning_out(const float (&part)[8][W], int e, int d, float scale, bf16* o, int w = 0,
+                                              int col = 0) {
     const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
-    if (grp == 0 && e < d) {
+    if (grp == w && e < d) {
         float sum = 0.0f;
 #pragma unroll
-        for (int g = 0; g < 8; g++) sum += part[g][lane];
+        for (int g = 0; g < 8; g++) sum += part[g][lane + col];
         o[e] = f2bf(scale * sum);
     }
 }
@@ -91,6 +94,46 @@ __device__ __forceinline__ void lightning_step(const bf16* q, const bf16* k, con
     part[grp][lane] = acc;
     __syncthreads();
     lightning_out(part, e, d, scale, out + h * d);
+}
+
+// lightning_step with two value columns a lane (d ≤ 128): block (h, y) owns columns 64y ..
+// 64y + 63 of head h (lane l: 64y + l and 64y + l + 32), half the blocks, each staging q and k
+// once for twice the state; each column's values and output have lightning_step's bits.
+__device__ __forceinline__ void lightning_step_paired(const bf16* q, const bf16* k, const bf16* v, float* state, bf16* out,
+                                               const float* slopes, int heads, int kv_heads, int d, float scale,
+                                               const QkPrep& prep, const float* cs) {
+    constexpr int COLS = 2, X = 16;  // columns a lane, rows it holds of each (d ≤ 128)
+    __shared__ float qs[256], ks[256], part[8][32 * COLS];
+    const int h = blockIdx.x, lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
+    const int kvh = h / (heads / kv_heads), e0 = blockIdx.y * 32 * COLS + lane;
+    float* S = state + (u64)h * d * d;
+    float sv[32];
+#pragma unroll
+    for (int c = 0; c < COLS; c++)
+        if (e0 + 32 * c < d) {
+#pragma unroll
+            for (int x = 0; x < X; x++)
+                if (grp + 8 * x < d) sv[c * X + x] = S[(u64)(grp + 8 * x) * d + e0 + 32 * c];
+        }
+    pdl_start();
+    lightning_stage_qk(q, k, h, kvh, d, prep, cs, qs, ks);
+    __syncthreads();
+    const float gamma = expf(-slopes[h]);
+#pragma unroll
+    for (int c = 0; c < COLS; c++) {
+        const int e = e0 + 32 * c;
+        float acc = 0.0f;
+        if (e < d) {
+            acc = lightning_row<X>(qs, ks, bf2f(v[kvh * d + e]), gamma, sv + c * X, grp, d);
+#pragma unroll
+            for (int x = 0; x < X; x++)
+                if (grp + 8 * x < d) S[(u64)(grp + 8 * x) * d + e] = sv[c * X + x];
+        }
+        part[grp][lane + 32 * c] = acc;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < COLS; c++) lightning_out(part, e0 + 32 * c, d, scale, out + h * d, c, 32 * c);
 }
 
 // The rows of one short span of one sequence, one lightning step each, in order: every row's
@@ -147,6 +190,20 @@ lightning_decode_rows(const bf16* q, const bf16* k, const bf16* v, DecodeRows ro
     // (the PDL wait: in lightning_step, once the state is asked for)
     const u64 z = blockIdx.z, qd = (u64)heads * d, kd = (u64)kv_heads * d;
     const QkPrep prep = {q_norm, k_norm, eps, table};
-    lightning_step(q + z * qd, k + z * kd, v + z * kd, rows.state[z], out + z * qd, slopes, heads, kv_heads, d, scale,
-                   prep, table ? table + z * d : nullptr);
+    lightning_step(q + z * qd, k + z * kd, v + z * kd, rows.state[z], out + z * qd, slopes, heads, kv_heads, d,
+                      scale, prep, table ? table + z * d : nullptr);
+}
+
+// lightning_decode_rows with two value columns a lane (d ≤ 128; the same bits): half the
+// blocks, each staging its row's q and k once for twice the state, for steps of many rows.
+// launch: grid = (heads, ceil(d / 64), rows ≤ DECODE_ROWS), block = 256
+extern "C" __global__ void __launch_bounds__(256)
+lightning_decode_rows_paired(const bf16* q, const bf16* k, const bf16* v, DecodeRows rows, bf16* out,
+                             const float* slopes, int heads, int kv_heads, int d, float scale, const bf16* q_norm,
+                             const bf16* k_norm, float eps, const float* table) {
+    // (the PDL wait: in lightning_step, once the state is asked for)
+    const u64 z = blockIdx.z, qd = (u64)heads * d, kd = (u64)kv_heads * d;
+    const QkPrep prep = {q_norm, k_norm, eps, table};
+    lightning_step_paired(q + z * qd, k + z * kd, v + z * kd, rows.state[z], out + z * qd, slopes, heads, kv_heads, d,
+                      scale, prep, table ? table + z * d : nullptr);
 }

@@ -1,7 +1,7 @@
 //! Lightning layers (SPEC §4.2): the decode step, batched decode rows, and the prefill kernels
 //! the plan picks (`kernels/lightning/`).
 
-use crate::kernels::DecodeRows;
+use crate::kernels::{DecodeRows, Launcher, K};
 use crate::memory::{DevAct, DevLightningState, Windows};
 use crate::ops::elementwise::RopeAt;
 use crate::plan::{LightningPlan, DECODE_ROWS, LIGHTNING_CHUNK};
@@ -343,8 +343,14 @@ impl CudaBackend {
         let (d, rows) = (shape.head_dim, states.len());
         let ptrs: Vec<u64> = states.iter().map(|st| self.ptr(&**st)).collect();
         let t = DecodeRows::new(&ptrs);
-        let at = self.k.planner().lightning_decode(shape.heads, d, rows);
-        self.k.lightning_decode_rows(
+        let (kernel, at) = self.k.planner().lightning_decode_rows(shape.heads, d, rows);
+        let launch = if kernel == K::LightningDecodeRowsPaired {
+            Launcher::lightning_decode_rows_paired
+        } else {
+            Launcher::lightning_decode_rows
+        };
+        launch(
+            &self.k,
             at,
             self.act_ptr(q),
             self.act_ptr(k),

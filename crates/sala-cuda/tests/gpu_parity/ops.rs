@@ -353,6 +353,92 @@ fn lightning_matches_oracle() {
     }
 }
 
+/// Decode rows of several sequences in one launch (each its own state; from 8 rows a lane
+/// takes two value columns) give each sequence the bits it gets decoded alone, and the CPU's
+/// values within rounding: 1, 9 and 64 rows, head sizes 32, 64 and 128.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn lightning_decode_rows_equal_rows_alone() {
+    let g = gpu();
+    let mut rng = TestRng::new(7);
+    for (heads, kv_heads, d) in [(4, 4, 32), (4, 2, 64), (32, 32, 128)] {
+        let shape = AttnShape {
+            heads,
+            kv_heads,
+            head_dim: d,
+        };
+        let slopes = sala_checkpoint::alibi_slopes(heads);
+        let gs = g.upload_table(&slopes).unwrap();
+        for rows in [1usize, 9, 64] {
+            let q = rng.bf16_vec(rows * shape.q_width(), -1.0, 1.0);
+            let k = rng.bf16_vec(rows * shape.kv_width(), -1.0, 1.0);
+            let v = rng.bf16_vec(rows * shape.kv_width(), -1.0, 1.0);
+            let inits: Vec<Vec<f32>> = (0..rows)
+                .map(|_| rng.bf16_vec(heads * d * d, -0.3, 0.3))
+                .collect();
+            let ctx = format!("H{heads}/{kv_heads} d{d}, {rows} rows");
+            // All rows in one step, a span (and a state) each.
+            let spans: Vec<Span> = (0..rows)
+                .map(|i| Span {
+                    first_row: i,
+                    len: 1,
+                    pos: 10 + 3 * i,
+                })
+                .collect();
+            let mut states: Vec<Store<f32>> = inits
+                .iter()
+                .map(|s| Store::Own(g.f32_from_host(s).unwrap()))
+                .collect();
+            let mut out = g
+                .act_from_host(&vec![0.0; rows * shape.q_width()], shape.q_width())
+                .unwrap();
+            let io = AttnIo {
+                q: &mut g.act_from_host(&q, shape.q_width()).unwrap(),
+                k: &mut g.act_from_host(&k, shape.kv_width()).unwrap(),
+                v: &mut g.act_from_host(&v, shape.kv_width()).unwrap(),
+                out: &mut out,
+            };
+            let mut refs: Vec<&mut Store<f32>> = states.iter_mut().collect();
+            g.lightning(shape, &gs, None, None, io, &spans, &mut refs)
+                .unwrap();
+            let together = g.to_host(&out).unwrap();
+            for i in 0..rows {
+                let (qw, kw) = (shape.q_width(), shape.kv_width());
+                let row = |x: &[f32], w: usize| x[i * w..(i + 1) * w].to_vec();
+                let (alone_out, alone_state) = gpu_lightning(
+                    &g,
+                    shape,
+                    &gs,
+                    &row(&q, qw),
+                    &row(&k, kw),
+                    &row(&v, kw),
+                    &inits[i],
+                );
+                let Store::Own(st) = &states[i] else {
+                    unreachable!()
+                };
+                let state = g.f32_to_host(st).unwrap();
+                assert!(
+                    together[i * qw..(i + 1) * qw] == alone_out[..],
+                    "{ctx}: row {i}'s output differs from its own step's"
+                );
+                assert!(state == alone_state, "{ctx}: row {i}'s state differs");
+                let mut cs = inits[i].clone();
+                let co = cpu_attn::lightning(
+                    shape,
+                    &slopes,
+                    &row(&q, qw),
+                    &row(&k, kw),
+                    &row(&v, kw),
+                    &mut cs,
+                );
+                close(&format!("{ctx}, row {i} output"), &alone_out, &co, 5e-3);
+                close(&format!("{ctx}, row {i} state"), &state, &cs, 1e-5);
+            }
+        }
+    }
+}
+
 /// Lightning prefill in two passes (chunk states in order, then all outputs in parallel) gives
 /// the one-pass kernel's bits, across windows of the states' scratch and partial chunks.
 #[test]
