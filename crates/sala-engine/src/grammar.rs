@@ -29,6 +29,30 @@ pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 /// every alternative of a choice in one row, and fails mid-generation past 2000.
 pub const MAX_ALTERNATIVES: usize = 1024;
 
+/// A key as a JSON pointer segment (`~` and `/` escaped).
+fn pointer_key(key: &str) -> String {
+    key.replace('~', "~0").replace('/', "~1")
+}
+
+/// The JSON pointer of every object in `v` (at `ptr`), children first.
+fn schema_objects(v: &serde_json::Value, ptr: String, out: &mut Vec<String>) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            for (k, x) in map {
+                schema_objects(x, format!("{ptr}/{}", pointer_key(k)), out);
+            }
+            out.push(ptr);
+        }
+        Value::Array(list) => {
+            for (i, x) in list.iter().enumerate() {
+                schema_objects(x, format!("{ptr}/{i}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
 /// A place in `schema` (a JSON pointer) that leads back to itself before any value is written:
 /// through local `$ref`s and the members of `allOf`, `anyOf` and `oneOf` only (`a` → `b` →
 /// `a`, or `a: {allOf: [{$ref: a}]}`). The parser cannot compile such a left recursion, and
@@ -54,26 +78,8 @@ pub fn ref_cycle(schema: &serde_json::Value) -> Option<String> {
         }
         out
     };
-    // Every object's pointer, `~` and `/` in keys escaped.
-    fn objects(v: &Value, ptr: String, out: &mut Vec<String>) {
-        match v {
-            Value::Object(map) => {
-                for (k, x) in map {
-                    let key = k.replace('~', "~0").replace('/', "~1");
-                    objects(x, format!("{ptr}/{key}"), out);
-                }
-                out.push(ptr);
-            }
-            Value::Array(list) => {
-                for (i, x) in list.iter().enumerate() {
-                    objects(x, format!("{ptr}/{i}"), out);
-                }
-            }
-            _ => {}
-        }
-    }
     let mut starts = Vec::new();
-    objects(schema, String::new(), &mut starts);
+    schema_objects(schema, String::new(), &mut starts);
     // Depth-first, iteratively: 1 on the path, 2 done.
     let mut state: HashMap<String, u8> = HashMap::new();
     for start in starts {
@@ -119,28 +125,11 @@ pub fn ref_cycle(schema: &serde_json::Value) -> Option<String> {
 pub fn never_finite(schema: &serde_json::Value) -> bool {
     use serde_json::Value;
     use std::collections::HashMap;
-    fn objects(v: &Value, ptr: String, out: &mut Vec<String>) {
-        match v {
-            Value::Object(map) => {
-                for (k, x) in map {
-                    let key = k.replace('~', "~0").replace('/', "~1");
-                    objects(x, format!("{ptr}/{key}"), out);
-                }
-                out.push(ptr);
-            }
-            Value::Array(list) => {
-                for (i, x) in list.iter().enumerate() {
-                    objects(x, format!("{ptr}/{i}"), out);
-                }
-            }
-            _ => {}
-        }
-    }
     if !serde_json::to_string(schema).is_ok_and(|t| t.contains("\"$ref\"")) {
         return false;
     }
     let mut nodes = Vec::new();
-    objects(schema, String::new(), &mut nodes);
+    schema_objects(schema, String::new(), &mut nodes);
     // Each pass is linear and there may be as many passes as objects: huge schemas are left
     // to the parser.
     if nodes.len() > 20_000 {
@@ -183,7 +172,7 @@ pub fn never_finite(schema: &serde_json::Value) -> bool {
             {
                 for key in required.iter().filter_map(Value::as_str) {
                     if props.contains_key(key) {
-                        let k = key.replace('~', "~0").replace('/', "~1");
+                        let k = pointer_key(key);
                         ok &= known(&finite, &format!("{ptr}/properties/{k}"));
                     }
                 }
