@@ -238,7 +238,8 @@ async fn accept_until(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout);
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            let stream = TokioIo::new(crate::wire::ErrorBodies::new(stream));
+            let conn = builder.serve_connection(stream, service);
             tokio::pin!(conn);
             tokio::select! {
                 _ = conn.as_mut() => {}

@@ -20,6 +20,7 @@ pub mod reasoning;
 pub mod reply;
 mod respond;
 pub mod tools;
+mod wire;
 
 pub use api::ApiError;
 pub use engine::{spawn_engine, EngineHandle, EngineRunner, ModelInfo, DEFAULT_MAX_BATCH};

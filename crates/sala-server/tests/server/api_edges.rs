@@ -172,3 +172,58 @@ fn a_chat_may_end_open_for_the_reply_to_continue() {
     );
     assert!(v.to_string().contains("assistant"), "{v}");
 }
+
+/// Requests hyper cannot parse (a garbage request line, a header name with a space, a
+/// duplicated Content-Length that disagrees, headers past the limit, a URI past its limit)
+/// are answered by hyper before any route: each answer is still a 4xx with an OpenAI-style
+/// error body, and the server serves the next request.
+#[test]
+fn unparsable_requests_get_an_openai_error_body() {
+    use std::io::{Read, Write};
+    let long_header = format!("X-Big: {}\r\n", "a".repeat(600_000));
+    let long_uri = format!("/{}", "u".repeat(100_000));
+    for (what, raw, want) in [
+        ("garbage", "NOT HTTP AT ALL\r\n\r\n".to_string(), 400),
+        (
+            "a header name with a space",
+            "GET /health HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n".to_string(),
+            400,
+        ),
+        (
+            "two Content-Lengths",
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}"
+                .to_string(),
+            400,
+        ),
+        (
+            "headers too large",
+            format!("GET /health HTTP/1.1\r\nHost: x\r\n{long_header}\r\n"),
+            431,
+        ),
+        (
+            "a URI too long",
+            format!("GET {long_uri} HTTP/1.1\r\nHost: x\r\n\r\n"),
+            414,
+        ),
+    ] {
+        let mut s = std::net::TcpStream::connect(server()).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        let _ = s.write_all(raw.as_bytes()); // the server may answer before reading it all
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let text = String::from_utf8_lossy(&out);
+        let (head, body) = text
+            .split_once("\r\n\r\n")
+            .unwrap_or_else(|| panic!("{what}: no answer head in {text:?}"));
+        let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("content-type: application/json"),
+            "{what}: {head}"
+        );
+        assert_error(status, body, want, None, what);
+    }
+    let (status, _) = request("GET", "/health", b"");
+    assert_eq!(status, 200);
+}

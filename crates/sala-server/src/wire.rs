@@ -1,0 +1,178 @@
+//! A connection's bytes on their way out: hyper answers requests it cannot parse (a malformed
+//! request line or header, headers too large, a URI too long) with a 4xx of no body before any
+//! route sees them; [`ErrorBodies`] gives such an answer an OpenAI-style error body.
+
+use crate::api::ApiError;
+use axum::http::StatusCode;
+use std::io;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// A stream whose body-less 4xx answers are rewritten with an error body. Writes are not
+/// vectored, so each answer's head comes whole at the start of one write.
+pub struct ErrorBodies<S> {
+    inner: S,
+    /// An answer being written in place of the one hyper gave: its bytes, how many are
+    /// written, and the length of hyper's to report once all are.
+    pending: Option<(Vec<u8>, usize, usize)>,
+}
+
+impl<S> ErrorBodies<S> {
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            pending: None,
+        }
+    }
+}
+
+/// `out` (what hyper writes) with an error body, when it is exactly the head of a 4xx whose
+/// body is empty (`content-length: 0`, nothing after the head).
+fn with_error_body(out: &[u8]) -> Option<Vec<u8>> {
+    if !out.starts_with(b"HTTP/1.") {
+        return None;
+    }
+    let end = out.windows(4).position(|w| w == b"\r\n\r\n")?;
+    if end + 4 != out.len() {
+        return None;
+    }
+    let head = std::str::from_utf8(&out[..end]).ok()?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next()?;
+    let status = StatusCode::from_bytes(status_line.split(' ').nth(1)?.as_bytes()).ok()?;
+    if !status.is_client_error() {
+        return None;
+    }
+    let mut kept = Vec::new();
+    let mut empty = false;
+    for line in lines {
+        let name = line.split(':').next().unwrap_or("").to_ascii_lowercase();
+        match name.as_str() {
+            "content-length" => empty = line[name.len() + 1..].trim() == "0",
+            "content-type" | "transfer-encoding" => return None,
+            _ => kept.push(line),
+        }
+    }
+    if !empty {
+        return None;
+    }
+    let (message, code) = match status {
+        StatusCode::BAD_REQUEST => (
+            "the request is not valid HTTP/1.1: its request line or a header could not be parsed",
+            "malformed_request",
+        ),
+        StatusCode::URI_TOO_LONG => ("the request's URI is too long", "uri_too_long"),
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => {
+            ("the request's headers are too large", "headers_too_large")
+        }
+        _ => ("the request was refused", "refused"),
+    };
+    let body = ApiError::invalid(message)
+        .code(code)
+        .body()
+        .to_string()
+        .into_bytes();
+    let mut answer = Vec::with_capacity(head.len() + body.len() + 96);
+    answer.extend_from_slice(status_line.as_bytes());
+    for line in kept {
+        answer.extend_from_slice(b"\r\n");
+        answer.extend_from_slice(line.as_bytes());
+    }
+    let typed = format!(
+        "\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    answer.extend_from_slice(typed.as_bytes());
+    answer.extend_from_slice(&body);
+    Some(answer)
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for ErrorBodies<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for ErrorBodies<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.pending.is_none() {
+            match with_error_body(buf) {
+                Some(answer) => this.pending = Some((answer, 0, buf.len())),
+                None => return Pin::new(&mut this.inner).poll_write(cx, buf),
+            }
+        }
+        let Some((answer, written, stands_for)) = &mut this.pending else {
+            unreachable!("set above")
+        };
+        while *written < answer.len() {
+            match ready!(Pin::new(&mut this.inner).poll_write(cx, &answer[*written..])) {
+                Ok(0) => return Poll::Ready(Ok(0)),
+                Ok(n) => *written += n,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        let n = *stands_for;
+        this.pending = None;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_bodiless_client_errors_get_a_body() {
+        let hyper_400 = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\ndate: x\r\n\r\n";
+        let out = String::from_utf8(with_error_body(hyper_400).unwrap()).unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.starts_with("HTTP/1.1 400 Bad Request\r\ndate: x\r\n"),
+            "{head}"
+        );
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["code"], "malformed_request");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        let b431 = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n\r\n";
+        assert!(String::from_utf8(with_error_body(b431).unwrap())
+            .unwrap()
+            .contains("headers_too_large"));
+        // Answers with a body, or not 4xx, or not a whole head, pass as they are.
+        for kept in [
+            &b"HTTP/1.1 400 Bad Request\r\ncontent-length: 2\r\n\r\n{}"[..],
+            b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+            b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n",
+            b"HTTP/1.1 404 Not Found\r\ntransfer-encoding: chunked\r\n\r\n",
+            b"{\"HTTP/1.1 400\"}",
+        ] {
+            assert!(
+                with_error_body(kept).is_none(),
+                "{:?}",
+                String::from_utf8_lossy(kept)
+            );
+        }
+    }
+}
