@@ -369,6 +369,15 @@ impl Grammars {
                          (each value must hold another)",
                     ));
                 }
+                if let Some((pattern, size)) = widest_pattern(s) {
+                    if size > MAX_PATTERN_REPEATS {
+                        return Err(invalid(&format!(
+                            "the JSON schema's pattern {pattern:?} nests bounded repeats whose \
+                             counts multiply to {size}; at most {MAX_PATTERN_REPEATS} can be \
+                             followed while generating"
+                        )));
+                    }
+                }
                 let widest = widest_choice(s);
                 if widest > MAX_ALTERNATIVES {
                     return Err(invalid(&format!(
@@ -418,6 +427,70 @@ impl Grammars {
             first_mask,
             param: PARAM.into(),
         })
+    }
+}
+
+/// Most a regex `pattern` of a JSON schema may multiply its nested bounded repeats' counts:
+/// llguidance's lexer runs out of its per-token budget within a few words of such a pattern
+/// (measured on the tiny preset: `(\w{1,30}){1,100}` and `([a-z]{1,10}){1,300}` generate,
+/// `(\w{1,40}){1,100}`, `(\w{1,200}){1,20}` and `((\w{1,10}){1,10}){1,40}` fail mid-output).
+pub const MAX_PATTERN_REPEATS: u64 = 3000;
+
+/// The `pattern` of `schema` (anywhere in it) whose bounded repeats, nested two deep or more,
+/// multiply to the most, and that product ([`repeat_product`]); `None` without such patterns.
+/// Patterns the regex parser cannot read are left to llguidance's own error.
+pub fn widest_pattern(schema: &serde_json::Value) -> Option<(String, u64)> {
+    let mut best: Option<(String, u64)> = None;
+    let mut stack = vec![schema];
+    while let Some(v) = stack.pop() {
+        match v {
+            serde_json::Value::Object(map) => {
+                if let Some(serde_json::Value::String(p)) = map.get("pattern") {
+                    if let Ok(hir) = regex_syntax::Parser::new().parse(p) {
+                        let (size, depth) = repeat_product(&hir);
+                        if depth >= 2 && best.as_ref().is_none_or(|(_, b)| size > *b) {
+                            best = Some((p.clone(), size));
+                        }
+                    }
+                }
+                stack.extend(map.values());
+            }
+            serde_json::Value::Array(items) => stack.extend(items),
+            _ => {}
+        }
+    }
+    best
+}
+
+/// The largest product of bounded repeat counts along a nesting of `hir`, and how many bounded
+/// repeats nest there: a sequence adds its parts' products (`(\\w{1,100}\\w{1,100}){1,20}` is
+/// 4000, 2 deep), an unbounded repeat multiplies by 1.
+pub fn repeat_product(hir: &regex_syntax::hir::Hir) -> (u64, u32) {
+    use regex_syntax::hir::HirKind;
+    match hir.kind() {
+        HirKind::Repetition(r) => {
+            let (product, depth) = repeat_product(&r.sub);
+            match r.max {
+                Some(m) => (product.saturating_mul(m.max(1) as u64), depth + 1),
+                None => (product, depth),
+            }
+        }
+        HirKind::Capture(c) => repeat_product(&c.sub),
+        HirKind::Concat(parts) => {
+            let inner: Vec<_> = parts
+                .iter()
+                .map(repeat_product)
+                .filter(|&(_, d)| d > 0)
+                .collect();
+            let depth = inner.iter().map(|&(_, d)| d).max().unwrap_or(0);
+            let product = inner.iter().fold(0u64, |a, &(p, _)| a.saturating_add(p));
+            (product.max(1), depth)
+        }
+        HirKind::Alternation(parts) => parts
+            .iter()
+            .map(repeat_product)
+            .fold((1, 0), |(p, d), (q, e)| (p.max(q), d.max(e))),
+        _ => (1, 0),
     }
 }
 
@@ -605,6 +678,27 @@ mod tests {
         );
         let mut logits = vec![0.0f32; 1026];
         assert!(c.apply(&mut logits).is_err());
+    }
+
+    #[test]
+    fn nested_bounded_repeats_multiply_and_sequences_add() {
+        let of = |p: &str| repeat_product(&regex_syntax::Parser::new().parse(p).unwrap());
+        assert_eq!(of(r"^(\w{1,100}){1,100}$"), (10_000, 2));
+        assert_eq!(of(r"^(\w{1,100}\w{1,100}){1,20}$"), (4000, 2));
+        assert_eq!(of(r"^((\w{1,10}){1,10}){1,40}$"), (4000, 3));
+        assert_eq!(of(r"^\w{1,5000}$"), (5000, 1));
+        assert_eq!(of(r"^(\w{1,100})*$"), (100, 1));
+        assert_eq!(of(r"^(a|b{1,7}){1,3}$"), (21, 2));
+        assert_eq!(of(r"abc"), (1, 0));
+        let schema = serde_json::json!({"type": "object", "properties": {
+            "a": {"type": "string", "pattern": r"^(\d{1,3}\.){3}\d{1,3}$"},
+            "b": {"type": "array", "items": {"type": "string", "pattern": r"^(\w{1,40}){1,100}$"}},
+            "c": {"type": "string", "pattern": r"^\w{1,9000}$"}}});
+        assert_eq!(
+            widest_pattern(&schema),
+            Some((r"^(\w{1,40}){1,100}$".to_string(), 4000))
+        );
+        assert_eq!(widest_pattern(&serde_json::json!({"pattern": "(("})), None);
     }
 
     #[test]

@@ -303,6 +303,8 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(value: &Value) -> Result<T, Ap
 
 /// Parses the bytes of a body as a JSON object.
 pub fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    // A UTF-8 byte order mark before the JSON is allowed (RFC 8259 lets a reader ignore it).
+    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
     let value: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))?;
     if !value.is_object() {

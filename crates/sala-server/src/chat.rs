@@ -123,6 +123,14 @@ pub(crate) fn check_chat(st: &AppState, value: &Value) -> Result<Checked, ApiErr
             )
             .param("tool_choice"));
         }
+        if ending == ChatEnding::ContinueFinal {
+            // The grammar would hold only the continuation, not the message it ends.
+            return Err(ApiError::invalid(
+                "response_format constrains a whole reply; it cannot be combined with \
+                 continue_final_message, which continues the last assistant message",
+            )
+            .param("response_format"));
+        }
         // The reply is the structured answer: no calls are read out of it.
         reading = None;
     } else if let Some(grammar) = tools.grammar {

@@ -111,6 +111,18 @@ async fn read_body(
         );
         res
     };
+    // Bodies are read as they come: a compressed one would only fail as JSON.
+    if let Some(coding) = parts.headers.get(header::CONTENT_ENCODING) {
+        let coding = String::from_utf8_lossy(coding.as_bytes())
+            .trim()
+            .to_ascii_lowercase();
+        if coding != "identity" {
+            return refuse(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("Content-Encoding {coding:?} is not supported: send the body uncompressed"),
+            );
+        }
+    }
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
@@ -234,6 +246,11 @@ async fn accept_until(
         let mut closing = closing_rx.clone();
         let open = open_tx.clone();
         tokio::spawn(async move {
+            match crate::wire::opening(&stream, header_timeout).await {
+                crate::wire::Opening::Http1 => {}
+                crate::wire::Opening::Http2 => return crate::wire::refuse_http2(stream).await,
+                crate::wire::Opening::Silent => return,
+            }
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
                 .timer(TokioTimer::new())

@@ -7,7 +7,7 @@ use crate::completion::check_completion;
 use crate::engine::{Event, LogprobEntry, Prompt, TokenText};
 use crate::http::{now, AppState};
 use crate::metrics::Outcome;
-use crate::params::{body_bytes, Kind};
+use crate::params::{body_bytes, Checked, Kind};
 use crate::reply::{ReplyPiece, ReplyReader, ReplySetup};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -147,6 +147,7 @@ async fn admit(
         .map_err(|e| ApiError::internal(format!("preparing the prompt: {e}")))?
         .map_err(|e| ApiError::from(&e))?;
     }
+    check_prompt_scores(&prompts, &checked)?;
     let prompt = (echo || checked.prompt_logprobs.is_some()).then(|| PromptReport {
         echo: echo.then_some(echoed),
         top: checked.request.logprobs.unwrap_or(0),
@@ -230,6 +231,44 @@ async fn admit(
         reply: checked.reply,
         prompt,
     })
+}
+
+/// Most log-probabilities of prompt tokens one response may list (each token's own and each
+/// alternative beside it, in every choice): their JSON costs the server about a kilobyte of
+/// memory apiece, so a request past this is refused before any work rather than held in
+/// gigabytes. A 64K-token prompt's 20 alternatives in one choice fit.
+pub(crate) const MAX_PROMPT_SCORES: usize = 2_000_000;
+
+/// Refuses a request whose prompts' scores (`echo` with `logprobs`, `prompt_logprobs`, in each
+/// of `n` choices) would list more than [`MAX_PROMPT_SCORES`] entries.
+fn check_prompt_scores(prompts: &[Prompt], checked: &Checked) -> Result<(), ApiError> {
+    let echo_top = checked.request.logprobs.filter(|_| checked.echo);
+    let per_token = echo_top.map_or(0, |t| t + 1) + checked.prompt_logprobs.map_or(0, |k| k + 1);
+    if per_token == 0 {
+        return Ok(());
+    }
+    let tokens: usize = prompts
+        .iter()
+        .map(|p| match p {
+            Prompt::Tokens(ids) => ids.len(),
+            _ => 0,
+        })
+        .sum();
+    let entries = tokens.saturating_mul(checked.n).saturating_mul(per_token);
+    if entries <= MAX_PROMPT_SCORES {
+        return Ok(());
+    }
+    let param = if checked.prompt_logprobs.is_some() {
+        "prompt_logprobs"
+    } else {
+        "logprobs"
+    };
+    Err(ApiError::invalid(format!(
+        "the prompt scores asked for would list {entries} log-probabilities ({tokens} prompt          tokens x {} choices x {per_token} a token, from echo with logprobs and          prompt_logprobs); at most {MAX_PROMPT_SCORES} fit one response: ask for fewer          alternatives, fewer choices or a shorter prompt",
+        checked.n
+    ))
+    .param(param)
+    .code("response_too_large"))
 }
 
 /// Answers one completion request (`kind`): checks it, queues it, and answers with the

@@ -135,6 +135,57 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for ErrorBodies<S> {
     }
 }
 
+/// What a new connection opens with, by a look at its first bytes (left unread).
+pub enum Opening {
+    /// HTTP/1 (or anything else hyper parses or refuses itself).
+    Http1,
+    /// HTTP/2's connection preface, sent with prior knowledge.
+    Http2,
+    /// Nothing within the header timeout, or the connection failed: closed unanswered, as
+    /// hyper closes a connection that sends no head in time.
+    Silent,
+}
+
+/// How the connection on `stream` opens (waiting at most `within` for its first bytes).
+pub async fn opening(stream: &tokio::net::TcpStream, within: std::time::Duration) -> Opening {
+    let mut first = [0u8; 16];
+    match tokio::time::timeout(within, stream.peek(&mut first)).await {
+        Ok(Ok(n)) if n > 0 => {
+            if first[..n].starts_with(b"PRI * HTTP/2") {
+                Opening::Http2
+            } else {
+                Opening::Http1
+            }
+        }
+        _ => Opening::Silent,
+    }
+}
+
+/// Answers an HTTP/2 connection preface as RFC 9113 asks of a server that speaks only
+/// HTTP/1.1: its own (empty) SETTINGS frame, then GOAWAY with HTTP_1_1_REQUIRED, whose debug
+/// data is the OpenAI-style error; then closes. (hyper's HTTP/1 server would close without a
+/// word.)
+pub async fn refuse_http2(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = ApiError::new(
+        StatusCode::HTTP_VERSION_NOT_SUPPORTED,
+        "invalid_request_error",
+        "this server speaks HTTP/1.1 only; HTTP/2 with prior knowledge is not supported",
+    )
+    .code("http_1_1_required")
+    .body()
+    .to_string();
+    let mut out = vec![0, 0, 0, 4, 0, 0, 0, 0, 0]; // SETTINGS, no parameters, stream 0
+    let len = 8 + body.len() as u32;
+    out.extend_from_slice(&len.to_be_bytes()[1..]); // GOAWAY's 24-bit length
+    out.extend_from_slice(&[7, 0, 0, 0, 0, 0]); // type GOAWAY, no flags, stream 0
+    out.extend_from_slice(&0u32.to_be_bytes()); // last stream id: none processed
+    out.extend_from_slice(&0xdu32.to_be_bytes()); // HTTP_1_1_REQUIRED
+    out.extend_from_slice(body.as_bytes());
+    let _ = stream.write_all(&out).await;
+    let _ = stream.shutdown().await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

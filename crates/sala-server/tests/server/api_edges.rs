@@ -171,6 +171,20 @@ fn a_chat_may_end_open_for_the_reply_to_continue() {
         "a user message to continue",
     );
     assert!(v.to_string().contains("assistant"), "{v}");
+    // A structured reply constrains a whole message, not a continuation of one.
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "c",
+                        "schema": {"const": "abc"}}});
+    let (status, v) = chat(
+        json!({"continue_final_message": true, "add_generation_prompt": false,
+                                  "response_format": schema}),
+    );
+    assert_error(
+        status,
+        &v.to_string(),
+        400,
+        Some("response_format"),
+        "a structured continuation",
+    );
 }
 
 /// Requests hyper cannot parse (a garbage request line, a header name with a space, a
@@ -224,6 +238,68 @@ fn unparsable_requests_get_an_openai_error_body() {
         );
         assert_error(status, body, want, None, what);
     }
+    let (status, _) = request("GET", "/health", b"");
+    assert_eq!(status, 200);
+}
+
+/// A compressed body is a 415 naming Content-Encoding (it is never decompressed, so it would
+/// only fail as JSON); a UTF-8 byte order mark before the JSON is read past.
+#[test]
+fn compressed_bodies_are_refused_and_a_byte_order_mark_is_read_past() {
+    use std::io::{Read, Write};
+    let send = |extra_header: &str, body: &[u8]| {
+        let mut s = std::net::TcpStream::connect(server()).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+            .unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             {extra_header}Content-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        let _ = s.write_all(body);
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let text = String::from_utf8_lossy(&out).to_string();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, body.to_string())
+    };
+    let json = br#"{"prompt": "Hi", "max_tokens": 1}"#;
+    for coding in ["gzip", "br", "x-unknown"] {
+        let (status, body) = send(&format!("Content-Encoding: {coding}\r\n"), json);
+        assert_error(status, &body, 415, None, coding);
+        assert!(body.contains("Content-Encoding"), "{coding}: {body}");
+    }
+    let (status, body) = send("Content-Encoding: identity\r\n", json);
+    assert_eq!(status, 200, "identity: {body}");
+    let with_bom = [&b"\xEF\xBB\xBF"[..], json].concat();
+    let (status, body) = send("", &with_bom);
+    assert_eq!(status, 200, "a byte order mark: {body}");
+}
+
+/// An HTTP/2 client with prior knowledge hears, as RFC 9113 has an HTTP/1.1-only server say
+/// it, an empty SETTINGS frame then GOAWAY with HTTP_1_1_REQUIRED (its debug data the OpenAI
+/// error); the server goes on serving HTTP/1.1.
+#[test]
+fn http2_with_prior_knowledge_is_told_to_use_http1() {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(server()).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+    let _ = s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]); // the client's SETTINGS
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    assert!(out.len() > 26, "{out:?}");
+    assert_eq!(&out[..9], &[0, 0, 0, 4, 0, 0, 0, 0, 0], "SETTINGS first");
+    let goaway = &out[9..];
+    let len = u32::from_be_bytes([0, goaway[0], goaway[1], goaway[2]]) as usize;
+    assert_eq!(goaway[3], 7, "a GOAWAY frame");
+    assert_eq!(goaway.len(), 9 + len);
+    assert_eq!(&goaway[13..17], &0xdu32.to_be_bytes(), "HTTP_1_1_REQUIRED");
+    let debug: serde_json::Value = serde_json::from_slice(&goaway[17..]).unwrap();
+    assert_eq!(debug["error"]["code"], "http_1_1_required", "{debug}");
     let (status, _) = request("GET", "/health", b"");
     assert_eq!(status, 200);
 }

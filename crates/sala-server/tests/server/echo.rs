@@ -477,3 +477,29 @@ fn the_official_openai_client_scores_prompts_with_echo() {
         assert_eq!(e["param"], param, "{key}");
     }
 }
+
+/// Prompt scores past what one response may list (prompt tokens x choices x entries a token)
+/// are a 400 naming the field, before any work: here 64 prompts of 250 tokens, 8 choices each,
+/// echo with 20 alternatives and prompt_logprobs 20 (42 entries a token, 5.4M in all).
+#[test]
+fn prompt_scores_too_many_for_one_response_are_refused() {
+    let prompts: Vec<Vec<u32>> = (0..64)
+        .map(|p| (0..250).map(|i| (p * 7 + i * 13) % 200 + 3).collect())
+        .collect();
+    let (status, body) = post(
+        "/v1/completions",
+        &json!({"prompt": prompts, "n": 8, "max_tokens": 1, "echo": true, "logprobs": 20,
+                "prompt_logprobs": 20}),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["code"], "response_too_large", "{body}");
+    assert_eq!(body["error"]["param"], "prompt_logprobs", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("5376000"), "{message}");
+    // Two of those prompts, one choice, echo with 20 alternatives: 10,500 entries, served.
+    let (status, body) = post(
+        "/v1/completions",
+        &json!({"prompt": prompts[..2], "max_tokens": 1, "echo": true, "logprobs": 20}),
+    );
+    assert_eq!(status, 200, "{body}");
+}
