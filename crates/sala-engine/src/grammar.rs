@@ -193,24 +193,33 @@ pub fn never_finite(schema: &serde_json::Value) -> bool {
     !known(&finite, "")
 }
 
+/// Calls `f` with every object in `v` (at any depth, arrays included).
+fn for_each_object(
+    v: &serde_json::Value,
+    f: &mut impl FnMut(&serde_json::Map<String, serde_json::Value>),
+) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            f(map);
+            map.values().for_each(|x| for_each_object(x, f));
+        }
+        Value::Array(list) => list.iter().for_each(|x| for_each_object(x, f)),
+        _ => {}
+    }
+}
+
 /// The most alternatives any `enum`, `anyOf` or `oneOf` in `schema` lists (0 without one).
 pub fn widest_choice(schema: &serde_json::Value) -> usize {
-    use serde_json::Value;
-    match schema {
-        Value::Object(map) => map
-            .iter()
-            .map(|(key, v)| {
-                let own = match (key.as_str(), v) {
-                    ("enum" | "anyOf" | "oneOf", Value::Array(list)) => list.len(),
-                    _ => 0,
-                };
-                own.max(widest_choice(v))
-            })
-            .max()
-            .unwrap_or(0),
-        Value::Array(list) => list.iter().map(widest_choice).max().unwrap_or(0),
-        _ => 0,
-    }
+    let mut widest = 0;
+    for_each_object(schema, &mut |map| {
+        for key in ["enum", "anyOf", "oneOf"] {
+            if let Some(serde_json::Value::Array(list)) = map.get(key) {
+                widest = widest.max(list.len());
+            }
+        }
+    });
+    widest
 }
 
 /// The request parameter that structured output answers to.
@@ -441,24 +450,18 @@ pub const MAX_PATTERN_REPEATS: u64 = 3000;
 /// Patterns the regex parser cannot read are left to llguidance's own error.
 pub fn widest_pattern(schema: &serde_json::Value) -> Option<(String, u64)> {
     let mut best: Option<(String, u64)> = None;
-    let mut stack = vec![schema];
-    while let Some(v) = stack.pop() {
-        match v {
-            serde_json::Value::Object(map) => {
-                if let Some(serde_json::Value::String(p)) = map.get("pattern") {
-                    if let Ok(hir) = regex_syntax::Parser::new().parse(p) {
-                        let (size, depth) = repeat_product(&hir);
-                        if depth >= 2 && best.as_ref().is_none_or(|(_, b)| size > *b) {
-                            best = Some((p.clone(), size));
-                        }
-                    }
-                }
-                stack.extend(map.values());
-            }
-            serde_json::Value::Array(items) => stack.extend(items),
-            _ => {}
+    for_each_object(schema, &mut |map| {
+        let Some(serde_json::Value::String(p)) = map.get("pattern") else {
+            return;
+        };
+        let Ok(hir) = regex_syntax::Parser::new().parse(p) else {
+            return;
+        };
+        let (size, depth) = repeat_product(&hir);
+        if depth >= 2 && best.as_ref().is_none_or(|(_, b)| size > *b) {
+            best = Some((p.clone(), size));
         }
-    }
+    });
     best
 }
 
