@@ -246,7 +246,13 @@ async fn accept_until(
         let mut closing = closing_rx.clone();
         let open = open_tx.clone();
         tokio::spawn(async move {
-            match crate::wire::opening(&stream, header_timeout).await {
+            // A connection still silent when the server closes is dropped, as hyper drops an
+            // idle one.
+            let opening = tokio::select! {
+                o = crate::wire::opening(&stream, header_timeout) => o,
+                _ = closing.changed() => return,
+            };
+            match opening {
                 crate::wire::Opening::Http1 => {}
                 crate::wire::Opening::Http2 => return crate::wire::refuse_http2(stream).await,
                 crate::wire::Opening::Silent => return,

@@ -133,3 +133,26 @@ fn within_the_grace_requests_finish_normally() {
         "the server did not return promptly"
     );
 }
+
+/// A connection that has sent nothing yet does not hold the shutdown up (the header timeout is
+/// 30 s): the server returns at once, and the connection is closed.
+#[test]
+fn a_silent_connection_does_not_delay_the_shutdown() {
+    use std::io::Read;
+    let (addr, stop, server) = serve_with_shutdown(Duration::from_secs(60));
+    let mut silent = std::net::TcpStream::connect(addr).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    stop.send(()).unwrap();
+    server.join().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "the server took {:?} to return",
+        t0.elapsed()
+    );
+    let mut out = Vec::new();
+    assert_eq!(silent.read_to_end(&mut out).unwrap_or(0), 0, "{out:?}");
+}
