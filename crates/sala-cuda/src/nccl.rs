@@ -180,6 +180,16 @@ pub enum Elem {
     F32,
 }
 
+impl Elem {
+    /// NCCL's `ncclDataType_t` for it.
+    fn nccl_type(self) -> c_int {
+        match self {
+            Elem::Bf16 => BF16,
+            Elem::F32 => F32,
+        }
+    }
+}
+
 impl Group {
     /// One communicator a GPU (`ncclCommInitAll`). NVLink multicast (NVLS) is kept off unless
     /// `NCCL_NVLS_ENABLE` says otherwise.
@@ -225,10 +235,7 @@ impl Group {
                 "a copy from rank {from} to rank {to} in a group of {ranks} ranks"
             ));
         }
-        let ty = match elem {
-            Elem::Bf16 => BF16,
-            Elem::F32 => F32,
-        };
+        let ty = elem.nccl_type();
         let n = self.nccl;
         // SAFETY: a send on `from`'s communicator and stream and the matching receive on
         // `to`'s, in one group; both buffers hold `count` values.
@@ -273,10 +280,7 @@ impl Group {
                 self.comms.len()
             ));
         }
-        let ty = match elem {
-            Elem::Bf16 => BF16,
-            Elem::F32 => F32,
-        };
+        let ty = elem.nccl_type();
         let n = self.nccl;
         // SAFETY: one grouped call a rank, each on its own communicator and stream.
         unsafe {

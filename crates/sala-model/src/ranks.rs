@@ -43,6 +43,16 @@ pub enum Split {
     Columns,
 }
 
+/// Rank `r`'s part of each of an attention call's buffers.
+fn rank_io<'b, A>(io: &'b mut AttnIo<'_, RankAct<A>>, r: usize) -> AttnIo<'b, A> {
+    AttnIo {
+        q: &mut io.q.parts[r],
+        k: &mut io.k.parts[r],
+        v: &mut io.v.parts[r],
+        out: &mut io.out.parts[r],
+    }
+}
+
 /// An activation on every rank.
 pub struct RankAct<A> {
     parts: Vec<A>,
@@ -907,7 +917,7 @@ impl<B: Backend> Backend for Ranks<B> {
         slopes: &Self::Table,
         norms: Option<(&Self::Vector, &Self::Vector, f32)>,
         inv_freq: Option<&Self::Table>,
-        io: AttnIo<'_, Self::Act>,
+        mut io: AttnIo<'_, Self::Act>,
         spans: &[Span],
         states: &mut [&mut Self::LightningState],
     ) -> BResult<()> {
@@ -915,12 +925,7 @@ impl<B: Backend> Backend for Ranks<B> {
         let slopes = slopes.heads()?;
         self.set_width(io.out, shape.q_width())?;
         for (r, be) in self.ranks.iter().enumerate() {
-            let io = AttnIo {
-                q: &mut io.q.parts[r],
-                k: &mut io.k.parts[r],
-                v: &mut io.v.parts[r],
-                out: &mut io.out.parts[r],
-            };
+            let io = rank_io(&mut io, r);
             let mut st: Vec<&mut B::LightningState> =
                 states.iter_mut().map(|s| &mut s[r]).collect();
             be.lightning(
@@ -967,7 +972,7 @@ impl<B: Backend> Backend for Ranks<B> {
         &self,
         shape: AttnShape,
         cfg: &SparseConfig,
-        io: AttnIo<'_, Self::Act>,
+        mut io: AttnIo<'_, Self::Act>,
         spans: &[Span],
         modes: &[SparseMode],
         caches: &mut [&mut Self::SparseCache],
@@ -977,12 +982,7 @@ impl<B: Backend> Backend for Ranks<B> {
         // Outside graphs on every rank (a backend runs it eagerly: the caches' lengths move).
         self.graphs_held(|| {
             for (r, be) in self.ranks.iter().enumerate() {
-                let io = AttnIo {
-                    q: &mut io.q.parts[r],
-                    k: &mut io.k.parts[r],
-                    v: &mut io.v.parts[r],
-                    out: &mut io.out.parts[r],
-                };
+                let io = rank_io(&mut io, r);
                 let mut cs: Vec<&mut B::SparseCache> =
                     caches.iter_mut().map(|c| &mut c[r]).collect();
                 be.sparse_attention(shape, cfg, io, spans, modes, &mut cs)?;
