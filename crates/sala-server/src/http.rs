@@ -262,15 +262,24 @@ async fn accept_until(
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout);
             let stream = TokioIo::new(crate::wire::ErrorBodies::new(stream));
-            let conn = builder.serve_connection(stream, service);
-            tokio::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => {}
+            let mut conn = builder.serve_connection(stream, service);
+            let mut served = std::future::poll_fn(|cx| conn.poll_without_shutdown(cx));
+            let ended = tokio::select! {
+                ended = &mut served => ended,
                 _ = closing.changed() => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = conn.await;
+                    drop(served);
+                    std::pin::Pin::new(&mut conn).graceful_shutdown();
+                    std::future::poll_fn(|cx| conn.poll_without_shutdown(cx)).await
                 }
+            };
+            // A request head still unfinished at the header timeout hears 408 (hyper would
+            // close the connection unanswered); an idle connection closes quietly.
+            let parts = conn.into_parts();
+            let mut stream = parts.io.into_inner();
+            if ended.is_err_and(|e| e.is_timeout()) && !parts.read_buf.is_empty() {
+                crate::wire::answer_late_head(&mut stream).await;
             }
+            let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
             drop(open);
         });
     }

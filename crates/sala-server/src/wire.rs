@@ -27,6 +27,27 @@ impl<S> ErrorBodies<S> {
     }
 }
 
+/// Answers 408, with an OpenAI error body and `connection: close`, a request whose head did
+/// not arrive whole within the header timeout (written at most once, given up on error).
+pub async fn answer_late_head<S: AsyncWrite + Unpin>(stream: &mut S) {
+    use tokio::io::AsyncWriteExt;
+    let body = ApiError::new(
+        StatusCode::REQUEST_TIMEOUT,
+        "invalid_request_error",
+        "the request's head did not arrive whole within the header timeout",
+    )
+    .code("request_timeout")
+    .body()
+    .to_string();
+    let answer = format!(
+        "HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(answer.as_bytes()).await;
+    let _ = stream.flush().await;
+}
+
 /// `out` (what hyper writes) with an error body, when it is exactly the head of a 4xx whose
 /// body is empty (`content-length: 0`, nothing after the head).
 fn with_error_body(out: &[u8]) -> Option<Vec<u8>> {

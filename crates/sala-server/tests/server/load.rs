@@ -200,19 +200,34 @@ fn slow_and_idle_connections_are_closed() {
         }
         (String::from_utf8_lossy(&got).into_owned(), t.elapsed())
     };
+    // A head never finished: 408 with an OpenAI error body, then closed.
     let mut slow = std::net::TcpStream::connect(addr).unwrap();
     slow.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         .unwrap();
-    let (_, waited) = until_closed(&mut slow);
+    let (answer, waited) = until_closed(&mut slow);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"request_timeout\""), "{answer}");
     assert!(
         waited < Duration::from_secs(5),
         "a half-sent request held on for {waited:?}"
     );
+    // The same after a first request answered on the connection (keep-alive).
+    let mut second = std::net::TcpStream::connect(addr).unwrap();
+    second
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\n")
+        .unwrap();
+    let (answer, _) = until_closed(&mut second);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("HTTP/1.1 408"), "{answer}");
     let mut idle = std::net::TcpStream::connect(addr).unwrap();
     idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
     let (answer, waited) = until_closed(&mut idle);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        !answer.contains("408"),
+        "an idle connection is closed quietly: {answer}"
+    );
     assert!(
         waited < Duration::from_secs(5),
         "an idle connection held on for {waited:?}"
