@@ -298,7 +298,11 @@ gemv_mma16(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
 // warps take the same slab at once, so each activation slab (64 rows x 64 k, 8 KB) is staged once
 // a block in shared memory (cp.async, R64_STAGES in flight; 16-byte chunk c of row r at c ^ (r & 7),
 // so a quarter-warp's reads hit distinct banks) instead of read by every warp from L2, and the
-// weights go to registers a slab ahead.
+// weights go to registers a slab ahead. A product of few M-tiles splits its chains over
+// gridDim.y parts (blocks apart, part p running chains 16p / parts .. 16(p + 1) / parts): each
+// chain's sum is then written to `sums` ([16][64 · gridDim.x][nbp] floats, row m of a block's
+// tiles = tile · 16 + MMA row, nbp = nb rounded up to 8) and gemv_chain_sums adds them in chain
+// order, the same adds the total takes in one block.
 #define R64_W 4
 #define R64_STAGES 4
 
@@ -351,9 +355,9 @@ __device__ __forceinline__ uint4 r64_lds(u32 at) {
     return v;
 }
 
-template <bool SILU>
+template <bool SILU, bool SPLIT>
 __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
-                                                 bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+                                                 bf16* y1, int n1, bf16* y2, int n2, bf16* y3, float* sums) {
     __shared__ __align__(16) uint4 xs[R64_STAGES][64 * 8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x * R64_W + warp, inter = n / 2;
@@ -368,6 +372,8 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
         row1 = w + (u64)min(tile * 16 + g + 8, n - 1) * k;
     }
     const int ntiles = (nb + 7) >> 3, slabs = (k + 63) / 64;
+    // This block's chains: first_chain .. end_chain - 1, one after another.
+    const int parts = SPLIT ? gridDim.y : 1, first_chain = blockIdx.y * 16 / parts, end_chain = (blockIdx.y + 1) * 16 / parts;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     auto load_w = [&](int s, uint4 (&a)[2][2]) {
 #pragma unroll
@@ -386,8 +392,10 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
     pdl_start();
     // Step j runs slab sj (chains in order, each chain's slabs in order); `staged` is the slab
     // the next stage takes, R64_STAGES − 1 steps ahead.
-    const int steps = slabs;
-    int staged = 0;
+    int steps = SPLIT ? 0 : slabs;
+    if (SPLIT)
+        for (int ch = first_chain; ch < end_chain; ch++) steps += ch < slabs ? (slabs - ch + 15) / 16 : 0;
+    int staged = first_chain;
 #pragma unroll
     for (int j = 0; j < R64_STAGES - 1; j++) {
         if (j < steps) {
@@ -401,17 +409,34 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
     for (int nt = 0; nt < 8; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) total[nt][i] = c[nt][i] = 0.0f;
-    uint4 a[2][2], an[2][2];
-    if (steps > 0) load_w(0, a);
-    int sj = 0;  // this step's slab
-    for (int j = 0; j < steps; j++) {
-        // A chain's first slab (s < 16) ends the chain before it: its sum joins the total.
-        if (j > 0 && sj < 16) {
+    // Chain `chain` ends: its sum joins the total (one part) or goes to `sums`.
+    int chain = first_chain;
+    const int m_rows = 64 * gridDim.x, nbp = ntiles * 8;
+    auto chain_ends = [&]() {
+        if (SPLIT) {
+            float* at = sums + ((size_t)chain * m_rows + tile * 16 + g) * nbp + 2 * t;
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) total[nt][i] += c[nt][i], c[nt][i] = 0.0f;
+            for (int nt = 0; nt < 8; nt++) {
+                if (nt >= ntiles) break;
+                *(float2*)(at + nt * 8) = make_float2(c[nt][0], c[nt][1]);
+                *(float2*)(at + (size_t)8 * nbp + nt * 8) = make_float2(c[nt][2], c[nt][3]);
+            }
         }
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                if (!SPLIT) total[nt][i] += c[nt][i];
+                c[nt][i] = 0.0f;
+            }
+        chain++;
+    };
+    uint4 a[2][2], an[2][2];
+    if (steps > 0) load_w(first_chain, a);
+    int sj = first_chain;  // this step's slab
+    for (int j = 0; j < steps; j++) {
+        // A chain's first slab (s < 16) ends the chain before it.
+        if (j > 0 && sj < 16) chain_ends();
         const int snext = r64_next(sj, slabs);
         if (j + 1 < steps) load_w(snext, an);
         r64_cp_wait<R64_STAGES - 2>();
@@ -445,13 +470,9 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
     }
     // The last chain with slabs, then the chains after it (none with slabs: zero sums), as
     // gm_block_sum adds every warp's sum.
-    for (int chain = max(min(slabs, 16) - 1, 0); chain < 16; chain++) {
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) total[nt][i] += c[nt][i], c[nt][i] = 0.0f;
-    }
+    while (chain < end_chain) chain_ends();
     r64_cp_wait<0>();
+    if (SPLIT) return;
 #pragma unroll
     for (int nt = 0; nt < 8; nt++) {
         if (nt >= ntiles) break;
@@ -480,14 +501,57 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
 extern "C" __global__ void __launch_bounds__(32 * R64_W)
 gemv_rows64(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
             bf16* y3) {
-    gemv_rows64_body<false>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_rows64_body<false, false>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3, nullptr);
+}
+
+// gemv_rows64's chain sums, its chains split over gridDim.y parts (2, 4, 8 or 16); then
+// gemv_chain_sums.
+// launch: grid = (ceil(n / (16 · R64_W)), parts), block = 32 * R64_W, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * R64_W)
+gemv_rows64_parts(const bf16* x, const bf16* w, int n, int k, int nb, float* sums) {
+    gemv_rows64_body<false, true>(x, w, n, k, nb, nullptr, 0, nullptr, 0, nullptr, 0, nullptr, sums);
 }
 
 // gemv_silu_mma8's product for nb ≤ 64 rows: y[b·inter + j] = round(round(silu(g)) · u).
 // launch: grid = ceil(inter / (8 · R64_W)), block = 32 * R64_W, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * R64_W)
 gemv_silu_rows64(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    gemv_rows64_body<true>(x, w, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+    gemv_rows64_body<true, false>(x, w, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr, nullptr);
+}
+
+// gemv_silu_rows64's chain sums over gridDim.y parts; then gemv_chain_sums.
+// launch: grid = (ceil(inter / (8 · R64_W)), parts), block = 32 * R64_W, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * R64_W)
+gemv_silu_rows64_parts(const bf16* x, const bf16* w, int inter, int k, int nb, float* sums) {
+    gemv_rows64_body<true, true>(x, w, 2 * inter, k, nb, nullptr, 0, nullptr, 0, nullptr, 0, nullptr, sums);
+}
+
+// The outputs of a gemv_rows64 (silu = 0; n outputs) or gemv_silu_rows64 (silu = 1; n = 2 · inter)
+// launch split into parts: each output's 16 chain sums (`sums`, rows m_rows apart a chain)
+// added in chain order to a total from 0, then stored as the one-block launch stores it.
+// launch: grid = ceil(outputs · nbp / 256), block = 256, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(256)
+gemv_chain_sums(const float* sums, int m_rows, int n, int nb, int silu, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
+                int n2, bf16* y3) {
+    const int nbp = (nb + 7) & ~7, outs = silu ? n / 2 : n;
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = (int)(idx % nbp), o = (int)(idx / nbp);
+    pdl_start();
+    if (o >= outs || b >= nb) return;
+    // Output o's MMA row: M-tile o / 16 (o / 8 of SiLU outputs, whose up sums are 8 rows on).
+    const int m = silu ? (o >> 3) * 16 + (o & 7) : o;
+    const size_t chain_stride = (size_t)m_rows * nbp;
+    const float* at = sums + (size_t)m * nbp + b;
+    float s = 0.0f, u = 0.0f;
+#pragma unroll
+    for (int ch = 0; ch < 16; ch++) {
+        s += at[ch * chain_stride];
+        if (silu) u += at[ch * chain_stride + 8 * nbp];
+    }
+    if (silu)
+        y0[(size_t)b * outs + o] = f2bf(silu_times(round_bf(s), round_bf(u)));
+    else
+        gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
 }
 
 // launch: grid = min(ceil(inter / 8), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
@@ -634,8 +698,10 @@ gemv_w4_8(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int 
     gemv_w4_body<1>(x, qw, scales, bias, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// gemv_w4_8 for nb ≤ 16 (68-70 registers: one block an SM; held to 64 it spills).
-extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
+// gemv_w4_8 for nb ≤ 16, held to 64 registers for two blocks an SM (free it needs 68-70: one
+// block an SM, 10% slower at 16 rows on an H100; held, it spills a word that the slab loop
+// reloads from L1).
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
 gemv_w4_16(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
            int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     // (the PDL wait: in gemv_w4_body, after its first weights are asked for)

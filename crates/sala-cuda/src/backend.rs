@@ -5,8 +5,8 @@ use crate::device::DeviceLimits;
 use crate::graphs::{Mode, StepGraphs, StepKey, GRAPH_MAX_ROWS};
 use crate::kernels::Launcher;
 use crate::memory::{
-    be_err, grow, interleave_w4, DevAct, DevLightningState, DevMatrix, DevSparseCache, Fp8Weights,
-    Scratch, W4Weights,
+    be_err, grow, interleave_w4, DevAct, DevAddr, DevLightningState, DevMatrix, DevSparseCache,
+    Fp8Weights, Scratch, W4Weights,
 };
 use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
@@ -1000,13 +1000,13 @@ impl Backend for CudaBackend {
             )?;
             i = j;
         }
+        // The product may take scratch of its own (a split GEMV's chain sums): no borrow held.
+        self.product(&DevAddr(x), 0, lm_head, y, n)?;
         let s = self.scratch.borrow();
-        let (xs, ys, ps) = (
-            s.logits_in.as_ref().expect("grown"),
+        let (ys, ps) = (
             s.logits_out.as_ref().expect("grown"),
             s.picks.as_ref().expect("grown"),
         );
-        self.product(xs, 0, lm_head, y, n)?;
         // Every row's pick, whichever rows the host keeps: a step's launches depend on its
         // rows only (a CUDA graph replays them).
         self.k.greedy_rows(

@@ -182,9 +182,12 @@ kernel_table! {
     GemvMma8 = gemv_mma8 in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvMma16 = gemv_mma16 in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvRows64 = gemv_rows64 in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvRows64Parts = gemv_rows64_parts in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, nb: I32, sums: Ptr);
+    GemvChainSums = gemv_chain_sums in "gemv.cu" (sums: Ptr, m_rows: I32, n: I32, nb: I32, silu: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvSiluMma8 = gemv_silu_mma8 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     GemvSiluMma16 = gemv_silu_mma16 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     GemvSiluRows64 = gemv_silu_rows64 in "gemv.cu" (x: Ptr, w: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
+    GemvSiluRows64Parts = gemv_silu_rows64_parts in "gemv.cu" (x: Ptr, w: Ptr, inter: I32, k: I32, nb: I32, sums: Ptr);
     GemvW4x8 = gemv_w4_8 in "gemv.cu" (x: Ptr, qw: Ptr, scales: Ptr, bias: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvW4x16 = gemv_w4_16 in "gemv.cu" (x: Ptr, qw: Ptr, scales: Ptr, bias: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     DequantW4 = dequant_w4 in "gemv.cu" (qw: Ptr, scales: Ptr, bias: Ptr, k: I32, g: I32, words: U64, out: Ptr);

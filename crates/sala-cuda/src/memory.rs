@@ -131,6 +131,15 @@ pub trait DevMem<T> {
     fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64;
 }
 
+/// A device address, for passing scratch on without holding its borrow.
+pub(crate) struct DevAddr(pub u64);
+
+impl<T> DevMem<T> for DevAddr {
+    fn dev_ptr(&self, _: &Arc<CudaStream>) -> u64 {
+        self.0
+    }
+}
+
 impl<T> DevMem<T> for CudaSlice<T> {
     fn dev_ptr(&self, stream: &Arc<CudaStream>) -> u64 {
         self.device_ptr(stream).0
@@ -204,11 +213,13 @@ impl DevSparseCache {
 /// of `matmul_split` (chunk rows × the widest stacked projection: 256 MiB at 8192 rows of the
 /// released shape), block-selection scratch (block scores capped at 128 MiB, selected block
 /// lists, LSE, split-attention partials), the 64 MiB of chunk states of the two-pass lightning
-/// prefill and the 32 MiB cuBLASLt workspace. Larger chunks add the stacked product's excess.
-pub const SCRATCH_BYTES: usize = 576 << 20;
+/// prefill, the 32 MiB cuBLASLt workspace and the 16 MiB of chain sums of split decode products.
+/// Larger chunks add the stacked product's excess.
+pub const SCRATCH_BYTES: usize = 592 << 20;
 /// The part of [`SCRATCH_BYTES`] that is not the stacked product (selection scratch,
-/// lightning chunk states, cuBLASLt workspace and the rest).
-const OTHER_SCRATCH_BYTES: usize = 320 << 20;
+/// lightning chunk states, cuBLASLt workspace, the chain sums of split decode products
+/// (`GEMV_CHAIN_SUMS_BYTES`) and the rest).
+const OTHER_SCRATCH_BYTES: usize = 336 << 20;
 /// Fixed device memory of a CUDA context: the context itself, the loaded kernel modules and
 /// the cuBLAS/cuBLASLt handles (counted in the device's used memory, not by us).
 pub const CONTEXT_BYTES: usize = 600 << 20;
@@ -303,6 +314,8 @@ pub(crate) struct Scratch {
     /// their scales.
     pub f8_in: Option<CudaSlice<u16>>,
     pub f8_scales: Option<CudaSlice<f32>>,
+    /// The chain sums of a split 17-64-row product (`gemv_rows64_parts`).
+    pub chain_sums: Option<CudaSlice<f32>>,
 }
 
 impl Scratch {
@@ -331,6 +344,7 @@ impl Scratch {
         h = mix(h, &self.dequant, stream);
         h = mix(h, &self.f8_in, stream);
         h = mix(h, &self.f8_scales, stream);
+        h = mix(h, &self.chain_sums, stream);
         mix(h, &self.rope, stream)
     }
 }
@@ -740,7 +754,7 @@ mod tests {
             BackendMemory {
                 value_bytes: 2,
                 cache_page: None,
-                scratch: 576 * MIB,
+                scratch: 592 * MIB,
                 runtime: 600 * MIB,
                 packs_quantized: true,
                 packs_fp8_kv: true,
@@ -752,7 +766,7 @@ mod tests {
             BackendMemory {
                 value_bytes: 2,
                 cache_page: Some(2 * MIB),
-                scratch: 576 * MIB,
+                scratch: 592 * MIB,
                 runtime: (600 + 256) * MIB,
                 packs_quantized: true,
                 packs_fp8_kv: true,
@@ -780,7 +794,7 @@ mod tests {
         );
         // 12 buffers of 8192 bf16 rows: 3 x 4096 + 3 x 4096 + 2 x 256 + 2 x 4096 + 32768 + 16384.
         assert_eq!(p.workspace, 8192 * 82_432 * 2);
-        assert_eq!((p.scratch, p.runtime), (576 * MIB, 600 * MIB));
+        assert_eq!((p.scratch, p.runtime), (592 * MIB, 600 * MIB));
         // PERF.md's goal: a 1M-token context in under 30 GiB.
         assert!(gib(p.total()) < 30.0, "{}", gib(p.total()));
         assert!(gib(p.total()) > 28.0, "{}", gib(p.total()));
@@ -797,7 +811,7 @@ mod tests {
         let p = |ctx, rows| MemoryPlan::new(&c, ctx, rows, &memory_facts(&c, rows, None, true));
         assert!(p(4096, 8192).total() < p(8192, 8192).total());
         // A 16K-row chunk's stacked product (4 x 4096 columns, bf16) outgrows the constant.
-        assert_eq!(p(4096, 16384).scratch, 16384 * 16384 * 2 + 320 * MIB);
+        assert_eq!(p(4096, 16384).scratch, 16384 * 16384 * 2 + 336 * MIB);
         // The CPU holds f32 values and no CUDA allowances.
         let cpu = MemoryPlan::new(&c, 4096, 8192, &CpuBackend.memory_facts(&c, 8192));
         let gpu = p(4096, 8192);

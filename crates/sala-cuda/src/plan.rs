@@ -126,6 +126,9 @@ pub const GEMV_MMA_THREADS: u32 = 512;
 /// warp each (`R64_W` of gemv.cu): the products of 17 to 64 rows.
 pub const GEMV_ROWS64_TILES: usize = 4;
 pub const GEMV_ROWS64_THREADS: u32 = 32 * GEMV_ROWS64_TILES as u32;
+/// Most bytes of chain sums a split 17-64-row product writes (`rows64_parts`): the 4,096
+/// outputs of the released shape's down and output products at 64 rows.
+pub const GEMV_CHAIN_SUMS_BYTES: usize = 16 << 20;
 
 /// Most key splits of one staged attention (the merge reads every split's partial state).
 pub const MAX_ATTENTION_SPLIT: usize = 32;
@@ -693,6 +696,33 @@ impl Planner {
         rows <= GEMV_BATCH_ROWS && k.is_multiple_of(8) && k <= GEMV_MAX_K
     }
 
+    /// Parts `gemv_rows64_parts` / `gemv_silu_rows64_parts` split the 16 chains of a 17-64-row
+    /// product of `blocks` blocks into, `nb` activation rows: the most (a power of two, at most
+    /// 16) whose blocks all fit the SMs at once, when that is more than one and the chain sums
+    /// (16 a chain row and activation row, fp32) fit [`GEMV_CHAIN_SUMS_BYTES`]; else 1 (one
+    /// launch, chains in turn).
+    pub fn rows64_parts(&self, kernel: K, blocks: usize, nb: usize) -> usize {
+        let a = self.attrs(kernel);
+        let per_sm =
+            self.limits
+                .blocks_per_sm(GEMV_ROWS64_THREADS, a.regs, a.static_smem) as usize;
+        let slots = per_sm.max(1) * self.limits.sms as usize;
+        if Self::chain_sums_len(blocks, nb) * 4 > GEMV_CHAIN_SUMS_BYTES {
+            return 1;
+        }
+        let mut parts = 1;
+        while parts < 16 && blocks * parts * 2 <= slots {
+            parts *= 2;
+        }
+        parts
+    }
+
+    /// Floats of the chain sums of a split 17-64-row product of `blocks` blocks and `nb` rows:
+    /// 16 chains of (64 M-rows a block) x (nb rounded up to 8).
+    pub fn chain_sums_len(blocks: usize, nb: usize) -> usize {
+        16 * 64 * blocks * nb.next_multiple_of(8)
+    }
+
     /// Head sizes the one-warp-a-head norm/RoPE code takes (`head_norm_rope_lanes`, and the
     /// lightning decode kernel that norms and rotates its own q and k).
     pub fn head_norm_rope_lanes_fits(d: usize) -> bool {
@@ -1098,6 +1128,9 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::GemvSiluMma16, GEMV_MMA_THREADS),
     (K::GemvRows64, GEMV_ROWS64_THREADS),
     (K::GemvSiluRows64, GEMV_ROWS64_THREADS),
+    (K::GemvRows64Parts, GEMV_ROWS64_THREADS),
+    (K::GemvSiluRows64Parts, GEMV_ROWS64_THREADS),
+    (K::GemvChainSums, 256),
     (K::CompressKeys, 256),
     (K::CompressKeysF8, 256),
     (K::KvStoreF8, 128),

@@ -1,11 +1,11 @@
 //! Matrix products: GEMVs for decode-sized batches (`kernels/gemv.cu`, each row's result
 //! independent of the others), cuBLASLt for the rest.
 
-use crate::kernels::Launcher;
+use crate::kernels::{Launcher, K};
 use crate::memory::{be_err, DevAct, DevMem, Fp8Weights, W4Weights};
 use crate::options::DecodeGemv;
 use crate::plan::{
-    Launch, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS64_THREADS,
+    Launch, Planner, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS64_THREADS,
     GEMV_ROWS64_TILES, GEMV_ROWS_PER_BLOCK,
 };
 use crate::{CudaBackend, DevMatrix};
@@ -67,24 +67,22 @@ impl CudaBackend {
                 Launch::new((w.rows.div_ceil(rows_per_block), 1, 1), threads, 0)
                     .shaped(w.rows, w.cols)
             };
-            if tc {
-                // The kernel of the fewest MMA tiles (8 rows each) that hold the rows.
-                let launch = match nb {
-                    0..=8 => Launcher::gemv_mma8,
-                    9..=16 => Launcher::gemv_mma16,
-                    _ => Launcher::gemv_rows64,
-                };
-                // Up to 16 rows: M-tiles run in turn by at most two blocks an SM.
-                let at = if nb <= 16 {
-                    Launch::new(
-                        (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
-                        GEMV_MMA_THREADS,
-                        0,
-                    )
-                    .shaped(w.rows, w.cols)
+            if tc && nb > 16 {
+                self.gemv_rows64(xp, w, nb, [(y0, n0), (y1, n1), (y2, n2), (y3, 0)])?;
+            } else if tc {
+                // The kernel of the fewest MMA tiles (8 rows each) that hold the rows; its
+                // M-tiles run in turn by at most two blocks an SM.
+                let launch = if nb <= 8 {
+                    Launcher::gemv_mma8
                 } else {
-                    grid(16 * GEMV_ROWS64_TILES, GEMV_ROWS64_THREADS)
+                    Launcher::gemv_mma16
                 };
+                let at = Launch::new(
+                    (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
+                    GEMV_MMA_THREADS,
+                    0,
+                )
+                .shaped(w.rows, w.cols);
                 launch(
                     &self.k, at, xp, wp, n, kk, nb as i32, y0, n0, y1, n1, y2, n2, y3,
                 )?;
@@ -102,6 +100,38 @@ impl CudaBackend {
             r += nb;
         }
         Ok(())
+    }
+
+    /// 17 to 64 rows (`nb`, at `xp`) times `w`ᵀ on tensor cores, into `outs` (as `gemv`): one
+    /// `gemv_rows64` launch, or, where its blocks would leave SMs idle, its chains split over
+    /// more blocks (`gemv_rows64_parts`) and then added in order (`gemv_chain_sums`).
+    fn gemv_rows64(&self, xp: u64, w: &DevMatrix, nb: usize, outs: [(u64, i32); 4]) -> BResult<()> {
+        let [(y0, n0), (y1, n1), (y2, n2), (y3, _)] = outs;
+        let (n, k, wp) = (w.rows as i32, w.cols as i32, self.ptr(&w.buf));
+        let blocks = w.rows.div_ceil(16 * GEMV_ROWS64_TILES);
+        let planner = self.k.planner();
+        let parts = planner.rows64_parts(K::GemvRows64Parts, blocks, nb);
+        let at = |parts: usize| {
+            Launch::new((blocks, parts, 1), GEMV_ROWS64_THREADS, 0).shaped(w.rows, w.cols)
+        };
+        if parts == 1 {
+            let nb = nb as i32;
+            return self
+                .k
+                .gemv_rows64(at(1), xp, wp, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+        }
+        let sums = self.chain_sums(blocks, nb)?;
+        self.k
+            .gemv_rows64_parts(at(parts), xp, wp, n, k, nb as i32, sums)?;
+        let sum_at = Launch::linear(w.rows * nb.next_multiple_of(8), 256);
+        let (m_rows, nb) = ((64 * blocks) as i32, nb as i32);
+        self.k
+            .gemv_chain_sums(sum_at, sums, m_rows, n, nb, 0, y0, n0, y1, n1, y2, n2, y3)
+    }
+
+    /// The scratch for the chain sums of a split 17-64-row product.
+    fn chain_sums(&self, blocks: usize, nb: usize) -> BResult<u64> {
+        self.scratch_ptr(|s| &mut s.chain_sums, Planner::chain_sums_len(blocks, nb))
     }
 
     /// `y = x wᵀ` into the buffer at `y`: GEMVs for decode-sized batches, cuBLASLt otherwise.
@@ -484,27 +514,56 @@ impl CudaBackend {
             if !tc {
                 self.k
                     .gemv_silu(at(GEMV_ROWS_PER_BLOCK / 2, 128), xp, wp, yp, i, k)?;
+            } else if nb > 16 {
+                self.gemv_silu_rows64(xp, w, yp, inter, nb)?;
             } else {
-                let launch = match nb {
-                    0..=8 => Launcher::gemv_silu_mma8,
-                    9..=16 => Launcher::gemv_silu_mma16,
-                    _ => Launcher::gemv_silu_rows64,
-                };
-                let at = if nb <= 16 {
-                    Launch::new(
-                        (self.tile_blocks(inter.div_ceil(8)), 1, 1),
-                        GEMV_MMA_THREADS,
-                        0,
-                    )
-                    .shaped(w.rows, w.cols)
+                let launch = if nb <= 8 {
+                    Launcher::gemv_silu_mma8
                 } else {
-                    at(8 * GEMV_ROWS64_TILES, GEMV_ROWS64_THREADS)
+                    Launcher::gemv_silu_mma16
                 };
+                let at = Launch::new(
+                    (self.tile_blocks(inter.div_ceil(8)), 1, 1),
+                    GEMV_MMA_THREADS,
+                    0,
+                )
+                .shaped(w.rows, w.cols);
                 launch(&self.k, at, xp, wp, yp, i, k, nb as i32)?;
             }
             r += nb;
         }
         Ok(())
+    }
+
+    /// `gemv_rows64` for [gate; up] and its SiLU product: `nb` rows (17 to 64) into `inter`
+    /// outputs a row at `yp`, split into parts as `gemv_rows64` is.
+    fn gemv_silu_rows64(
+        &self,
+        xp: u64,
+        w: &DevMatrix,
+        yp: u64,
+        inter: usize,
+        nb: usize,
+    ) -> BResult<()> {
+        let (wp, i, k) = (self.ptr(&w.buf), inter as i32, w.cols as i32);
+        let blocks = inter.div_ceil(8 * GEMV_ROWS64_TILES);
+        let parts = self
+            .k
+            .planner()
+            .rows64_parts(K::GemvSiluRows64Parts, blocks, nb);
+        let at = |parts: usize| {
+            Launch::new((blocks, parts, 1), GEMV_ROWS64_THREADS, 0).shaped(w.rows, w.cols)
+        };
+        if parts == 1 {
+            return self.k.gemv_silu_rows64(at(1), xp, wp, yp, i, k, nb as i32);
+        }
+        let sums = self.chain_sums(blocks, nb)?;
+        self.k
+            .gemv_silu_rows64_parts(at(parts), xp, wp, i, k, nb as i32, sums)?;
+        let sum_at = Launch::linear(inter * nb.next_multiple_of(8), 256);
+        let (m_rows, n, nb) = ((64 * blocks) as i32, 2 * i, nb as i32);
+        self.k
+            .gemv_chain_sums(sum_at, sums, m_rows, n, nb, 1, yp, 0, 0, 0, 0, 0, 0)
     }
 
     /// `out = x wᵀ`, shapes checked.

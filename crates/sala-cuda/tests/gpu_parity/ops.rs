@@ -254,6 +254,99 @@ fn embed_matmul_head_norm_rope_match_cpu() {
     }
 }
 
+/// 17-64-row products on tensor cores give each row the bits the 1-row product gives it,
+/// whether they run as one `gemv_rows64` launch or with their chains split over more blocks
+/// (`gemv_rows64_parts`, then `gemv_chain_sums`): plain products into three output parts, and
+/// [gate; up] with its SiLU. Shapes both split (few blocks; k short enough that some parts run
+/// no slab, and ragged) and whole (chain sums past their budget, or blocks enough).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn decode_products_of_many_rows_equal_rows_alone() {
+    use sala_cuda::kernels::K;
+    use sala_cuda::plan::GEMV_ROWS64_TILES;
+    let g = gpu();
+    set(&g, |o| o.decode_gemv = DecodeGemv::TensorCore);
+    let mut rng = TestRng::new(12);
+    let planner = g.planner();
+    let (mut split, mut whole) = (0, 0);
+    for (out, inner) in [
+        (4096, 1024),
+        (1000, 4104),
+        (72, 200),
+        (16384, 512),
+        (40000, 256),
+    ] {
+        let w = rng.bf16_vec(out * inner, -0.1, 0.1);
+        let ht = HostTensor {
+            dtype: HostDType::Bf16,
+            shape: &[out, inner],
+            bytes: &bf16_bytes(&w),
+        };
+        let gw = g.upload_matrix("w", ht).unwrap();
+        for rows in [17, 40, 64] {
+            let parts = planner.rows64_parts(
+                K::GemvRows64Parts,
+                out.div_ceil(16 * GEMV_ROWS64_TILES),
+                rows,
+            );
+            let silu_parts = planner.rows64_parts(
+                K::GemvSiluRows64Parts,
+                (out / 2).div_ceil(8 * GEMV_ROWS64_TILES),
+                rows,
+            );
+            for p in [parts, silu_parts] {
+                if p > 1 {
+                    split += 1
+                } else {
+                    whole += 1
+                }
+            }
+            let ctx = format!("{rows} rows x {inner} by {out} ({parts} parts, SiLU {silu_parts})");
+            let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
+            let gx = g.act_from_host(&x, inner).unwrap();
+            let widths = [out / 3, out / 3, out - 2 * (out / 3)];
+            let mut parts_out: Vec<_> = widths
+                .iter()
+                .map(|&w| g.act_from_host(&vec![0.0; rows * w], w).unwrap())
+                .collect();
+            let [p0, p1, p2] = &mut parts_out[..] else {
+                unreachable!()
+            };
+            g.matmul_split(&gx, &gw, &mut [p0, p1, p2]).unwrap();
+            let together: Vec<Vec<f32>> = parts_out.iter().map(|p| g.to_host(p).unwrap()).collect();
+            let half = out / 2;
+            let mut gu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            let mut m = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
+            g.matmul_silu(&gx, &gw, &mut gu, &mut m).unwrap();
+            let silu_together = g.to_host(&m).unwrap();
+            for r in 0..rows {
+                let xr = g
+                    .act_from_host(&x[r * inner..(r + 1) * inner], inner)
+                    .unwrap();
+                let mut alone = g.act_from_host(&vec![0.0; out], out).unwrap();
+                g.matmul(&xr, &gw, &mut alone).unwrap();
+                let alone = g.to_host(&alone).unwrap();
+                let mut at = 0;
+                for (i, (t, &wd)) in together.iter().zip(&widths).enumerate() {
+                    assert!(
+                        t[r * wd..(r + 1) * wd] == alone[at..at + wd],
+                        "{ctx}: row {r}, output part {i} differs from the row alone"
+                    );
+                    at += wd;
+                }
+                let mut gu1 = g.act_from_host(&vec![0.0; out], out).unwrap();
+                let mut m1 = g.act_from_host(&vec![0.0; half], half).unwrap();
+                g.matmul_silu(&xr, &gw, &mut gu1, &mut m1).unwrap();
+                assert!(
+                    silu_together[r * half..(r + 1) * half] == g.to_host(&m1).unwrap()[..],
+                    "{ctx}: row {r}'s SiLU product differs from the row alone"
+                );
+            }
+        }
+    }
+    assert!(split > 0 && whole > 0, "split {split}, whole {whole}");
+}
+
 /// The span of a call's `rows` rows, all of one sequence from position 0 (the positions matter
 /// only for RoPE, which these calls leave out).
 pub(super) fn whole(rows: usize) -> Span {
