@@ -605,19 +605,34 @@ __device__ __forceinline__ int w4_div(int i, int g) {
     return __float2int_rz(__fdividef((float)(i >> 5) + 0.5f, (float)(g >> 5)));
 }
 
-__device__ __forceinline__ void w4_load(const u32* qw, const u16* scales, const u16* bias, const int (&row)[2], int k,
-                                        int g, int s, W4Slab& a) {
+// Where a lane's two weight rows start: their first 16-byte pack of words and first group
+// (32-bit offsets: a 4-bit matrix has fewer than 2^37 weights).
+struct W4Rows {
+    u32 pack[2], group[2];
+};
+
+// i / g as w4_div gives it, with inv_g32 = 1 / (g / 32) made once: (a + 0.5) · inv_g32 errs
+// by under 2^-23 of the quotient, under 2^-8 / b for a < 2^15 (k ≤ 2^20), and the quotient
+// lies at least 0.5 / b from every integer, so truncating it is exact.
+__device__ __forceinline__ int w4_group(int i, float inv_g32) {
+    return __float2int_rz(((float)(i >> 5) + 0.5f) * inv_g32);
+}
+
+__device__ __forceinline__ void w4_load(const uint4* qw, const u16* scales, const u16* bias, const W4Rows& r, int k,
+                                        float inv_g32, int s, W4Slab& a) {
     const int t = threadIdx.x & 3, kk = s * 128 + t * 32;
-    const int per_row = k / 8, groups = w4_div(k, g);
+    if (kk < k) {
+        const u32 group = w4_group(kk, inv_g32);
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        if (kk < k) {
-            a.raw[h] = __ldg((const uint4*)(qw + (u64)row[h] * per_row + kk / 8));
-            const u64 at = (u64)row[h] * groups + w4_div(kk, g);
-            const u32 sc = __ldg(scales + at), bi = __ldg(bias + at);
+        for (int h = 0; h < 2; h++) {
+            a.raw[h] = __ldg(qw + r.pack[h] + (kk >> 5));
+            const u32 sc = __ldg(scales + r.group[h] + group), bi = __ldg(bias + r.group[h] + group);
             a.s2[h] = sc | (sc << 16);
             a.b2[h] = bi | (bi << 16);
-        } else {
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
             a.raw[h] = make_uint4(0, 0, 0, 0);
             a.s2[h] = a.b2[h] = 0;
         }
@@ -637,17 +652,24 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
     __shared__ float red[GM_WARPS][NT * 128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
     const int tiles = (n + 15) / 16, slabs = (k + 127) / 128;
-    auto rows_of = [&](int tile, int (&row)[2]) {
-        row[0] = min(tile * 16 + gl, n - 1);
-        row[1] = min(tile * 16 + gl + 8, n - 1);
+    const u32 packs_per_row = k / 32, groups = w4_div(k, g);
+    const float inv_g32 = 1.0f / (float)(g >> 5);
+    const uint4* qw4 = (const uint4*)qw;
+    auto rows_of = [&](int tile, W4Rows& r) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u32 row = min(tile * 16 + gl + 8 * h, n - 1);
+            r.pack[h] = row * packs_per_row;
+            r.group[h] = row * groups;
+        }
     };
     const bf16* xr[NT];
     gm_rows(x, nb, k, xr);
     const uint4 zero = make_uint4(0, 0, 0, 0);
     W4Slab a, an;
-    int row[2];
-    rows_of(blockIdx.x, row);
-    if ((int)blockIdx.x < tiles) w4_load(qw, scales, bias, row, k, g, warp, a);
+    W4Rows rows;
+    rows_of(blockIdx.x, rows);
+    if ((int)blockIdx.x < tiles) w4_load(qw4, scales, bias, rows, k, inv_g32, warp, a);
     pdl_start();
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float c[NT][4];
@@ -659,9 +681,9 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
             const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
             const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
             if (ntile < tiles) {
-                int nrow[2];
-                rows_of(ntile, nrow);
-                w4_load(qw, scales, bias, nrow, k, g, ns, an);
+                W4Rows next;
+                rows_of(ntile, next);
+                w4_load(qw4, scales, bias, next, k, inv_g32, ns, an);
             }
             const int kk = s * 128 + t * 32;
             if (kk < k) {
