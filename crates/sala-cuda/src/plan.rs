@@ -130,6 +130,8 @@ pub const GEMV_ROWS64_THREADS: u32 = 32 * GEMV_ROWS64_TILES as u32;
 /// outputs of the released shape's down and output products at 64 rows.
 pub const GEMV_CHAIN_SUMS_BYTES: usize = 16 << 20;
 
+/// Groups of `d` threads `attention_merge` reads a row's splits with (`AM_GROUPS`).
+pub const ATTENTION_MERGE_GROUPS: usize = 4;
 /// Most key splits of one staged attention (the merge reads every split's partial state).
 pub const MAX_ATTENTION_SPLIT: usize = 32;
 /// `attention_decode`: at most this many warps (64-key walks) per (query, group).
@@ -686,7 +688,7 @@ impl Planner {
     }
 
     pub fn attention_merge(&self, t: usize, heads: usize, d: usize) -> Launch {
-        Launch::new((t * heads, 1, 1), d as u32, 0)
+        Launch::new((t * heads, 1, 1), (ATTENTION_MERGE_GROUPS * d) as u32, 0)
     }
 
     // ---- Dense ops ----
