@@ -31,20 +31,14 @@ impl<S> ErrorBodies<S> {
 /// not arrive whole within the header timeout (written at most once, given up on error).
 pub async fn answer_late_head<S: AsyncWrite + Unpin>(stream: &mut S) {
     use tokio::io::AsyncWriteExt;
-    let body = ApiError::new(
+    let error = ApiError::new(
         StatusCode::REQUEST_TIMEOUT,
         "invalid_request_error",
         "the request's head did not arrive whole within the header timeout",
     )
-    .code("request_timeout")
-    .body()
-    .to_string();
-    let answer = format!(
-        "HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = stream.write_all(answer.as_bytes()).await;
+    .code("request_timeout");
+    let head = ["HTTP/1.1 408 Request Timeout", "connection: close"];
+    let _ = stream.write_all(&json_answer(head, &error)).await;
     let _ = stream.flush().await;
 }
 
@@ -89,24 +83,26 @@ fn with_error_body(out: &[u8]) -> Option<Vec<u8>> {
         }
         _ => ("the request was refused", "refused"),
     };
-    let body = ApiError::invalid(message)
-        .code(code)
-        .body()
-        .to_string()
-        .into_bytes();
-    let mut answer = Vec::with_capacity(head.len() + body.len() + 96);
-    answer.extend_from_slice(status_line.as_bytes());
-    for line in kept {
-        answer.extend_from_slice(b"\r\n");
+    let head = std::iter::once(status_line).chain(kept);
+    Some(json_answer(head, &ApiError::invalid(message).code(code)))
+}
+
+/// An HTTP/1.1 answer: its status line and headers (`head`, without line ends), then
+/// `error` as its JSON body.
+fn json_answer<'a>(head: impl IntoIterator<Item = &'a str>, error: &ApiError) -> Vec<u8> {
+    let body = error.body().to_string();
+    let mut answer = Vec::with_capacity(body.len() + 256);
+    for line in head {
         answer.extend_from_slice(line.as_bytes());
+        answer.extend_from_slice(b"\r\n");
     }
     let typed = format!(
-        "\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        "content-type: application/json\r\ncontent-length: {}\r\n\r\n",
         body.len()
     );
     answer.extend_from_slice(typed.as_bytes());
-    answer.extend_from_slice(&body);
-    Some(answer)
+    answer.extend_from_slice(body.as_bytes());
+    answer
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for ErrorBodies<S> {
