@@ -1,5 +1,5 @@
 // Block selection for few queries (decode), on tensor cores and spread over the whole GPU:
-//   1. sd_lse: per slice of SD_KEYS level-2 windows, each head's max and Σ exp2 (partial LSEs);
+//   1. sd_lse: per slice of SD_LSE_KEYS level-2 windows, each head's max and Σ exp2 (partial LSEs);
 //   2. sd_p:   per slice of SD_KEYS level-1 windows, P = Σ_h exp2(x_h − LSE_h), rounded to bf16;
 //   3. sd_topk: one 1024-thread block per (query, KV group): max-pooled block keys, radix
 //      select over their 16 bits, and the ascending list (forced blocks, then the best others,
@@ -13,20 +13,23 @@
 #include "sparse/common.cuh"
 
 #define SD_WARPS 4
-#define SD_KEYS (SD_WARPS * 64)  // windows per block of sd_lse and sd_p
+#define SD_KEYS (SD_WARPS * 64)  // windows per block of sd_p (64 a warp)
+#define SD_LSE_WARPS 16
+#define SD_LSE_KEYS (SD_LSE_WARPS * 16)  // windows per block of sd_lse (16 a warp: more warps in flight)
 #define SD_TOPK_THREADS 1024
 
 // sd_topk / sd_topk_scores: the candidates' 16-bit keys, then (sd_topk, staged) P.
 extern __shared__ __align__(16) u16 sd_smem[];
 
-// The logits (log2 units) of the warp's 64 windows [c0, c0 + 64) of group g of a compressed
+// The logits (log2 units) of the warp's 8·NT windows [c0, c0 + 8·NT) of group g of a compressed
 // tier: x[j][·] of n-tile j as sp_qk_perm leaves S, −inf for windows ≥ n (and padding rows).
-__device__ __forceinline__ void sd_logits(float (&x)[8][4], const u32 (&qa)[8][4], const bf16* tier, size_t kvw,
+template <int NT>
+__device__ __forceinline__ void sd_logits(float (&x)[NT][4], const u32 (&qa)[8][4], const bf16* tier, size_t kvw,
                                           int g, int d, int c0, int n, int G, float sl2) {
     const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
     const float NEG = -__int_as_float(0x7f800000);
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < NT; j++) {
         const int key = min(c0 + 8 * j + gq, n - 1);
         sp_qk_perm(x[j], qa, tier + (size_t)key * kvw + (size_t)g * d, d);
 #pragma unroll
@@ -39,24 +42,24 @@ __device__ __forceinline__ void sd_logits(float (&x)[8][4], const u32 (&qa)[8][4
 
 // Pair p = blockIdx.x (query i = p / kv_heads at position t, group g = p % kv_heads): for each
 // head h < G, the max m and Σ exp2(x − m) of the log2-unit level-2 logits x over the visible
-// windows in [SD_KEYS·blockIdx.y, +SD_KEYS), into part[((p·gridDim.y + blockIdx.y)·G + h)·2
+// windows in [SD_LSE_KEYS·blockIdx.y, +SD_LSE_KEYS), into part[((p·gridDim.y + blockIdx.y)·G + h)·2
 // + {0, 1}] (m = −inf, sum 0 where none is visible).
 __device__ __forceinline__ void sd_lse_pair(const bf16* q, const bf16* k2, int n2, int t, int heads, int kv_heads,
                                             int d, float scale, int k2_window, int k2_stride, float* part) {
-    __shared__ float red[SD_WARPS][16][2];
+    __shared__ float red[SD_LSE_WARPS][16][2];
     const int p = blockIdx.x, i = p / kv_heads, g = p % kv_heads, G = heads / kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2;
     const int n2v = min(sp_visible(t, k2_window, k2_stride), n2);
-    const int c0 = blockIdx.y * SD_KEYS + 64 * warp;
+    const int c0 = blockIdx.y * SD_LSE_KEYS + 16 * warp;
     const float NEG = -__int_as_float(0x7f800000);
     float m[2] = {NEG, NEG}, l[2] = {0.0f, 0.0f};
     if (c0 < n2v) {  // warp-uniform
         u32 qa[8][4];
         sp_load_q_perm(q + ((size_t)i * heads + (size_t)g * G) * d, G, d, qa);
-        float x[8][4];
-        sd_logits(x, qa, k2, (size_t)kv_heads * d, g, d, c0, n2v, G, scale * 1.4426950408889634f);
+        float x[2][4];
+        sd_logits<2>(x, qa, k2, (size_t)kv_heads * d, g, d, c0, n2v, G, scale * 1.4426950408889634f);
 #pragma unroll
-        for (int j = 0; j < 8; j++)
+        for (int j = 0; j < 2; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) m[e >> 1] = fmaxf(m[e >> 1], x[j][e]);
 #pragma unroll
@@ -65,7 +68,7 @@ __device__ __forceinline__ void sd_lse_pair(const bf16* q, const bf16* k2, int n
             m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
         }
 #pragma unroll
-        for (int j = 0; j < 8; j++)
+        for (int j = 0; j < 2; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 if (m[e >> 1] != NEG) l[e >> 1] += exp2f(x[j][e] - m[e >> 1]);
@@ -85,10 +88,10 @@ __device__ __forceinline__ void sd_lse_pair(const bf16* q, const bf16* k2, int n
     if (threadIdx.x < G) {
         const int h = threadIdx.x;
         float mm = NEG;
-        for (int w = 0; w < SD_WARPS; w++) mm = fmaxf(mm, red[w][h][0]);
+        for (int w = 0; w < SD_LSE_WARPS; w++) mm = fmaxf(mm, red[w][h][0]);
         float ll = 0.0f;
         if (mm != NEG)
-            for (int w = 0; w < SD_WARPS; w++)
+            for (int w = 0; w < SD_LSE_WARPS; w++)
                 if (red[w][h][0] != NEG) ll += red[w][h][1] * exp2f(red[w][h][0] - mm);
         float* o = part + (((size_t)p * gridDim.y + blockIdx.y) * G + h) * 2;
         o[0] = mm;
@@ -97,8 +100,8 @@ __device__ __forceinline__ void sd_lse_pair(const bf16* q, const bf16* k2, int n
 }
 
 // Queries at positions first_pos + i of one sequence.
-// launch: grid = (T·kv_heads, ⌈n2 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
-extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
+// launch: grid = (T·kv_heads, ⌈n2 / SD_LSE_KEYS⌉), block = 32·SD_LSE_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SD_LSE_WARPS * 32)
 sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_heads, int d, float scale,
        int k2_window, int k2_stride, float* part) {
     pdl_start();
@@ -107,8 +110,8 @@ sd_lse(const bf16* q, const bf16* k2, int n2, int first_pos, int heads, int kv_h
 
 // One query of each sequence of rows (SeqRows); gridDim.y covers the longest level-2 tier (the
 // slices past a shorter one write m = −inf, sum 0, which sd_p's merge skips).
-// launch: grid = (T·kv_heads, ⌈max n2 / SD_KEYS⌉), block = 32·SD_WARPS, dynamic smem = 0 bytes
-extern "C" __global__ void __launch_bounds__(SD_WARPS * 32)
+// launch: grid = (T·kv_heads, ⌈max n2 / SD_LSE_KEYS⌉), block = 32·SD_LSE_WARPS, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(SD_LSE_WARPS * 32)
 sd_lse_rows(const bf16* q, SeqRows rows, int heads, int kv_heads, int d, float scale, int k2_window, int k2_stride,
             float* part) {
     pdl_start();
@@ -130,21 +133,36 @@ __device__ __forceinline__ void sd_p_pair(const bf16* q, const bf16* k1, int n1,
     const int n1v = min(sp_visible(t, k1_window, k1_stride), n1);
     if (blockIdx.y * SD_KEYS >= n1v) return;  // block-uniform
     const float NEG = -__int_as_float(0x7f800000), INF = __int_as_float(0x7f800000);
-    if (threadIdx.x < 16) {
-        const int h = threadIdx.x;
-        float lv = INF;  // padding rows and no visible level-2 window: every exp2 is 0
-        if (h < G) {
-            const float* pp = part + (size_t)p * n_split * G * 2 + h * 2;
-            float m = NEG;
-            for (int s = 0; s < n_split; s++) m = fmaxf(m, pp[(size_t)s * G * 2]);
-            float l = 0.0f;
-            for (int s = 0; s < n_split; s++) {
-                const float ms = pp[(size_t)s * G * 2];
-                if (ms != NEG) l += pp[(size_t)s * G * 2 + 1] * exp2f(ms - m);
+    {
+        // Head h = tid / 8 (h < 16: SD_WARPS·32 = 128 threads): its 8 threads merge every 8th
+        // partial (m, Σ) online, four loads in flight, then merge across the 8, so the loads of a
+        // 1M context's 64 partials wait out the memory twice, not 64 times.
+        const int h = threadIdx.x >> 3, j = threadIdx.x & 7;
+        const float2* pp = (const float2*)(part + (size_t)p * n_split * G * 2) + min(h, G - 1);
+        float m = NEG, l = 0.0f;
+        auto merge = [&](float ms, float ls) {
+            if (ms == NEG) return;
+            const float mn = fmaxf(m, ms);
+            l = l * exp2f(m - mn) + ls * exp2f(ms - mn);
+            m = mn;
+        };
+        for (int s0 = j; s0 < n_split; s0 += 32) {
+            float2 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int sx = s0 + 8 * u;
+                v[u] = sx < n_split ? pp[(size_t)sx * G] : make_float2(NEG, 0.0f);
             }
-            if (m != NEG) lv = m + __log2f(l);
+#pragma unroll
+            for (int u = 0; u < 4; u++) merge(v[u].x, v[u].y);
         }
-        lse[h] = lv;
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m, o), lo = __shfl_xor_sync(0xffffffffu, l, o);
+            merge(mo, lo);
+        }
+        // Padding rows and no visible level-2 window: every exp2 is 0.
+        if (j == 0) lse[h] = h < G && m != NEG ? m + __log2f(l) : INF;
     }
     __syncthreads();
     const int c0 = blockIdx.y * SD_KEYS + 64 * warp;
@@ -152,7 +170,7 @@ __device__ __forceinline__ void sd_p_pair(const bf16* q, const bf16* k1, int n1,
     u32 qa[8][4];
     sp_load_q_perm(q + ((size_t)i * heads + (size_t)g * G) * d, G, d, qa);
     float x[8][4];
-    sd_logits(x, qa, k1, (size_t)kv_heads * d, g, d, c0, n1v, G, scale * 1.4426950408889634f);
+    sd_logits<8>(x, qa, k1, (size_t)kv_heads * d, g, d, c0, n1v, G, scale * 1.4426950408889634f);
     const float lg[2] = {lse[gq], lse[gq + 8]};
     u16* out = p16 + (size_t)p * p_stride;
 #pragma unroll

@@ -147,9 +147,12 @@ pub const SELECT_SCORES_BYTES: usize = 128 << 20;
 pub const SELECT_ONE_KERNEL_PAIRS: usize = 264;
 /// Queries per block of the prefill block-score kernels (8 warps of 2).
 pub const SELECT_QUERIES_PER_BLOCK: usize = 16;
-/// Windows per block of `sd_lse` / `sd_p` (4 warps of 64), their threads, and `sd_topk`'s.
+/// Windows per block of `sd_p` (4 warps of 64) and of `sd_lse` (16 warps of 16), their threads,
+/// and `sd_topk`'s.
 pub const SD_KEYS: usize = 256;
+pub const SD_LSE_KEYS: usize = 256;
 pub const SD_THREADS: u32 = 128;
+pub const SD_LSE_THREADS: u32 = 512;
 pub const SD_TOPK_THREADS: u32 = 1024;
 /// Most candidate blocks `sd_topk*` take (16-bit counts).
 pub const SD_TOPK_MAX_CANDIDATES: usize = 65535;
@@ -515,7 +518,11 @@ impl Planner {
 
     /// `sd_lse` (or its rows twin) over `n2` level-2 windows.
     pub fn sd_lse(&self, pairs: usize, n2: usize) -> Launch {
-        Launch::new((pairs, n2.div_ceil(SD_KEYS).max(1), 1), SD_THREADS, 0)
+        Launch::new(
+            (pairs, n2.div_ceil(SD_LSE_KEYS).max(1), 1),
+            SD_LSE_THREADS,
+            0,
+        )
     }
 
     /// `sd_p` (or its rows twin) over `n1` level-1 windows.
