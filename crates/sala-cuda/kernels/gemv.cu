@@ -639,7 +639,8 @@ __device__ __forceinline__ void w4_load(const uint4* qw, const u16* scales, cons
     }
 }
 
-// y = round(x · w[o]) over a 4-bit matrix for nb ≤ 8·NT rows, outputs as gemv: M-tiles of 16
+// y = round(x · w[o]) over a 4-bit matrix (k a multiple of 128: a slab's MMAs take the whole
+// warp; the host holds other shapes as bf16) for nb ≤ 8·NT rows, outputs as gemv: M-tiles of 16
 // weight rows, a block running tiles blockIdx.x, + gridDim.x, ... in turn. Warp w takes slabs w,
 // w + 16, ... (128 k each) in order, each word made 8 bf16 weights in registers and multiplied
 // with the MMAs of gemv_mma_tiles_body (the same pairing of weights and activations), and asks for its

@@ -384,8 +384,9 @@ impl Backend for CudaBackend {
 
     fn upload_quantized(&self, name: &str, q: sala_model::QuantMatrix<'_>) -> BResult<DevMatrix> {
         q.check(name)?;
-        // The 4-bit kernels take 32-input packs within one group; other shapes as bf16.
-        if !q.cols.is_multiple_of(32) || !q.group.is_multiple_of(32) {
+        // The 4-bit kernels take whole 128-input slabs, 32-input packs within one group; other
+        // shapes as bf16.
+        if !sala_model::memory::packs_w4(q.cols, q.group) {
             let values: Vec<u8> = q
                 .values()
                 .into_iter()

@@ -164,6 +164,13 @@ pub fn speculation_bytes(c: &ModelConfig) -> usize {
     cache_bytes(c, 0).lightning_state + lightning * 2 * crate::STEPWISE_SPAN_ROWS * kv_width * F32
 }
 
+/// Whether a backend that packs quantized weights holds a 4-bit matrix of `cols` inputs in
+/// groups of `group` packed: its products walk whole slabs of 128 inputs, a group a multiple of
+/// 32 (others are held as bf16 values).
+pub fn packs_w4(cols: usize, group: usize) -> bool {
+    cols.is_multiple_of(128) && group.is_multiple_of(32)
+}
+
 /// Bytes of the weights in bf16.
 pub fn weight_bytes(c: &ModelConfig) -> usize {
     weights_held(c, BF16, false)
@@ -171,8 +178,8 @@ pub fn weight_bytes(c: &ModelConfig) -> usize {
 
 /// Bytes of the weights held as values of `value_bytes`, quantized linears packed when
 /// `packs_quantized`: 4-bit ones at half a byte a weight and a bf16 scale and zero a group of a
-/// row where the 4-bit products take their shape (inputs and group multiples of 32), FP8 ones
-/// at a byte a weight and an f32 scale a row.
+/// row where the 4-bit products take their shape ([`packs_w4`]), FP8 ones at a byte a weight
+/// and an f32 scale a row.
 pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_quantized: bool) -> usize {
     tensors_held(
         c,
@@ -210,7 +217,7 @@ fn tensors_held(
                     let g = tp
                         .and_then(|tp| tp.shard_of(c, &t.name, 0))
                         .map_or(whole, |s| s.quant_group(whole));
-                    if cols.is_multiple_of(32) && g.is_multiple_of(32) {
+                    if packs_w4(cols, g) {
                         n / 2 + rows * (cols / g) * 4
                     } else {
                         n * value_bytes

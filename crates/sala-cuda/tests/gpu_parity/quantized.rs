@@ -39,6 +39,10 @@ fn four_bit_products_match_cpu() {
         (5, 768, 200, 96),
         (9, 768, 64, 768),
         (2, 256, 96, 8),
+        // k not a multiple of 128: held as bf16 (memory::packs_w4).
+        (1, 160, 96, 32),
+        (6, 96, 40, 32),
+        (20, 352, 72, 32),
     ] {
         let (words, scales, zeros) = random_w4(&mut rng, out, inner, group);
         let q = QuantMatrix {
