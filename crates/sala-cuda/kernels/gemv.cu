@@ -618,24 +618,16 @@ __device__ __forceinline__ int w4_group(int i, float inv_g32) {
     return __float2int_rz(((float)(i >> 5) + 0.5f) * inv_g32);
 }
 
-__device__ __forceinline__ void w4_load(const uint4* qw, const u16* scales, const u16* bias, const W4Rows& r, int k,
+__device__ __forceinline__ void w4_load(const uint4* qw, const u16* scales, const u16* bias, const W4Rows& r,
                                         float inv_g32, int s, W4Slab& a) {
     const int t = threadIdx.x & 3, kk = s * 128 + t * 32;
-    if (kk < k) {
-        const u32 group = w4_group(kk, inv_g32);
+    const u32 group = w4_group(kk, inv_g32);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            a.raw[h] = __ldg(qw + r.pack[h] + (kk >> 5));
-            const u32 sc = __ldg(scales + r.group[h] + group), bi = __ldg(bias + r.group[h] + group);
-            a.s2[h] = sc | (sc << 16);
-            a.b2[h] = bi | (bi << 16);
-        }
-    } else {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            a.raw[h] = make_uint4(0, 0, 0, 0);
-            a.s2[h] = a.b2[h] = 0;
-        }
+    for (int h = 0; h < 2; h++) {
+        a.raw[h] = __ldg(qw + r.pack[h] + (kk >> 5));
+        const u32 sc = __ldg(scales + r.group[h] + group), bi = __ldg(bias + r.group[h] + group);
+        a.s2[h] = sc | (sc << 16);
+        a.b2[h] = bi | (bi << 16);
     }
 }
 
@@ -664,13 +656,14 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
             r.group[h] = row * groups;
         }
     };
+    // Lane columns past nb read row nb − 1 (their sums are not stored), so no load is predicated.
     const bf16* xr[NT];
-    gm_rows(x, nb, k, xr);
-    const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = x + (size_t)min(nt * 8 + gl, nb - 1) * k;
     W4Slab a, an;
     W4Rows rows;
     rows_of(blockIdx.x, rows);
-    if ((int)blockIdx.x < tiles) w4_load(qw4, scales, bias, rows, k, inv_g32, warp, a);
+    if ((int)blockIdx.x < tiles) w4_load(qw4, scales, bias, rows, inv_g32, warp, a);
     pdl_start();
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float c[NT][4];
@@ -678,30 +671,39 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
-        for (int s = warp; s < slabs; s += GM_WARPS) {
+        // Slab s from cur, after asking for the warp's next slab (this tile's, else the next
+        // tile's first) into nxt; the loop takes two a turn, so the two buffers swap roles
+        // without copies.
+        auto slab = [&](const W4Slab& cur, W4Slab& nxt, int s) {
             const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
             const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
             if (ntile < tiles) {
                 W4Rows next;
                 rows_of(ntile, next);
-                w4_load(qw4, scales, bias, next, k, inv_g32, ns, an);
+                w4_load(qw4, scales, bias, next, inv_g32, ns, nxt);
             }
             const int kk = s * 128 + t * 32;
-            if (kk < k) {
-                const u32 lo_w[4] = {a.raw[0].x, a.raw[0].y, a.raw[0].z, a.raw[0].w};
-                const u32 hi_w[4] = {a.raw[1].x, a.raw[1].y, a.raw[1].z, a.raw[1].w};
+            const u32 lo_w[4] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w};
+            const u32 hi_w[4] = {cur.raw[1].x, cur.raw[1].y, cur.raw[1].z, cur.raw[1].w};
 #pragma unroll
-                for (int p = 0; p < 4; p++) {
-                    const uint4 lo = w4_pack(lo_w[p], a.s2[0], a.b2[0]);
-                    const uint4 hi = w4_pack(hi_w[p], a.s2[1], a.b2[1]);
+            for (int p = 0; p < 4; p++) {
+                const uint4 lo = w4_pack(lo_w[p], cur.s2[0], cur.b2[0]);
+                const uint4 hi = w4_pack(hi_w[p], cur.s2[1], cur.b2[1]);
 #pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        const uint4 x8 = xr[nt] ? __ldg((const uint4*)(xr[nt] + kk + 8 * p)) : zero;
-                        sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                        sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-                    }
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 x8 = __ldg((const uint4*)(xr[nt] + kk + 8 * p));
+                    sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                    sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
                 }
             }
+        };
+        int s = warp;
+        for (; s + GM_WARPS < slabs; s += 2 * GM_WARPS) {
+            slab(a, an, s);
+            slab(an, a, s + GM_WARPS);
+        }
+        if (s < slabs) {
+            slab(a, an, s);
             a = an;
         }
         const int v = threadIdx.x;
