@@ -570,8 +570,8 @@ gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb)
 // A [n, k] matrix of 4-bit values q, eight to a word along k (word j of a row: inputs 8j..8j + 7,
 // input 8j + 2p at bits 4p and 8j + 2p + 1 at bits 16 + 4p: memory.rs's interleave_w4), each
 // row's k / g groups with a bf16 scale s and the bf16 value −(128 + z) of its zero z (a whole
-// number, 0 to 16): the weight is bf16((q − z)·s), the value the CPU holds for it. k and g are
-// multiples of 32.
+// number, 0 to 16): the weight is bf16((q − z)·s), the value the CPU holds for it. k is a
+// multiple of 128 and g of 32 (the host packs no other shape: sala_model::memory::packs_w4).
 
 // Weights 2p and 2p + 1 of a word as a bf16 pair: a shift and one lop3 ((w >> 4p) & 0x000F000F
 // | 0x43004300; written as C, the mask and the OR become two) put 128 + q in each half, one
@@ -590,8 +590,7 @@ __device__ __forceinline__ uint4 w4_pack(u32 w, u32 s2, u32 b2) {
 }
 
 // A warp's 4-bit weights for one slab (128 k) of rows row[0], row[1]: lane t's 32 consecutive k
-// of each (one 16-byte load of words), with their group's scale and bias as bf16x2 pairs (zeros
-// past k).
+// of each (one 16-byte load of words), with their group's scale and bias as bf16x2 pairs.
 struct W4Slab {
     uint4 raw[2];
     u32 s2[2], b2[2];
