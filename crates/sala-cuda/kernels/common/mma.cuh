@@ -45,6 +45,8 @@ __device__ __forceinline__ u32 sp_smem_addr(const void* p) {
 __device__ __forceinline__ void sp_cp_async16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// Asks L2 for the 128-byte line holding `p` (no registers, nothing waits on it).
+__device__ __forceinline__ void sp_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void sp_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void sp_cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void sp_cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }

@@ -481,10 +481,12 @@ attention_split(const bf16* q, const bf16* kcache, const bf16* vcache, float* pa
 }
 
 // Merges the n_split partial states of attention_split into out [T, heads*d] (bf16). Four groups
-// of d threads each take every fourth split in one pass (an online maximum), then group 0 adds
-// the four: a row's splits are read four at a time instead of in turn, twice.
+// of d threads each take every fourth split: first the maximum of their splits' m, then the
+// sums scaled to it, each pass's loads issued eight splits at a time (none waits on another);
+// then group 0 adds the four.
 // launch: grid = (T * heads), block = 4·d (d ≤ 128), dynamic smem = 0 bytes
 #define AM_GROUPS 4
+#define AM_UNROLL 8
 extern "C" __global__ void __launch_bounds__(AM_GROUPS * 128)
 attention_merge(const float* part, bf16* out, int T, int heads, int d, int n_split) {
     __shared__ float sm_m[AM_GROUPS], sm_l[AM_GROUPS], sm_o[AM_GROUPS][128];
@@ -493,22 +495,34 @@ attention_merge(const float* part, bf16* out, int T, int heads, int d, int n_spl
     const float NEG_INF = -__int_as_float(0x7f800000);
     const size_t zstride = (size_t)T * heads * (d + 2);
     const float* p = part + (size_t)row * (d + 2);
-    float M = NEG_INF, L = 0.0f, o = 0.0f;
     if (grp < AM_GROUPS) {
-#pragma unroll 4
-        for (int z = grp; z < n_split; z += AM_GROUPS) {
-            const float* pz = p + z * zstride;
-            const float mz = pz[d];
-            if (mz == NEG_INF) continue;
-            if (mz > M) {
-                const float r = exp2f(M - mz);  // 0 while M is -inf
-                L *= r;
-                o *= r;
-                M = mz;
+        float M = NEG_INF;
+        for (int z0 = grp; z0 < n_split; z0 += AM_GROUPS * AM_UNROLL) {
+#pragma unroll
+            for (int u = 0; u < AM_UNROLL; u++) {
+                const int z = z0 + u * AM_GROUPS;
+                if (z < n_split) M = fmaxf(M, p[z * zstride + d]);
             }
-            const float f = exp2f(mz - M);
-            L += pz[d + 1] * f;
-            o += pz[e] * f;
+        }
+        // Splits that saw no key (m = −inf) add nothing; with none at all, L = 0.
+        float L = 0.0f, o = 0.0f;
+        for (int z0 = grp; z0 < n_split; z0 += AM_GROUPS * AM_UNROLL) {
+            float mz[AM_UNROLL], lz[AM_UNROLL], oz[AM_UNROLL];
+#pragma unroll
+            for (int u = 0; u < AM_UNROLL; u++) {
+                const int z = z0 + u * AM_GROUPS;
+                const float* pz = p + (size_t)min(z, n_split - 1) * zstride;
+                mz[u] = z < n_split ? pz[d] : NEG_INF;
+                lz[u] = pz[d + 1];
+                oz[u] = pz[e];
+            }
+#pragma unroll
+            for (int u = 0; u < AM_UNROLL; u++) {
+                if (mz[u] == NEG_INF) continue;
+                const float f = exp2f(mz[u] - M);
+                L += lz[u] * f;
+                o += oz[u] * f;
+            }
         }
         sm_o[grp][e] = o;
         if (e == 0) sm_m[grp] = M, sm_l[grp] = L;

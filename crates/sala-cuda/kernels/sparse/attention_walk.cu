@@ -60,6 +60,13 @@ struct KvBf16 {
     __device__ __forceinline__ uint4 v8(int key, int dim) const { return *(const uint4*)(v + key * stride + dim); }
     __device__ __forceinline__ float k_scale(int) const { return 1.0f; }
     __device__ __forceinline__ float v_scale(int) const { return 1.0f; }
+    // Asks L2 for key `key`'s K and V rows (d ≤ 128: at most two 128-byte lines each).
+    __device__ __forceinline__ void prefetch(int key, int d) const {
+        const bf16 *kr = k + key * stride, *vr = v + key * stride;
+        sp_prefetch_l2(kr);
+        sp_prefetch_l2(vr);
+        if (d > 64) sp_prefetch_l2(kr + 64), sp_prefetch_l2(vr + 64);
+    }
 };
 
 struct KvF8 {
@@ -77,6 +84,14 @@ struct KvF8 {
     }
     __device__ __forceinline__ float k_scale(int key) const { return *(const float*)(k + key * stride + scale_off); }
     __device__ __forceinline__ float v_scale(int key) const { return *(const float*)(v + key * stride + scale_off); }
+    // Asks L2 for key `key`'s K and V codes (d ≤ 128 bytes) and scales.
+    __device__ __forceinline__ void prefetch(int key, int) const {
+        const unsigned char *kr = k + key * stride, *vr = v + key * stride;
+        sp_prefetch_l2(kr);
+        sp_prefetch_l2(vr);
+        sp_prefetch_l2(kr + scale_off);
+        sp_prefetch_l2(vr + scale_off);
+    }
 };
 
 // A pair's K/V reader: bf16 rows of kv_heads·d, or FP8 rows (sparse/common.cuh).
@@ -517,9 +532,23 @@ __device__ __forceinline__ void attention_decode_pair(const bf16* q, const KV& k
     const float sl2 = scale * 1.4426950408889634f;
     const int* my = blocks ? blocks + (size_t)pair * k_sel : 0;
     const int n_walk = blocks ? k_sel : p.t / 64 + 1;
+    // Each block's K and V are asked of L2 before its walk (lane l: keys l and l + 32), and the
+    // next block's with them, so the walk's loads, issued a few at a time, wait on L2, not DRAM.
+    const int lane = threadIdx.x & 31;
+    auto prefetch = [&](int s) {
+        const int b = s < n_walk ? (blocks ? my[s] : s) : -1;
+        if (b >= 0) {
+            const int n = min(p.n_keys - 64 * b, 64);
+            const KV at = kv.at((size_t)64 * b);
+            if (lane < n) at.prefetch(lane, d);
+            if (lane + 32 < n) at.prefetch(lane + 32, d);
+        }
+    };
+    prefetch(z);
     for (int s = z; s < n_walk; s += n_split) {
         const int b = blocks ? my[s] : s;
         if (__any_sync(0xffffffffu, b < 0)) break;  // −1 padded lists; a vote keeps the walk warp-uniform
+        prefetch(s + n_split);
         ag_keys<8>(st, qa, kv.at((size_t)64 * b), 64 * b, p.t, p.n_keys - 64 * b, p.row_ok, sl2, d);
     }
     ag_sum_l(st);
