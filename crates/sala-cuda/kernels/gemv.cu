@@ -797,12 +797,43 @@ quant_rows_f8(const bf16* x, int k, unsigned char* codes, bf16* values, float* s
     if (threadIdx.x == 0) scales[row] = scale;
 }
 
+// sm_90 and sm_100 have no mma.sync for E4M3 (ptxas makes it F2FP conversions, two f16 MMAs
+// from zero and adds): there the codes' f16 values (cvt, exact) go through two f16 MMAs that
+// sum into d in f32 directly, as the bf16 products do.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
+#define F8_AS_F16 1
+#else
+#define F8_AS_F16 0
+#endif
+
+#if F8_AS_F16
+// Four E4M3 codes as two f16 pairs (codes 0-1, codes 2-3), exact: the word's 16-bit halves
+// converted as they are (no shifts).
+__device__ __forceinline__ void e4m3x4_f16(u32 c, u32 (&h)[2]) {
+    asm("{\n.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, u;\n}\n"
+        : "=r"(h[0]), "=r"(h[1])
+        : "r"(c));
+}
+#endif
+
 // d += A·B for one k32 step of E4M3 codes: A's rows g and g + 8 (words a_lo, a_hi: bytes
 // 0..3 of each are k slots 4t..4t + 3, bytes 4..7 slots 16 + 4t ..), B's column g the same way.
 // From 8.9 on one E4M3 MMA, elsewhere two f16 ones over the codes' exact values (times
 // F8_F16_UNIT). The products are exact; each step's sum starts from zero and is added to d on
 // the CUDA cores, so the tensor cores' narrow FP8 accumulation never carries across steps.
 __device__ __forceinline__ void f8_mma_k32(float (&d)[4], uint2 a_lo, uint2 a_hi, uint2 b) {
+#if F8_AS_F16
+    u32 al[2][2], ah[2][2], bb[2][2];  // [word][half]: f16 pairs of codes 0-1 and 2-3
+    e4m3x4_f16(a_lo.x, al[0]);
+    e4m3x4_f16(a_lo.y, al[1]);
+    e4m3x4_f16(a_hi.x, ah[0]);
+    e4m3x4_f16(a_hi.y, ah[1]);
+    e4m3x4_f16(b.x, bb[0]);
+    e4m3x4_f16(b.y, bb[1]);
+#pragma unroll
+    for (int w = 0; w < 2; w++) sp_mma_f16(d, al[w][0], ah[w][0], al[w][1], ah[w][1], bb[w][0], bb[w][1]);
+    return;
+#endif
     float e[4];
 #if F8_HW
     asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -859,9 +890,10 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
         rows[0] = w + (u64)r0 * k;
         rows[1] = w + (u64)r1 * k;
     };
+    // Lane columns past nb read row nb − 1 (their sums are not stored).
     const unsigned char* xr[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? xc + (u64)(nt * 8 + g) * k : nullptr;
+    for (int nt = 0; nt < NT; nt++) xr[nt] = xc + (u64)min(nt * 8 + g, nb - 1) * k;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     const int t = lane & 3;
     uint4 a[2][2], an[2][2];
@@ -876,30 +908,39 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) c[nt][i] = 0.0f;
-        for (int s = warp; s < slabs; s += GM_WARPS) {
+        // Slab s from cur, after asking for the warp's next slab (this tile's, else the first of
+        // the block's next tile) into nxt; two a turn, so the buffers swap roles without copies.
+        auto slab = [&](const uint4 (&cur)[2][2], uint4 (&nxt)[2][2], int s) {
             uint4 b[2][NT];
 #pragma unroll
             for (int p = 0; p < 2; p++) {
                 const int kk = s * 128 + (t * 2 + p) * 16;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) b[p][nt] = kk < k && xr[nt] ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
+                for (int nt = 0; nt < NT; nt++) b[p][nt] = kk < k ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
             }
-            // The next slab's weights: this tile's, else the first of the block's next tile.
             const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
             const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
             if (ntile < tiles) {
                 const unsigned char* nrows[2];
                 rows_of(ntile, nrows);
-                f8_load_w(nrows, k, ns, an);
+                f8_load_w(nrows, k, ns, nxt);
             }
 #pragma unroll
             for (int p = 0; p < 2; p++)
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const uint4 lo = a[p][0], hi = a[p][1], x = b[p][nt];
+                    const uint4 lo = cur[p][0], hi = cur[p][1], x = b[p][nt];
                     f8_mma_k32(c[nt], make_uint2(lo.x, lo.y), make_uint2(hi.x, hi.y), make_uint2(x.x, x.y));
                     f8_mma_k32(c[nt], make_uint2(lo.z, lo.w), make_uint2(hi.z, hi.w), make_uint2(x.z, x.w));
                 }
+        };
+        int s = warp;
+        for (; s + GM_WARPS < slabs; s += 2 * GM_WARPS) {
+            slab(a, an, s);
+            slab(an, a, s + GM_WARPS);
+        }
+        if (s < slabs) {
+            slab(a, an, s);
 #pragma unroll
             for (int p = 0; p < 2; p++) a[p][0] = an[p][0], a[p][1] = an[p][1];
         }
