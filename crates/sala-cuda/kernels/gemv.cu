@@ -156,6 +156,22 @@ gemv_silu(const bf16* x, const bf16* w, bf16* y, int inter, int k) {
 // Measured at batch 1 (H200, 4K decode, kernel time of 64 steps): 8 warps, one pack a lane:
 // 439 ms; 8 warps, two packs: 401; 16 warps, two packs (this): 391; the CUDA-core GEMVs: 395.
 #define GM_WARPS 16
+
+// Runs slab(cur, nxt, s) for this warp's slabs s = w, w + GM_WARPS, ... below `slabs`, two a
+// turn with the buffers a and an swapping roles (no copy between slabs); after an odd count,
+// take(a, an) copies the next slab's buffer into a.
+template <class Buf, class Slab, class Take>
+__device__ __forceinline__ void gm_slab_turns(int slabs, Buf& a, Buf& an, Slab& slab, Take&& take) {
+    int s = threadIdx.x >> 5;
+    for (; s + GM_WARPS < slabs; s += 2 * GM_WARPS) {
+        slab(a, an, s);
+        slab(an, a, s + GM_WARPS);
+    }
+    if (s < slabs) {
+        slab(a, an, s);
+        take(a, an);
+    }
+}
 #define GM_P 2
 
 // The lane's activation rows (rows nt·8 + g, k apart; NULL from nb on).
@@ -696,15 +712,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
                 }
             }
         };
-        int s = warp;
-        for (; s + GM_WARPS < slabs; s += 2 * GM_WARPS) {
-            slab(a, an, s);
-            slab(an, a, s + GM_WARPS);
-        }
-        if (s < slabs) {
-            slab(a, an, s);
-            a = an;
-        }
+        gm_slab_turns(slabs, a, an, slab, [](W4Slab& to, const W4Slab& from) { to = from; });
         const int v = threadIdx.x;
         const float sum = gm_block_sum<NT>(red, c, v);
         const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
@@ -934,16 +942,10 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
                     f8_mma_k32(c[nt], make_uint2(lo.z, lo.w), make_uint2(hi.z, hi.w), make_uint2(x.z, x.w));
                 }
         };
-        int s = warp;
-        for (; s + GM_WARPS < slabs; s += 2 * GM_WARPS) {
-            slab(a, an, s);
-            slab(an, a, s + GM_WARPS);
-        }
-        if (s < slabs) {
-            slab(a, an, s);
+        gm_slab_turns(slabs, a, an, slab, [](uint4(&to)[2][2], const uint4(&from)[2][2]) {
 #pragma unroll
-            for (int p = 0; p < 2; p++) a[p][0] = an[p][0], a[p][1] = an[p][1];
-        }
+            for (int p = 0; p < 2; p++) to[p][0] = from[p][0], to[p][1] = from[p][1];
+        });
         const int v = threadIdx.x, m0 = tile * tile_rows;
         if (SILU) {
             // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane (as gemv_silu_mma).
