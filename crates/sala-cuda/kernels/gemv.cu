@@ -826,9 +826,10 @@ __device__ __forceinline__ void e4m3x4_f16(u32 c, u32 (&h)[2]) {
 
 // d += A·B for one k32 step of E4M3 codes: A's rows g and g + 8 (words a_lo, a_hi: bytes
 // 0..3 of each are k slots 4t..4t + 3, bytes 4..7 slots 16 + 4t ..), B's column g the same way.
-// From 8.9 on one E4M3 MMA, elsewhere two f16 ones over the codes' exact values (times
-// F8_F16_UNIT). The products are exact; each step's sum starts from zero and is added to d on
-// the CUDA cores, so the tensor cores' narrow FP8 accumulation never carries across steps.
+// From 8.9 on one E4M3 MMA, before it two f16 ones over the codes' exact values (times
+// F8_F16_UNIT); either way the step's sum starts from zero and is added to d on the CUDA cores,
+// so the tensor cores' narrow FP8 accumulation never carries across steps. On sm_90 and sm_100
+// (F8_AS_F16) the two f16 MMAs sum into d directly (f32 accumulation). The products are exact.
 __device__ __forceinline__ void f8_mma_k32(float (&d)[4], uint2 a_lo, uint2 a_hi, uint2 b) {
 #if F8_AS_F16
     u32 al[2][2], ah[2][2], bb[2][2];  // [word][half]: f16 pairs of codes 0-1 and 2-3
