@@ -352,20 +352,20 @@ sd_topk_rows(const u16* p16, int p_stride, SeqRows rows, int kv_heads, int block
                  local_blocks, k_sel, stage_p, keys, blocks_out);
 }
 
-// Block selection from block scores (bf16 values ≥ 0, or −inf, as the prefill block-score
+// Block selection from block scores (the bits of bf16 values ≥ 0, as the prefill block-score
 // kernels write them) at bs[pair·bs_stride + b]: the same result as select_topk_scores. keys:
 // null (the keys in shared memory) or a scratch of T·kv_heads·bs_stride u16.
 // launch: grid = (T·kv_heads), block = SD_TOPK_THREADS,
 //         dynamic smem = 2·(candidates) bytes rounded up to 16 (candidates ≤ 65535) without keys
 extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
-sd_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int init_blocks,
+sd_topk_scores(const u16* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int init_blocks,
                int local_blocks, int k_sel, u16* keys, int* blocks_out) {
     pdl_start();
-    const float* row = bs + (size_t)blockIdx.x * bs_stride;
+    const u16* row = bs + (size_t)blockIdx.x * bs_stride;
     u16* pair_keys = keys ? keys + (size_t)blockIdx.x * bs_stride : (u16*)0;
     sd_topk_body(first_pos + blockIdx.x / kv_heads, block_size, init_blocks, local_blocks, k_sel, pair_keys,
                  blocks_out, [&](int, int b) {
-        const float f = row[b];
-        return f >= 0.0f ? (__float_as_uint(f) >> 16) + 1u : 0u;
+        const u32 h = row[b];
+        return __uint_as_float(h << 16) >= 0.0f ? h + 1u : 0u;
     });
 }

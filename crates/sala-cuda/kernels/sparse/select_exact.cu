@@ -151,12 +151,17 @@ __device__ __noinline__ void sp_scores_phase(const float* qs, int G, const bf16*
     }
 }
 
+// The order key of block score b (bf16 bits).
+__device__ __forceinline__ u32 sp_bs_key(const u16* bs, int b) {
+    return sp_order_key(__uint_as_float((u32)bs[b] << 16));
+}
+
 // Block selection (block-wide; every thread calls), from P [n1v] (global, already visible to
 // the block): writes the k_sel ascending block ids (−1 padded) of a query at block qb ≥ k_sel.
-// With `bscores` (block scores indexed by block), keys come from it instead of P.
+// With `bscores` (block scores indexed by block, bf16 bits), keys come from it instead of P.
 __device__ __noinline__ void sp_topk_phase(const float* P, int n1v, int qb, int block_size, int k1_stride,
                                               int init_blocks, int local_blocks, int k_sel, int* outb,
-                                              float* buf, const float* bscores) {
+                                              float* buf, const u16* bscores) {
     __shared__ int ss_hist[256];
     __shared__ int ss_scan[9];
     __shared__ int ss_sel[2];
@@ -178,11 +183,11 @@ __device__ __noinline__ void sp_topk_phase(const float* P, int n1v, int qb, int 
     u32* keys = (u32*)buf;
     if (cached) {
         for (int x = tid; x < n_cand; x += SS_THREADS)
-            keys[x] = bscores ? sp_order_key(bscores[cand_lo + x]) : sp_block_key(P, cand_lo + x, w, n1v);
+            keys[x] = bscores ? sp_bs_key(bscores, cand_lo + x) : sp_block_key(P, cand_lo + x, w, n1v);
         __syncthreads();
     }
 #define SS_KEY(b) \
-    (cached ? keys[(b) - cand_lo] : bscores ? sp_order_key(bscores[b]) : sp_block_key(P, (b), w, n1v))
+    (cached ? keys[(b) - cand_lo] : bscores ? sp_bs_key(bscores, b) : sp_block_key(P, (b), w, n1v))
 
     // The take-th largest key (radix select, 8 bits a pass) and how many of the candidates equal
     // to it are taken (r_eq, lowest block index first); all candidates with a larger key are taken.
@@ -380,7 +385,7 @@ select_topk(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T
 // others by score, ties to the lower index).
 // launch: grid = (T * kv_heads), block = 256, dynamic smem = 0 bytes
 extern "C" __global__ void __launch_bounds__(SS_THREADS)
-select_topk_scores(const float* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int k1_stride,
+select_topk_scores(const u16* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int k1_stride,
                    int init_blocks, int local_blocks, int k_sel, int* blocks_out) {
     pdl_start();
     __shared__ __align__(16) float ss_buf[SS_BUF];

@@ -137,15 +137,16 @@ __device__ __forceinline__ float sq_row_sum(float (&v)[8]) {
 // For query i = blockIdx.x·SQ_WARPS·SQ_TW + SQ_TW·warp + m (m < SQ_TW; position t = first_pos + i,
 // block qb = t / block_size) and KV group g = blockIdx.y, with qb ≥ k_sel: the score of every
 // candidate block b ∈ [init_blocks, qb − local_blocks), max of P over its level-1 windows
-// [w·b − 1, w·b + w − 1] (w = block_size / k1_stride), into bs[(i·kv_heads + g)·bs_stride + b].
-// P is the stage-1 probability (SPEC §5.4): Σ over the group's heads of exp(s·q·K1 − LSE₂),
-// rounded to bf16. Needs heads / kv_heads ≤ 16, d a multiple of 16 and ≤ 128, 64 a multiple of w.
+// [w·b − 1, w·b + w − 1] (w = block_size / k1_stride), into bs[(i·kv_heads + g)·bs_stride + b]
+// as bf16 bits. P is the stage-1 probability (SPEC §5.4): Σ over the group's heads of
+// exp(s·q·K1 − LSE₂), rounded to bf16. Needs heads / kv_heads ≤ 16, d a multiple of 16 and
+// ≤ 128, 64 a multiple of w.
 // launch: grid = ((T + 15) / 16, kv_heads), block = 32·SQ_WARPS, dynamic smem = 0 bytes
 //   (static shared memory 2·64·136·2 + 16·65·4 = 38,976 bytes)
 extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32)
 select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
                   int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
-                  int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
+                  int init_blocks, int local_blocks, int k_sel, u16* bs, int bs_stride) {
     pdl_start();
     __shared__ __align__(16) bf16 sq_kv[2 * SQ_KC * AT_MAXLD];
     __shared__ float sq_p[SQ_WARPS * SQ_TW][SQ_KC + 1];
@@ -281,7 +282,7 @@ select_scores_mma(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2,
                     float mx = NEG;
                     for (int y = w * bl; y <= w * bl + w; y++) mx = fmaxf(mx, pm[y]);
                     const int i = blockIdx.x * per_block + SQ_TW * warp + m;
-                    bs[((size_t)i * kv_heads + g) * bs_stride + b] = mx;
+                    bs[((size_t)i * kv_heads + g) * bs_stride + b] = (u16)(__float_as_uint(mx) >> 16);
                 }
             }
             __syncwarp();
@@ -339,7 +340,7 @@ __device__ __forceinline__ void st_qk(float (&acc)[2][SQ_TW][2][4], const u32 (&
 extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32, 2)
 select_scores_t(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
                 int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
-                int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
+                int init_blocks, int local_blocks, int k_sel, u16* bs, int bs_stride) {
     pdl_start();
     __shared__ __align__(16) bf16 st_kv[2 * SQ_KC * AT_MAXLD];
     const int G = heads / kv_heads, g = blockIdx.y;
@@ -468,12 +469,12 @@ select_scores_t(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, i
                         // Lane L < 4: the block of keys 4L .. 4L + 3 and the key before it.
                         const u32 own = (((lane & 1) ? g1 : g0) >> ((lane & 2) ? 16 : 0)) & 0xffffu;
                         const u32 prev = (lane == 0 ? carry[m] : lane == 1 ? p3 : lane == 2 ? p7 : p3 >> 16) & 0xffffu;
-                        const float sc = __uint_as_float(max(own, prev) << 16);
+                        const u32 sc = max(own, prev);
                         carry[m] = p7 >> 16;
                         const int blk = (c0 + 32 * mp + 16 * j) / 4 + lane;
                         if (lane < 4 && blk >= init_blocks && blk < cand_hi[m]) {
                             const int i = blockIdx.x * per_block + SQ_TW * warp + m;
-                            bs[((size_t)i * kv_heads + g) * bs_stride + blk] = sc;
+                            bs[((size_t)i * kv_heads + g) * bs_stride + blk] = (u16)sc;
                         }
                     }
             }

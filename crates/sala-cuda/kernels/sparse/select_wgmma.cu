@@ -127,7 +127,7 @@ __device__ __forceinline__ void sw_walk(const bf16* src, size_t kvw, int g, u32 
 extern "C" __global__ void __launch_bounds__(256, 2)
 select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, int T, int first_pos, int heads,
                  int kv_heads, int d, float scale, int block_size, int k1_stride, int k2_window, int k2_stride,
-                 int init_blocks, int local_blocks, int k_sel, float* bs, int bs_stride) {
+                 int init_blocks, int local_blocks, int k_sel, u16* bs, int bs_stride) {
     pdl_start();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char sw_raw[];
@@ -327,7 +327,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
             const u32 a = st_max2(four.x, four.y);
             const u32 mx = max(max(a & 0xffffu, a >> 16), prev);
             const int blk = (c0 >> 2) + pb;
-            if (blk >= init_blocks && blk < pool_cand) bs[pool_row + blk] = __uint_as_float(mx << 16);
+            if (blk >= init_blocks && blk < pool_cand) bs[pool_row + blk] = (u16)mx;
         }
     });
 #endif

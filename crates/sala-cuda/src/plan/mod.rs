@@ -141,7 +141,7 @@ pub const MAX_ATTENTION_SPLIT: usize = 32;
 pub const DECODE_SPLIT_MAX: usize = 128;
 /// From this many query rows on, staged attention runs as `attention_prefill`.
 pub const PREFILL_ATTENTION_ROWS: usize = 64;
-/// Most bytes of block scores the tensor-core selection keeps at once.
+/// Most bytes of block scores (bf16) the tensor-core selection keeps at once.
 pub const SELECT_SCORES_BYTES: usize = 128 << 20;
 /// From this many (query, KV group) pairs on, block selection runs as prefill.
 pub const SELECT_ONE_KERNEL_PAIRS: usize = 264;
@@ -467,12 +467,28 @@ impl Planner {
         }
     }
 
-    /// Queries per group of a prefill selection whose block scores fit the scratch.
-    pub fn select_group(&self, kv_heads: usize, len: usize, cfg: &SparseConfig) -> usize {
+    /// Queries per launch of a prefill selection of `rows` queries: as few launches as keep
+    /// their block scores within the scratch, with the queries spread evenly over them (a
+    /// short last launch would take as long as a full one and leave most SMs idle).
+    pub fn select_group(
+        &self,
+        kv_heads: usize,
+        len: usize,
+        rows: usize,
+        cfg: &SparseConfig,
+    ) -> usize {
         let stride = len.div_ceil(cfg.block_size).max(1);
-        let per_query = kv_heads * stride * 4;
-        (SELECT_SCORES_BYTES / per_query).max(SELECT_QUERIES_PER_BLOCK) / SELECT_QUERIES_PER_BLOCK
-            * SELECT_QUERIES_PER_BLOCK
+        let per_query = kv_heads * stride * 2;
+        let most = (SELECT_SCORES_BYTES / per_query).max(SELECT_QUERIES_PER_BLOCK)
+            / SELECT_QUERIES_PER_BLOCK
+            * SELECT_QUERIES_PER_BLOCK;
+        let launches = rows.div_ceil(most).max(1);
+        if launches == 1 {
+            return rows.max(1);
+        }
+        rows.div_ceil(launches)
+            .next_multiple_of(SELECT_QUERIES_PER_BLOCK)
+            .min(most)
     }
 
     pub fn select_scores(&self, kernel: K, queries: usize, kv_heads: usize) -> Launch {
