@@ -317,6 +317,80 @@ ptxas info    : Used 16 registers, used 0 barriers, 380 bytes cmem[0]
         m
     }
 
+    /// Prefill selection launches: every split keeps its block scores within the scratch, no
+    /// split of the queries into launches takes fewer waves of blocks (a brute force over
+    /// every size), and past 512K on the H200 each launch is one wave (640K: 4 launches of
+    /// 2,048 queries, not 3 of 2,736, whose extra 78 blocks make a second wave each).
+    #[test]
+    fn selection_launches_take_the_fewest_waves() {
+        let attrs = vec![
+            KernelAttrs {
+                regs: 127,
+                max_threads: 256,
+                ..Default::default()
+            };
+            K::ALL.len()
+        ];
+        let cfg = SparseConfig::default();
+        for key in ["h200", "rtx5090", "a100"] {
+            let limits = DeviceLimits::of_card(card_named(key).unwrap());
+            let planner = Planner::new(limits.clone(), CudaOptions::default(), attrs.clone());
+            for kernel in [K::SelectScoresWg, K::SelectScoresT] {
+                let launch = planner.select_scores(kernel, 16, 1);
+                let per_sm = limits.blocks_per_sm(256, 127, launch.smem as usize).max(1) as usize;
+                let slots = per_sm * limits.sms as usize;
+                for len in [
+                    100_000usize,
+                    300 << 10,
+                    512 << 10,
+                    640 << 10,
+                    900_000,
+                    1 << 20,
+                    4 << 20,
+                ] {
+                    for rows in [1usize, 17, 5000, 8192] {
+                        let kvh = 2;
+                        let stride = len.div_ceil(cfg.block_size);
+                        let fits =
+                            |q: usize| q * kvh * stride * 2 <= crate::plan::SELECT_SCORES_BYTES;
+                        // Waves of the launches that cover `rows` in turn, `per` at a time.
+                        let waves = |per: usize| {
+                            let mut total = 0;
+                            let mut left = rows;
+                            while left > 0 {
+                                let n = per.min(left);
+                                total += (n.div_ceil(16) * kvh).div_ceil(slots);
+                                left -= n;
+                            }
+                            total
+                        };
+                        let per = planner.select_group(kernel, kvh, len, rows, &cfg);
+                        let what = format!("{key} {kernel:?} {rows} rows at {len}");
+                        assert!(per >= 1 && per <= rows, "{what}: {per}");
+                        assert!(fits(per) || per == 16, "{what}: {per} queries overflow");
+                        if per < rows {
+                            assert_eq!(per % 16, 0, "{what}: {per}");
+                        }
+                        let fewest = (1..=rows)
+                            .filter(|&q| q == rows || q % 16 == 0)
+                            .filter(|&q| fits(q) || q == 16)
+                            .map(&waves)
+                            .min()
+                            .unwrap();
+                        assert_eq!(waves(per), fewest, "{what}: {per} queries a launch");
+                        if key == "h200"
+                            && kernel == K::SelectScoresWg
+                            && rows == 8192
+                            && len > 512 << 10
+                        {
+                            assert!(per.div_ceil(16) * kvh <= slots, "{what}: {per}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn plans_fit_every_card_and_a_kernel_past_a_limit_fails() {
         let clean = reports(&[]);

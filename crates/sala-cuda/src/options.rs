@@ -74,6 +74,10 @@ pub struct CudaOptions {
     /// The top-k's candidate keys in global memory even where shared memory holds them (the
     /// plan of small-memory cards past ~3M tokens).
     pub topk_keys_in_global: bool,
+    /// Most bytes of block scores one prefill selection launch writes
+    /// ([`crate::plan::SELECT_SCORES_BYTES`]; tests lower it to split a chunk's selection into
+    /// several launches).
+    pub select_scores_bytes: usize,
     /// Per-sequence caches and states in the page pool (else one allocation each).
     pub kv_pool: bool,
     /// Allocation granules per pool page.
@@ -101,6 +105,7 @@ impl Default for CudaOptions {
             attention: Attention::default(),
             batched_sparse_rows: true,
             topk_keys_in_global: false,
+            select_scores_bytes: crate::plan::SELECT_SCORES_BYTES,
             kv_pool: true,
             kv_pool_granules: 1,
             profile_kernels: false,

@@ -77,7 +77,10 @@ impl CudaBackend {
         let kvh = shape.kv_heads;
         let k_sel = cfg.selected_blocks();
         let stride = cache.len.div_ceil(cfg.block_size).max(1);
-        let group = self.k.planner().select_group(kvh, cache.len, t, cfg);
+        let group = self
+            .k
+            .planner()
+            .select_group(kernel, kvh, cache.len, t, cfg);
         // Block scores as bf16 bits, two to an f32 of the scratch.
         let bs = self.scratch_ptr(|s| &mut s.p, (group.min(t) * kvh * stride).div_ceil(2))?;
         let launch_scores = match kernel {

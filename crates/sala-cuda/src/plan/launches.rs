@@ -62,7 +62,7 @@ impl Planner {
                     let pairs = rows * a.kv_heads;
                     match self.select(a, cfg, rows, len) {
                         SelectPlan::Scores(k) => {
-                            let n = self.select_group(a.kv_heads, len, rows, cfg);
+                            let n = self.select_group(k, a.kv_heads, len, rows, cfg);
                             add(k, self.select_scores(k, n, a.kv_heads), &what);
                             let (tk, p) = self.topk_scores(n * a.kv_heads, len, cfg);
                             add(tk, p.launch, &what);
@@ -287,7 +287,7 @@ impl Planner {
             let label = |what: &str| format!("{what}, {rows} rows at {}K", len >> 10);
             let text = match self.select(a, cfg, rows, len) {
                 SelectPlan::Scores(k) => {
-                    let n = self.select_group(a.kv_heads, len, rows, cfg);
+                    let n = self.select_group(k, a.kv_heads, len, rows, cfg);
                     let (tk, p) = self.topk_scores(n * a.kv_heads, len, cfg);
                     format!(
                         "{}; {} (keys in {} memory)",

@@ -467,28 +467,49 @@ impl Planner {
         }
     }
 
-    /// Queries per launch of a prefill selection of `rows` queries: as few launches as keep
-    /// their block scores within the scratch, with the queries spread evenly over them (a
-    /// short last launch would take as long as a full one and leave most SMs idle).
+    /// Queries per launch of `kernel`'s prefill selection of `rows` queries: of the splits
+    /// whose block scores fit the scratch, the one with the fewest waves of blocks over the
+    /// SMs in all (a launch of one SM's worth of blocks past a full wave takes a second wave),
+    /// then the fewest launches.
     pub fn select_group(
         &self,
+        kernel: K,
         kv_heads: usize,
         len: usize,
         rows: usize,
         cfg: &SparseConfig,
     ) -> usize {
+        let rows = rows.max(1);
         let stride = len.div_ceil(cfg.block_size).max(1);
         let per_query = kv_heads * stride * 2;
-        let most = (SELECT_SCORES_BYTES / per_query).max(SELECT_QUERIES_PER_BLOCK)
+        let most = (self.options.select_scores_bytes / per_query).max(SELECT_QUERIES_PER_BLOCK)
             / SELECT_QUERIES_PER_BLOCK
             * SELECT_QUERIES_PER_BLOCK;
-        let launches = rows.div_ceil(most).max(1);
-        if launches == 1 {
-            return rows.max(1);
+        if rows <= most {
+            return rows;
         }
-        rows.div_ceil(launches)
-            .next_multiple_of(SELECT_QUERIES_PER_BLOCK)
-            .min(most)
+        let launch = self.select_scores(kernel, SELECT_QUERIES_PER_BLOCK, 1);
+        let a = self.attrs(kernel);
+        let per_sm = self
+            .limits
+            .blocks_per_sm(launch.block, a.regs, a.static_smem + launch.smem as usize)
+            .max(1) as usize;
+        let slots = per_sm * self.limits.sms as usize;
+        let waves = |queries: usize| {
+            (queries.div_ceil(SELECT_QUERIES_PER_BLOCK) * kv_heads).div_ceil(slots)
+        };
+        let cost = |per: usize| (rows / per) * waves(per) + waves(rows % per);
+        let mut best = most;
+        for launches in rows.div_ceil(most)..=rows.div_ceil(SELECT_QUERIES_PER_BLOCK) {
+            let per = rows
+                .div_ceil(launches)
+                .next_multiple_of(SELECT_QUERIES_PER_BLOCK)
+                .min(most);
+            if cost(per) < cost(best) || (cost(per) == cost(best) && per > best) {
+                best = per;
+            }
+        }
+        best
     }
 
     pub fn select_scores(&self, kernel: K, queries: usize, kv_heads: usize) -> Launch {

@@ -744,7 +744,8 @@ fn fast_block_selection_matches_oracle_scores() {
         ),
     ];
     // The default plans (wgmma block scores on Hopper), the mma.sync twins, heads as MMA rows,
-    // and the top-k's keys in global memory (as small-memory cards past ~3M tokens).
+    // the top-k's keys in global memory (as small-memory cards past ~3M tokens), and chunks
+    // whose selection takes several launches (as past 256K tokens).
     let variants: Vec<(&str, CudaOptions)> = {
         let base = base_options();
         let with = |f: &dyn Fn(&mut CudaOptions)| {
@@ -762,6 +763,12 @@ fn fast_block_selection_matches_oracle_scores() {
             (
                 "top-k keys in global memory",
                 with(&|o| o.topk_keys_in_global = true),
+            ),
+            // 64 KiB of block scores a launch: a released-shape chunk's selection in 27 to 171
+            // launches.
+            (
+                "block scores in several launches",
+                with(&|o| o.select_scores_bytes = 64 << 10),
             ),
         ]
     };
