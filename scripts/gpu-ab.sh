@@ -4,7 +4,8 @@
 # $PROFILES (default rtx5090), then each `sala bench` argument string given, run by A and B
 # in turn, twice (A B A B: machines drift), their result lines together. Logs in $OUT/ab/.
 # PARITY=0 skips the parity suite (~6 minutes with one profile: a device call lasts at most 10,
-# so parity and a long A/B may need two calls).
+# so parity and a long A/B may need two calls); TESTS="name ..." runs only the tests whose names
+# contain one of those strings.
 # Usage: bash scripts/gpu-ab.sh "--context 4K --decode-tokens 256" ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,11 +15,13 @@ L=${OUT:-/tmp/sala-out}/ab
 mkdir -p "$L"
 if [ "${PARITY:-1}" != 0 ]; then
   echo "== parity of B, own plans"
-  timeout 300 .gpu-b/gpu_parity --include-ignored --test-threads=1 > "$L/parity.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout 300 .gpu-b/gpu_parity --include-ignored --test-threads=1 ${TESTS:-} > "$L/parity.log" 2>&1
   grep -E 'test result|panicked|FAILED' "$L/parity.log" | head -12
   for p in ${PROFILES-rtx5090}; do
     echo "== parity of B under $p"
-    SALA_DEVICE_PROFILE=$p timeout 300 .gpu-b/gpu_parity --include-ignored --test-threads=1 > "$L/parity_$p.log" 2>&1
+    # shellcheck disable=SC2086
+    SALA_DEVICE_PROFILE=$p timeout 300 .gpu-b/gpu_parity --include-ignored --test-threads=1 ${TESTS:-} > "$L/parity_$p.log" 2>&1
     grep -E 'test result|panicked|FAILED' "$L/parity_$p.log" | head -12
   done
 fi
