@@ -141,7 +141,8 @@ pub const MAX_ATTENTION_SPLIT: usize = 32;
 pub const DECODE_SPLIT_MAX: usize = 128;
 /// From this many query rows on, staged attention runs as `attention_prefill`.
 pub const PREFILL_ATTENTION_ROWS: usize = 64;
-/// Most bytes of block scores (bf16) the tensor-core selection keeps at once.
+/// Most bytes of block scores (bf16) the tensor-core selection keeps at once (the default of
+/// `CudaOptions::select_scores_bytes`).
 pub const SELECT_SCORES_BYTES: usize = 128 << 20;
 /// From this many (query, KV group) pairs on, block selection runs as prefill.
 pub const SELECT_ONE_KERNEL_PAIRS: usize = 264;
@@ -505,7 +506,8 @@ impl Planner {
                 .div_ceil(launches)
                 .next_multiple_of(SELECT_QUERIES_PER_BLOCK)
                 .min(most);
-            if cost(per) < cost(best) || (cost(per) == cost(best) && per > best) {
+            // Launch counts rise through the loop, so a tie keeps the fewer launches.
+            if cost(per) < cost(best) {
                 best = per;
             }
         }
