@@ -78,6 +78,10 @@ pub struct CudaOptions {
     /// ([`crate::plan::SELECT_SCORES_BYTES`]; tests lower it to split a chunk's selection into
     /// several launches).
     pub select_scores_bytes: usize,
+    /// Most candidate blocks a prefill top-k takes with `sd_topk_scores` (at most
+    /// [`crate::plan::SD_TOPK_MAX_CANDIDATES`], its 16-bit counts); past it,
+    /// `select_topk_scores` (as past ~4M tokens; tests lower it to run that kernel).
+    pub topk_scores_max_candidates: usize,
     /// Per-sequence caches and states in the page pool (else one allocation each).
     pub kv_pool: bool,
     /// Allocation granules per pool page.
@@ -106,6 +110,7 @@ impl Default for CudaOptions {
             batched_sparse_rows: true,
             topk_keys_in_global: false,
             select_scores_bytes: crate::plan::SELECT_SCORES_BYTES,
+            topk_scores_max_candidates: crate::plan::SD_TOPK_MAX_CANDIDATES,
             kv_pool: true,
             kv_pool_granules: 1,
             profile_kernels: false,

@@ -529,10 +529,11 @@ impl Planner {
 
     /// The top-k over a prefill selection's block scores: `sd_topk_scores` (keys in shared
     /// memory where they fit, else in global memory), or `select_topk_scores` beyond the
-    /// 16-bit counts.
+    /// 16-bit counts (or `CudaOptions::topk_scores_max_candidates`).
     pub fn topk_scores(&self, pairs: usize, len: usize, cfg: &SparseConfig) -> (K, TopkPlan) {
         let candidates = candidate_blocks(len, cfg);
-        if candidates > SD_TOPK_MAX_CANDIDATES {
+        let most = SD_TOPK_MAX_CANDIDATES.min(self.options.topk_scores_max_candidates);
+        if candidates > most {
             let launch = Launch::new((pairs, 1, 1), 256, 0);
             let plan = TopkPlan {
                 launch,

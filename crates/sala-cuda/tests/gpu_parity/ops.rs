@@ -744,8 +744,8 @@ fn fast_block_selection_matches_oracle_scores() {
         ),
     ];
     // The default plans (wgmma block scores on Hopper), the mma.sync twins, heads as MMA rows,
-    // the top-k's keys in global memory (as small-memory cards past ~3M tokens), and chunks
-    // whose selection takes several launches (as past 256K tokens).
+    // the top-k's keys in global memory (as small-memory cards past ~3M tokens), chunks whose
+    // selection takes several launches (as past 256K tokens), and `select_topk_scores`.
     let variants: Vec<(&str, CudaOptions)> = {
         let base = base_options();
         let with = |f: &dyn Fn(&mut CudaOptions)| {
@@ -769,6 +769,11 @@ fn fast_block_selection_matches_oracle_scores() {
             (
                 "block scores in several launches",
                 with(&|o| o.select_scores_bytes = 64 << 10),
+            ),
+            // The top-k past the 16-bit counts (over ~4M tokens), here past 32 blocks.
+            (
+                "top-k past the 16-bit counts",
+                with(&|o| o.topk_scores_max_candidates = 32),
             ),
         ]
     };
