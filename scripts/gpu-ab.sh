@@ -5,7 +5,8 @@
 # in turn, twice (A B A B: machines drift), their result lines together. Logs in $OUT/ab/.
 # PARITY=0 skips the parity suite (~6 minutes with one profile: a device call lasts at most 10,
 # so parity and a long A/B may need two calls); TESTS="name ..." runs only the tests whose names
-# contain one of those strings.
+# contain one of those strings. SIDES="A B C" adds .gpu-c/ (built with DEST=.gpu-c) to the
+# benches; PARITY_OF=C tests that build instead of B.
 # Usage: bash scripts/gpu-ab.sh "--context 4K --decode-tokens 256" ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,15 +14,17 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export XDG_CACHE_HOME=/tmp/sala-cache
 L=${OUT:-/tmp/sala-out}/ab
 mkdir -p "$L"
+dir_of() { case $1 in A) echo .gpu ;; *) echo ".gpu-$(echo "$1" | tr 'A-Z' 'a-z')" ;; esac; }
+P=${PARITY_OF:-B}
 if [ "${PARITY:-1}" != 0 ]; then
-  echo "== parity of B, own plans"
+  echo "== parity of $P, own plans"
   # shellcheck disable=SC2086
-  timeout 300 .gpu-b/gpu_parity --include-ignored --test-threads=1 ${TESTS:-} > "$L/parity.log" 2>&1
+  timeout 300 "$(dir_of "$P")/gpu_parity" --include-ignored --test-threads=1 ${TESTS:-} > "$L/parity.log" 2>&1
   grep -E 'test result|panicked|FAILED' "$L/parity.log" | head -12
   for p in ${PROFILES-rtx5090}; do
-    echo "== parity of B under $p"
+    echo "== parity of $P under $p"
     # shellcheck disable=SC2086
-    SALA_DEVICE_PROFILE=$p timeout 300 .gpu-b/gpu_parity --include-ignored --test-threads=1 ${TESTS:-} > "$L/parity_$p.log" 2>&1
+    SALA_DEVICE_PROFILE=$p timeout 300 "$(dir_of "$P")/gpu_parity" --include-ignored --test-threads=1 ${TESTS:-} > "$L/parity_$p.log" 2>&1
     grep -E 'test result|panicked|FAILED' "$L/parity_$p.log" | head -12
   done
 fi
@@ -30,8 +33,8 @@ for args in "$@"; do
   i=$((i + 1))
   echo "== bench $i: sala bench --device cuda $args"
   for round in 1 2; do
-    for side in A B; do
-      dir=.gpu; [ $side = B ] && dir=.gpu-b
+    for side in ${SIDES:-A B}; do
+      dir=$(dir_of "$side")
       # shellcheck disable=SC2086
       timeout 280 $dir/sala bench --device cuda $args > "$L/bench${i}_${side}${round}.txt" 2>&1
       echo "-- $side (round $round):"
