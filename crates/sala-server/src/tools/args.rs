@@ -9,6 +9,7 @@
 //! stays the text: the client sees what the model wrote, never an error.
 
 use serde_json::{Map, Number, Value};
+use std::collections::HashSet;
 
 /// `schema` with its local `$ref`s (`#/$defs/X`, `#/definitions/X`, any pointer into `root`)
 /// followed; a reference that leads nowhere, or round in a loop, is the schema as it is.
@@ -48,13 +49,25 @@ fn type_of(v: &Value) -> &'static str {
 pub fn schema_types(schema: Option<&Value>, root: Option<&Value>) -> Vec<String> {
     let mut out = Vec::new();
     if let Some(schema) = schema {
-        add_types(&mut out, schema, root, 0);
+        add_types(&mut out, &mut HashSet::new(), schema, root, 0);
     }
     out
 }
 
-fn add_types(out: &mut Vec<String>, schema: &Value, root: Option<&Value>, depth: usize) {
+/// Adds the types of `schema` to `out`. Each schema object is read once (`seen`): alternatives
+/// that refer back to their own schema would otherwise be walked once per path, exponentially
+/// many times.
+fn add_types(
+    out: &mut Vec<String>,
+    seen: &mut HashSet<*const Value>,
+    schema: &Value,
+    root: Option<&Value>,
+    depth: usize,
+) {
     let schema = resolve(schema, root);
+    if !seen.insert(schema) {
+        return;
+    }
     let mut add = |t: &str| {
         if !out.iter().any(|o| o == t) {
             out.push(t.to_string());
@@ -75,7 +88,7 @@ fn add_types(out: &mut Vec<String>, schema: &Value, root: Option<&Value>, depth:
         for key in ["anyOf", "oneOf"] {
             if let Some(Value::Array(alts)) = schema.get(key) {
                 for alt in alts {
-                    add_types(out, alt, root, depth + 1);
+                    add_types(out, seen, alt, root, depth + 1);
                 }
             }
         }
@@ -370,6 +383,14 @@ mod tests {
         for dead in ["#/$defs/L", "#/$defs/Z", "other.json#/A"] {
             assert!(schema_types(Some(&json!({"$ref": dead})), Some(&root)).is_empty());
         }
+        // Alternatives that refer back to their own schema are read once, not once a path
+        // (40 of them, 8 deep, would take 40^8 walks).
+        let alts: Vec<Value> = (0..40).map(|_| json!({"$ref": "#/$defs/X"})).collect();
+        let mut alts = Value::Array(alts);
+        alts.as_array_mut().unwrap().push(json!({"type": "string"}));
+        let root = json!({"$defs": {"X": {"anyOf": alts}}});
+        let types = schema_types(Some(&json!({"$ref": "#/$defs/X"})), Some(&root));
+        assert_eq!(types, ["string"]);
     }
 
     #[test]
