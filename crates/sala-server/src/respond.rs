@@ -98,17 +98,24 @@ impl PromptReport {
 }
 
 async fn admit(
-    st: &AppState,
+    st: &Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
     kind: Kind,
 ) -> Result<Admitted, ApiError> {
     let bytes = body_bytes(body)?;
-    let value = parse_json(&bytes)?;
-    let mut checked = match kind {
-        Kind::Chat => check_chat(st, &value)?,
-        Kind::Completion => check_completion(st, &value)?,
-    };
-    drop(value);
+    // Reading and checking a body takes time in proportion to its size (tools' schemas walked
+    // for their grammar, up to the body limit): on a blocking thread, so that a large request
+    // stalls no server thread, and with it every other client.
+    let state = st.clone();
+    let mut checked = tokio::task::spawn_blocking(move || {
+        let value = parse_json(&bytes)?;
+        match kind {
+            Kind::Chat => check_chat(&state, &value),
+            Kind::Completion => check_completion(&state, &value),
+        }
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("checking the request: {e}")))??;
     // The template and the tokenizer run on a blocking thread of their own, never on the
     // engine thread: a long prompt delays no other request. So does an echo's text.
     let first = std::mem::replace(&mut checked.request.prompt, Prompt::Tokens(Vec::new()));

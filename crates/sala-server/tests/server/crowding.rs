@@ -148,3 +148,49 @@ fn a_stalled_stream_above_the_batch_lets_others_through() {
     assert!(t.elapsed() < Duration::from_secs(50), "{:?}", t.elapsed());
     drop(stalled);
 }
+
+/// A request whose checks take long (tools whose call grammar lists 200,000 values) is checked
+/// off the server's threads: while a request of that kind for each of them is checked,
+/// `/health` answers at once (it used to wait for the checks, seconds).
+#[test]
+fn slow_checks_hold_no_server_thread() {
+    let addr = serve_with(
+        spawn_engine(16),
+        sala_server::ServerOptions {
+            max_body_bytes: 4 << 20,
+            ..Default::default()
+        },
+    );
+    let values: Vec<u32> = (0..1000).collect();
+    let properties: serde_json::Map<String, serde_json::Value> = (0..200)
+        .map(|i| (format!("p{i}"), json!({"enum": values})))
+        .collect();
+    let required: Vec<&String> = properties.keys().collect();
+    let tool = json!({"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": properties, "required": required}}});
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                      "tools": [tool], "tool_choice": "required"})
+    .to_string();
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let slow: Vec<_> = (0..threads + 1)
+        .map(|_| {
+            let body = body.clone();
+            std::thread::spawn(move || {
+                request_to(addr, "POST", "/v1/chat/completions", body.as_bytes())
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let (status, text) = request_to(addr, "GET", "/health", b"");
+    let waited = t.elapsed();
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        waited < Duration::from_millis(500),
+        "/health took {waited:?}"
+    );
+    for s in slow {
+        let (status, text) = s.join().unwrap();
+        assert!(status < 500, "{status} {text}");
+    }
+}
