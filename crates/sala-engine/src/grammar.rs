@@ -222,6 +222,33 @@ pub fn widest_choice(schema: &serde_json::Value) -> usize {
     widest
 }
 
+/// Most properties one object of a schema may leave optional: the parser's row holds about
+/// four items for each property that may come next (two in a tool call's parameters), and
+/// fails mid-generation past 2000 (an object of 499 optional properties).
+pub const MAX_OPTIONAL_PROPERTIES: usize = 400;
+
+/// The most properties any object in `schema` lists in `properties` but not in `required` (0
+/// without one).
+pub fn most_optional_properties(schema: &serde_json::Value) -> usize {
+    use serde_json::Value;
+    let mut most = 0;
+    for_each_object(schema, &mut |map| {
+        let Some(Value::Object(props)) = map.get("properties") else {
+            return;
+        };
+        let required: std::collections::HashSet<&str> = match map.get("required") {
+            Some(Value::Array(list)) => list.iter().filter_map(Value::as_str).collect(),
+            _ => Default::default(),
+        };
+        let optional = props
+            .keys()
+            .filter(|k| !required.contains(k.as_str()))
+            .count();
+        most = most.max(optional);
+    });
+    most
+}
+
 /// The request parameter that structured output answers to.
 const PARAM: &str = "response_format";
 
@@ -392,6 +419,14 @@ impl Grammars {
                     return Err(invalid(&format!(
                         "the JSON schema has an enum, anyOf or oneOf of {widest} alternatives; at \
                          most {MAX_ALTERNATIVES} are supported"
+                    )));
+                }
+                let optional = most_optional_properties(s);
+                if optional > MAX_OPTIONAL_PROPERTIES {
+                    return Err(invalid(&format!(
+                        "the JSON schema has an object of {optional} properties that are not \
+                         required; at most {MAX_OPTIONAL_PROPERTIES} are supported (list the \
+                         others in `required`)"
                     )));
                 }
                 match s {

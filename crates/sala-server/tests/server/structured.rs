@@ -127,6 +127,14 @@ fn json_object_in_chat_and_completions() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
 }
 
+/// An object schema of `n` string properties, none required.
+pub fn optional_properties(n: usize) -> Value {
+    let properties: serde_json::Map<String, Value> = (0..n)
+        .map(|i| (format!("p{i}"), json!({"type": "string"})))
+        .collect();
+    json!({"type": "object", "properties": properties})
+}
+
 #[test]
 fn bad_formats_and_schemas_are_400_naming_response_format() {
     // A larger body limit, so that the schema's own limit answers.
@@ -162,6 +170,8 @@ fn bad_formats_and_schemas_are_400_naming_response_format() {
             schema(json!({"enum": (0..1025).collect::<Vec<u32>>()})),
             "1025 alternatives",
         ),
+        // The parser would fail once the object's keys are read, mid-generation.
+        (schema(optional_properties(401)), "401 properties"),
     ] {
         let mut body = chat(format.clone(), false);
         body["max_tokens"] = json!(4);
