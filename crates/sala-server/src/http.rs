@@ -26,6 +26,11 @@ pub struct ServerOptions {
     /// requests, or take to send a request's body once its headers are in; then it is closed
     /// (a late body is answered 408 first).
     pub header_timeout: std::time::Duration,
+    /// Most log-probabilities of generated tokens a response answered whole (not streamed) may
+    /// list, each token's own and each alternative beside it, in every choice: they are held
+    /// until the reply ends, at one to two kilobytes of memory apiece, so a request past this
+    /// fails (400) rather than the server running out of memory.
+    pub max_whole_logprobs: usize,
 }
 
 impl Default for ServerOptions {
@@ -34,6 +39,7 @@ impl Default for ServerOptions {
             max_body_bytes: 4 << 20,
             shutdown_timeout: std::time::Duration::from_secs(30),
             header_timeout: std::time::Duration::from_secs(30),
+            max_whole_logprobs: 500_000,
         }
     }
 }
@@ -43,6 +49,8 @@ pub(crate) struct AppState {
     pub(crate) engine: EngineHandle,
     pub(crate) started: u64,
     next_id: AtomicU64,
+    /// [`ServerOptions::max_whole_logprobs`].
+    pub(crate) max_whole_logprobs: usize,
 }
 
 impl AppState {
@@ -66,6 +74,7 @@ pub fn router(engine: EngineHandle, opts: &ServerOptions) -> Router {
         engine,
         started: now(),
         next_id: AtomicU64::new(0),
+        max_whole_logprobs: opts.max_whole_logprobs,
     });
     Router::new()
         .route("/v1/chat/completions", post(crate::chat::chat_completions))

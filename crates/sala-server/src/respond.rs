@@ -22,6 +22,7 @@ use sala_tokenizer::Tokenizer;
 use serde_json::{json, Map, Value};
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -322,6 +323,7 @@ pub(crate) async fn handle(
         logprobs: admitted.logprobs,
         n: admitted.n,
         prompt: admitted.prompt,
+        max_logprobs: st.max_whole_logprobs,
     };
     let reply = admitted.reply.unwrap_or_default();
     if admitted.stream {
@@ -348,10 +350,15 @@ async fn whole_response(
     events: Vec<mpsc::Receiver<Event>>,
     reply: &ReplySetup,
 ) -> Result<Value, Failed> {
-    let reads = events
-        .into_iter()
-        .enumerate()
-        .map(|(index, mut rx)| async move { whole_choice(meta, index, &mut rx, reply).await });
+    let listed = AtomicUsize::new(0);
+    let listed = &listed;
+    let reads =
+        events
+            .into_iter()
+            .enumerate()
+            .map(|(index, mut rx)| async move {
+                whole_choice(meta, index, &mut rx, reply, listed).await
+            });
     // The first failure drops the other choices, which cancels them.
     let choices = futures_util::future::try_join_all(reads).await?;
     let mut counts = Usage::default();
@@ -371,12 +378,15 @@ async fn whole_response(
     }))
 }
 
-/// One choice of a whole response, and its token counts.
+/// One choice of a whole response, and its token counts; `listed` counts the log-probabilities
+/// its response holds so far, which may not pass [`Meta::max_logprobs`] (a stream sends them as
+/// they come, and holds none).
 async fn whole_choice(
     meta: &Meta,
     index: usize,
     events: &mut mpsc::Receiver<Event>,
     reply: &ReplySetup,
+    listed: &AtomicUsize,
 ) -> Result<(Value, Usage), Failed> {
     let kind = meta.kind;
     let mut reader = ReplyReader::new(reply);
@@ -391,6 +401,24 @@ async fn whole_choice(
                 match kind {
                     Kind::Chat => read.append(reader.push(&t)),
                     Kind::Completion => text.push_str(&t),
+                }
+                let count: usize = logprobs.iter().map(|e| 1 + e.top.len()).sum();
+                let most = meta.max_logprobs;
+                if listed.fetch_add(count, Ordering::Relaxed) + count > most {
+                    let param = match kind {
+                        Kind::Chat => "top_logprobs",
+                        Kind::Completion => "logprobs",
+                    };
+                    return Err(Failed::Here(
+                        ApiError::invalid(format!(
+                            "the reply's log-probabilities passed {most} \
+                             (each token's and its alternatives', in every choice), the most \
+                             one response answered whole may list: stream the response, or \
+                             ask for fewer tokens, choices or alternatives"
+                        ))
+                        .param(param)
+                        .code("response_too_large"),
+                    ));
                 }
                 entries.extend(logprobs);
             }
@@ -476,6 +504,8 @@ struct Meta {
     n: usize,
     /// What a completion shows of its prompts.
     prompt: Option<PromptReport>,
+    /// Most log-probabilities a whole response may hold ([`crate::ServerOptions`]).
+    max_logprobs: usize,
 }
 
 impl Meta {

@@ -39,6 +39,7 @@ fn chat_meta() -> Meta {
         logprobs: false,
         n: 1,
         prompt: None,
+        max_logprobs: usize::MAX,
     }
 }
 

@@ -195,3 +195,50 @@ fn chat_logprobs_have_the_openai_shape_streaming_or_not() {
     let (_, v) = post("/v1/chat/completions", &b);
     assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
 }
+
+/// A response answered whole holds its log-probabilities until the reply ends: past the
+/// server's limit the request fails with a 400 naming them (it used to hold them all, about
+/// 40 KB a token with 20 alternatives, until the server ran out of memory); a stream, which
+/// holds none, goes on; and the server serves the next request.
+#[test]
+fn whole_responses_hold_a_bounded_number_of_logprobs() {
+    let addr = serve_with(
+        spawn_engine(8),
+        sala_server::ServerOptions {
+            max_whole_logprobs: 2_000,
+            ..Default::default()
+        },
+    );
+    let ask = |path: &str, stream: bool| {
+        let mut body = json!({"n": 2, "max_tokens": 60, "ignore_eos": true, "stream": stream});
+        if path == "/v1/chat/completions" {
+            body["messages"] = json!([{"role": "user", "content": "Hi"}]);
+            body["logprobs"] = json!(true);
+            body["top_logprobs"] = json!(20);
+        } else {
+            body["prompt"] = json!("Hi");
+            body["logprobs"] = json!(20);
+        }
+        request_to(addr, "POST", path, body.to_string().as_bytes())
+    };
+    for (path, param) in [
+        ("/v1/chat/completions", "top_logprobs"),
+        ("/v1/completions", "logprobs"),
+    ] {
+        let (status, text) = ask(path, false);
+        assert_error(status, &text, 400, Some(param), path);
+        assert!(text.contains("response_too_large"), "{text}");
+        let (status, text) = ask(path, true);
+        assert_eq!(status, 200, "{text}");
+        assert!(
+            text.ends_with("data: [DONE]\n\n") && !text.contains("\"error\":{"),
+            "{text}"
+        );
+    }
+    let (status, v) = post_to(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{v}");
+}
