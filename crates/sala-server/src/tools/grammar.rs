@@ -33,7 +33,7 @@
 use super::parse::read_back;
 use super::{ToolChoice, ToolDef, ToolSet};
 use crate::api::ApiError;
-use sala_engine::grammar::{most_optional_properties, MAX_OPTIONAL_PROPERTIES};
+use sala_engine::grammar::{widest_row, MAX_ROW};
 use serde_json::{json, Value};
 
 /// Whether `key` may be written as a parameter name (inside `name="…"`, as a Lark string).
@@ -300,13 +300,14 @@ impl Lark {
     /// ones present, then `</function>`.
     fn body(&mut self, i: usize, t: &ToolDef) -> Result<(), ApiError> {
         let params = t.parameters.as_ref();
-        let optional = params.map_or(0, most_optional_properties);
-        if optional > MAX_OPTIONAL_PROPERTIES {
+        let row = params.map_or(0, widest_row);
+        if row > MAX_ROW {
             let param = format!("tools[{i}].function.parameters");
             return Err(ApiError::invalid(format!(
-                "{param} has an object of {optional} properties that are not required; a \
-                 call the grammar holds to its schema (tool_choice required or named, or a \
-                 strict function) can have at most {MAX_OPTIONAL_PROPERTIES}"
+                "{param} lets about {row} alternatives follow at one place of a call (an \
+                 object's optional properties, about four each, and the alternatives of anyOf, \
+                 oneOf and enum); a call the grammar holds to its schema (tool_choice required \
+                 or named, or a strict function) can have at most {MAX_ROW}"
             ))
             .param(param));
         }

@@ -171,7 +171,11 @@ fn bad_formats_and_schemas_are_400_naming_response_format() {
             "1025 alternatives",
         ),
         // The parser would fail once the object's keys are read, mid-generation.
-        (schema(optional_properties(401)), "401 properties"),
+        (schema(optional_properties(500)), "about 2007 alternatives"),
+        (
+            schema(json!({"anyOf": [optional_properties(250), optional_properties(250)]})),
+            "about 2014 alternatives",
+        ),
     ] {
         let mut body = chat(format.clone(), false);
         body["max_tokens"] = json!(4);

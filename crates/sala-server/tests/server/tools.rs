@@ -60,12 +60,12 @@ fn tool_requests_are_checked() {
             "tools[0].function.parameters",
             "1025 alternatives",
         ),
-        // Calls whose next parameter may be any of 401 would fail mid-generation.
+        // Calls whose next parameter may be any of 1000 would fail mid-generation.
         (
             json!({"tools": [{"type": "function", "function": {"name": "f", "parameters":
-                crate::structured::optional_properties(401)}}], "tool_choice": "required"}),
+                crate::structured::optional_properties(1000)}}], "tool_choice": "required"}),
             "tools[0].function.parameters",
-            "401 properties",
+            "about 4007 alternatives",
         ),
         // Strict schemas that name no type are checked as JSON schemas, not taken as text.
         (
