@@ -184,6 +184,21 @@ async fn admit(
         .await
         .map_err(|e| ApiError::internal(format!("checking the tools' schemas: {e}")))??;
     }
+    // A prompt that leaves no room is refused before its grammar is compiled (seconds for the
+    // call grammar of many tools); the engine checks it again as it admits the request.
+    let max_context = st.engine.info.max_context;
+    let longest = prompts.iter().map(|p| match p {
+        Prompt::Tokens(ids) => ids.len(),
+        _ => 0,
+    });
+    if let Some(len) = longest.max().filter(|&len| len >= max_context) {
+        return Err(ApiError::from(&RequestError::ContextLengthExceeded {
+            message: format!(
+                "the prompt has {len} tokens, which leaves no room in the context budget of \
+                 {max_context} tokens"
+            ),
+        }));
+    }
     if let Some(spec) = checked.grammar.take() {
         let engine = st.engine.clone();
         let grammar = tokio::task::spawn_blocking(move || engine.grammar(&spec))

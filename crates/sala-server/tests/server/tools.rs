@@ -684,3 +684,29 @@ fn alternatives_that_refer_back_to_their_schema_are_read_in_linear_time() {
     assert!(status == 200 || status == 400, "{status} {v}");
     assert!(started.elapsed() < std::time::Duration::from_secs(20));
 }
+
+#[test]
+fn a_prompt_too_long_for_its_tools_is_refused_before_their_grammar_is_compiled() {
+    // 100,000 parameters: the grammar compiler spent about 20 s here on their call grammar,
+    // to fail (too many symbols), before the prompt, far past the context, was refused.
+    let addr = serve_with(
+        spawn_engine(4),
+        sala_server::ServerOptions {
+            max_body_bytes: 4 << 20,
+            ..Default::default()
+        },
+    );
+    let properties: serde_json::Map<String, Value> = (0..100_000)
+        .map(|i| (format!("p{i}"), json!({"type": "string"})))
+        .collect();
+    let required: Vec<&String> = properties.keys().collect();
+    let tool = json!({"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": properties, "required": required}}});
+    let started = std::time::Instant::now();
+    let body = ask(json!({"tools": [tool], "tool_choice": "required"}));
+    let (status, v) = post_to(addr, "/v1/chat/completions", &body);
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    let took = started.elapsed();
+    assert!(took < std::time::Duration::from_secs(15), "{took:?}");
+}
