@@ -30,7 +30,7 @@
 //! A strict function's schema with keywords llguidance does not support is an error; a
 //! non-strict one's are ignored.
 
-use super::parse::read_back;
+use super::parse::read_back_as;
 use super::{ToolChoice, ToolDef, ToolSet};
 use crate::api::ApiError;
 use sala_engine::grammar::{widest_row, MAX_ROW};
@@ -239,7 +239,10 @@ impl Lark {
             (_, Some(v)) => vec![v],
             _ => return None,
         };
+        // The parameter's reading, once: each value's forms are read back as it says.
+        let (json, types) = (tool.json_valued(key), tool.param_types(key));
         let mut words = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for v in values {
             let forms = match v {
                 Value::String(s) => {
@@ -254,10 +257,10 @@ impl Lark {
             };
             if let Some(form) = forms
                 .into_iter()
-                .find(|f| read_back(tool, key, f).as_ref() == Some(v))
+                .find(|f| read_back_as(json, &types, f).as_ref() == Some(v))
             {
                 let word = lit(&format!("{form}</param>"));
-                if !words.contains(&word) {
+                if seen.insert(word.clone()) {
                     words.push(word);
                 }
             }
@@ -314,7 +317,8 @@ impl Lark {
         let props = params
             .and_then(|p| p.get("properties"))
             .and_then(Value::as_object);
-        let required: Vec<&str> = params
+        // A set: a list looked up for each parameter took quadratic time.
+        let required: std::collections::HashSet<&str> = params
             .and_then(|p| p.get("required"))
             .and_then(Value::as_array)
             .map(|r| r.iter().filter_map(Value::as_str).collect())
@@ -740,5 +744,35 @@ mod tests {
         assert_eq!(accepts(&g, &call("-12", "0.25")), Ok(true));
         assert!(accepts(&g, &call("99999999999999999999", "1")).is_err());
         assert!(accepts(&g, &call("1", "1e400")).is_err());
+    }
+
+    /// Many parameters, and many enums of many values, take time in proportion to their
+    /// number (the required list was searched for each parameter, and each enum value's forms
+    /// read the parameter's whole schema again: seconds each).
+    #[test]
+    fn large_tools_make_their_grammar_in_linear_time() {
+        let values: Vec<u32> = (0..1024).collect();
+        for (count, schema) in [
+            (60_000, json!({"type": "string"})),
+            (200, json!({"enum": values})),
+        ] {
+            let properties: serde_json::Map<String, Value> = (0..count)
+                .map(|i| (format!("p{i}"), schema.clone()))
+                .collect();
+            let required: Vec<&String> = properties.keys().collect();
+            let set = set(
+                json!([{"type": "function", "function": {"name": "f", "parameters":
+                {"type": "object", "properties": properties, "required": required}}}]),
+            );
+            let started = std::time::Instant::now();
+            call_grammar(&set, &ToolChoice::Required, 1)
+                .unwrap()
+                .unwrap();
+            let took = started.elapsed();
+            assert!(
+                took < std::time::Duration::from_millis(500),
+                "{count}: {took:?}"
+            );
+        }
     }
 }

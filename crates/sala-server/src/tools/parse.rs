@@ -296,10 +296,17 @@ fn verdict(s: &str, tools: &ToolSet) -> Verdict {
 /// model would write it between `<param name="KEY">` and `</param>`; `None` when that text
 /// would be no value.
 pub fn read_back(tool: &ToolDef, key: &str, written: &str) -> Option<Value> {
+    read_back_as(tool.json_valued(key), &tool.param_types(key), written)
+}
+
+/// [`read_back`] for a parameter whose values are JSON or not (`json`,
+/// [`ToolDef::json_valued`]) and of the JSON `types` ([`ToolDef::param_types`]), worked out
+/// once for many values.
+pub fn read_back_as(json: bool, types: &[String], written: &str) -> Option<Value> {
     let s = format!("{written}{PARAM_CLOSE}");
     let mut c = Cursor { s: &s, i: 0 };
-    let (text, raw) = c.value(tool.json_valued(key)).ok()?;
-    (c.i == s.len()).then(|| typed_value(&text, &raw, &tool.param_types(key)))
+    let (text, raw) = c.value(json).ok()?;
+    (c.i == s.len()).then(|| typed_value(&text, &raw, types))
 }
 
 /// Bytes at the end of `s` that begin `tag` (and so may be its start).
