@@ -76,7 +76,7 @@ pub fn router(engine: EngineHandle, opts: &ServerOptions) -> Router {
         next_id: AtomicU64::new(0),
         max_whole_logprobs: opts.max_whole_logprobs,
     });
-    Router::new()
+    let routes = Router::new()
         .route("/v1/chat/completions", post(crate::chat::chat_completions))
         .route("/v1/completions", post(crate::completion::completions))
         .route("/v1/models", get(models))
@@ -84,6 +84,11 @@ pub fn router(engine: EngineHandle, opts: &ServerOptions) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .with_state(state);
+    // Layers on a router apply to each route before the route adds `Allow` to a 405: the
+    // routes are served whole from outside, so that the 405's body can name its methods.
+    Router::new()
+        .fallback_service(routes)
         .layer(axum::middleware::map_response(method_not_allowed))
         .layer(DefaultBodyLimit::max(opts.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
@@ -93,7 +98,6 @@ pub fn router(engine: EngineHandle, opts: &ServerOptions) -> Router {
             },
             read_body,
         ))
-        .with_state(state)
 }
 
 /// How a request's body must arrive.

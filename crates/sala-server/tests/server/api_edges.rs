@@ -19,6 +19,10 @@ fn a_wrong_method_gets_an_openai_error_and_allow() {
             .find(|l| l.starts_with("allow:"))
             .unwrap_or_else(|| panic!("{method} {path}: no Allow header in {head}"));
         assert!(line.contains(allow), "{method} {path}: {line}");
+        // The message names them too.
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let message = v["error"]["message"].as_str().unwrap().to_ascii_lowercase();
+        assert!(message.contains(allow), "{method} {path}: {message}");
     }
 }
 
