@@ -768,9 +768,10 @@ mod tests {
             call_grammar(&set, &ToolChoice::Required, 1)
                 .unwrap()
                 .unwrap();
+            // About 0.15 s each here; 2.5 s for the 60,000 before the fix.
             let took = started.elapsed();
             assert!(
-                took < std::time::Duration::from_millis(500),
+                took < std::time::Duration::from_millis(1200),
                 "{count}: {took:?}"
             );
         }
