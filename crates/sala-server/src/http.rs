@@ -31,6 +31,10 @@ pub struct ServerOptions {
     /// until the reply ends, at one to two kilobytes of memory apiece, so a request past this
     /// fails (400) rather than the server running out of memory.
     pub max_whole_logprobs: usize,
+    /// Longest a connection may go without taking a byte of an answer being written to it;
+    /// then it is closed (which ends its request), so that a client that stops reading holds
+    /// no reply in memory for longer.
+    pub write_timeout: std::time::Duration,
 }
 
 impl Default for ServerOptions {
@@ -40,6 +44,7 @@ impl Default for ServerOptions {
             shutdown_timeout: std::time::Duration::from_secs(30),
             header_timeout: std::time::Duration::from_secs(30),
             max_whole_logprobs: 500_000,
+            write_timeout: std::time::Duration::from_secs(120),
         }
     }
 }
@@ -224,20 +229,22 @@ pub async fn serve_until(
             }
         }
     };
-    accept_until(listener, app, opts.header_timeout, begin).await;
+    accept_until(listener, app, opts, begin).await;
     Ok(())
 }
 
 /// Serves `app` on every connection `listener` accepts (HTTP/1.1, headers within
-/// `header_timeout`, idle keep-alive connections closed after it) until `stop` resolves; then
+/// `header_timeout`, idle keep-alive connections closed after it, answers taken within
+/// `write_timeout` of each write's wait) until `stop` resolves; then
 /// closes the listener, lets each connection finish its response, and returns when all have
 /// closed.
 async fn accept_until(
     listener: tokio::net::TcpListener,
     app: Router,
-    header_timeout: std::time::Duration,
+    opts: &ServerOptions,
     stop: impl std::future::Future<Output = ()>,
 ) {
+    let (header_timeout, write_timeout) = (opts.header_timeout, opts.write_timeout);
     use hyper_util::rt::{TokioIo, TokioTimer};
     let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
     // Each connection holds a sender; all dropped means all closed.
@@ -274,7 +281,7 @@ async fn accept_until(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout);
-            let stream = TokioIo::new(crate::wire::ErrorBodies::new(stream));
+            let stream = TokioIo::new(crate::wire::ErrorBodies::new(stream, write_timeout));
             let mut conn = builder.serve_connection(stream, service);
             let mut served = std::future::poll_fn(|cx| conn.poll_without_shutdown(cx));
             let ended = tokio::select! {

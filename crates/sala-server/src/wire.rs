@@ -4,26 +4,54 @@
 
 use crate::api::ApiError;
 use axum::http::StatusCode;
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// A stream whose body-less 4xx answers are rewritten with an error body. Writes are not
-/// vectored, so each answer's head comes whole at the start of one write.
+/// A stream whose body-less 4xx answers are rewritten with an error body, and whose writes
+/// fail (`TimedOut`) once the peer has taken no byte for `write_timeout`: a client that stops
+/// reading holds its reply's memory no longer (hyper then closes the connection, which ends
+/// the request). Writes are not vectored, so each answer's head comes whole at the start of one
+/// write.
 pub struct ErrorBodies<S> {
     inner: S,
     /// An answer being written in place of the one hyper gave: its bytes, how many are
     /// written, and the length of hyper's to report once all are.
     pending: Option<(Vec<u8>, usize, usize)>,
+    write_timeout: std::time::Duration,
+    /// Since when a write has waited for the peer to read (armed at its first `Pending`).
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<S> ErrorBodies<S> {
-    pub fn new(inner: S) -> Self {
+    pub fn new(inner: S, write_timeout: std::time::Duration) -> Self {
         Self {
             inner,
             pending: None,
+            write_timeout,
+            stalled: None,
         }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> ErrorBodies<S> {
+    /// The inner stream's write, failing once it has waited `write_timeout` without progress.
+    fn poll_inner_write(&mut self, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if let Poll::Ready(done) = Pin::new(&mut self.inner).poll_write(cx, buf) {
+            self.stalled = None;
+            return Poll::Ready(done);
+        }
+        let timeout = self.write_timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        ready!(stalled.as_mut().poll(cx));
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the client took no byte of its answer for {timeout:?}"),
+        )))
     }
 }
 
@@ -122,25 +150,25 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for ErrorBodies<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
-        if this.pending.is_none() {
-            match with_error_body(buf) {
-                Some(answer) => this.pending = Some((answer, 0, buf.len())),
-                None => return Pin::new(&mut this.inner).poll_write(cx, buf),
-            }
-        }
-        let Some((answer, written, stands_for)) = &mut this.pending else {
-            unreachable!("set above")
+        let (answer, mut written, stands_for) = match this.pending.take() {
+            Some(pending) => pending,
+            None => match with_error_body(buf) {
+                Some(answer) => (answer, 0, buf.len()),
+                None => return this.poll_inner_write(cx, buf),
+            },
         };
-        while *written < answer.len() {
-            match ready!(Pin::new(&mut this.inner).poll_write(cx, &answer[*written..])) {
-                Ok(0) => return Poll::Ready(Ok(0)),
-                Ok(n) => *written += n,
-                Err(e) => return Poll::Ready(Err(e)),
+        while written < answer.len() {
+            match this.poll_inner_write(cx, &answer[written..]) {
+                Poll::Pending => {
+                    this.pending = Some((answer, written, stands_for));
+                    return Poll::Pending;
+                }
+                Poll::Ready(Ok(0)) => return Poll::Ready(Ok(0)),
+                Poll::Ready(Ok(n)) => written += n,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
             }
         }
-        let n = *stands_for;
-        this.pending = None;
-        Poll::Ready(Ok(n))
+        Poll::Ready(Ok(stands_for))
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -206,6 +234,40 @@ pub async fn refuse_http2(mut stream: tokio::net::TcpStream) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A peer that takes no byte fails the write after the write timeout; one that takes its
+    /// bytes slowly, each wait shorter than the timeout, gets them all.
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_fails_the_write() {
+        let timeout = Duration::from_millis(200);
+        let (ours, _theirs) = tokio::io::duplex(64);
+        let mut stream = ErrorBodies::new(ours, timeout);
+        let started = Instant::now();
+        let written = tokio::time::timeout(Duration::from_secs(10), stream.write_all(&[7u8; 1024]));
+        let err = written
+            .await
+            .expect("the write neither ended nor failed in 10 s")
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(started.elapsed() >= timeout, "{:?}", started.elapsed());
+
+        let (ours, mut theirs_slow) = tokio::io::duplex(64);
+        let mut stream = ErrorBodies::new(ours, timeout);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut chunk = [0u8; 64];
+            while got.len() < 1024 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let n = theirs_slow.read(&mut chunk).await.unwrap();
+                got.extend_from_slice(&chunk[..n]);
+            }
+            got
+        });
+        stream.write_all(&[9u8; 1024]).await.unwrap();
+        assert_eq!(reader.await.unwrap(), vec![9u8; 1024]);
+    }
 
     #[test]
     fn only_bodiless_client_errors_get_a_body() {
