@@ -815,6 +815,11 @@ fn chat_loop<B: Backend>(
                     eprint!("> ");
                 }
                 match lines.next() {
+                    // A line that is not UTF-8 is skipped (its bytes are read), not the session.
+                    Some(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                        eprintln!("error: a line of input is not UTF-8 text; it was skipped");
+                        continue;
+                    }
                     Some(l) => l.context("reading standard input")?,
                     None => break,
                 }

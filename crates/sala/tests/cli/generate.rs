@@ -240,7 +240,9 @@ fn chat_keeps_going_after_a_turn_that_does_not_fit() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tiny_checkpoint(tmp.path(), "tiny", &[]);
     let long = "word ".repeat(200);
-    let input = format!("Hello there\n{long}\n/reset\nAnother question\n");
+    let mut input = format!("Hello there\n{long}\n/reset\n").into_bytes();
+    // A line that is not UTF-8 is skipped too.
+    input.extend_from_slice(b"\xff\xfe is not UTF-8\nAnother question\n");
     let args = [
         "chat",
         "-m",
@@ -251,10 +253,11 @@ fn chat_keeps_going_after_a_turn_that_does_not_fit() {
         "96",
         "--ignore-eos",
     ];
-    let o = sala_with_stdin(&args, input.as_bytes(), tmp.path());
+    let o = sala_with_stdin(&args, &input, tmp.path());
     ok(&o);
     let e = stderr(&o);
     assert!(e.contains("context budget of 96"), "{e}");
+    assert!(e.contains("not UTF-8 text; it was skipped"), "{e}");
     assert!(e.contains("conversation cleared"), "{e}");
     // Two answered turns, each ended by a newline (a reply may hold newlines itself).
     assert!(stdout(&o).lines().count() >= 2, "{}", stdout(&o));
