@@ -148,11 +148,22 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     const int n1_all = (qb_last >= k_sel) ? min(4 * max(qb_last - local_blocks, 0), n1) : 0;
     if (n1_all == 0 || n2_all == 0) return;
 
-    // Token m of warpgroup wg: query i = i0 + 8wg + m (past the chunk's end, the last query).
-    auto tok_pos = [&](int m) { return first_pos + min(i0 + SW_TOK * wg + m, T - 1); };
-    auto tok_act = [&](int m) { return i0 + SW_TOK * wg + m < T && tok_pos(m) / block_size >= k_sel; };
-    auto tok_cand = [&](int m) { return tok_act(m) ? max(tok_pos(m) / block_size - local_blocks, 0) : 0; };
-    auto tok_n2v = [&](int m) { return min(sp_visible(tok_pos(m), k2_window, k2_stride), n2); };
+    // Token m of warpgroup w: query i = i0 + 8w + m (past the chunk's end, the last query).
+    auto pos_of = [&](int w, int m) { return first_pos + min(i0 + SW_TOK * w + m, T - 1); };
+    auto act_of = [&](int w, int m) { return i0 + SW_TOK * w + m < T && pos_of(w, m) / block_size >= k_sel; };
+    auto cand_of = [&](int w, int m) { return act_of(w, m) ? max(pos_of(w, m) / block_size - local_blocks, 0) : 0; };
+    auto n2v_of = [&](int w, int m) { return min(sp_visible(pos_of(w, m), k2_window, k2_stride), n2); };
+    auto tok_act = [&](int m) { return act_of(wg, m); };
+    auto tok_cand = [&](int m) { return cand_of(wg, m); };
+    auto tok_n2v = [&](int m) { return n2v_of(wg, m); };
+    // Of a tile both warpgroups compute, warpgroup 1 issues its MMAs when warpgroup 0's are
+    // done, so one's exp2 runs under the other's MMAs (not both MMAs, then both exp2, at once).
+    auto mma_turn = [&](bool both) {
+        if (wg == 1 && both) asm volatile("bar.sync 3, 256;\n" ::: "memory");
+    };
+    auto mma_done = [&](bool both) {
+        if (wg == 0 && both) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+    };
 
     // Stage the queries: row 16m + h of warpgroup wg's operand is head h (zero past G) of token m.
     for (int x = threadIdx.x; x < 2 * 128 * 16; x += 256) {
@@ -174,13 +185,16 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
 #pragma unroll 1
     for (int hf = 0; hf < 2; hf++) {
         int n2v[4];
-        int lo = 1 << 30, hi = 0;
+        int lo = 1 << 30, hi = 0, hi_w[2] = {0, 0};  // hi_w: each warpgroup's hi
 #pragma unroll
         for (int m = 0; m < 4; m++) {
             n2v[m] = tok_n2v(4 * hf + m);
             lo = min(lo, n2v[m]);
             hi = max(hi, n2v[m]);
+#pragma unroll
+            for (int w = 0; w < 2; w++) hi_w[w] = max(hi_w[w], n2v_of(w, 4 * hf + m));
         }
+        const int hi_both = min(hi_w[0], hi_w[1]);
         float acc[32], mrow[16], lrow[16];
 #pragma unroll
         for (int j = 0; j < 16; j++) {
@@ -191,12 +205,14 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
         for (int j = 0; j < 32; j++) acc[j] = 0.0f;
         sw_walk(k2, kvw, g, tiles, n2_all, [&](u32 tile, int c0) {
             if (c0 < hi) {  // warpgroup-uniform
+                mma_turn(c0 < hi_both);
                 sw_fence();
 #pragma unroll
                 for (int kk = 0; kk < 8; kk++)
                     sw_mma_n64(acc, sw_desc_k(tile, kk, SW_PANEL_K),
                                sw_desc_k(qbase + hf * 64 * 128, kk, SW_PANEL_Q), kk > 0);
                 sw_commit_wait();
+                mma_done(c0 < hi_both);
                 sw_hold(acc);
                 const bool full = c0 + 64 <= lo;  // no key masked for any token
                 const int key = c0 + 16 * wq + gq;
@@ -266,9 +282,14 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     __syncthreads();
 
     // Pass 2: P of each level-1 key, max-pooled into block scores (block b: keys 4b − 1 .. 4b + 3).
-    int cand_max = 0;
+    int cand_max = 0, cand_w[2] = {0, 0};  // cand_w: each warpgroup's cand_max
 #pragma unroll
-    for (int m = 0; m < SW_TOK; m++) cand_max = max(cand_max, tok_cand(m));
+    for (int m = 0; m < SW_TOK; m++) {
+        cand_max = max(cand_max, tok_cand(m));
+#pragma unroll
+        for (int w = 0; w < 2; w++) cand_w[w] = max(cand_w[w], cand_of(w, m));
+    }
+    const int cand_both = min(cand_w[0], cand_w[1]);
     const int pm = tw >> 4, pb = tw & 15;  // the (token, block of the tile) this thread pools
     const int pool_cand = tok_cand(pm);
     const size_t pool_row = ((size_t)(i0 + SW_TOK * wg + pm) * kv_heads + g) * bs_stride;
@@ -279,12 +300,14 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     for (int j = 0; j < 64; j++) acc[j] = 0.0f;
     sw_walk(k1, kvw, g, tiles, n1_all, [&](u32 tile, int c0) {
         if (c0 < 4 * cand_max) {  // warpgroup-uniform
+            mma_turn(c0 < 4 * cand_both);
             sw_fence();
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
                 sw_mma_n128(acc, sw_desc_k(tile, kk, SW_PANEL_K), sw_desc_k(qbase, kk, SW_PANEL_Q), kk > 0);
             sw_commit_wait();
             sw_hold(acc);
+            mma_done(c0 < 4 * cand_both);
             // v[2m + r]: this lane's 4 heads of token m summed, key 16wq + gq + 8r.
             float v[16];
 #pragma unroll
