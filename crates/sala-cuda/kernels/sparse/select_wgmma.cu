@@ -158,11 +158,13 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     auto tok_n2v = [&](int m) { return n2v_of(wg, m); };
     // Of a tile both warpgroups compute, warpgroup 1 issues its MMAs when warpgroup 0's are
     // done, so one's exp2 runs under the other's MMAs (not both MMAs, then both exp2, at once).
-    auto mma_turn = [&](bool both) {
-        if (wg == 1 && both) asm volatile("bar.sync 3, 256;\n" ::: "memory");
+    // Barrier `id` (3 or 4) is used at most once between two block barriers, so warpgroup 0
+    // never arrives at it twice before warpgroup 1 has waited there.
+    auto mma_turn = [&](bool both, int id) {
+        if (wg == 1 && both) asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
     };
-    auto mma_done = [&](bool both) {
-        if (wg == 0 && both) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+    auto mma_done = [&](bool both, int id) {
+        if (wg == 0 && both) asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
     };
 
     // Stage the queries: row 16m + h of warpgroup wg's operand is head h (zero past G) of token m.
@@ -179,42 +181,53 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     const u32 qbase = base + SW_Q_OFF + wg * 2 * SW_PANEL_Q;
     const u32 tiles = base + SW_K_OFF;
 
-    // Pass 1, per half hf (tokens 4hf .. 4hf + 3 of each warpgroup): online max and sum of exp2
-    // per (token, head) over this thread's keys, merged over the warp's lanes, then the warps.
+    // Pass 1, one walk over the level-2 keys: per staged tile, the MMAs and epilogue of half 0
+    // (tokens 0-3 of each warpgroup), then of half 1 (tokens 4-7), into one accumulator; online
+    // max and sum of exp2 per (token, head) over this thread's keys, merged over the warp's
+    // lanes, then the warps.
     float2* const ml = (float2*)(gbase + SW_ML_OFF);
-#pragma unroll 1
-    for (int hf = 0; hf < 2; hf++) {
-        int n2v[4];
-        int lo = 1 << 30, hi = 0, hi_w[2] = {0, 0};  // hi_w: each warpgroup's hi
+    {
+        // Each token's visible level-2 keys (for the masked tiles), then each half's fewest
+        // and most, and the most both warpgroups see (their MMA turns), in the LSE area (free
+        // until the walk ends; the walk's first barrier orders these stores before any read):
+        // registers are short here.
+        int* const n2v_s = (int*)(gbase + SW_LSE_OFF) + wg * (SW_TOK + 6);
+        if (tw < SW_TOK) n2v_s[tw] = tok_n2v(tw);
+        if (tw < 2) {
+            int lo = 1 << 30, hi = 0, hi_w[2] = {0, 0};
 #pragma unroll
-        for (int m = 0; m < 4; m++) {
-            n2v[m] = tok_n2v(4 * hf + m);
-            lo = min(lo, n2v[m]);
-            hi = max(hi, n2v[m]);
+            for (int m = 0; m < 4; m++) {
+                lo = min(lo, tok_n2v(4 * tw + m));
+                hi = max(hi, tok_n2v(4 * tw + m));
 #pragma unroll
-            for (int w = 0; w < 2; w++) hi_w[w] = max(hi_w[w], n2v_of(w, 4 * hf + m));
+                for (int w = 0; w < 2; w++) hi_w[w] = max(hi_w[w], n2v_of(w, 4 * tw + m));
+            }
+            n2v_s[SW_TOK + tw] = lo;
+            n2v_s[SW_TOK + 2 + tw] = hi;
+            n2v_s[SW_TOK + 4 + tw] = min(hi_w[0], hi_w[1]);
         }
-        const int hi_both = min(hi_w[0], hi_w[1]);
-        float acc[32], mrow[16], lrow[16];
+        float acc[32], mrow[32], lrow[32];
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < 32; j++) {
             mrow[j] = NEG;
             lrow[j] = 0.0f;
+            acc[j] = 0.0f;
         }
-#pragma unroll
-        for (int j = 0; j < 32; j++) acc[j] = 0.0f;
         sw_walk(k2, kvw, g, tiles, n2_all, [&](u32 tile, int c0) {
-            if (c0 < hi) {  // warpgroup-uniform
-                mma_turn(c0 < hi_both);
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                if (c0 >= n2v_s[SW_TOK + 2 + hf]) continue;  // warpgroup-uniform
+                const bool both = c0 < n2v_s[SW_TOK + 4 + hf];
+                mma_turn(both, 3 + hf);
                 sw_fence();
 #pragma unroll
                 for (int kk = 0; kk < 8; kk++)
                     sw_mma_n64(acc, sw_desc_k(tile, kk, SW_PANEL_K),
                                sw_desc_k(qbase + hf * 64 * 128, kk, SW_PANEL_Q), kk > 0);
                 sw_commit_wait();
-                mma_done(c0 < hi_both);
+                mma_done(both, 3 + hf);
                 sw_hold(acc);
-                const bool full = c0 + 64 <= lo;  // no key masked for any token
+                const bool full = c0 + 64 <= n2v_s[SW_TOK + hf];  // no key masked for any token of the half
                 const int key = c0 + 16 * wq + gq;
                 // Scores in place (log2 units, masked → −inf); the rescale is lazy: the reference
                 // max moves only when a score passes it by more than 8 (terms stay ≤ 2^8), for
@@ -224,11 +237,12 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
                 for (int m = 0; m < 4; m++)
 #pragma unroll
                     for (int h = 0; h < 4; h++) {
-                        const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 4 * m + h;
+                        const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
                         float x0 = acc[at] * sl2, x1 = acc[at + 2] * sl2;
                         if (!full) {
-                            x0 = key < n2v[m] ? x0 : NEG;
-                            x1 = key + 8 < n2v[m] ? x1 : NEG;
+                            const int n2v = n2v_s[4 * hf + m];
+                            x0 = key < n2v ? x0 : NEG;
+                            x1 = key + 8 < n2v ? x1 : NEG;
                         }
                         acc[at] = x0;
                         acc[at + 2] = x1;
@@ -239,7 +253,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
                     for (int m = 0; m < 4; m++)
 #pragma unroll
                         for (int h = 0; h < 4; h++) {
-                            const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 4 * m + h;
+                            const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
                             const float mx = fmaxf(mrow[j], fmaxf(acc[at], acc[at + 2]));
                             const float mu = (mx == NEG) ? 0.0f : mx;
                             lrow[j] *= st_ex2(mrow[j] - mu);
@@ -250,7 +264,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
                 for (int m = 0; m < 4; m++)
 #pragma unroll
                     for (int h = 0; h < 4; h++) {
-                        const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 4 * m + h;
+                        const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
                         const float mu = (mrow[j] == NEG) ? 0.0f : mrow[j];
                         lrow[j] += st_ex2(acc[at] - mu) + st_ex2(acc[at + 2] - mu);
                     }
@@ -258,10 +272,10 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
         });
         // Merge over the 8 lanes of each tq (the warp's 16 keys), then write per warp.
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < 32; j++) {
             float mx = mrow[j], l = lrow[j];
             st_merge_rows(mx, l);
-            const int m = 4 * hf + (j >> 2), h = j & 3, head = 8 * (h >> 1) + 2 * tq + (h & 1);
+            const int m = j >> 2, h = j & 3, head = 8 * (h >> 1) + 2 * tq + (h & 1);
             if (gq == 0) ml[((wg * 4 + wq) * SW_TOK + m) * 16 + head] = make_float2(mx, l);
         }
     }
@@ -300,14 +314,14 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     for (int j = 0; j < 64; j++) acc[j] = 0.0f;
     sw_walk(k1, kvw, g, tiles, n1_all, [&](u32 tile, int c0) {
         if (c0 < 4 * cand_max) {  // warpgroup-uniform
-            mma_turn(c0 < 4 * cand_both);
+            mma_turn(c0 < 4 * cand_both, 3);
             sw_fence();
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
                 sw_mma_n128(acc, sw_desc_k(tile, kk, SW_PANEL_K), sw_desc_k(qbase, kk, SW_PANEL_Q), kk > 0);
             sw_commit_wait();
             sw_hold(acc);
-            mma_done(c0 < 4 * cand_both);
+            mma_done(c0 < 4 * cand_both, 3);
             // v[2m + r]: this lane's 4 heads of token m summed, key 16wq + gq + 8r.
             float v[16];
 #pragma unroll
