@@ -6,10 +6,12 @@
 // A block of 2 warpgroups owns 16 consecutive tokens of one KV group, 8 per warpgroup. The
 // MMA computes S^T = K Qᵀ per staged 64-key tile: rows are keys (warp w of a warpgroup holds
 // keys 16w + gq (+8)), columns 16·token + head, both operands in shared memory in the 128-byte
-// swizzled K-major layout (two 64-dim panels). Pass 1 walks the level-2 keys twice (4 tokens a
-// walk, m64n64, so the online max and sum fit in registers); pass 2 walks the level-1 keys
-// once (m64n128), sums each key's P over the heads in the quad of lanes that holds them, and
-// max-pools through shared memory: one (token, block) a thread.
+// swizzled K-major layout (two 64-dim panels). Pass 1 walks the level-2 keys (m64n64 for each
+// half of the tokens, so the online max and sum fit in registers); pass 2 walks the level-1
+// keys (m64n128), sums each key's P over the heads in the quad of lanes that holds them, and
+// max-pools through shared memory: one (token, block) a thread. Warpgroup 1 stages the key
+// tiles two ahead through mbarriers, and the warpgroups take turns at the MMAs, so neither
+// waits for the other but at a turn.
 
 #include "common/types.cuh"
 #include "common/mma.cuh"
@@ -23,7 +25,8 @@
 #define SW_ML_OFF 98304           // pass-1 partial (max, sum): [wg][warp][token][head] float2
 #define SW_LSE_OFF 106496         // [wg][token][tq][4] float: heads 2tq, 2tq + 1, 8 + 2tq, 9 + 2tq
 #define SW_P_OFF 107520           // pass-2 P: [wg][token][128] bf16, a ring of two tiles
-#define SW_SMEM_USED 111616
+#define SW_BAR_OFF 111616         // the key tiles' mbarriers: full[2], empty[2]
+#define SW_SMEM_USED 111648
 // launch: dynamic smem = SW_SMEM_USED + 1024 (the base is aligned up to 1024 bytes)
 
 // Byte offset of 16-byte chunk c (of 16: dims 8c .. 8c + 7) of row r in a swizzled tile.
@@ -43,9 +46,6 @@ __device__ __forceinline__ u64 sw_desc_k(u32 base, int kk, int panel) {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void sw_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void sw_commit_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
 __device__ __forceinline__ void sw_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving reads of accumulators above the wait.
 template <int N>
@@ -90,36 +90,45 @@ __device__ __forceinline__ void sw_mma_n64(float (&d)[32], u64 desc_a, u64 desc_
 }
 
 // Stages keys [c0, c0 + n) of KV group g (d = 128) into the swizzled tile at `tile` (rows ≥ n
-// zero); 1024 chunks of 16 bytes, 4 a thread of the 256.
-__device__ __forceinline__ void sw_issue(const bf16* src, size_t kvw, int g, u32 tile, int c0, int n) {
+// zero): 1024 chunks of 16 bytes, 8 a thread of warpgroup 1 (tw: its thread), each thread
+// arriving on the mbarrier `full` when its chunks have landed.
+__device__ __forceinline__ void sw_issue(const bf16* src, size_t kvw, int g, u32 tile, int c0, int n, int tw,
+                                         u32 full) {
+    // Chunk it of this thread: row r0 + 8·it, 16-byte column c (the swizzle depends on the row
+    // only through r0 = row % 8, so the chunks lie 1024 bytes apart). A row past n (the last
+    // tile's) reads nothing (source size 0) from an address kept inside the keys.
+    const int r0 = tw >> 4, c = tw & 15;
+    const bf16* p = src + (size_t)(c0 + r0) * kvw + (size_t)g * 128 + c * 8;
+    const size_t step = 8 * kvw;
+    const u32 dst = tile + sw_off(r0, c, SW_PANEL_K);
+    if (n >= 64) {
 #pragma unroll
-    for (int it = 0; it < 4; it++) {
-        const int x = threadIdx.x + 256 * it, row = x >> 4, c = x & 15;
-        const bool in = row < n;
-        const bf16* s = in ? src + (size_t)(c0 + row) * kvw + (size_t)g * 128 + c * 8 : src;
-        sp_cp_async16(tile + sw_off(row, c, SW_PANEL_K), s, in ? 16 : 0);
+        for (int it = 0; it < 8; it++, p += step) sp_cp_async16(dst + 1024 * it, p, 16);
+    } else {
+#pragma unroll
+        for (int it = 0; it < 8; it++, p += step) {
+            const bool in = r0 + 8 * it < n;
+            sp_cp_async16(dst + 1024 * it, in ? p : src, in ? 16 : 0);
+        }
     }
-    sp_cp_commit();
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
 }
 
-// sq_walk over swizzled tiles: body(tile, c0) with keys c0 .. c0 + 63 staged at shared address
-// `tile`, visible to the tensor cores, between two block barriers. Every thread calls.
-template <class Body>
-__device__ __forceinline__ void sw_walk(const bf16* src, size_t kvw, int g, u32 tiles, int n, Body&& body) {
-    int buf = 0;
-    sw_issue(src, kvw, g, tiles, 0, min(64, n));
-    for (int c0 = 0; c0 < n; c0 += 64) {
-        const int nxt = c0 + 64;
-        if (nxt < n) sw_issue(src, kvw, g, tiles + (buf ^ 1) * 2 * SW_PANEL_K, nxt, min(64, n - nxt));
-        else sp_cp_commit();
-        sp_cp_wait1();
-        sw_proxy_fence();
-        __syncthreads();
-        body(tiles + buf * 2 * SW_PANEL_K, c0);
-        __syncthreads();  // buffer `buf` free
-        buf ^= 1;
-    }
-    sp_cp_wait0();
+__device__ __forceinline__ void sw_mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void sw_mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Returns once the phase of parity `parity` of the mbarrier at `bar` has completed.
+__device__ __forceinline__ void sw_mbar_wait(u32 bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "SW_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra SW_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
 }
 #endif
 
@@ -148,64 +157,106 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     const int n1_all = (qb_last >= k_sel) ? min(4 * max(qb_last - local_blocks, 0), n1) : 0;
     if (n1_all == 0 || n2_all == 0) return;
 
-    // Token m of warpgroup w: query i = i0 + 8w + m (past the chunk's end, the last query).
-    auto pos_of = [&](int w, int m) { return first_pos + min(i0 + SW_TOK * w + m, T - 1); };
-    auto act_of = [&](int w, int m) { return i0 + SW_TOK * w + m < T && pos_of(w, m) / block_size >= k_sel; };
-    auto cand_of = [&](int w, int m) { return act_of(w, m) ? max(pos_of(w, m) / block_size - local_blocks, 0) : 0; };
-    auto n2v_of = [&](int w, int m) { return min(sp_visible(pos_of(w, m), k2_window, k2_stride), n2); };
-    auto tok_act = [&](int m) { return act_of(wg, m); };
-    auto tok_cand = [&](int m) { return cand_of(wg, m); };
-    auto tok_n2v = [&](int m) { return n2v_of(wg, m); };
-    // Of a tile both warpgroups compute, warpgroup 1 issues its MMAs when warpgroup 0's are
-    // done, so one's exp2 runs under the other's MMAs (not both MMAs, then both exp2, at once).
-    // Barrier `id` (3 or 4) is used at most once between two block barriers, so warpgroup 0
-    // never arrives at it twice before warpgroup 1 has waited there.
-    auto mma_turn = [&](bool both, int id) {
-        if (wg == 1 && both) asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
-    };
-    auto mma_done = [&](bool both, int id) {
-        if (wg == 0 && both) asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
-    };
+    // Token m of this warpgroup: query i = i0 + 8wg + m (past the chunk's end, the last query).
+    auto tok_pos = [&](int m) { return first_pos + min(i0 + SW_TOK * wg + m, T - 1); };
+    auto tok_act = [&](int m) { return i0 + SW_TOK * wg + m < T && tok_pos(m) / block_size >= k_sel; };
+    auto tok_cand = [&](int m) { return tok_act(m) ? max(tok_pos(m) / block_size - local_blocks, 0) : 0; };
+    auto tok_n2v = [&](int m) { return min(sp_visible(tok_pos(m), k2_window, k2_stride), n2); };
 
-    // Stage the queries: row 16m + h of warpgroup wg's operand is head h (zero past G) of token m.
-    for (int x = threadIdx.x; x < 2 * 128 * 16; x += 256) {
-        const int row = (x >> 4) & 127, c = x & 15, w = x >> 11, m = row >> 4, h = row & 15;
-        const int i = min(i0 + SW_TOK * w + m, T - 1);
+    // The key tiles, one sequence over both passes: level-2 tiles 0 .. A − 1 (pass 1), then
+    // level-1 tiles A .. total − 1 (pass 2), tile t in buffer t & 1. Warpgroup 1 stages tile
+    // t + 2 once both warpgroups' MMAs have read tile t: mbarrier full[b] completes a phase
+    // when buffer b's keys have landed (warpgroup 1's 128 threads arrive), empty[b] when the 8
+    // warps are done with it. No block barrier after the start: the warpgroups run apart.
+    const int A = (n2_all + 63) >> 6, total = A + ((n1_all + 63) >> 6);
+    const u32 tiles = base + SW_K_OFF, bars = base + SW_BAR_OFF;  // full[0], full[1], empty[0], empty[1]
+    const u32 qbase = base + SW_Q_OFF + wg * 2 * SW_PANEL_Q;
+    auto stage = [&](int t) {
+        const bool l2 = t < A;
+        const int c0 = 64 * (l2 ? t : t - A), n = l2 ? n2_all : n1_all;
+        sw_issue(l2 ? k2 : k1, kvw, g, tiles + (t & 1) * 2 * SW_PANEL_K, c0, min(64, n - c0), tw, bars + 8 * (t & 1));
+    };
+    if (threadIdx.x < 2) {
+        sw_mbar_init(bars + 8 * threadIdx.x, 128);
+        sw_mbar_init(bars + 16 + 8 * threadIdx.x, 8);
+    }
+    // Each warpgroup stages its queries: row 16m + h of its operand is head h (zero past G) of
+    // token m.
+    for (int x = tw; x < 128 * 16; x += 128) {
+        const int row = x >> 4, c = x & 15, m = row >> 4, h = row & 15;
+        const int i = min(i0 + SW_TOK * wg + m, T - 1);
         const bool in = h < G;
         const bf16* s = in ? q + (size_t)i * heads * d + (size_t)(g * G + h) * d + c * 8 : q;
-        sp_cp_async16(base + SW_Q_OFF + w * 2 * SW_PANEL_Q + sw_off(row, c, SW_PANEL_Q), s, in ? 16 : 0);
+        sp_cp_async16(qbase + sw_off(row, c, SW_PANEL_Q), s, in ? 16 : 0);
     }
     sp_cp_commit();
-    // The P ring starts at zero: the key before the first tile is no maximum (P ≥ 0).
-    for (int x = threadIdx.x; x < 2 * SW_TOK * 128 / 2; x += 256) ((u32*)(gbase + SW_P_OFF))[x] = 0u;
-    const u32 qbase = base + SW_Q_OFF + wg * 2 * SW_PANEL_Q;
-    const u32 tiles = base + SW_K_OFF;
+    __syncthreads();  // the mbarriers initialised
+    if (wg == 1) {
+        stage(0);
+        if (total > 1) stage(1);
+    }
+    // Once the tensor cores have read tile t: this warp's arrival, and warpgroup 1 stages t + 2.
+    auto tile_done = [&](int t) {
+        __syncwarp();
+        if (lane == 0) sw_mbar_arrive(bars + 16 + 8 * (t & 1));
+        if (wg == 1 && t + 2 < total) {
+            sw_mbar_wait(bars + 16 + 8 * (t & 1), (t >> 1) & 1);
+            stage(t + 2);
+        }
+    };
+    // Tile t's keys, visible to this thread's MMAs.
+    auto tile_ready = [&](int t) {
+        sw_mbar_wait(bars + 8 * (t & 1), (t >> 1) & 1);
+        sw_proxy_fence();
+        return tiles + (t & 1) * 2 * SW_PANEL_K;
+    };
+    // Turns at the tensor cores: the warpgroups issue their MMA groups alternately, so one's
+    // exp2 runs under the other's MMAs. Warpgroup w waits at named barrier 3 + w for the other's
+    // arrival after its last issue (warpgroup 1 lets warpgroup 0 take the first). Both take the
+    // same turns, two a level-2 tile and one a level-1 tile, computing or not, and warpgroup 0
+    // takes up warpgroup 1's last arrival after its walk. turn_end's wait is the MMAs'.
+    const u32 wg0 = wg == 0;
+    auto turn_begin = [&]() {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %0, 0;\n@p bar.sync 3, 256;\n@!p bar.sync 4, 256;\n}\n" ::"r"(wg0)
+                     : "memory");
+    };
+    auto turn_end = [&](bool ran) {
+        if (ran)
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.u32 p, %0, 0;\nwgmma.commit_group.sync.aligned;\n@p bar.arrive 4, 256;\n"
+                "@!p bar.arrive 3, 256;\nwgmma.wait_group.sync.aligned 0;\n}\n" ::"r"(wg0)
+                : "memory");
+        else
+            asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %0, 0;\n@p bar.arrive 4, 256;\n@!p bar.arrive 3, 256;\n}\n" ::"r"(
+                             wg0)
+                         : "memory");
+    };
+    if (wg == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
 
-    // Pass 1, one walk over the level-2 keys: per staged tile, the MMAs and epilogue of half 0
-    // (tokens 0-3 of each warpgroup), then of half 1 (tokens 4-7), into one accumulator; online
-    // max and sum of exp2 per (token, head) over this thread's keys, merged over the warp's
-    // lanes, then the warps.
+    // The P ring: [token][128] bf16 of this warpgroup, a tile in each half. Until pass 2 it
+    // holds each token's visible level-2 keys, then each half's fewest and most.
+    u16* const ring = (u16*)(gbase + SW_P_OFF) + wg * SW_TOK * 128;
+    int* const n2v_s = (int*)ring;
+    if (tw < SW_TOK) n2v_s[tw] = tok_n2v(tw);
+    if (tw < 2) {
+        int lo = 1 << 30, hi = 0;
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            lo = min(lo, tok_n2v(4 * tw + m));
+            hi = max(hi, tok_n2v(4 * tw + m));
+        }
+        n2v_s[SW_TOK + tw] = lo;
+        n2v_s[SW_TOK + 2 + tw] = hi;
+    }
+    sp_cp_wait0();
+    sw_proxy_fence();
+    sw_wg_sync(wg);  // the queries and n2v_s
+
+    // Pass 1, one walk over the level-2 keys: per tile, the MMAs and epilogue of half 0 (tokens
+    // 0-3), then of half 1 (tokens 4-7), into one accumulator; online max and sum of exp2 per
+    // (token, head) over this thread's keys, merged over the warp's lanes, then the warps.
     float2* const ml = (float2*)(gbase + SW_ML_OFF);
     {
-        // Each token's visible level-2 keys (for the masked tiles), then each half's fewest
-        // and most, and the most both warpgroups see (their MMA turns), in the LSE area (free
-        // until the walk ends; the walk's first barrier orders these stores before any read):
-        // registers are short here.
-        int* const n2v_s = (int*)(gbase + SW_LSE_OFF) + wg * (SW_TOK + 6);
-        if (tw < SW_TOK) n2v_s[tw] = tok_n2v(tw);
-        if (tw < 2) {
-            int lo = 1 << 30, hi = 0, hi_w[2] = {0, 0};
-#pragma unroll
-            for (int m = 0; m < 4; m++) {
-                lo = min(lo, tok_n2v(4 * tw + m));
-                hi = max(hi, tok_n2v(4 * tw + m));
-#pragma unroll
-                for (int w = 0; w < 2; w++) hi_w[w] = max(hi_w[w], n2v_of(w, 4 * tw + m));
-            }
-            n2v_s[SW_TOK + tw] = lo;
-            n2v_s[SW_TOK + 2 + tw] = hi;
-            n2v_s[SW_TOK + 4 + tw] = min(hi_w[0], hi_w[1]);
-        }
         float acc[32], mrow[32], lrow[32];
 #pragma unroll
         for (int j = 0; j < 32; j++) {
@@ -213,19 +264,24 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
             lrow[j] = 0.0f;
             acc[j] = 0.0f;
         }
-        sw_walk(k2, kvw, g, tiles, n2_all, [&](u32 tile, int c0) {
+#pragma unroll 1
+        for (int t = 0; t < A; t++) {
+            const u32 tile = tile_ready(t);
+            const int c0 = 64 * t;
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
-                if (c0 >= n2v_s[SW_TOK + 2 + hf]) continue;  // warpgroup-uniform
-                const bool both = c0 < n2v_s[SW_TOK + 4 + hf];
-                mma_turn(both, 3 + hf);
-                sw_fence();
+                const bool run = c0 < n2v_s[SW_TOK + 2 + hf];  // warpgroup-uniform
+                turn_begin();
+                if (run) {
+                    sw_fence();
 #pragma unroll
-                for (int kk = 0; kk < 8; kk++)
-                    sw_mma_n64(acc, sw_desc_k(tile, kk, SW_PANEL_K),
-                               sw_desc_k(qbase + hf * 64 * 128, kk, SW_PANEL_Q), kk > 0);
-                sw_commit_wait();
-                mma_done(both, 3 + hf);
+                    for (int kk = 0; kk < 8; kk++)
+                        sw_mma_n64(acc, sw_desc_k(tile, kk, SW_PANEL_K),
+                                   sw_desc_k(qbase + hf * 64 * 128, kk, SW_PANEL_Q), kk > 0);
+                }
+                turn_end(run);
+                if (hf == 1) tile_done(t);
+                if (!run) continue;
                 sw_hold(acc);
                 const bool full = c0 + 64 <= n2v_s[SW_TOK + hf];  // no key masked for any token of the half
                 const int key = c0 + 16 * wq + gq;
@@ -269,7 +325,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
                         lrow[j] += st_ex2(acc[at] - mu) + st_ex2(acc[at + 2] - mu);
                     }
             }
-        });
+        }
         // Merge over the 8 lanes of each tq (the warp's 16 keys), then write per warp.
 #pragma unroll
         for (int j = 0; j < 32; j++) {
@@ -279,7 +335,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
             if (gq == 0) ml[((wg * 4 + wq) * SW_TOK + m) * 16 + head] = make_float2(mx, l);
         }
     }
-    __syncthreads();
+    sw_wg_sync(wg);
     // LSE of (token tw / 16, head tw % 16) of this warpgroup from its 4 warps' partials.
     {
         const int m = tw >> 4, head = tw & 15;
@@ -293,79 +349,86 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
         float* lse_s = (float*)(gbase + SW_LSE_OFF);
         lse_s[((wg * SW_TOK + m) * 4 + tq_of) * 4 + slot] = (tok_act(m) && head < G) ? mx + __log2f(l) : INF;
     }
-    __syncthreads();
+    sw_wg_sync(wg);
 
     // Pass 2: P of each level-1 key, max-pooled into block scores (block b: keys 4b − 1 .. 4b + 3).
-    int cand_max = 0, cand_w[2] = {0, 0};  // cand_w: each warpgroup's cand_max
+    int cand_max = 0;
 #pragma unroll
-    for (int m = 0; m < SW_TOK; m++) {
-        cand_max = max(cand_max, tok_cand(m));
-#pragma unroll
-        for (int w = 0; w < 2; w++) cand_w[w] = max(cand_w[w], cand_of(w, m));
-    }
-    const int cand_both = min(cand_w[0], cand_w[1]);
+    for (int m = 0; m < SW_TOK; m++) cand_max = max(cand_max, tok_cand(m));
     const int pm = tw >> 4, pb = tw & 15;  // the (token, block of the tile) this thread pools
     const int pool_cand = tok_cand(pm);
     const size_t pool_row = ((size_t)(i0 + SW_TOK * wg + pm) * kv_heads + g) * bs_stride;
     const float4* lse4 = (const float4*)(gbase + SW_LSE_OFF) + wg * SW_TOK * 4 + tq;
-    u16* const ring = (u16*)(gbase + SW_P_OFF) + wg * SW_TOK * 128;
+    // Key 63 of the previous tile (held by pb = 15's thread): key 4b − 1 of block b = 0. The
+    // key before the first tile is no maximum (P ≥ 0).
+    u32 last = 0;
     float acc[64];
 #pragma unroll
     for (int j = 0; j < 64; j++) acc[j] = 0.0f;
-    sw_walk(k1, kvw, g, tiles, n1_all, [&](u32 tile, int c0) {
-        if (c0 < 4 * cand_max) {  // warpgroup-uniform
-            mma_turn(c0 < 4 * cand_both, 3);
+#pragma unroll 1
+    for (int t = A; t < total; t++) {
+        const u32 tile = tile_ready(t);
+        const int c0 = 64 * (t - A);
+        const bool run = c0 < 4 * cand_max;  // warpgroup-uniform
+        turn_begin();
+        if (run) {
             sw_fence();
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
                 sw_mma_n128(acc, sw_desc_k(tile, kk, SW_PANEL_K), sw_desc_k(qbase, kk, SW_PANEL_Q), kk > 0);
-            sw_commit_wait();
-            sw_hold(acc);
-            mma_done(c0 < 4 * cand_both, 3);
-            // v[2m + r]: this lane's 4 heads of token m summed, key 16wq + gq + 8r.
-            float v[16];
-#pragma unroll
-            for (int m = 0; m < SW_TOK; m++) {
-                const float4 L = lse4[m * 4];
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    const int a = 8 * m + 2 * r;  // (column tile 2m, row half r)
-                    v[2 * m + r] = st_ex2(acc[a] * sl2 - L.x) + st_ex2(acc[a + 1] * sl2 - L.y) +
-                                   st_ex2(acc[a + 4] * sl2 - L.z) + st_ex2(acc[a + 5] * sl2 - L.w);
-                }
-            }
-            // Sum over the quad, scattered: lane tq keeps v[4tq .. 4tq + 3] (tokens 2tq, 2tq + 1).
-            const bool h2 = tq & 2, h1 = tq & 1;
-            float w8[8], w4[4];
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const float send = h2 ? v[k] : v[k + 8], keep = h2 ? v[k + 8] : v[k];
-                w8[k] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-            }
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float send = h1 ? w8[k] : w8[k + 4], keep = h1 ? w8[k + 4] : w8[k];
-                w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
-            }
-            // Rounded to bf16 (NaN → 0: P ≥ 0, so the bits order as the values), into the ring.
-            const int slot = ((c0 >> 6) & 1) * 64 + 16 * wq + gq;
-#pragma unroll
-            for (int t = 0; t < 2; t++) {
-                const u32 p = st_max2(sp_pack_bf16(w4[2 * t], w4[2 * t + 1]), 0u);
-                u16* row = ring + (2 * tq + t) * 128;
-                row[slot] = (u16)(p & 0xffffu);
-                row[slot + 8] = (u16)(p >> 16);
-            }
-            sw_wg_sync(wg);
-            const u16* row = ring + pm * 128;
-            const int at = ((c0 >> 6) & 1) * 64 + 4 * pb;
-            const uint2 four = *(const uint2*)(row + at);
-            const u32 prev = row[(at + 127) & 127];
-            const u32 a = st_max2(four.x, four.y);
-            const u32 mx = max(max(a & 0xffffu, a >> 16), prev);
-            const int blk = (c0 >> 2) + pb;
-            if (blk >= init_blocks && blk < pool_cand) bs[pool_row + blk] = (u16)mx;
         }
-    });
+        turn_end(run);
+        tile_done(t);
+        if (!run) continue;
+        sw_hold(acc);
+        // v[2m + r]: this lane's 4 heads of token m summed, key 16wq + gq + 8r.
+        float v[16];
+#pragma unroll
+        for (int m = 0; m < SW_TOK; m++) {
+            const float4 L = lse4[m * 4];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int a = 8 * m + 2 * r;  // (column tile 2m, row half r)
+                v[2 * m + r] = st_ex2(acc[a] * sl2 - L.x) + st_ex2(acc[a + 1] * sl2 - L.y) +
+                               st_ex2(acc[a + 4] * sl2 - L.z) + st_ex2(acc[a + 5] * sl2 - L.w);
+            }
+        }
+        // Sum over the quad, scattered: lane tq keeps v[4tq .. 4tq + 3] (tokens 2tq, 2tq + 1).
+        const bool h2 = tq & 2, h1 = tq & 1;
+        float w8[8], w4[4];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float send = h2 ? v[k] : v[k + 8], keep = h2 ? v[k + 8] : v[k];
+            w8[k] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float send = h1 ? w8[k] : w8[k + 4], keep = h1 ? w8[k + 4] : w8[k];
+            w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+        }
+        // Rounded to bf16 (NaN → 0: P ≥ 0, so the bits order as the values), into the ring. A
+        // half is written again two tiles on, after every warp has passed the next tile's
+        // barrier, so after every read of it.
+        const int slot = ((c0 >> 6) & 1) * 64 + 16 * wq + gq;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const u32 p = st_max2(sp_pack_bf16(w4[2 * k], w4[2 * k + 1]), 0u);
+            u16* row = ring + (2 * tq + k) * 128;
+            row[slot] = (u16)(p & 0xffffu);
+            row[slot + 8] = (u16)(p >> 16);
+        }
+        sw_wg_sync(wg);
+        const u16* row = ring + pm * 128;
+        const int at = ((c0 >> 6) & 1) * 64 + 4 * pb;
+        const uint2 four = *(const uint2*)(row + at);
+        const u32 before = __shfl_sync(0xffffffffu, last, lane | 15);  // pb = 15 of this token
+        const u32 prev = pb == 0 ? before : (u32)row[at - 1];
+        last = four.y >> 16;
+        const u32 a = st_max2(four.x, four.y);
+        const u32 mx = max(max(a & 0xffffu, a >> 16), prev);
+        const int blk = (c0 >> 2) + pb;
+        if (blk >= init_blocks && blk < pool_cand) bs[pool_row + blk] = (u16)mx;
+    }
+    if (wg == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory");
 #endif
 }

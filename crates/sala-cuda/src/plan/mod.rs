@@ -160,7 +160,7 @@ pub const SD_TOPK_MAX_CANDIDATES: usize = 65535;
 /// Most dynamic shared memory `sd_topk` stages keys and P in.
 pub const SD_TOPK_MAX_SMEM: usize = 200 << 10;
 /// `select_scores_wg`'s dynamic shared memory (`SW_SMEM_USED` + 1 KiB to align the base).
-pub const SELECT_WG_SMEM: usize = 111_616 + 1024;
+pub const SELECT_WG_SMEM: usize = 111_648 + 1024;
 
 /// `lightning_states` for head size `d` (`LS_SMEM`).
 pub fn lightning_states_smem(d: usize) -> usize {
