@@ -11,7 +11,7 @@
 // keys (m64n128), sums each key's P over the heads in the quad of lanes that holds them, and
 // max-pools through shared memory: one (token, block) a thread. Warpgroup 1 stages the key
 // tiles two ahead through mbarriers, and the warpgroups take turns at the MMAs, so neither
-// waits for the other but at a turn.
+// waits for the other but at a turn (scripts/select-pipeline-protocol.py checks the protocol).
 
 #include "common/types.cuh"
 #include "common/mma.cuh"

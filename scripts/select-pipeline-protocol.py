@@ -1,7 +1,8 @@
-# Model check of select-pipeline's synchronisation: 8 warps (WG0: 0-3, WG1: 4-7), random
-# interleavings; cp.async arrivals land at random later times. Checks: no deadlock, every
-# mbarrier arrival belongs to the barrier's current phase, no waiter 2+ phases behind, and
-# named barriers never see a second generation's arrival before the first completes.
+# Model check of select_scores_wg's synchronisation (kernels/sparse/select_wgmma.cu): its 8
+# warps (warpgroup 0: 0-3, 1: 4-7) in random interleavings, cp.async arrivals landing at random
+# later times. Checks: no deadlock, every mbarrier arrival belongs to the barrier's current
+# phase, no waiter 2+ phases behind, and named barriers never see a second generation's arrival
+# before the first completes. Run: python3 scripts/select-pipeline-protocol.py ("failures 0").
 import random, sys
 
 def run(A, B, run0, run1, seed):
@@ -114,3 +115,4 @@ for seed in range(3000):
         bad += 1
         if bad < 5: print('seed', seed, A, B, run0, run1, e)
 print('failures', bad)
+sys.exit(1 if bad else 0)
