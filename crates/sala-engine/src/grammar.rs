@@ -194,9 +194,9 @@ pub fn never_finite(schema: &serde_json::Value) -> bool {
 }
 
 /// Calls `f` with every object in `v` (at any depth, arrays included).
-fn for_each_object(
-    v: &serde_json::Value,
-    f: &mut impl FnMut(&serde_json::Map<String, serde_json::Value>),
+fn for_each_object<'a>(
+    v: &'a serde_json::Value,
+    f: &mut impl FnMut(&'a serde_json::Map<String, serde_json::Value>),
 ) {
     use serde_json::Value;
     match v {
@@ -238,17 +238,21 @@ pub fn widest_row(schema: &serde_json::Value) -> usize {
     struct Rows<'a> {
         root: &'a Value,
         /// Each object's width, by address; 1 while it is being weighed (a loop adds one).
-        memo: HashMap<*const Value, usize>,
+        memo: HashMap<*const serde_json::Map<String, Value>, usize>,
     }
     impl<'a> Rows<'a> {
         fn width(&mut self, v: &'a Value) -> usize {
-            let Value::Object(map) = v else {
-                return 1;
-            };
-            if let Some(&w) = self.memo.get(&(v as *const Value)) {
+            match v {
+                Value::Object(map) => self.object_width(map),
+                _ => 1,
+            }
+        }
+
+        fn object_width(&mut self, map: &'a serde_json::Map<String, Value>) -> usize {
+            if let Some(&w) = self.memo.get(&(map as *const _)) {
                 return w;
             }
-            self.memo.insert(v, 1);
+            self.memo.insert(map, 1);
             let mut w = 0usize;
             let target = map
                 .get("$ref")
@@ -282,27 +286,19 @@ pub fn widest_row(schema: &serde_json::Value) -> usize {
                 }
             }
             let w = w.max(1);
-            self.memo.insert(v, w);
+            self.memo.insert(map, w);
             w
         }
-
-        /// The widest of `v` and every schema object inside it.
-        fn widest(&mut self, v: &'a Value) -> usize {
-            match v {
-                Value::Object(map) => {
-                    let own = self.width(v);
-                    map.values().map(|x| self.widest(x)).fold(own, usize::max)
-                }
-                Value::Array(list) => list.iter().map(|x| self.widest(x)).max().unwrap_or(0),
-                _ => 0,
-            }
-        }
     }
-    Rows {
+    let mut rows = Rows {
         root: schema,
         memo: HashMap::new(),
-    }
-    .widest(schema)
+    };
+    let mut widest = 0;
+    for_each_object(schema, &mut |map| {
+        widest = widest.max(rows.object_width(map))
+    });
+    widest
 }
 
 /// The request parameter that structured output answers to.
