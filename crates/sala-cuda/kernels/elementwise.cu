@@ -305,20 +305,75 @@ extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim
     for (int e = lane; e < head_dim; e += 32) p[e] = f2bf(hb[e]);
 }
 
+// E consecutive bf16 (2E-byte aligned) in one load or store.
+template <int E>
+struct alignas(2 * E) Bf16Run {
+    bf16 e[E];
+};
+
+// head_norm_rope_lanes for the 16 / E heads from `first` on, of d = 32·E: every head's loads
+// issued before the first is computed (a warp has 1 KB in flight).
+template <int E>
+__device__ __forceinline__ void hnr_lanes(int first, int lane, bf16* x, int total_heads, const bf16* norm_w,
+                                          float eps, int heads_per_row, bf16* x2, int total_heads2,
+                                          const bf16* norm_w2, int heads_per_row2, const float* table) {
+    constexpr int H = 16 / E;
+    // Head first + j: its elements of this lane, its norm weight and RoPE table row; false past
+    // both buffers (warp-uniform).
+    auto head = [&](int j, bf16*& at, const bf16*& w, const float*& cs) {
+        int hid = first + j, hpr = heads_per_row;
+        bf16* base = x;
+        w = norm_w;
+        const bool ok = hnr_head(hid, base, w, hpr, total_heads, x2, total_heads2, norm_w2, heads_per_row2);
+        at = base + (u64)hid * (32 * E) + E * lane;
+        cs = table ? table + (u64)(hid / hpr) * (32 * E) : nullptr;
+        return ok;
+    };
+    Bf16Run<E> run[H];
+#pragma unroll
+    for (int j = 0; j < H; j++) {
+        bf16* at;
+        const bf16* w;
+        const float* cs;
+        if (head(j, at, w, cs)) run[j] = *(const Bf16Run<E>*)at;
+    }
+#pragma unroll
+    for (int j = 0; j < H; j++) {
+        bf16* at;
+        const bf16* w;
+        const float* cs;
+        if (!head(j, at, w, cs)) break;  // the heads past both buffers are the last ones
+        float v[E];
+#pragma unroll
+        for (int i = 0; i < E; i++) v[i] = bf2f(run[j].e[i]);
+        head_norm_rope_warp<E>(v, lane, w, eps, cs);
+        Bf16Run<E> out;
+#pragma unroll
+        for (int i = 0; i < E; i++) out.e[i] = f2bf(v[i]);
+        *(Bf16Run<E>*)at = out;
+    }
+}
+
 // head_norm_rope for head_dim ∈ {32, 64, 128, 256} with the RoPE table (table != NULL when
-// rotating): one warp a head, head_norm_rope_warp (the lightning decode kernel's own).
-// launch: grid = ceil((total_heads + total_heads2) / 8), block = 256 (one warp per head)
-extern "C" __global__ void __launch_bounds__(256)
+// rotating): one warp for 512 / head_dim heads, head_norm_rope_warp (the lightning decode
+// kernel's own) on each.
+// launch: grid = ceil((total_heads + total_heads2) · head_dim / 4096), block = 256 (4 blocks an
+// SM: 32 KB of heads in flight)
+extern "C" __global__ void __launch_bounds__(256, 4)
 head_norm_rope_lanes(bf16* x, int total_heads, int head_dim, const bf16* norm_w, float eps, int heads_per_row,
                      bf16* x2, int total_heads2, const bf16* norm_w2, int heads_per_row2, const float* table) {
     pdl_start();
-    int hid = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    bf16* base = x;
-    if (!hnr_head(hid, base, norm_w, heads_per_row, total_heads, x2, total_heads2, norm_w2, heads_per_row2)) return;
-    const int row = hid / heads_per_row;
-    const float* cs = table ? table + (u64)row * head_dim : nullptr;
-    head_norm_rope_any(base + (u64)hid * head_dim, head_dim, lane, norm_w, eps, cs, nullptr);
+    const int warp = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+#define HNR_LANES(E) \
+    hnr_lanes<E>(warp * (16 / E), lane, x, total_heads, norm_w, eps, heads_per_row, x2, total_heads2, norm_w2, \
+                 heads_per_row2, table)
+    switch (head_dim) {
+        case 32: HNR_LANES(1); break;
+        case 64: HNR_LANES(2); break;
+        case 128: HNR_LANES(4); break;
+        case 256: HNR_LANES(8); break;
+    }
+#undef HNR_LANES
 }
 
 // table[2·(row·half + i)] = cos, [.. + 1] = sin of (first_pos + row)·inv_freq[i], as head_norm_rope

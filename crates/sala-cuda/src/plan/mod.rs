@@ -141,6 +141,8 @@ pub const MAX_ATTENTION_SPLIT: usize = 32;
 pub const DECODE_SPLIT_MAX: usize = 128;
 /// From this many query rows on, staged attention runs as `attention_prefill`.
 pub const PREFILL_ATTENTION_ROWS: usize = 64;
+/// Elements a warp of `head_norm_rope_lanes` norms and rotates: 512 / d heads.
+pub const HEAD_NORM_ROPE_WARP_ELEMS: usize = 512;
 /// Most bytes of block scores (bf16) the tensor-core selection keeps at once (the default of
 /// `CudaOptions::select_scores_bytes`).
 pub const SELECT_SCORES_BYTES: usize = 128 << 20;
@@ -785,7 +787,11 @@ impl Planner {
         if Self::head_norm_rope_lanes_fits(d) {
             (
                 K::HeadNormRopeLanes,
-                Launch::linear(heads, 8).with_block(256),
+                Launch::new(
+                    ((heads * d).div_ceil(8 * HEAD_NORM_ROPE_WARP_ELEMS), 1, 1),
+                    256,
+                    0,
+                ),
             )
         } else {
             (K::HeadNormRope, Launch::linear(heads, 4).with_block(128))
