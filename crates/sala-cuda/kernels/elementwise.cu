@@ -23,9 +23,12 @@ extern "C" __global__ void embed(const bf16* table, const u32* ids, float scale,
 #define RMS_PACKS 2
 // With `gate` non-null, the result is then multiplied by round(sigmoid(gate)) (the lightning
 // output gate after o_norm).
+__device__ __forceinline__ float gated_by(float normed, float g) {
+    return round_bf(normed) * round_bf(1.0f / (1.0f + expf(-g)));
+}
 __device__ __forceinline__ float gated(float normed, const bf16* gate, u64 i) {
     if (!gate) return normed;
-    return round_bf(normed) * round_bf(1.0f / (1.0f + expf(-bf2f(gate[i]))));
+    return gated_by(normed, bf2f(gate[i]));
 }
 
 // With `sums` non-null (tensor parallelism: the row's columns split among ranks), the mean square
@@ -39,7 +42,8 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
     bf16* yr = out + (u64)blockIdx.x * dim;
     if (dim % 8 == 0 && dim <= 8 * RMS_PACKS * (int)blockDim.x) {
         float v[RMS_PACKS][8];
-        uint4 wraw[RMS_PACKS];  // loaded with the row so the second phase waits on no load
+        // The weights and gates loaded with the row, so the second phase waits on no load.
+        uint4 wraw[RMS_PACKS], graw[RMS_PACKS];
         float ss = 0.0f;
 #pragma unroll
         for (int p = 0; p < RMS_PACKS; p++) {
@@ -47,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
             if (pk * 8 < dim) {
                 uint4 raw = ((const uint4*)xr)[pk];
                 wraw[p] = ((const uint4*)w)[pk];
+                if (gate) graw[p] = ((const uint4*)(gate + (u64)blockIdx.x * dim))[pk];
                 u32 wd[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
@@ -64,11 +69,15 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm(const bf16* x, const 
             int pk = threadIdx.x + p * blockDim.x;
             if (pk * 8 < dim) {
                 u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
+                u32 gg[4] = {graw[p].x, graw[p].y, graw[p].z, graw[p].w};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    u64 at = (u64)blockIdx.x * dim + pk * 8 + 2 * i;
-                    float lo = gated(round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16), gate, at);
-                    float hi = gated(round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u), gate, at + 1);
+                    float lo = round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16);
+                    float hi = round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u);
+                    if (gate) {
+                        lo = gated_by(lo, __uint_as_float(gg[i] << 16));
+                        hi = gated_by(hi, __uint_as_float(gg[i] & 0xffff0000u));
+                    }
                     o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
                 }
                 ((uint4*)yr)[pk] = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);

@@ -30,6 +30,33 @@ fn elementwise_ops_match_cpu() {
             5e-3,
         );
 
+        // rms_norm then the sigmoid gate (the lightning output), in one kernel on the GPU
+        let mut c_gated = cpu_act(&vec![0.0; n], cols);
+        CpuBackend
+            .rms_norm_gate(
+                &cpu_act(&x, cols),
+                &w,
+                1e-6,
+                Some(&cpu_act(&y, cols)),
+                &mut c_gated,
+            )
+            .unwrap();
+        let mut g_gated = g.act_from_host(&vec![0.0; n], cols).unwrap();
+        g.rms_norm_gate(
+            &g.act_from_host(&x, cols).unwrap(),
+            &gv,
+            1e-6,
+            Some(&g.act_from_host(&y, cols).unwrap()),
+            &mut g_gated,
+        )
+        .unwrap();
+        close(
+            &format!("rms_norm_gate {ctx}"),
+            &g.to_host(&g_gated).unwrap(),
+            &c_gated.data,
+            5e-3,
+        );
+
         // the residual add fused with the next norm
         let mut ch = cpu_act(&x, cols);
         let mut cn = cpu_act(&vec![0.0; n], cols);
