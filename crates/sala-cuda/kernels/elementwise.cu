@@ -186,13 +186,34 @@ extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf
     if (codes) row_codes_f8<2>(o, dim, scratch, codes + (u64)blockIdx.x * dim, scales + blockIdx.x);
 }
 
-// launch: grid = ceil(n / 256), block = 256
+// x[i] = round(op(x[i], y[i])) for this thread's 8 elements 8t .. 8t + 7 of n (t its index in
+// the grid): one 16-byte load of each and one store where both are 16-byte aligned and the 8 lie
+// inside n, else one by one.
+// launch: grid = ceil(n / (8 · 256)), block = 256
+template <class Op>
+__device__ __forceinline__ void elementwise8(bf16* x, const bf16* y, u64 n, Op op) {
+    const u64 i0 = 8 * ((u64)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i0 >= n) return;
+    if (i0 + 8 <= n && (((size_t)x | (size_t)y) & 15) == 0) {
+        const uint4 a = *(const uint4*)(x + i0), b = *(const uint4*)(y + i0);
+        const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+        u32 o[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float lo = op(__uint_as_float(aw[k] << 16), __uint_as_float(bw[k] << 16));
+            const float hi = op(__uint_as_float(aw[k] & 0xffff0000u), __uint_as_float(bw[k] & 0xffff0000u));
+            o[k] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+        }
+        *(uint4*)(x + i0) = make_uint4(o[0], o[1], o[2], o[3]);
+        return;
+    }
+    for (u64 i = i0; i < n && i < i0 + 8; i++) x[i] = f2bf(op(bf2f(x[i]), bf2f(y[i])));
+}
+
+// launch: as elementwise8
 extern "C" __global__ void silu_mul(bf16* gate, const bf16* up, u64 n) {
     pdl_start();
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float g = bf2f(gate[i]);
-    gate[i] = f2bf(silu_times(g, bf2f(up[i])));
+    elementwise8(gate, up, n, [](float g, float u) { return silu_times(g, u); });
 }
 
 // out[r, i] = round(round(silu(gu[r, i])) · gu[r, inter + i]) for gu = [rows, 2·inter].
@@ -226,20 +247,16 @@ extern "C" __global__ void silu_mul_halves8(const bf16* gu, bf16* out, int inter
     *(uint4*)(out + r * inter + i) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// launch: grid = ceil(n / 256), block = 256
+// launch: as elementwise8
 extern "C" __global__ void add_scaled(bf16* h, const bf16* branch, float scale, u64 n) {
     pdl_start();
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    h[i] = f2bf(bf2f(h[i]) + round_bf(bf2f(branch[i]) * scale));
+    elementwise8(h, branch, n, [scale](float a, float b) { return a + round_bf(b * scale); });
 }
 
-// launch: grid = ceil(n / 256), block = 256
+// launch: as elementwise8
 extern "C" __global__ void sigmoid_gate(bf16* x, const bf16* gate, u64 n) {
     pdl_start();
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    x[i] = f2bf(bf2f(x[i]) * round_bf(1.0f / (1.0f + expf(-bf2f(gate[i])))));
+    elementwise8(x, gate, n, [](float a, float g) { return a * round_bf(1.0f / (1.0f + expf(-g))); });
 }
 
 // The head a warp of head_norm_rope* owns: head hid of `base` (x), or past x's total_heads, of x2
