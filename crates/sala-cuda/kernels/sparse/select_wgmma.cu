@@ -39,9 +39,11 @@ __device__ __forceinline__ u64 sw_desc(u32 addr) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)64 << 32) | ((u64)1 << 62);
 }
 
-// Descriptor of k-step kk (dims 16kk .. 16kk + 15) of a tile at `base`.
+// Descriptor of k-step kk (dims 16kk .. 16kk + 15) of a tile at `base`: the tile's descriptor
+// plus the step's offset in 16-byte units (shared addresses stay below 2^18, so the 14-bit
+// address field does not overflow), one add a step.
 __device__ __forceinline__ u64 sw_desc_k(u32 base, int kk, int panel) {
-    return sw_desc(base + (kk >> 2) * panel + (kk & 3) * 32);
+    return sw_desc(base) + (u64)((u32)((kk >> 2) * panel + (kk & 3) * 32) >> 4);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -144,7 +146,9 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     unsigned char* const gbase = sw_raw + (base - sp_smem_addr(sw_raw));
     const int G = heads / kv_heads, g = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
-    const int wg = warp >> 2, wq = warp & 3, tw = threadIdx.x & 127;
+    // The warpgroup through a shuffle: the compiler then knows it warp-uniform and keeps the MMA
+    // descriptors built from it in uniform registers.
+    const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wq = warp & 3, tw = threadIdx.x & 127;
     const size_t kvw = (size_t)kv_heads * d;
     const float NEG = -__int_as_float(0x7f800000), INF = __int_as_float(0x7f800000);
     const float sl2 = scale * 1.4426950408889634f;
@@ -257,10 +261,12 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
     // (token, head) over this thread's keys, merged over the warp's lanes, then the warps.
     float2* const ml = (float2*)(gbase + SW_ML_OFF);
     {
+        // The running max starts at −1e30, not −∞: every exp2 then subtracts it as it is (a
+        // term of a masked key, −∞, still gives 0, and no finite score stays below it).
         float acc[32], mrow[32], lrow[32];
 #pragma unroll
         for (int j = 0; j < 32; j++) {
-            mrow[j] = NEG;
+            mrow[j] = -1e30f;
             lrow[j] = 0.0f;
             acc[j] = 0.0f;
         }
@@ -289,21 +295,31 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
                 // max moves only when a score passes it by more than 8 (terms stay ≤ 2^8), for
                 // every lane at once when any lane needs it, so most tiles take 2 exp2 per 2 keys.
                 bool grow = false;
-#pragma unroll
-                for (int m = 0; m < 4; m++)
-#pragma unroll
-                    for (int h = 0; h < 4; h++) {
-                        const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
-                        float x0 = acc[at] * sl2, x1 = acc[at + 2] * sl2;
-                        if (!full) {
-                            const int n2v = n2v_s[4 * hf + m];
-                            x0 = key < n2v ? x0 : NEG;
-                            x1 = key + 8 < n2v ? x1 : NEG;
-                        }
-                        acc[at] = x0;
-                        acc[at + 2] = x1;
-                        grow |= fmaxf(x0, x1) > mrow[j] + 8.0f;
+                // One (token, head) pair of keys; inlined into two copies of the loop, so the tiles
+                // that mask nothing (all but the last) take no selects.
+                auto score = [&](int m, int h, bool masked) {
+                    const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
+                    float x0 = acc[at] * sl2, x1 = acc[at + 2] * sl2;
+                    if (masked) {
+                        const int n2v = n2v_s[4 * hf + m];
+                        x0 = key < n2v ? x0 : NEG;
+                        x1 = key + 8 < n2v ? x1 : NEG;
                     }
+                    acc[at] = x0;
+                    acc[at + 2] = x1;
+                    grow |= fmaxf(x0, x1) > mrow[j] + 8.0f;
+                };
+                if (full) {
+#pragma unroll
+                    for (int m = 0; m < 4; m++)
+#pragma unroll
+                        for (int h = 0; h < 4; h++) score(m, h, false);
+                } else {
+#pragma unroll
+                    for (int m = 0; m < 4; m++)
+#pragma unroll
+                        for (int h = 0; h < 4; h++) score(m, h, true);
+                }
                 if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
                     for (int m = 0; m < 4; m++)
@@ -311,8 +327,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
                         for (int h = 0; h < 4; h++) {
                             const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
                             const float mx = fmaxf(mrow[j], fmaxf(acc[at], acc[at + 2]));
-                            const float mu = (mx == NEG) ? 0.0f : mx;
-                            lrow[j] *= st_ex2(mrow[j] - mu);
+                            lrow[j] *= st_ex2(mrow[j] - mx);
                             mrow[j] = mx;
                         }
                 }
@@ -321,8 +336,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
 #pragma unroll
                     for (int h = 0; h < 4; h++) {
                         const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
-                        const float mu = (mrow[j] == NEG) ? 0.0f : mrow[j];
-                        lrow[j] += st_ex2(acc[at] - mu) + st_ex2(acc[at + 2] - mu);
+                        lrow[j] += st_ex2(acc[at] - mrow[j]) + st_ex2(acc[at + 2] - mrow[j]);
                     }
             }
         }
