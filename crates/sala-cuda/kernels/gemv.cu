@@ -606,10 +606,17 @@ __device__ __forceinline__ uint4 w4_pack(u32 w, u32 s2, u32 b2) {
 }
 
 // A warp's 4-bit weights for one slab (128 k) of rows row[0], row[1]: lane t's 32 consecutive k
-// of each (one 16-byte load of words), with their group's scale and bias as bf16x2 pairs.
+// of each (one 16-byte load of words), with their group's scale and bias. With PAIRED they are
+// made bf16x2 pairs as loaded; else they stay one bf16 each until their slab makes the pairs,
+// so the warp does not wait for the loads of its next slab before it multiplies the current
+// one (a third of gemv_w4_8's stall samples; gemv_w4_16 pairs them at once, as its 64 registers
+// cannot hold both).
+template <bool PAIRED>
 struct W4Slab {
     uint4 raw[2];
-    u32 s2[2], b2[2];
+    u32 sc[2], bi[2];
+    __device__ __forceinline__ u32 scale2(int h) const { return PAIRED ? sc[h] : __byte_perm(sc[h], 0, 0x1010); }
+    __device__ __forceinline__ u32 bias2(int h) const { return PAIRED ? bi[h] : __byte_perm(bi[h], 0, 0x1010); }
 };
 
 // i / g for multiples of 32, i below 2^25 (an integer division is tens of instructions): with
@@ -633,16 +640,17 @@ __device__ __forceinline__ int w4_group(int i, float inv_g32) {
     return __float2int_rz(((float)(i >> 5) + 0.5f) * inv_g32);
 }
 
+template <bool PAIRED>
 __device__ __forceinline__ void w4_load(const uint4* qw, const u16* scales, const u16* bias, const W4Rows& r,
-                                        float inv_g32, int s, W4Slab& a) {
+                                        float inv_g32, int s, W4Slab<PAIRED>& a) {
     const int t = threadIdx.x & 3, kk = s * 128 + t * 32;
     const u32 group = w4_group(kk, inv_g32);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         a.raw[h] = __ldg(qw + r.pack[h] + (kk >> 5));
         const u32 sc = __ldg(scales + r.group[h] + group), bi = __ldg(bias + r.group[h] + group);
-        a.s2[h] = sc | (sc << 16);
-        a.b2[h] = bi | (bi << 16);
+        a.sc[h] = PAIRED ? sc | (sc << 16) : sc;
+        a.bi[h] = PAIRED ? bi | (bi << 16) : bi;
     }
 }
 
@@ -675,7 +683,8 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
     const bf16* xr[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) xr[nt] = x + (size_t)min(nt * 8 + gl, nb - 1) * k;
-    W4Slab a, an;
+    using Slab = W4Slab<(NT > 1)>;
+    Slab a, an;
     W4Rows rows;
     rows_of(blockIdx.x, rows);
     if ((int)blockIdx.x < tiles) w4_load(qw4, scales, bias, rows, inv_g32, warp, a);
@@ -689,7 +698,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
         // Slab s from cur, after asking for the warp's next slab (this tile's, else the next
         // tile's first) into nxt; the loop takes two a turn, so the two buffers swap roles
         // without copies.
-        auto slab = [&](const W4Slab& cur, W4Slab& nxt, int s) {
+        auto slab = [&](const Slab& cur, Slab& nxt, int s) {
             const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
             const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
             if (ntile < tiles) {
@@ -702,8 +711,8 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
             const u32 hi_w[4] = {cur.raw[1].x, cur.raw[1].y, cur.raw[1].z, cur.raw[1].w};
 #pragma unroll
             for (int p = 0; p < 4; p++) {
-                const uint4 lo = w4_pack(lo_w[p], cur.s2[0], cur.b2[0]);
-                const uint4 hi = w4_pack(hi_w[p], cur.s2[1], cur.b2[1]);
+                const uint4 lo = w4_pack(lo_w[p], cur.scale2(0), cur.bias2(0));
+                const uint4 hi = w4_pack(hi_w[p], cur.scale2(1), cur.bias2(1));
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const uint4 x8 = __ldg((const uint4*)(xr[nt] + kk + 8 * p));
@@ -712,7 +721,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
                 }
             }
         };
-        gm_slab_turns(slabs, a, an, slab, [](W4Slab& to, const W4Slab& from) { to = from; });
+        gm_slab_turns(slabs, a, an, slab, [](Slab& to, const Slab& from) { to = from; });
         const int v = threadIdx.x;
         const float sum = gm_block_sum<NT>(red, c, v);
         const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
