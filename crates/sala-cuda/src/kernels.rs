@@ -236,6 +236,7 @@ kernel_table! {
     SdPRows = sd_p_rows in "sparse/select_decode.cu" (q: Ptr, rows: Seqs, heads: I32, kv_heads: I32, d: I32, scale: F32, k1_window: I32, k1_stride: I32, part: Ptr, n_split: I32, p16: Ptr, p_stride: I32);
     SdTopk = sd_topk in "sparse/select_decode.cu" (p16: Ptr, p_stride: I32, n1: I32, first_pos: I32, kv_heads: I32, block_size: I32, k1_window: I32, k1_stride: I32, init_blocks: I32, local_blocks: I32, k_sel: I32, stage_p: I32, keys: Ptr, blocks_out: Ptr);
     SdTopkRows = sd_topk_rows in "sparse/select_decode.cu" (p16: Ptr, p_stride: I32, rows: Seqs, kv_heads: I32, block_size: I32, k1_window: I32, k1_stride: I32, init_blocks: I32, local_blocks: I32, k_sel: I32, stage_p: I32, keys: Ptr, blocks_out: Ptr);
+    SdTopkRowsCl = sd_topk_rows_cl in "sparse/select_decode.cu" (p16: Ptr, p_stride: I32, rows: Seqs, kv_heads: I32, block_size: I32, k1_window: I32, k1_stride: I32, init_blocks: I32, local_blocks: I32, k_sel: I32, blocks_out: Ptr);
     // Attention over all (dense) or the selected (sparse) blocks.
     Attention = attention in "sparse/attention.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, block_size: I32);
     AttentionSplit = attention_split in "sparse/attention.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, part: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, block_size: I32, n_split: I32);

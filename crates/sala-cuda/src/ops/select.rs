@@ -92,7 +92,7 @@ impl CudaBackend {
         while a < t {
             let n = group.min(t - a);
             let pos = first + a;
-            let (at, (topk_kernel, topk)) = {
+            let (at, topk) = {
                 let p = self.k.planner();
                 (
                     p.select_scores(kernel, n, kvh),
@@ -124,7 +124,7 @@ impl CudaBackend {
                 stride as i32,
             )?;
             let out = blocks + (a * kvh * k_sel * 4) as u64;
-            if topk_kernel == K::SdTopkScores {
+            if topk.kernel == K::SdTopkScores {
                 let keys = self.topk_keys(&topk, n * kvh, stride)?;
                 self.k.sd_topk_scores(
                     topk.launch,
@@ -248,6 +248,9 @@ impl CudaBackend {
                 keys,
                 blocks,
             ),
+            DecodeQueries::Rows { seqs, .. } if topk.kernel == K::SdTopkRowsCl => self
+                .k
+                .sd_topk_rows_cl(at, p16, ps, seqs, kvh, bsz, k1w, k1s, ib, lb, ks, blocks),
             DecodeQueries::Rows { seqs, .. } => self.k.sd_topk_rows(
                 at, p16, ps, seqs, kvh, bsz, k1w, k1s, ib, lb, ks, sp, keys, blocks,
             ),

@@ -64,8 +64,8 @@ impl Planner {
                         SelectPlan::Scores(k) => {
                             let n = self.select_group(k, a.kv_heads, len, rows, cfg);
                             add(k, self.select_scores(k, n, a.kv_heads), &what);
-                            let (tk, p) = self.topk_scores(n * a.kv_heads, len, cfg);
-                            add(tk, p.launch, &what);
+                            let p = self.topk_scores(n * a.kv_heads, len, cfg);
+                            add(p.kernel, p.launch, &what);
                         }
                         SelectPlan::Decode => {
                             let n1 = windows(len, cfg.k1_window(), cfg.k1_stride());
@@ -81,11 +81,8 @@ impl Planner {
                             if rows <= SEQ_ROWS {
                                 add(K::SdLseRows, self.sd_lse(pairs, n2), &what);
                                 add(K::SdPRows, self.sd_p(pairs, n1), &what);
-                                add(
-                                    K::SdTopkRows,
-                                    self.sd_topk(true, pairs, len, ps, cfg).launch,
-                                    &what,
-                                );
+                                let p = self.sd_topk(true, pairs, len, ps, cfg);
+                                add(p.kernel, p.launch, &what);
                             }
                         }
                         SelectPlan::Exact => {}
@@ -288,11 +285,11 @@ impl Planner {
             let text = match self.select(a, cfg, rows, len) {
                 SelectPlan::Scores(k) => {
                     let n = self.select_group(k, a.kv_heads, len, rows, cfg);
-                    let (tk, p) = self.topk_scores(n * a.kv_heads, len, cfg);
+                    let p = self.topk_scores(n * a.kv_heads, len, cfg);
                     format!(
                         "{}; {} (keys in {} memory)",
                         self.describe_launch(k, self.select_scores(k, n, a.kv_heads)),
-                        self.describe_launch(tk, p.launch),
+                        self.describe_launch(p.kernel, p.launch),
                         if p.keys_in_global { "global" } else { "shared" }
                     )
                 }

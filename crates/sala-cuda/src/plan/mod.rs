@@ -190,6 +190,17 @@ pub fn candidate_blocks(len: usize, cfg: &SparseConfig) -> usize {
     len.div_ceil(cfg.block_size)
 }
 
+/// Blocks of the cluster `sd_topk_rows_cl` splits a pair's candidates over.
+pub const SD_TOPK_CLUSTER: usize = 8;
+
+/// `sd_topk_rows_cl`'s dynamic shared memory for `candidates` blocks of `w` level-1 windows
+/// each: a block's slice of keys (rounded to 8), then the P windows they pool (from a multiple
+/// of 8, one before the first and 8 of rounding past the last).
+pub fn sd_topk_cluster_smem(candidates: usize, w: usize) -> usize {
+    let per = candidates.max(1).div_ceil(SD_TOPK_CLUSTER);
+    (2 * per.next_multiple_of(8) + 2 * (w * per + w + 16)).next_multiple_of(16)
+}
+
 /// Bytes of `sd_topk*`'s 16-bit keys for `candidates` blocks (a multiple of 16).
 fn topk_keys_bytes(candidates: usize) -> usize {
     (2 * candidates.max(1)).next_multiple_of(16)
@@ -221,6 +232,9 @@ pub enum LightningPlan {
 /// staged beside them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TopkPlan {
+    /// `sd_topk`, `sd_topk_rows`, or `sd_topk_rows_cl` (decode rows on Hopper: a cluster of
+    /// [`SD_TOPK_CLUSTER`] blocks a pair).
+    pub kernel: K,
     pub launch: Launch,
     pub keys_in_global: bool,
     pub stage_p: bool,
@@ -294,6 +308,8 @@ impl Planner {
             K::LightningStates => lightning_states_smem(128),
             K::LightningStateTerm => LST_ROWS * 256 * 4,
             K::SdTopk | K::SdTopkRows => SD_TOPK_MAX_SMEM,
+            // Its plans ask at most what fits (see sd_topk).
+            K::SdTopkRowsCl if self.limits.hopper_instructions => usize::MAX,
             K::SdTopkScores => topk_keys_bytes(SD_TOPK_MAX_CANDIDATES),
             K::SelectScoresWg if self.limits.hopper_instructions => SELECT_WG_SMEM,
             // The exact selection's per-group query rows: 16 heads of d ≤ 256.
@@ -532,21 +548,21 @@ impl Planner {
     /// The top-k over a prefill selection's block scores: `sd_topk_scores` (keys in shared
     /// memory where they fit, else in global memory), or `select_topk_scores` beyond the
     /// 16-bit counts (or `CudaOptions::topk_scores_max_candidates`).
-    pub fn topk_scores(&self, pairs: usize, len: usize, cfg: &SparseConfig) -> (K, TopkPlan) {
+    pub fn topk_scores(&self, pairs: usize, len: usize, cfg: &SparseConfig) -> TopkPlan {
         let candidates = candidate_blocks(len, cfg);
         let most = SD_TOPK_MAX_CANDIDATES.min(self.options.topk_scores_max_candidates);
         if candidates > most {
-            let launch = Launch::new((pairs, 1, 1), 256, 0);
-            let plan = TopkPlan {
-                launch,
+            return TopkPlan {
+                kernel: K::SelectTopkScores,
+                launch: Launch::new((pairs, 1, 1), 256, 0),
                 keys_in_global: false,
                 stage_p: false,
             };
-            return (K::SelectTopkScores, plan);
         }
         let keys = topk_keys_bytes(candidates);
         let in_smem = self.fits(K::SdTopkScores, keys) && !self.options.topk_keys_in_global;
-        let plan = TopkPlan {
+        TopkPlan {
+            kernel: K::SdTopkScores,
             launch: Launch::new(
                 (pairs, 1, 1),
                 SD_TOPK_THREADS,
@@ -554,8 +570,7 @@ impl Planner {
             ),
             keys_in_global: !in_smem,
             stage_p: false,
-        };
-        (K::SdTopkScores, plan)
+        }
     }
 
     /// `sd_lse` (or its rows twin) over `n2` level-2 windows.
@@ -591,9 +606,27 @@ impl Planner {
         p_stride: usize,
         cfg: &SparseConfig,
     ) -> TopkPlan {
+        let candidates = candidate_blocks(len, cfg);
+        let cluster_smem = sd_topk_cluster_smem(candidates, cfg.block_size / cfg.k1_stride());
+        if rows
+            && self.limits.hopper_instructions
+            && !self.options.topk_keys_in_global
+            && self.fits(K::SdTopkRowsCl, cluster_smem)
+        {
+            return TopkPlan {
+                kernel: K::SdTopkRowsCl,
+                launch: Launch::new(
+                    (pairs * SD_TOPK_CLUSTER, 1, 1),
+                    SD_TOPK_THREADS,
+                    cluster_smem,
+                ),
+                keys_in_global: false,
+                stage_p: true,
+            };
+        }
         let k = if rows { K::SdTopkRows } else { K::SdTopk };
         let budget = self.smem_budget(k).min(SD_TOPK_MAX_SMEM);
-        let keys = topk_keys_bytes(candidate_blocks(len, cfg));
+        let keys = topk_keys_bytes(candidates);
         let keys_in_global = keys > budget || self.options.topk_keys_in_global;
         let stage_p = !keys_in_global && keys + 2 * p_stride <= budget;
         let smem = match (keys_in_global, stage_p) {
@@ -602,6 +635,7 @@ impl Planner {
             (false, true) => keys + 2 * p_stride,
         };
         TopkPlan {
+            kernel: k,
             launch: Launch::new((pairs, 1, 1), SD_TOPK_THREADS, smem),
             keys_in_global,
             stage_p,

@@ -732,6 +732,8 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
 /// the compressed keys for decode) against the oracle's block scores: every list
 /// holds the forced blocks, and no block left out scores above a chosen one by more than the
 /// rounding of the two computations (so a differing pick is a near-tie, never a wrong block).
+/// A decode step of two sequences with the same keys (the batched rows' top-k) picks for each
+/// what one sequence's step picks alone.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn fast_block_selection_matches_oracle_scores() {
@@ -895,6 +897,53 @@ fn fast_block_selection_matches_oracle_scores() {
                     }
                 }
                 at += c;
+            }
+            if shape.head_dim == 128 {
+                // One decode step of two sequences holding the same keys (the batched rows'
+                // selection: on Hopper, a cluster of blocks a pair): both lists equal, and the
+                // same as one sequence's step alone picks.
+                let mut twin = g.new_sparse_cache(shape, &cfg).unwrap();
+                g.copy_sparse_cache(&gc, &mut twin).unwrap();
+                let mut lone = g.new_sparse_cache(shape, &cfg).unwrap();
+                g.copy_sparse_cache(&gc, &mut lone).unwrap();
+                let (qr, kr) = (
+                    rng.bf16_vec(shape.q_width(), -1.5, 1.5),
+                    rng.bf16_vec(shape.kv_width(), -1.5, 1.5),
+                );
+                let step = |caches: &mut [&mut sala_cuda::DevSparseCache], rows: usize| {
+                    let rep = |x: &[f32]| x.repeat(rows);
+                    let (qw, kw) = (shape.q_width(), shape.kv_width());
+                    let mut out = g.act_from_host(&vec![0.0; rows * qw], qw).unwrap();
+                    let io = AttnIo {
+                        q: &mut g.act_from_host(&rep(&qr), qw).unwrap(),
+                        k: &mut g.act_from_host(&rep(&kr), kw).unwrap(),
+                        v: &mut g.act_from_host(&rep(&kr), kw).unwrap(),
+                        out: &mut out,
+                    };
+                    let spans: Vec<Span> = (0..rows)
+                        .map(|r| Span {
+                            first_row: r,
+                            len: 1,
+                            pos: n,
+                        })
+                        .collect();
+                    let modes = vec![SparseMode::Sparse; rows];
+                    g.sparse_attention(shape, &cfg, io, &spans, &modes, caches)
+                        .unwrap();
+                    g.last_selection(rows * kvh * k_sel).unwrap()
+                };
+                let pair = step(&mut [&mut gc, &mut twin], 2);
+                let alone = step(&mut [&mut lone], 1);
+                assert_eq!(
+                    pair[..kvh * k_sel],
+                    pair[kvh * k_sel..],
+                    "{shape:?}: two rows' lists differ"
+                );
+                assert_eq!(
+                    pair[..kvh * k_sel],
+                    alone[..],
+                    "{shape:?}: a row batched and alone differ"
+                );
             }
             eprintln!(
                 "{shape:?}: {checked} lists checked, {differing} differ from the oracle's (near-ties)"
