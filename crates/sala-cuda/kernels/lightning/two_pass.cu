@@ -10,53 +10,69 @@
 // columns e0 = 32·y .. e0 + 32 of head h, doing step (d) of lightning_fused with the same
 // operations in the same order (so the same bits), warp w on key rows 16w .. 16w + 15. Before
 // each chunk c it writes the state as bf16 hi and lo (what (b) reads) to chunk_states
-// [c][heads][2][d][d]; at the end the fp32 state to `state`. Needs d 64 or 128.
+// [c][heads][2][d][d]; at the end the fp32 state to `state`. Each step makes the next chunk's
+// Vd after issuing this chunk's MMAs (Vd in two buffers), so a step has one block barrier and
+// the Vd work runs under the MMA chain. Needs d 64 or 128.
 #define LS_VS 32
 #define LS_LDV (LS_VS + 8)
-#define LS_STAGES 2  // chunks of K and the V slice staged (4 measured no faster on the H200)
+#define LS_STAGES 3  // chunks of K and the V slice staged: this one, the next (its Vd), one loading
 #define LS_OFF_V(d) (LS_STAGES * LF_C * lf_ld(d) * 2)
 #define LS_OFF_VD(d) (LS_OFF_V(d) + LS_STAGES * LF_C * LS_LDV * 2)
-#define LS_OFF_PW(d) (LS_OFF_VD(d) + 2 * LF_C * LS_LDV * 2)
+#define LS_OFF_PW(d) (LS_OFF_VD(d) + 2 * 2 * LF_C * LS_LDV * 2)
 #define LS_SMEM(d) (LS_OFF_PW(d) + 68 * 4)
 
-// Stages chunk rows [j0, j0 + len) of K and the V slice into buffer `buf` (rows ≥ len zero).
-__device__ __forceinline__ void ls_issue(const bf16* k, const bf16* v, unsigned char* sm, int buf, int j0, int len,
-                                         int kvh, int e0, int kv_heads, int d) {
-    const int ld = lf_ld(d), seg_shift = __ffs(d / 8) - 1;
-    const size_t kvw = (size_t)kv_heads * d;
-    bf16* ks = (bf16*)sm + buf * LF_C * ld;
-    bf16* vs = (bf16*)(sm + LS_OFF_V(d)) + buf * LF_C * LS_LDV;
-    for (int x = threadIdx.x; x < LF_C << seg_shift; x += blockDim.x) {
-        const int j = x >> seg_shift, p = x & ((1 << seg_shift) - 1);
-        const bool in = j < len;
-        const bf16* sk = in ? k + (size_t)(j0 + j) * kvw + (size_t)kvh * d + 8 * p : k;
-        sp_cp_async16(sp_smem_addr(ks + j * ld + 8 * p), sk, in ? 16 : 0);
-    }
-    for (int x = threadIdx.x; x < LF_C * (LS_VS / 8); x += blockDim.x) {
-        const int j = x >> 2, p = x & 3;
-        const bool in = j < len;
-        const bf16* sv = in ? v + (size_t)(j0 + j) * kvw + (size_t)kvh * d + e0 + 8 * p : v;
-        sp_cp_async16(sp_smem_addr(vs + j * LS_LDV + 8 * p), sv, in ? 16 : 0);
+// Stages chunk c (rows [64c, 64c + len)) of K and the V slice into buffer `buf` (rows ≥ len
+// zero); the block has 2·D threads: thread t copies 16-byte piece t % (D / 8) of K rows
+// t / (D / 8) + 16i and piece t % 4 of V rows t / 4 + (D / 2)i. kb and vb are this thread's
+// first K and V pieces of chunk 0; kvw the row stride.
+template <int D>
+__device__ __forceinline__ void ls_issue(const bf16* kb, const bf16* vb, unsigned char* sm, int buf, int c, int len,
+                                         size_t kvw) {
+    constexpr int threads = 2 * D, segs = D / 8, k_rows = threads / segs, v_rows = threads / 4;
+    constexpr int ld = D + 8;  // lf_ld(D)
+    const int jk = threadIdx.x / segs, pk = threadIdx.x % segs, jv = threadIdx.x / 4, pv = threadIdx.x % 4;
+    const size_t at = (size_t)c * LF_C * kvw;
+    const bf16* sk = kb + at;
+    const bf16* sv = vb + at;
+    const u32 dk = sp_smem_addr((bf16*)sm + buf * LF_C * ld + jk * ld + 8 * pk);
+    const u32 dv = sp_smem_addr((bf16*)(sm + LS_OFF_V(D)) + buf * LF_C * LS_LDV + jv * LS_LDV + 8 * pv);
+    if (len == LF_C) {
+#pragma unroll
+        for (int i = 0; i < LF_C / k_rows; i++) sp_cp_async16(dk + 2 * k_rows * i * ld, sk + k_rows * i * kvw, 16);
+#pragma unroll
+        for (int i = 0; i < LF_C / v_rows; i++)
+            sp_cp_async16(dv + 2 * v_rows * i * LS_LDV, sv + v_rows * i * kvw, 16);
+    } else {
+        // A row past len reads nothing (source size 0) from the chunk's first rows.
+#pragma unroll
+        for (int i = 0; i < LF_C / k_rows; i++) {
+            const bool in = jk + k_rows * i < len;
+            sp_cp_async16(dk + 2 * k_rows * i * ld, in ? sk + k_rows * i * kvw : sk, in ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < LF_C / v_rows; i++) {
+            const bool in = jv + v_rows * i < len;
+            sp_cp_async16(dv + 2 * v_rows * i * LS_LDV, in ? sv + v_rows * i * kvw : sv, in ? 16 : 0);
+        }
     }
     sp_cp_commit();
 }
 
 // launch: grid = (heads, d / 32), block = 2·d (d / 16 warps), dynamic smem = LS_SMEM(d) bytes
-//         (55,568 for d = 128)
-extern "C" __global__ void __launch_bounds__(256)
-lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states, const float* slopes, int T,
-                 int heads, int kv_heads, int d) {
-    pdl_start();
+//         (88,336 for d = 128)
+template <int D>
+__device__ __forceinline__ void ls_body(const bf16* k, const bf16* v, float* state, bf16* chunk_states,
+                                        const float* slopes, int T, int heads, int kv_heads) {
+    constexpr int d = D, threads = 2 * D;
     extern __shared__ __align__(16) unsigned char ls_sm[];
     const int h = blockIdx.x, e0 = LS_VS * blockIdx.y;
     const int kvh = h / (heads / kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, tq = lane & 3;
     const int ld = lf_ld(d), a0 = 16 * warp;
-    bf16* vdh = (bf16*)(ls_sm + LS_OFF_VD(d));
-    bf16* vdl = vdh + LF_C * LS_LDV;
+    bf16* const vd0 = (bf16*)(ls_sm + LS_OFF_VD(d));  // [2 buffers][hi, lo][LF_C][LS_LDV]
     float* pw = (float*)(ls_sm + LS_OFF_PW(d));
     const float g = -slopes[h];
-    for (int x = threadIdx.x; x <= LF_C; x += blockDim.x) pw[x] = lc_pow(g, x);
+    for (int x = threadIdx.x; x <= LF_C; x += threads) pw[x] = lc_pow(g, x);
 
     // The state slice: key rows a0 + gq (+8), value columns e0 + 8nt + 2tq (+1).
     const size_t slice = (size_t)h * d * d + e0;
@@ -67,17 +83,43 @@ lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states,
         for (int x = 0; x < 4; x++) sa[nt][x] = state[slice + (size_t)(a0 + gq + 8 * (x >> 1)) * d + 8 * nt + 2 * tq + (x & 1)];
 
     const int n_chunks = (T + LF_C - 1) / LF_C;
-    // Chunk c loads into buffer c % LS_STAGES, LS_STAGES − 1 chunks ahead (a group a chunk,
-    // empty past the end).
+    const size_t kvw = (size_t)kv_heads * d;
+    const bf16* const kb = k + (size_t)(threadIdx.x / (d / 8)) * kvw + (size_t)kvh * d + 8 * (threadIdx.x % (d / 8));
+    const bf16* const vb = v + (size_t)(threadIdx.x / 4) * kvw + (size_t)kvh * d + e0 + 8 * (threadIdx.x % 4);
+    // Chunk c loads into buffer c % LS_STAGES, two chunks ahead (a group a chunk, empty past
+    // the end).
     auto issue = [&](int c) {
-        if (c < n_chunks) ls_issue(k, v, ls_sm, c % LS_STAGES, c * LF_C, min(LF_C, T - c * LF_C), kvh, e0, kv_heads, d);
+        if (c < n_chunks) ls_issue<D>(kb, vb, ls_sm, c % LS_STAGES, c, min(LF_C, T - c * LF_C), kvw);
         else sp_cp_commit();
     };
+    // Vd of chunk c = γ^{len−1−j} v_j as bf16 hi + lo (rows ≥ len are zero), 8 values at a
+    // time, into Vd buffer c & 1.
+    auto vd_make = [&](int c) {
+        const int len = min(LF_C, T - c * LF_C);
+        const bf16* vs = (const bf16*)(ls_sm + LS_OFF_V(d)) + (c % LS_STAGES) * LF_C * LS_LDV;
+        bf16* vdh = vd0 + (c & 1) * 2 * LF_C * LS_LDV;
+        bf16* vdl = vdh + LF_C * LS_LDV;
 #pragma unroll
-    for (int c = 0; c < LS_STAGES - 1; c++) issue(c);
+        for (int i = 0; i < LF_C * 4 / threads; i++) {
+            const int x = threadIdx.x + threads * i, j = x >> 2, c0 = 8 * (x & 3);
+            const float f = (j < len) ? pw[len - 1 - j] : 0.0f;
+            const uint4 w = *(const uint4*)(vs + j * LS_LDV + c0);
+            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+            u32 hi[4], lo[4];
+#pragma unroll
+            for (int y = 0; y < 4; y++) sp_split2(lt_lo(ws[y]) * f, lt_hi(ws[y]) * f, hi[y], lo[y]);
+            *(uint4*)(vdh + j * LS_LDV + c0) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            *(uint4*)(vdl + j * LS_LDV + c0) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        }
+    };
+    issue(0);
+    issue(1);
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    __syncthreads();  // chunk 0 staged, pw written
+    vd_make(0);
     const int r8 = lane & 7, m8 = lane >> 3;
     for (int c = 0; c < n_chunks; c++) {
-        const int j0 = c * LF_C, len = min(LF_C, T - j0), buf = c % LS_STAGES;
+        const int len = min(LF_C, T - c * LF_C);
         // The state before chunk c.
         bf16* dst = chunk_states + ((size_t)c * heads + h) * 2 * d * d + e0;
 #pragma unroll
@@ -90,25 +132,14 @@ lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states,
                 *(u32*)(dst + off) = hi;
                 *(u32*)(dst + (size_t)d * d + off) = lo;
             }
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(LS_STAGES - 2) : "memory");
-        __syncthreads();  // chunk c staged; every warp is done with the last Vd and K buffer
-        issue(c + LS_STAGES - 1);
-        const bf16* ks = (const bf16*)ls_sm + buf * LF_C * ld;
-        const bf16* vs = (const bf16*)(ls_sm + LS_OFF_V(d)) + buf * LF_C * LS_LDV;
-
-        // Vd = γ^{len−1−j} v_j as bf16 hi + lo (rows ≥ len are zero), 8 values at a time.
-        for (int x = threadIdx.x; x < LF_C * 4; x += blockDim.x) {
-            const int j = x >> 2, c0 = 8 * (x & 3);
-            const float f = (j < len) ? pw[len - 1 - j] : 0.0f;
-            const uint4 w = *(const uint4*)(vs + j * LS_LDV + c0);
-            const u32 ws[4] = {w.x, w.y, w.z, w.w};
-            u32 hi[4], lo[4];
-#pragma unroll
-            for (int y = 0; y < 4; y++) sp_split2(lt_lo(ws[y]) * f, lt_hi(ws[y]) * f, hi[y], lo[y]);
-            *(uint4*)(vdh + j * LS_LDV + c0) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            *(uint4*)(vdl + j * LS_LDV + c0) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-        }
-        __syncthreads();  // Vd written
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        // Vd of chunk c written and chunk c + 1 staged; every warp is done with chunk c − 1
+        // (its K buffer, which takes chunk c + 2, and its Vd buffer, which takes chunk c + 1's).
+        __syncthreads();
+        issue(c + 2);
+        const bf16* ks = (const bf16*)ls_sm + (c % LS_STAGES) * LF_C * ld;
+        const bf16* vdh = vd0 + (c & 1) * 2 * LF_C * LS_LDV;
+        const bf16* vdl = vdh + LF_C * LS_LDV;
 
         // S = γ^len S + Kᵀ Vd (A = Kᵀ from the [j][key] tile, transposed).
         const float dl = pw[len];
@@ -116,30 +147,42 @@ lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states,
         for (int nt = 0; nt < 4; nt++)
 #pragma unroll
             for (int x = 0; x < 4; x++) sa[nt][x] *= dl;
+        // Every fragment of the chunk first (80 registers), then the MMAs in their order.
+        u32 bh[4][2][4], bl[4][2][4], a[4][4];
 #pragma unroll
         for (int ks4 = 0; ks4 < 4; ks4++) {
-            u32 bh[2][4], bl[2][4];
 #pragma unroll
             for (int np = 0; np < 2; np++) {
                 const int off = (16 * ks4 + r8 + 8 * (m8 & 1)) * LS_LDV + 16 * np + 8 * (m8 >> 1);
-                ldsm_x4_t(bh[np], sp_smem_addr(vdh + off));
-                ldsm_x4_t(bl[np], sp_smem_addr(vdl + off));
+                ldsm_x4_t(bh[ks4][np], sp_smem_addr(vdh + off));
+                ldsm_x4_t(bl[ks4][np], sp_smem_addr(vdl + off));
             }
-            u32 a[4];
-            ldsm_x4_t(a, sp_smem_addr(ks + (16 * ks4 + r8 + 8 * (m8 >> 1)) * ld + a0 + 8 * (m8 & 1)));
+            ldsm_x4_t(a[ks4], sp_smem_addr(ks + (16 * ks4 + r8 + 8 * (m8 >> 1)) * ld + a0 + 8 * (m8 & 1)));
+        }
+#pragma unroll
+        for (int ks4 = 0; ks4 < 4; ks4++)
 #pragma unroll
             for (int np = 0; np < 2; np++) {
-                sp_mma(sa[2 * np], a[0], a[1], a[2], a[3], bh[np][0], bh[np][1]);
-                sp_mma(sa[2 * np], a[0], a[1], a[2], a[3], bl[np][0], bl[np][1]);
-                sp_mma(sa[2 * np + 1], a[0], a[1], a[2], a[3], bh[np][2], bh[np][3]);
-                sp_mma(sa[2 * np + 1], a[0], a[1], a[2], a[3], bl[np][2], bl[np][3]);
+                const u32* f = a[ks4];
+                sp_mma(sa[2 * np], f[0], f[1], f[2], f[3], bh[ks4][np][0], bh[ks4][np][1]);
+                sp_mma(sa[2 * np], f[0], f[1], f[2], f[3], bl[ks4][np][0], bl[ks4][np][1]);
+                sp_mma(sa[2 * np + 1], f[0], f[1], f[2], f[3], bh[ks4][np][2], bh[ks4][np][3]);
+                sp_mma(sa[2 * np + 1], f[0], f[1], f[2], f[3], bl[ks4][np][2], bl[ks4][np][3]);
             }
-        }
+        if (c + 1 < n_chunks) vd_make(c + 1);
     }
 #pragma unroll
     for (int nt = 0; nt < 4; nt++)
 #pragma unroll
         for (int x = 0; x < 4; x++) state[slice + (size_t)(a0 + gq + 8 * (x >> 1)) * d + 8 * nt + 2 * tq + (x & 1)] = sa[nt][x];
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+lightning_states(const bf16* k, const bf16* v, float* state, bf16* chunk_states, const float* slopes, int T,
+                 int heads, int kv_heads, int d) {
+    pdl_start();
+    if (d == 128) ls_body<128>(k, v, state, chunk_states, slopes, T, heads, kv_heads);
+    else ls_body<64>(k, v, state, chunk_states, slopes, T, heads, kv_heads);
 }
 
 // Outputs of 64-token chunks in parallel, from the states lightning_states left in chunk_states:

@@ -166,8 +166,8 @@ pub const SELECT_WG_SMEM: usize = 111_648 + 1024;
 
 /// `lightning_states` for head size `d` (`LS_SMEM`).
 pub fn lightning_states_smem(d: usize) -> usize {
-    const STAGES: usize = 2; // LS_STAGES
-    STAGES * 64 * (d + 8) * 2 + STAGES * 64 * 40 * 2 + 2 * 64 * 40 * 2 + 68 * 4
+    const STAGES: usize = 3; // LS_STAGES
+    STAGES * 64 * (d + 8) * 2 + STAGES * 64 * 40 * 2 + 2 * 2 * 64 * 40 * 2 + 68 * 4
 }
 
 /// `lightning_outputs` for head size `d` (`LO_SMEM`).
