@@ -29,7 +29,7 @@ template <int D>
 __device__ __forceinline__ void ls_issue(const bf16* kb, const bf16* vb, unsigned char* sm, int buf, int c, int len,
                                          size_t kvw) {
     constexpr int threads = 2 * D, segs = D / 8, k_rows = threads / segs, v_rows = threads / 4;
-    constexpr int ld = D + 8;  // lf_ld(D)
+    const int ld = lf_ld(D);
     const int jk = threadIdx.x / segs, pk = threadIdx.x % segs, jv = threadIdx.x / 4, pv = threadIdx.x % 4;
     const size_t at = (size_t)c * LF_C * kvw;
     const bf16* sk = kb + at;
