@@ -244,6 +244,35 @@ __device__ __forceinline__ u32 sd_radix_select(const u16* keys, int n, int rank,
 // by the rule of sparse_select. key_of(b): the 16-bit key of candidate block b ∈ [init_blocks,
 // qb − local_blocks) (larger is better). The keys go to `keys` (this pair's part of a global
 // scratch) or, when it is null, to dynamic shared memory. Every thread calls.
+// (gt << 16) | eq over keys[x0, x1): how many are above kstar and how many equal it (counts
+// below 2^16: n_cand ≤ 65535).
+__device__ __forceinline__ u32 sd_run_counts(const u16* keys, int x0, int x1, u32 kstar) {
+    u32 gt = 0, eq = 0;
+    for (int x = x0; x < x1; x++) {
+        const u32 k = keys[x];
+        gt += k > kstar;
+        eq += k == kstar;
+    }
+    return (gt << 16) | eq;
+}
+
+// Writes the chosen of keys[x0, x1) (above kstar, or equal to it and among the first r_eq, the
+// lowest index first) to their places in outb after the n_init forced ones, given the counts of
+// the candidates before the run (sd_run_counts' form); key x is block first + x.
+__device__ __forceinline__ void sd_run_emit(const u16* keys, int x0, int x1, u32 kstar, int r_eq, u32 before,
+                                            int n_init, int k_sel, int first, int* outb) {
+    u32 gt_before = before >> 16, eq_before = before & 0xffffu;
+    for (int x = x0; x < x1; x++) {
+        const u32 k = keys[x];
+        if (k > kstar || (k == kstar && (int)eq_before < r_eq)) {
+            const int pos = (int)gt_before + min((int)eq_before, r_eq);
+            if (n_init + pos < k_sel) outb[n_init + pos] = first + x;
+        }
+        gt_before += k > kstar;
+        eq_before += k == kstar;
+    }
+}
+
 template <class KeyOf>
 __device__ __forceinline__ void sd_topk_body(int t, int block_size, int init_blocks, int local_blocks, int k_sel,
                                              u16* keys, int* blocks_out, KeyOf&& key_of) {
@@ -276,25 +305,9 @@ __device__ __forceinline__ void sd_topk_body(int t, int block_size, int init_blo
         // above kstar, or equal to it and among the first r_eq such (lowest index first).
         const int per = (n_cand + SD_TOPK_THREADS - 1) / SD_TOPK_THREADS;
         const int x0 = min(tid * per, n_cand), x1 = min(x0 + per, n_cand);
-        u32 gt = 0, eq = 0;
-        for (int x = x0; x < x1; x++) {
-            const u32 k = sd_keys[x];
-            gt += k > kstar;
-            eq += k == kstar;
-        }
-        // Counts < 2^16 (n_cand ≤ 65535): greater-than in the high half, equal in the low.
         u32 all;
-        const u32 before = block_scan<SD_TOPK_THREADS / 32>((gt << 16) | eq, scan, &all);
-        u32 gt_before = before >> 16, eq_before = before & 0xffffu;
-        for (int x = x0; x < x1; x++) {
-            const u32 k = sd_keys[x];
-            if (k > kstar || (k == kstar && (int)eq_before < r_eq)) {
-                const int pos = (int)gt_before + min((int)eq_before, r_eq);
-                if (n_init + pos < k_sel) outb[n_init + pos] = cand_lo + x;
-            }
-            gt_before += k > kstar;
-            eq_before += k == kstar;
-        }
+        const u32 before = block_scan<SD_TOPK_THREADS / 32>(sd_run_counts(sd_keys, x0, x1, kstar), scan, &all);
+        sd_run_emit(sd_keys, x0, x1, kstar, r_eq, before, n_init, k_sel, cand_lo, outb);
     }
     const int n_hi = qb - cand_hi + 1;
     for (int s = tid; s < n_hi; s += SD_TOPK_THREADS)
@@ -465,29 +478,13 @@ sd_topk_rows_cl(const u16* p16, int p_stride, SeqRows rows, int kv_heads, int bl
     const int n_init = min(init_blocks, qb + 1);
     const int run = (n + SD_CL_THREADS - 1) / SD_CL_THREADS;
     const int y0 = min(tid * run, n), y1 = min(y0 + run, n);
-    u32 gt = 0, eq = 0;
-    for (int x = y0; x < y1; x++) {
-        const u32 k = keys[x];
-        gt += k > kstar;
-        eq += k == kstar;
-    }
-    // Counts < 2^16 (n_cand ≤ 65535): greater-than in the high half, equal in the low.
     u32 all;
-    u32 before = block_scan<SD_CL_THREADS / 32>((gt << 16) | eq, scan, &all);
+    u32 before = block_scan<SD_CL_THREADS / 32>(sd_run_counts(keys, y0, y1, kstar), scan, &all);
     if (tid == 0) counts = all;
     cl_sync();
     const u32 c_addr = sp_smem_addr(&counts);
     for (u32 r = 0; r < rank; r++) before += cl_load(c_addr, r);
-    u32 gt_before = before >> 16, eq_before = before & 0xffffu;
-    for (int x = y0; x < y1 && take > 0; x++) {
-        const u32 k = keys[x];
-        if (k > kstar || (k == kstar && (int)eq_before < r_eq)) {
-            const int pos = (int)gt_before + min((int)eq_before, r_eq);
-            if (n_init + pos < k_sel) outb[n_init + pos] = cand_lo + x0 + x;
-        }
-        gt_before += k > kstar;
-        eq_before += k == kstar;
-    }
+    sd_run_emit(keys, y0, take > 0 ? y1 : y0, kstar, r_eq, before, n_init, k_sel, cand_lo + x0, outb);
     if (rank == 0) {
         for (int s = tid; s < n_init && s < k_sel; s += SD_CL_THREADS) outb[s] = s;
         const int n_hi = qb - cand_hi + 1;
