@@ -30,7 +30,6 @@ for step in $steps; do
       done
       grep -q "fast_block_selection_matches_oracle_scores ... ok" "$L/parity.log" || fallback+=(wgmma)
       grep -q 'lightning_matches_oracle ... ok' "$L/parity.log" || fallback+=(lightning-split)
-      grep -q 'lightning_two_pass_equals_one_pass ... ok' "$L/parity.log" || fallback+=(lightning-fused)
       grep -q 'batched_sparse_layers_equal_decoding_alone_on_the_gpu ... ok' "$L/parity.log" || fallback+=(sparse-rows)
       if [ ${#fallback[@]} -gt 0 ]; then
         export SALA_FALLBACK=$(IFS=,; echo "${fallback[*]}")

@@ -110,13 +110,7 @@ pub fn check_shapes() -> Vec<CheckShape> {
 /// The option sets whose plans are checked: the defaults and each slower variant.
 pub fn check_options() -> Vec<(&'static str, CudaOptions)> {
     let mut out = vec![("default", CudaOptions::default())];
-    for name in [
-        "lightning-fused",
-        "lightning-split",
-        "lightning",
-        "attention",
-        "select",
-    ] {
+    for name in ["lightning-split", "lightning", "attention", "select"] {
         let mut o = CudaOptions::default();
         o.apply_fallbacks(name).expect("a known name");
         out.push((name, o));
@@ -274,8 +268,8 @@ mod tests {
     use crate::device::{card_named, CARDS};
 
     const LOG: &str = "ptxas info    : 0 bytes gmem
-ptxas info    : Compiling entry function 'lightning_fused' for 'sm_120'
-ptxas info    : Function properties for lightning_fused
+ptxas info    : Compiling entry function 'lightning_ranges' for 'sm_120'
+ptxas info    : Function properties for lightning_ranges
     0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 128 registers, used 1 barriers, 1024 bytes smem
 ptxas info    : Compiling entry function 'embed' for 'sm_120'
@@ -287,7 +281,7 @@ ptxas info    : Used 16 registers, used 0 barriers, 380 bytes cmem[0]
     #[test]
     fn ptxas_reports_parse() {
         let f = parse_ptxas(LOG);
-        let l = f["lightning_fused"];
+        let l = f["lightning_ranges"];
         assert_eq!(
             (l.regs, l.static_smem, l.spill_stores, l.spill_loads),
             (128, 1024, 8, 4)
@@ -399,7 +393,7 @@ ptxas info    : Used 16 registers, used 0 barriers, 380 bytes cmem[0]
             let bad: Vec<_> = v.iter().filter(|v| !v.ok).map(|v| &v.line).collect();
             assert!(bad.is_empty(), "{}: {bad:?}", card.key);
         }
-        // lightning_fused double-buffered (~108 KiB) does not fit a 99 KiB card, and the plan
+        // lightning_ranges double-buffered (~112 KiB) does not fit a 99 KiB card, and the plan
         // picks the single-buffered variant there.
         let rtx = DeviceLimits::of_card(card_named("rtx5090").unwrap());
         let lf = KernelAttrs {
@@ -407,7 +401,7 @@ ptxas info    : Used 16 registers, used 0 barriers, 380 bytes cmem[0]
             max_threads: 512,
             ..Default::default()
         };
-        let double = Launch::new((32, 4, 1), 128, crate::plan::lightning_fused_smem(128, 2));
+        let double = Launch::new((32, 8, 1), 256, crate::plan::lightning_ranges_smem(128, 2));
         let p = launch_problems(&rtx, lf, &double);
         assert!(
             p[0].contains("shared memory") && p[1].contains("no block"),
@@ -415,11 +409,22 @@ ptxas info    : Used 16 registers, used 0 barriers, 380 bytes cmem[0]
         );
         let attrs = vec![lf; K::ALL.len()];
         let planner = Planner::new(rtx.clone(), CudaOptions::default(), attrs.clone());
-        assert_eq!(planner.lightning_fused_buffers(128), Some(1));
+        assert_eq!(planner.lightning_ranges_buffers(128), Some(1));
+        // A lightning call's ranges cover its tokens in whole chunks, at most as many as the
+        // scratch holds sums of (32 at 32 heads of 128).
+        for t in [2usize, 64, 65, 300, 8192, 9001, 65536] {
+            let (n, len) = planner.lightning_range_split(t, 32, 128);
+            assert!(
+                len % 64 == 0 && n * len >= t && (n - 1) * len < t && n <= 32,
+                "{t} tokens: {n} ranges of {len}"
+            );
+        }
+        assert_eq!(planner.lightning_range_split(8192, 32, 128), (8, 1024));
+        assert_eq!(planner.lightning_range_split(65536, 32, 128), (32, 2048));
         let h200 = DeviceLimits::of_card(card_named("h200").unwrap());
         assert!(launch_problems(&h200, lf, &double).is_empty());
         assert_eq!(
-            Planner::new(h200, CudaOptions::default(), attrs).lightning_fused_buffers(128),
+            Planner::new(h200, CudaOptions::default(), attrs).lightning_ranges_buffers(128),
             Some(2)
         );
         // Too many registers for a 1024-thread block, and spills beyond the baseline.

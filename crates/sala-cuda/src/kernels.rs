@@ -210,10 +210,9 @@ kernel_table! {
     LightningChunkState = lightning_chunk_state in "lightning/split.cu" (k: Ptr, v: Ptr, ds: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32);
     LightningChunkScan = lightning_chunk_scan in "lightning/split.cu" (state: Ptr, ds: Ptr, slopes: Ptr, n: I32, last_len: I32, heads: I32, d: I32);
     LightningChunkOut = lightning_chunk_out in "lightning/split.cu" (q: Ptr, k: Ptr, v: Ptr, ds: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32);
-    LightningFused = lightning_fused in "lightning/fused.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, range_len: I32, ranges: Ptr, state_only: I32, buffers: I32);
-    LightningRangeStates = lightning_range_states in "lightning/fused.cu" (state: Ptr, ranges: Ptr, slopes: Ptr, heads: I32, d: I32, n_ranges: I32, range_len: I32);
-    LightningStates = lightning_states in "lightning/two_pass.cu" (k: Ptr, v: Ptr, state: Ptr, chunk_states: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32);
-    LightningOutputs = lightning_outputs in "lightning/two_pass.cu" (q: Ptr, k: Ptr, v: Ptr, chunk_states: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32);
+    LightningRanges = lightning_ranges in "lightning/ranges.cu" (q: Ptr, k: Ptr, v: Ptr, state: Ptr, out: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, range_len: I32, ranges: Ptr, buffers: I32);
+    LightningRangeSums = lightning_range_sums in "lightning/ranges.cu" (k: Ptr, v: Ptr, slopes: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, range_len: I32, ranges: Ptr, buffers: I32);
+    LightningRangeStates = lightning_range_states in "lightning/ranges.cu" (state: Ptr, ranges: Ptr, slopes: Ptr, heads: I32, d: I32, n_ranges: I32, range_len: I32);
     // Sparse layers: key compression.
     CompressKeys = compress_keys in "sparse/compress.cu" (keys: Ptr, out: Ptr, first_window: I32, n_windows: I32, kv_width: I32, window: I32, stride: I32);
     CompressKeysF8 = compress_keys_f8 in "sparse/compress.cu" (keys: Ptr, out: Ptr, first_window: I32, n_windows: I32, kv_heads: I32, d: I32, window: I32, stride: I32);

@@ -212,8 +212,7 @@ impl DevSparseCache {
 /// The backend's own scratch, allowed for on top of the model's buffers: the stacked product
 /// of `matmul_split` (chunk rows × the widest stacked projection: 256 MiB at 8192 rows of the
 /// released shape), block-selection scratch (block scores capped at 128 MiB, selected block
-/// lists, LSE, split-attention partials), the 64 MiB of chunk states of the two-pass lightning
-/// prefill, the 32 MiB cuBLASLt workspace and the 16 MiB of chain sums of split decode products.
+/// lists, LSE, split-attention partials), the 64 MiB of range sums of the lightning prefill, the 32 MiB cuBLASLt workspace and the 16 MiB of chain sums of split decode products.
 /// Larger chunks add the stacked product's excess.
 pub const SCRATCH_BYTES: usize = 592 << 20;
 /// The part of [`SCRATCH_BYTES`] that is not the stacked product (selection scratch,

@@ -8,12 +8,10 @@ use crate::device::{card_named, Card};
 /// chosen one that handles it (`Chunked` handles every shape).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub enum LightningPrefill {
-    /// Chunk states in order, then every chunk's outputs in parallel (`lightning_states`,
-    /// `lightning_outputs`).
+    /// Ranges of chunks in parallel, each walked in order with the state on chip: the
+    /// ranges' sums, their scan, then every output (`lightning_ranges`).
     #[default]
-    TwoPass,
-    /// One pass a block, chunk after chunk, ranges in parallel (`lightning_fused`).
-    Fused,
+    Ranges,
     /// Three tensor-core kernels: chunk states, their scan, outputs (`lightning_chunk_*`).
     Split,
     /// fp32 chunked walk on CUDA cores (`lightning_chunked`).
@@ -95,6 +93,9 @@ pub struct CudaOptions {
     pub cuda_graphs: bool,
     /// FP8 GEMMs scaled by cuBLASLt's vector scales where it has them (else a pass after).
     pub fp8_vector_scales: bool,
+    /// Tokens a range of the lightning prefill aims for (`SALA_LIGHTNING_RANGE_TOKENS`): more,
+    /// shorter ranges walk in parallel, for more range sums to add up.
+    pub lightning_range_tokens: usize,
 }
 
 impl Default for CudaOptions {
@@ -117,16 +118,16 @@ impl Default for CudaOptions {
             pdl: true,
             cuda_graphs: true,
             fp8_vector_scales: true,
+            lightning_range_tokens: crate::plan::LIGHTNING_RANGE_TOKENS,
         }
     }
 }
 
 /// Every name `SALA_FALLBACK` takes, and what it selects.
-pub const FALLBACK_NAMES: [&str; 10] = [
+pub const FALLBACK_NAMES: [&str; 9] = [
     "attention",
     "lightning",
     "lightning-split",
-    "lightning-fused",
     "select",
     "gemv",
     "gemv-mma",
@@ -139,7 +140,7 @@ impl CudaOptions {
     /// The defaults changed by the environment: `SALA_FALLBACK` (a comma list of
     /// [`FALLBACK_NAMES`]: the slower variants, for comparisons), `SALA_EXACT_SELECT=1`,
     /// `SALA_KV_POOL=0|1`, `SALA_KV_POOL_GRANULES=N`, `SALA_PROFILE=1`,
-    /// `SALA_DEVICE_PROFILE=card`. A value it cannot use is an error naming the variable.
+    /// `SALA_LIGHTNING_RANGE_TOKENS=N`, `SALA_DEVICE_PROFILE=card`. A value it cannot use is an error naming the variable.
     pub fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok();
         Self::from_vars(&var)
@@ -179,6 +180,11 @@ impl CudaOptions {
                 .filter(|&g| g >= 1)
                 .ok_or(format!("SALA_KV_POOL_GRANULES={v}: expected a count ≥ 1"))?;
         }
+        if let Some(v) = var("SALA_LIGHTNING_RANGE_TOKENS") {
+            o.lightning_range_tokens = v.parse::<usize>().ok().filter(|&t| t >= 64).ok_or(
+                format!("SALA_LIGHTNING_RANGE_TOKENS={v}: expected a token count ≥ 64"),
+            )?;
+        }
         if let Some(v) = var("SALA_DEVICE_PROFILE").filter(|v| !v.is_empty()) {
             o.device_profile =
                 Some(card_named(&v).map_err(|e| format!("SALA_DEVICE_PROFILE: {e}"))?);
@@ -204,7 +210,6 @@ impl CudaOptions {
         let slowest = [
             ("lightning", LightningPrefill::Chunked),
             ("lightning-split", LightningPrefill::Split),
-            ("lightning-fused", LightningPrefill::Fused),
         ]
         .into_iter()
         .find(|(n, _)| has(n));
@@ -256,11 +261,11 @@ mod tests {
 
     #[test]
     fn fallback_names_parse_and_typos_are_errors() {
-        let o = vars(&[("SALA_FALLBACK", " lightning-fused, wgmma,,")]);
-        assert_eq!(o.lightning_prefill, LightningPrefill::Fused);
+        let o = vars(&[("SALA_FALLBACK", " lightning-split, wgmma,,")]);
+        assert_eq!(o.lightning_prefill, LightningPrefill::Split);
         assert!(!o.wgmma && o.decode_gemv == DecodeGemv::TensorCore);
         // The slowest lightning variant named wins.
-        let o = vars(&[("SALA_FALLBACK", "lightning-fused,lightning")]);
+        let o = vars(&[("SALA_FALLBACK", "lightning-split,lightning")]);
         assert_eq!(o.lightning_prefill, LightningPrefill::Chunked);
         let o = vars(&[(
             "SALA_FALLBACK",

@@ -92,8 +92,7 @@ impl CudaBackend {
                     none,
                 )
             }
-            LightningPlan::TwoPass => self.lightning_two_pass(io, state, out),
-            LightningPlan::Fused { buffers } => self.lightning_fused(io, state, out, buffers),
+            LightningPlan::Ranges { buffers } => self.lightning_ranges(io, state, out, buffers),
             LightningPlan::Split => self.lightning_split(io, state, out),
             LightningPlan::Chunked => {
                 let at = self.k.planner().lightning_chunked(shape.heads, d);
@@ -375,11 +374,11 @@ impl CudaBackend {
         d <= 256
     }
 
-    /// Lightning prefill in one pass a block (`lightning_fused`). A long chunk is cut into
-    /// ranges that run in parallel: their state contributions first (state-only passes), the
-    /// state before each range from those (`lightning_range_states`), then every range's
-    /// outputs from its own starting state.
-    fn lightning_fused(
+    /// Lightning prefill over ranges of chunks walked in parallel (`lightning_ranges`): each
+    /// range's contribution to the state first (the sums pass), the state before each range
+    /// from those (`lightning_range_states`), then every range's outputs from its own starting
+    /// state. A call of one range walks once.
+    fn lightning_ranges(
         &self,
         io: &LightningIo<'_>,
         state: &mut DevLightningState,
@@ -387,47 +386,66 @@ impl CudaBackend {
         buffers: u32,
     ) -> BResult<()> {
         let (t, d, heads) = (io.q.rows, io.shape.head_dim, io.shape.heads);
-        let (n_ranges, range_len) = self.k.planner().lightning_ranges(t);
+        let (n_ranges, range_len) = self.k.planner().lightning_range_split(t, heads, d);
         let slots = if n_ranges > 1 {
             self.scratch_ptr(|s| &mut s.lightning, n_ranges * heads * d * d)?
         } else {
             0
         };
-        let pass = |ranges: usize, state_only: bool| {
-            let at = self.k.planner().lightning_fused(heads, d, ranges, buffers);
-            self.k.lightning_fused(
-                at,
-                self.act_ptr(io.q),
+        let at = |ranges| self.k.planner().lightning_ranges(heads, d, ranges, buffers);
+        let (t32, h32, kvh32, d32, len32) = (
+            t as i32,
+            heads as i32,
+            io.shape.kv_heads as i32,
+            d as i32,
+            range_len as i32,
+        );
+        if n_ranges > 1 {
+            let sums = self
+                .k
+                .planner()
+                .lightning_range_sums(heads, d, n_ranges - 1, buffers);
+            self.k.lightning_range_sums(
+                sums,
                 self.act_ptr(io.k),
                 self.act_ptr(io.v),
-                self.ptr(state),
-                self.act_ptr(out),
                 self.ptr(io.slopes),
-                t as i32,
-                heads as i32,
-                io.shape.kv_heads as i32,
-                d as i32,
-                io.shape.scale() as f32,
-                range_len as i32,
+                t32,
+                h32,
+                kvh32,
+                d32,
+                len32,
                 slots,
-                state_only as i32,
                 buffers as i32,
-            )
-        };
-        if n_ranges > 1 {
-            pass(n_ranges - 1, true)?;
+            )?;
             self.k.lightning_range_states(
                 crate::plan::Launch::linear(heads * d * d, 256),
                 self.ptr(state),
                 slots,
                 self.ptr(io.slopes),
-                heads as i32,
-                d as i32,
+                h32,
+                d32,
                 n_ranges as i32,
-                range_len as i32,
+                len32,
             )?;
         }
-        pass(n_ranges, false)
+        self.k.lightning_ranges(
+            at(n_ranges),
+            self.act_ptr(io.q),
+            self.act_ptr(io.k),
+            self.act_ptr(io.v),
+            self.ptr(state),
+            self.act_ptr(out),
+            self.ptr(io.slopes),
+            t32,
+            h32,
+            kvh32,
+            d32,
+            io.shape.scale() as f32,
+            len32,
+            slots,
+            buffers as i32,
+        )
     }
 
     /// Walks `io`'s tokens in windows of whole chunks whose per-chunk states fit the scratch:
@@ -457,43 +475,6 @@ impl CudaBackend {
             a += n_tok;
         }
         Ok(())
-    }
-
-    /// Lightning prefill in two passes per window: `lightning_states` walks the window's
-    /// chunks in order and keeps the state before each (bf16 hi + lo), then
-    /// `lightning_outputs` computes every chunk's outputs at once. The same operations in the
-    /// same order as the one-pass kernel: the same bits.
-    fn lightning_two_pass(
-        &self,
-        io: &LightningIo<'_>,
-        state: &mut DevLightningState,
-        out: &mut DevAct,
-    ) -> BResult<()> {
-        let (d, h, kvh) = (
-            io.shape.head_dim as i32,
-            io.shape.heads as i32,
-            io.shape.kv_heads as i32,
-        );
-        let (st, sl, scale) = (
-            self.ptr(state),
-            self.ptr(io.slopes),
-            io.shape.scale() as f32,
-        );
-        self.lightning_windows(io, out, |n_tok, [qp, kp, vp, op], states| {
-            let (at_s, at_o) = {
-                let p = self.k.planner();
-                let (heads, dim) = (io.shape.heads, io.shape.head_dim);
-                (
-                    p.lightning_states(heads, dim),
-                    p.lightning_outputs(n_tok, heads, dim),
-                )
-            };
-            let nt = n_tok as i32;
-            self.k
-                .lightning_states(at_s, kp, vp, st, states, sl, nt, h, kvh, d)?;
-            self.k
-                .lightning_outputs(at_o, qp, kp, vp, states, op, sl, nt, h, kvh, d, scale)
-        })
     }
 
     /// Lightning prefill on tensor cores in three kernels per window: chunk states, their

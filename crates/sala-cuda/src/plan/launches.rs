@@ -19,21 +19,17 @@ impl Planner {
                     LightningPlan::Decode => {
                         add(K::LightningDecodeRows, self.lightning_decode(lh, ld, 1), &r)
                     }
-                    LightningPlan::TwoPass => {
-                        add(K::LightningStates, self.lightning_states(lh, ld), &r);
+                    LightningPlan::Ranges { buffers } => {
+                        let (n, _) = self.lightning_range_split(rows, lh, ld);
                         add(
-                            K::LightningOutputs,
-                            self.lightning_outputs(rows, lh, ld),
+                            K::LightningRanges,
+                            self.lightning_ranges(lh, ld, n, buffers),
                             &r,
                         );
-                    }
-                    LightningPlan::Fused { buffers } => {
-                        let (n, _) = self.lightning_ranges(rows);
-                        add(
-                            K::LightningFused,
-                            self.lightning_fused(lh, ld, n, buffers),
-                            &r,
-                        )
+                        if n > 1 {
+                            let l = self.lightning_range_sums(lh, ld, n - 1, buffers);
+                            add(K::LightningRangeSums, l, &r);
+                        }
                     }
                     LightningPlan::Split => {
                         let c = rows.div_ceil(LIGHTNING_CHUNK);
@@ -199,13 +195,6 @@ impl Planner {
             self.lightning_chunk_out(128, lh),
             "split lightning",
         );
-        if let Some(b) = self.lightning_fused_buffers(ld) {
-            add(
-                K::LightningFused,
-                self.lightning_fused(lh, ld, 4, b),
-                "one-pass lightning",
-            );
-        }
         for k in [K::SelectScoresMma, K::SelectScoresT] {
             add(
                 k,
@@ -246,16 +235,16 @@ impl Planner {
                 LightningPlan::Decode => {
                     self.describe_launch(K::LightningDecodeRows, self.lightning_decode(lh, ld, 1))
                 }
-                LightningPlan::TwoPass => format!(
-                    "two passes: {}; {}",
-                    self.describe_launch(K::LightningStates, self.lightning_states(lh, ld)),
-                    self.describe_launch(K::LightningOutputs, self.lightning_outputs(rows, lh, ld))
-                ),
-                LightningPlan::Fused { buffers } => format!(
-                    "one pass, {buffers} buffer(s): {}",
+                LightningPlan::Ranges { buffers } => format!(
+                    "ranges in parallel, {buffers} buffer(s): {}",
                     self.describe_launch(
-                        K::LightningFused,
-                        self.lightning_fused(lh, ld, self.lightning_ranges(rows).0, buffers)
+                        K::LightningRanges,
+                        self.lightning_ranges(
+                            lh,
+                            ld,
+                            self.lightning_range_split(rows, lh, ld).0,
+                            buffers
+                        )
                     )
                 ),
                 LightningPlan::Split => {

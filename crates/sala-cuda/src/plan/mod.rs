@@ -96,12 +96,11 @@ pub fn gather_stage_bytes_fp8(d: usize) -> usize {
     2 * GATHER_KEYS * d + 2 * GATHER_KEYS * 4
 }
 
-pub const LIGHTNING_TWO_PASS_ROWS: usize = 256;
-/// `lightning_fused` cuts a chunk into at most this many ranges that run in parallel, of at
-/// least `LIGHTNING_RANGE_MIN` tokens each.
-pub const LIGHTNING_RANGES: usize = 4;
-pub const LIGHTNING_RANGE_MIN: usize = 2048;
-/// Most bytes of per-chunk lightning states the two-pass and split paths keep at once
+/// Tokens a range of `lightning_ranges` aims for (16 chunks: an 8K-token call runs 8 ranges a
+/// head; measured on the H100 against 256, 512 and 2048 tokens).
+pub const LIGHTNING_RANGE_TOKENS: usize = 1024;
+/// Most bytes of lightning states the range and split paths keep at once (the ranges' sums,
+/// the split path's per-chunk states)
 /// (128 MiB measured 4% faster at 8K tokens, for 0.09 GiB more at peak).
 pub const LIGHTNING_SCRATCH_BYTES: usize = 64 << 20;
 /// Decode rows from which `lightning_decode_rows` gives each lane two value columns.
@@ -164,25 +163,15 @@ pub const SD_TOPK_MAX_SMEM: usize = 200 << 10;
 /// `select_scores_wg`'s dynamic shared memory (`SW_SMEM_USED` + 1 KiB to align the base).
 pub const SELECT_WG_SMEM: usize = 111_648 + 1024;
 
-/// `lightning_states` for head size `d` (`LS_SMEM`).
-pub fn lightning_states_smem(d: usize) -> usize {
-    const STAGES: usize = 3; // LS_STAGES
-    STAGES * 64 * (d + 8) * 2 + STAGES * 64 * 40 * 2 + 2 * 2 * 64 * 40 * 2 + 68 * 4
+/// `lightning_ranges` for head size `d` with Q, K and V in `buffers` (1 or 2) buffers
+/// (`LR_SMEM`): the three tiles a buffer, A as bf16 hi + lo, the decay powers.
+pub fn lightning_ranges_smem(d: usize, buffers: usize) -> usize {
+    buffers * 3 * 64 * d * 2 + 2 * 64 * 64 * 2 + 68 * 4
 }
 
-/// `lightning_outputs` for head size `d` (`LO_SMEM`).
-pub fn lightning_outputs_smem(d: usize) -> usize {
-    2 * 64 * d * 2 + 64 * 64 * 2 + 2 * d * 64 * 2 + 68 * 4
-}
-
-/// `lightning_fused` for head size `d` with Q, K and V in `buffers` (1 or 2) buffers
-/// (`LF_SMEM`): Q and K, the V slice, Vd and S as bf16 hi + lo, the decay powers.
-pub fn lightning_fused_smem(d: usize, buffers: usize) -> usize {
-    let qk = buffers * 2 * 64 * (d + 8) * 2;
-    let v = buffers * 64 * 40 * 2;
-    let vd = 2 * 64 * 40 * 2;
-    let s = 2 * d * 40 * 2;
-    qk + v + vd + s + 68 * 4
+/// `lightning_range_sums` (`LR_SMEM(d, buffers, 2)`): K and V a buffer, the decay powers.
+pub fn lightning_range_sums_smem(d: usize, buffers: usize) -> usize {
+    buffers * 2 * 64 * d * 2 + 68 * 4
 }
 
 /// Candidate blocks of a sequence of `len` tokens: at most one per block.
@@ -219,9 +208,8 @@ pub fn windows(n: usize, window: usize, stride: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LightningPlan {
     Decode,
-    TwoPass,
-    /// `lightning_fused` with Q, K, V in this many buffers.
-    Fused {
+    /// `lightning_ranges` with Q, K, V in this many buffers.
+    Ranges {
         buffers: u32,
     },
     Split,
@@ -303,9 +291,8 @@ impl Planner {
     /// kernel is opted into when it is loaded (never more than the device allows).
     pub fn max_dynamic_smem(&self, k: K) -> usize {
         let need = match k {
-            K::LightningFused => lightning_fused_smem(128, 2),
-            K::LightningOutputs => lightning_outputs_smem(128),
-            K::LightningStates => lightning_states_smem(128),
+            K::LightningRanges => lightning_ranges_smem(128, 2),
+            K::LightningRangeSums => lightning_range_sums_smem(128, 2),
             K::LightningStateTerm => LST_ROWS * 256 * 4,
             K::SdTopk | K::SdTopkRows => SD_TOPK_MAX_SMEM,
             // Its plans ask at most what fits (see sd_topk).
@@ -337,22 +324,9 @@ impl Planner {
             return LightningPlan::Decode;
         }
         let pref = self.options.lightning_prefill;
-        let two_pass_ok = rows >= LIGHTNING_TWO_PASS_ROWS
-            && d.is_multiple_of(64)
-            && d <= 128
-            && self.fits(K::LightningStates, lightning_states_smem(d))
-            && self.fits(K::LightningOutputs, lightning_outputs_smem(d));
-        if pref <= LightningPrefill::TwoPass && two_pass_ok {
-            return LightningPlan::TwoPass;
-        }
-        if pref <= LightningPrefill::Fused
-            && rows >= 2
-            && d.is_multiple_of(32)
-            && d.is_power_of_two()
-            && d <= 128
-        {
-            if let Some(buffers) = self.lightning_fused_buffers(d) {
-                return LightningPlan::Fused { buffers };
+        if pref <= LightningPrefill::Ranges && rows >= 2 && (d == 64 || d == 128) {
+            if let Some(buffers) = self.lightning_ranges_buffers(d) {
+                return LightningPlan::Ranges { buffers };
             }
         }
         if pref <= LightningPrefill::Split
@@ -366,10 +340,10 @@ impl Planner {
     }
 
     /// Q, K and V double-buffered where they fit, else single-buffered (99 KiB cards).
-    pub fn lightning_fused_buffers(&self, d: usize) -> Option<u32> {
+    pub fn lightning_ranges_buffers(&self, d: usize) -> Option<u32> {
         [2, 1]
             .into_iter()
-            .find(|&b| self.fits(K::LightningFused, lightning_fused_smem(d, b)))
+            .find(|&b| self.fits(K::LightningRanges, lightning_ranges_smem(d, b)))
             .map(|b| b as u32)
     }
 
@@ -402,35 +376,41 @@ impl Planner {
         )
     }
 
-    pub fn lightning_states(&self, heads: usize, d: usize) -> Launch {
-        Launch::new((heads, d / 32, 1), 2 * d as u32, lightning_states_smem(d))
-    }
-
-    pub fn lightning_outputs(&self, tokens: usize, heads: usize, d: usize) -> Launch {
+    /// `lightning_ranges` over `ranges` ranges (grid y) with `buffers` buffers.
+    pub fn lightning_ranges(&self, heads: usize, d: usize, ranges: usize, buffers: u32) -> Launch {
         Launch::new(
-            (tokens.div_ceil(LIGHTNING_CHUNK), heads, d / 64),
-            128,
-            lightning_outputs_smem(d),
+            (heads, ranges, 1),
+            2 * d as u32,
+            lightning_ranges_smem(d, buffers as usize),
         )
     }
 
-    /// `lightning_fused` over `ranges` ranges (grid z) with `buffers` buffers.
-    pub fn lightning_fused(&self, heads: usize, d: usize, ranges: usize, buffers: u32) -> Launch {
+    /// `lightning_range_sums` over the first `ranges` ranges (grid y).
+    pub fn lightning_range_sums(
+        &self,
+        heads: usize,
+        d: usize,
+        ranges: usize,
+        buffers: u32,
+    ) -> Launch {
         Launch::new(
-            (heads, d / 32, ranges),
-            128,
-            lightning_fused_smem(d, buffers as usize),
+            (heads, ranges, 1),
+            2 * d as u32,
+            lightning_range_sums_smem(d, buffers as usize),
         )
     }
 
-    /// Ranges a `lightning_fused` call over `t` tokens is cut into, and their length.
-    pub fn lightning_ranges(&self, t: usize) -> (usize, usize) {
-        let wanted = (t / LIGHTNING_RANGE_MIN).clamp(1, LIGHTNING_RANGES);
-        let range_len = t.div_ceil(wanted).next_multiple_of(LIGHTNING_CHUNK);
+    /// Ranges a lightning call over `t` tokens is cut into, and their length: ranges of
+    /// `options.lightning_range_tokens` tokens, at most as many as the scratch holds sums of.
+    pub fn lightning_range_split(&self, t: usize, heads: usize, d: usize) -> (usize, usize) {
+        let most = (LIGHTNING_SCRATCH_BYTES / (4 * heads * d * d)).max(1);
+        let want = self.options.lightning_range_tokens.max(LIGHTNING_CHUNK);
+        let n = t.div_ceil(want).clamp(1, most);
+        let range_len = t.div_ceil(n).next_multiple_of(LIGHTNING_CHUNK);
         (t.div_ceil(range_len), range_len)
     }
 
-    /// Tokens of a two-pass or split window whose chunk states fit the scratch.
+    /// Tokens of a split window whose chunk states fit the scratch.
     pub fn lightning_window(&self, heads: usize, d: usize) -> usize {
         (LIGHTNING_SCRATCH_BYTES / (4 * heads * d * d)).max(1) * LIGHTNING_CHUNK
     }
