@@ -392,7 +392,6 @@ impl CudaBackend {
         } else {
             0
         };
-        let at = |ranges| self.k.planner().lightning_ranges(heads, d, ranges, buffers);
         let (t32, h32, kvh32, d32, len32) = (
             t as i32,
             heads as i32,
@@ -429,8 +428,12 @@ impl CudaBackend {
                 len32,
             )?;
         }
+        let at = self
+            .k
+            .planner()
+            .lightning_ranges(heads, d, n_ranges, buffers);
         self.k.lightning_ranges(
-            at(n_ranges),
+            at,
             self.act_ptr(io.q),
             self.act_ptr(io.k),
             self.act_ptr(io.v),
