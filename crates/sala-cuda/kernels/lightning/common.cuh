@@ -10,6 +10,4 @@ __device__ __forceinline__ float lt_hi(u32 x) { return __uint_as_float(x & 0xfff
 // rounded once.
 __device__ __forceinline__ float lc_pow(float g, int n) { return (float)exp((double)__fmul_rn(g, (float)n)); }
 
-#define LF_C 64  // tokens per chunk of lightning_fused and the two-pass kernels
-// bf16 row stride of a staged [64][d] K (or Q) tile of lightning_fused and lightning_states.
-__host__ __device__ __forceinline__ int lf_ld(int d) { return d + 8; }
+#define LF_C 64  // tokens per chunk of the range kernels (ranges.cu)

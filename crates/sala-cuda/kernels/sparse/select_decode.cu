@@ -392,6 +392,20 @@ __device__ __forceinline__ u32 cl_load(u32 addr, u32 rank) {
     asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(remote) : "memory");
     return v;
 }
+
+// The cluster's histogram at shared address h (each CTA's 256 counts, added in CTA order) into
+// ghist, then the bin where rank kk falls (sp_find_bin) into sel, for every thread to read.
+__device__ __forceinline__ void sd_cluster_bin(u32 h, int* ghist, int kk, int* sel) {
+    const int tid = threadIdx.x;
+    for (int b = tid; b < 256; b += SD_CL_THREADS) {
+        int sum = 0;
+        for (int r = 0; r < SD_CL; r++) sum += (int)cl_load(h + 4 * b, r);
+        ghist[b] = sum;
+    }
+    __syncthreads();
+    if (tid < 32) sp_find_bin(ghist, kk, sel);
+    __syncthreads();
+}
 #endif
 
 // One query of each sequence of rows, pair blockIdx.x / SD_CL; keys and P in shared memory.
@@ -447,14 +461,7 @@ sd_topk_rows_cl(const u16* p16, int p_stride, SeqRows rows, int kv_heads, int bl
         // The cluster's histogram of the high bytes, then of the low bytes under the prefix.
         cl_sync();
         const u32 h0 = sp_smem_addr(hist0), h1 = sp_smem_addr(hist1);
-        for (int b = tid; b < 256; b += SD_CL_THREADS) {
-            int sum = 0;
-            for (int r = 0; r < SD_CL; r++) sum += (int)cl_load(h0 + 4 * b, r);
-            ghist[b] = sum;
-        }
-        __syncthreads();
-        if (tid < 32) sp_find_bin(ghist, take, sel);
-        __syncthreads();
+        sd_cluster_bin(h0, ghist, take, sel);
         const u32 prefix = (u32)sel[0];
         const int kk = sel[1];
         for (int x = tid; x < n; x += SD_CL_THREADS) {
@@ -462,14 +469,7 @@ sd_topk_rows_cl(const u16* p16, int p_stride, SeqRows rows, int kv_heads, int bl
             if ((key >> 8) == prefix) atomicAdd(&hist1[key & 255], 1);
         }
         cl_sync();
-        for (int b = tid; b < 256; b += SD_CL_THREADS) {
-            int sum = 0;
-            for (int r = 0; r < SD_CL; r++) sum += (int)cl_load(h1 + 4 * b, r);
-            ghist[b] = sum;
-        }
-        __syncthreads();
-        if (tid < 32) sp_find_bin(ghist, kk, sel);
-        __syncthreads();
+        sd_cluster_bin(h1, ghist, kk, sel);
         kstar = (prefix << 8) | (u32)sel[0];
         r_eq = sel[1];
     }
