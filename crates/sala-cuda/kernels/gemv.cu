@@ -919,7 +919,7 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
     rows_of(blockIdx.x, rows);
     if ((int)blockIdx.x < tiles) f8_load_w(rows, k, warp, a);
     pdl_start();
-    const float unit = F8_F16_UNIT * F8_F16_UNIT;
+    const float unit = 1.0f / (F8_F16_UNIT * F8_F16_UNIT);  // the MMAs summed values times F8_F16_UNIT²
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float c[NT][4];
 #pragma unroll

@@ -32,7 +32,8 @@ pub struct CudaBackend {
     pub(crate) scratch: RefCell<Scratch>,
     /// What the driver reports (a device profile plans within these).
     driver_limits: DeviceLimits,
-    target: String,
+    /// The NVRTC target the kernels are compiled for ([`kernel_target`]).
+    target: RefCell<String>,
     /// Time the host has spent waiting for the device in downloads (profiling aid).
     pub(crate) waited: Cell<std::time::Duration>,
     /// Sparse-layer decode steps run batched (`sparse_rows_batched`), for tests.
@@ -49,6 +50,19 @@ pub struct CudaBackend {
     /// The FP8 input scratch holds the codes of these rows (address, rows, width), made by
     /// the norm that wrote them: the product reading them next need not make them again.
     pub(crate) fresh_f8: Cell<Option<(u64, usize, usize)>>,
+}
+
+/// The NVRTC target of the kernels under `limits` (a device profile's or the driver's): the
+/// profile's card's own where this GPU runs code made for it (an older capability), so the
+/// profile runs that card's code paths as well as its plans (an A100's products without FP8
+/// MMAs, an RTX 4090's E4M3 `mma.sync`); this GPU's otherwise (a newer card's code cannot run
+/// here: its plans only).
+fn kernel_target(driver: &DeviceLimits, limits: &DeviceLimits) -> String {
+    if limits.cc < driver.cc {
+        limits.target()
+    } else {
+        driver.target()
+    }
 }
 
 /// The limits plans use under `options`: the driver's, or its device profile's.
@@ -89,7 +103,7 @@ impl CudaBackend {
             .check_supported()
             .map_err(|e| format!("cuda:{ordinal}: {e}"))?;
         let limits = planned_limits(&driver_limits, &options)?;
-        let target = driver_limits.target();
+        let target = kernel_target(&driver_limits, &limits);
         let modules = registry::load_modules(&ctx, &target)?;
         let profiler = options
             .profile_kernels
@@ -126,7 +140,7 @@ impl CudaBackend {
             gemm: RefCell::new(gemm),
             scratch: RefCell::new(Scratch::default()),
             driver_limits,
-            target,
+            target: RefCell::new(target),
             graphs,
             preloaded: Cell::new(false),
             fp8_products: Cell::new(false),
@@ -143,7 +157,14 @@ impl CudaBackend {
         let limits = planned_limits(&self.driver_limits, &options)?;
         // Captured steps used the old plans' kernels.
         self.graphs.borrow_mut().clear();
-        self.k.replan(limits, options)
+        let target = kernel_target(&self.driver_limits, &limits);
+        if target == *self.target.borrow() {
+            return self.k.replan(limits, options);
+        }
+        let modules = registry::load_modules(&self.ctx, &target)?;
+        self.k.reload(modules, limits, options)?;
+        *self.target.borrow_mut() = target;
+        Ok(())
     }
 
     /// The GPU it runs on.
@@ -317,7 +338,7 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> String {
         let limits = &self.k.planner().limits;
-        format!("cuda ({}, {})", limits.name, self.target)
+        format!("cuda ({}, {})", limits.name, self.target.borrow())
     }
 
     /// Chunks of 8192 rows keep the prefill products near the tensor cores' speed (and each
@@ -1055,5 +1076,28 @@ impl Backend for CudaBackend {
         Ok(self
             .download(storage, off + a.rows * a.cols)?
             .split_off(off))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::card_named;
+
+    /// A profile of an older card runs that card's code; a newer card's, or this GPU's own
+    /// class, runs this GPU's code.
+    #[test]
+    fn profiles_compile_for_the_cards_they_can_run() {
+        let h200 = DeviceLimits::of_card(card_named("h200").unwrap());
+        let target = |card: &str| {
+            let limits = h200.emulating(card_named(card).unwrap()).unwrap();
+            kernel_target(&h200, &limits)
+        };
+        assert_eq!(kernel_target(&h200, &h200), "compute_90a");
+        assert_eq!(target("a100"), "compute_80");
+        assert_eq!(target("rtx4090"), "compute_89");
+        assert_eq!(target("a6000"), "compute_86");
+        assert_eq!(target("h100"), "compute_90a");
+        assert_eq!(target("rtx5090"), "compute_90a");
     }
 }

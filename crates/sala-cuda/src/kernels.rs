@@ -249,10 +249,54 @@ kernel_table! {
     AttentionDecodeRowsF8 = attention_decode_rows_f8 in "sparse/attention_walk.cu" (q: Ptr, rows: Seqs, part: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
 }
 
-/// The loaded kernels of one device, launched on one stream, with the plans they run by.
-pub struct Launcher {
+/// Every kernel's function, found in the modules of its file, and the modules they live in.
+struct Loaded {
     _modules: Vec<Arc<CudaModule>>,
     functions: Vec<CudaFunction>,
+}
+
+impl Loaded {
+    /// Every kernel of `modules`, with its registers and shared memory as compiled.
+    fn new(
+        modules: Vec<(&'static str, Arc<CudaModule>)>,
+    ) -> Result<(Self, Vec<KernelAttrs>), String> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        let functions = K::ALL
+            .iter()
+            .map(|&k| {
+                let (_, module) = modules
+                    .iter()
+                    .find(|(file, _)| *file == k.file())
+                    .ok_or_else(|| format!("kernel {}: no module for {}", k.name(), k.file()))?;
+                module
+                    .load_function(k.name())
+                    .map_err(|e| format!("kernel {} in {}: {e:?}", k.name(), k.file()))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let attrs = functions
+            .iter()
+            .map(|f| {
+                let get = |a| f.get_attribute(a).unwrap_or(0).max(0);
+                KernelAttrs {
+                    regs: get(A::CU_FUNC_ATTRIBUTE_NUM_REGS) as u32,
+                    static_smem: get(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) as usize,
+                    local_bytes: get(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES) as usize,
+                    max_threads: get(A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK) as u32,
+                }
+            })
+            .collect();
+        let loaded = Self {
+            _modules: modules.into_iter().map(|(_, m)| m).collect(),
+            functions,
+        };
+        Ok((loaded, attrs))
+    }
+}
+
+/// The loaded kernels of one device, launched on one stream, with the plans they run by.
+pub struct Launcher {
+    /// The kernels as loaded for the current compile target (swapped by [`Launcher::reload`]).
+    loaded: RefCell<Loaded>,
     /// Dynamic shared memory each kernel is opted into (under the current plans).
     smem_limit: RefCell<Vec<usize>>,
     planner: RefCell<Planner>,
@@ -283,34 +327,9 @@ impl Launcher {
         make_planner: impl FnOnce(Vec<KernelAttrs>) -> Planner,
         profiler: Option<Profiler>,
     ) -> Result<Self, String> {
-        use cudarc::driver::sys::CUfunction_attribute_enum as A;
-        let functions = K::ALL
-            .iter()
-            .map(|&k| {
-                let (_, module) = modules
-                    .iter()
-                    .find(|(file, _)| *file == k.file())
-                    .ok_or_else(|| format!("kernel {}: no module for {}", k.name(), k.file()))?;
-                module
-                    .load_function(k.name())
-                    .map_err(|e| format!("kernel {} in {}: {e:?}", k.name(), k.file()))
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        let attrs = functions
-            .iter()
-            .map(|f| {
-                let get = |a| f.get_attribute(a).unwrap_or(0).max(0);
-                KernelAttrs {
-                    regs: get(A::CU_FUNC_ATTRIBUTE_NUM_REGS) as u32,
-                    static_smem: get(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) as usize,
-                    local_bytes: get(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES) as usize,
-                    max_threads: get(A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK) as u32,
-                }
-            })
-            .collect();
+        let (loaded, attrs) = Loaded::new(modules)?;
         let launcher = Self {
-            _modules: modules.into_iter().map(|(_, m)| m).collect(),
-            functions,
+            loaded: RefCell::new(loaded),
             smem_limit: RefCell::new(Vec::new()),
             planner: RefCell::new(make_planner(attrs)),
             stream,
@@ -324,12 +343,27 @@ impl Launcher {
         Ok(launcher)
     }
 
+    /// The kernels of `modules` (compiled for another target) from now on, planned for
+    /// `limits` and `options`.
+    pub fn reload(
+        &self,
+        modules: Vec<(&'static str, Arc<CudaModule>)>,
+        limits: DeviceLimits,
+        options: CudaOptions,
+    ) -> Result<(), String> {
+        let (loaded, attrs) = Loaded::new(modules)?;
+        *self.loaded.borrow_mut() = loaded;
+        *self.planner.borrow_mut() = Planner::new(limits, options, attrs);
+        self.opt_in()
+    }
+
     /// Opts each kernel into the most dynamic shared memory its plans may ask for.
     fn opt_in(&self) -> Result<(), String> {
         use cudarc::driver::sys::CUfunction_attribute_enum as A;
         let planner = self.planner.borrow();
         let mut limits = Vec::with_capacity(K::ALL.len());
-        for (&k, f) in K::ALL.iter().zip(&self.functions) {
+        let loaded = self.loaded.borrow();
+        for (&k, f) in K::ALL.iter().zip(&loaded.functions) {
             let want = planner.max_dynamic_smem(k);
             let default = (48usize << 10).saturating_sub(planner.attrs(k).static_smem);
             let limit = want.max(default).min(planner.smem_budget(k));
@@ -458,7 +492,7 @@ impl Launcher {
         let r = unsafe {
             sys::cuLaunchKernelEx(
                 &config,
-                self.functions[i].cu_function(),
+                self.loaded.borrow().functions[i].cu_function(),
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )

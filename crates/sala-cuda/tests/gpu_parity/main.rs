@@ -30,7 +30,7 @@ fn gpu() -> CudaBackend {
     let mut o = base_options();
     o.exact_select = true;
     let g = CudaBackend::new(0, o).expect("these tests need a CUDA GPU");
-    eprintln!("plans for {}", g.limits().name);
+    eprintln!("{}", g.name());
     g
 }
 

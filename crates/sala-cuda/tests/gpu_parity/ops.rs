@@ -287,6 +287,63 @@ fn embed_matmul_head_norm_rope_match_cpu() {
 /// (`gemv_rows64_parts`, then `gemv_chain_sums`): plain products into three output parts, and
 /// [gate; up] with its SiLU. Shapes both split (few blocks; k short enough that some parts run
 /// no slab, and ragged) and whole (chain sums past their budget, or blocks enough).
+/// A profile of an older card this GPU can emulate runs that card's code (its kernels compiled
+/// for its own capability, reloaded as profiles change), and its products still match the
+/// CPU's; switching back runs this GPU's code again.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn older_cards_profiles_run_their_own_code() {
+    let g = gpu();
+    let own = sala_cuda::device::target_for(g.driver_limits().cc);
+    let mut rng = TestRng::new(19);
+    let (rows, inner, out) = (3usize, 512usize, 384usize);
+    let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
+    let w = rng.bf16_vec(out * inner, -0.1, 0.1);
+    let ht = HostTensor {
+        dtype: HostDType::Bf16,
+        shape: &[out, inner],
+        bytes: &bf16_bytes(&w),
+    };
+    let cw = CpuBackend.upload_matrix("w", ht).unwrap();
+    let gw = g.upload_matrix("w", ht).unwrap();
+    let mut co = cpu_act(&vec![0.0; rows * out], out);
+    CpuBackend
+        .matmul(&cpu_act(&x, inner), &cw, &mut co)
+        .unwrap();
+    let mut ran = 0;
+    for key in ["a100", "a6000", "rtx4090", "rtx5090"] {
+        let card = sala_cuda::device::card_named(key).unwrap();
+        if g.driver_limits().emulating(card).is_err() {
+            continue;
+        }
+        set(&g, |o| o.device_profile = Some(card));
+        let want = if card.cc < g.driver_limits().cc {
+            sala_cuda::device::target_for(card.cc)
+        } else {
+            own.clone()
+        };
+        assert!(
+            g.name().contains(&format!(", {want})")),
+            "{key}: {} (kernels for {want} expected)",
+            g.name()
+        );
+        let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+        g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
+            .unwrap();
+        close(
+            &format!("{key}: matmul"),
+            &g.to_host(&go).unwrap(),
+            &co.data,
+            5e-3,
+        );
+        ran += 1;
+    }
+    set(&g, |o| o.device_profile = None);
+    assert!(g.name().contains(&format!(", {own})")), "{}", g.name());
+    assert!(ran > 0, "this GPU emulates none of the older cards");
+    set(&g, |o| o.device_profile = base_options().device_profile);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn decode_products_of_many_rows_equal_rows_alone() {
@@ -613,12 +670,13 @@ fn lightning_ranges_single_buffered_same_bits() {
     }
 }
 
-/// The device profiles to run the range lightning kernel under: this run's, and the RTX
-/// 5090's (Q, K and V single-buffered) where this GPU can emulate it.
+/// The device profiles to run the range lightning kernel under: none (this GPU's own plans,
+/// whatever profile the run has) and the RTX 5090's (Q, K and V single-buffered) where this GPU
+/// can emulate it.
 fn range_plans(g: &CudaBackend) -> Vec<Option<&'static sala_cuda::Card>> {
     let rtx = sala_cuda::device::card_named("rtx5090").unwrap();
-    let mut out = vec![base_options().device_profile];
-    if g.driver_limits().emulating(rtx).is_ok() && out[0] != Some(rtx) {
+    let mut out = vec![None];
+    if g.driver_limits().emulating(rtx).is_ok() {
         out.push(Some(rtx));
     }
     out

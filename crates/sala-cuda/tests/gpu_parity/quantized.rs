@@ -361,7 +361,12 @@ fn fp8_products_match_cpu() {
         g.set_options(options).unwrap();
         for &(rows, inner, out) in &shapes {
             let values = rng.bf16_vec(out * inner, -0.1, 0.1);
-            let (codes, scales) = sala_model::quantize_fp8(&values, out, inner);
+            let (mut codes, scales) = sala_model::quantize_fp8(&values, out, inner);
+            // The first row of subnormal codes only (±1..7 · 2^-9), which the products must
+            // not flush to zero.
+            for (i, c) in codes[..inner].iter_mut().enumerate() {
+                *c = (1 + i % 7) as u8 | if i % 3 == 0 { 0x80 } else { 0 };
+            }
             let m = sala_model::Fp8Matrix {
                 rows: out,
                 cols: inner,
@@ -379,6 +384,17 @@ fn fp8_products_match_cpu() {
             }
             let what = format!("fp8 {name}: matmul {rows}x{inner} by {out}");
             let co = check_products(&g, (&cw, &gw), &x, rows, &what, 1e-2);
+            // The subnormal row's outputs alone (the whole product's error would hide them).
+            let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+            g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
+                .unwrap();
+            let first = |v: &[f32]| v.iter().step_by(out).copied().collect::<Vec<_>>();
+            close(
+                &format!("{what}: subnormal codes"),
+                &first(&g.to_host(&go).unwrap()),
+                &first(&co),
+                1e-2,
+            );
             if out % 2 == 0 {
                 // Split into two outputs over the stacked weight.
                 let stacked = g
