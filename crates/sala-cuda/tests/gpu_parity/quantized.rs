@@ -329,10 +329,25 @@ fn fp8_kv_cache_attention_matches_cpu() {
     assert!(err.0.contains("FP8"), "{}", err.0);
 }
 
+/// `base` as a card without FP8 tensor cores, running its own code: the A100 where this GPU
+/// can emulate it, else the RTX A6000 (an H100 has less memory than the A100 80GB).
+fn without_fp8_tensor_cores(g: &CudaBackend, base: &CudaOptions) -> (&'static str, CudaOptions) {
+    let mut o = base.clone();
+    for (key, name) in [("a100", "as an A100"), ("a6000", "as an RTX A6000")] {
+        let card = sala_cuda::device::card_named(key).unwrap();
+        if g.driver_limits().emulating(card).is_ok() {
+            o.device_profile = Some(card);
+            return (name, o);
+        }
+    }
+    panic!("{} emulates neither the A100 nor the RTX A6000", g.name());
+}
+
 /// FP8 weights (`--quantize fp8`) against the CPU's FP8 products: decode-sized GEMVs (each row
 /// alone giving the same bits), cuBLASLt GEMMs with vector scales, scaled after, and as the
-/// cards without FP8 tensor cores run them (bf16 products of the codes' values, under the
-/// A100's profile); split and SiLU products; stacking.
+/// cards without FP8 tensor cores run them (bf16 GEMMs over the codes' values and the f16
+/// decode products, under an A100's or A6000's profile and code); split and SiLU products;
+/// stacking.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn fp8_products_match_cpu() {
@@ -354,9 +369,7 @@ fn fp8_products_match_cpu() {
     let mut after = base.clone();
     after.fp8_vector_scales = false;
     variants.push(("scaled after", after));
-    let mut a100 = base.clone();
-    a100.set_device_profile("a100").unwrap();
-    variants.push(("as an A100", a100));
+    variants.push(without_fp8_tensor_cores(&g, &base));
     for (name, options) in variants {
         g.set_options(options).unwrap();
         for &(rows, inner, out) in &shapes {
@@ -438,8 +451,8 @@ fn fp8_products_match_cpu() {
 /// A norm feeding an FP8 product makes the product's E4M3 codes as it writes its output; the
 /// product takes them instead of making them again. The same product run again on the same
 /// output (making the codes itself, `quant_rows_f8`) gives the same bits: plain, gated and
-/// residual norms, decode rows and prefill rows, with the H200's plans and as an A100 (whose
-/// prefill products read bf16 values, so only its decode rows take the norm's codes).
+/// residual norms, decode rows and prefill rows, with this GPU's plans and as an A100 or A6000
+/// (whose prefill products read bf16 values, so only its decode rows take the norm's codes).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn fp8_codes_made_by_norms_are_those_the_products_make() {
@@ -458,9 +471,10 @@ fn fp8_codes_made_by_norms_are_those_the_products_make() {
     let gw = g.upload_fp8("w", m).unwrap();
     let w = rng.bf16_vec(inner, 0.5, 1.5);
     let gv = gpu_vector(&g, &w);
-    let mut a100 = base.clone();
-    a100.set_device_profile("a100").unwrap();
-    for (name, options) in [("own plans", base.clone()), ("as an A100", a100)] {
+    for (name, options) in [
+        ("own plans", base.clone()),
+        without_fp8_tensor_cores(&g, &base),
+    ] {
         g.set_options(options).unwrap();
         for rows in [1usize, 5, 16, 40, 300] {
             let x = rng.bf16_vec(rows * inner, -3.0, 3.0);
