@@ -193,6 +193,73 @@ pub fn never_finite(schema: &serde_json::Value) -> bool {
     !known(&finite, "")
 }
 
+/// The first `type` of `schema` (a JSON pointer to it, and its value) that names no JSON
+/// Schema type: `type` must be one of `null`, `boolean`, `object`, `array`, `number`, `string`,
+/// `integer`, or a list of them. Only schema positions are read (the keywords that hold
+/// subschemas), never data such as `enum`, `const` or `default`, nor property names.
+pub fn unknown_type(schema: &serde_json::Value) -> Option<(String, serde_json::Value)> {
+    use serde_json::Value;
+    const TYPES: [&str; 7] = [
+        "null", "boolean", "object", "array", "number", "string", "integer",
+    ];
+    fn walk(v: &Value, ptr: String) -> Option<(String, Value)> {
+        let Value::Object(map) = v else {
+            return None;
+        };
+        if let Some(t) = map.get("type") {
+            let known = |x: &Value| x.as_str().is_some_and(|n| TYPES.contains(&n));
+            let ok = match t {
+                Value::Array(list) => !list.is_empty() && list.iter().all(known),
+                one => known(one),
+            };
+            if !ok {
+                return Some((format!("{ptr}/type"), t.clone()));
+            }
+        }
+        for (key, x) in map {
+            let at = format!("{ptr}/{}", pointer_key(key));
+            let found = match key.as_str() {
+                // A subschema.
+                "additionalProperties"
+                | "items"
+                | "contains"
+                | "not"
+                | "if"
+                | "then"
+                | "else"
+                | "propertyNames"
+                | "unevaluatedProperties"
+                | "unevaluatedItems"
+                | "additionalItems" => match x {
+                    Value::Array(list) => list
+                        .iter()
+                        .enumerate()
+                        .find_map(|(i, y)| walk(y, format!("{at}/{i}"))),
+                    _ => walk(x, at),
+                },
+                // A list of subschemas.
+                "allOf" | "anyOf" | "oneOf" | "prefixItems" => x.as_array().and_then(|list| {
+                    list.iter()
+                        .enumerate()
+                        .find_map(|(i, y)| walk(y, format!("{at}/{i}")))
+                }),
+                // Subschemas by name.
+                "properties" | "patternProperties" | "$defs" | "definitions"
+                | "dependentSchemas" => x.as_object().and_then(|m| {
+                    m.iter()
+                        .find_map(|(k, y)| walk(y, format!("{at}/{}", pointer_key(k))))
+                }),
+                _ => None,
+            };
+            if found.is_some() {
+                return found;
+            }
+        }
+        None
+    }
+    walk(schema, String::new())
+}
+
 /// Calls `f` with every object in `v` (at any depth, arrays included).
 fn for_each_object<'a>(
     v: &'a serde_json::Value,
@@ -456,6 +523,13 @@ impl Grammars {
                         "the JSON schema can only be satisfied by an infinitely nested value \
                          (each value must hold another)",
                     ));
+                }
+                if let Some((at, t)) = unknown_type(s) {
+                    return Err(invalid(&format!(
+                        "the JSON schema's type at {at:?} is {t}; a type must be a string \
+                         naming one of null, boolean, object, array, number, string, integer, \
+                         or a list of them"
+                    )));
                 }
                 if let Some((pattern, size)) = widest_pattern(s) {
                     if size > MAX_PATTERN_REPEATS {
@@ -754,6 +828,45 @@ mod tests {
         }
         assert!(c.advance(id(&tok, "\"")).unwrap(), "complete");
         assert!(!c.needs_mask());
+    }
+
+    #[test]
+    fn unknown_types_are_found_at_schema_positions_only() {
+        use serde_json::json;
+        let found = |s: serde_json::Value| unknown_type(&s).map(|(at, _)| at);
+        assert_eq!(found(json!({"type": "objectx"})), Some("/type".into()));
+        assert_eq!(found(json!({"type": ["string", 3]})), Some("/type".into()));
+        assert_eq!(found(json!({"type": []})), Some("/type".into()));
+        assert_eq!(
+            found(json!({"type": "object", "properties": {"a/b": {"type": "str"}}})),
+            Some("/properties/a~1b/type".into())
+        );
+        assert_eq!(
+            found(json!({"anyOf": [{"type": "null"}, {"items": {"type": "int"}}]})),
+            Some("/anyOf/1/items/type".into())
+        );
+        assert_eq!(
+            found(json!({"$defs": {"x": {"type": "float"}}, "$ref": "#/$defs/x"})),
+            Some("/$defs/x/type".into())
+        );
+        // Data and property names are not schemas.
+        for ok in [
+            json!({"type": ["string", "null"]}),
+            json!({"properties": {"type": {"type": "string"}}}),
+            json!({"enum": [{"type": "weird"}], "const": {"type": 1}}),
+            json!({"default": {"type": "weird"}, "examples": [{"type": "x"}]}),
+            json!(true),
+        ] {
+            assert_eq!(found(ok.clone()), None, "{ok}");
+        }
+        // The compiler refuses one, naming where.
+        let (_dir, g, _) = grammars();
+        let spec = GrammarSpec::JsonSchema(json!({"properties": {"a": {"type": "objectx"}}}));
+        let e = g.compile(&spec).err().expect("refused").to_string();
+        assert!(
+            e.contains("/properties/a/type") && e.contains("objectx"),
+            "{e}"
+        );
     }
 
     #[test]

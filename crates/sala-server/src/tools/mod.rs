@@ -27,7 +27,7 @@ pub mod grammar;
 pub mod parse;
 
 use crate::api::{ApiError, MAX_TOOLS};
-use sala_engine::grammar::{widest_choice, MAX_ALTERNATIVES};
+use sala_engine::grammar::{unknown_type, widest_choice, MAX_ALTERNATIVES};
 use sala_engine::request::ChatEnding;
 use sala_tokenizer::ChatMessage;
 use serde_json::Value;
@@ -146,6 +146,15 @@ impl ToolSet {
                 Some(p @ Value::Object(_)) => Some(p.clone()),
                 Some(_) => return Err(bad(".function.parameters", "must be a JSON schema object")),
             };
+            if let Some((at, t)) = parameters.as_ref().and_then(unknown_type) {
+                return Err(bad(
+                    ".function.parameters",
+                    &format!(
+                        "has the type {t} at {at:?}; a type must be a string naming one of \
+                         null, boolean, object, array, number, string, integer, or a list of them"
+                    ),
+                ));
+            }
             let widest = parameters.as_ref().map_or(0, widest_choice);
             if widest > MAX_ALTERNATIVES {
                 return Err(bad(

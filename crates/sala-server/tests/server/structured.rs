@@ -159,7 +159,14 @@ fn bad_formats_and_schemas_are_400_naming_response_format() {
             json!({"type": "json_schema", "json_schema": {"name": "x"}}),
             "json_schema.schema is required",
         ),
-        (schema(json!({"type": "strin"})), "Invalid type: strin"),
+        (
+            schema(json!({"type": "strin"})),
+            "type at \"/type\" is \"strin\"",
+        ),
+        (
+            schema(json!({"type": "object", "properties": {"a": {"type": ["null", "bool"]}}})),
+            "type at \"/properties/a/type\"",
+        ),
         (schema(json!([1, 2])), "must be a JSON object"),
         (
             schema(json!({"type": "integer", "minimum": 5, "maximum": 1})),

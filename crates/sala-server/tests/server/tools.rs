@@ -73,6 +73,14 @@ fn tool_requests_are_checked() {
             "tools[0].function.parameters",
             "type must be a string",
         ),
+        // Not strict either: a type no JSON value has.
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters":
+                {"type": "object", "properties": {"x": {"type": "objectx"}}}}}],
+                "tool_choice": "required"}),
+            "tools[0].function.parameters",
+            "objectx\\\" at \\\"/properties/x/type",
+        ),
         (
             json!({"tools": [strict(json!({"x": {"$ref": "#/nope"}}))]}),
             "tools[0].function.parameters",
