@@ -526,9 +526,9 @@ impl Grammars {
                 }
                 if let Some((at, t)) = unknown_type(s) {
                     return Err(invalid(&format!(
-                        "the JSON schema's type at {at:?} is {t}; a type must be a string \
-                         naming one of null, boolean, object, array, number, string, integer, \
-                         or a list of them"
+                        "invalid JSON schema: its type at {at:?} is {t}; a type must be a \
+                         string naming one of null, boolean, object, array, number, string, \
+                         integer, or a list of them"
                     )));
                 }
                 if let Some((pattern, size)) = widest_pattern(s) {
