@@ -82,6 +82,26 @@ fn gpu_vector(g: &CudaBackend, values: &[f32]) -> <CudaBackend as Backend>::Vect
     .unwrap()
 }
 
+/// A random bf16 matrix of `out` rows of `inner` values (in ±0.1), uploaded to the CPU backend
+/// and to `g`.
+fn random_matrix(
+    g: &CudaBackend,
+    rng: &mut TestRng,
+    out: usize,
+    inner: usize,
+) -> (sala_cpu::CpuMatrix, sala_cuda::DevMatrix) {
+    let w = rng.bf16_vec(out * inner, -0.1, 0.1);
+    let ht = HostTensor {
+        dtype: HostDType::Bf16,
+        shape: &[out, inner],
+        bytes: &bf16_bytes(&w),
+    };
+    (
+        CpuBackend.upload_matrix("w", ht).unwrap(),
+        g.upload_matrix("w", ht).unwrap(),
+    )
+}
+
 mod context_parallel;
 mod model;
 mod nccl;

@@ -164,14 +164,7 @@ fn embed_matmul_head_norm_rope_match_cpu() {
             &GEMVS[1..]
         };
         let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
-        let w = rng.bf16_vec(out * inner, -0.1, 0.1);
-        let ht = HostTensor {
-            dtype: HostDType::Bf16,
-            shape: &[out, inner],
-            bytes: &bf16_bytes(&w),
-        };
-        let cw = CpuBackend.upload_matrix("w", ht).unwrap();
-        let gw = g.upload_matrix("w", ht).unwrap();
+        let (cw, gw) = random_matrix(&g, &mut rng, out, inner);
         let mut co = cpu_act(&vec![0.0; rows * out], out);
         CpuBackend
             .matmul(&cpu_act(&x, inner), &cw, &mut co)
@@ -298,14 +291,7 @@ fn older_cards_profiles_run_their_own_code() {
     let mut rng = TestRng::new(19);
     let (rows, inner, out) = (3usize, 512usize, 384usize);
     let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
-    let w = rng.bf16_vec(out * inner, -0.1, 0.1);
-    let ht = HostTensor {
-        dtype: HostDType::Bf16,
-        shape: &[out, inner],
-        bytes: &bf16_bytes(&w),
-    };
-    let cw = CpuBackend.upload_matrix("w", ht).unwrap();
-    let gw = g.upload_matrix("w", ht).unwrap();
+    let (cw, gw) = random_matrix(&g, &mut rng, out, inner);
     let mut co = cpu_act(&vec![0.0; rows * out], out);
     CpuBackend
         .matmul(&cpu_act(&x, inner), &cw, &mut co)
@@ -361,13 +347,7 @@ fn decode_products_of_many_rows_equal_rows_alone() {
         (16384, 512),
         (40000, 256),
     ] {
-        let w = rng.bf16_vec(out * inner, -0.1, 0.1);
-        let ht = HostTensor {
-            dtype: HostDType::Bf16,
-            shape: &[out, inner],
-            bytes: &bf16_bytes(&w),
-        };
-        let gw = g.upload_matrix("w", ht).unwrap();
+        let (_, gw) = random_matrix(&g, &mut rng, out, inner);
         for rows in [17, 40, 64] {
             let parts = planner.rows64_parts(
                 K::GemvRows64Parts,
