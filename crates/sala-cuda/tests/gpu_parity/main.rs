@@ -102,6 +102,14 @@ fn random_matrix(
     )
 }
 
+/// `rows` rows of `x` times `w`ᵀ on the GPU, to the host.
+fn gpu_matmul(g: &CudaBackend, x: &[f32], w: &sala_cuda::DevMatrix, rows: usize) -> Vec<f32> {
+    let mut out = g.act_from_host(&vec![0.0; rows * w.rows], w.rows).unwrap();
+    g.matmul(&g.act_from_host(x, w.cols).unwrap(), w, &mut out)
+        .unwrap();
+    g.to_host(&out).unwrap()
+}
+
 mod context_parallel;
 mod model;
 mod nccl;

@@ -171,12 +171,9 @@ fn embed_matmul_head_norm_rope_match_cpu() {
             .unwrap();
         for &variant in variants {
             set(&g, |o| o.decode_gemv = variant);
-            let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-            g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
-                .unwrap();
             close(
                 &format!("matmul {rows}x{inner} by {out} ({variant:?})"),
-                &g.to_host(&go).unwrap(),
+                &gpu_matmul(&g, &x, &gw, rows),
                 &co.data,
                 5e-3,
             );
@@ -313,12 +310,9 @@ fn older_cards_profiles_run_their_own_code() {
             "{key}: {} (kernels for {want} expected)",
             g.name()
         );
-        let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-        g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
-            .unwrap();
         close(
             &format!("{key}: matmul"),
-            &g.to_host(&go).unwrap(),
+            &gpu_matmul(&g, &x, &gw, rows),
             &co.data,
             5e-3,
         );

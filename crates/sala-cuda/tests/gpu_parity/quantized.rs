@@ -396,15 +396,12 @@ fn fp8_products_match_cpu() {
                     .for_each(|v| *v = sala_model::numerics::bf16_round(*v * f));
             }
             let what = format!("fp8 {name}: matmul {rows}x{inner} by {out}");
-            let co = check_products(&g, (&cw, &gw), &x, rows, &what, 1e-2);
+            let (co, got) = check_products(&g, (&cw, &gw), &x, rows, &what, 1e-2);
             // The subnormal row's outputs alone (the whole product's error would hide them).
-            let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-            g.matmul(&g.act_from_host(&x, inner).unwrap(), &gw, &mut go)
-                .unwrap();
             let first = |v: &[f32]| v.iter().step_by(out).copied().collect::<Vec<_>>();
             close(
                 &format!("{what}: subnormal codes"),
-                &first(&g.to_host(&go).unwrap()),
+                &first(&got),
                 &first(&co),
                 1e-2,
             );
@@ -514,7 +511,7 @@ fn fp8_codes_made_by_norms_are_those_the_products_make() {
 /// A matrix's products on the GPU against the CPU's (`what` names them): the product of `x`'s
 /// `rows` rows within `tol`, each row alone with the same bits (decode-sized steps only: a
 /// GEMM's may differ), and, for an even output count, the MLP's SiLU half. Returns the CPU's
-/// product.
+/// product and the GPU's.
 fn check_products(
     g: &CudaBackend,
     (cw, gw): (&sala_cpu::CpuMatrix, &sala_cuda::DevMatrix),
@@ -522,14 +519,11 @@ fn check_products(
     rows: usize,
     what: &str,
     tol: f64,
-) -> Vec<f32> {
+) -> (Vec<f32>, Vec<f32>) {
     let (out, inner) = (gw.rows, gw.cols);
     let mut co = cpu_act(&vec![0.0; rows * out], out);
     CpuBackend.matmul(&cpu_act(x, inner), cw, &mut co).unwrap();
-    let mut go = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
-    g.matmul(&g.act_from_host(x, inner).unwrap(), gw, &mut go)
-        .unwrap();
-    let got = g.to_host(&go).unwrap();
+    let got = gpu_matmul(g, x, gw, rows);
     close(what, &got, &co.data, tol);
     if rows <= 64 {
         for r in [0, rows - 1] {
@@ -562,5 +556,5 @@ fn check_products(
             tol,
         );
     }
-    co.data
+    (co.data, got)
 }
