@@ -94,12 +94,9 @@ fn four_bit_products_match_cpu() {
             CpuBackend
                 .matmul(&cpu_act(&x, inner), &cs, &mut co)
                 .unwrap();
-            let mut go = g.act_from_host(&vec![0.0; rows * total], total).unwrap();
-            g.matmul(&g.act_from_host(&x, inner).unwrap(), &gs, &mut go)
-                .unwrap();
             close(
                 &format!("w4 stacked (bf16 beside: {with_bf16}) {rows}x{inner}"),
-                &g.to_host(&go).unwrap(),
+                &gpu_matmul(&g, &x, &gs, rows),
                 &co.data,
                 5e-3,
             );
