@@ -272,11 +272,6 @@ fn embed_matmul_head_norm_rope_match_cpu() {
     }
 }
 
-/// 17-64-row products on tensor cores give each row the bits the 1-row product gives it,
-/// whether they run as one `gemv_rows64` launch or with their chains split over more blocks
-/// (`gemv_rows64_parts`, then `gemv_chain_sums`): plain products into three output parts, and
-/// [gate; up] with its SiLU. Shapes both split (few blocks; k short enough that some parts run
-/// no slab, and ragged) and whole (chain sums past their budget, or blocks enough).
 /// A profile of an older card this GPU can emulate runs that card's code (its kernels compiled
 /// for its own capability, reloaded as profiles change), and its products still match the
 /// CPU's; switching back runs this GPU's code again.
@@ -324,6 +319,11 @@ fn older_cards_profiles_run_their_own_code() {
     set(&g, |o| o.device_profile = base_options().device_profile);
 }
 
+/// 17-64-row products on tensor cores give each row the bits the 1-row product gives it,
+/// whether they run as one `gemv_rows64` launch or with their chains split over more blocks
+/// (`gemv_rows64_parts`, then `gemv_chain_sums`): plain products into three output parts, and
+/// [gate; up] with its SiLU. Shapes both split (few blocks; k short enough that some parts run
+/// no slab, and ragged) and whole (chain sums past their budget, or blocks enough).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn decode_products_of_many_rows_equal_rows_alone() {
