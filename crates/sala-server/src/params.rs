@@ -131,17 +131,20 @@ pub(crate) fn check_common(
         ("frequency_penalty", p.frequency_penalty),
     ] {
         if let Some(v) = value.filter(|v| !(-2.0..=2.0).contains(v)) {
-            return Err(
-                ApiError::invalid(format!("{name} is {v}; it must be in [-2, 2]")).param(name),
-            );
+            return Err(ApiError::invalid(format!(
+                "{name} is {}; it must be in [-2, 2]",
+                shown(v.into())
+            ))
+            .param(name));
         }
     }
     let logit_bias = logit_bias(p.logit_bias.as_ref())?;
     if let Some(t) = p.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
-        return Err(
-            ApiError::invalid(format!("temperature is {t}; it must be in [0, 2]"))
-                .param("temperature"),
-        );
+        return Err(ApiError::invalid(format!(
+            "temperature is {}; it must be in [0, 2]",
+            shown(t.into())
+        ))
+        .param("temperature"));
     }
     let sampling = SamplingParams {
         temperature: p.temperature.unwrap_or(1.0),
@@ -204,6 +207,16 @@ pub(crate) fn check_common(
     })
 }
 
+/// A number as an error message shows it: in exponent form where the plain one runs long
+/// (`1e308`, not 309 digits).
+fn shown(x: f64) -> String {
+    if x.is_finite() && x != 0.0 && !(1e-4..1e6).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
+}
+
 /// OpenAI's `logit_bias`: token ids (as strings) to biases in [-100, 100].
 fn logit_bias(
     map: Option<&serde_json::Map<String, serde_json::Value>>,
@@ -223,10 +236,27 @@ fn logit_bias(
                 .ok_or_else(|| bad(format!("logit_bias of token {id} is not a number")))?;
             if !(-100.0..=100.0).contains(&bias) {
                 return Err(bad(format!(
-                    "logit_bias of token {id} is {bias}; it must be in [-100, 100]"
+                    "logit_bias of token {id} is {}; it must be in [-100, 100]",
+                    shown(bias)
                 )));
             }
             Ok((id, bias as f32))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shown;
+
+    #[test]
+    fn numbers_in_messages_stay_short() {
+        assert_eq!(shown(1e308), "1e308");
+        assert_eq!(shown(-2.5e7), "-2.5e7");
+        assert_eq!(shown(3e-7), "3e-7");
+        assert_eq!(shown(150.0), "150");
+        assert_eq!(shown(-2.5), "-2.5");
+        assert_eq!(shown(0.0), "0");
+        assert_eq!(shown(f64::INFINITY), "inf");
+    }
 }

@@ -453,6 +453,13 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
             Some("logit_bias"),
         ),
         (
+            "logit_bias of 1e308",
+            chat,
+            br#"{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1e308}}"#.to_vec(),
+            400,
+            Some("logit_bias"),
+        ),
+        (
             "logit_bias key not a token id",
             chat,
             json!({"messages": msgs, "logit_bias": {"five": 1}}).to_string().into_bytes(),
@@ -498,6 +505,8 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
     for (what, path, body, want, param) in cases {
         let (status, text) = request("POST", path, &body);
         assert_error(status, &text, want, param, what);
+        // A message names what is wrong; it does not spell out huge numbers.
+        assert!(text.len() < 300, "{what}: a {}-byte error: {text}", text.len());
         let (status, _) = request("GET", "/health", b"");
         assert_eq!(status, 200, "health after {what}");
     }
