@@ -133,7 +133,7 @@ pub(crate) fn check_common(
         if let Some(v) = value.filter(|v| !(-2.0..=2.0).contains(v)) {
             return Err(ApiError::invalid(format!(
                 "{name} is {}; it must be in [-2, 2]",
-                shown(v.into())
+                shown(v)
             ))
             .param(name));
         }
@@ -142,7 +142,7 @@ pub(crate) fn check_common(
     if let Some(t) = p.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
         return Err(ApiError::invalid(format!(
             "temperature is {}; it must be in [0, 2]",
-            shown(t.into())
+            shown(t)
         ))
         .param("temperature"));
     }
@@ -209,8 +209,12 @@ pub(crate) fn check_common(
 
 /// A number as an error message shows it: in exponent form where the plain one runs long
 /// (`1e308`, not 309 digits).
-fn shown(x: f64) -> String {
-    if x.is_finite() && x != 0.0 && !(1e-4..1e6).contains(&x.abs()) {
+fn shown<T>(x: T) -> String
+where
+    T: Copy + Into<f64> + std::fmt::Display + std::fmt::LowerExp,
+{
+    let v: f64 = x.into();
+    if v.is_finite() && v != 0.0 && !(1e-4..1e6).contains(&v.abs()) {
         format!("{x:e}")
     } else {
         format!("{x}")
@@ -258,5 +262,8 @@ mod tests {
         assert_eq!(shown(-2.5), "-2.5");
         assert_eq!(shown(0.0), "0");
         assert_eq!(shown(f64::INFINITY), "inf");
+        // An f32 shows its own shortest form, not its f64 widening's.
+        assert_eq!(shown(2.1f32), "2.1");
+        assert_eq!(shown(3e38f32), "3e38");
     }
 }

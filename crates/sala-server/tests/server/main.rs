@@ -506,7 +506,11 @@ fn bad_requests_get_openai_errors_and_the_server_lives_on() {
         let (status, text) = request("POST", path, &body);
         assert_error(status, &text, want, param, what);
         // A message names what is wrong; it does not spell out huge numbers.
-        assert!(text.len() < 300, "{what}: a {}-byte error: {text}", text.len());
+        assert!(
+            text.len() < 300,
+            "{what}: a {}-byte error: {text}",
+            text.len()
+        );
         let (status, _) = request("GET", "/health", b"");
         assert_eq!(status, 200, "health after {what}");
     }
