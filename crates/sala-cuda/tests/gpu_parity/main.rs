@@ -110,6 +110,14 @@ fn gpu_matmul(g: &CudaBackend, x: &[f32], w: &sala_cuda::DevMatrix, rows: usize)
     g.to_host(&out).unwrap()
 }
 
+/// `x` (rows of `w.cols` values) times `w`ᵀ on the CPU: what the GPU's products are checked
+/// against.
+fn cpu_matmul(x: &[f32], w: &sala_cpu::CpuMatrix) -> Vec<f32> {
+    let mut out = cpu_act(&vec![0.0; x.len() / w.cols * w.rows], w.rows);
+    CpuBackend.matmul(&cpu_act(x, w.cols), w, &mut out).unwrap();
+    out.data
+}
+
 mod context_parallel;
 mod model;
 mod nccl;
