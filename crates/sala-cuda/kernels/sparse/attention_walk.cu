@@ -1,7 +1,8 @@
-// Softmax attention of the sparse layers with one warp per (query, KV group):
-// attention_gather / attention_gather_f8 (prompt chunks: each warp streams its blocks through a
-// ring of shared-memory stages) and attention_decode(_rows)(_f8) (few queries: warps split a
-// pair's blocks and read K and V from global memory), over bf16 or FP8 caches. Layouts in
+// Softmax attention of the sparse layers, a warp per (query, KV group): attention_gather /
+// attention_gather_f8 (prompt chunks: a block's warps, queries at neighbouring positions, read
+// the blocks they share once through one ring of shared-memory stages, then each streams the
+// rest of its list through its own) and attention_decode(_rows)(_f8) (few queries: warps split
+// a pair's blocks and read K and V from global memory), over bf16 or FP8 caches. Layouts in
 // sparse/common.cuh.
 
 #include "common/types.cuh"
@@ -13,11 +14,11 @@
 // attention_gather: sparse attention of many queries, one warp per (query, KV group)
 // ============================================================================================
 //
-// Neighbouring queries may select different blocks (with random weights, mostly different), so
-// staging a block once for several queries saves little; here every warp walks its own list with
-// no block-wide synchronisation: in prefill through its own ring of shared-memory stages, in
-// decode straight from global memory (L2) with 16-byte loads (both through ag_keys). The warp's 16 MMA rows
-// are the query's heads of the group.
+// Neighbouring queries share their forced blocks (the first and the local window's, a third of a
+// list) and, with random weights, few others: in prefill a block's warps read the forced ones
+// together and the rest each on its own; in decode a warp reads straight from global memory (L2)
+// with 16-byte loads (both through ag_keys). The warp's 16 MMA rows are the query's heads of
+// the group.
 // Fragment layouts (d a multiple of 64): Q·Kᵀ as sp_load_q_perm and sp_qk_perm do it. For P·V,
 // output n-tile 8u + e, column n is dim 64u + 8n + e, so one 16-byte load of
 // V[key][64u + 8gq ..] feeds eight n-tiles.
@@ -264,21 +265,21 @@ __device__ __forceinline__ void ag_store_partial(const AgState& st, const bool (
     }
 }
 
-// The indices and strides of a warp's pair (query i, KV group g) = (pair / kv_heads,
-// pair % kv_heads); ag_pair also loads its Q fragments.
+// The indices and strides of a warp's pair (query i at position first_pos + i, KV group g);
+// ag_pair also loads its Q fragments.
 struct AgPair {
     int i, g, t, n_keys;
     size_t kvw, qw;
     bool row_ok[2];
 };
 
-__device__ __forceinline__ AgPair ag_pair(const bf16* q, int pair, int T, int first_pos, int heads, int kv_heads,
+__device__ __forceinline__ AgPair ag_pair(const bf16* q, int i, int g, int T, int first_pos, int heads, int kv_heads,
                                           int d, u32 (&qa)[8][4]) {
     const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads;
     AgPair p;
-    p.i = pair / kv_heads;
-    p.g = pair % kv_heads;
-    p.t = first_pos + p.i;
+    p.i = i;
+    p.g = g;
+    p.t = first_pos + i;
     p.n_keys = first_pos + T;
     p.kvw = (size_t)kv_heads * d;
     p.qw = (size_t)heads * d;
@@ -288,32 +289,29 @@ __device__ __forceinline__ AgPair ag_pair(const bf16* q, int pair, int T, int fi
     return p;
 }
 
-// Prefill: each warp streams its (query, group)'s selected blocks through its own ring of
-// shared-memory stages, AG_KEYS keys of K and V a stage, `stages` deep (cp.async), so a warp
-// keeps up to stages − 1 stages of loads in flight while it computes one; no block-wide
-// synchronisation. Tiles are unpadded rows of d values, their 16-byte pieces swizzled so each
-// 8-lane phase of the 16-byte loads hits distinct banks: K rows (two rows a phase) swap 64-byte
-// halves on odd rows, V rows (four rows a phase) XOR the piece with the row's low 3 bits.
+// Prefill: stages of AG_KEYS keys of K and V in shared memory (cp.async), a ring of them; while
+// one stage is computed, the ring's others are in flight. Tiles are unpadded rows of d values,
+// their 16-byte pieces swizzled so each 8-lane phase of the 16-byte loads hits distinct banks:
+// K rows (two rows a phase) swap 64-byte halves on odd rows, V rows (four rows a phase) XOR the
+// piece with the row's low 3 bits.
 #define AG_KEYS 32
 
 __device__ __forceinline__ u32 ag_k_off(int r, int c, int d) { return r * 2 * d + ((c ^ ((r & 1) << 2)) << 4); }
 __device__ __forceinline__ u32 ag_v_off(int r, int c, int d) { return r * 2 * d + ((c ^ (r & 7)) << 4); }
 
 // Stages keys [k0, k0 + AG_KEYS) of one group (kg, vg: its first dim of key 0; rows ≥ n_keys
-// zero) into the K and V tiles at shared addresses kt, vt. The warp's 32 lanes call; lane L
-// copies piece L % (D / 8) of rows L / (D / 8) + i · 256 / D.
+// zero) into the K and V tiles at shared addresses kt, vt. Thread `tid` of the `nth` that copy
+// the stage (nth a multiple of 32) takes piece tid % (D / 8) of rows tid / (D / 8) + i · nth / (D / 8).
 template <int D>
 __device__ __forceinline__ void ag_issue(u32 kt, u32 vt, const bf16* kg, const bf16* vg, size_t kvw, int k0,
-                                         int n_keys) {
-    constexpr int PIECES = D / 8, STEP = 32 / PIECES;
-    const int lane = threadIdx.x & 31, c = lane % PIECES, r0 = lane / PIECES;
-    const size_t src0 = (size_t)(k0 + r0) * kvw + 8 * c;
+                                         int n_keys, int tid, int nth) {
+    constexpr int PIECES = D / 8;
+    const int c = tid % PIECES, step = nth / PIECES;
     const bool full = k0 + AG_KEYS <= n_keys;
-#pragma unroll
-    for (int i = 0; i < AG_KEYS / STEP; i++) {
-        const int r = r0 + STEP * i;
+#pragma unroll 4
+    for (int r = tid / PIECES; r < AG_KEYS; r += step) {
         const bool in = full || k0 + r < n_keys;
-        const size_t off = in ? src0 + (size_t)(STEP * i) * kvw : 0;
+        const size_t off = in ? (size_t)(k0 + r) * kvw + 8 * c : 0;
         sp_cp_async16(kt + ag_k_off(r, c, D), kg + off, in ? 16 : 0);
         sp_cp_async16(vt + ag_v_off(r, c, D), vg + off, in ? 16 : 0);
     }
@@ -352,159 +350,199 @@ struct StageF8 {
 
 // Stages keys [k0, k0 + AG_KEYS) of an FP8 cache (kg, vg: the group's first code of key 0;
 // `scale_off`: bytes from there to the group's scale; rows `stride` bytes; rows ≥ n_keys
-// zero) at shared address `at` in StageF8's layout.
+// zero) at shared address `at` in StageF8's layout; threads as ag_issue's, the first 32 also
+// copy key tid's two scales.
 template <int D>
 __device__ __forceinline__ void ag8_issue(u32 at, const unsigned char* kg, const unsigned char* vg, size_t stride,
-                                          int scale_off, int k0, int n_keys) {
-    constexpr int PIECES = D / 16, STEP = 32 / PIECES;
-    const int lane = threadIdx.x & 31, c = lane % PIECES, r0 = lane / PIECES;
+                                          int scale_off, int k0, int n_keys, int tid, int nth) {
+    constexpr int PIECES = D / 16;
+    const int c = tid % PIECES, step = nth / PIECES;
     const u32 kt = at, vt = at + ag8_tile(D), st = at + 2 * ag8_tile(D);
-#pragma unroll
-    for (int i = 0; i < AG_KEYS / STEP; i++) {
-        const int r = r0 + STEP * i;
+#pragma unroll 4
+    for (int r = tid / PIECES; r < AG_KEYS; r += step) {
         const bool in = k0 + r < n_keys;
         const size_t off = in ? (size_t)(k0 + r) * stride + 16 * c : 0;
         sp_cp_async16(kt + ag8_off(r, c, D), kg + off, in ? 16 : 0);
         sp_cp_async16(vt + ag8_off(r, c, D), vg + off, in ? 16 : 0);
     }
-    // Lane r: key r's two scales (4 bytes each).
-    const bool in = k0 + lane < n_keys;
-    const size_t off = in ? (size_t)(k0 + lane) * stride + scale_off : 0;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * lane), "l"(kg + off),
-                 "r"(in ? 4 : 0));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * AG_KEYS + 4 * lane),
-                 "l"(vg + off), "r"(in ? 4 : 0));
+    if (tid < AG_KEYS) {
+        const bool in = k0 + tid < n_keys;
+        const size_t off = in ? (size_t)(k0 + tid) * stride + scale_off : 0;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * tid), "l"(kg + off),
+                     "r"(in ? 4 : 0));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * AG_KEYS + 4 * tid),
+                     "l"(vg + off), "r"(in ? 4 : 0));
+    }
 }
 
-// The warp's walk in stages of AG_KEYS keys over its pair's list (sorted, −1 padded; NULL:
-// every block up to the query's, dense): the second half of the query's own block is skipped
-// when it lies past t. `ring`: the warp's NS stages (`stage` bytes each), as a shared address
-// and a pointer; `issue(at, k0)` stages keys from k0 at shared address `at`, `tile(p)` reads
-// the stage at pointer p.
-template <int NS, class Issue, class Tile>
-__device__ __forceinline__ void ag_walk(AgState& st, const u32 (&qa)[8][4], const AgPair& p, const int* my, int k_sel,
-                                        u32 ring, const unsigned char* ring_p, u32 stage, float sl2, int d,
-                                        Issue&& issue_at, Tile&& tile) {
-    const int lane = threadIdx.x & 31;
-    int nb = 0;
-    if (my) {
-        for (int s0 = 0; s0 < k_sel; s0 += 32)
-            nb += __popc(__ballot_sync(0xffffffffu, s0 + lane < k_sel && my[s0 + lane] >= 0));
-    } else {
-        nb = p.t / 64 + 1;
-    }
-    auto block = [&](int i) { return my ? my[i] : i; };
-    const int n_st = nb == 0 ? 0 : 2 * nb - (64 * block(nb - 1) + AG_KEYS > p.t ? 1 : 0);
+// A walk in stages of AG_KEYS keys over nb 64-key blocks, block(j) the j-th (ascending); the
+// second half of the last block is skipped when it lies past t_last. SHARED: all the block's
+// warps walk one ring together, each stage copied by all of them (a block barrier a stage), and
+// the `active` ones attend; else the warp walks its own ring alone (no block barriers). `ring`:
+// NS stages of `stage` bytes, as a shared address and a pointer; `issue(at, k0, tid, nth)`
+// stages keys from k0 at shared address `at`, `tile(p)` reads the stage at pointer p.
+template <int NS, bool SHARED, class Block, class Issue, class Tile>
+__device__ __forceinline__ void ag_walk(AgState& st, const u32 (&qa)[8][4], bool active, const AgPair& p, int t_last,
+                                        int nb, Block&& block, u32 ring, const unsigned char* ring_p, u32 stage,
+                                        float sl2, int d, Issue&& issue_at, Tile&& tile) {
+    const int tid = SHARED ? (int)threadIdx.x : (int)(threadIdx.x & 31), nth = SHARED ? (int)blockDim.x : 32;
+    const int n_st = nb == 0 ? 0 : 2 * nb - (64 * block(nb - 1) + AG_KEYS > t_last ? 1 : 0);
     auto key0 = [&](int s) { return 64 * block(s >> 1) + AG_KEYS * (s & 1); };
     auto issue = [&](int s) {
-        if (s < n_st) issue_at(ring + (s % NS) * stage, key0(s));
+        if (s < n_st) issue_at(ring + (s % NS) * stage, key0(s), tid, nth);
         sp_cp_commit();
     };
 #pragma unroll
     for (int s = 0; s < NS - 1; s++) issue(s);
     for (int s = 0; s < n_st; s++) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(NS - 2) : "memory");
-        __syncwarp();  // stage s visible to every lane; stage s − 1's slot free
+        // Stage s visible to every thread that reads it; stage s − 1's slot free.
+        if (SHARED) __syncthreads();
+        else __syncwarp();
         issue(s + NS - 1);
-        ag_keys<AG_KEYS / 8>(st, qa, tile(ring_p + (s % NS) * stage), key0(s), p.t, AG_KEYS, p.row_ok, sl2, d);
+        if (active)
+            ag_keys<AG_KEYS / 8>(st, qa, tile(ring_p + (s % NS) * stage), key0(s), p.t, AG_KEYS, p.row_ok, sl2, d);
     }
     sp_cp_wait0();
 }
 
-// bf16 stages: K then V tiles of 2·AG_KEYS·D bytes each.
-template <int NS, int D>
-__device__ __forceinline__ void ag_walk_bf16(AgState& st, const u32 (&qa)[8][4], const AgPair& p, const bf16* kg,
-                                             const bf16* vg, const int* my, int k_sel, u32 ring,
-                                             const unsigned char* ring_p, float sl2) {
-    constexpr u32 tile = AG_KEYS * 2 * D;
-    ag_walk<NS>(
-        st, qa, p, my, k_sel, ring, ring_p, 2 * tile, sl2, D,
-        [&](u32 at, int k0) { ag_issue<D>(at, at + tile, kg, vg, p.kvw, k0, p.n_keys); },
-        [&](const unsigned char* at) { return StageBf16{at, at + tile, D}; });
-}
-
-// FP8 stages (StageF8's layout).
-template <int NS, int D>
-__device__ __forceinline__ void ag_walk_f8(AgState& st, const u32 (&qa)[8][4], const AgPair& p, const KvF8& kv,
-                                           const int* my, int k_sel, u32 ring, const unsigned char* ring_p,
-                                           float sl2) {
-    constexpr u32 tile = AG_KEYS * D, stage = 2 * tile + 8 * AG_KEYS;
-    ag_walk<NS>(
-        st, qa, p, my, k_sel, ring, ring_p, stage, sl2, D,
-        [&](u32 at, int k0) { ag8_issue<D>(at, kv.k, kv.v, kv.stride, kv.scale_off, k0, p.n_keys); },
-        [&](const unsigned char* at) {
-            return StageF8{at, at + tile, (const float*)(at + 2 * tile), (const float*)(at + 2 * tile) + AG_KEYS, D};
-        });
-}
-
-// launch: grid = (⌈T·kv_heads / W⌉), block = 32·W, dynamic smem = W · stages · 4·AG_KEYS·d bytes
-// (stages 2, 3 or 4). Same arguments and result as attention_prefill with blocks != NULL
-// (64-key blocks); needs heads / kv_heads ≤ 16 and d ∈ {64, 128}.
-extern "C" __global__ void __launch_bounds__(256)
-attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
-                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int stages) {
-    pdl_start();
+// attention_gather(_f8): a block of W = blockDim.x / 32 warps (W a power of two ≤ 64) takes the
+// W queries at positions p0 .. p0 + W − 1 (p0 a multiple of W, so they share their 64-key block
+// qb; warps outside the chunk only help copy) of KV group g. The blocks every one of them
+// attends to, [0, n_init) ∪ [lo2, qb] (the forced ones of a list: init_blocks and the
+// local_blocks + 1 ending at qb; without a list every block up to qb), are read once for all W
+// through the whole shared memory as one ring; then each warp walks the rest of its list through
+// its own part of it, `stages` deep. local_blocks < 0: nothing shared. The output of a query
+// depends on its position only, never on the chunk around it.
+template <class Issue, class Tile>
+__device__ __forceinline__ void ag_gather(const bf16* q, bf16* out, int T, int first_pos, int heads, int kv_heads,
+                                          int d, float scale, const int* blocks, int k_sel, int stages,
+                                          int init_blocks, int local_blocks, u32 stage, Issue&& issue_at,
+                                          Tile&& tile) {
     extern __shared__ __align__(128) unsigned char ag_sm[];
-    const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads, warp = threadIdx.x >> 5;
-    const int pair = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (pair >= T * kv_heads) return;  // warp-uniform; no block barriers below
+    const int W = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = blockIdx.x % kv_heads, p0 = (first_pos / W + blockIdx.x / kv_heads) * W;
+    if (p0 >= first_pos + T) return;  // block-uniform: the launch has a tile to spare
+    const int i = p0 + warp - first_pos;
+    const bool active = i >= 0 && i < T;  // warp-uniform
+    const int t_max = min(p0 + W, first_pos + T) - 1, qb = p0 >> 6;
+    int n_init = 0, lo2 = qb + 1;
+    if (local_blocks >= 0) {
+        n_init = blocks ? min(init_blocks, qb + 1) : qb + 1;
+        lo2 = blocks ? min(max(init_blocks, qb - local_blocks), qb + 1) : qb + 1;
+    }
     u32 qa[8][4];
-    const AgPair p = ag_pair(q, pair, T, first_pos, heads, kv_heads, d, qa);
+    AgPair p = {};
+    if (active) p = ag_pair(q, i, g, T, first_pos, heads, kv_heads, d, qa);
+    p.g = g;
+    p.n_keys = first_pos + T;
+    p.kvw = (size_t)kv_heads * d;
     AgState st;
     ag_init(st);
     const float sl2 = scale * 1.4426950408889634f;
-    const int* my = blocks + (size_t)pair * k_sel;
-    const unsigned char* ring_p = ag_sm + (size_t)warp * stages * 4 * AG_KEYS * d;
-    const u32 ring = sp_smem_addr(ring_p);
-    const bf16* kg = kcache + (size_t)p.g * d;
-    const bf16* vg = vcache + (size_t)p.g * d;
-    if (d == 128) {
-        if (stages >= 4) ag_walk_bf16<4, 128>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
-        else if (stages == 3) ag_walk_bf16<3, 128>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
-        else ag_walk_bf16<2, 128>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
-    } else {
-        if (stages >= 4) ag_walk_bf16<4, 64>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
-        else if (stages == 3) ag_walk_bf16<3, 64>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
-        else ag_walk_bf16<2, 64>(st, qa, p, kg, vg, my, k_sel, ring, ring_p, sl2);
+    const u32 base = sp_smem_addr(ag_sm);
+    const int n_sh = n_init + qb + 1 - lo2;
+    auto shared_block = [&](int j) { return j < n_init ? j : lo2 + j - n_init; };
+    const int ring_stages = W * stages;
+#define AG_SHARED(N)                                                                                       \
+    ag_walk<N, true>(st, qa, active, p, t_max, n_sh, shared_block, base, ag_sm, stage, sl2, d, issue_at, tile)
+    if (ring_stages >= 12) AG_SHARED(12);
+    else if (ring_stages >= 8) AG_SHARED(8);
+    else if (ring_stages >= 6) AG_SHARED(6);
+    else if (ring_stages >= 4) AG_SHARED(4);
+    else AG_SHARED(2);
+#undef AG_SHARED
+    __syncthreads();  // the ring's slots are the warps' own rings from here
+    if (!active) return;
+    // The rest of the list: its entries in [n_init, lo2) (a list is ascending, −1 padded).
+    const int* my = blocks ? blocks + ((size_t)i * kv_heads + g) * k_sel : 0;
+    int a = n_init, nb = lo2 - n_init;
+    if (my) {
+        a = 0, nb = 0;
+        for (int s0 = 0; s0 < k_sel; s0 += 32) {
+            const int b = s0 + lane < k_sel ? my[s0 + lane] : -1;
+            a += __popc(__ballot_sync(0xffffffffu, b >= 0 && b < n_init));
+            nb += __popc(__ballot_sync(0xffffffffu, b >= n_init && b < lo2));
+        }
     }
-    bf16* orow0 = out + (size_t)p.i * p.qw + (size_t)(p.g * G + gq) * d;
+    auto own_block = [&](int j) { return my ? my[a + j] : a + j; };
+    const u32 own = (u32)(warp * stages) * stage;
+#define AG_OWN(N) \
+    ag_walk<N, false>(st, qa, true, p, p.t, nb, own_block, base + own, ag_sm + own, stage, sl2, d, issue_at, tile)
+    if (stages >= 4) AG_OWN(4);
+    else if (stages == 3) AG_OWN(3);
+    else AG_OWN(2);
+#undef AG_OWN
+    bf16* orow0 = out + (size_t)p.i * p.qw + (size_t)(g * (heads / kv_heads) + ((lane >> 2))) * d;
     ag_sum_l(st);
     ag_store_out(st, p.row_ok, d, [&](int r) { return orow0 + 8 * r * d; });
+}
+
+// launch: grid = ((⌈T / W⌉ + 1)·kv_heads), block = 32·W (W a power of two), dynamic smem =
+// W · stages · 4·AG_KEYS·d bytes (stages 2, 3 or 4). Same arguments and result as
+// attention_prefill with blocks != NULL (64-key blocks; lists holding their forced blocks
+// unless local_blocks < 0); needs heads / kv_heads ≤ 16 and d ∈ {64, 128}.
+extern "C" __global__ void __launch_bounds__(256)
+attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
+                 int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int stages,
+                 int init_blocks, int local_blocks) {
+    pdl_start();
+    const int g = blockIdx.x % kv_heads;
+    const bf16* kg = kcache + (size_t)g * d;
+    const bf16* vg = vcache + (size_t)g * d;
+    const size_t kvw = (size_t)kv_heads * d;
+    const int n_keys = first_pos + T;
+    if (d == 128) {
+        constexpr u32 tile = AG_KEYS * 2 * 128;
+        ag_gather(
+            q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
+            2 * tile,
+            [&](u32 at, int k0, int tid, int nth) { ag_issue<128>(at, at + tile, kg, vg, kvw, k0, n_keys, tid, nth); },
+            [&](const unsigned char* at) { return StageBf16{at, at + tile, 128}; });
+    } else {
+        constexpr u32 tile = AG_KEYS * 2 * 64;
+        ag_gather(
+            q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
+            2 * tile,
+            [&](u32 at, int k0, int tid, int nth) { ag_issue<64>(at, at + tile, kg, vg, kvw, k0, n_keys, tid, nth); },
+            [&](const unsigned char* at) { return StageBf16{at, at + tile, 64}; });
+    }
 }
 
 // attention_gather over an FP8 cache (sparse/common.cuh), and dense when blocks == NULL.
-// launch: grid = (⌈T·kv_heads / W⌉), block = 32·W, dynamic smem = W · stages · (2·AG_KEYS·d +
-// 8·AG_KEYS) bytes (stages 2, 3 or 4); needs heads / kv_heads ≤ 16 and d ∈ {64, 128}.
+// launch: grid = ((⌈T / W⌉ + 1)·kv_heads), block = 32·W (W a power of two), dynamic smem =
+// W · stages · (2·AG_KEYS·d + 8·AG_KEYS) bytes (stages 2, 3 or 4); needs heads / kv_heads ≤ 16
+// and d ∈ {64, 128}.
 extern "C" __global__ void __launch_bounds__(256)
 attention_gather_f8(const bf16* q, const unsigned char* kcache, const unsigned char* vcache, bf16* out, int T,
                     int first_pos, int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel,
-                    int stages) {
+                    int stages, int init_blocks, int local_blocks) {
     pdl_start();
-    extern __shared__ __align__(128) unsigned char ag_sm[];
-    const int gq = (threadIdx.x & 31) >> 2, G = heads / kv_heads, warp = threadIdx.x >> 5;
-    const int pair = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (pair >= T * kv_heads) return;  // warp-uniform; no block barriers below
-    u32 qa[8][4];
-    const AgPair p = ag_pair(q, pair, T, first_pos, heads, kv_heads, d, qa);
-    AgState st;
-    ag_init(st);
-    const float sl2 = scale * 1.4426950408889634f;
-    const int* my = blocks ? blocks + (size_t)pair * k_sel : 0;
-    const unsigned char* ring_p = ag_sm + (size_t)warp * stages * (2 * AG_KEYS * d + 8 * AG_KEYS);
-    const u32 ring = sp_smem_addr(ring_p);
-    const KvF8 kv = kv_f8(kcache, vcache, p.g, kv_heads, d);
+    const KvF8 kv = kv_f8(kcache, vcache, blockIdx.x % kv_heads, kv_heads, d);
+    const int n_keys = first_pos + T;
     if (d == 128) {
-        if (stages >= 4) ag_walk_f8<4, 128>(st, qa, p, kv, my, k_sel, ring, ring_p, sl2);
-        else if (stages == 3) ag_walk_f8<3, 128>(st, qa, p, kv, my, k_sel, ring, ring_p, sl2);
-        else ag_walk_f8<2, 128>(st, qa, p, kv, my, k_sel, ring, ring_p, sl2);
+        constexpr u32 tile = AG_KEYS * 128;
+        ag_gather(
+            q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
+            2 * tile + 8 * AG_KEYS,
+            [&](u32 at, int k0, int tid, int nth) {
+                ag8_issue<128>(at, kv.k, kv.v, kv.stride, kv.scale_off, k0, n_keys, tid, nth);
+            },
+            [&](const unsigned char* at) {
+                return StageF8{at, at + tile, (const float*)(at + 2 * tile), (const float*)(at + 2 * tile) + AG_KEYS, 128};
+            });
     } else {
-        if (stages >= 4) ag_walk_f8<4, 64>(st, qa, p, kv, my, k_sel, ring, ring_p, sl2);
-        else if (stages == 3) ag_walk_f8<3, 64>(st, qa, p, kv, my, k_sel, ring, ring_p, sl2);
-        else ag_walk_f8<2, 64>(st, qa, p, kv, my, k_sel, ring, ring_p, sl2);
+        constexpr u32 tile = AG_KEYS * 64;
+        ag_gather(
+            q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
+            2 * tile + 8 * AG_KEYS,
+            [&](u32 at, int k0, int tid, int nth) {
+                ag8_issue<64>(at, kv.k, kv.v, kv.stride, kv.scale_off, k0, n_keys, tid, nth);
+            },
+            [&](const unsigned char* at) {
+                return StageF8{at, at + tile, (const float*)(at + 2 * tile), (const float*)(at + 2 * tile) + AG_KEYS, 64};
+            });
     }
-    bf16* orow0 = out + (size_t)p.i * p.qw + (size_t)(p.g * G + gq) * d;
-    ag_sum_l(st);
-    ag_store_out(st, p.row_ok, d, [&](int r) { return orow0 + 8 * r * d; });
 }
 
 // Split-K attention for few queries (decode): warp z of the n_split warps of pair (query i, KV
@@ -524,7 +562,7 @@ __device__ __forceinline__ void attention_decode_pair(const bf16* q, const KV& k
     if (z >= n_split) return;  // warp-uniform
     const int pair = blockIdx.x;
     u32 qa[8][4];
-    AgPair p = ag_pair(q, pair, T, 0, heads, kv_heads, d, qa);
+    AgPair p = ag_pair(q, pair / kv_heads, pair % kv_heads, T, 0, heads, kv_heads, d, qa);
     p.t = t;
     p.n_keys = n_keys;
     AgState st;

@@ -305,6 +305,8 @@ impl CudaBackend {
                     blocks,
                     ks,
                     stages as i32,
+                    cfg.init_blocks as i32,
+                    shared_local_blocks(cfg),
                 )
             }
             AttentionPlan::Prefill => {
@@ -615,5 +617,15 @@ impl CudaBackend {
             shape.head_dim as i32,
             split as i32,
         )
+    }
+}
+
+/// `attention_gather`'s `local_blocks`: the local window's blocks, whose queries' lists all hold
+/// them and the first `init_blocks` (SPEC §5.5) where a list has room for every forced block;
+/// else −1, and the kernel shares no block between queries.
+fn shared_local_blocks(cfg: &SparseConfig) -> i32 {
+    match cfg.selected_blocks() > cfg.init_blocks + cfg.local_blocks() {
+        true => cfg.local_blocks() as i32,
+        false => -1,
     }
 }

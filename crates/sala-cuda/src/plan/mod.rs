@@ -79,11 +79,12 @@ pub const LIGHTNING_MMA_ROWS: usize = 64;
 /// From this many rows on, lightning prefill runs in two passes.
 /// Keys of K and V an `attention_gather` stage holds (`AG_KEYS` in sparse/attention.cu).
 pub const GATHER_KEYS: usize = 32;
-/// `attention_gather`'s (warps a block, stages a warp), best first: four warps with two stages
-/// in flight each while they compute a third where the shared memory allows (192 KiB at
-/// d = 128; on the H200 (3, 2), (6, 2) and (4, 2) ran 2-6% slower at 128K), fewer warps on
-/// 99 KiB cards.
-pub const GATHER_SHAPES: [(usize, usize); 5] = [(4, 3), (3, 2), (2, 3), (2, 2), (1, 2)];
+/// `attention_gather`'s (warps a block, stages a warp), best first: four warps (four queries
+/// sharing their forced blocks) with two stages in flight each while they compute a third where
+/// the shared memory allows (192 KiB at d = 128; on the H200 (3, 2), (6, 2) and (4, 2) ran 2-6%
+/// slower at 128K before the forced blocks were shared), fewer warps on 99 KiB cards. Warps a
+/// block are a power of two: a block's queries share one 64-key block.
+pub const GATHER_SHAPES: [(usize, usize); 4] = [(4, 3), (2, 3), (2, 2), (1, 2)];
 
 /// Bytes of one `attention_gather` stage: K and V of [`GATHER_KEYS`] keys of head size `d`.
 pub fn gather_stage_bytes(d: usize) -> usize {
@@ -705,9 +706,10 @@ impl Planner {
         Launch::new((pairs, split.div_ceil(4), 1), 128, 0)
     }
 
-    /// `attention_gather` and its ring depth: `warps` warps a block, each streaming its blocks
-    /// through `stages` shared-memory stages of [`GATHER_KEYS`] keys of K and V. The first
-    /// shape of [`GATHER_SHAPES`] that fits this device's shared memory.
+    /// `attention_gather` and its ring depth: `warps` warps a block (neighbouring queries of a
+    /// KV group), each streaming the blocks of its own through `stages` shared-memory stages of
+    /// [`GATHER_KEYS`] keys of K and V. The first shape of [`GATHER_SHAPES`] that fits this
+    /// device's shared memory.
     pub fn attention_gather(&self, t: usize, kv_heads: usize, d: usize) -> (Launch, usize) {
         self.gather_launch(K::AttentionGather, gather_stage_bytes(d), t, kv_heads)
     }
@@ -722,8 +724,9 @@ impl Planner {
             .into_iter()
             .find(|&(w, s)| self.fits(k, w * s * stage))
             .unwrap_or((1, 2));
+        // Tiles of `warps` positions from a multiple of `warps`: one more than whole ones.
         let launch = Launch::new(
-            ((t * kv_heads).div_ceil(warps), 1, 1),
+            ((t.div_ceil(warps) + 1) * kv_heads, 1, 1),
             32 * warps as u32,
             warps * stages * stage,
         );

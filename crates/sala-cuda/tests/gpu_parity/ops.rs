@@ -732,6 +732,7 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
             let mut cc = SparseCache::new(shape, &cfg);
             let mut gc = g.new_sparse_cache(shape, &cfg).unwrap();
             let mut at = 0;
+            let mut by_chunks = Vec::new();
             for &c in &chunks {
                 let (qa, qb) = (at * shape.q_width(), (at + c) * shape.q_width());
                 let (ka, kb) = (at * shape.kv_width(), (at + c) * shape.kv_width());
@@ -751,13 +752,51 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 };
                 g.sparse_attention(shape, &cfg, io, &[whole(c)], &[mode], &mut [&mut gc])
                     .unwrap();
+                let got = g.to_host(&out).unwrap();
                 close(
                     &format!("{mode:?} {attention:?} {shape:?} chunk at {at} len {c}"),
-                    &g.to_host(&out).unwrap(),
+                    &got,
                     &want,
                     1e-2,
                 );
+                by_chunks.extend(got);
                 at += c;
+            }
+            // A prompt chunk's sparse attention (`attention_gather`) and selection are those of
+            // each query's position alone: the same bits in one pass as in chunks (a prompt cut
+            // anywhere, a prefix read from the cache). Small chunks run the decode kernels.
+            let gathered: Vec<usize> = chunks
+                .iter()
+                .scan(0, |at, &c| {
+                    *at += c;
+                    Some((*at - c, c))
+                })
+                .filter(|&(_, c)| c * shape.kv_heads >= sala_cuda::plan::SELECT_ONE_KERNEL_PAIRS)
+                .flat_map(|(a, c)| a..a + c)
+                .collect();
+            if mode == SparseMode::Sparse && attention == Attention::WarpWalk && chunks.len() > 1 {
+                let mut gc = g.new_sparse_cache(shape, &cfg).unwrap();
+                let mut out = g
+                    .act_from_host(&vec![0.0; q.len()], shape.q_width())
+                    .unwrap();
+                let io = AttnIo {
+                    q: &mut g.act_from_host(&q, shape.q_width()).unwrap(),
+                    k: &mut g.act_from_host(&k, shape.kv_width()).unwrap(),
+                    v: &mut g.act_from_host(&v, shape.kv_width()).unwrap(),
+                    out: &mut out,
+                };
+                g.sparse_attention(shape, &cfg, io, &[whole(n)], &[mode], &mut [&mut gc])
+                    .unwrap();
+                let one_pass = g.to_host(&out).unwrap();
+                let w = shape.q_width();
+                let differs = gathered.iter().copied().find(|&i| {
+                    (i * w..(i + 1) * w).any(|x| one_pass[x].to_bits() != by_chunks[x].to_bits())
+                });
+                assert_eq!(
+                    differs,
+                    None,
+                    "{mode:?} {shape:?}: the query at this position differs in one pass and in chunks {chunks:?}"
+                );
             }
         }
     }
