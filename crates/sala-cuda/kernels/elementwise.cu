@@ -331,52 +331,54 @@ extern "C" __global__ void head_norm_rope(bf16* x, int total_heads, int head_dim
     for (int e = lane; e < head_dim; e += 32) p[e] = f2bf(hb[e]);
 }
 
-// E consecutive bf16 (2E-byte aligned) in one load or store.
-template <int E>
-struct alignas(2 * E) Bf16Run {
-    bf16 e[E];
+// Where the heads of head_norm_rope_lanes are, one after another from a first: x's heads, then
+// x2's; each head's row for the RoPE table. One division to start, then steps.
+struct HnrPlace {
+    bool second;
+    int hid, row, rem, hpr;
+    __device__ __forceinline__ HnrPlace(int first, int total_heads, int heads_per_row, int heads_per_row2) {
+        second = first >= total_heads;
+        hid = second ? first - total_heads : first;
+        hpr = max(second ? heads_per_row2 : heads_per_row, 1);
+        row = hid / hpr;
+        rem = hid - row * hpr;
+    }
+    __device__ __forceinline__ void next(int total_heads, int heads_per_row2) {
+        hid++;
+        if (++rem == hpr) rem = 0, row++;
+        if (!second && hid == total_heads) second = true, hid = 0, row = 0, rem = 0, hpr = max(heads_per_row2, 1);
+    }
 };
 
-// head_norm_rope_lanes for the 16 / E heads from `first` on, of d = 32·E: every head's loads
-// issued before the first is computed (a warp has 1 KB in flight).
+// head_norm_rope_lanes for the 16 / E heads from `first` on (warp-uniform), of d = 32·E: every
+// head's loads issued before the first is computed (a warp has 1 KB in flight).
 template <int E>
 __device__ __forceinline__ void hnr_lanes(int first, int lane, bf16* x, int total_heads, const bf16* norm_w,
                                           float eps, int heads_per_row, bf16* x2, int total_heads2,
                                           const bf16* norm_w2, int heads_per_row2, const float* table) {
     constexpr int H = 16 / E;
-    // Head first + j: its elements of this lane, its norm weight and RoPE table row; false past
-    // both buffers (warp-uniform).
-    auto head = [&](int j, bf16*& at, const bf16*& w, const float*& cs) {
-        int hid = first + j, hpr = heads_per_row;
-        bf16* base = x;
-        w = norm_w;
-        const bool ok = hnr_head(hid, base, w, hpr, total_heads, x2, total_heads2, norm_w2, heads_per_row2);
-        at = base + (u64)hid * (32 * E) + E * lane;
-        cs = table ? table + (u64)(hid / hpr) * (32 * E) : nullptr;
-        return ok;
-    };
-    Bf16Run<E> run[H];
+    auto valid = [&](const HnrPlace& h) { return h.hid < (h.second ? total_heads2 : total_heads); };
+    auto at = [&](const HnrPlace& h) { return (h.second ? x2 : x) + (u64)h.hid * (32 * E) + E * lane; };
+    Bf16Vec<E> run[H];
+    {
+        HnrPlace h(first, total_heads, heads_per_row, heads_per_row2);
 #pragma unroll
-    for (int j = 0; j < H; j++) {
-        bf16* at;
-        const bf16* w;
-        const float* cs;
-        if (head(j, at, w, cs)) run[j] = *(const Bf16Run<E>*)at;
+        for (int j = 0; j < H; j++, h.next(total_heads, heads_per_row2))
+            if (valid(h)) run[j] = *(const Bf16Vec<E>*)at(h);
     }
+    HnrPlace h(first, total_heads, heads_per_row, heads_per_row2);
 #pragma unroll
-    for (int j = 0; j < H; j++) {
-        bf16* at;
-        const bf16* w;
-        const float* cs;
-        if (!head(j, at, w, cs)) break;  // the heads past both buffers are the last ones
+    for (int j = 0; j < H; j++, h.next(total_heads, heads_per_row2)) {
+        if (!valid(h)) break;  // the heads past both buffers are the last ones
         float v[E];
 #pragma unroll
         for (int i = 0; i < E; i++) v[i] = bf2f(run[j].e[i]);
-        head_norm_rope_warp<E>(v, lane, w, eps, cs);
-        Bf16Run<E> out;
+        head_norm_rope_warp<E>(v, lane, h.second ? norm_w2 : norm_w, eps,
+                               table ? table + (u64)h.row * (32 * E) : nullptr);
+        Bf16Vec<E> out;  // v holds bf16 values: their top halves
 #pragma unroll
-        for (int i = 0; i < E; i++) out.e[i] = f2bf(v[i]);
-        *(Bf16Run<E>*)at = out;
+        for (int i = 0; i < E; i++) out.e[i] = (bf16)(__float_as_uint(v[i]) >> 16);
+        *(Bf16Vec<E>*)at(h) = out;
     }
 }
 
@@ -389,7 +391,9 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 head_norm_rope_lanes(bf16* x, int total_heads, int head_dim, const bf16* norm_w, float eps, int heads_per_row,
                      bf16* x2, int total_heads2, const bf16* norm_w2, int heads_per_row2, const float* table) {
     pdl_start();
-    const int warp = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    // Through a shuffle, so the compiler knows it warp-uniform (no collective shuffles below).
+    const int warp = __shfl_sync(0xffffffffu, (int)(blockIdx.x * 8 + (threadIdx.x >> 5)), 0);
+    const int lane = threadIdx.x & 31;
 #define HNR_LANES(E) \
     hnr_lanes<E>(warp * (16 / E), lane, x, total_heads, norm_w, eps, heads_per_row, x2, total_heads2, norm_w2, \
                  heads_per_row2, table)

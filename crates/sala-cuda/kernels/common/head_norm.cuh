@@ -4,12 +4,19 @@
 #pragma once
 #include "common/types.cuh"
 
+// E consecutive bf16 (2E-byte aligned) as one load or store.
+template <int E>
+struct alignas(2 * E) Bf16Vec {
+    bf16 e[E];
+};
+
 // One head of d = 32·E elements, E consecutive ones a lane (lane l holds E·l .. E·l + E − 1):
 // v = round(round(v·r)·w) with r = 1/sqrt(mean(v²) + eps) when w is given, then (cs given)
 // v = round(v·cos + partner·sin), partner = −v[e + d/2] below d/2 and v[e − d/2] above; cs is
 // the row's RoPE table (cos, sin of frequency i at cs[2i], cs[2i + 1], i < d/2). The partner
 // of lane l's element is lane (l ^ 16)'s. Every product and sum is rounded on its own (no
-// contraction), so the bits do not depend on the kernel this is inlined in.
+// contraction), so the bits do not depend on the kernel this is inlined in; roundings by
+// round_bf_rn (a NaN comes out canonical).
 template <int E>
 __device__ __forceinline__ void head_norm_rope_warp(float (&v)[E], int lane, const bf16* w, float eps,
                                                     const float* cs) {
@@ -17,9 +24,12 @@ __device__ __forceinline__ void head_norm_rope_warp(float (&v)[E], int lane, con
         float ss = __fmul_rn(v[0], v[0]);
 #pragma unroll
         for (int i = 1; i < E; i++) ss = __fmaf_rn(v[i], v[i], ss);
-        const float r = rsqrtf(__fadd_rn(__fdiv_rn(warp_sum(ss), (float)(32 * E)), eps));
+        // 32·E is a power of two: times its inverse is the division, rounded the same.
+        static_assert((E & (E - 1)) == 0, "E a power of two");
+        const float r = rsqrtf(__fadd_rn(__fmul_rn(warp_sum(ss), 1.0f / (32 * E)), eps));
 #pragma unroll
-        for (int i = 0; i < E; i++) v[i] = round_bf(__fmul_rn(round_bf(__fmul_rn(v[i], r)), bf2f(w[E * lane + i])));
+        for (int i = 0; i < E; i++)
+            v[i] = round_bf_rn(__fmul_rn(round_bf_rn(__fmul_rn(v[i], r)), bf2f(w[E * lane + i])));
     }
     if (cs) {
         const float* c = cs + 2 * E * (lane & 15);
@@ -28,7 +38,7 @@ __device__ __forceinline__ void head_norm_rope_warp(float (&v)[E], int lane, con
         for (int i = 0; i < E; i++) {
             const float partner = __shfl_xor_sync(0xffffffffu, v[i], 16);
             const float other = lane < 16 ? -partner : partner;
-            o[i] = round_bf(__fmaf_rn(v[i], c[2 * i], __fmul_rn(other, c[2 * i + 1])));
+            o[i] = round_bf_rn(__fmaf_rn(v[i], c[2 * i], __fmul_rn(other, c[2 * i + 1])));
         }
 #pragma unroll
         for (int i = 0; i < E; i++) v[i] = o[i];

@@ -32,6 +32,14 @@ __device__ __forceinline__ bf16 f2bf(float x) {
 // The value a bf16 tensor would hold.
 __device__ __forceinline__ float round_bf(float x) { return bf2f(f2bf(x)); }
 
+// round_bf in one conversion instruction (sm_80 on): the same value for every number; a NaN
+// comes out as the canonical one instead of keeping its payload.
+__device__ __forceinline__ float round_bf_rn(float x) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(x), "f"(0.0f));
+    return __uint_as_float(r);
+}
+
 // round(silu(g)) · u in fp32, the MLP's gate times its up projection (round the result once more).
 __device__ __forceinline__ float silu_times(float g, float u) { return round_bf(g / (1.0f + expf(-g))) * u; }
 
