@@ -15,8 +15,7 @@ struct alignas(2 * E) Bf16Vec {
 // v = round(v·cos + partner·sin), partner = −v[e + d/2] below d/2 and v[e − d/2] above; cs is
 // the row's RoPE table (cos, sin of frequency i at cs[2i], cs[2i + 1], i < d/2). The partner
 // of lane l's element is lane (l ^ 16)'s. Every product and sum is rounded on its own (no
-// contraction), so the bits do not depend on the kernel this is inlined in; roundings by
-// round_bf_rn (a NaN comes out canonical).
+// contraction), so the bits do not depend on the kernel this is inlined in.
 template <int E>
 __device__ __forceinline__ void head_norm_rope_warp(float (&v)[E], int lane, const bf16* w, float eps,
                                                     const float* cs) {
@@ -29,7 +28,7 @@ __device__ __forceinline__ void head_norm_rope_warp(float (&v)[E], int lane, con
         const float r = rsqrtf(__fadd_rn(__fmul_rn(warp_sum(ss), 1.0f / (32 * E)), eps));
 #pragma unroll
         for (int i = 0; i < E; i++)
-            v[i] = round_bf_rn(__fmul_rn(round_bf_rn(__fmul_rn(v[i], r)), bf2f(w[E * lane + i])));
+            v[i] = round_bf(__fmul_rn(round_bf(__fmul_rn(v[i], r)), bf2f(w[E * lane + i])));
     }
     if (cs) {
         const float* c = cs + 2 * E * (lane & 15);
@@ -38,7 +37,7 @@ __device__ __forceinline__ void head_norm_rope_warp(float (&v)[E], int lane, con
         for (int i = 0; i < E; i++) {
             const float partner = __shfl_xor_sync(0xffffffffu, v[i], 16);
             const float other = lane < 16 ? -partner : partner;
-            o[i] = round_bf_rn(__fmaf_rn(v[i], c[2 * i], __fmul_rn(other, c[2 * i + 1])));
+            o[i] = round_bf(__fmaf_rn(v[i], c[2 * i], __fmul_rn(other, c[2 * i + 1])));
         }
 #pragma unroll
         for (int i = 0; i < E; i++) v[i] = o[i];

@@ -21,20 +21,16 @@ __device__ __forceinline__ void pdl_start() {
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
 
-// Round to nearest even; NaN stays NaN (quiet).
+// Round to nearest even by the conversion instruction (sm_80 on); a NaN comes out as the
+// canonical quiet NaN.
 __device__ __forceinline__ bf16 f2bf(float x) {
-    u32 u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(0.0f), "f"(x));  // x to the low half
+    return (bf16)r;
 }
 
-// The value a bf16 tensor would hold.
-__device__ __forceinline__ float round_bf(float x) { return bf2f(f2bf(x)); }
-
-// round_bf in one conversion instruction (sm_80 on): the same value for every number; a NaN
-// comes out as the canonical one instead of keeping its payload.
-__device__ __forceinline__ float round_bf_rn(float x) {
+// The value a bf16 tensor would hold, in one conversion (x to the high half).
+__device__ __forceinline__ float round_bf(float x) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(x), "f"(0.0f));
     return __uint_as_float(r);
