@@ -722,6 +722,21 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
         let q = rng.bf16_vec(n * shape.q_width(), -1.5, 1.5);
         let k = rng.bf16_vec(n * shape.kv_width(), -1.5, 1.5);
         let v = rng.bf16_vec(n * shape.kv_width(), -1.0, 1.0);
+        // The GPU's attention for the `len` queries from row `a` on, their keys and values
+        // appended to `gc`.
+        let attend = |gc: &mut _, a: usize, len: usize, mode: SparseMode| {
+            let (qw, kw) = (shape.q_width(), shape.kv_width());
+            let mut out = g.act_from_host(&vec![0.0; len * qw], qw).unwrap();
+            let io = AttnIo {
+                q: &mut g.act_from_host(&q[a * qw..(a + len) * qw], qw).unwrap(),
+                k: &mut g.act_from_host(&k[a * kw..(a + len) * kw], kw).unwrap(),
+                v: &mut g.act_from_host(&v[a * kw..(a + len) * kw], kw).unwrap(),
+                out: &mut out,
+            };
+            g.sparse_attention(shape, &cfg, io, &[whole(len)], &[mode], &mut [gc])
+                .unwrap();
+            g.to_host(&out).unwrap()
+        };
         for (mode, attention) in [
             (SparseMode::Dense, Attention::WarpWalk),
             (SparseMode::Sparse, Attention::WarpWalk),
@@ -741,18 +756,7 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                     .into_iter()
                     .map(sala_model::numerics::bf16_round)
                     .collect();
-                let mut out = g
-                    .act_from_host(&vec![0.0; c * shape.q_width()], shape.q_width())
-                    .unwrap();
-                let io = AttnIo {
-                    q: &mut g.act_from_host(&q[qa..qb], shape.q_width()).unwrap(),
-                    k: &mut g.act_from_host(&k[ka..kb], shape.kv_width()).unwrap(),
-                    v: &mut g.act_from_host(&v[ka..kb], shape.kv_width()).unwrap(),
-                    out: &mut out,
-                };
-                g.sparse_attention(shape, &cfg, io, &[whole(c)], &[mode], &mut [&mut gc])
-                    .unwrap();
-                let got = g.to_host(&out).unwrap();
+                let got = attend(&mut gc, at, c, mode);
                 close(
                     &format!("{mode:?} {attention:?} {shape:?} chunk at {at} len {c}"),
                     &got,
@@ -776,18 +780,7 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 .collect();
             if mode == SparseMode::Sparse && attention == Attention::WarpWalk && chunks.len() > 1 {
                 let mut gc = g.new_sparse_cache(shape, &cfg).unwrap();
-                let mut out = g
-                    .act_from_host(&vec![0.0; q.len()], shape.q_width())
-                    .unwrap();
-                let io = AttnIo {
-                    q: &mut g.act_from_host(&q, shape.q_width()).unwrap(),
-                    k: &mut g.act_from_host(&k, shape.kv_width()).unwrap(),
-                    v: &mut g.act_from_host(&v, shape.kv_width()).unwrap(),
-                    out: &mut out,
-                };
-                g.sparse_attention(shape, &cfg, io, &[whole(n)], &[mode], &mut [&mut gc])
-                    .unwrap();
-                let one_pass = g.to_host(&out).unwrap();
+                let one_pass = attend(&mut gc, 0, n, mode);
                 let w = shape.q_width();
                 let differs = gathered.iter().copied().find(|&i| {
                     (i * w..(i + 1) * w).any(|x| one_pass[x].to_bits() != by_chunks[x].to_bits())
