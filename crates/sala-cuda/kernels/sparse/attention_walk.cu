@@ -478,6 +478,44 @@ __device__ __forceinline__ void ag_gather(const bf16* q, bf16* out, int T, int f
     ag_store_out(st, p.row_ok, d, [&](int r) { return orow0 + 8 * r * d; });
 }
 
+// ag_gather's stages for a cache of head size D: bf16 (ag_issue, StageBf16) or FP8 (ag8_issue,
+// StageF8). The walks take `d` as it comes, at run time.
+template <int D>
+__device__ __forceinline__ void ag_gather_bf16(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out,
+                                               int T, int first_pos, int heads, int kv_heads, int d, float scale,
+                                               const int* blocks, int k_sel, int stages, int init_blocks,
+                                               int local_blocks) {
+    const int g = blockIdx.x % kv_heads;
+    const bf16* kg = kcache + (size_t)g * d;
+    const bf16* vg = vcache + (size_t)g * d;
+    const size_t kvw = (size_t)kv_heads * d;
+    const int n_keys = first_pos + T;
+    constexpr u32 tile = AG_KEYS * 2 * D;
+    ag_gather(
+        q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks, 2 * tile,
+        [&](u32 at, int k0, int tid, int nth) { ag_issue<D>(at, at + tile, kg, vg, kvw, k0, n_keys, tid, nth); },
+        [&](const unsigned char* at) { return StageBf16{at, at + tile, D}; });
+}
+
+template <int D>
+__device__ __forceinline__ void ag_gather_f8(const bf16* q, const unsigned char* kcache, const unsigned char* vcache,
+                                             bf16* out, int T, int first_pos, int heads, int kv_heads, int d,
+                                             float scale, const int* blocks, int k_sel, int stages, int init_blocks,
+                                             int local_blocks) {
+    const KvF8 kv = kv_f8(kcache, vcache, blockIdx.x % kv_heads, kv_heads, d);
+    const int n_keys = first_pos + T;
+    constexpr u32 tile = AG_KEYS * D;
+    ag_gather(
+        q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
+        2 * tile + 8 * AG_KEYS,
+        [&](u32 at, int k0, int tid, int nth) {
+            ag8_issue<D>(at, kv.k, kv.v, kv.stride, kv.scale_off, k0, n_keys, tid, nth);
+        },
+        [&](const unsigned char* at) {
+            return StageF8{at, at + tile, (const float*)(at + 2 * tile), (const float*)(at + 2 * tile) + AG_KEYS, D};
+        });
+}
+
 // launch: grid = ((⌈T / W⌉ + 1)·kv_heads), block = 32·W (W a power of two), dynamic smem =
 // W · stages · 4·AG_KEYS·d bytes (stages 2, 3 or 4). Same arguments and result as
 // attention_prefill with blocks != NULL (64-key blocks; lists holding their forced blocks
@@ -487,26 +525,10 @@ attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* ou
                  int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int stages,
                  int init_blocks, int local_blocks) {
     pdl_start();
-    const int g = blockIdx.x % kv_heads;
-    const bf16* kg = kcache + (size_t)g * d;
-    const bf16* vg = vcache + (size_t)g * d;
-    const size_t kvw = (size_t)kv_heads * d;
-    const int n_keys = first_pos + T;
-    if (d == 128) {
-        constexpr u32 tile = AG_KEYS * 2 * 128;
-        ag_gather(
-            q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
-            2 * tile,
-            [&](u32 at, int k0, int tid, int nth) { ag_issue<128>(at, at + tile, kg, vg, kvw, k0, n_keys, tid, nth); },
-            [&](const unsigned char* at) { return StageBf16{at, at + tile, 128}; });
-    } else {
-        constexpr u32 tile = AG_KEYS * 2 * 64;
-        ag_gather(
-            q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
-            2 * tile,
-            [&](u32 at, int k0, int tid, int nth) { ag_issue<64>(at, at + tile, kg, vg, kvw, k0, n_keys, tid, nth); },
-            [&](const unsigned char* at) { return StageBf16{at, at + tile, 64}; });
-    }
+#define AG_ARGS q, kcache, vcache, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks
+    if (d == 128) ag_gather_bf16<128>(AG_ARGS);
+    else ag_gather_bf16<64>(AG_ARGS);
+#undef AG_ARGS
 }
 
 // attention_gather over an FP8 cache (sparse/common.cuh), and dense when blocks == NULL.
@@ -518,31 +540,10 @@ attention_gather_f8(const bf16* q, const unsigned char* kcache, const unsigned c
                     int first_pos, int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel,
                     int stages, int init_blocks, int local_blocks) {
     pdl_start();
-    const KvF8 kv = kv_f8(kcache, vcache, blockIdx.x % kv_heads, kv_heads, d);
-    const int n_keys = first_pos + T;
-    if (d == 128) {
-        constexpr u32 tile = AG_KEYS * 128;
-        ag_gather(
-            q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
-            2 * tile + 8 * AG_KEYS,
-            [&](u32 at, int k0, int tid, int nth) {
-                ag8_issue<128>(at, kv.k, kv.v, kv.stride, kv.scale_off, k0, n_keys, tid, nth);
-            },
-            [&](const unsigned char* at) {
-                return StageF8{at, at + tile, (const float*)(at + 2 * tile), (const float*)(at + 2 * tile) + AG_KEYS, 128};
-            });
-    } else {
-        constexpr u32 tile = AG_KEYS * 64;
-        ag_gather(
-            q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
-            2 * tile + 8 * AG_KEYS,
-            [&](u32 at, int k0, int tid, int nth) {
-                ag8_issue<64>(at, kv.k, kv.v, kv.stride, kv.scale_off, k0, n_keys, tid, nth);
-            },
-            [&](const unsigned char* at) {
-                return StageF8{at, at + tile, (const float*)(at + 2 * tile), (const float*)(at + 2 * tile) + AG_KEYS, 64};
-            });
-    }
+#define AG_ARGS q, kcache, vcache, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks
+    if (d == 128) ag_gather_f8<128>(AG_ARGS);
+    else ag_gather_f8<64>(AG_ARGS);
+#undef AG_ARGS
 }
 
 // Split-K attention for few queries (decode): warp z of the n_split warps of pair (query i, KV
