@@ -273,9 +273,11 @@ __device__ __forceinline__ void sd_run_emit(const u16* keys, int x0, int x1, u32
     }
 }
 
-template <class KeyOf>
+// fill(keys, cand_lo, n_cand): every thread helps write keys[x], the 16-bit key of candidate
+// block cand_lo + x (larger is better), for x < n_cand.
+template <class Fill>
 __device__ __forceinline__ void sd_topk_body(int t, int block_size, int init_blocks, int local_blocks, int k_sel,
-                                             u16* keys, int* blocks_out, KeyOf&& key_of) {
+                                             u16* keys, int* blocks_out, Fill&& fill) {
     u16* sd_keys = keys ? keys : sd_smem;
     __shared__ int hist[256];
     __shared__ int sel[2];
@@ -289,7 +291,7 @@ __device__ __forceinline__ void sd_topk_body(int t, int block_size, int init_blo
         for (int s = tid; s < k_sel; s += SD_TOPK_THREADS) outb[s] = (s <= qb) ? s : -1;
         return;
     }
-    for (int x = tid; x < n_cand; x += SD_TOPK_THREADS) sd_keys[x] = (u16)key_of(t, cand_lo + x);
+    fill(sd_keys, cand_lo, n_cand);
     __syncthreads();
     const int n_forced = qb + 1 - n_cand;
     const int take = min(max(k_sel - n_forced, 0), n_cand);
@@ -334,11 +336,13 @@ __device__ __forceinline__ void sd_topk_pair(const u16* p16, int p_stride, int n
         __syncthreads();
         P = ps;
     }
-    sd_topk_body(t, block_size, init_blocks, local_blocks, k_sel, keys, blocks_out, [&](int, int b) {
-        const int lo = max(w * b - 1, 0), hi = min(w * b + w - 1, n1v - 1);
-        u32 key = 0;
-        for (int y = lo; y <= hi; y++) key = max(key, (u32)P[y] + 1u);
-        return key;
+    sd_topk_body(t, block_size, init_blocks, local_blocks, k_sel, keys, blocks_out, [&](u16* k, int lo_b, int n) {
+        for (int x = threadIdx.x; x < n; x += SD_TOPK_THREADS) {
+            const int b = lo_b + x, lo = max(w * b - 1, 0), hi = min(w * b + w - 1, n1v - 1);
+            u32 key = 0;
+            for (int y = lo; y <= hi; y++) key = max(key, (u32)P[y] + 1u);
+            k[x] = (u16)key;
+        }
     });
 }
 
@@ -505,11 +509,24 @@ extern "C" __global__ void __launch_bounds__(SD_TOPK_THREADS)
 sd_topk_scores(const u16* bs, int bs_stride, int first_pos, int kv_heads, int block_size, int init_blocks,
                int local_blocks, int k_sel, u16* keys, int* blocks_out) {
     pdl_start();
-    const u16* row = bs + (size_t)blockIdx.x * bs_stride;
-    u16* pair_keys = keys ? keys + (size_t)blockIdx.x * bs_stride : (u16*)0;
+    // The pair's first score in bs (a launch's scores are at most 128 MiB: int indices).
+    const int row0 = blockIdx.x * bs_stride;
+    u16* pair_keys = keys ? keys + row0 : (u16*)0;
+    // A score's key is its bits + 1 (P ≥ 0, so bit order is value order; NaN 0). The scores are
+    // read 16 bytes at a time from the 16-byte boundary at or before the first candidate's (bs
+    // is 16-byte aligned; a row starts anywhere).
     sd_topk_body(first_pos + blockIdx.x / kv_heads, block_size, init_blocks, local_blocks, k_sel, pair_keys,
-                 blocks_out, [&](int, int b) {
-        const u32 h = row[b];
-        return __uint_as_float(h << 16) >= 0.0f ? h + 1u : 0u;
+                 blocks_out, [&](u16* k, int lo_b, int n) {
+        const int first = row0 + lo_b, end = first + n;
+        for (int e0 = (first & ~7) + 8 * (int)threadIdx.x; e0 < end; e0 += 8 * SD_TOPK_THREADS) {
+            const uint4 raw = *(const uint4*)(bs + e0);
+            const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+            u16* ke = k + (e0 - first);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const u32 h = (w[j >> 1] >> (16 * (j & 1))) & 0xffffu;
+                if (e0 + j >= first && e0 + j < end) ke[j] = (u16)(__uint_as_float(h << 16) >= 0.0f ? h + 1u : 0u);
+            }
+        }
     });
 }

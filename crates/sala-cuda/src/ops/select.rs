@@ -81,8 +81,10 @@ impl CudaBackend {
             .k
             .planner()
             .select_group(kernel, kvh, cache.len, t, cfg);
-        // Block scores as bf16 bits, two to an f32 of the scratch.
-        let bs = self.scratch_ptr(|s| &mut s.p, (group.min(t) * kvh * stride).div_ceil(2))?;
+        // Block scores as bf16 bits, two to an f32 of the scratch, in whole 16-byte pieces
+        // (`sd_topk_scores` reads the pieces that hold a row's scores).
+        let scores = (group.min(t) * kvh * stride).next_multiple_of(8);
+        let bs = self.scratch_ptr(|s| &mut s.p, scores / 2)?;
         let launch_scores = match kernel {
             K::SelectScoresWg => crate::kernels::Launcher::select_scores_wg,
             K::SelectScoresT => crate::kernels::Launcher::select_scores_t,
