@@ -405,12 +405,16 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
     // Where this lane reads pack p of activation row g of N-tile 0 in a stage (tile nt: + 1024·nt).
     const u32 xoff[2] = {(u32)(g * 8 + ((t * 2) ^ g)) * 16, (u32)(g * 8 + ((t * 2 + 1) ^ g)) * 16};
     constexpr u32 STAGE_BYTES = 64 * 8 * 16;
-    pdl_start();
     // Step j runs slab sj (chains in order, each chain's slabs in order); `staged` is the slab
     // the next stage takes, R64_STAGES − 1 steps ahead.
     int steps = SPLIT ? 0 : slabs;
     if (SPLIT)
         for (int ch = first_chain; ch < end_chain; ch++) steps += ch < slabs ? (slabs - ch + 15) / 16 : 0;
+    // The first slab's weights are asked for before the PDL wait (they are no earlier kernel's
+    // output), so a block that lands in the previous product's tail streams at once.
+    uint4 a[2][2], an[2][2];
+    if (steps > 0) load_w(first_chain, a);
+    pdl_start();
     int staged = first_chain;
 #pragma unroll
     for (int j = 0; j < R64_STAGES - 1; j++) {
@@ -447,8 +451,6 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
             }
         chain++;
     };
-    uint4 a[2][2], an[2][2];
-    if (steps > 0) load_w(first_chain, a);
     int sj = first_chain;  // this step's slab
     for (int j = 0; j < steps; j++) {
         // A chain's first slab (s < 16) ends the chain before it.
