@@ -432,11 +432,8 @@ __device__ __forceinline__ void ag_gather(const bf16* q, bf16* out, int T, int f
         lo2 = blocks ? min(max(init_blocks, qb - local_blocks), qb + 1) : qb + 1;
     }
     u32 qa[8][4];
-    AgPair p = {};
+    AgPair p = {};  // an inactive warp's only copies stages: its pair is never read
     if (active) p = ag_pair(q, i, g, T, first_pos, heads, kv_heads, d, qa);
-    p.g = g;
-    p.n_keys = first_pos + T;
-    p.kvw = (size_t)kv_heads * d;
     AgState st;
     ag_init(st);
     const float sl2 = scale * 1.4426950408889634f;

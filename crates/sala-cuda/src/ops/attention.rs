@@ -624,8 +624,9 @@ impl CudaBackend {
 /// them and the first `init_blocks` (SPEC §5.5) where a list has room for every forced block;
 /// else −1, and the kernel shares no block between queries.
 fn shared_local_blocks(cfg: &SparseConfig) -> i32 {
-    match cfg.selected_blocks() > cfg.init_blocks + cfg.local_blocks() {
-        true => cfg.local_blocks() as i32,
-        false => -1,
+    if cfg.selected_blocks() > cfg.init_blocks + cfg.local_blocks() {
+        cfg.local_blocks() as i32
+    } else {
+        -1
     }
 }
