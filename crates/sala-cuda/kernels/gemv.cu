@@ -546,30 +546,42 @@ gemv_silu_rows64_parts(const bf16* x, const bf16* w, int inter, int k, int nb, f
 
 // The outputs of a gemv_rows64 (silu = 0; n outputs) or gemv_silu_rows64 (silu = 1; n = 2 · inter)
 // launch split into parts: each output's 16 chain sums (`sums`, rows m_rows apart a chain)
-// added in chain order to a total from 0, then stored as the one-block launch stores it.
-// launch: grid = ceil(outputs · nbp / 256), block = 256, dynamic smem = 0
+// added in chain order to a total from 0, then stored as the one-block launch stores it. A
+// thread takes four neighbouring activation rows of an output (16-byte loads; nbp is a
+// multiple of 8).
+// launch: grid = ceil(outputs · nbp / 1024), block = 256, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(256)
 gemv_chain_sums(const float* sums, int m_rows, int n, int nb, int silu, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
                 int n2, bf16* y3) {
     const int nbp = (nb + 7) & ~7, outs = silu ? n / 2 : n;
-    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const int b = (int)(idx % nbp), o = (int)(idx / nbp);
+    const u64 idx = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    const int b0 = (int)(idx % nbp), o = (int)(idx / nbp);
     pdl_start();
-    if (o >= outs || b >= nb) return;
+    if (o >= outs || b0 >= nb) return;
     // Output o's MMA row: M-tile o / 16 (o / 8 of SiLU outputs, whose up sums are 8 rows on).
     const int m = silu ? (o >> 3) * 16 + (o & 7) : o;
     const size_t chain_stride = (size_t)m_rows * nbp;
-    const float* at = sums + (size_t)m * nbp + b;
-    float s = 0.0f, u = 0.0f;
+    const float* at = sums + (size_t)m * nbp + b0;
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f), u = s;
 #pragma unroll
     for (int ch = 0; ch < 16; ch++) {
-        s += at[ch * chain_stride];
-        if (silu) u += at[ch * chain_stride + 8 * nbp];
+        const float4 v = *(const float4*)(at + ch * chain_stride);
+        s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+        if (silu) {
+            const float4 w = *(const float4*)(at + ch * chain_stride + 8 * nbp);
+            u.x += w.x, u.y += w.y, u.z += w.z, u.w += w.w;
+        }
     }
-    if (silu)
-        y0[(size_t)b * outs + o] = f2bf(silu_times(round_bf(s), round_bf(u)));
-    else
-        gemv_store(s, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+    const float sv[4] = {s.x, s.y, s.z, s.w}, uv[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int b = b0 + i;
+        if (b >= nb) break;
+        if (silu)
+            y0[(size_t)b * outs + o] = f2bf(silu_times(round_bf(sv[i]), round_bf(uv[i])));
+        else
+            gemv_store(sv[i], o, b, y0, n0, y1, n1, y2, n2, y3, n);
+    }
 }
 
 // launch: grid = min(ceil(inter / 8), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8

@@ -123,7 +123,7 @@ impl CudaBackend {
         let sums = self.chain_sums(blocks, nb)?;
         self.k
             .gemv_rows64_parts(at(parts), xp, wp, n, k, nb as i32, sums)?;
-        let sum_at = Launch::linear(w.rows * nb.next_multiple_of(8), 256);
+        let sum_at = Launch::linear(w.rows * nb.next_multiple_of(8) / 4, 256);
         let (m_rows, nb) = ((64 * blocks) as i32, nb as i32);
         self.k
             .gemv_chain_sums(sum_at, sums, m_rows, n, nb, 0, y0, n0, y1, n1, y2, n2, y3)
@@ -560,7 +560,7 @@ impl CudaBackend {
         let sums = self.chain_sums(blocks, nb)?;
         self.k
             .gemv_silu_rows64_parts(at(parts), xp, wp, i, k, nb as i32, sums)?;
-        let sum_at = Launch::linear(inter * nb.next_multiple_of(8), 256);
+        let sum_at = Launch::linear(inter * nb.next_multiple_of(8) / 4, 256);
         let (m_rows, n, nb) = ((64 * blocks) as i32, 2 * i, nb as i32);
         self.k
             .gemv_chain_sums(sum_at, sums, m_rows, n, nb, 1, yp, 0, 0, 0, 0, 0, 0)
