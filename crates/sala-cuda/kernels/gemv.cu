@@ -182,21 +182,34 @@ __device__ __forceinline__ void gm_rows(const bf16* x, int nb, int k, const bf16
     for (int nt = 0; nt < NT; nt++) xr[nt] = nt * 8 + g < nb ? x + (size_t)(nt * 8 + g) * k : nullptr;
 }
 
-// The block's sums: every warp's partials through shared memory, added in warp order; value
+// Value v of the warps' partials in `red` (stride floats apart) added in `groups` groups (1, 2,
+// 4, 8 or 16) of GM_WARPS / groups warps: each group's in warp order from 0, then the groups'
+// sums in order from 0. With one group, the warps in order (a sum from +0 is never −0).
+__device__ __forceinline__ float gm_grouped_sum(const float* red, int stride, int groups) {
+    const int per = GM_WARPS / groups;
+    float s = 0.0f, g = 0.0f;
+#pragma unroll
+    for (int w = 0; w < GM_WARPS; w++) {
+        g += red[w * stride];
+        if (((w + 1) & (per - 1)) == 0) {
+            s += g;
+            g = 0.0f;
+        }
+    }
+    return s;
+}
+
+// The block's sums: every warp's partials through shared memory, added by gm_grouped_sum; value
 // v = nt·128 + i·32 + lane of `red` is c[nt][i] of that lane.
 template <int NT>
-__device__ __forceinline__ float gm_block_sum(float (*red)[NT * 128], const float (&c)[NT][4], int v) {
+__device__ __forceinline__ float gm_block_sum(float (*red)[NT * 128], const float (&c)[NT][4], int v, int groups) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) red[warp][nt * 128 + i * 32 + lane] = c[nt][i];
     __syncthreads();
-    float s = 0.0f;
-    if (v < NT * 128)
-#pragma unroll
-        for (int w = 0; w < GM_WARPS; w++) s += red[w][v];
-    return s;
+    return v < NT * 128 ? gm_grouped_sum(&red[0][v], NT * 128, groups) : 0.0f;
 }
 
 // y[b, o] = round(x_b · w[o]) for o < n, b < nb ≤ 8·NT (NT ≤ 2; outputs split over y0..y3 as in
@@ -207,8 +220,8 @@ __device__ __forceinline__ float gm_block_sum(float (*red)[NT * 128], const floa
 // of a tile in order, asking for its next slab's weights (this tile's, else its next tile's
 // first) before it multiplies the current one; the first are asked for before the PDL wait.
 template <int NT, bool SILU>
-__device__ __forceinline__ void gemv_mma_tiles_body(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0,
-                                                    int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+__device__ __forceinline__ void gemv_mma_tiles_body(const bf16* x, const bf16* w, int n, int k, int nb, int groups,
+                                                    bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     __shared__ float red[GM_WARPS][NT * 128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int tile_rows = SILU ? 8 : 16, inter = n / 2;
@@ -273,16 +286,13 @@ __device__ __forceinline__ void gemv_mma_tiles_body(const bf16* x, const bf16* w
         const int v = threadIdx.x, m0 = tile * tile_rows;
         if (SILU) {
             const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
-            const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128);
-            float us = 0.0f;
-            if (v < NT * 64)
-#pragma unroll
-                for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
+            const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128, groups);
+            const float us = v < NT * 64 ? gm_grouped_sum(&red[0][vg + 64], NT * 128, groups) : 0.0f;
             const int jo = m0 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
             if (v < NT * 64 && jo < inter && b < nb)
                 y0[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(gs), round_bf(us)));
         } else {
-            const float sum = gm_block_sum<NT>(red, c, v);
+            const float sum = gm_block_sum<NT>(red, c, v, groups);
             const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
             const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
             if (v < NT * 128 && o < n && b < nb) gemv_store(sum, o, b, y0, n0, y1, n1, y2, n2, y3, n);
@@ -293,32 +303,32 @@ __device__ __forceinline__ void gemv_mma_tiles_body(const bf16* x, const bf16* w
 
 // launch: grid = min(ceil(n / 16), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_mma8(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
-          bf16* y3) {
-    gemv_mma_tiles_body<1, false>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+gemv_mma8(const bf16* x, const bf16* w, int n, int k, int nb, int groups, bf16* y0, int n0, bf16* y1, int n1,
+          bf16* y2, int n2, bf16* y3) {
+    gemv_mma_tiles_body<1, false>(x, w, n, k, nb, groups, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // gemv_mma8 for nb ≤ 16 (two N tiles; each row's bits as gemv_mma8 gives them).
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_mma16(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
-           bf16* y3) {
-    gemv_mma_tiles_body<2, false>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+gemv_mma16(const bf16* x, const bf16* w, int n, int k, int nb, int groups, bf16* y0, int n0, bf16* y1, int n1,
+           bf16* y2, int n2, bf16* y3) {
+    gemv_mma_tiles_body<2, false>(x, w, n, k, nb, groups, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // ---- 17 to 64 rows: a warp per M-tile, the chains in turn, activations staged a block ----
 // The same sums as gemv_mma8 (so a row's bits do not depend on the batch): chain w (w = 0..15)
 // runs slabs w, w + 16, ... (64 k each, in order) through the MMAs gemv_mma_tiles_body issues,
-// from zero, and the chains are added in order to a total starting at 0, as gm_block_sum adds
-// its warps. Here one warp owns an M-tile (16 weight rows; or 8 outputs' gate and up rows) for
+// from zero, and the chains are added as gm_block_sum adds its warps: in `groups` groups of
+// 16 / groups chains, each group's sums in order from 0, then the groups' in order from 0. Here one warp owns an M-tile (16 weight rows; or 8 outputs' gate and up rows) for
 // every activation row (up to 8 N-tiles) and runs the chains one after another: the block's R64_W
 // warps take the same slab at once, so each activation slab (64 rows x 64 k, 8 KB) is staged once
 // a block in shared memory (cp.async, R64_STAGES in flight; 16-byte chunk c of row r at c ^ (r & 7),
 // so a quarter-warp's reads hit distinct banks) instead of read by every warp from L2, and the
-// weights go to registers a slab ahead. A product of few M-tiles splits its chains over
-// gridDim.y parts (blocks apart, part p running chains 16p / parts .. 16(p + 1) / parts): each
-// chain's sum is then written to `sums` ([16][64 · gridDim.x][nbp] floats, row m of a block's
-// tiles = tile · 16 + MMA row, nbp = nb rounded up to 8) and gemv_chain_sums adds them in chain
-// order, the same adds the total takes in one block.
+// weights go to registers a slab ahead. One launch (one group) adds all 16 chains; a product
+// of more groups runs each group as a part (gridDim.y = groups, blocks apart, part p running
+// chains 16p / parts .. 16(p + 1) / parts), writes the part's sum to `sums` ([parts][64 ·
+// gridDim.x][nbp] floats, row m of a block's tiles = tile · 16 + MMA row, nbp = nb rounded up
+// to 8), and gemv_chain_sums adds the parts in order.
 #define R64_W 4
 #define R64_STAGES 4
 
@@ -433,20 +443,11 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
     int chain = first_chain;
     const int m_rows = 64 * gridDim.x, nbp = ntiles * 8;
     auto chain_ends = [&]() {
-        if (SPLIT) {
-            float* at = sums + ((size_t)chain * m_rows + tile * 16 + g) * nbp + 2 * t;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                if (nt >= ntiles) break;
-                *(float2*)(at + nt * 8) = make_float2(c[nt][0], c[nt][1]);
-                *(float2*)(at + (size_t)8 * nbp + nt * 8) = make_float2(c[nt][2], c[nt][3]);
-            }
-        }
 #pragma unroll
         for (int nt = 0; nt < 8; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                if (!SPLIT) total[nt][i] += c[nt][i];
+                total[nt][i] += c[nt][i];
                 c[nt][i] = 0.0f;
             }
         chain++;
@@ -490,7 +491,17 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
     // gm_block_sum adds every warp's sum.
     while (chain < end_chain) chain_ends();
     r64_cp_wait<0>();
-    if (SPLIT) return;
+    if (SPLIT) {
+        // This part's group sum, at part blockIdx.y of `sums`.
+        float* at = sums + ((size_t)blockIdx.y * m_rows + tile * 16 + g) * nbp + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            if (nt >= ntiles) break;
+            *(float2*)(at + nt * 8) = make_float2(total[nt][0], total[nt][1]);
+            *(float2*)(at + (size_t)8 * nbp + nt * 8) = make_float2(total[nt][2], total[nt][3]);
+        }
+        return;
+    }
 #pragma unroll
     for (int nt = 0; nt < 8; nt++) {
         if (nt >= ntiles) break;
@@ -522,8 +533,7 @@ gemv_rows64(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0
     gemv_rows64_body<false, false>(x, w, n, k, nb, y0, n0, y1, n1, y2, n2, y3, nullptr);
 }
 
-// gemv_rows64's chain sums, its chains split over gridDim.y parts (2, 4, 8 or 16); then
-// gemv_chain_sums.
+// gemv_rows64's group sums, one group a part (gridDim.y: 2, 4, 8 or 16); then gemv_chain_sums.
 // launch: grid = (ceil(n / (16 · R64_W)), parts), block = 32 * R64_W, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * R64_W)
 gemv_rows64_parts(const bf16* x, const bf16* w, int n, int k, int nb, float* sums) {
@@ -537,7 +547,7 @@ gemv_silu_rows64(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb
     gemv_rows64_body<true, false>(x, w, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr, nullptr);
 }
 
-// gemv_silu_rows64's chain sums over gridDim.y parts; then gemv_chain_sums.
+// gemv_silu_rows64's group sums over gridDim.y parts; then gemv_chain_sums.
 // launch: grid = (ceil(inter / (8 · R64_W)), parts), block = 32 * R64_W, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * R64_W)
 gemv_silu_rows64_parts(const bf16* x, const bf16* w, int inter, int k, int nb, float* sums) {
@@ -545,14 +555,13 @@ gemv_silu_rows64_parts(const bf16* x, const bf16* w, int inter, int k, int nb, f
 }
 
 // The outputs of a gemv_rows64 (silu = 0; n outputs) or gemv_silu_rows64 (silu = 1; n = 2 · inter)
-// launch split into parts: each output's 16 chain sums (`sums`, rows m_rows apart a chain)
-// added in chain order to a total from 0, then stored as the one-block launch stores it. A
-// thread takes four neighbouring activation rows of an output (16-byte loads; nbp is a
-// multiple of 8).
+// launch split into parts: each output's `parts` group sums (`sums`, rows m_rows apart a part)
+// added in order to a total from 0, then stored as the one-block launch stores it. A thread
+// takes four neighbouring activation rows of an output (16-byte loads; nbp is a multiple of 8).
 // launch: grid = ceil(outputs · nbp / 1024), block = 256, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(256)
-gemv_chain_sums(const float* sums, int m_rows, int n, int nb, int silu, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
-                int n2, bf16* y3) {
+gemv_chain_sums(const float* sums, int m_rows, int parts, int n, int nb, int silu, bf16* y0, int n0, bf16* y1,
+                int n1, bf16* y2, int n2, bf16* y3) {
     const int nbp = (nb + 7) & ~7, outs = silu ? n / 2 : n;
     const u64 idx = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     const int b0 = (int)(idx % nbp), o = (int)(idx / nbp);
@@ -563,8 +572,8 @@ gemv_chain_sums(const float* sums, int m_rows, int n, int nb, int silu, bf16* y0
     const size_t chain_stride = (size_t)m_rows * nbp;
     const float* at = sums + (size_t)m * nbp + b0;
     float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f), u = s;
-#pragma unroll
-    for (int ch = 0; ch < 16; ch++) {
+#pragma unroll 4
+    for (int ch = 0; ch < parts; ch++) {
         const float4 v = *(const float4*)(at + ch * chain_stride);
         s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
         if (silu) {
@@ -586,14 +595,14 @@ gemv_chain_sums(const float* sums, int m_rows, int n, int nb, int silu, bf16* y0
 
 // launch: grid = min(ceil(inter / 8), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0; nb ≤ 8
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_silu_mma8(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    gemv_mma_tiles_body<1, true>(x, w, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+gemv_silu_mma8(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb, int groups) {
+    gemv_mma_tiles_body<1, true>(x, w, 2 * inter, k, nb, groups, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
 // gemv_silu_mma8 for nb ≤ 16.
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS)
-gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb) {
-    gemv_mma_tiles_body<2, true>(x, w, 2 * inter, k, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb, int groups) {
+    gemv_mma_tiles_body<2, true>(x, w, 2 * inter, k, nb, groups, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
 // ---- 4-bit weights (W4A16) ----
@@ -737,7 +746,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
         };
         gm_slab_turns(slabs, a, an, slab, [](Slab& to, const Slab& from) { to = from; });
         const int v = threadIdx.x;
-        const float sum = gm_block_sum<NT>(red, c, v);
+        const float sum = gm_block_sum<NT>(red, c, v, 1);
         const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
         const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
         if (v < NT * 128 && o < n && b < nb) gemv_store(sum, o, b, y0, n0, y1, n1, y2, n2, y3, n);
@@ -974,7 +983,7 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
         if (SILU) {
             // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane (as gemv_silu_mma).
             const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
-            const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128);
+            const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128, 1);
             float us = 0.0f;
             if (v < NT * 64)
                 for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
@@ -983,7 +992,7 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
                 y0[(u64)b * inter + j] = f2bf(
                     silu_times(round_bf(gs * unit * xs[b] * ws[j]), round_bf(us * unit * xs[b] * ws[inter + j])));
         } else {
-            const float s = gm_block_sum<NT>(red, c, v);
+            const float s = gm_block_sum<NT>(red, c, v, 1);
             const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
             const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
             if (v < NT * 128 && o < n && b < nb)

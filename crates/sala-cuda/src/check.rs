@@ -311,6 +311,64 @@ ptxas info    : Used 16 registers, used 0 barriers, 380 bytes cmem[0]
         m
     }
 
+    /// The tensor-core GEMVs' sum groups: a power of two up to 16, the same whatever the row
+    /// count (the planner takes no rows), the split product's blocks all fit the SMs at once
+    /// and its sums at 64 rows fit their budget, and twice the groups would break one of the
+    /// two; the released shape's output product splits (and on the H200 its q/k/v/z), its
+    /// [gate; up] does not.
+    #[test]
+    fn gemv_groups_are_the_most_that_fit() {
+        use crate::plan::{GEMV_CHAIN_SUMS_BYTES, GEMV_ROWS64_THREADS, GEMV_ROWS64_TILES};
+        let attrs = vec![
+            KernelAttrs {
+                regs: 128,
+                max_threads: 512,
+                static_smem: 32 << 10,
+                ..Default::default()
+            };
+            K::ALL.len()
+        ];
+        for key in ["h200", "rtx5090", "a100"] {
+            let limits = DeviceLimits::of_card(card_named(key).unwrap());
+            let planner = Planner::new(limits.clone(), CudaOptions::default(), attrs.clone());
+            let per_sm = limits
+                .blocks_per_sm(GEMV_ROWS64_THREADS, 128, 32 << 10)
+                .max(1) as usize;
+            let slots = per_sm * limits.sms as usize;
+            for silu in [false, true] {
+                for rows in [72usize, 1000, 4096, 8704, 16384, 32768, 73448] {
+                    let g = planner.gemv_groups(silu, rows);
+                    let blocks = if silu {
+                        (rows / 2).div_ceil(8 * GEMV_ROWS64_TILES)
+                    } else {
+                        rows.div_ceil(16 * GEMV_ROWS64_TILES)
+                    };
+                    let fits = |p: usize| {
+                        blocks * p <= slots
+                            && Planner::chain_sums_len(p, blocks, 64) * 4 <= GEMV_CHAIN_SUMS_BYTES
+                    };
+                    let ctx = format!("{key}, {rows} rows, silu {silu}: {g} groups");
+                    assert!(g.is_power_of_two() && g <= 16, "{ctx}");
+                    assert!(g == 1 || fits(g), "{ctx}");
+                    assert!(g == 16 || !fits(2 * g), "{ctx}: twice as many would fit");
+                }
+            }
+            assert!(
+                planner.gemv_groups(false, 4096) > 1,
+                "{key}: the output product whole"
+            );
+            assert_eq!(
+                planner.gemv_groups(true, 32768),
+                1,
+                "{key}: [gate; up] split"
+            );
+            if key == "h200" {
+                // 256 blocks in two parts fill 512 of its 528 slots.
+                assert_eq!(planner.gemv_groups(false, 16384), 2, "{key}: q/k/v/z");
+            }
+        }
+    }
+
     /// Prefill selection launches: every split keeps its block scores within the scratch, no
     /// split of the queries into launches takes fewer waves of blocks (a brute force over
     /// every size), and past 512K on the H200 each launch is one wave (640K: 4 launches of

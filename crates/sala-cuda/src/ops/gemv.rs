@@ -1,7 +1,7 @@
 //! Matrix products: GEMVs for decode-sized batches (`kernels/gemv.cu`, each row's result
 //! independent of the others), cuBLASLt for the rest.
 
-use crate::kernels::{Launcher, K};
+use crate::kernels::Launcher;
 use crate::memory::{be_err, DevAct, DevMem, Fp8Weights, W4Weights};
 use crate::options::DecodeGemv;
 use crate::plan::{
@@ -83,8 +83,9 @@ impl CudaBackend {
                     0,
                 )
                 .shaped(w.rows, w.cols);
+                let groups = self.k.planner().gemv_groups(false, w.rows) as i32;
                 launch(
-                    &self.k, at, xp, wp, n, kk, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+                    &self.k, at, xp, wp, n, kk, nb as i32, groups, y0, n0, y1, n1, y2, n2, y3,
                 )?;
             } else {
                 let (launch, at) = if narrow {
@@ -103,14 +104,14 @@ impl CudaBackend {
     }
 
     /// 17 to 64 rows (`nb`, at `xp`) times `w`ᵀ on tensor cores, into `outs` (as `gemv`): one
-    /// `gemv_rows64` launch, or, where its blocks would leave SMs idle, its chains split over
-    /// more blocks (`gemv_rows64_parts`) and then added in order (`gemv_chain_sums`).
+    /// `gemv_rows64` launch, or, for a weight whose sums go in several groups, a group a part
+    /// (`gemv_rows64_parts`) and the parts then added in order (`gemv_chain_sums`).
     fn gemv_rows64(&self, xp: u64, w: &DevMatrix, nb: usize, outs: [(u64, i32); 4]) -> BResult<()> {
         let [(y0, n0), (y1, n1), (y2, n2), (y3, _)] = outs;
         let (n, k, wp) = (w.rows as i32, w.cols as i32, self.ptr(&w.buf));
         let blocks = w.rows.div_ceil(16 * GEMV_ROWS64_TILES);
         let planner = self.k.planner();
-        let parts = planner.rows64_parts(K::GemvRows64Parts, blocks, nb);
+        let parts = planner.gemv_groups(false, w.rows);
         let at = |parts: usize| {
             Launch::new((blocks, parts, 1), GEMV_ROWS64_THREADS, 0).shaped(w.rows, w.cols)
         };
@@ -120,18 +121,20 @@ impl CudaBackend {
                 .k
                 .gemv_rows64(at(1), xp, wp, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
         }
-        let sums = self.chain_sums(blocks, nb)?;
+        let sums = self.chain_sums(parts, blocks, nb)?;
         self.k
             .gemv_rows64_parts(at(parts), xp, wp, n, k, nb as i32, sums)?;
         let sum_at = Launch::linear(w.rows * nb.next_multiple_of(8) / 4, 256);
-        let (m_rows, nb) = ((64 * blocks) as i32, nb as i32);
-        self.k
-            .gemv_chain_sums(sum_at, sums, m_rows, n, nb, 0, y0, n0, y1, n1, y2, n2, y3)
+        let (m_rows, p, nb) = ((64 * blocks) as i32, parts as i32, nb as i32);
+        self.k.gemv_chain_sums(
+            sum_at, sums, m_rows, p, n, nb, 0, y0, n0, y1, n1, y2, n2, y3,
+        )
     }
 
-    /// The scratch for the chain sums of a split 17-64-row product.
-    fn chain_sums(&self, blocks: usize, nb: usize) -> BResult<u64> {
-        self.scratch_ptr(|s| &mut s.chain_sums, Planner::chain_sums_len(blocks, nb))
+    /// The scratch for the group sums of a split 17-64-row product.
+    fn chain_sums(&self, parts: usize, blocks: usize, nb: usize) -> BResult<u64> {
+        let len = Planner::chain_sums_len(parts, blocks, nb);
+        self.scratch_ptr(|s| &mut s.chain_sums, len)
     }
 
     /// `y = x wᵀ` into the buffer at `y`: GEMVs for decode-sized batches, cuBLASLt otherwise.
@@ -528,7 +531,8 @@ impl CudaBackend {
                     0,
                 )
                 .shaped(w.rows, w.cols);
-                launch(&self.k, at, xp, wp, yp, i, k, nb as i32)?;
+                let groups = self.k.planner().gemv_groups(true, w.rows) as i32;
+                launch(&self.k, at, xp, wp, yp, i, k, nb as i32, groups)?;
             }
             r += nb;
         }
@@ -547,23 +551,20 @@ impl CudaBackend {
     ) -> BResult<()> {
         let (wp, i, k) = (self.ptr(&w.buf), inter as i32, w.cols as i32);
         let blocks = inter.div_ceil(8 * GEMV_ROWS64_TILES);
-        let parts = self
-            .k
-            .planner()
-            .rows64_parts(K::GemvSiluRows64Parts, blocks, nb);
+        let parts = self.k.planner().gemv_groups(true, w.rows);
         let at = |parts: usize| {
             Launch::new((blocks, parts, 1), GEMV_ROWS64_THREADS, 0).shaped(w.rows, w.cols)
         };
         if parts == 1 {
             return self.k.gemv_silu_rows64(at(1), xp, wp, yp, i, k, nb as i32);
         }
-        let sums = self.chain_sums(blocks, nb)?;
+        let sums = self.chain_sums(parts, blocks, nb)?;
         self.k
             .gemv_silu_rows64_parts(at(parts), xp, wp, i, k, nb as i32, sums)?;
         let sum_at = Launch::linear(inter * nb.next_multiple_of(8) / 4, 256);
-        let (m_rows, n, nb) = ((64 * blocks) as i32, 2 * i, nb as i32);
+        let (m_rows, p, n, nb) = ((64 * blocks) as i32, parts as i32, 2 * i, nb as i32);
         self.k
-            .gemv_chain_sums(sum_at, sums, m_rows, n, nb, 1, yp, 0, 0, 0, 0, 0, 0)
+            .gemv_chain_sums(sum_at, sums, m_rows, p, n, nb, 1, yp, 0, 0, 0, 0, 0, 0)
     }
 
     /// `out = x wᵀ`, shapes checked.

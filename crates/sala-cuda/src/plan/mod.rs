@@ -129,8 +129,7 @@ pub const GEMV_MMA_THREADS: u32 = 512;
 /// warp each (`R64_W` of gemv.cu): the products of 17 to 64 rows.
 pub const GEMV_ROWS64_TILES: usize = 4;
 pub const GEMV_ROWS64_THREADS: u32 = 32 * GEMV_ROWS64_TILES as u32;
-/// Most bytes of chain sums a split 17-64-row product writes (`rows64_parts`): the 4,096
-/// outputs of the released shape's down and output products at 64 rows.
+/// Most bytes of group sums a split 17-64-row product writes (`gemv_groups`).
 pub const GEMV_CHAIN_SUMS_BYTES: usize = 16 << 20;
 
 /// Groups of `d` threads `attention_merge` reads a row's splits with (`AM_GROUPS`).
@@ -767,31 +766,40 @@ impl Planner {
         rows <= GEMV_BATCH_ROWS && k.is_multiple_of(8) && k <= GEMV_MAX_K
     }
 
-    /// Parts `gemv_rows64_parts` / `gemv_silu_rows64_parts` split the 16 chains of a 17-64-row
-    /// product of `blocks` blocks into, `nb` activation rows: the most (a power of two, at most
-    /// 16) whose blocks all fit the SMs at once, when that is more than one and the chain sums
-    /// (16 a chain row and activation row, fp32) fit [`GEMV_CHAIN_SUMS_BYTES`]; else 1 (one
-    /// launch, chains in turn).
-    pub fn rows64_parts(&self, kernel: K, blocks: usize, nb: usize) -> usize {
+    /// Groups the 16 chains (warps) of a tensor-core GEMV's sums are added in, for a weight
+    /// of `rows` rows (`silu`: [gate; up], rows / 2 outputs): the shape's alone, so every row
+    /// count gets the same bits. Its 17-64-row product runs a group a part
+    /// (`gemv_rows64_parts` / `gemv_silu_rows64_parts`, then `gemv_chain_sums`): the most
+    /// parts (a power of two, at most 16) whose blocks all fit the SMs at once and whose sums
+    /// at 64 rows fit [`GEMV_CHAIN_SUMS_BYTES`]; 1 where one launch's blocks fill the SMs.
+    pub fn gemv_groups(&self, silu: bool, rows: usize) -> usize {
+        let (kernel, blocks) = if silu {
+            (
+                K::GemvSiluRows64Parts,
+                (rows / 2).div_ceil(8 * GEMV_ROWS64_TILES),
+            )
+        } else {
+            (K::GemvRows64Parts, rows.div_ceil(16 * GEMV_ROWS64_TILES))
+        };
         let a = self.attrs(kernel);
         let per_sm =
             self.limits
                 .blocks_per_sm(GEMV_ROWS64_THREADS, a.regs, a.static_smem) as usize;
         let slots = per_sm.max(1) * self.limits.sms as usize;
-        if Self::chain_sums_len(blocks, nb) * 4 > GEMV_CHAIN_SUMS_BYTES {
-            return 1;
-        }
         let mut parts = 1;
-        while parts < 16 && blocks * parts * 2 <= slots {
+        while parts < 16
+            && blocks * parts * 2 <= slots
+            && Self::chain_sums_len(parts * 2, blocks, GEMV_BATCH_ROWS) * 4 <= GEMV_CHAIN_SUMS_BYTES
+        {
             parts *= 2;
         }
         parts
     }
 
-    /// Floats of the chain sums of a split 17-64-row product of `blocks` blocks and `nb` rows:
-    /// 16 chains of (64 M-rows a block) x (nb rounded up to 8).
-    pub fn chain_sums_len(blocks: usize, nb: usize) -> usize {
-        16 * 64 * blocks * nb.next_multiple_of(8)
+    /// Floats of the group sums of a 17-64-row product split into `parts` parts of `blocks`
+    /// blocks, `nb` rows: `parts` of (64 M-rows a block) x (nb rounded up to 8).
+    pub fn chain_sums_len(parts: usize, blocks: usize, nb: usize) -> usize {
+        parts * 64 * blocks * nb.next_multiple_of(8)
     }
 
     /// Head sizes the one-warp-a-head norm/RoPE code takes (`head_norm_rope_lanes`, and the

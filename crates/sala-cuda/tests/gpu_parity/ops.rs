@@ -314,15 +314,13 @@ fn older_cards_profiles_run_their_own_code() {
 }
 
 /// 17-64-row products on tensor cores give each row the bits the 1-row product gives it,
-/// whether they run as one `gemv_rows64` launch or with their chains split over more blocks
+/// whether they run as one `gemv_rows64` launch or a group of chains a part
 /// (`gemv_rows64_parts`, then `gemv_chain_sums`): plain products into three output parts, and
 /// [gate; up] with its SiLU. Shapes both split (few blocks; k short enough that some parts run
-/// no slab, and ragged) and whole (chain sums past their budget, or blocks enough).
+/// no slab, and ragged) and whole (blocks enough).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn decode_products_of_many_rows_equal_rows_alone() {
-    use sala_cuda::kernels::K;
-    use sala_cuda::plan::GEMV_ROWS64_TILES;
     let g = gpu();
     set(&g, |o| o.decode_gemv = DecodeGemv::TensorCore);
     let mut rng = TestRng::new(12);
@@ -337,16 +335,8 @@ fn decode_products_of_many_rows_equal_rows_alone() {
     ] {
         let (_, gw) = random_matrix(&g, &mut rng, out, inner);
         for rows in [17, 40, 64] {
-            let parts = planner.rows64_parts(
-                K::GemvRows64Parts,
-                out.div_ceil(16 * GEMV_ROWS64_TILES),
-                rows,
-            );
-            let silu_parts = planner.rows64_parts(
-                K::GemvSiluRows64Parts,
-                (out / 2).div_ceil(8 * GEMV_ROWS64_TILES),
-                rows,
-            );
+            let parts = planner.gemv_groups(false, out);
+            let silu_parts = planner.gemv_groups(true, out);
             for p in [parts, silu_parts] {
                 if p > 1 {
                     split += 1
