@@ -132,58 +132,77 @@ extern "C" __global__ void __launch_bounds__(512) row_sums_sq(const bf16* x, int
 }
 
 // h = round(h + round(branch·scale)), then out = RMSNorm(h)·w: the residual add fused with the
-// norm that follows it. Rows of width a multiple of 8, at most 8 * 2 * blockDim.x.
-// launch: grid = rows, block = 512
+// norm that follows it. Rows of width a multiple of 8, at most 8 * 2 * blockDim.x. A block takes
+// rows blockIdx.x, + gridDim.x, ... in turn, asking for its next row's h and branch before it
+// sums the current one's squares, so the loads of one row hide the block sum and stores of the
+// last; each row's arithmetic is the same whatever the grid.
+// launch: grid = min(rows, resident blocks), block = 512
 // With `codes` non-null, the outputs' E4M3 codes and scales too, as rms_norm makes them.
-extern "C" __global__ void __launch_bounds__(512) add_rms_norm(bf16* h, const bf16* branch, float scale, const bf16* w,
-                                                               float eps, bf16* out, int dim, unsigned char* codes,
-                                                               float* scales) {
+extern "C" __global__ void __launch_bounds__(512, 2) add_rms_norm(bf16* h, const bf16* branch, float scale, const bf16* w,
+                                                                  float eps, bf16* out, int dim, int rows,
+                                                                  unsigned char* codes, float* scales) {
     pdl_start();
     __shared__ float scratch[32];
-    bf16* hr = h + (u64)blockIdx.x * dim;
-    const bf16* br = branch + (u64)blockIdx.x * dim;
-    bf16* yr = out + (u64)blockIdx.x * dim;
-    float v[2][8];
-    uint4 wraw[2];  // the weights, loaded with the row so the second phase waits on no load
-    float ss = 0.0f;
+    uint4 hraw[2], braw[2];  // a row's h and branch, asked for a row ahead
+    auto load = [&](int row) {
 #pragma unroll
-    for (int p = 0; p < 2; p++) {
-        int pk = threadIdx.x + p * blockDim.x;
-        if (pk * 8 < dim) {
-            uint4 hraw = ((const uint4*)hr)[pk], braw = ((const uint4*)br)[pk];
-            wraw[p] = ((const uint4*)w)[pk];
-            u32 hw[4] = {hraw.x, hraw.y, hraw.z, hraw.w}, bw[4] = {braw.x, braw.y, braw.z, braw.w};
-            u32 o[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float lo = round_bf(__uint_as_float(hw[i] << 16) + round_bf(__uint_as_float(bw[i] << 16) * scale));
-                float hi = round_bf(__uint_as_float(hw[i] & 0xffff0000u) +
-                                    round_bf(__uint_as_float(bw[i] & 0xffff0000u) * scale));
-                v[p][2 * i] = lo;
-                v[p][2 * i + 1] = hi;
-                o[i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
-                ss += lo * lo + hi * hi;
+        for (int p = 0; p < 2; p++) {
+            const int pk = threadIdx.x + p * blockDim.x;
+            if (pk * 8 < dim) {
+                hraw[p] = ((const uint4*)(h + (u64)row * dim))[pk];
+                braw[p] = ((const uint4*)(branch + (u64)row * dim))[pk];
             }
-            ((uint4*)hr)[pk] = make_uint4(o[0], o[1], o[2], o[3]);
         }
-    }
-    float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
-    u32 o[2][4] = {};
+    };
+    if ((int)blockIdx.x < rows) load(blockIdx.x);
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        bf16* hr = h + (u64)row * dim;
+        // The new h as stored (bf16 pairs): the norm reads its values back from these.
+        u32 o[2][4] = {};
+        float ss = 0.0f;
 #pragma unroll
-    for (int p = 0; p < 2; p++) {
-        int pk = threadIdx.x + p * blockDim.x;
-        if (pk * 8 < dim) {
-            u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
+        for (int p = 0; p < 2; p++) {
+            const int pk = threadIdx.x + p * blockDim.x;
+            if (pk * 8 < dim) {
+                u32 hw[4] = {hraw[p].x, hraw[p].y, hraw[p].z, hraw[p].w};
+                u32 bw[4] = {braw[p].x, braw[p].y, braw[p].z, braw[p].w};
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float lo = round_bf(v[p][2 * i] * r) * __uint_as_float(ww[i] << 16);
-                float hi = round_bf(v[p][2 * i + 1] * r) * __uint_as_float(ww[i] & 0xffff0000u);
-                o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                for (int i = 0; i < 4; i++) {
+                    float lo = round_bf(__uint_as_float(hw[i] << 16) + round_bf(__uint_as_float(bw[i] << 16) * scale));
+                    float hi = round_bf(__uint_as_float(hw[i] & 0xffff0000u) +
+                                        round_bf(__uint_as_float(bw[i] & 0xffff0000u) * scale));
+                    o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                    ss += lo * lo + hi * hi;
+                }
+                ((uint4*)hr)[pk] = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);
             }
-            ((uint4*)yr)[pk] = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);
         }
+        if (row + (int)gridDim.x < rows) load(row + gridDim.x);
+        // The weights asked for before the block sum, so the second phase waits on no load.
+        uint4 wraw[2];
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const int pk = threadIdx.x + p * blockDim.x;
+            if (pk * 8 < dim) wraw[p] = ((const uint4*)w)[pk];
+        }
+        float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
+        bf16* yr = out + (u64)row * dim;
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const int pk = threadIdx.x + p * blockDim.x;
+            if (pk * 8 < dim) {
+                u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float lo = round_bf(__uint_as_float(o[p][i] << 16) * r) * __uint_as_float(ww[i] << 16);
+                    float hi = round_bf(__uint_as_float(o[p][i] & 0xffff0000u) * r) * __uint_as_float(ww[i] & 0xffff0000u);
+                    o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+                }
+                ((uint4*)yr)[pk] = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);
+            }
+        }
+        if (codes) row_codes_f8<2>(o, dim, scratch, codes + (u64)row * dim, scales + row);
     }
-    if (codes) row_codes_f8<2>(o, dim, scratch, codes + (u64)blockIdx.x * dim, scales + blockIdx.x);
 }
 
 // x[i] = round(op(x[i], y[i])) for this thread's 8 elements 8t .. 8t + 7 of n (t its index in

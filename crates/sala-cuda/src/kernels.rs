@@ -164,7 +164,7 @@ kernel_table! {
     Embed = embed in "elementwise.cu" (table: Ptr, ids: Ptr, scale: F32, out: Ptr, dim: I32);
     RmsNorm = rms_norm in "elementwise.cu" (x: Ptr, w: Ptr, eps: F32, out: Ptr, dim: I32, gate: Ptr, codes: Ptr, scales: Ptr, sums: Ptr, width: I32);
     RowSumsSq = row_sums_sq in "elementwise.cu" (x: Ptr, dim: I32, sums: Ptr);
-    AddRmsNorm = add_rms_norm in "elementwise.cu" (h: Ptr, branch: Ptr, scale: F32, w: Ptr, eps: F32, out: Ptr, dim: I32, codes: Ptr, scales: Ptr);
+    AddRmsNorm = add_rms_norm in "elementwise.cu" (h: Ptr, branch: Ptr, scale: F32, w: Ptr, eps: F32, out: Ptr, dim: I32, rows: I32, codes: Ptr, scales: Ptr);
     SiluMul = silu_mul in "elementwise.cu" (gate: Ptr, up: Ptr, n: U64);
     AddScaled = add_scaled in "elementwise.cu" (h: Ptr, branch: Ptr, scale: F32, n: U64);
     SigmoidGate = sigmoid_gate in "elementwise.cu" (x: Ptr, gate: Ptr, n: U64);

@@ -8,7 +8,16 @@ use sala_cuda::plan::LIGHTNING_RANGE_TOKENS;
 fn elementwise_ops_match_cpu() {
     let g = gpu();
     let mut rng = TestRng::new(1);
-    for (rows, cols) in [(1, 128), (3, 384), (17, 4096), (130, 200), (5, 37)] {
+    // 1,500 rows: more than the blocks that fit the SMs, so the fused add and norm takes
+    // several rows a block.
+    for (rows, cols) in [
+        (1, 128),
+        (3, 384),
+        (17, 4096),
+        (130, 200),
+        (5, 37),
+        (1500, 1024),
+    ] {
         let n = rows * cols;
         let x = rng.bf16_vec(n, -3.0, 3.0);
         let y = rng.bf16_vec(n, -3.0, 3.0);
