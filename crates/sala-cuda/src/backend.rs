@@ -50,6 +50,11 @@ pub struct CudaBackend {
     /// The FP8 input scratch holds the codes of these rows (address, rows, width), made by
     /// the norm that wrote them: the product reading them next need not make them again.
     pub(crate) fresh_f8: Cell<Option<(u64, usize, usize)>>,
+    /// With `profile_steps`: the step spans' events, and the step under way's first.
+    step_spans: Option<(
+        profile::Profiler,
+        RefCell<Option<cudarc::driver::CudaEvent>>,
+    )>,
 }
 
 /// The NVRTC target of the kernels under `limits` (a device profile's or the driver's): the
@@ -108,6 +113,7 @@ impl CudaBackend {
         let profiler = options
             .profile_kernels
             .then(|| profile::Profiler::new(&ctx));
+        let profile_steps = options.profile_steps;
         let pool = if options.kv_pool {
             let p = pool::PagePool::new(ctx.clone(), limits.memory_bytes, options.kv_pool_granules)
                 .map_err(|e| e.0)?;
@@ -133,6 +139,7 @@ impl CudaBackend {
         }
         let gemm = gemm::Gemm::new(stream.clone())?;
         let graphs = RefCell::new(StepGraphs::new(stream.clone()));
+        let step_spans = profile_steps.then(|| (profile::Profiler::new(&ctx), RefCell::new(None)));
         Ok(Self {
             ctx,
             stream,
@@ -148,6 +155,7 @@ impl CudaBackend {
             waited: Default::default(),
             sparse_rows_batched: Default::default(),
             pool,
+            step_spans,
         })
     }
 
@@ -234,7 +242,8 @@ impl CudaBackend {
     /// With per-kernel profiling on: device milliseconds and launches per kernel since the
     /// last call.
     pub fn profile_report(&self) -> Option<Vec<(String, f64, usize)>> {
-        self.k.profiler().map(|p| p.report())
+        let steps = self.step_spans.as_ref().map(|(p, _)| p.report());
+        self.k.profiler().map(|p| p.report()).or(steps)
     }
 
     /// Per head of `head_dim` features: optional RMSNorm, then optional RoPE at positions
@@ -659,6 +668,9 @@ impl Backend for CudaBackend {
         } else {
             None
         };
+        if let Some((p, first)) = &self.step_spans {
+            *first.borrow_mut() = p.start(&self.stream);
+        }
         let began = self.graphs.borrow_mut().begin(key, self.k.launched());
         self.k.set_skip(self.graphs.borrow().skipping());
         began.map(|_| ())
@@ -666,7 +678,17 @@ impl Backend for CudaBackend {
 
     fn end_step(&self, ok: bool) -> BResult<()> {
         let scratch = self.scratch.borrow().fingerprint(&self.stream);
+        let mode = self.graphs.borrow().state().0;
         let ended = self.graphs.borrow_mut().end(ok, self.k.launched(), scratch);
+        if let Some((p, first)) = &self.step_spans {
+            let how = match mode {
+                Mode::Eager => "eager",
+                Mode::Capture => "captured",
+                Mode::Replay => "replayed",
+            };
+            let name = format!("step of {} rows, {how}", self.k.step_rows());
+            p.end(name, first.borrow_mut().take(), &self.stream);
+        }
         self.k.set_skip(false);
         self.preloaded.set(false);
         ended

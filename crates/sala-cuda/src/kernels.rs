@@ -394,6 +394,11 @@ impl Launcher {
         self.step_rows.set(rows);
     }
 
+    /// Rows of the forward pass under way.
+    pub fn step_rows(&self) -> usize {
+        self.step_rows.get()
+    }
+
     /// Counts one launch or other stream operation; whether to make it (false while a graph
     /// replay does the work).
     pub(crate) fn enqueue(&self) -> bool {

@@ -86,6 +86,10 @@ pub struct CudaOptions {
     pub kv_pool_granules: usize,
     /// Per-kernel device time (CUDA events around every launch).
     pub profile_kernels: bool,
+    /// Each step's device span, from the first work queued to the last, graphs as they run
+    /// (two CUDA events a step; `SALA_PROFILE=steps`): against the host's time a step, what
+    /// the device idles between steps.
+    pub profile_steps: bool,
     /// Programmatic dependent launch where the card has it (compute capability 9.0 on): each
     /// kernel is scheduled while the previous one ends, and waits for its results.
     pub pdl: bool,
@@ -115,6 +119,7 @@ impl Default for CudaOptions {
             kv_pool: true,
             kv_pool_granules: 1,
             profile_kernels: false,
+            profile_steps: false,
             pdl: true,
             cuda_graphs: true,
             fp8_vector_scales: true,
@@ -139,7 +144,7 @@ pub const FALLBACK_NAMES: [&str; 9] = [
 impl CudaOptions {
     /// The defaults changed by the environment: `SALA_FALLBACK` (a comma list of
     /// [`FALLBACK_NAMES`]: the slower variants, for comparisons), `SALA_EXACT_SELECT=1`,
-    /// `SALA_KV_POOL=0|1`, `SALA_KV_POOL_GRANULES=N`, `SALA_PROFILE=1`,
+    /// `SALA_KV_POOL=0|1`, `SALA_KV_POOL_GRANULES=N`, `SALA_PROFILE=1|steps`,
     /// `SALA_LIGHTNING_RANGE_TOKENS=N`, `SALA_DEVICE_PROFILE=card`. A value it cannot use is an error naming the variable.
     pub fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok();
@@ -164,7 +169,9 @@ impl CudaOptions {
         if let Some(on) = flag("SALA_KV_POOL")? {
             o.kv_pool = on;
         }
-        if let Some(on) = flag("SALA_PROFILE")? {
+        if var("SALA_PROFILE").as_deref() == Some("steps") {
+            o.profile_steps = true;
+        } else if let Some(on) = flag("SALA_PROFILE")? {
             o.profile_kernels = on;
         }
         if let Some(on) = flag("SALA_PDL")? {
@@ -298,11 +305,17 @@ mod tests {
         ]);
         assert!(!o.kv_pool && o.exact_select && o.kv_pool_granules == 4);
         assert_eq!(o.device_profile.unwrap().key, "rtx5090");
+        // SALA_PROFILE: 1 times every kernel, `steps` each step's span only.
+        let o = vars(&[("SALA_PROFILE", "steps")]);
+        assert!(o.profile_steps && !o.profile_kernels);
+        let o = vars(&[("SALA_PROFILE", "1")]);
+        assert!(o.profile_kernels && !o.profile_steps);
         let bad = |k: &str, v: &str| {
             let (k, v) = (k.to_string(), v.to_string());
             CudaOptions::from_vars(&move |n| (n == k).then(|| v.clone())).unwrap_err()
         };
         assert!(bad("SALA_KV_POOL", "yes").contains("SALA_KV_POOL=yes"));
+        assert!(bad("SALA_PROFILE", "kernels").contains("SALA_PROFILE=kernels"));
         assert!(bad("SALA_KV_POOL_GRANULES", "0").contains("SALA_KV_POOL_GRANULES"));
         assert!(bad("SALA_DEVICE_PROFILE", "gtx1080").contains("rtx4090"));
     }
