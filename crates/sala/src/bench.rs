@@ -830,6 +830,9 @@ struct BatchedRun {
     /// Tokens generated in the steps after every prompt was read, and those steps' time.
     decode_tokens: usize,
     decode_seconds: f64,
+    /// Those steps' count, and the time the host waited for the device in them (when known).
+    decode_steps: usize,
+    decode_waited: Option<f64>,
     /// Each request's generated tokens.
     ids: Vec<Vec<u32>>,
 }
@@ -840,7 +843,7 @@ impl BatchedRun {
     }
 }
 
-fn batched_run<B: Backend>(
+fn batched_run<B: Backend + DeviceStats>(
     engine: &mut sala_engine::generate::Engine<B>,
     prompts: &[Vec<u32>],
     opts: &dyn Fn(usize) -> sala_engine::generate::GenerateOptions,
@@ -870,15 +873,23 @@ fn batched_run<B: Backend>(
         };
         engine.admit(&mut batch, p.clone(), &opts(i), None, client)?;
     }
-    // Steps after every prompt is read (no prompt chunk in them): tokens and time.
-    let (mut decode_tokens, mut decode_seconds) = (0usize, 0.0f64);
+    // Steps after every prompt is read (no prompt chunk in them): tokens, time, and the
+    // host's wait for the device.
+    let (mut decode_tokens, mut decode_seconds, mut decode_steps) = (0usize, 0.0f64, 0usize);
+    let mut decode_waited = Some(0.0f64);
     while !batch.is_empty() {
         let decode_only = prefilled.get() == prompts.len();
         let (t0, tokens0) = (Instant::now(), generated.get());
+        let waited0 = engine.backend.host_wait();
         engine.step(&mut batch);
         if decode_only {
             decode_tokens += generated.get() - tokens0;
             decode_seconds += t0.elapsed().as_secs_f64();
+            decode_steps += 1;
+            decode_waited = match (decode_waited, waited0, engine.backend.host_wait()) {
+                (Some(w), Some(a), Some(b)) => Some(w + (b - a).as_secs_f64()),
+                _ => None,
+            };
         }
     }
     drop(batch);
@@ -889,6 +900,8 @@ fn batched_run<B: Backend>(
         seconds: start.elapsed().as_secs_f64(),
         decode_tokens,
         decode_seconds,
+        decode_steps,
+        decode_waited,
         ids: ids.into_inner(),
     })
 }
@@ -993,6 +1006,14 @@ fn concurrent<B: Backend + DeviceStats>(
             "decode steps: batched {batch_rate:.1} tok/s ({batch_decode_tokens} tokens after \
              every prompt was read)"
         );
+        if let (Some(w), 1..) = (plain.decode_waited, plain.decode_steps) {
+            let steps = plain.decode_steps as f64;
+            println!(
+                "decode steps: {:.2} ms a step, of which the host waited {:.2} ms for the device",
+                1e3 * batch_decode_s / steps,
+                1e3 * w / steps
+            );
+        }
         (Value::Null, Value::Null)
     };
     // The same batch speculating: drafts from each request's own plain continuation.
