@@ -1,7 +1,6 @@
 //! Embedding, norms, per-head norm and RoPE, element-wise products, random fills
 //! (`kernels/elementwise.cu`).
 
-use crate::kernels::K;
 use crate::memory::{be_err, grow, DevAct, RopeKey};
 use crate::plan::Launch;
 use crate::CudaBackend;
@@ -199,16 +198,8 @@ impl CudaBackend {
             return self.rms_norm_rows(h, w, eps, None, out);
         }
         let (codes, scales) = self.norm_codes(out)?;
-        // Rows in turn a block, as many blocks as fit the SMs at once.
-        let planner = self.k.planner();
-        let a = planner.attrs(K::AddRmsNorm);
-        let per_sm = planner
-            .limits
-            .blocks_per_sm(512, a.regs, a.static_smem)
-            .max(1) as usize;
-        let blocks = h.rows.min(per_sm * planner.limits.sms as usize).max(1);
         self.k.add_rms_norm(
-            Launch::new((blocks, 1, 1), 512, 0),
+            self.k.planner().add_rms_norm(h.rows),
             self.act_ptr(h),
             self.act_ptr(branch),
             scale,

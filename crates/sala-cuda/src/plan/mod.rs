@@ -275,6 +275,23 @@ impl Planner {
         self.attrs[k as usize]
     }
 
+    /// Blocks of `k` (`threads` a block, `smem` bytes of dynamic shared memory) the whole GPU
+    /// holds at once, at least one an SM.
+    pub fn resident_blocks(&self, k: K, threads: u32, smem: usize) -> usize {
+        let a = self.attrs(k);
+        let per_sm = self
+            .limits
+            .blocks_per_sm(threads, a.regs, a.static_smem + smem);
+        per_sm.max(1) as usize * self.limits.sms as usize
+    }
+
+    /// `add_rms_norm` over `rows` rows: a block takes rows in turn, as many blocks as the GPU
+    /// holds at once.
+    pub fn add_rms_norm(&self, rows: usize) -> Launch {
+        let blocks = rows.min(self.resident_blocks(K::AddRmsNorm, 512, 0)).max(1);
+        Launch::new((blocks, 1, 1), 512, 0)
+    }
+
     /// Dynamic shared memory `k` may use on this device: what is left of the opt-in limit
     /// beside its static shared memory.
     pub fn smem_budget(&self, k: K) -> usize {
@@ -488,12 +505,7 @@ impl Planner {
             return rows;
         }
         let launch = self.select_scores(kernel, SELECT_QUERIES_PER_BLOCK, 1);
-        let a = self.attrs(kernel);
-        let per_sm = self
-            .limits
-            .blocks_per_sm(launch.block, a.regs, a.static_smem + launch.smem as usize)
-            .max(1) as usize;
-        let slots = per_sm * self.limits.sms as usize;
+        let slots = self.resident_blocks(kernel, launch.block, launch.smem as usize);
         let waves = |queries: usize| {
             (queries.div_ceil(SELECT_QUERIES_PER_BLOCK) * kv_heads).div_ceil(slots)
         };
@@ -781,11 +793,7 @@ impl Planner {
         } else {
             (K::GemvRows64Parts, rows.div_ceil(16 * GEMV_ROWS64_TILES))
         };
-        let a = self.attrs(kernel);
-        let per_sm =
-            self.limits
-                .blocks_per_sm(GEMV_ROWS64_THREADS, a.regs, a.static_smem) as usize;
-        let slots = per_sm.max(1) * self.limits.sms as usize;
+        let slots = self.resident_blocks(kernel, GEMV_ROWS64_THREADS, 0);
         let mut parts = 1;
         while parts < 16
             && blocks * parts * 2 <= slots
