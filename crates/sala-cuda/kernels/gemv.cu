@@ -316,19 +316,20 @@ gemv_mma16(const bf16* x, const bf16* w, int n, int k, int nb, int groups, bf16*
 }
 
 // ---- 17 to 64 rows: a warp per M-tile, the chains in turn, activations staged a block ----
-// The same sums as gemv_mma8 (so a row's bits do not depend on the batch): chain w (w = 0..15)
-// runs slabs w, w + 16, ... (64 k each, in order) through the MMAs gemv_mma_tiles_body issues,
-// from zero, and the chains are added as gm_block_sum adds its warps: in `groups` groups of
-// 16 / groups chains, each group's sums in order from 0, then the groups' in order from 0. Here one warp owns an M-tile (16 weight rows; or 8 outputs' gate and up rows) for
-// every activation row (up to 8 N-tiles) and runs the chains one after another: the block's R64_W
-// warps take the same slab at once, so each activation slab (64 rows x 64 k, 8 KB) is staged once
-// a block in shared memory (cp.async, R64_STAGES in flight; 16-byte chunk c of row r at c ^ (r & 7),
-// so a quarter-warp's reads hit distinct banks) instead of read by every warp from L2, and the
-// weights go to registers a slab ahead. One launch (one group) adds all 16 chains; a product
-// of more groups runs each group as a part (gridDim.y = groups, blocks apart, part p running
-// chains 16p / parts .. 16(p + 1) / parts), writes the part's sum to `sums` ([parts][64 ·
-// gridDim.x][nbp] floats, row m of a block's tiles = tile · 16 + MMA row, nbp = nb rounded up
-// to 8), and gemv_chain_sums adds the parts in order.
+// The same sums as gemv_mma8 (so a row's bits do not depend on the batch): chain w (w = 0..15) runs
+// slabs w, w + 16, ... (64 k each, in order) through the MMAs gemv_mma_tiles_body issues, from
+// zero, and the chains are added as gm_block_sum adds its warps: in `groups` groups of 16 / groups
+// chains, each group's sums in order from 0, then the groups' in order from 0. Here one warp owns
+// an M-tile (16 weight rows; or 8 outputs' gate and up rows) for every activation row (up to 8
+// N-tiles) and runs the chains one after another: the block's R64_W warps take the same slab at
+// once, so each activation slab (64 rows x 64 k, 8 KB) is staged once a block in shared memory
+// (cp.async, R64_STAGES in flight; 16-byte chunk c of row r at c ^ (r & 7), so a quarter-warp's
+// reads hit distinct banks) instead of read by every warp from L2, and the weights go to registers
+// a slab ahead. One launch (one group) adds all 16 chains; a product of more groups runs each group
+// as a part (gridDim.y = groups, blocks apart, part p running chains 16p / parts .. 16(p + 1) /
+// parts), writes the part's sum to `sums` ([parts][64 · gridDim.x][nbp] floats, row m of a block's
+// tiles = tile · 16 + MMA row, nbp = nb rounded up to 8), and gemv_chain_sums adds the parts in
+// order.
 #define R64_W 4
 #define R64_STAGES 4
 
@@ -906,13 +907,13 @@ __device__ __forceinline__ void f8_load_w(const unsigned char* const (&row)[2], 
     }
 }
 
-// y = round(Σ codes · xs[b] · ws[o]) for M-tiles of 16 weight rows, activations as E4M3 codes
-// xc (nb ≤ 8·NT rows, k apart) with their scales xs (quant_rows_f8); outputs as gemv. A row's
-// result does not depend on nb: warp w takes slabs w, w + 16, ... in order, each slab's four
-// k32 steps on E4M3 tensor cores (f8_mma_k32), and the warps' sums are added in warp order. A block runs M-tiles blockIdx.x, + gridDim.x, ...
-// in turn, each warp asking for its next slab's weights (this tile's, or the next tile's first)
-// before it multiplies the current one, so the weights stream while a tile's sums are added and
-// stored; the first ones are asked for before the PDL wait.
+// y = round(Σ codes · xs[b] · ws[o]) for M-tiles of 16 weight rows, activations as E4M3 codes xc
+// (nb ≤ 8·NT rows, k apart) with their scales xs (quant_rows_f8); outputs as gemv. A row's result
+// does not depend on nb: warp w takes slabs w, w + 16, ... in order, each slab's four k32 steps on
+// E4M3 tensor cores (f8_mma_k32), and the warps' sums are added in warp order. A block runs M-tiles
+// blockIdx.x, + gridDim.x, ... in turn, each warp asking for its next slab's weights (this tile's,
+// or the next tile's first) before it multiplies the current one, so the weights stream while a
+// tile's sums are added and stored; the first ones are asked for before the PDL wait.
 // SILU: w is [gate; up] (n = 2·inter), each M-tile 8 gate rows j..j + 7 and their up rows, and
 // y0 gets round(round(silu(round(g))) · round(u)) (the product, then silu_mul_halves).
 template <int NT, bool SILU>

@@ -240,10 +240,6 @@ __device__ __forceinline__ u32 sd_radix_select(const u16* keys, int n, int rank,
     return prefix;
 }
 
-// Block selection of pair blockIdx.x (its query at position t, block qb = t / block_size): k_sel ascending block ids (−1 padded) into blocks_out[pair·k_sel ..],
-// by the rule of sparse_select. key_of(b): the 16-bit key of candidate block b ∈ [init_blocks,
-// qb − local_blocks) (larger is better). The keys go to `keys` (this pair's part of a global
-// scratch) or, when it is null, to dynamic shared memory. Every thread calls.
 // (gt << 16) | eq over keys[x0, x1): how many are above kstar and how many equal it (counts
 // below 2^16: n_cand ≤ 65535).
 __device__ __forceinline__ u32 sd_run_counts(const u16* keys, int x0, int x1, u32 kstar) {
@@ -273,8 +269,12 @@ __device__ __forceinline__ void sd_run_emit(const u16* keys, int x0, int x1, u32
     }
 }
 
+// Block selection of pair blockIdx.x (its query at position t, block qb = t / block_size): k_sel
+// ascending block ids (−1 padded) into blocks_out[pair·k_sel ..], by the rule of sparse_select.
 // fill(keys, cand_lo, n_cand): every thread helps write keys[x], the 16-bit key of candidate
-// block cand_lo + x (larger is better), for x < n_cand.
+// block cand_lo + x (larger is better), for x < n_cand: the candidates [init_blocks, qb −
+// local_blocks). The keys go to `keys` (this pair's part of a global scratch) or, when it is
+// null, to dynamic shared memory. Every thread calls.
 template <class Fill>
 __device__ __forceinline__ void sd_topk_body(int t, int block_size, int init_blocks, int local_blocks, int k_sel,
                                              u16* keys, int* blocks_out, Fill&& fill) {
