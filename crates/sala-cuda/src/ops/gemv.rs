@@ -6,7 +6,7 @@ use crate::memory::{be_err, DevAct, DevMem, Fp8Weights, W4Weights};
 use crate::options::DecodeGemv;
 use crate::plan::{
     Launch, Planner, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS64_THREADS,
-    GEMV_ROWS64_TILES, GEMV_ROWS_PER_BLOCK,
+    GEMV_ROWS_PER_BLOCK,
 };
 use crate::{CudaBackend, DevMatrix};
 use sala_model::{BResult, BackendError};
@@ -109,7 +109,7 @@ impl CudaBackend {
     fn gemv_rows64(&self, xp: u64, w: &DevMatrix, nb: usize, outs: [(u64, i32); 4]) -> BResult<()> {
         let [(y0, n0), (y1, n1), (y2, n2), (y3, _)] = outs;
         let (n, k, wp) = (w.rows as i32, w.cols as i32, self.ptr(&w.buf));
-        let blocks = w.rows.div_ceil(16 * GEMV_ROWS64_TILES);
+        let blocks = Planner::rows64_blocks(false, w.rows);
         let planner = self.k.planner();
         let parts = planner.gemv_groups(false, w.rows);
         let at = |parts: usize| {
@@ -550,7 +550,7 @@ impl CudaBackend {
         nb: usize,
     ) -> BResult<()> {
         let (wp, i, k) = (self.ptr(&w.buf), inter as i32, w.cols as i32);
-        let blocks = inter.div_ceil(8 * GEMV_ROWS64_TILES);
+        let blocks = Planner::rows64_blocks(true, w.rows);
         let parts = self.k.planner().gemv_groups(true, w.rows);
         let at = |parts: usize| {
             Launch::new((blocks, parts, 1), GEMV_ROWS64_THREADS, 0).shaped(w.rows, w.cols)

@@ -785,14 +785,12 @@ impl Planner {
     /// parts (a power of two, at most 16) whose blocks all fit the SMs at once and whose sums
     /// at 64 rows fit [`GEMV_CHAIN_SUMS_BYTES`]; 1 where one launch's blocks fill the SMs.
     pub fn gemv_groups(&self, silu: bool, rows: usize) -> usize {
-        let (kernel, blocks) = if silu {
-            (
-                K::GemvSiluRows64Parts,
-                (rows / 2).div_ceil(8 * GEMV_ROWS64_TILES),
-            )
+        let kernel = if silu {
+            K::GemvSiluRows64Parts
         } else {
-            (K::GemvRows64Parts, rows.div_ceil(16 * GEMV_ROWS64_TILES))
+            K::GemvRows64Parts
         };
+        let blocks = Self::rows64_blocks(silu, rows);
         let slots = self.resident_blocks(kernel, GEMV_ROWS64_THREADS, 0);
         let mut parts = 1;
         while parts < 16
@@ -802,6 +800,16 @@ impl Planner {
             parts *= 2;
         }
         parts
+    }
+
+    /// Blocks of a 17-64-row product over a weight of `rows` rows (`silu`: [gate; up], a block
+    /// taking 8 outputs' gate and up rows a warp; else 16 rows a warp).
+    pub fn rows64_blocks(silu: bool, rows: usize) -> usize {
+        if silu {
+            (rows / 2).div_ceil(8 * GEMV_ROWS64_TILES)
+        } else {
+            rows.div_ceil(16 * GEMV_ROWS64_TILES)
+        }
     }
 
     /// Floats of the group sums of a 17-64-row product split into `parts` parts of `blocks`
