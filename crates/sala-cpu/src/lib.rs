@@ -15,8 +15,9 @@ use sala_model::memory::{BackendMemory, F32};
 use sala_model::numerics::{bf16_round, e4m3_value, fp8_quantize_row, random_normal};
 use sala_model::{
     AttnIo, AttnShape, BResult, Backend, BackendError, Fp8Matrix, GreedyPick, HostTensor,
-    LogitsOut, Span, SparseMode,
+    LogitsOut, Span, SparseMode, StepInfo,
 };
+use std::sync::Mutex;
 
 /// Activations `[rows, cols]` with room for `cap_rows` rows.
 #[derive(Debug, Clone)]
@@ -51,7 +52,53 @@ pub struct CpuMatrix {
     pub fp8_scales: Option<Vec<f32>>,
 }
 
-pub struct CpuBackend;
+/// The CPU backend: plain Rust over f32, every thread of rayon's pool.
+pub struct CpuBackend {
+    /// Whether it runs steps ahead ([`Backend::runs_ahead`]).
+    run_ahead: bool,
+    ahead: Mutex<StepsAhead>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self {
+            run_ahead: true,
+            ahead: Mutex::default(),
+        }
+    }
+}
+
+/// What steps run ahead leave: the flags of the step under way, the last picks (the next
+/// step's tokens when it takes them) and the picks left for later, oldest first.
+#[derive(Default)]
+struct StepsAhead {
+    tokens_picked: bool,
+    picks_later: bool,
+    last: Vec<u32>,
+    later: std::collections::VecDeque<Vec<GreedyPick>>,
+    /// Steps that took their tokens from the picks before.
+    steps_picked: usize,
+}
+
+impl CpuBackend {
+    /// A backend that runs no step ahead (every step's tokens come from the host).
+    pub fn without_run_ahead() -> Self {
+        Self {
+            run_ahead: false,
+            ..Self::default()
+        }
+    }
+
+    /// Steps so far that took their tokens from the picks of the step before.
+    pub fn steps_run_ahead(&self) -> usize {
+        self.steps_ahead().steps_picked
+    }
+
+    fn steps_ahead(&self) -> std::sync::MutexGuard<'_, StepsAhead> {
+        // Plain data: a panic elsewhere leaves it usable.
+        self.ahead.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
 
 fn check_shape(name: &str, t: &HostTensor<'_>, dims: usize) -> BResult<()> {
     if t.shape.len() != dims {
@@ -549,7 +596,45 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn begin_step(&self, step: &StepInfo<'_>) -> BResult<()> {
+        if (step.tokens_picked || step.picks_later) && !self.run_ahead {
+            return Err(BackendError("this backend runs no step ahead".into()));
+        }
+        let mut ahead = self.steps_ahead();
+        ahead.steps_picked += usize::from(step.tokens_picked);
+        if step.tokens_picked && ahead.last.len() != step.tokens.len() {
+            return Err(BackendError(format!(
+                "a step of {} rows takes the {} picks of the step before as its tokens",
+                step.tokens.len(),
+                ahead.last.len()
+            )));
+        }
+        if step.picks_later && !step.tokens_picked {
+            // A new run of steps ahead: picks no one took are stale.
+            ahead.later.clear();
+        }
+        ahead.tokens_picked = step.tokens_picked;
+        ahead.picks_later = step.picks_later;
+        Ok(())
+    }
+
+    fn runs_ahead(&self) -> bool {
+        self.run_ahead
+    }
+
+    fn take_picks(&self) -> BResult<Vec<GreedyPick>> {
+        self.steps_ahead()
+            .later
+            .pop_front()
+            .ok_or_else(|| BackendError("no step left its picks for later".into()))
+    }
+
     fn embed(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut CpuAct) -> BResult<()> {
+        let picked = {
+            let ahead = self.steps_ahead();
+            ahead.tokens_picked.then(|| ahead.last.clone())
+        };
+        let ids = picked.as_deref().unwrap_or(ids);
         let d = table.cols;
         for (row, &id) in out.data.chunks_exact_mut(d).zip(ids) {
             let src = table
@@ -912,7 +997,17 @@ impl Backend for CpuBackend {
         let mut y = vec![0f32; rows.len() * vocab];
         matmul_f32(&x, rows.len(), lm_head, &mut y);
         y.par_iter_mut().for_each(|v| *v = bf16_round(*v));
-        let picks = y.par_chunks(vocab.max(1)).map(GreedyPick::of).collect();
+        let picks: Vec<GreedyPick> = y.par_chunks(vocab.max(1)).map(GreedyPick::of).collect();
+        {
+            // The next step's tokens, should it take them (a row without a pick reads token 0,
+            // as on a GPU; its request fails on the host).
+            let mut ahead = self.steps_ahead();
+            ahead.last = picks.iter().map(|p| p.id.unwrap_or(0)).collect();
+            if ahead.picks_later {
+                ahead.later.push_back(picks);
+                return Ok(LogitsOut::default());
+            }
+        }
         let kept = if keep.iter().all(|&k| k) {
             y
         } else {

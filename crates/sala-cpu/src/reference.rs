@@ -45,13 +45,13 @@ impl Backend for ReferenceBackend {
     }
     /// The CPU backend's: f32 values, nothing else counted.
     fn memory_facts(&self, config: &ModelConfig, rows: usize) -> BackendMemory {
-        CpuBackend.memory_facts(config, rows)
+        CpuBackend::default().memory_facts(config, rows)
     }
     fn upload_matrix(&self, name: &str, t: HostTensor<'_>) -> BResult<CpuMatrix> {
-        CpuBackend.upload_matrix(name, t)
+        CpuBackend::default().upload_matrix(name, t)
     }
     fn upload_vector(&self, name: &str, t: HostTensor<'_>) -> BResult<Vec<f32>> {
-        CpuBackend.upload_vector(name, t)
+        CpuBackend::default().upload_vector(name, t)
     }
     fn upload_table(&self, data: &[f32]) -> BResult<Vec<f32>> {
         Ok(data.to_vec())
@@ -65,7 +65,7 @@ impl Backend for ReferenceBackend {
         mean: f32,
         std: f32,
     ) -> BResult<CpuMatrix> {
-        CpuBackend.random_matrix(name, rows, cols, seed, mean, std)
+        CpuBackend::default().random_matrix(name, rows, cols, seed, mean, std)
     }
     fn random_vector(
         &self,
@@ -75,16 +75,16 @@ impl Backend for ReferenceBackend {
         mean: f32,
         std: f32,
     ) -> BResult<Vec<f32>> {
-        CpuBackend.random_vector(name, len, seed, mean, std)
+        CpuBackend::default().random_vector(name, len, seed, mean, std)
     }
     fn alloc(&self, max_rows: usize, cols: usize) -> BResult<CpuAct> {
-        CpuBackend.alloc(max_rows, cols)
+        CpuBackend::default().alloc(max_rows, cols)
     }
     fn set_rows(&self, a: &mut CpuAct, rows: usize) {
-        CpuBackend.set_rows(a, rows)
+        CpuBackend::default().set_rows(a, rows)
     }
     fn set_width(&self, a: &mut CpuAct, cols: usize) -> BResult<()> {
-        CpuBackend.set_width(a, cols)
+        CpuBackend::default().set_width(a, cols)
     }
     fn copy_rows(
         &self,
@@ -94,10 +94,10 @@ impl Backend for ReferenceBackend {
         dst_row: usize,
         n: usize,
     ) -> BResult<()> {
-        CpuBackend.copy_rows(src, src_row, dst, dst_row, n)
+        CpuBackend::default().copy_rows(src, src_row, dst, dst_row, n)
     }
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Vec<f32>> {
-        CpuBackend.new_lightning_state(heads, head_dim)
+        CpuBackend::default().new_lightning_state(heads, head_dim)
     }
     fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<ReferenceKv> {
         Ok(ReferenceKv {
@@ -106,7 +106,7 @@ impl Backend for ReferenceBackend {
         })
     }
     fn copy_lightning_state(&self, src: &Vec<f32>, dst: &mut Vec<f32>) -> BResult<()> {
-        CpuBackend.copy_lightning_state(src, dst)
+        CpuBackend::default().copy_lightning_state(src, dst)
     }
     fn truncate_sparse_cache(
         &self,
@@ -128,10 +128,10 @@ impl Backend for ReferenceBackend {
         Ok(())
     }
     fn embed(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut CpuAct) -> BResult<()> {
-        CpuBackend.embed(table, ids, scale, out)
+        CpuBackend::default().embed(table, ids, scale, out)
     }
     fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) -> BResult<()> {
-        CpuBackend.rms_norm(x, w, eps, out)
+        CpuBackend::default().rms_norm(x, w, eps, out)
     }
     fn matmul(&self, x: &CpuAct, w: &CpuMatrix, out: &mut CpuAct) -> BResult<()> {
         out.data = naive_matmul(&x.data, x.rows, w)
@@ -149,16 +149,16 @@ impl Backend for ReferenceBackend {
         Ok(())
     }
     fn silu_mul_halves(&self, gu: &CpuAct, out: &mut CpuAct) -> BResult<()> {
-        CpuBackend.silu_mul_halves(gu, out)
+        CpuBackend::default().silu_mul_halves(gu, out)
     }
     fn silu_mul(&self, gate: &mut CpuAct, up: &CpuAct) -> BResult<()> {
-        CpuBackend.silu_mul(gate, up)
+        CpuBackend::default().silu_mul(gate, up)
     }
     fn add_scaled(&self, h: &mut CpuAct, branch: &CpuAct, scale: f32) -> BResult<()> {
-        CpuBackend.add_scaled(h, branch, scale)
+        CpuBackend::default().add_scaled(h, branch, scale)
     }
     fn sigmoid_gate(&self, x: &mut CpuAct, gate: &CpuAct) -> BResult<()> {
-        CpuBackend.sigmoid_gate(x, gate)
+        CpuBackend::default().sigmoid_gate(x, gate)
     }
     fn rope(
         &self,
@@ -168,7 +168,7 @@ impl Backend for ReferenceBackend {
         q: &mut CpuAct,
         k: &mut CpuAct,
     ) -> BResult<()> {
-        CpuBackend.rope(head_dim, inv_freq, spans, q, k)
+        CpuBackend::default().rope(head_dim, inv_freq, spans, q, k)
     }
     fn lightning(
         &self,

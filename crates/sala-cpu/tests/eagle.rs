@@ -197,7 +197,7 @@ impl Reference {
 
 #[test]
 fn the_draft_reads_the_prompt_and_drafts_as_its_plain_layer_does() {
-    let be = CpuBackend;
+    let be = CpuBackend::default();
     let mut config = preset("tiny").unwrap();
     config.sparse.dense_len = 4096;
     let target = Model::random(&be, config.clone(), 3, &mut |_, _| {}).unwrap();

@@ -160,13 +160,13 @@ fn one_pass(n: usize, mode: SparseMode) -> Vec<(usize, SparseMode)> {
 #[test]
 fn fast_backend_matches_reference_dense_and_sparse() {
     let config = tiny_config(96);
-    let fast = load(&CpuBackend, &config, 1);
+    let fast = load(&CpuBackend::default(), &config, 1);
     let reference = load(&ReferenceBackend, &config, 1);
     let v = config.vocab_size;
     for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
         let toks = tokens(n, v, n as u64);
         let want = run(&ReferenceBackend, &reference, &toks, &one_pass(n, mode));
-        let got = run(&CpuBackend, &fast, &toks, &one_pass(n, mode));
+        let got = run(&CpuBackend::default(), &fast, &toks, &one_pass(n, mode));
         assert_logits_close(&format!("{mode:?} N{n}"), &got, &want, v);
     }
 }
@@ -177,8 +177,8 @@ fn fp8_kv_cache_matches_the_reference_and_stays_near_bf16() {
     let mut fp8 = bf16.clone();
     fp8.sparse.kv_cache = KvCacheDtype::Fp8;
     let v = bf16.vocab_size;
-    let plain = load(&CpuBackend, &bf16, 1);
-    let fast = load(&CpuBackend, &fp8, 1);
+    let plain = load(&CpuBackend::default(), &bf16, 1);
+    let fast = load(&CpuBackend::default(), &fp8, 1);
     let reference = load(&ReferenceBackend, &fp8, 1);
     for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
         let toks = tokens(n, v, n as u64);
@@ -188,10 +188,10 @@ fn fp8_kv_cache_matches_the_reference_and_stays_near_bf16() {
             .map(|s| ((n - s).min(33), mode))
             .collect();
         let want = run(&ReferenceBackend, &reference, &toks, &one_pass(n, mode));
-        let got = run(&CpuBackend, &fast, &toks, &chunks);
+        let got = run(&CpuBackend::default(), &fast, &toks, &chunks);
         assert_logits_close(&format!("fp8 {mode:?} N{n}"), &got, &want, v);
         // FP8 moves the logits, but little: E4M3 keeps 1/16 of each row's largest value.
-        let exact = run(&CpuBackend, &plain, &toks, &one_pass(n, mode));
+        let exact = run(&CpuBackend::default(), &plain, &toks, &one_pass(n, mode));
         let err = rel_l2(&got, &exact);
         assert!(err > 0.0, "{mode:?}: the FP8 cache changed nothing");
         assert!(
@@ -207,8 +207,8 @@ fn fp8_weights_run_w8a8_and_stay_near_bf16() {
     let mut fp8 = bf16.clone();
     fp8.fp8_weights = true;
     let v = bf16.vocab_size;
-    let plain = load(&CpuBackend, &bf16, 4);
-    let quant = load(&CpuBackend, &fp8, 4);
+    let plain = load(&CpuBackend::default(), &bf16, 4);
+    let quant = load(&CpuBackend::default(), &fp8, 4);
     // Held as code values with a scale a row: a product is (Σ e4m3(x)·code) · x_scale · w_scale.
     let mut rng = TestRng::new(2);
     let (rows, cols) = (37, 200);
@@ -220,7 +220,7 @@ fn fp8_weights_run_w8a8_and_stay_near_bf16() {
         codes: &codes,
         scales: &scales,
     };
-    let w = &CpuBackend.upload_fp8("w", fp8_matrix).unwrap();
+    let w = &CpuBackend::default().upload_fp8("w", fp8_matrix).unwrap();
     let x = rng.bf16_vec(3 * w.cols, -2.0, 2.0);
     let mut y = vec![0f32; 3 * w.rows];
     sala_cpu::matmul_f32(&x, 3, w, &mut y);
@@ -253,8 +253,8 @@ fn fp8_weights_run_w8a8_and_stay_near_bf16() {
     }
     for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
         let toks = tokens(n, v, 30 + n as u64);
-        let exact = run(&CpuBackend, &plain, &toks, &one_pass(n, mode));
-        let got = run(&CpuBackend, &quant, &toks, &one_pass(n, mode));
+        let exact = run(&CpuBackend::default(), &plain, &toks, &one_pass(n, mode));
+        let got = run(&CpuBackend::default(), &quant, &toks, &one_pass(n, mode));
         let err = rel_l2(&got, &exact);
         assert!(
             err > 0.0 && err < 0.15,
@@ -276,18 +276,18 @@ fn fp8_weights_run_w8a8_and_stay_near_bf16() {
 #[test]
 fn chunked_prefill_equals_one_pass() {
     let config = tiny_config(96);
-    let model = load(&CpuBackend, &config, 2);
+    let model = load(&CpuBackend::default(), &config, 2);
     let v = config.vocab_size;
     let n = 230;
     let toks = tokens(n, v, 9);
     for mode in [SparseMode::Dense, SparseMode::Sparse] {
-        let want = run(&CpuBackend, &model, &toks, &one_pass(n, mode));
+        let want = run(&CpuBackend::default(), &model, &toks, &one_pass(n, mode));
         for chunk in [1, 7, 64, 100] {
             let chunks: Vec<_> = (0..n)
                 .step_by(chunk)
                 .map(|s| ((n - s).min(chunk), mode))
                 .collect();
-            let got = run(&CpuBackend, &model, &toks, &chunks);
+            let got = run(&CpuBackend::default(), &model, &toks, &chunks);
             assert_logits_close(&format!("{mode:?} chunk {chunk}"), &got, &want, v);
         }
     }
@@ -299,27 +299,37 @@ fn prefill_then_decode_equals_one_longer_prefill_across_dense_len() {
     // below dense_len, so a prompt prefilled densely and decoded past dense_len must give the
     // logits of one sparse prefill of the whole sequence.
     let config = tiny_config(96);
-    let model = load(&CpuBackend, &config, 3);
+    let model = load(&CpuBackend::default(), &config, 3);
     let v = config.vocab_size;
     let n = 180;
     let toks = tokens(n, v, 4);
     let want = run(
-        &CpuBackend,
+        &CpuBackend::default(),
         &model,
         &toks,
         &one_pass(n, model.sparse_mode(n)),
     );
 
-    let mut ws = model.workspace(&CpuBackend, 64).unwrap();
-    let mut seq = model.new_sequence(&CpuBackend).unwrap();
+    let mut ws = model.workspace(&CpuBackend::default(), 64).unwrap();
+    let mut seq = model.new_sequence(&CpuBackend::default()).unwrap();
     let prompt = 60;
     let last = model
-        .prefill(&CpuBackend, &mut ws, &mut seq, &toks[..prompt], &mut |_| {})
+        .prefill(
+            &CpuBackend::default(),
+            &mut ws,
+            &mut seq,
+            &toks[..prompt],
+            &mut |_| {},
+        )
         .unwrap();
     let mut got = vec![0f32; (prompt - 1) * v]; // rows before the last prompt token: not compared
     got.extend(last);
     for &t in &toks[prompt..] {
-        got.extend(model.decode(&CpuBackend, &mut ws, &mut seq, t).unwrap());
+        got.extend(
+            model
+                .decode(&CpuBackend::default(), &mut ws, &mut seq, t)
+                .unwrap(),
+        );
     }
     assert_logits_close(
         "prefill 60 + decode to 180",
@@ -334,7 +344,7 @@ fn per_call_mode_follows_the_reference_when_dense_len_exceeds_the_selection() {
     // dense_len 160 > 96: queries at 96..159 differ between dense and sparse attention, so
     // the mode of each call matters. The fast backend must follow the reference exactly.
     let config = tiny_config(160);
-    let fast = load(&CpuBackend, &config, 5);
+    let fast = load(&CpuBackend::default(), &config, 5);
     let reference = load(&ReferenceBackend, &config, 5);
     let v = config.vocab_size;
     let n = 200;
@@ -347,11 +357,16 @@ fn per_call_mode_follows_the_reference_when_dense_len_exceeds_the_selection() {
     assert_eq!(schedule[1].1, SparseMode::Dense);
     assert_eq!(schedule.last().unwrap().1, SparseMode::Sparse);
     let want = run(&ReferenceBackend, &reference, &toks, &schedule);
-    let got = run(&CpuBackend, &fast, &toks, &schedule);
+    let got = run(&CpuBackend::default(), &fast, &toks, &schedule);
     assert_logits_close("dense prefill, decode across dense_len", &got, &want, v);
 
     // And the modes are not interchangeable here: one sparse prefill differs from it.
-    let sparse_all = run(&CpuBackend, &fast, &toks, &one_pass(n, SparseMode::Sparse));
+    let sparse_all = run(
+        &CpuBackend::default(),
+        &fast,
+        &toks,
+        &one_pass(n, SparseMode::Sparse),
+    );
     let row = 150;
     let err = rel_l2(
         &sparse_all[row * v..(row + 1) * v],
@@ -448,7 +463,7 @@ fn batched_decode_equals_decoding_alone() {
             .is_err());
         assert_eq!(seq.pos, 0, "a refused step leaves the sequence as it was");
     }
-    check(&CpuBackend, "cpu");
+    check(&CpuBackend::default(), "cpu");
     check(&ReferenceBackend, "reference");
 }
 
@@ -472,7 +487,7 @@ fn the_model_loads_exactly_the_schema_tensors() {
     for config in [tiny_config(150), plain] {
         let weights = RandomWeights::new(&config, 1);
         let src = Recording(&weights, Default::default());
-        Model::load(&CpuBackend, config.clone(), &src, &mut |_, _| {}).unwrap();
+        Model::load(&CpuBackend::default(), config.clone(), &src, &mut |_, _| {}).unwrap();
         let mut asked = src.1.take();
         let mut want: Vec<String> = expected_tensors(&config)
             .into_iter()
@@ -489,7 +504,11 @@ fn the_model_loads_exactly_the_schema_tensors() {
 #[test]
 fn mixed_step_equals_running_apart() {
     let config = tiny_config(150);
-    check_mixed_step(&CpuBackend, &load(&CpuBackend, &config, 23)).unwrap();
+    check_mixed_step(
+        &CpuBackend::default(),
+        &load(&CpuBackend::default(), &config, 23),
+    )
+    .unwrap();
     check_mixed_step(&ReferenceBackend, &load(&ReferenceBackend, &config, 23)).unwrap();
 }
 
@@ -498,7 +517,11 @@ fn mixed_step_equals_running_apart() {
 #[test]
 fn a_sequence_resumed_from_a_snapshot_reads_on_as_a_cold_one() {
     let config = tiny_config(150);
-    check_resume(&CpuBackend, &load(&CpuBackend, &config, 33)).unwrap();
+    check_resume(
+        &CpuBackend::default(),
+        &load(&CpuBackend::default(), &config, 33),
+    )
+    .unwrap();
     check_resume(&ReferenceBackend, &load(&ReferenceBackend, &config, 33)).unwrap();
 }
 
@@ -508,8 +531,8 @@ fn a_sequence_resumed_from_a_snapshot_reads_on_as_a_cold_one() {
 fn forks_read_on_as_cold_sequences_and_leave_theirs_alone() {
     let config = tiny_config(150);
     check_fork(
-        &CpuBackend,
-        &load(&CpuBackend, &config, 35),
+        &CpuBackend::default(),
+        &load(&CpuBackend::default(), &config, 35),
         300,
         64,
         &[128, 256],
@@ -522,7 +545,11 @@ fn forks_read_on_as_cold_sequences_and_leave_theirs_alone() {
 #[test]
 fn a_rewound_sequence_goes_on_as_if_never_ahead() {
     let config = tiny_config(150);
-    check_rewind(&CpuBackend, &load(&CpuBackend, &config, 31)).unwrap();
+    check_rewind(
+        &CpuBackend::default(),
+        &load(&CpuBackend::default(), &config, 31),
+    )
+    .unwrap();
     check_rewind(&ReferenceBackend, &load(&ReferenceBackend, &config, 31)).unwrap();
 }
 
@@ -531,7 +558,11 @@ fn a_rewound_sequence_goes_on_as_if_never_ahead() {
 #[test]
 fn short_spans_equal_decoding_token_by_token() {
     let config = tiny_config(100);
-    check_stepwise_spans(&CpuBackend, &load(&CpuBackend, &config, 37)).unwrap();
+    check_stepwise_spans(
+        &CpuBackend::default(),
+        &load(&CpuBackend::default(), &config, 37),
+    )
+    .unwrap();
     check_stepwise_spans(&ReferenceBackend, &load(&ReferenceBackend, &config, 37)).unwrap();
 }
 
@@ -540,7 +571,11 @@ fn short_spans_equal_decoding_token_by_token() {
 #[test]
 fn greedy_picks_equal_picking_from_the_logits() {
     let config = tiny_config(150);
-    check_greedy_picks(&CpuBackend, &load(&CpuBackend, &config, 29)).unwrap();
+    check_greedy_picks(
+        &CpuBackend::default(),
+        &load(&CpuBackend::default(), &config, 29),
+    )
+    .unwrap();
     check_greedy_picks(&ReferenceBackend, &load(&ReferenceBackend, &config, 29)).unwrap();
 }
 
@@ -550,7 +585,7 @@ fn greedy_picks_equal_picking_from_the_logits() {
 #[test]
 fn random_context_is_seeded_and_decodes() {
     let config = tiny_config(96);
-    let be = CpuBackend;
+    let be = CpuBackend::default();
     let model = load(&be, &config, 3);
     let mut ws = model.workspace(&be, 8).unwrap();
     let decode_after_fill = |seed: u64| {
@@ -582,17 +617,19 @@ fn random_context_is_seeded_and_decodes() {
 #[test]
 fn an_impossible_reservation_is_an_error_not_an_abort() {
     let config = tiny_config(150);
-    let model = load(&CpuBackend, &config, 3);
-    let mut seq = model.new_sequence(&CpuBackend).unwrap();
+    let model = load(&CpuBackend::default(), &config, 3);
+    let mut seq = model.new_sequence(&CpuBackend::default()).unwrap();
     let e = model
-        .reserve(&CpuBackend, &mut seq, usize::MAX / 1024)
+        .reserve(&CpuBackend::default(), &mut seq, usize::MAX / 1024)
         .unwrap_err();
     assert!(e.0.contains("cannot hold"), "{e}");
-    let mut ws = model.workspace(&CpuBackend, 16).unwrap();
-    let logits = model.decode(&CpuBackend, &mut ws, &mut seq, 1).unwrap();
+    let mut ws = model.workspace(&CpuBackend::default(), 16).unwrap();
+    let logits = model
+        .decode(&CpuBackend::default(), &mut ws, &mut seq, 1)
+        .unwrap();
     assert!(logits.iter().all(|x| x.is_finite()));
     let e = model
-        .workspace(&CpuBackend, usize::MAX / 1024)
+        .workspace(&CpuBackend::default(), usize::MAX / 1024)
         .err()
         .expect("no host holds it");
     assert!(e.0.contains("cannot hold"), "{e}");
@@ -600,7 +637,7 @@ fn an_impossible_reservation_is_an_error_not_an_abort() {
 
 /// The tiny model split over `n` simulated CPU ranks ([`sala_model::ranks::Ranks`]).
 fn ranks(n: usize, config: &ModelConfig) -> Ranks<CpuBackend> {
-    let backends = (0..n).map(|_| CpuBackend).collect();
+    let backends = (0..n).map(|_| CpuBackend::default()).collect();
     Ranks::new(backends, Box::new(HostRanks), config).unwrap()
 }
 
@@ -632,12 +669,12 @@ fn tp_config() -> ModelConfig {
 #[test]
 fn tensor_parallel_ranks_give_one_devices_logits() {
     for (config, counts) in [(tiny_config(96), &[1, 2, 4][..]), (tp_config(), &[8][..])] {
-        let one = load(&CpuBackend, &config, 41);
+        let one = load(&CpuBackend::default(), &config, 41);
         let v = config.vocab_size;
         for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
             let toks = tokens(n, v, 42 + n as u64);
             let chunks = [(n - 12, mode), (8, mode), (1, mode), (1, mode), (2, mode)];
-            let want = run(&CpuBackend, &one, &toks, &chunks);
+            let want = run(&CpuBackend::default(), &one, &toks, &chunks);
             for &count in counts {
                 let be = ranks(count, &config);
                 let got = run(&be, &load(&be, &config, 41), &toks, &chunks);
@@ -660,12 +697,12 @@ fn tensor_parallel_ranks_give_one_devices_logits() {
 #[test]
 fn tensor_parallel_random_weights_are_one_devices_cut() {
     let config = tiny_config(96);
-    let one = Model::random(&CpuBackend, config.clone(), 7, &mut |_, _| {}).unwrap();
+    let one = Model::random(&CpuBackend::default(), config.clone(), 7, &mut |_, _| {}).unwrap();
     let pair = ranks(2, &config);
     let split = Model::random(&pair, config.clone(), 7, &mut |_, _| {}).unwrap();
     let toks = tokens(60, config.vocab_size, 8);
     let chunks = [(60, SparseMode::Dense)];
-    let want = run(&CpuBackend, &one, &toks, &chunks);
+    let want = run(&CpuBackend::default(), &one, &toks, &chunks);
     let got = run(&pair, &split, &toks, &chunks);
     let v = config.vocab_size;
     assert_logits_within("random weights, 2 ranks", &got, &want, v, RANKS_MEDIAN_ERR);
@@ -764,13 +801,15 @@ fn tensor_parallel_ranks_run_4_bit_weights() {
     ] {
         let (config, src) = QuantWeights::new(&config, group, 61);
         let v = config.vocab_size;
-        let one = Model::load(&CpuBackend, config.clone(), &src, &mut |_, _| {}).unwrap();
-        let random = Model::random(&CpuBackend, config.clone(), 62, &mut |_, _| {}).unwrap();
+        let one =
+            Model::load(&CpuBackend::default(), config.clone(), &src, &mut |_, _| {}).unwrap();
+        let random =
+            Model::random(&CpuBackend::default(), config.clone(), 62, &mut |_, _| {}).unwrap();
         for (n, mode) in [(40, SparseMode::Dense), (150, SparseMode::Sparse)] {
             let toks = tokens(n, v, 63 + n as u64);
             let chunks = [(n - 4, mode), (1, mode), (3, mode)];
-            let want = run(&CpuBackend, &one, &toks, &chunks);
-            let want_random = run(&CpuBackend, &random, &toks, &chunks);
+            let want = run(&CpuBackend::default(), &one, &toks, &chunks);
+            let want_random = run(&CpuBackend::default(), &random, &toks, &chunks);
             for &count in counts {
                 let be = ranks(count, &config);
                 let split = Model::load(&be, config.clone(), &src, &mut |_, _| {}).unwrap();
@@ -795,7 +834,7 @@ fn tensor_parallel_ranks_run_4_bit_weights() {
 fn tensor_parallel_refuses_what_does_not_split() {
     let config = tiny_config(96);
     let refuse = |n: usize| {
-        let backends = (0..n).map(|_| CpuBackend).collect();
+        let backends = (0..n).map(|_| CpuBackend::default()).collect();
         match Ranks::new(backends, Box::new(HostRanks), &config) {
             Ok(_) => panic!("{n} ranks accepted"),
             Err(e) => e.0,
@@ -830,13 +869,22 @@ fn prefill_and_decode(
     rest: &[u32],
     chunk: usize,
 ) -> Vec<Vec<f32>> {
-    let mut ws = one.workspace(&CpuBackend, chunk).unwrap();
-    let mut seq = one.new_sequence(&CpuBackend).unwrap();
+    let mut ws = one.workspace(&CpuBackend::default(), chunk).unwrap();
+    let mut seq = one.new_sequence(&CpuBackend::default()).unwrap();
     let mut out = vec![one
-        .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
+        .prefill(
+            &CpuBackend::default(),
+            &mut ws,
+            &mut seq,
+            prompt,
+            &mut |_| {},
+        )
         .unwrap()];
     for &t in rest {
-        out.push(one.decode(&CpuBackend, &mut ws, &mut seq, t).unwrap());
+        out.push(
+            one.decode(&CpuBackend::default(), &mut ws, &mut seq, t)
+                .unwrap(),
+        );
     }
     out
 }
@@ -853,19 +901,22 @@ fn context_read_in_stages_is_the_whole_read() {
     let toks = tokens(301, v, 66);
     // Each range in one chunk: a kept read goes on from the rows its workspace holds.
     const ROWS: usize = 301;
-    let models: Vec<_> = (0..3).map(|_| load(&CpuBackend, &config, 51)).collect();
+    let models: Vec<_> = (0..3)
+        .map(|_| load(&CpuBackend::default(), &config, 51))
+        .collect();
     let fresh = |rows: usize| {
         let wss: Vec<_> = models
             .iter()
-            .map(|m| m.workspace(&CpuBackend, rows).unwrap())
+            .map(|m| m.workspace(&CpuBackend::default(), rows).unwrap())
             .collect();
         let seqs: Vec<_> = models
             .iter()
-            .map(|m| m.new_sequence(&CpuBackend).unwrap())
+            .map(|m| m.new_sequence(&CpuBackend::default()).unwrap())
             .collect();
         (wss, seqs)
     };
-    let bes = || std::iter::repeat(&CpuBackend);
+    let cpu = CpuBackend::default();
+    let bes = || std::iter::repeat(&cpu);
     let (mut wss, mut seqs) = fresh(ROWS);
     let mut ranks = ContextRank::zip(bes(), &models, &mut wss, &mut seqs);
     let whole = prefill(&mut ranks, &HostRanks, &toks).unwrap();
@@ -883,9 +934,15 @@ fn context_read_in_stages_is_the_whole_read() {
             stages += 1;
             // Another sequence's step on the last rank's workspace.
             let last = ranks.last_mut().unwrap();
-            let mut other = models[2].new_sequence(&CpuBackend).unwrap();
+            let mut other = models[2].new_sequence(&CpuBackend::default()).unwrap();
             models[2]
-                .prefill(&CpuBackend, last.ws, &mut other, &toks[..5], &mut |_| {})
+                .prefill(
+                    &CpuBackend::default(),
+                    last.ws,
+                    &mut other,
+                    &toks[..5],
+                    &mut |_| {},
+                )
                 .unwrap();
         }
         let e = read.advance(&mut ranks, &HostRanks).unwrap_err().0;
@@ -905,10 +962,20 @@ fn context_read_in_stages_is_the_whole_read() {
     prefill(&mut ranks, &HostRanks, &toks).unwrap();
     drop(ranks);
     let a = models[last]
-        .decode(&CpuBackend, &mut wss_a[last], &mut seqs_a[last], next)
+        .decode(
+            &CpuBackend::default(),
+            &mut wss_a[last],
+            &mut seqs_a[last],
+            next,
+        )
         .unwrap();
     let b = models[last]
-        .decode(&CpuBackend, &mut wss[last], &mut seqs[last], next)
+        .decode(
+            &CpuBackend::default(),
+            &mut wss[last],
+            &mut seqs[last],
+            next,
+        )
         .unwrap();
     assert_eq!(a, b, "a read in stages with other work between");
     // An end before the last stage; a workspace changed under the read.
@@ -916,7 +983,7 @@ fn context_read_in_stages_is_the_whole_read() {
     let mut ranks = ContextRank::zip(bes(), &models, &mut wss, &mut seqs);
     let mut read = ContextRead::new(&ranks, &toks, mode, false).unwrap();
     read.advance(&mut ranks, &HostRanks).unwrap();
-    let mut other = models[0].workspace(&CpuBackend, 20).unwrap();
+    let mut other = models[0].workspace(&CpuBackend::default(), 20).unwrap();
     ranks[0].ws = &mut other;
     let e = read.advance(&mut ranks, &HostRanks).unwrap_err().0;
     assert!(e.contains("workspace changed"), "{e}");
@@ -934,7 +1001,7 @@ fn context_parallel_over_tensor_parallel_groups_gives_one_devices_logits() {
     use sala_model::ranks::RankExchange;
     let config = tp_config();
     let v = config.vocab_size;
-    let one = load(&CpuBackend, &config, 63);
+    let one = load(&CpuBackend::default(), &config, 63);
     for (n, seed, chunk) in [(150usize, 64u64, 150), (301, 65, 37)] {
         let toks = tokens(n + 3, v, seed);
         let (prompt, rest) = toks.split_at(n);
@@ -987,7 +1054,7 @@ fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
     use sala_model::context::{prefill, ContextRank};
     let config = tiny_config(96);
     let v = config.vocab_size;
-    let one = load(&CpuBackend, &config, 51);
+    let one = load(&CpuBackend::default(), &config, 51);
     // Each rank reads its range in chunks of its workspace's rows: whole ranges, and chunks
     // that end inside blocks.
     let cases = [
@@ -1002,16 +1069,19 @@ fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
         let (prompt, rest) = toks.split_at(n);
         let want = prefill_and_decode(&one, prompt, rest, chunk);
         for count in [1usize, 2, 3, 5] {
-            let models: Vec<_> = (0..count).map(|_| load(&CpuBackend, &config, 51)).collect();
+            let models: Vec<_> = (0..count)
+                .map(|_| load(&CpuBackend::default(), &config, 51))
+                .collect();
             let mut wss: Vec<_> = models
                 .iter()
-                .map(|m| m.workspace(&CpuBackend, chunk).unwrap())
+                .map(|m| m.workspace(&CpuBackend::default(), chunk).unwrap())
                 .collect();
             let mut seqs: Vec<_> = models
                 .iter()
-                .map(|m| m.new_sequence(&CpuBackend).unwrap())
+                .map(|m| m.new_sequence(&CpuBackend::default()).unwrap())
                 .collect();
-            let bes = std::iter::repeat(&CpuBackend);
+            let cpu = CpuBackend::default();
+            let bes = std::iter::repeat(&cpu);
             let mut ranks = ContextRank::zip(bes, &models, &mut wss, &mut seqs);
             let done = prefill(&mut ranks, &HostRanks, prompt).unwrap();
             drop(ranks);
@@ -1029,7 +1099,7 @@ fn context_parallel_prefill_gives_one_devices_logits_and_decodes_on() {
             );
             assert_eq!(seq.pos, n);
             for &t in rest {
-                got.push(model.decode(&CpuBackend, ws, seq, t).unwrap());
+                got.push(model.decode(&CpuBackend::default(), ws, seq, t).unwrap());
             }
             if count == 1 {
                 assert_eq!(got, want, "{what}");

@@ -468,6 +468,15 @@ __device__ __forceinline__ float sampled_logit(bf16 b) {
     return x != x ? NEG_INF : fminf(x, 3.402823466e38f);
 }
 
+// A step run ahead reads its token ids from the greedy picks of the step before (-1, no pick,
+// reads token 0; its request fails on the host).
+// launch: grid = ⌈n / 256⌉, block = 256
+extern "C" __global__ void __launch_bounds__(256) picked_ids(const int* picks, u32* ids, int n) {
+    pdl_start();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) ids[i] = (u32)max(picks[i], 0);
+}
+
 // Each row's greedy token: the first index of its maximum, and that token's log-probability
 // -log sum exp(x - max); id -1 where no logit is a number. As the host sampler picks it.
 // launch: grid = rows, block = 1024

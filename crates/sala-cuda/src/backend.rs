@@ -12,7 +12,7 @@ use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
 use crate::plan::{Launch, Planner};
 use crate::{gemm, libs, pool, profile, registry};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, PinnedHostSlice};
 use sala_checkpoint::{KvCacheDtype, ModelConfig, SparseConfig};
 use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::memory::{fp8_kv_row_bytes, BackendMemory};
@@ -50,6 +50,15 @@ pub struct CudaBackend {
     /// The FP8 input scratch holds the codes of these rows (address, rows, width), made by
     /// the norm that wrote them: the product reading them next need not make them again.
     pub(crate) fresh_f8: Cell<Option<(u64, usize, usize)>>,
+    /// The step under way runs ahead: (its tokens are the picks before, its picks are left
+    /// for later) ([`StepInfo::tokens_picked`], [`StepInfo::picks_later`]).
+    ahead: Cell<(bool, bool)>,
+    /// Rows of the last greedy picks made (the next step's tokens when it takes them).
+    picked_rows: Cell<usize>,
+    /// Picks left for later, oldest first: each step's copy (ids, then logprob bits) in
+    /// page-locked memory, and its rows; and spare page-locked buffers.
+    later_picks: RefCell<std::collections::VecDeque<(PinnedHostSlice<u32>, usize)>>,
+    spare_picks: RefCell<Vec<PinnedHostSlice<u32>>>,
     /// With `profile_steps`: the step spans' events, and the step under way's first.
     step_spans: Option<(
         profile::Profiler,
@@ -155,6 +164,10 @@ impl CudaBackend {
             waited: Default::default(),
             sparse_rows_batched: Default::default(),
             pool,
+            ahead: Cell::new((false, false)),
+            picked_rows: Cell::new(0),
+            later_picks: Default::default(),
+            spare_picks: Default::default(),
             step_spans,
         })
     }
@@ -272,9 +285,19 @@ impl CudaBackend {
         let mut s = self.scratch.borrow_mut();
         grow(&self.stream, &mut s.ids, rows)?;
         grow(&self.stream, &mut s.positions, rows)?;
-        self.stream
-            .memcpy_htod(step.tokens, s.ids.as_mut().expect("grown"))
-            .map_err(|e| be_err("token ids", e))?;
+        if step.tokens_picked {
+            // The picks of the step before, row for row, as the ids (still on the device).
+            let (picks, ids) = (
+                self.ptr(s.picks.as_ref().expect("a step made picks")),
+                self.ptr(s.ids.as_ref().expect("grown")),
+            );
+            self.k
+                .picked_ids(Launch::linear(rows, 256), picks, ids, rows as i32)?;
+        } else {
+            self.stream
+                .memcpy_htod(step.tokens, s.ids.as_mut().expect("grown"))
+                .map_err(|e| be_err("token ids", e))?;
+        }
         self.stream
             .memcpy_htod(&pos, s.positions.as_mut().expect("grown"))
             .map_err(|e| be_err("positions", e))?;
@@ -651,11 +674,32 @@ impl Backend for CudaBackend {
 
     fn begin_step(&self, step: &StepInfo<'_>) -> BResult<()> {
         let rows = step.tokens.len();
+        if (step.tokens_picked || step.picks_later) && !self.runs_ahead() {
+            return Err(BackendError("this backend runs no step ahead".into()));
+        }
+        if step.tokens_picked && rows != self.picked_rows.get() {
+            return Err(BackendError(format!(
+                "a step of {rows} rows takes the {} picks of the step before as its tokens",
+                self.picked_rows.get()
+            )));
+        }
+        if step.picks_later && !step.tokens_picked {
+            // A new run of steps ahead: picks no one took are stale.
+            let stale: Vec<_> = self.later_picks.borrow_mut().drain(..).collect();
+            self.spare_picks
+                .borrow_mut()
+                .extend(stale.into_iter().map(|(buf, _)| buf));
+        }
+        self.ahead.set((step.tokens_picked, step.picks_later));
         self.k.set_step_rows(rows);
         let o = self.options();
         let graph_step =
             o.cuda_graphs && !o.profile_kernels && !step.eager && rows <= GRAPH_MAX_ROWS;
         self.preloaded.set(false);
+        if step.tokens_picked && !graph_step {
+            // The ids come from the device: the eager step reads them where a graph step does.
+            self.preload_step(step)?;
+        }
         let key = if graph_step {
             self.preload_step(step)?;
             Some(StepKey {
@@ -704,6 +748,22 @@ impl Backend for CudaBackend {
         let released = self.graphs.borrow_mut().release(self.k.launched());
         self.k.set_skip(self.graphs.borrow().skipping());
         released
+    }
+
+    fn runs_ahead(&self) -> bool {
+        self.options().run_ahead
+    }
+
+    fn take_picks(&self) -> BResult<Vec<GreedyPick>> {
+        let Some((buf, n)) = self.later_picks.borrow_mut().pop_front() else {
+            return Err(BackendError("no step left its picks for later".into()));
+        };
+        let start = std::time::Instant::now();
+        let raw = buf.as_slice().map_err(|e| be_err("picks", e));
+        self.waited.set(self.waited.get() + start.elapsed());
+        let picks = picks_of(&raw?[..2 * n], n);
+        self.spare_picks.borrow_mut().push(buf);
+        Ok(picks)
     }
 
     fn step_launches(&self) -> StepLaunches {
@@ -1060,7 +1120,28 @@ impl Backend for CudaBackend {
             picks,
             picks + 4 * n as u64,
         )?;
+        self.picked_rows.set(n);
         self.graph_pause()?;
+        if self.ahead.get().1 {
+            // Copied to the host as the step ends; read by `take_picks`.
+            if keep.iter().any(|&k| k) {
+                return Err(BackendError(
+                    "a step that leaves its picks for later keeps no logits".into(),
+                ));
+            }
+            let spare = self.spare_picks.borrow_mut().pop();
+            let mut buf = match spare.filter(|b| b.len() >= 2 * n) {
+                Some(b) => b,
+                // SAFETY: the copy below writes the first 2n words before any is read.
+                None => unsafe { self.ctx.alloc_pinned_with_flags::<u32>((2 * n).max(128), 0) }
+                    .map_err(|e| be_err("page-locked picks", e))?,
+            };
+            self.stream
+                .memcpy_dtoh(&ps.slice(..2 * n), &mut buf)
+                .map_err(|e| be_err("download", e))?;
+            self.later_picks.borrow_mut().push_back((buf, n));
+            return Ok(LogitsOut::default());
+        }
         let start = std::time::Instant::now();
         self.synchronize()?;
         self.waited.set(self.waited.get() + start.elapsed());
@@ -1068,12 +1149,7 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_dtoh(&ps.slice(..2 * n), &mut raw)
             .map_err(|e| be_err("download", e))?;
-        let picks = (0..n)
-            .map(|r| GreedyPick {
-                id: u32::try_from(raw[r] as i32).ok(),
-                logprob: f32::from_bits(raw[n + r]),
-            })
-            .collect();
+        let picks = picks_of(&raw, n);
         // The kept rows, a run of adjacent ones per copy.
         let kept = keep.iter().filter(|&&k| k).count();
         let mut out = Vec::with_capacity(kept * vocab);
@@ -1099,6 +1175,16 @@ impl Backend for CudaBackend {
             .download(storage, off + a.rows * a.cols)?
             .split_off(off))
     }
+}
+
+/// Greedy picks from their download: `n` ids (-1: none), then `n` logprobs' bits.
+fn picks_of(raw: &[u32], n: usize) -> Vec<GreedyPick> {
+    (0..n)
+        .map(|r| GreedyPick {
+            id: u32::try_from(raw[r] as i32).ok(),
+            logprob: f32::from_bits(raw[n + r]),
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -812,7 +812,12 @@ mod tests {
         // A 16K-row chunk's stacked product (4 x 4096 columns, bf16) outgrows the constant.
         assert_eq!(p(4096, 16384).scratch, 16384 * 16384 * 2 + 336 * MIB);
         // The CPU holds f32 values and no CUDA allowances.
-        let cpu = MemoryPlan::new(&c, 4096, 8192, &CpuBackend.memory_facts(&c, 8192));
+        let cpu = MemoryPlan::new(
+            &c,
+            4096,
+            8192,
+            &CpuBackend::default().memory_facts(&c, 8192),
+        );
         let gpu = p(4096, 8192);
         assert_eq!(cpu.weights, 2 * gpu.weights);
         assert_eq!(cpu.cache.kv, 2 * gpu.cache.kv);
@@ -843,7 +848,12 @@ mod tests {
         assert_eq!(fp8.cache.compressed, bf16.cache.compressed);
         assert_eq!(fp8.cache.lightning_state, bf16.cache.lightning_state);
         // The CPU keeps an FP8 cache's values (as f32), so its plan does not shrink.
-        let cpu = MemoryPlan::new(&c, 4096, 8192, &CpuBackend.memory_facts(&c, 8192));
+        let cpu = MemoryPlan::new(
+            &c,
+            4096,
+            8192,
+            &CpuBackend::default().memory_facts(&c, 8192),
+        );
         assert_eq!(cpu.cache.kv, 8 * 2 * 4096 * 256 * 4);
     }
 

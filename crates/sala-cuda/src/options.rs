@@ -95,6 +95,10 @@ pub struct CudaOptions {
     pub pdl: bool,
     /// Decode steps (up to 64 rows) that repeat are captured into CUDA graphs and replayed.
     pub cuda_graphs: bool,
+    /// Greedy decode steps run ahead: the next step is queued, its tokens the picks this one
+    /// leaves on the device, before those picks reach the host (`SALA_RUN_AHEAD=0` turns it
+    /// off).
+    pub run_ahead: bool,
     /// FP8 GEMMs scaled by cuBLASLt's vector scales where it has them (else a pass after).
     pub fp8_vector_scales: bool,
     /// Tokens a range of the lightning prefill aims for (`SALA_LIGHTNING_RANGE_TOKENS`): more,
@@ -122,6 +126,7 @@ impl Default for CudaOptions {
             profile_steps: false,
             pdl: true,
             cuda_graphs: true,
+            run_ahead: true,
             fp8_vector_scales: true,
             lightning_range_tokens: crate::plan::LIGHTNING_RANGE_TOKENS,
         }
@@ -144,7 +149,7 @@ pub const FALLBACK_NAMES: [&str; 9] = [
 impl CudaOptions {
     /// The defaults changed by the environment: `SALA_FALLBACK` (a comma list of
     /// [`FALLBACK_NAMES`]: the slower variants, for comparisons), `SALA_EXACT_SELECT=1`,
-    /// `SALA_KV_POOL=0|1`, `SALA_KV_POOL_GRANULES=N`, `SALA_PROFILE=1|steps`,
+    /// `SALA_KV_POOL=0|1`, `SALA_KV_POOL_GRANULES=N`, `SALA_PROFILE=1|steps`, `SALA_RUN_AHEAD=0|1`,
     /// `SALA_LIGHTNING_RANGE_TOKENS=N`, `SALA_DEVICE_PROFILE=card`. A value it cannot use is an error naming the variable.
     pub fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok();
@@ -179,6 +184,9 @@ impl CudaOptions {
         }
         if let Some(on) = flag("SALA_CUDA_GRAPHS")? {
             o.cuda_graphs = on;
+        }
+        if let Some(on) = flag("SALA_RUN_AHEAD")? {
+            o.run_ahead = on;
         }
         if let Some(v) = var("SALA_KV_POOL_GRANULES") {
             o.kv_pool_granules = v

@@ -359,7 +359,7 @@ mod tests {
             bytes,
             source: "test".into(),
         });
-        CacheBudget::new(&config, 80, &sala_cpu::CpuBackend).with_limit(limit)
+        CacheBudget::new(&config, 80, &sala_cpu::CpuBackend::default()).with_limit(limit)
     }
 
     #[test]

@@ -70,6 +70,17 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// The same failure for another request of a shared step (the error is not `Clone`).
+    pub(crate) fn shared(&self) -> EngineError {
+        match self {
+            EngineError::Backend(b) => BackendError(b.0.clone()).into(),
+            EngineError::Panicked(p) => EngineError::Panicked(p.clone()),
+            other => EngineError::Panicked(other.to_string()),
+        }
+    }
+}
+
+impl EngineError {
     /// A panic's payload as an [`EngineError::Panicked`] naming `what` was running.
     pub fn from_panic(what: &str, payload: Box<dyn std::any::Any + Send>) -> Self {
         let message = payload

@@ -147,6 +147,22 @@ pub use speculation::SPECULATE_MAX_PAUSE;
 /// by the weights it reads anyway, and verifying drafts would only add rows.
 pub const SPECULATE_MAX_REQUESTS: usize = 8;
 
+impl<B: Backend, C: Client> Member<B, C> {
+    /// Whether its next step may be queued before its last token reaches the host: it
+    /// decodes greedily (the pick made on the device is its token), nothing else waits on its
+    /// tokens, and its client takes them.
+    fn runs_ahead(&self) -> bool {
+        self.done.is_none()
+            && self.spec.is_none()
+            && self.context.is_none()
+            && self.copy_of.is_none()
+            && self.prompt_logprobs.is_none()
+            && self.read == self.prompt.len()
+            && self.stream.takes_greedy_pick()
+            && self.client.ready()
+    }
+}
+
 impl<B: Backend, C> Member<B, C> {
     /// Where it takes snapshots, one of its sequence now (at the end of a prompt chunk),
     /// the oldest thinned past its cap.
@@ -188,6 +204,9 @@ pub struct Batch<B: Backend, C> {
     next_id: RequestId,
     max_batch: usize,
     cache: CacheBudget,
+    /// A step queued whose greedy picks are still on the device: the requests it gave a row,
+    /// in row order ([`sala_model::Model::forward_ahead`]).
+    ahead: Option<Vec<RequestId>>,
 }
 
 impl<B: Backend, C> Batch<B, C> {
@@ -260,6 +279,91 @@ impl<B: Backend, C> Batch<B, C> {
 }
 
 impl<B: Backend> Engine<B> {
+    /// The picks of the step queued ahead (its rows, the requests `ids` in order) become the
+    /// requests' logits. First, where every request of the batch has a row there and still
+    /// runs ahead, the next step is queued with those picks as its tokens. Returns that step's
+    /// rows, each request with the token it was fed.
+    fn collect_ahead<C: Client>(
+        model: &sala_model::Model<B>,
+        backend: &B,
+        ws: &mut sala_model::Workspace<B>,
+        members: &mut [Member<B, C>],
+        ids: Vec<RequestId>,
+    ) -> Option<Vec<(RequestId, u32)>> {
+        // A request about to take its last token gets no row after it.
+        let index: Option<Vec<usize>> = ids
+            .iter()
+            .map(|id| {
+                members
+                    .iter()
+                    .position(|m| m.id == *id && m.runs_ahead() && m.stream.draft_room() > 0)
+            })
+            .collect();
+        let again = index.filter(|_| members.len() == ids.len());
+        let mut queued = again.is_some();
+        if let Some(index) = &again {
+            let mut slots: Vec<Option<&mut Member<B, C>>> = members.iter_mut().map(Some).collect();
+            let mut rows: Vec<&mut Member<B, C>> = index
+                .iter()
+                .map(|&i| slots[i].take().expect("one row a request"))
+                .collect();
+            let placeholder = [0u32];
+            let mut inputs: Vec<StepInput<'_, B>> = rows
+                .iter_mut()
+                .map(|m| StepInput {
+                    mode: model.sparse_mode(m.seq.pos + 1),
+                    seq: &mut m.seq,
+                    tokens: &placeholder,
+                    logits: LogitRows::Greedy,
+                })
+                .collect();
+            let result = isolated("the forward pass", || {
+                #[cfg(test)]
+                tests::forward_hook();
+                Ok(model.forward_ahead(backend, ws, &mut inputs, true)?)
+            });
+            drop(inputs);
+            if let Err(e) = result {
+                queued = false;
+                for m in rows {
+                    m.done = Some(Err(e.shared()));
+                }
+            }
+        }
+        let picks = isolated("the forward pass", || {
+            let picks = model.take_picks(backend)?;
+            if picks.len() != ids.len() {
+                return Err(BackendError(format!(
+                    "{} picks for a step of {} rows",
+                    picks.len(),
+                    ids.len()
+                ))
+                .into());
+            }
+            Ok(picks)
+        });
+        let picks = match picks {
+            Ok(picks) => picks,
+            Err(e) => {
+                for m in members.iter_mut().filter(|m| ids.contains(&m.id)) {
+                    if m.done.is_none() {
+                        m.done = Some(Err(e.shared()));
+                    }
+                }
+                return None;
+            }
+        };
+        let mut fed = Vec::with_capacity(ids.len());
+        for (&id, pick) in ids.iter().zip(picks) {
+            // A row without a pick read token 0; its request fails as it samples.
+            fed.push((id, pick.id.unwrap_or(0)));
+            if let Some(m) = members.iter_mut().find(|m| m.id == id && m.done.is_none()) {
+                m.logits = Some(StepLogits::Greedy(pick));
+            }
+        }
+        queued.then_some(fed)
+    }
+
     /// Whether the sparse layers read `prompt` sparsely (by its whole length).
     fn reads_sparsely(&self, prompt: &[u32]) -> bool {
         self.model.sparse_mode(prompt.len()) == sala_model::SparseMode::Sparse
@@ -273,6 +377,7 @@ impl<B: Backend> Engine<B> {
             next_id: 0,
             max_batch: self.max_batch(),
             cache: self.cache_budget(),
+            ahead: None,
         }
     }
 
@@ -521,7 +626,24 @@ impl<B: Backend> Engine<B> {
                 .as_ref()
                 .and_then(|p| p.cache_bytes_in_use(&self.backend))
         };
-        let Batch { members, cache, .. } = batch;
+        let Batch {
+            members,
+            cache,
+            ahead,
+            ..
+        } = batch;
+        // 0. The picks of a step queued ahead, once the next step is queued where it can be:
+        // every request of the batch decoding greedily, its token the pick before.
+        let ran_ahead = match ahead.take() {
+            Some(ids) => {
+                let (model, backend) = (&self.model, &self.backend);
+                Self::collect_ahead(model, backend, &mut self.workspace, members, ids)
+            }
+            None => None,
+        };
+        let ran_ahead_ids = ran_ahead
+            .as_ref()
+            .map(|r| r.iter().map(|&(id, _)| id).collect());
         // 0. A copy whose source is gone or failed reads its prompt itself.
         for i in 0..members.len() {
             if let Some(of) = members[i].copy_of {
@@ -616,6 +738,24 @@ impl<B: Backend> Engine<B> {
             }
         }
 
+        // The rows queued ahead fed each request the token it just took: nothing to feed.
+        if let Some(rows) = &ran_ahead {
+            for &(id, fed) in rows {
+                let Some(m) = members.iter_mut().find(|m| m.id == id) else {
+                    continue;
+                };
+                let took = m.feed.take();
+                if m.done.is_none() && took != Some(fed) {
+                    m.done = Some(Err(EngineError::Panicked(format!(
+                        "the step run ahead fed token {fed}, the request took {took:?}"
+                    ))));
+                }
+            }
+        }
+        if let Some(ids) = ran_ahead_ids {
+            *ahead = Some(ids);
+        }
+
         // Spans of the requests that speculate: drafts while the batch is small.
         let decoding = members.iter().filter(|m| m.feed.is_some()).count();
         let max_rows = self.workspace.max_rows;
@@ -694,7 +834,57 @@ impl<B: Backend> Engine<B> {
         let ws = &mut self.workspace;
         let wants: Vec<Want> = members.iter().map(Member::want).collect();
         let plan = Scheduler::new(ws.max_rows, ws.chunk).plan(&wants);
-        if !plan.is_empty() {
+        // Every request decoding greedily: the step leaves its picks on the device, so that
+        // the next one can be queued before they reach the host.
+        let queue_ahead = ran_ahead.is_none()
+            && !plan.is_empty()
+            && plan.slots.len() == members.len()
+            && self.backend.runs_ahead()
+            && plan.slots.iter().all(|slot| {
+                let m = &members[slot.index];
+                slot.work == Work::Decode && m.runs_ahead()
+            });
+        if queue_ahead {
+            let model = &self.model;
+            let ids: Vec<RequestId> = plan.slots.iter().map(|s| members[s.index].id).collect();
+            let mut slots: Vec<Option<&mut Member<B, C>>> = members.iter_mut().map(Some).collect();
+            let mut rows: Vec<&mut Member<B, C>> = plan
+                .slots
+                .iter()
+                .map(|slot| slots[slot.index].take().expect("one slot a request"))
+                .collect();
+            let fed: Vec<u32> = rows.iter().map(|m| m.feed.expect("decoding")).collect();
+            let mut inputs: Vec<StepInput<'_, B>> = rows
+                .iter_mut()
+                .zip(&fed)
+                .map(|(m, t)| StepInput {
+                    mode: model.sparse_mode(m.seq.pos + 1),
+                    seq: &mut m.seq,
+                    tokens: std::slice::from_ref(t),
+                    logits: LogitRows::Greedy,
+                })
+                .collect();
+            let backend = &self.backend;
+            let queued = isolated("the forward pass", || {
+                #[cfg(test)]
+                tests::forward_hook();
+                Ok(model.forward_ahead(backend, ws, &mut inputs, false)?)
+            });
+            drop(inputs);
+            match queued {
+                Ok(()) => {
+                    for m in rows {
+                        m.feed = None;
+                    }
+                    *ahead = Some(ids);
+                }
+                Err(e) => {
+                    for m in rows {
+                        m.done = Some(Err(e.shared()));
+                    }
+                }
+            }
+        } else if ran_ahead.is_none() && !plan.is_empty() {
             let model = &self.model;
             let mut slots: Vec<Option<&mut Member<B, C>>> = members.iter_mut().map(Some).collect();
             let mut inputs = Vec::with_capacity(plan.slots.len());
@@ -895,11 +1085,7 @@ impl<B: Backend> Engine<B> {
                 }
                 Err(e) => {
                     for slot in &plan.slots {
-                        members[slot.index].done = Some(Err(match &e {
-                            EngineError::Backend(b) => BackendError(b.0.clone()).into(),
-                            EngineError::Panicked(p) => EngineError::Panicked(p.clone()),
-                            other => EngineError::Panicked(other.to_string()),
-                        }));
+                        members[slot.index].done = Some(Err(e.shared()));
                     }
                 }
             }

@@ -15,7 +15,7 @@ fn engine(dir: &std::path::Path, extra: usize) -> Engine<CpuBackend> {
     let mut e = common::tiny_engine(dir, 3, 64, |_| {});
     if extra > 0 {
         let checkpoint = Checkpoint::open(dir).unwrap();
-        let backends: Vec<_> = (0..extra).map(|_| CpuBackend).collect();
+        let backends: Vec<_> = (0..extra).map(|_| CpuBackend::default()).collect();
         let models = backends
             .iter()
             .map(|be| load_model(be, &checkpoint, &mut |_, _| {}).unwrap())

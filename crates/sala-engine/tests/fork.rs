@@ -22,7 +22,7 @@ fn a_copied_sequence_decodes_exactly_as_the_original() {
     let config = preset("tiny").unwrap();
     write_random_checkpoint(tmp.path(), &config, &WriteOptions::default()).unwrap();
     sala_tokenizer::write_test_tokenizer(tmp.path(), config.vocab_size).unwrap();
-    let e = Engine::load(CpuBackend, tmp.path(), 64, &mut |_, _| {}).unwrap();
+    let e = Engine::load(CpuBackend::default(), tmp.path(), 64, &mut |_, _| {}).unwrap();
     let (m, be) = (&e.model, &e.backend);
     let mut ws = m.workspace(be, 256).unwrap();
     for len in [5, 70, 150] {

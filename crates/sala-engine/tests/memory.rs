@@ -13,7 +13,7 @@ use sala_model::{Backend, Model};
 /// Every buffer `Model::workspace` allocates is one of `workspace_columns`, at its width, and
 /// the CPU plan's workspace term is their size (f32).
 fn check_workspace(config: ModelConfig, rows: usize) {
-    let be = CpuBackend;
+    let be = CpuBackend::default();
     let model = Model::random(&be, config.clone(), 1, &mut |_, _| {}).unwrap();
     let mut ws = model.workspace(&be, rows).unwrap();
     let cols = workspace_columns(&config);

@@ -339,7 +339,7 @@ fn making_room_never_evicts_the_sequence_a_request_resumes_from() {
 #[test]
 fn a_fork_sharing_its_source_is_counted_once() {
     use sala_engine::prefix::{PrefixCache, Shared};
-    let be = CpuBackend;
+    let be = CpuBackend::default();
     let model = sala_model::Model::random(
         &be,
         sala_checkpoint::preset("tiny").unwrap(),

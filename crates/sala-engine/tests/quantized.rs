@@ -52,11 +52,17 @@ fn logits_of(dir: &Path, prompt: &[u32], fp8: bool) -> Vec<f32> {
     let mut ck = Checkpoint::open(dir).unwrap();
     ck.set_fp8_weights(fp8);
     let tok = sala_tokenizer::Tokenizer::from_dir(dir).unwrap();
-    let e = Engine::from_parts(CpuBackend, dir, ck, tok, 64, &mut |_, _| {}).unwrap();
-    let mut ws = e.model.workspace(&CpuBackend, 64).unwrap();
-    let mut seq = e.model.new_sequence(&CpuBackend).unwrap();
+    let e = Engine::from_parts(CpuBackend::default(), dir, ck, tok, 64, &mut |_, _| {}).unwrap();
+    let mut ws = e.model.workspace(&CpuBackend::default(), 64).unwrap();
+    let mut seq = e.model.new_sequence(&CpuBackend::default()).unwrap();
     e.model
-        .prefill(&CpuBackend, &mut ws, &mut seq, prompt, &mut |_| {})
+        .prefill(
+            &CpuBackend::default(),
+            &mut ws,
+            &mut seq,
+            prompt,
+            &mut |_| {},
+        )
         .unwrap()
 }
 
@@ -248,7 +254,7 @@ fn fp8_checkpoints_run_as_online_fp8_and_bad_ones_are_refused() {
     };
     let mixed = tmp.path().join("fp8-mixed");
     write_fp8(&ck, &mixed, &gates, &mut |_, _| {}).unwrap();
-    let e = Engine::load(CpuBackend, &mixed, 64, &mut |_, _| {})
+    let e = Engine::load(CpuBackend::default(), &mixed, 64, &mut |_, _| {})
         .err()
         .expect("refused")
         .to_string();

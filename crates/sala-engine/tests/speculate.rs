@@ -134,7 +134,7 @@ fn requests_that_speculate_beside_others_get_their_own_tokens() {
 fn spans_fit_a_small_workspace() {
     let tmp = tempfile::tempdir().unwrap();
     engine(tmp.path());
-    let mut e = Engine::load(CpuBackend, tmp.path(), 2, &mut |_, _| {}).unwrap();
+    let mut e = Engine::load(CpuBackend::default(), tmp.path(), 2, &mut |_, _| {}).unwrap();
     let p = prompt(120, 8);
     let start = e.speculation_stats();
     let out = run_batch(&mut e, &[(p, opts(60, Some(16), greedy()))], false);

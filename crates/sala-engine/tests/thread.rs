@@ -29,7 +29,7 @@ fn model_dir() -> &'static Path {
 }
 
 fn load() -> Engine<CpuBackend> {
-    Engine::load(CpuBackend, model_dir(), 64, &mut |_, _| {}).unwrap()
+    Engine::load(CpuBackend::default(), model_dir(), 64, &mut |_, _| {}).unwrap()
 }
 
 /// Counts what the observer hears; panics once, at the `panic_at`-th token, when set.

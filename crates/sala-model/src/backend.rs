@@ -490,6 +490,21 @@ pub trait Backend {
         Ok(())
     }
 
+    /// Whether a step may take its tokens from the picks of the step before and leave its own
+    /// picks for later ([`StepInfo::tokens_picked`], [`StepInfo::picks_later`]): the next
+    /// decode step queued before this one's tokens reach the host.
+    fn runs_ahead(&self) -> bool {
+        false
+    }
+
+    /// The greedy picks of the oldest step that left them for later (waiting for them).
+    fn take_picks(&self) -> BResult<Vec<crate::GreedyPick>> {
+        Err(BackendError(format!(
+            "{}: no step left its picks for later",
+            self.name()
+        )))
+    }
+
     /// How the step begun last makes its launches.
     fn step_launches(&self) -> StepLaunches {
         StepLaunches::Eager
@@ -775,6 +790,12 @@ pub struct StepInfo<'a> {
     /// step whose work differs from another's of the same spans (context parallelism's
     /// passes over a chunk, one a layer).
     pub eager: bool,
+    /// The step's token ids are the greedy picks of the step before, row for row, left on the
+    /// device (`tokens` holds placeholders): a step run ahead ([`Backend::runs_ahead`]).
+    pub tokens_picked: bool,
+    /// The step's greedy picks are read by [`Backend::take_picks`], not by
+    /// [`Backend::logits`] (which then gives none), so that the next step can be queued first.
+    pub picks_later: bool,
 }
 
 /// One sequence's rows in a step: rows `first_row..first_row + len` of the step's

@@ -473,6 +473,8 @@ impl Run<'_> {
             }],
             aux_rows: &[],
             eager: true,
+            tokens_picked: false,
+            picks_later: false,
         })?;
         for buf in rank.ws.buffers_mut() {
             be.set_rows(buf, ch.len());

@@ -467,6 +467,8 @@ impl<B: Backend> DraftModel<B> {
             logits: &logits,
             aux_rows: &[],
             eager: false,
+            tokens_picked: false,
+            picks_later: false,
         })?;
         let out = self.layer(be, target, ws, state, aux, tokens, span, pick);
         let ended = be.end_step(out.is_ok());

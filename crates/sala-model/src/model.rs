@@ -146,6 +146,8 @@ struct StepCtx<'a> {
     res: f32,
     /// Rows whose hidden states are kept for a draft: (input, step row, buffer row, rows).
     aux_rows: &'a [[usize; 4]],
+    /// The step leaves its picks for later ([`Model::forward_ahead`]).
+    picks_later: bool,
 }
 
 impl<B: Backend> Layer<B> {
@@ -354,6 +356,13 @@ pub enum LogitRows {
     /// Every row's greedy token ([`GreedyPick`]; verifying a greedy span): no logits leave
     /// the device.
     GreedyAll,
+}
+
+/// How a step runs ahead ([`Model::forward_ahead`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Ahead {
+    tokens_picked: bool,
+    picks_later: bool,
 }
 
 /// The greedy token of one row of logits, as the host sampler picks it: the first index of the
@@ -777,6 +786,52 @@ impl<B: Backend> Model<B> {
         ws: &mut Workspace<B>,
         batch: &mut [StepInput<'_, B>],
     ) -> BResult<Vec<StepLogits>> {
+        self.forward_as(be, ws, batch, Ahead::default())
+    }
+
+    /// [`Model::forward`] of a step whose every input asks for its greedy pick
+    /// ([`LogitRows::Greedy`]), left on the device to be read by [`Model::take_picks`] (one per
+    /// input, in order) once the next step is queued. With `tokens_picked`, every input is one
+    /// row whose token is the pick the step before left for it, input for input (its `tokens`
+    /// are placeholders). The backend must [`Backend::runs_ahead`].
+    pub fn forward_ahead(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        batch: &mut [StepInput<'_, B>],
+        tokens_picked: bool,
+    ) -> BResult<()> {
+        let fits = be.runs_ahead()
+            && batch
+                .iter()
+                .all(|x| x.logits == LogitRows::Greedy && (!tokens_picked || x.tokens.len() == 1));
+        if !fits {
+            return Err(BackendError(
+                "a step run ahead needs a backend that runs ahead and a greedy pick an input \
+                 (one row each when its tokens are the picks before)"
+                    .into(),
+            ));
+        }
+        let ahead = Ahead {
+            tokens_picked,
+            picks_later: true,
+        };
+        self.forward_as(be, ws, batch, ahead).map(|_| ())
+    }
+
+    /// The picks of the oldest step [`Model::forward_ahead`] queued whose picks are still on
+    /// the device, one per input (waits for them).
+    pub fn take_picks(&self, be: &B) -> BResult<Vec<GreedyPick>> {
+        be.take_picks()
+    }
+
+    fn forward_as(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        batch: &mut [StepInput<'_, B>],
+        ahead: Ahead,
+    ) -> BResult<Vec<StepLogits>> {
         let c = &self.config;
         let n: usize = batch.iter().map(|x| x.tokens.len()).sum();
         if batch.is_empty() || n > ws.max_rows || batch.iter().any(|x| x.tokens.is_empty()) {
@@ -831,6 +886,7 @@ impl<B: Backend> Model<B> {
             eps: c.rms_norm_eps as f32,
             res: c.residual_scale() as f32,
             aux_rows: &aux_rows,
+            picks_later: ahead.picks_later,
         };
         let seq_ids: Vec<u64> = batch.iter().map(|x| x.seq.id).collect();
         let logits: Vec<LogitRows> = batch.iter().map(|x| x.logits).collect();
@@ -841,6 +897,8 @@ impl<B: Backend> Model<B> {
             logits: &logits,
             aux_rows: &aux_rows,
             eager: false,
+            tokens_picked: ahead.tokens_picked,
+            picks_later: ahead.picks_later,
         })?;
         // A panic inside the step still ends it (a capture under way is dropped).
         let mut unwinding = EndStepOnUnwind { be, armed: true };
@@ -929,6 +987,9 @@ impl<B: Backend> Model<B> {
         // `ws.a` holds the final norm of the last layer's output.
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let out = be.logits(&ws.a, logit_rows, &keep, head, c.logit_divisor() as f32)?;
+        if step.picks_later {
+            return Ok(Vec::new());
+        }
         let (mut all, mut picks) = (out.rows, out.picks);
         let vocab = c.vocab_size;
         let kept = keep.iter().filter(|&&k| k).count();

@@ -9,7 +9,7 @@ use clap::Args;
 use sala_checkpoint::{expected_parameter_count, preset, MixerKind, ModelConfig};
 use sala_model::memory::{cache_bytes, MemoryLimit, MemoryPlan};
 use sala_model::numerics::TestRng;
-use sala_model::{Backend, LogitRows, Model};
+use sala_model::{Backend, LogitRows, Model, StepInput};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -618,12 +618,31 @@ fn measure<B: Backend + DeviceStats>(
         print_profile(be, &format!("prefill of {len}"));
         let waited_before = be.host_wait();
         let start = Instant::now();
-        // Greedy, as the engine decodes a greedy request: the pick made on the device.
-        for _ in 0..args.decode_tokens {
-            next = model
-                .decode_greedy(be, &mut ws, &mut seq, next)?
-                .id
-                .unwrap_or(0);
+        // Greedy, as the engine decodes a greedy request: the pick made on the device, each
+        // step queued before the last one's pick reaches the host where the backend can.
+        if be.runs_ahead() {
+            for step in 0..args.decode_tokens {
+                let input = StepInput {
+                    mode: model.sparse_mode(seq.pos + 1),
+                    seq: &mut seq,
+                    tokens: &[next],
+                    logits: LogitRows::Greedy,
+                };
+                model.forward_ahead(be, &mut ws, &mut [input], step > 0)?;
+                if step > 0 {
+                    next = model.take_picks(be)?[0].id.unwrap_or(0);
+                }
+            }
+            if args.decode_tokens > 0 {
+                next = model.take_picks(be)?[0].id.unwrap_or(0);
+            }
+        } else {
+            for _ in 0..args.decode_tokens {
+                next = model
+                    .decode_greedy(be, &mut ws, &mut seq, next)?
+                    .id
+                    .unwrap_or(0);
+            }
         }
         let decode = start.elapsed().as_secs_f64();
         if let (Some(a), Some(b)) = (waited_before, be.host_wait()) {

@@ -76,7 +76,7 @@ impl Device {
             _ => {}
         }
         match self {
-            Self::Cpu => Ok(Opened::Cpu(CpuBackend)),
+            Self::Cpu => Ok(Opened::Cpu(CpuBackend::default())),
             Self::Cuda(n) => match CudaBackend::new(n, options) {
                 Ok(b) => Ok(Opened::Cuda(Box::new(b))),
                 Err(e) => bail!("--device cuda:{n}: {e}"),
@@ -87,7 +87,7 @@ impl Device {
                     if std::env::var_os("SALA_QUIET_DEVICE").is_none() {
                         eprintln!("note: running on the CPU ({e})");
                     }
-                    Ok(Opened::Cpu(CpuBackend))
+                    Ok(Opened::Cpu(CpuBackend::default()))
                 }
             },
         }
@@ -192,7 +192,7 @@ impl DeviceArgs {
         };
         let config = config()?;
         let Some(first) = first else {
-            let cpus: Vec<_> = (0..n).map(|_| CpuBackend).collect();
+            let cpus: Vec<_> = (0..n).map(|_| CpuBackend::default()).collect();
             let sums = CpuBackend::collective(&cpus)?;
             let ranks = Ranks::new(cpus, sums, &config).map_err(|e| anyhow!("{e}"))?;
             return Ok(Opened::CpuRanks(Box::new(ranks)));
@@ -298,7 +298,10 @@ pub type ContextRanksOf<B> = (Vec<B>, Box<dyn Exchange<B> + Send>);
 impl DeviceStats for CpuBackend {
     /// Simulated ranks in this process.
     fn context_ranks(&self, n: usize, _stride: usize) -> Result<ContextRanksOf<Self>> {
-        Ok(((0..n).map(|_| CpuBackend).collect(), Box::new(HostRanks)))
+        Ok((
+            (0..n).map(|_| CpuBackend::default()).collect(),
+            Box::new(HostRanks),
+        ))
     }
     fn collective(_ranks: &[Self]) -> Result<Box<dyn Collective<Self> + Send>> {
         Ok(Box::new(HostRanks))

@@ -158,7 +158,7 @@ fn calibrate(
             )
         })?;
     drop(probe);
-    let be = sala_cpu::CpuBackend;
+    let be = sala_cpu::CpuBackend::default();
     let model = sala_engine::generate::load_model(&be, &checkpoint, &mut |_, _| {})?;
     let sums: Rc<RefCell<std::collections::HashMap<(usize, sala_model::LinearInput), Vec<f64>>>> =
         Rc::default();

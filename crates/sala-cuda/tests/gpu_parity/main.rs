@@ -97,7 +97,7 @@ fn random_matrix(
         bytes: &bf16_bytes(&w),
     };
     (
-        CpuBackend.upload_matrix("w", ht).unwrap(),
+        CpuBackend::default().upload_matrix("w", ht).unwrap(),
         g.upload_matrix("w", ht).unwrap(),
     )
 }
@@ -114,7 +114,9 @@ fn gpu_matmul(g: &CudaBackend, x: &[f32], w: &sala_cuda::DevMatrix, rows: usize)
 /// against.
 fn cpu_matmul(x: &[f32], w: &sala_cpu::CpuMatrix) -> Vec<f32> {
     let mut out = cpu_act(&vec![0.0; x.len() / w.cols * w.rows], w.rows);
-    CpuBackend.matmul(&cpu_act(x, w.cols), w, &mut out).unwrap();
+    CpuBackend::default()
+        .matmul(&cpu_act(x, w.cols), w, &mut out)
+        .unwrap();
     out.data
 }
 

@@ -55,12 +55,12 @@ fn four_bit_model_matches_cpu() {
     });
     let g = gpu();
     let gm = Model::random(&g, config.clone(), 8, &mut |_, _| {}).unwrap();
-    let cm = Model::random(&CpuBackend, config.clone(), 8, &mut |_, _| {}).unwrap();
+    let cm = Model::random(&CpuBackend::default(), config.clone(), 8, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(4);
     let toks: Vec<u32> = (0..160)
         .map(|_| rng.below(config.vocab_size) as u32)
         .collect();
-    let want = prefill_decode(&CpuBackend, &cm, &toks, 130, 64);
+    let want = prefill_decode(&CpuBackend::default(), &cm, &toks, 130, 64);
     let got = prefill_decode(&g, &gm, &toks, 130, 64);
     for (i, (gl, cl)) in got.iter().zip(&want).enumerate() {
         close(&format!("4-bit model, logits of step {i}"), gl, cl, 5e-2);
@@ -94,12 +94,12 @@ fn check_model(config: ModelConfig, n: usize, prompt: usize, chunk: usize) {
     let ck = Ckpt(Checkpoint::open(&dir).unwrap());
     let g = gpu();
     let gm = Model::load(&g, config.clone(), &ck, &mut |_, _| {}).unwrap();
-    let cm = Model::load(&CpuBackend, config.clone(), &ck, &mut |_, _| {}).unwrap();
+    let cm = Model::load(&CpuBackend::default(), config.clone(), &ck, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(9);
     let toks: Vec<u32> = (0..n)
         .map(|_| rng.below(config.vocab_size) as u32)
         .collect();
-    let want = prefill_decode(&CpuBackend, &cm, &toks, prompt, chunk);
+    let want = prefill_decode(&CpuBackend::default(), &cm, &toks, prompt, chunk);
     let got = prefill_decode(&g, &gm, &toks, prompt, chunk);
     let argmax = |l: &[f32]| {
         (0..l.len())
@@ -298,6 +298,105 @@ fn cuda_graph_decode_equals_eager_on_the_gpu() {
         }
     }
     set(&g, |o| o.cuda_graphs = true);
+}
+
+/// Greedy steps run ahead (each queued with the picks of the step before as its tokens,
+/// before those picks reach the host) pick what steps one at a time pick, bit for bit: one
+/// sequence and four together, graphs on and off, on the tiny and the small model with the
+/// sparse layers past `dense_len`.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn greedy_steps_run_ahead_pick_what_steps_one_at_a_time_pick_on_the_gpu() {
+    let g = gpu();
+    assert!(g.runs_ahead(), "the default options run steps ahead");
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 100;
+        let v = config.vocab_size;
+        let model = Model::random(&g, config, 12, &mut |_, _| {}).unwrap();
+        let mut rng = TestRng::new(8);
+        let prompts: Vec<Vec<u32>> = [130usize, 41, 260, 9]
+            .iter()
+            .map(|&n| (0..n).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        let mut ws = model.workspace(&g, 512).unwrap();
+        const STEPS: usize = 9;
+        for graphs in [false, true] {
+            set(&g, |o| o.cuda_graphs = graphs);
+            for batch in [&[2usize][..], &[0, 1, 2, 3]] {
+                let fresh = |ws: &mut _| -> Vec<_> {
+                    batch
+                        .iter()
+                        .map(|&i| {
+                            let mut s = model.new_sequence(&g).unwrap();
+                            model
+                                .prefill(&g, ws, &mut s, &prompts[i], &mut |_| {})
+                                .unwrap();
+                            s
+                        })
+                        .collect()
+                };
+                let first: Vec<u32> = batch.iter().map(|&i| prompts[i][0]).collect();
+                // One step at a time: each pick read, then fed.
+                let mut seqs = fresh(&mut ws);
+                let mut feed = first.clone();
+                let mut want: Vec<Vec<GreedyPick>> = Vec::new();
+                for _ in 0..STEPS {
+                    let mut inputs = greedy_rows(&model, &mut seqs, &feed);
+                    let picks: Vec<GreedyPick> = model
+                        .forward(&g, &mut ws, &mut inputs)
+                        .unwrap()
+                        .into_iter()
+                        .map(|l| match l {
+                            sala_model::StepLogits::Greedy(p) => p,
+                            _ => panic!("a greedy pick was asked"),
+                        })
+                        .collect();
+                    feed = picks.iter().map(|p| p.id.unwrap()).collect();
+                    want.push(picks);
+                }
+                // Ahead: the next step queued before the picks are read.
+                let mut seqs = fresh(&mut ws);
+                let mut got = Vec::new();
+                for step in 0..STEPS {
+                    let placeholder = vec![0u32; batch.len()];
+                    let tokens = if step == 0 { &first } else { &placeholder };
+                    let mut inputs = greedy_rows(&model, &mut seqs, tokens);
+                    model
+                        .forward_ahead(&g, &mut ws, &mut inputs, step > 0)
+                        .unwrap();
+                    if step > 0 {
+                        got.push(model.take_picks(&g).unwrap());
+                    }
+                }
+                got.push(model.take_picks(&g).unwrap());
+                assert!(
+                    got == want,
+                    "{name}, graphs {graphs}, {} rows: the picks of steps run ahead differ",
+                    batch.len()
+                );
+                assert!(model.take_picks(&g).is_err(), "no picks are left over");
+            }
+        }
+    }
+    set(&g, |o| o.cuda_graphs = true);
+}
+
+/// A decode row of each sequence, fed its token, asking for its greedy pick.
+fn greedy_rows<'a>(
+    model: &Model<CudaBackend>,
+    seqs: &'a mut [sala_model::SeqState<CudaBackend>],
+    tokens: &'a [u32],
+) -> Vec<sala_model::StepInput<'a, CudaBackend>> {
+    seqs.iter_mut()
+        .zip(tokens)
+        .map(|(s, t)| sala_model::StepInput {
+            mode: model.sparse_mode(s.pos + 1),
+            seq: s,
+            tokens: std::slice::from_ref(t),
+            logits: LogitRows::Greedy,
+        })
+        .collect()
 }
 
 /// A step that repeats an earlier one's rows but asks for other logits (a greedy pick, then
@@ -788,7 +887,7 @@ fn an_eagle3_draft_drafts_on_the_gpu_as_on_the_cpu() {
         let draft_dir = dir.join("draft");
         write_random_draft(&draft_dir, &c, false, None, 9).unwrap();
         let dck = DraftCheckpoint::open(&draft_dir, &config).unwrap();
-        let cpu = CpuBackend;
+        let cpu = CpuBackend::default();
         let gm = Model::load(&g, config.clone(), &ck, &mut |_, _| {}).unwrap();
         let cm = Model::load(&cpu, config.clone(), &ck, &mut |_, _| {}).unwrap();
         let gd = DraftModel::load(&g, &gm, &dck).unwrap();

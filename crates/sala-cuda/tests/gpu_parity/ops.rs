@@ -26,7 +26,7 @@ fn elementwise_ops_match_cpu() {
 
         // rms_norm
         let mut c_out = cpu_act(&vec![0.0; n], cols);
-        CpuBackend
+        CpuBackend::default()
             .rms_norm(&cpu_act(&x, cols), &w, 1e-6, &mut c_out)
             .unwrap();
         let gv = gpu_vector(&g, &w);
@@ -42,7 +42,7 @@ fn elementwise_ops_match_cpu() {
 
         // rms_norm then the sigmoid gate (the lightning output), in one kernel on the GPU
         let mut c_gated = cpu_act(&vec![0.0; n], cols);
-        CpuBackend
+        CpuBackend::default()
             .rms_norm_gate(
                 &cpu_act(&x, cols),
                 &w,
@@ -70,7 +70,7 @@ fn elementwise_ops_match_cpu() {
         // the residual add fused with the next norm
         let mut ch = cpu_act(&x, cols);
         let mut cn = cpu_act(&vec![0.0; n], cols);
-        CpuBackend
+        CpuBackend::default()
             .add_scaled_norm(&mut ch, &cpu_act(&y, cols), 0.247, &w, 1e-6, &mut cn)
             .unwrap();
         let mut gh = g.act_from_host(&x, cols).unwrap();
@@ -103,17 +103,17 @@ fn elementwise_ops_match_cpu() {
         let cases: [(&str, CpuOp, GpuOp); 3] = [
             (
                 "silu_mul",
-                |a, b| CpuBackend.silu_mul(a, b).unwrap(),
+                |a, b| CpuBackend::default().silu_mul(a, b).unwrap(),
                 |g, a, b| g.silu_mul(a, b).unwrap(),
             ),
             (
                 "add_scaled",
-                |a, b| CpuBackend.add_scaled(a, b, 0.247).unwrap(),
+                |a, b| CpuBackend::default().add_scaled(a, b, 0.247).unwrap(),
                 |g, a, b| g.add_scaled(a, b, 0.247).unwrap(),
             ),
             (
                 "sigmoid_gate",
-                |a, b| CpuBackend.sigmoid_gate(a, b).unwrap(),
+                |a, b| CpuBackend::default().sigmoid_gate(a, b).unwrap(),
                 |g, a, b| g.sigmoid_gate(a, b).unwrap(),
             ),
         ];
@@ -133,7 +133,7 @@ fn elementwise_ops_match_cpu() {
         // silu_mul_halves: gate and up as the two halves of one row ([rows, 2·cols] in).
         let gu = rng.bf16_vec(2 * n, -3.0, 3.0);
         let mut c_out = cpu_act(&vec![0.0; n], cols);
-        CpuBackend
+        CpuBackend::default()
             .silu_mul_halves(&cpu_act(&gu, 2 * cols), &mut c_out)
             .unwrap();
         let mut g_out = g.act_from_host(&vec![0.0; n], cols).unwrap();
@@ -191,7 +191,7 @@ fn embed_matmul_head_norm_rope_match_cpu() {
             let half = out / 2;
             let mut cgu = cpu_act(&vec![0.0; rows * out], out);
             let mut cm = cpu_act(&vec![0.0; rows * half], half);
-            CpuBackend
+            CpuBackend::default()
                 .matmul_silu(&cpu_act(&x, inner), &cw, &mut cgu, &mut cm)
                 .unwrap();
             let mut ggu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
@@ -213,7 +213,7 @@ fn embed_matmul_head_norm_rope_match_cpu() {
         let [c0, c1, c2] = &mut cparts[..] else {
             unreachable!()
         };
-        CpuBackend
+        CpuBackend::default()
             .matmul_split(&cpu_act(&x, inner), &cw, &mut [c0, c1, c2])
             .unwrap();
         let mut gparts: Vec<_> = widths
@@ -237,7 +237,9 @@ fn embed_matmul_head_norm_rope_match_cpu() {
         // embed from the same table
         let ids: Vec<u32> = (0..rows).map(|_| rng.below(out) as u32).collect();
         let mut ce = cpu_act(&vec![0.0; rows * inner], inner);
-        CpuBackend.embed(&cw, &ids, 12.0, &mut ce).unwrap();
+        CpuBackend::default()
+            .embed(&cw, &ids, 12.0, &mut ce)
+            .unwrap();
         let mut ge = g.act_from_host(&vec![0.0; rows * inner], inner).unwrap();
         g.embed(&gw, &ids, 12.0, &mut ge).unwrap();
         assert_eq!(g.to_host(&ge).unwrap(), ce.data, "embed is exact");

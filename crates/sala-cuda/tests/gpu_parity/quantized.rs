@@ -53,7 +53,7 @@ fn four_bit_products_match_cpu() {
             scales: &scales,
             zeros: &zeros,
         };
-        let cw = CpuBackend.upload_quantized("w", q).unwrap();
+        let cw = CpuBackend::default().upload_quantized("w", q).unwrap();
         let gw = g.upload_quantized("w", q).unwrap();
         let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
         let what = format!("w4 matmul {rows}x{inner} by {out}, groups of {group}");
@@ -76,19 +76,19 @@ fn four_bit_products_match_cpu() {
         };
         for with_bf16 in [false, true] {
             let mut cparts = vec![
-                CpuBackend.upload_quantized("a", q).unwrap(),
-                CpuBackend.upload_quantized("b", q2).unwrap(),
+                CpuBackend::default().upload_quantized("a", q).unwrap(),
+                CpuBackend::default().upload_quantized("b", q2).unwrap(),
             ];
             let mut gparts = vec![
                 g.upload_quantized("a", q).unwrap(),
                 g.upload_quantized("b", q2).unwrap(),
             ];
             if with_bf16 {
-                cparts.push(CpuBackend.upload_matrix("c", ht).unwrap());
+                cparts.push(CpuBackend::default().upload_matrix("c", ht).unwrap());
                 gparts.push(g.upload_matrix("c", ht).unwrap());
             }
             let total = out + 64 + if with_bf16 { 32 } else { 0 };
-            let cs = CpuBackend.concat_rows(cparts).unwrap();
+            let cs = CpuBackend::default().concat_rows(cparts).unwrap();
             let gs = g.concat_rows(gparts).unwrap();
             assert_eq!(cs.rows, total);
             close(
@@ -380,7 +380,7 @@ fn fp8_products_match_cpu() {
                 codes: &codes,
                 scales: &scales,
             };
-            let cw = CpuBackend.upload_fp8("w", m).unwrap();
+            let cw = CpuBackend::default().upload_fp8("w", m).unwrap();
             let gw = g.upload_fp8("w", m).unwrap();
             // Rows of very different sizes: each gets its own scale.
             let mut x = rng.bf16_vec(rows * inner, -1.0, 1.0);
@@ -535,7 +535,7 @@ fn check_products(
         let half = out / 2;
         let mut cgu = cpu_act(&vec![0.0; rows * out], out);
         let mut cm = cpu_act(&vec![0.0; rows * half], half);
-        CpuBackend
+        CpuBackend::default()
             .matmul_silu(&cpu_act(x, inner), cw, &mut cgu, &mut cm)
             .unwrap();
         let mut ggu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();

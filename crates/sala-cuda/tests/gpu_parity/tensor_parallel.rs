@@ -40,7 +40,7 @@ fn split_row_norms_match_the_cpu_and_the_whole_rows_norm() {
         let mut g_sums = g.upload_table(&vec![0.0; rows + 3]).unwrap();
         g.row_sums_of_squares(&gx, &mut g_sums).unwrap();
         let mut c_sums = vec![0.0; rows + 3];
-        CpuBackend
+        CpuBackend::default()
             .row_sums_of_squares(&cpu_act(&x, cols), &mut c_sums)
             .unwrap();
         let got = g.f32_to_host(&g_sums).unwrap();
@@ -63,7 +63,7 @@ fn split_row_norms_match_the_cpu_and_the_whole_rows_norm() {
             assert_eq!(with, plain, "{ctx} gate {gate}: own sums");
             let mut c_out = cpu_act(&vec![0.0; n], cols);
             let cz = cpu_act(&z, cols);
-            CpuBackend
+            CpuBackend::default()
                 .rms_norm_gate_with_sums(
                     &cpu_act(&x, cols),
                     &c_sums,

@@ -39,7 +39,7 @@ fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
     )
     .unwrap();
     sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
-    let mut e = Engine::load(CpuBackend, dir, 64, &mut |_, _| {}).unwrap();
+    let mut e = Engine::load(CpuBackend::default(), dir, 64, &mut |_, _| {}).unwrap();
     e.set_max_batch(8).unwrap();
     e
 }
@@ -209,4 +209,75 @@ fn copies_of_a_prompt_read_it_once_and_sample_as_if_alone() {
         assert_eq!(g.as_ref().unwrap(), a.as_ref().unwrap());
     }
     assert_ne!(got[0].as_ref().unwrap(), got[1].as_ref().unwrap());
+}
+
+/// Greedy options: `max_tokens`, and `eos` as the end of sequence.
+fn greedy(max_tokens: usize, eos: Option<u32>) -> GenerateOptions {
+    GenerateOptions {
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        max_tokens,
+        eos_ids: eos.into_iter().collect(),
+        ..opts(0)
+    }
+}
+
+#[test]
+fn steps_run_ahead_give_every_request_the_tokens_of_steps_one_at_a_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut ahead = engine(tmp.path());
+    let mut plain = Engine::load(
+        CpuBackend::without_run_ahead(),
+        tmp.path(),
+        64,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    plain.set_max_batch(8).unwrap();
+    // An end of sequence the first request reaches at its fourth token, the others perhaps.
+    let first = run(
+        &mut plain,
+        &[(prompt(20, 1), greedy(12, None), None)],
+        |_| {},
+    );
+    let eos = first[0].as_ref().unwrap().0[3];
+    let reqs = vec![
+        (prompt(20, 1), greedy(12, Some(eos)), None),
+        (prompt(33, 2), greedy(9, Some(eos)), None),
+        (prompt(7, 3), greedy(1, None), None),
+        (prompt(15, 4), greedy(2, None), None),
+        (prompt(26, 5), greedy(14, None), None),
+    ];
+    let want = run(&mut plain, &reqs, |_| {});
+    assert_eq!(plain.backend.steps_run_ahead(), 0);
+    let got = run(&mut ahead, &reqs, |_| {});
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.as_ref().unwrap(), w.as_ref().unwrap());
+    }
+    assert_eq!(got[0].as_ref().unwrap().1, FinishReason::Stop);
+    assert_eq!(got[0].as_ref().unwrap().0.len(), 4);
+    let ran = ahead.backend.steps_run_ahead();
+    assert!(ran > 5, "{ran} steps ran ahead");
+    // A request that samples holds the batch to steps one at a time while it is in; the
+    // greedy ones get their tokens either way.
+    let mut mixed = reqs.clone();
+    mixed.push((prompt(11, 6), opts(6), None));
+    let want = run(&mut plain, &mixed, |_| {});
+    let got = run(&mut ahead, &mixed, |_| {});
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.as_ref().unwrap(), w.as_ref().unwrap());
+    }
+    // A panic in a step run ahead fails its requests; the engine goes on.
+    let got = run(&mut ahead, &reqs[4..], |step| {
+        if step == 6 {
+            panic_in_next_forward();
+        }
+    });
+    assert_panicked(&got[0], "forward pass");
+    let again = run(&mut ahead, &reqs, |_| {});
+    for (g, w) in again.iter().zip(run(&mut plain, &reqs, |_| {}).iter()) {
+        assert_eq!(g.as_ref().unwrap(), w.as_ref().unwrap());
+    }
 }

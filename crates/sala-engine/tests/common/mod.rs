@@ -28,7 +28,7 @@ pub fn tiny_engine(
         write_random_checkpoint(dir, &config, &opts).unwrap();
         sala_tokenizer::write_test_tokenizer(dir, config.vocab_size).unwrap();
     }
-    Engine::load(CpuBackend, dir, chunk, &mut |_, _| {}).unwrap()
+    Engine::load(CpuBackend::default(), dir, chunk, &mut |_, _| {}).unwrap()
 }
 
 /// `max_tokens` tokens sampled by `sampling` within 4096 tokens of context: no stop strings,

@@ -29,7 +29,7 @@ pub fn model_dir() -> &'static Path {
 
 /// The model of the test servers, loaded in the test process.
 pub fn load_engine() -> Engine<CpuBackend> {
-    Engine::load(CpuBackend, model_dir(), 64, &mut |_, _| {}).unwrap()
+    Engine::load(CpuBackend::default(), model_dir(), 64, &mut |_, _| {}).unwrap()
 }
 
 pub fn spawn_engine(queue: usize) -> sala_server::EngineHandle {
@@ -59,8 +59,8 @@ pub fn spawn_engine_with(
 ) -> sala_server::EngineHandle {
     let dir = model_dir().to_path_buf();
     sala_server::spawn_engine(MODEL_ID.into(), Some(context), queue, move |runner| {
-        let mut engine =
-            Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        let mut engine = Engine::load(CpuBackend::default(), &dir, 64, &mut |_, _| {})
+            .map_err(|e| e.to_string())?;
         setup(&mut engine);
         runner.max_batch(max_batch).run(engine);
         Ok(())
@@ -78,8 +78,8 @@ pub fn spawn_engine_runner(
 ) -> sala_server::EngineHandle {
     let dir = model_dir().to_path_buf();
     sala_server::spawn_engine(MODEL_ID.into(), Some(context), queue, move |runner| {
-        let engine =
-            Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        let engine = Engine::load(CpuBackend::default(), &dir, 64, &mut |_, _| {})
+            .map_err(|e| e.to_string())?;
         configure(runner.max_batch(max_batch)).run(engine);
         Ok(())
     })

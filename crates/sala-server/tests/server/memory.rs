@@ -18,15 +18,15 @@ fn plan(tokens: usize) -> MemoryPlan {
         &config,
         tokens,
         rows,
-        &CpuBackend.memory_facts(&config, rows),
+        &CpuBackend::default().memory_facts(&config, rows),
     )
 }
 
 fn spawn_limited(bytes: usize) -> Result<sala_server::EngineHandle, String> {
     let dir = model_dir().to_path_buf();
     sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), 8, move |runner| {
-        let engine =
-            Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        let engine = Engine::load(CpuBackend::default(), &dir, 64, &mut |_, _| {})
+            .map_err(|e| e.to_string())?;
         let limit = MemoryLimit {
             bytes,
             source: "--max-memory test".into(),
@@ -128,8 +128,8 @@ fn a_stalled_clients_memory_goes_to_a_request_that_needs_it() {
         source: "--max-memory test".into(),
     };
     let engine = sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), 8, move |r| {
-        let engine =
-            Engine::load(CpuBackend, &dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        let engine = Engine::load(CpuBackend::default(), &dir, 64, &mut |_, _| {})
+            .map_err(|e| e.to_string())?;
         r.memory_limit(Some(limit))
             .pause_limit(std::time::Duration::from_millis(300))
             .run(engine);

@@ -179,9 +179,13 @@ fn a_full_queue_over_http_is_429_and_metrics_show_the_backlog() {
 fn metrics_count_speculation_and_a_request_may_opt_out() {
     let dir = model_dir().to_path_buf();
     let engine = sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), 8, move |runner| {
-        let engine =
-            sala_engine::generate::Engine::load(sala_cpu::CpuBackend, &dir, 64, &mut |_, _| {})
-                .map_err(|e| e.to_string())?;
+        let engine = sala_engine::generate::Engine::load(
+            sala_cpu::CpuBackend::default(),
+            &dir,
+            64,
+            &mut |_, _| {},
+        )
+        .map_err(|e| e.to_string())?;
         runner
             .speculate(Some(sala_engine::draft::Speculate::prompt_lookup(4)))
             .run(engine);
@@ -257,7 +261,7 @@ fn the_prefix_cache_shows_in_usage_and_metrics() {
 fn context_parallel_reads_show_in_metrics() {
     let engine = spawn_engine_with(8, 4, MAX_CONTEXT, |e| {
         let checkpoint = sala_checkpoint::Checkpoint::open(model_dir()).unwrap();
-        let be = sala_cpu::CpuBackend;
+        let be = sala_cpu::CpuBackend::default();
         let model = sala_engine::generate::load_model(&be, &checkpoint, &mut |_, _| {}).unwrap();
         let ranks = sala_engine::context::ContextRanks::new(
             vec![be],

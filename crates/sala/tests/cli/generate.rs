@@ -355,7 +355,7 @@ fn generate_chat_and_serve_honour_max_memory() {
 
     // Chat: a turn over the limit is refused and the session goes on.
     let config = sala_checkpoint::preset("tiny").unwrap();
-    let cpu = sala_model::Backend::memory_facts(&sala_cpu::CpuBackend, &config, 256);
+    let cpu = sala_model::Backend::memory_facts(&sala_cpu::CpuBackend::default(), &config, 256);
     let limit = sala_model::memory::MemoryPlan::new(&config, 120, 256, &cpu).total();
     let limit = limit.to_string();
     let long = "word ".repeat(200);
