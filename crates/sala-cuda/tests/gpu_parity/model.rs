@@ -308,7 +308,7 @@ fn cuda_graph_decode_equals_eager_on_the_gpu() {
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn greedy_steps_run_ahead_pick_what_steps_one_at_a_time_pick_on_the_gpu() {
     let g = gpu();
-    assert!(g.runs_ahead(), "the default options run steps ahead");
+    set(&g, |o| o.run_ahead = true);
     for name in ["tiny", "small"] {
         let mut config = preset(name).unwrap();
         config.sparse.dense_len = 100;
