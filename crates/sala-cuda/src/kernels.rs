@@ -218,6 +218,8 @@ kernel_table! {
     CompressKeys = compress_keys in "sparse/compress.cu" (keys: Ptr, out: Ptr, first_window: I32, n_windows: I32, kv_width: I32, window: I32, stride: I32);
     CompressKeysF8 = compress_keys_f8 in "sparse/compress.cu" (keys: Ptr, out: Ptr, first_window: I32, n_windows: I32, kv_heads: I32, d: I32, window: I32, stride: I32);
     KvStoreF8 = kv_store_f8 in "sparse/compress.cu" (k: Ptr, v: Ptr, kc: Ptr, vc: Ptr, rows: I32, kv_heads: I32, d: I32, first: I32);
+    AppendKvRows = append_kv_rows in "sparse/compress.cu" (k: Ptr, v: Ptr, rows: Seqs, kv_heads: I32, d: I32, k1_window: I32, k1_stride: I32, k2_window: I32, k2_stride: I32);
+    AppendKvRowsF8 = append_kv_rows_f8 in "sparse/compress.cu" (k: Ptr, v: Ptr, rows: Seqs, kv_heads: I32, d: I32, k1_window: I32, k1_stride: I32, k2_window: I32, k2_stride: I32);
     // Block selection, bit-exact with the CPU (CUDA cores).
     SparseSelect = sparse_select in "sparse/select_exact.cu" (q: Ptr, k1: Ptr, k2: Ptr, n1: I32, n2: I32, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, block_size: I32, k1_window: I32, k1_stride: I32, k2_window: I32, k2_stride: I32, init_blocks: I32, local_blocks: I32, k_sel: I32, p_scratch: Ptr, p_stride: I32, blocks_out: Ptr);
     SelectLse = select_lse in "sparse/select_exact.cu" (q: Ptr, k1: Ptr, k2: Ptr, n1: I32, n2: I32, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, block_size: I32, k1_window: I32, k1_stride: I32, k2_window: I32, k2_stride: I32, init_blocks: I32, local_blocks: I32, k_sel: I32, p_scratch: Ptr, p_stride: I32, blocks_out: Ptr, lse: Ptr);

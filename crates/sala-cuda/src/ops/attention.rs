@@ -114,6 +114,9 @@ impl CudaBackend {
         row0: usize,
         rows: usize,
     ) -> BResult<usize> {
+        if rows == 1 {
+            return self.append_kv_rows(&mut [cache], cfg, (k, v), row0);
+        }
         let (kw, first) = (cache.kv_width, cache.len);
         self.reserve(cache, first + rows, cfg, false)?;
         if cache.fp8 {
@@ -125,6 +128,66 @@ impl CudaBackend {
         cache.len += rows;
         self.compress_new_windows(cache, cfg)?;
         Ok(first)
+    }
+
+    /// Appends row `row0 + r` of `k` and `v` to `caches[r]` for every r, each with the windows
+    /// it completes compressed, in one launch (what [`CudaBackend::append_kv`] does a row at a
+    /// time); returns the first cache's length before.
+    pub(crate) fn append_kv_rows(
+        &self,
+        caches: &mut [&mut DevSparseCache],
+        cfg: &SparseConfig,
+        (k, v): (&DevAct, &DevAct),
+        row0: usize,
+    ) -> BResult<usize> {
+        let Some(first) = caches.first() else {
+            return Ok(0);
+        };
+        let (kw, d, fp8, first_len) = (first.kv_width, first.head_dim, first.fp8, first.len);
+        if caches.len() > SEQ_ROWS
+            || row0 + caches.len() > k.rows.min(v.rows)
+            || k.cols != kw
+            || v.cols != kw
+            || caches.iter().any(|c| c.kv_width != kw || c.fp8 != fp8)
+        {
+            return Err(BackendError(format!(
+                "append_kv_rows: {} caches (at most {SEQ_ROWS}, one width and format) for rows \
+                 {row0}.. of {}",
+                caches.len(),
+                k.rows
+            )));
+        }
+        let mut t = SeqRows::empty();
+        for (r, cache) in caches.iter_mut().enumerate() {
+            self.reserve(cache, cache.len + 1, cfg, false)?;
+            t.k[r] = self.ptr(&cache.k);
+            t.v[r] = self.ptr(&cache.v);
+            t.k1[r] = self.ptr(&cache.k1);
+            t.k2[r] = self.ptr(&cache.k2);
+            t.pos[r] = cache.len as i32;
+            t.n1[r] = cache.n1 as i32;
+            t.n2[r] = cache.n2 as i32;
+        }
+        let at = self.k.planner().append_kv_rows(caches.len());
+        let row_bytes = (2 * row0 * kw) as u64;
+        let (kp, vp) = (self.act_ptr(k) + row_bytes, self.act_ptr(v) + row_bytes);
+        let (kvh, hd) = ((kw / d) as i32, d as i32);
+        let (w1, s1) = (cfg.k1_window(), cfg.k1_stride());
+        let (w2, s2) = (cfg.k2_window(), cfg.k2_stride());
+        let tiers = (w1 as i32, s1 as i32, w2 as i32, s2 as i32);
+        if fp8 {
+            self.k
+                .append_kv_rows_f8(at, kp, vp, &t, kvh, hd, tiers.0, tiers.1, tiers.2, tiers.3)?;
+        } else {
+            self.k
+                .append_kv_rows(at, kp, vp, &t, kvh, hd, tiers.0, tiers.1, tiers.2, tiers.3)?;
+        }
+        for cache in caches.iter_mut() {
+            cache.len += 1;
+            cache.n1 = windows(cache.len, w1, s1);
+            cache.n2 = windows(cache.len, w2, s2);
+        }
+        Ok(first_len)
     }
 
     /// Stores bf16 rows `row0..row0 + rows` of (k, v) (device pointers to `kv_width`-wide
@@ -443,14 +506,14 @@ impl CudaBackend {
         let k_sel = cfg.selected_blocks();
         self.sparse_rows_batched
             .set(self.sparse_rows_batched.get() + 1);
+        self.append_kv_rows(caches, cfg, (k, v), 0)?;
         let mut t = SeqRows::empty();
         for (r, cache) in caches.iter_mut().enumerate() {
-            let first = self.append_kv(cache, cfg, (k, v), r, 1)?;
             t.k[r] = self.ptr(&cache.k);
             t.v[r] = self.ptr(&cache.v);
             t.k1[r] = self.ptr(&cache.k1);
             t.k2[r] = self.ptr(&cache.k2);
-            t.pos[r] = first as i32;
+            t.pos[r] = (cache.len - 1) as i32;
             t.n1[r] = cache.n1 as i32;
             t.n2[r] = cache.n2 as i32;
             t.split[r] =

@@ -650,6 +650,11 @@ impl Planner {
         Launch::new(((rows * kv_heads * 2).div_ceil(4), 1, 1), 128, 0)
     }
 
+    /// `append_kv_rows`: a block per decode row (its K and V row, then its new windows).
+    pub fn append_kv_rows(&self, rows: usize) -> Launch {
+        Launch::new((rows, 1, 1), 256, 0)
+    }
+
     /// The attention for `t` queries of a sequence now holding `len` tokens.
     pub fn attention(
         &self,
