@@ -1129,11 +1129,12 @@ impl Backend for CudaBackend {
                     "a step that leaves its picks for later keeps no logits".into(),
                 ));
             }
+            // The copy fills its whole target: a buffer of exactly 2n words.
             let spare = self.spare_picks.borrow_mut().pop();
-            let mut buf = match spare.filter(|b| b.len() >= 2 * n) {
+            let mut buf = match spare.filter(|b| b.len() == 2 * n) {
                 Some(b) => b,
-                // SAFETY: the copy below writes the first 2n words before any is read.
-                None => unsafe { self.ctx.alloc_pinned_with_flags::<u32>((2 * n).max(128), 0) }
+                // SAFETY: the copy below writes all 2n words before any is read.
+                None => unsafe { self.ctx.alloc_pinned_with_flags::<u32>(2 * n, 0) }
                     .map_err(|e| be_err("page-locked picks", e))?,
             };
             self.stream
