@@ -12,7 +12,7 @@ use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
 use crate::plan::{Launch, Planner};
 use crate::{gemm, libs, pool, profile, registry};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, PinnedHostSlice};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, PinnedHostSlice};
 use sala_checkpoint::{KvCacheDtype, ModelConfig, SparseConfig};
 use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::memory::{fp8_kv_row_bytes, BackendMemory};
@@ -56,9 +56,10 @@ pub struct CudaBackend {
     /// Rows of the last greedy picks made (the next step's tokens when it takes them).
     picked_rows: Cell<usize>,
     /// Picks left for later, oldest first: each step's copy (ids, then logprob bits) in
-    /// page-locked memory, and its rows; and spare page-locked buffers.
-    later_picks: RefCell<std::collections::VecDeque<(PinnedHostSlice<u32>, usize)>>,
-    spare_picks: RefCell<Vec<PinnedHostSlice<u32>>>,
+    /// page-locked memory, the event recorded after it (the context tracks no events itself)
+    /// and its rows; and spare buffers with their events.
+    later_picks: RefCell<std::collections::VecDeque<(PicksCopy, usize)>>,
+    spare_picks: RefCell<Vec<PicksCopy>>,
     /// With `profile_steps`: the step spans' events, and the step under way's first.
     step_spans: Option<(
         profile::Profiler,
@@ -688,7 +689,7 @@ impl Backend for CudaBackend {
             let stale: Vec<_> = self.later_picks.borrow_mut().drain(..).collect();
             self.spare_picks
                 .borrow_mut()
-                .extend(stale.into_iter().map(|(buf, _)| buf));
+                .extend(stale.into_iter().map(|(copy, _)| copy));
         }
         self.ahead.set((step.tokens_picked, step.picks_later));
         self.k.set_step_rows(rows);
@@ -755,14 +756,15 @@ impl Backend for CudaBackend {
     }
 
     fn take_picks(&self) -> BResult<Vec<GreedyPick>> {
-        let Some((buf, n)) = self.later_picks.borrow_mut().pop_front() else {
+        let Some(((buf, done), n)) = self.later_picks.borrow_mut().pop_front() else {
             return Err(BackendError("no step left its picks for later".into()));
         };
         let start = std::time::Instant::now();
-        let raw = buf.as_slice().map_err(|e| be_err("picks", e));
+        let copied = done.synchronize().map_err(|e| be_err("picks", e));
         self.waited.set(self.waited.get() + start.elapsed());
-        let picks = picks_of(&raw?[..2 * n], n);
-        self.spare_picks.borrow_mut().push(buf);
+        copied?;
+        let picks = picks_of(buf.as_slice().map_err(|e| be_err("picks", e))?, n);
+        self.spare_picks.borrow_mut().push((buf, done));
         Ok(picks)
     }
 
@@ -1131,16 +1133,23 @@ impl Backend for CudaBackend {
             }
             // The copy fills its whole target: a buffer of exactly 2n words.
             let spare = self.spare_picks.borrow_mut().pop();
-            let mut buf = match spare.filter(|b| b.len() == 2 * n) {
+            let (mut buf, done) = match spare.filter(|(b, _)| b.len() == 2 * n) {
                 Some(b) => b,
-                // SAFETY: the copy below writes all 2n words before any is read.
-                None => unsafe { self.ctx.alloc_pinned_with_flags::<u32>(2 * n, 0) }
-                    .map_err(|e| be_err("page-locked picks", e))?,
+                None => (
+                    // SAFETY: the copy below writes all 2n words before any is read.
+                    unsafe { self.ctx.alloc_pinned_with_flags::<u32>(2 * n, 0) }
+                        .map_err(|e| be_err("page-locked picks", e))?,
+                    self.ctx
+                        .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                        .map_err(|e| be_err("an event", e))?,
+                ),
             };
             self.stream
                 .memcpy_dtoh(&ps.slice(..2 * n), &mut buf)
                 .map_err(|e| be_err("download", e))?;
-            self.later_picks.borrow_mut().push_back((buf, n));
+            done.record(&self.stream)
+                .map_err(|e| be_err("an event", e))?;
+            self.later_picks.borrow_mut().push_back(((buf, done), n));
             return Ok(LogitsOut::default());
         }
         let start = std::time::Instant::now();
@@ -1177,6 +1186,9 @@ impl Backend for CudaBackend {
             .split_off(off))
     }
 }
+
+/// A page-locked buffer for a step's picks and the event recorded once they are copied.
+type PicksCopy = (PinnedHostSlice<u32>, cudarc::driver::CudaEvent);
 
 /// Greedy picks from their download: `n` ids (-1: none), then `n` logprobs' bits.
 fn picks_of(raw: &[u32], n: usize) -> Vec<GreedyPick> {
