@@ -307,15 +307,9 @@ impl<B: Backend> Engine<B> {
                 .iter()
                 .map(|&i| slots[i].take().expect("one row a request"))
                 .collect();
-            let placeholder = [0u32];
             let mut inputs: Vec<StepInput<'_, B>> = rows
                 .iter_mut()
-                .map(|m| StepInput {
-                    mode: model.sparse_mode(m.seq.pos + 1),
-                    seq: &mut m.seq,
-                    tokens: &placeholder,
-                    logits: LogitRows::Greedy,
-                })
+                .map(|m| greedy_row(model, &mut m.seq, &0))
                 .collect();
             let result = isolated("the forward pass", || {
                 #[cfg(test)]
@@ -641,9 +635,6 @@ impl<B: Backend> Engine<B> {
             }
             None => None,
         };
-        let ran_ahead_ids = ran_ahead
-            .as_ref()
-            .map(|r| r.iter().map(|&(id, _)| id).collect());
         // 0. A copy whose source is gone or failed reads its prompt itself.
         for i in 0..members.len() {
             if let Some(of) = members[i].copy_of {
@@ -740,6 +731,7 @@ impl<B: Backend> Engine<B> {
 
         // The rows queued ahead fed each request the token it just took: nothing to feed.
         if let Some(rows) = &ran_ahead {
+            *ahead = Some(rows.iter().map(|&(id, _)| id).collect());
             for &(id, fed) in rows {
                 let Some(m) = members.iter_mut().find(|m| m.id == id) else {
                     continue;
@@ -751,9 +743,6 @@ impl<B: Backend> Engine<B> {
                     ))));
                 }
             }
-        }
-        if let Some(ids) = ran_ahead_ids {
-            *ahead = Some(ids);
         }
 
         // Spans of the requests that speculate: drafts while the batch is small.
@@ -857,12 +846,7 @@ impl<B: Backend> Engine<B> {
             let mut inputs: Vec<StepInput<'_, B>> = rows
                 .iter_mut()
                 .zip(&fed)
-                .map(|(m, t)| StepInput {
-                    mode: model.sparse_mode(m.seq.pos + 1),
-                    seq: &mut m.seq,
-                    tokens: std::slice::from_ref(t),
-                    logits: LogitRows::Greedy,
-                })
+                .map(|(m, t)| greedy_row(model, &mut m.seq, t))
                 .collect();
             let backend = &self.backend;
             let queued = isolated("the forward pass", || {
@@ -1158,6 +1142,20 @@ fn parked_bytes<B: Backend, C>(
     };
     let forks = members.iter().filter_map(|m| m.shares).chain(admitting);
     cache.bytes().saturating_sub(cache.shared_with(forks))
+}
+
+/// A decode row of `seq` fed `token`, asking for its greedy pick.
+fn greedy_row<'a, B: Backend>(
+    model: &sala_model::Model<B>,
+    seq: &'a mut SeqState<B>,
+    token: &'a u32,
+) -> StepInput<'a, B> {
+    StepInput {
+        mode: model.sparse_mode(seq.pos + 1),
+        seq,
+        tokens: std::slice::from_ref(token),
+        logits: LogitRows::Greedy,
+    }
 }
 
 /// The tokens an ended request's sequence holds, for the prefix cache: its prompt and the
