@@ -869,22 +869,14 @@ fn prefill_and_decode(
     rest: &[u32],
     chunk: usize,
 ) -> Vec<Vec<f32>> {
-    let mut ws = one.workspace(&CpuBackend::default(), chunk).unwrap();
-    let mut seq = one.new_sequence(&CpuBackend::default()).unwrap();
+    let cpu = CpuBackend::default();
+    let mut ws = one.workspace(&cpu, chunk).unwrap();
+    let mut seq = one.new_sequence(&cpu).unwrap();
     let mut out = vec![one
-        .prefill(
-            &CpuBackend::default(),
-            &mut ws,
-            &mut seq,
-            prompt,
-            &mut |_| {},
-        )
+        .prefill(&cpu, &mut ws, &mut seq, prompt, &mut |_| {})
         .unwrap()];
     for &t in rest {
-        out.push(
-            one.decode(&CpuBackend::default(), &mut ws, &mut seq, t)
-                .unwrap(),
-        );
+        out.push(one.decode(&cpu, &mut ws, &mut seq, t).unwrap());
     }
     out
 }

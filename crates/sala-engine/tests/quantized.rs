@@ -53,16 +53,10 @@ fn logits_of(dir: &Path, prompt: &[u32], fp8: bool) -> Vec<f32> {
     ck.set_fp8_weights(fp8);
     let tok = sala_tokenizer::Tokenizer::from_dir(dir).unwrap();
     let e = Engine::from_parts(CpuBackend::default(), dir, ck, tok, 64, &mut |_, _| {}).unwrap();
-    let mut ws = e.model.workspace(&CpuBackend::default(), 64).unwrap();
-    let mut seq = e.model.new_sequence(&CpuBackend::default()).unwrap();
+    let mut ws = e.model.workspace(&e.backend, 64).unwrap();
+    let mut seq = e.model.new_sequence(&e.backend).unwrap();
     e.model
-        .prefill(
-            &CpuBackend::default(),
-            &mut ws,
-            &mut seq,
-            prompt,
-            &mut |_| {},
-        )
+        .prefill(&e.backend, &mut ws, &mut seq, prompt, &mut |_| {})
         .unwrap()
 }
 

@@ -29,7 +29,12 @@ pub fn model_dir() -> &'static Path {
 
 /// The model of the test servers, loaded in the test process.
 pub fn load_engine() -> Engine<CpuBackend> {
-    Engine::load(CpuBackend::default(), model_dir(), 64, &mut |_, _| {}).unwrap()
+    engine_from(model_dir()).unwrap()
+}
+
+/// The model in `dir` on the CPU, an error as text (as an engine thread's start reports it).
+pub fn engine_from(dir: &Path) -> Result<Engine<CpuBackend>, String> {
+    Engine::load(CpuBackend::default(), dir, 64, &mut |_, _| {}).map_err(|e| e.to_string())
 }
 
 pub fn spawn_engine(queue: usize) -> sala_server::EngineHandle {

@@ -179,13 +179,7 @@ fn a_full_queue_over_http_is_429_and_metrics_show_the_backlog() {
 fn metrics_count_speculation_and_a_request_may_opt_out() {
     let dir = model_dir().to_path_buf();
     let engine = sala_server::spawn_engine(MODEL_ID.into(), Some(MAX_CONTEXT), 8, move |runner| {
-        let engine = sala_engine::generate::Engine::load(
-            sala_cpu::CpuBackend::default(),
-            &dir,
-            64,
-            &mut |_, _| {},
-        )
-        .map_err(|e| e.to_string())?;
+        let engine = engine_from(&dir)?;
         runner
             .speculate(Some(sala_engine::draft::Speculate::prompt_lookup(4)))
             .run(engine);

@@ -18,13 +18,7 @@ fn serve_with_shutdown(
     // A long context, so that a request can outlast the grace.
     let dir = model_dir().to_path_buf();
     let engine = sala_server::spawn_engine(MODEL_ID.into(), Some(LONG), 8, move |runner| {
-        let engine = sala_engine::generate::Engine::load(
-            sala_cpu::CpuBackend::default(),
-            &dir,
-            64,
-            &mut |_, _| {},
-        )
-        .map_err(|e| e.to_string())?;
+        let engine = engine_from(&dir)?;
         runner.run(engine);
         Ok(())
     })
