@@ -12,7 +12,7 @@ use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
 use crate::plan::{Launch, Planner};
 use crate::{gemm, libs, pool, profile, registry};
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use sala_checkpoint::{KvCacheDtype, ModelConfig, SparseConfig};
 use sala_model::backend::{RANDOM_KV_STD, RANDOM_STATE_STD};
 use sala_model::memory::{fp8_kv_row_bytes, BackendMemory};
@@ -55,11 +55,8 @@ pub struct CudaBackend {
     ahead: Cell<(bool, bool)>,
     /// Rows of the last greedy picks made (the next step's tokens when it takes them).
     picked_rows: Cell<usize>,
-    /// Picks left for later, oldest first: each step's copy (ids, then logprob bits) in
-    /// page-locked memory, the event recorded after it (the context tracks no events itself)
-    /// and its rows; and spare buffers with their events.
-    later_picks: RefCell<std::collections::VecDeque<(PicksCopy, usize)>>,
-    spare_picks: RefCell<Vec<PicksCopy>>,
+    /// Picks left for later ([`crate::ahead`]).
+    pub(crate) picks_ahead: crate::ahead::PicksAhead,
     /// With `profile_steps`: the step spans' events, and the step under way's first.
     step_spans: Option<(
         profile::Profiler,
@@ -167,8 +164,7 @@ impl CudaBackend {
             pool,
             ahead: Cell::new((false, false)),
             picked_rows: Cell::new(0),
-            later_picks: Default::default(),
-            spare_picks: Default::default(),
+            picks_ahead: Default::default(),
             step_spans,
         })
     }
@@ -686,10 +682,7 @@ impl Backend for CudaBackend {
         }
         if step.picks_later && !step.tokens_picked {
             // A new run of steps ahead: picks no one took are stale.
-            let stale: Vec<_> = self.later_picks.borrow_mut().drain(..).collect();
-            self.spare_picks
-                .borrow_mut()
-                .extend(stale.into_iter().map(|(copy, _)| copy));
+            self.picks_ahead.forget();
         }
         self.ahead.set((step.tokens_picked, step.picks_later));
         self.k.set_step_rows(rows);
@@ -756,16 +749,7 @@ impl Backend for CudaBackend {
     }
 
     fn take_picks(&self) -> BResult<Vec<GreedyPick>> {
-        let Some(((buf, done), n)) = self.later_picks.borrow_mut().pop_front() else {
-            return Err(BackendError("no step left its picks for later".into()));
-        };
-        let start = std::time::Instant::now();
-        let copied = done.synchronize().map_err(|e| be_err("picks", e));
-        self.waited.set(self.waited.get() + start.elapsed());
-        copied?;
-        let picks = picks_of(buf.as_slice().map_err(|e| be_err("picks", e))?, n);
-        self.spare_picks.borrow_mut().push((buf, done));
-        Ok(picks)
+        self.take_queued_picks()
     }
 
     fn step_launches(&self) -> StepLaunches {
@@ -1131,25 +1115,7 @@ impl Backend for CudaBackend {
                     "a step that leaves its picks for later keeps no logits".into(),
                 ));
             }
-            // The copy fills its whole target: a buffer of exactly 2n words.
-            let spare = self.spare_picks.borrow_mut().pop();
-            let (mut buf, done) = match spare.filter(|(b, _)| b.len() == 2 * n) {
-                Some(b) => b,
-                None => (
-                    // SAFETY: the copy below writes all 2n words before any is read.
-                    unsafe { self.ctx.alloc_pinned_with_flags::<u32>(2 * n, 0) }
-                        .map_err(|e| be_err("page-locked picks", e))?,
-                    self.ctx
-                        .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                        .map_err(|e| be_err("an event", e))?,
-                ),
-            };
-            self.stream
-                .memcpy_dtoh(&ps.slice(..2 * n), &mut buf)
-                .map_err(|e| be_err("download", e))?;
-            done.record(&self.stream)
-                .map_err(|e| be_err("an event", e))?;
-            self.later_picks.borrow_mut().push_back(((buf, done), n));
+            self.queue_picks(ps, n)?;
             return Ok(LogitsOut::default());
         }
         let start = std::time::Instant::now();
@@ -1159,7 +1125,7 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_dtoh(&ps.slice(..2 * n), &mut raw)
             .map_err(|e| be_err("download", e))?;
-        let picks = picks_of(&raw, n);
+        let picks = crate::ahead::picks_of(&raw, n);
         // The kept rows, a run of adjacent ones per copy.
         let kept = keep.iter().filter(|&&k| k).count();
         let mut out = Vec::with_capacity(kept * vocab);
@@ -1185,19 +1151,6 @@ impl Backend for CudaBackend {
             .download(storage, off + a.rows * a.cols)?
             .split_off(off))
     }
-}
-
-/// A page-locked buffer for a step's picks and the event recorded once they are copied.
-type PicksCopy = (PinnedHostSlice<u32>, cudarc::driver::CudaEvent);
-
-/// Greedy picks from their download: `n` ids (-1: none), then `n` logprobs' bits.
-fn picks_of(raw: &[u32], n: usize) -> Vec<GreedyPick> {
-    (0..n)
-        .map(|r| GreedyPick {
-            id: u32::try_from(raw[r] as i32).ok(),
-            logprob: f32::from_bits(raw[n + r]),
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@
 //! Projections and MLPs go through cuBLASLt ([`gemm`]). The CUDA libraries are opened at run
 //! time ([`libs`]), so the same binary runs without them.
 
+mod ahead;
 mod backend;
 pub mod check;
 pub mod context;

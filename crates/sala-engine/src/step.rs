@@ -19,7 +19,6 @@ use crate::draft::DraftSource;
 use crate::generate::{
     isolated, request_tokens, Engine, EngineError, GenerateOptions, Step, TokenStream,
 };
-use crate::grammar::Constraint;
 use crate::prefix::{PrefixCache, Shared};
 use crate::request::{FinishReason, PromptLogprobs, RequestId};
 use crate::sampling::{prompt_token_logprobs, PromptTokenLogprobs, SampledToken};
@@ -139,29 +138,16 @@ struct Member<B: Backend, C> {
     client: C,
 }
 
+mod ahead;
+mod beside;
 mod speculation;
+use beside::beside;
 use speculation::Speculation;
 pub use speculation::SPECULATE_MAX_PAUSE;
 
 /// Most decode rows a step may hold for its requests to speculate: past them a step is bound
 /// by the weights it reads anyway, and verifying drafts would only add rows.
 pub const SPECULATE_MAX_REQUESTS: usize = 8;
-
-impl<B: Backend, C: Client> Member<B, C> {
-    /// Whether its next step may be queued before its last token reaches the host: it
-    /// decodes greedily (the pick made on the device is its token), nothing else waits on its
-    /// tokens, and its client takes them.
-    fn runs_ahead(&self) -> bool {
-        self.done.is_none()
-            && self.spec.is_none()
-            && self.context.is_none()
-            && self.copy_of.is_none()
-            && self.prompt_logprobs.is_none()
-            && self.read == self.prompt.len()
-            && self.stream.takes_greedy_pick()
-            && self.client.ready()
-    }
-}
 
 impl<B: Backend, C> Member<B, C> {
     /// Where it takes snapshots, one of its sequence now (at the end of a prompt chunk),
@@ -279,85 +265,6 @@ impl<B: Backend, C> Batch<B, C> {
 }
 
 impl<B: Backend> Engine<B> {
-    /// The picks of the step queued ahead (its rows, the requests `ids` in order) become the
-    /// requests' logits. First, where every request of the batch has a row there and still
-    /// runs ahead, the next step is queued with those picks as its tokens. Returns that step's
-    /// rows, each request with the token it was fed.
-    fn collect_ahead<C: Client>(
-        model: &sala_model::Model<B>,
-        backend: &B,
-        ws: &mut sala_model::Workspace<B>,
-        members: &mut [Member<B, C>],
-        ids: Vec<RequestId>,
-    ) -> Option<Vec<(RequestId, u32)>> {
-        // A request about to take its last token gets no row after it.
-        let index: Option<Vec<usize>> = ids
-            .iter()
-            .map(|id| {
-                members
-                    .iter()
-                    .position(|m| m.id == *id && m.runs_ahead() && m.stream.draft_room() > 0)
-            })
-            .collect();
-        let again = index.filter(|_| members.len() == ids.len());
-        let mut queued = again.is_some();
-        if let Some(index) = &again {
-            let mut slots: Vec<Option<&mut Member<B, C>>> = members.iter_mut().map(Some).collect();
-            let mut rows: Vec<&mut Member<B, C>> = index
-                .iter()
-                .map(|&i| slots[i].take().expect("one row a request"))
-                .collect();
-            let mut inputs: Vec<StepInput<'_, B>> = rows
-                .iter_mut()
-                .map(|m| greedy_row(model, &mut m.seq, &0))
-                .collect();
-            let result = isolated("the forward pass", || {
-                #[cfg(test)]
-                tests::forward_hook();
-                Ok(model.forward_ahead(backend, ws, &mut inputs, true)?)
-            });
-            drop(inputs);
-            if let Err(e) = result {
-                queued = false;
-                for m in rows {
-                    m.done = Some(Err(e.shared()));
-                }
-            }
-        }
-        let picks = isolated("the forward pass", || {
-            let picks = model.take_picks(backend)?;
-            if picks.len() != ids.len() {
-                return Err(BackendError(format!(
-                    "{} picks for a step of {} rows",
-                    picks.len(),
-                    ids.len()
-                ))
-                .into());
-            }
-            Ok(picks)
-        });
-        let picks = match picks {
-            Ok(picks) => picks,
-            Err(e) => {
-                for m in members.iter_mut().filter(|m| ids.contains(&m.id)) {
-                    if m.done.is_none() {
-                        m.done = Some(Err(e.shared()));
-                    }
-                }
-                return None;
-            }
-        };
-        let mut fed = Vec::with_capacity(ids.len());
-        for (&id, pick) in ids.iter().zip(picks) {
-            // A row without a pick read token 0; its request fails as it samples.
-            fed.push((id, pick.id.unwrap_or(0)));
-            if let Some(m) = members.iter_mut().find(|m| m.id == id && m.done.is_none()) {
-                m.logits = Some(StepLogits::Greedy(pick));
-            }
-        }
-        queued.then_some(fed)
-    }
-
     /// Whether the sparse layers read `prompt` sparsely (by its whole length).
     fn reads_sparsely(&self, prompt: &[u32]) -> bool {
         self.model.sparse_mode(prompt.len()) == sala_model::SparseMode::Sparse
@@ -631,7 +538,7 @@ impl<B: Backend> Engine<B> {
         let ran_ahead = match ahead.take() {
             Some(ids) => {
                 let (model, backend) = (&self.model, &self.backend);
-                Self::collect_ahead(model, backend, &mut self.workspace, members, ids)
+                ahead::collect(model, backend, &mut self.workspace, members, ids)
             }
             None => None,
         };
@@ -834,39 +741,11 @@ impl<B: Backend> Engine<B> {
                 slot.work == Work::Decode && m.runs_ahead()
             });
         if queue_ahead {
-            let model = &self.model;
-            let ids: Vec<RequestId> = plan.slots.iter().map(|s| members[s.index].id).collect();
-            let mut slots: Vec<Option<&mut Member<B, C>>> = members.iter_mut().map(Some).collect();
-            let mut rows: Vec<&mut Member<B, C>> = plan
-                .slots
-                .iter()
-                .map(|slot| slots[slot.index].take().expect("one slot a request"))
-                .collect();
-            let fed: Vec<u32> = rows.iter().map(|m| m.feed.expect("decoding")).collect();
-            let mut inputs: Vec<StepInput<'_, B>> = rows
-                .iter_mut()
-                .zip(&fed)
-                .map(|(m, t)| greedy_row(model, &mut m.seq, t))
-                .collect();
-            let backend = &self.backend;
-            let queued = isolated("the forward pass", || {
-                #[cfg(test)]
-                tests::forward_hook();
-                Ok(model.forward_ahead(backend, ws, &mut inputs, false)?)
-            });
-            drop(inputs);
-            match queued {
-                Ok(()) => {
-                    for m in rows {
-                        m.feed = None;
-                    }
-                    *ahead = Some(ids);
-                }
-                Err(e) => {
-                    for m in rows {
-                        m.done = Some(Err(e.shared()));
-                    }
-                }
+            let index: Vec<usize> = plan.slots.iter().map(|s| s.index).collect();
+            let ids: Vec<RequestId> = index.iter().map(|&i| members[i].id).collect();
+            let (model, backend) = (&self.model, &self.backend);
+            if ahead::queue(model, backend, ws, members, &index, false) {
+                *ahead = Some(ids);
             }
         } else if ran_ahead.is_none() && !plan.is_empty() {
             let model = &self.model;
@@ -1144,20 +1023,6 @@ fn parked_bytes<B: Backend, C>(
     cache.bytes().saturating_sub(cache.shared_with(forks))
 }
 
-/// A decode row of `seq` fed `token`, asking for its greedy pick.
-fn greedy_row<'a, B: Backend>(
-    model: &sala_model::Model<B>,
-    seq: &'a mut SeqState<B>,
-    token: &'a u32,
-) -> StepInput<'a, B> {
-    StepInput {
-        mode: model.sparse_mode(seq.pos + 1),
-        seq,
-        tokens: std::slice::from_ref(token),
-        logits: LogitRows::Greedy,
-    }
-}
-
 /// The tokens an ended request's sequence holds, for the prefix cache: its prompt and the
 /// tokens fed after it (each a token it sampled, in order). A request that speculated may
 /// have read drafts past its last sampled token: it parks at its prompt's end (rewound to
@@ -1203,66 +1068,5 @@ fn score_rows(
         .collect())
 }
 
-/// Runs `forward` on this thread while the masks of `constraints` are computed on rayon's
-/// threads (in parallel among themselves), so that on a GPU a mask costs no time of its own:
-/// the forward pass waits for the device meanwhile.
-fn beside<R>(constraints: Vec<&mut Constraint>, forward: impl FnOnce() -> R) -> R {
-    run_beside(constraints, Constraint::compute_mask_isolated, forward)
-}
-
-/// Runs `forward` on this thread (a backend may be bound to it) while `work` runs for each of
-/// `jobs` on rayon's threads; returns once all are done. A panic in `work` resumes here.
-/// Handing jobs to rayon's waiting threads costs ~10 µs; a thread of their own would cost more.
-fn run_beside<J: Send, R>(
-    jobs: Vec<J>,
-    work: impl Fn(J) + Send + Sync,
-    forward: impl FnOnce() -> R,
-) -> R {
-    if jobs.is_empty() {
-        return forward();
-    }
-    let work = &work;
-    rayon::in_place_scope(|s| {
-        for job in jobs {
-            s.spawn(move |_| work(job));
-        }
-        forward()
-    })
-}
-
 #[cfg(test)]
 pub(crate) mod tests;
-
-#[cfg(test)]
-mod beside_tests {
-    use super::run_beside;
-    use std::sync::mpsc;
-    use std::time::Duration;
-
-    #[test]
-    fn the_work_runs_while_the_forward_pass_does() {
-        // The "forward pass" waits for every job to have started: it would wait forever if
-        // they ran after it.
-        let (tx, rx) = mpsc::channel();
-        let tx = std::sync::Mutex::new(tx);
-        let got = run_beside(
-            vec![1, 2, 3],
-            |j| tx.lock().unwrap().send(j).unwrap(),
-            || {
-                let mut seen: Vec<i32> = (0..3)
-                    .map(|_| rx.recv_timeout(Duration::from_secs(20)).unwrap())
-                    .collect();
-                seen.sort_unstable();
-                seen
-            },
-        );
-        assert_eq!(got, [1, 2, 3]);
-        assert_eq!(run_beside(Vec::<()>::new(), |_| {}, || 7), 7);
-    }
-
-    #[test]
-    #[should_panic(expected = "job 2")]
-    fn a_panic_in_the_work_reaches_the_caller() {
-        run_beside(vec![2], |j| panic!("job {j}"), || ());
-    }
-}
