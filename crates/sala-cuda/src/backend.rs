@@ -50,9 +50,8 @@ pub struct CudaBackend {
     /// The FP8 input scratch holds the codes of these rows (address, rows, width), made by
     /// the norm that wrote them: the product reading them next need not make them again.
     pub(crate) fresh_f8: Cell<Option<(u64, usize, usize)>>,
-    /// The step under way runs ahead: (its tokens are the picks before, its picks are left
-    /// for later) ([`StepInfo::tokens_picked`], [`StepInfo::picks_later`]).
-    ahead: Cell<(bool, bool)>,
+    /// The step under way leaves its picks for later ([`StepInfo::picks_later`]).
+    picks_later: Cell<bool>,
     /// Rows of the last greedy picks made (the next step's tokens when it takes them).
     picked_rows: Cell<usize>,
     /// Picks left for later ([`crate::ahead`]).
@@ -162,7 +161,7 @@ impl CudaBackend {
             waited: Default::default(),
             sparse_rows_batched: Default::default(),
             pool,
-            ahead: Cell::new((false, false)),
+            picks_later: Cell::new(false),
             picked_rows: Cell::new(0),
             picks_ahead: Default::default(),
             step_spans,
@@ -684,7 +683,7 @@ impl Backend for CudaBackend {
             // A new run of steps ahead: picks no one took are stale.
             self.picks_ahead.forget();
         }
-        self.ahead.set((step.tokens_picked, step.picks_later));
+        self.picks_later.set(step.picks_later);
         self.k.set_step_rows(rows);
         let o = self.options();
         let graph_step =
@@ -1108,7 +1107,7 @@ impl Backend for CudaBackend {
         )?;
         self.picked_rows.set(n);
         self.graph_pause()?;
-        if self.ahead.get().1 {
+        if self.picks_later.get() {
             // Copied to the host as the step ends; read by `take_picks`.
             if keep.iter().any(|&k| k) {
                 return Err(BackendError(
