@@ -291,23 +291,21 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
                 sw_hold(acc);
                 const bool full = c0 + 64 <= n2v_s[SW_TOK + hf];  // no key masked for any token of the half
                 const int key = c0 + 16 * wq + gq;
-                // Scores in place (log2 units, masked → −inf); the rescale is lazy: the reference
-                // max moves only when a score passes it by more than 8 (terms stay ≤ 2^8), for
-                // every lane at once when any lane needs it, so most tiles take 2 exp2 per 2 keys.
+                // Products left unscaled (masked → −inf; the scale goes into each exp2's FFMA);
+                // the running max is in log2 units. The rescale is lazy: the reference max moves
+                // only when a score passes it by more than 8 (terms stay ≤ 2^8), for every lane at
+                // once when any lane needs it, so most tiles take 2 exp2 per 2 keys.
                 bool grow = false;
                 // One (token, head) pair of keys; inlined into two copies of the loop, so the tiles
                 // that mask nothing (all but the last) take no selects.
                 auto score = [&](int m, int h, bool masked) {
                     const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
-                    float x0 = acc[at] * sl2, x1 = acc[at + 2] * sl2;
                     if (masked) {
                         const int n2v = n2v_s[4 * hf + m];
-                        x0 = key < n2v ? x0 : NEG;
-                        x1 = key + 8 < n2v ? x1 : NEG;
+                        acc[at] = key < n2v ? acc[at] : NEG;
+                        acc[at + 2] = key + 8 < n2v ? acc[at + 2] : NEG;
                     }
-                    acc[at] = x0;
-                    acc[at + 2] = x1;
-                    grow |= fmaxf(x0, x1) > mrow[j] + 8.0f;
+                    grow |= fmaf(fmaxf(acc[at], acc[at + 2]), sl2, -8.0f) > mrow[j];
                 };
                 if (full) {
 #pragma unroll
@@ -326,7 +324,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
 #pragma unroll
                         for (int h = 0; h < 4; h++) {
                             const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
-                            const float mx = fmaxf(mrow[j], fmaxf(acc[at], acc[at + 2]));
+                            const float mx = fmaxf(mrow[j], fmaxf(acc[at], acc[at + 2]) * sl2);
                             lrow[j] *= st_ex2(mrow[j] - mx);
                             mrow[j] = mx;
                         }
@@ -336,7 +334,7 @@ select_scores_wg(const bf16* q, const bf16* k1, const bf16* k2, int n1, int n2, 
 #pragma unroll
                     for (int h = 0; h < 4; h++) {
                         const int at = (2 * m + (h >> 1)) * 4 + (h & 1), j = 16 * hf + 4 * m + h;
-                        lrow[j] += st_ex2(acc[at] - mrow[j]) + st_ex2(acc[at + 2] - mrow[j]);
+                        lrow[j] += st_ex2(fmaf(acc[at], sl2, -mrow[j])) + st_ex2(fmaf(acc[at + 2], sl2, -mrow[j]));
                     }
             }
         }
