@@ -469,12 +469,17 @@ __device__ __forceinline__ float sampled_logit(bf16 b) {
 }
 
 // A step run ahead reads its token ids from the greedy picks of the step before (-1, no pick,
-// reads token 0; its request fails on the host).
+// reads token 0; its request fails on the host) and, when `positions` is not NULL, takes each
+// row's position one past the step before's (no upload, which from pageable memory would wait
+// for the stream).
 // launch: grid = ⌈n / 256⌉, block = 256
-extern "C" __global__ void __launch_bounds__(256) picked_ids(const int* picks, u32* ids, int n) {
+extern "C" __global__ void __launch_bounds__(256) picked_ids(const int* picks, u32* ids, int* positions, int n) {
     pdl_start();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) ids[i] = (u32)max(picks[i], 0);
+    if (i < n) {
+        ids[i] = (u32)max(picks[i], 0);
+        if (positions) positions[i] += 1;
+    }
 }
 
 // Each row's greedy token: the first index of its maximum, and that token's log-probability

@@ -281,22 +281,40 @@ impl CudaBackend {
         let mut s = self.scratch.borrow_mut();
         grow(&self.stream, &mut s.ids, rows)?;
         grow(&self.stream, &mut s.positions, rows)?;
+        // Each row one past what the positions hold: advanced on the device (an upload from
+        // pageable memory waits for the stream, so a step run ahead would wait for the one before).
+        let advance = step.tokens_picked
+            && s.positions_held.len() == rows
+            && pos.iter().zip(&s.positions_held).all(|(&p, &h)| p == h + 1);
         if step.tokens_picked {
             // The picks of the step before, row for row, as the ids (still on the device).
             let (picks, ids) = (
                 self.ptr(s.picks.as_ref().expect("a step made picks")),
                 self.ptr(s.ids.as_ref().expect("grown")),
             );
-            self.k
-                .picked_ids(Launch::linear(rows, 256), picks, ids, rows as i32)?;
+            let positions = if advance {
+                self.ptr(s.positions.as_ref().expect("grown"))
+            } else {
+                0
+            };
+            self.k.picked_ids(
+                Launch::linear(rows, 256),
+                picks,
+                ids,
+                positions,
+                rows as i32,
+            )?;
         } else {
             self.stream
                 .memcpy_htod(step.tokens, s.ids.as_mut().expect("grown"))
                 .map_err(|e| be_err("token ids", e))?;
         }
-        self.stream
-            .memcpy_htod(&pos, s.positions.as_mut().expect("grown"))
-            .map_err(|e| be_err("positions", e))?;
+        if !advance {
+            self.stream
+                .memcpy_htod(&pos, s.positions.as_mut().expect("grown"))
+                .map_err(|e| be_err("positions", e))?;
+        }
+        s.positions_held = pos;
         // The step's RoPE table is made anew (in its first stretch, as when it was captured).
         s.rope_key = None;
         self.preloaded.set(true);

@@ -174,7 +174,7 @@ kernel_table! {
     RopeTableRows = rope_table_rows in "elementwise.cu" (inv_freq: Ptr, pos: Ptr, n_rows: I32, half: I32, table: Ptr);
     ScaleRound = scale_round in "elementwise.cu" (x: Ptr, out: Ptr, divisor: F32, n: U64);
     GreedyRows = greedy_rows in "elementwise.cu" (logits: Ptr, vocab: I32, ids: Ptr, logprobs: Ptr);
-    PickedIds = picked_ids in "elementwise.cu" (picks: Ptr, ids: Ptr, n: I32);
+    PickedIds = picked_ids in "elementwise.cu" (picks: Ptr, ids: Ptr, positions: Ptr, n: I32);
     FillRandom = fill_random in "elementwise.cu" (out: Ptr, n: U64, first: U64, seed: U64, mean: F32, std: F32);
     // Decode-sized products and the MLP's SiLU.
     Gemv = gemv in "gemv.cu" (x: Ptr, w: Ptr, n: I32, k: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);

@@ -292,6 +292,9 @@ pub(crate) struct Scratch {
     pub ids: Option<CudaSlice<u32>>,
     /// Each row's position, for the RoPE table of a step of several sequences.
     pub positions: Option<CudaSlice<i32>>,
+    /// What `positions` holds (written or advanced last), so that a step run ahead, each row
+    /// one past the step before, advances them on the device instead of uploading them.
+    pub positions_held: Vec<i32>,
     pub logits_in: Option<CudaSlice<u16>>,
     pub logits_out: Option<CudaSlice<u16>>,
     /// Each logit row's greedy pick: ids (i32), then log-probabilities (f32).

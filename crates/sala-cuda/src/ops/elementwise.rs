@@ -351,6 +351,7 @@ impl CudaBackend {
                             self.stream
                                 .memcpy_htod(&pos, buf)
                                 .map_err(|e| be_err("positions", e))?;
+                            s.positions_held = pos;
                         }
                         self.ptr(s.positions.as_ref().expect("uploaded"))
                     };
