@@ -259,6 +259,12 @@ pub trait DeviceStats {
     fn page_pool(&self) -> Option<(usize, usize)> {
         None
     }
+    /// The block lists of the last sparse selection, `n` ids (query, KV group, then entry;
+    /// −1 pads), where the backend keeps them.
+    fn last_block_lists(&self, n: usize) -> Option<Vec<i32>> {
+        let _ = n;
+        None
+    }
     /// Context parallelism: `n` more ranks of this kind, the i-th on the device `stride · i`
     /// past this one's where the devices are separate (a tensor-parallel group's rank asks
     /// with its group's size, so that each new group's ranks lie side by side), and how
@@ -409,6 +415,9 @@ impl DeviceStats for CudaBackend {
         let nccl = sala_cuda::context::NcclExchange::new(&all)
             .map_err(|e| anyhow!("NCCL over GPUs {all:?}: {e}"))?;
         Ok((backends, Box::new(nccl)))
+    }
+    fn last_block_lists(&self, n: usize) -> Option<Vec<i32>> {
+        self.last_selection(n).ok()
     }
     fn memory_in_use(&self) -> Option<usize> {
         self.memory().ok().map(|m| m.0)

@@ -175,6 +175,45 @@ pub fn sparse_work(
     w
 }
 
+/// Neighbouring queries `attention_gather` takes together on Hopper-class cards.
+const GATHER_TILE: usize = 4;
+
+/// Blocks a prefill chunk's block lists name (`lists`: per query of positions `first..`, per
+/// KV group, `k_sel` entries, −1 padded), counted per list, and counted once per tile of `tile`
+/// neighbouring positions (from a multiple of `tile`) and KV group: what a kernel reading each
+/// query's blocks itself reads, and what one reading a tile's union once does.
+fn blocks_read(
+    lists: &[i32],
+    first: usize,
+    kv_heads: usize,
+    k_sel: usize,
+    tile: usize,
+) -> (usize, usize) {
+    let rows = lists.len() / (kv_heads * k_sel).max(1);
+    let list = |i: usize, g: usize| {
+        let at = (i * kv_heads + g) * k_sel;
+        lists[at..at + k_sel].iter().filter(|&&b| b >= 0)
+    };
+    let per_list = (0..rows)
+        .flat_map(|i| (0..kv_heads).map(move |g| (i, g)))
+        .map(|(i, g)| list(i, g).count())
+        .sum();
+    let mut per_tile = 0;
+    let mut i = 0;
+    while i < rows {
+        let end = ((first + i) / tile + 1) * tile - first;
+        let end = end.min(rows);
+        for g in 0..kv_heads {
+            let mut union: Vec<i32> = (i..end).flat_map(|r| list(r, g).copied()).collect();
+            union.sort_unstable();
+            union.dedup();
+            per_tile += union.len();
+        }
+        i = end;
+    }
+    (per_list, per_tile)
+}
+
 /// Times a sparse layer's attention alone: for each context, the last `--prefill-chunk`
 /// queries over a cache of random keys and values holding the tokens before them (median of
 /// `--repeat` runs, a fresh cache each); prints its useful TFLOP/s and, profiled, selection and
@@ -199,8 +238,17 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
     let mut out = be.alloc(rows, shape.q_width())?;
     let mut results = Vec::new();
     println!(
-        "{:>9} {:>6} {:>9} {:>9} {:>10} {:>10} {:>11} {:>11}",
-        "context", "rows", "ms", "TFLOP/s", "select ms", "select TF", "attend ms", "attend TF"
+        "{:>9} {:>6} {:>9} {:>9} {:>10} {:>10} {:>11} {:>11} {:>9} {:>9}",
+        "context",
+        "rows",
+        "ms",
+        "TFLOP/s",
+        "select ms",
+        "select TF",
+        "attend ms",
+        "attend TF",
+        "lists GB",
+        "tiles GB"
     );
     for &len in contexts {
         let mut times = Vec::new();
@@ -265,6 +313,20 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         let work = sparse_work(shape, cfg, mode, len - rows, rows);
+        // K and V bytes of the last run's lists: read per query, and once per tile.
+        let key_bytes = match cfg.kv_cache {
+            sala_checkpoint::KvCacheDtype::Bf16 => 2 * 2 * shape.head_dim,
+            // Codes and a scale each.
+            sala_checkpoint::KvCacheDtype::Fp8 => 2 * (shape.head_dim + 4),
+        };
+        let block_bytes = (cfg.block_size * key_bytes) as f64;
+        let k_sel = cfg.selected_blocks();
+        let read = match mode {
+            SparseMode::Sparse => be.last_block_lists(rows * shape.kv_heads * k_sel),
+            SparseMode::Dense => None,
+        }
+        .map(|lists| blocks_read(&lists, len - rows, shape.kv_heads, k_sel, GATHER_TILE))
+        .map(|(l, t)| (l as f64 * block_bytes, t as f64 * block_bytes));
         let total = work.select_flops + work.attention_flops;
         let reps = args.repeat as f64;
         let (select_s, attend_s) = (split.0 / reps, split.1 / reps);
@@ -278,8 +340,11 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
             part(work.select_flops, select_s),
             part(work.attention_flops, attend_s),
         );
+        let gb = |b: Option<f64>| b.map_or("-".to_string(), |b| format!("{:.2}", b / 1e9));
+        let (lists_gb, tiles_gb) = (gb(read.map(|r| r.0)), gb(read.map(|r| r.1)));
         println!(
-            "{:>9} {:>6} {:>9.3} {:>9.1} {sel_ms:>10} {sel_tf:>10} {att_ms:>11} {att_tf:>11}",
+            "{:>9} {:>6} {:>9.3} {:>9.1} {sel_ms:>10} {sel_tf:>10} {att_ms:>11} {att_tf:>11} \
+             {lists_gb:>9} {tiles_gb:>9}",
             len,
             rows,
             1e3 * median,
@@ -298,6 +363,9 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
             "attention_flops": work.attention_flops,
             "kv_bytes_per_query": work.kv_bytes_per_query,
             "kv_bytes_once": work.kv_bytes_once,
+            "kv_bytes_lists": read.map(|r| r.0),
+            "kv_bytes_tile_unions": read.map(|r| r.1),
+            "tile_queries": GATHER_TILE,
             "profiled_select_s": (select_s > 0.0).then_some(select_s),
             "profiled_attention_s": (attend_s > 0.0).then_some(attend_s),
             "repeat": args.repeat,
@@ -305,7 +373,9 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
     }
     eprintln!(
         "useful work: block scores over the compressed keys each query sees, attention over \
-         the keys of its selected blocks; K/V bytes in the JSON (per query, and once)"
+         the keys of its selected blocks; lists GB: the K and V of every query's selected blocks, \
+         tiles GB: of each tile of {GATHER_TILE} neighbouring queries' union (what attention_gather \
+         reads where it shares blocks)"
     );
     Ok(results)
 }
@@ -314,6 +384,25 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
 mod tests {
     use super::*;
     use sala_checkpoint::preset;
+
+    #[test]
+    fn blocks_read_counts_each_list_and_each_tiles_union() {
+        // Two KV groups, 3 entries a list; positions 6.. in tiles of 4: rows 0-1 (positions
+        // 6, 7), then rows 2-4 (positions 8-10).
+        #[rustfmt::skip]
+        let lists = [
+            0, 1, -1,   0, 2, 3,  // position 6: group 0, group 1
+            0, 1, 2,    0, 3, -1, // 7
+            5, -1, -1,  1, -1, -1, // 8
+            5, 6, -1,   1, 2, -1, // 9
+            7, -1, -1,  2, -1, -1, // 10
+        ];
+        let (per_list, per_tile) = blocks_read(&lists, 6, 2, 3, 4);
+        assert_eq!(per_list, 2 + 3 + 3 + 2 + 1 + 1 + 2 + 2 + 1 + 1);
+        // Tile 1: {0,1,2} and {0,2,3}; tile 2: {5,6,7} and {1,2}.
+        assert_eq!(per_tile, 3 + 3 + 3 + 2);
+        assert_eq!(blocks_read(&lists, 6, 2, 3, 1), (per_list, per_list));
+    }
 
     #[test]
     fn sparse_work_counts_what_each_query_sees() {
