@@ -96,8 +96,8 @@ pub struct CudaOptions {
     /// Decode steps (up to 64 rows) that repeat are captured into CUDA graphs and replayed.
     pub cuda_graphs: bool,
     /// Greedy decode steps run ahead: the next step is queued, its tokens the picks this one
-    /// leaves on the device, before those picks reach the host (`SALA_RUN_AHEAD=1`; off until
-    /// the GPU parity suite has run it, `wip/run-ahead-on.patch`).
+    /// leaves on the device, before those picks reach the host (`SALA_RUN_AHEAD=0` turns it
+    /// off).
     pub run_ahead: bool,
     /// FP8 GEMMs scaled by cuBLASLt's vector scales where it has them (else a pass after).
     pub fp8_vector_scales: bool,
@@ -126,7 +126,7 @@ impl Default for CudaOptions {
             profile_steps: false,
             pdl: true,
             cuda_graphs: true,
-            run_ahead: false,
+            run_ahead: true,
             fp8_vector_scales: true,
             lightning_range_tokens: crate::plan::LIGHTNING_RANGE_TOKENS,
         }
