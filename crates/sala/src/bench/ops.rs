@@ -374,8 +374,8 @@ pub(super) fn sparse_op<B: Backend + DeviceStats>(
     eprintln!(
         "useful work: block scores over the compressed keys each query sees, attention over \
          the keys of its selected blocks; lists GB: the K and V of every query's selected blocks, \
-         tiles GB: of each tile of {GATHER_TILE} neighbouring queries' union (what attention_gather \
-         reads where it shares blocks)"
+         tiles GB: of the union of each tile of {GATHER_TILE} neighbouring queries' lists (what a \
+         gather reading each of a tile's blocks once would read)"
     );
     Ok(results)
 }
