@@ -179,9 +179,21 @@ pub fn prefill_flops(c: &ModelConfig, len: usize) -> f64 {
 /// the lightning states (read and written), and the sparse layers' attended keys and values
 /// plus the compressed keys they score.
 pub fn decode_bytes(c: &ModelConfig, context: usize) -> f64 {
+    decode_step_bytes(c, context, 1)
+}
+
+/// What a decode step of `rows` sequences, each at `context` tokens, reads and writes at the
+/// least: the weights once (less the embedding table), and each sequence's attended K/V,
+/// scored compressed keys and lightning states (read and written).
+pub fn decode_step_bytes(c: &ModelConfig, context: usize, rows: usize) -> f64 {
     // 4-bit linears as the GPU holds them (packed, with their scales and zeros).
     let weights = sala_model::memory::weights_held(c, 2, true) as f64
         - 2.0 * (c.vocab_size * c.hidden_size) as f64;
+    weights + rows as f64 * sequence_step_bytes(c, context)
+}
+
+/// One sequence's share of a decode step's bytes (see [`decode_step_bytes`]).
+fn sequence_step_bytes(c: &ModelConfig, context: usize) -> f64 {
     let m = cache_bytes(c, context);
     let s = &c.sparse;
     let attended = if context >= s.dense_len {
@@ -195,7 +207,28 @@ pub fn decode_bytes(c: &ModelConfig, context: usize) -> f64 {
     } else {
         0.0
     };
-    weights + 2.0 * m.lightning_state as f64 + kv + scored
+    2.0 * m.lightning_state as f64 + kv + scored
+}
+
+/// The floor of `n` requests of `len` prompt tokens and `generated` tokens each: run
+/// batched, every prompt at the GEMM ceiling, then `generated − 1` decode steps of `n` rows at
+/// the bandwidth (contexts taken at their middle); one by one, the same for each request
+/// alone. Batched and one-by-one seconds.
+pub fn concurrent_floor(
+    c: &ModelConfig,
+    n: usize,
+    len: usize,
+    generated: usize,
+    gemm_tflops: f64,
+    bandwidth_tbs: f64,
+) -> (f64, f64) {
+    let prefill = prefill_flops(c, len) / (gemm_tflops * 1e12);
+    let steps = generated.saturating_sub(1) as f64;
+    let mid = len + generated / 2;
+    let step = |rows| decode_step_bytes(c, mid, rows) / (bandwidth_tbs * 1e12);
+    let batched = n as f64 * prefill + steps * step(n);
+    let one_by_one = n as f64 * (prefill + steps * step(1));
+    (batched, one_by_one)
 }
 
 #[derive(serde::Serialize)]
@@ -1066,6 +1099,29 @@ fn concurrent<B: Backend + DeviceStats>(
             "same_tokens": same,
         }));
     }
+    // The floors (PERF.md's ceilings, --gemm-tflops and --bandwidth-tbs) and where the runs sit.
+    let (floor_batched, floor_one_by_one) = concurrent_floor(
+        config,
+        n,
+        len,
+        args.decode_tokens,
+        args.gemm_tflops,
+        args.bandwidth_tbs,
+    );
+    let floor_rate = (n * args.decode_tokens) as f64 / floor_batched;
+    println!(
+        "floor: {floor_rate:.0} generated tok/s batched ({floor_batched:.3} s: the prompts at \
+         {} TFLOP/s, {n}-row steps at {} TB/s); batched reaches {:.0}% of it",
+        args.gemm_tflops,
+        args.bandwidth_tbs,
+        100.0 * (batched_tokens as f64 / batched) / floor_rate
+    );
+    if baseline {
+        println!(
+            "floor of batched / one by one: {:.2}x",
+            floor_one_by_one / floor_batched
+        );
+    }
     let baseline_value = |v: Value| if baseline { v } else { Value::Null };
     Ok(json!({
         "speculative": speculative,
@@ -1081,6 +1137,9 @@ fn concurrent<B: Backend + DeviceStats>(
         "decode_tok_s_one_by_one": alone_rate,
         "decode_tok_s_batched": batch_rate,
         "decode_tokens_batched_phase": batch_decode_tokens,
+        "floor_batched_s": floor_batched,
+        "floor_generated_tok_s": floor_rate,
+        "floor_ratio_total_tokens_per_s": floor_one_by_one / floor_batched,
     }))
 }
 
@@ -1101,6 +1160,31 @@ mod tests {
         assert_eq!(parse_len("32K").unwrap(), 32768);
         assert_eq!(parse_len("1M").unwrap(), 1 << 20);
         assert!(parse_len("abc").is_err() && parse_len("0").is_err());
+    }
+
+    #[test]
+    fn concurrent_floors_of_the_issue_cases() {
+        let c = preset("minicpm-sala-9b").unwrap();
+        // 64 x 1K x 1024 (issue 15: "its floor is near 9,000"): the prompts' ~1.2 PFLOP at
+        // 805 TFLOP/s, then 1,023 steps of the weights and 64 lightning states read and written.
+        let (batched, _) = concurrent_floor(&c, 64, 1024, 1024, 805.0, 4.3);
+        let rate = 64.0 * 1024.0 / batched;
+        assert!((8_000.0..9_500.0).contains(&rate), "{rate}");
+        // A step's bytes grow by a sequence's share a row.
+        let one = decode_step_bytes(&c, 1536, 1);
+        let per_row = decode_step_bytes(&c, 1536, 2) - one;
+        assert!(
+            (per_row - 2.0 * 24.0 * 2.0 * 1048576.0).abs() < 0.2 * per_row,
+            "{per_row}"
+        );
+        // 8 x 32K x 256 (issue 15's 2.1x): both runs read the same prompts, so the ratio is
+        // bounded well under 8 x; batching only shares the decode steps' weights.
+        let (b, o) = concurrent_floor(&c, 8, 32 << 10, 256, 805.0, 4.3);
+        let ratio = o / b;
+        assert!((1.5..2.5).contains(&ratio), "{ratio}");
+        // One request: batched and one by one are the same run.
+        let (b, o) = concurrent_floor(&c, 1, 4096, 64, 805.0, 4.3);
+        assert!((b - o).abs() < 1e-12 * b);
     }
 
     #[test]
