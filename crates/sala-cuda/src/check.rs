@@ -115,6 +115,13 @@ pub fn check_options() -> Vec<(&'static str, CudaOptions)> {
         o.apply_fallbacks(name).expect("a known name");
         out.push((name, o));
     }
+    out.push((
+        "gather-keys-16",
+        CudaOptions {
+            gather_keys: 16,
+            ..CudaOptions::default()
+        },
+    ));
     out
 }
 

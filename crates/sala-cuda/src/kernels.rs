@@ -244,10 +244,10 @@ kernel_table! {
     AttentionSplit = attention_split in "sparse/attention.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, part: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, block_size: I32, n_split: I32);
     AttentionMerge = attention_merge in "sparse/attention.cu" (part: Ptr, out: Ptr, t: I32, heads: I32, d: I32, n_split: I32);
     AttentionPrefill = attention_prefill in "sparse/attention.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32);
-    AttentionGather = attention_gather in "sparse/attention_walk.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, stages: I32, init_blocks: I32, local_blocks: I32);
+    AttentionGather = attention_gather in "sparse/attention_walk.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, stages: I32, init_blocks: I32, local_blocks: I32, keys: I32);
     AttentionDecode = attention_decode in "sparse/attention_walk.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, part: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
     AttentionDecodeRows = attention_decode_rows in "sparse/attention_walk.cu" (q: Ptr, rows: Seqs, part: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
-    AttentionGatherF8 = attention_gather_f8 in "sparse/attention_walk.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, stages: I32, init_blocks: I32, local_blocks: I32);
+    AttentionGatherF8 = attention_gather_f8 in "sparse/attention_walk.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, stages: I32, init_blocks: I32, local_blocks: I32, keys: I32);
     AttentionDecodeF8 = attention_decode_f8 in "sparse/attention_walk.cu" (q: Ptr, kcache: Ptr, vcache: Ptr, part: Ptr, out: Ptr, t: I32, first_pos: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
     AttentionDecodeRowsF8 = attention_decode_rows_f8 in "sparse/attention_walk.cu" (q: Ptr, rows: Seqs, part: Ptr, t: I32, heads: I32, kv_heads: I32, d: I32, scale: F32, blocks: Ptr, k_sel: I32, n_split: I32);
 }

@@ -66,6 +66,9 @@ pub struct CudaOptions {
     pub exact_select: bool,
     pub decode_gemv: DecodeGemv,
     pub attention: Attention,
+    /// Keys of K and V a stage of `attention_gather` holds: 32, or 16 for twice the warps in
+    /// the same shared memory (`SALA_GATHER_KEYS=16|32`).
+    pub gather_keys: usize,
     /// A batched decode step's sparse layers in one launch per kernel for all rows (else row
     /// by row).
     pub batched_sparse_rows: bool,
@@ -116,6 +119,7 @@ impl Default for CudaOptions {
             exact_select: false,
             decode_gemv: DecodeGemv::default(),
             attention: Attention::default(),
+            gather_keys: 32,
             batched_sparse_rows: true,
             topk_keys_in_global: false,
             select_scores_bytes: crate::plan::SELECT_SCORES_BYTES,
@@ -150,7 +154,8 @@ impl CudaOptions {
     /// The defaults changed by the environment: `SALA_FALLBACK` (a comma list of
     /// [`FALLBACK_NAMES`]: the slower variants, for comparisons), `SALA_EXACT_SELECT=1`,
     /// `SALA_KV_POOL=0|1`, `SALA_KV_POOL_GRANULES=N`, `SALA_PROFILE=1|steps`, `SALA_RUN_AHEAD=0|1`,
-    /// `SALA_LIGHTNING_RANGE_TOKENS=N`, `SALA_DEVICE_PROFILE=card`. A value it cannot use is an error naming the variable.
+    /// `SALA_LIGHTNING_RANGE_TOKENS=N`, `SALA_GATHER_KEYS=16|32`, `SALA_DEVICE_PROFILE=card`. A
+    /// value it cannot use is an error naming the variable.
     pub fn from_env() -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok();
         Self::from_vars(&var)
@@ -199,6 +204,13 @@ impl CudaOptions {
             o.lightning_range_tokens = v.parse::<usize>().ok().filter(|&t| t >= 64).ok_or(
                 format!("SALA_LIGHTNING_RANGE_TOKENS={v}: expected a token count ≥ 64"),
             )?;
+        }
+        if let Some(v) = var("SALA_GATHER_KEYS") {
+            o.gather_keys = match v.as_str() {
+                "16" => 16,
+                "32" => 32,
+                _ => return Err(format!("SALA_GATHER_KEYS={v}: expected 16 or 32")),
+            };
         }
         if let Some(v) = var("SALA_DEVICE_PROFILE").filter(|v| !v.is_empty()) {
             o.device_profile =
@@ -326,5 +338,7 @@ mod tests {
         assert!(bad("SALA_PROFILE", "kernels").contains("SALA_PROFILE=kernels"));
         assert!(bad("SALA_KV_POOL_GRANULES", "0").contains("SALA_KV_POOL_GRANULES"));
         assert!(bad("SALA_DEVICE_PROFILE", "gtx1080").contains("rtx4090"));
+        assert!(bad("SALA_GATHER_KEYS", "64").contains("SALA_GATHER_KEYS=64"));
+        assert_eq!(vars(&[("SALA_GATHER_KEYS", "16")]).gather_keys, 16);
     }
 }

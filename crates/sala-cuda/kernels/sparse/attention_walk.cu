@@ -108,7 +108,7 @@ __device__ __forceinline__ KvF8 kv_f8(const void* k, const void* v, int g, int k
 
 // Attends the warp's query (position t; padding rows masked by row_ok) to the 8·NT keys
 // [k0, k0 + 8·NT) ∩ [0, min(t + 1, k0 + n_valid)) of its KV group, read through kv (key 0 at
-// k0: a block of 64 in global memory, or a shared-memory stage of AG_KEYS; rows ≥ n_valid are
+// k0: a block of 64 in global memory, or a shared-memory stage of 16 or 32; rows ≥ n_valid are
 // not read). S = Q·Kᵀ (times each key's K scale), online softmax in log2 units, O += P·V (P
 // times each key's V scale, rounded to bf16).
 template <int NT, class KV>
@@ -289,27 +289,25 @@ __device__ __forceinline__ AgPair ag_pair(const bf16* q, int i, int g, int T, in
     return p;
 }
 
-// Prefill: stages of AG_KEYS keys of K and V in shared memory (cp.async), a ring of them; while
+// Prefill: stages of KEYS keys (16 or 32) of K and V in shared memory (cp.async), a ring of them; while
 // one stage is computed, the ring's others are in flight. Tiles are unpadded rows of d values,
 // their 16-byte pieces swizzled so each 8-lane phase of the 16-byte loads hits distinct banks:
 // K rows (two rows a phase) swap 64-byte halves on odd rows, V rows (four rows a phase) XOR the
 // piece with the row's low 3 bits.
-#define AG_KEYS 32
-
 __device__ __forceinline__ u32 ag_k_off(int r, int c, int d) { return r * 2 * d + ((c ^ ((r & 1) << 2)) << 4); }
 __device__ __forceinline__ u32 ag_v_off(int r, int c, int d) { return r * 2 * d + ((c ^ (r & 7)) << 4); }
 
-// Stages keys [k0, k0 + AG_KEYS) of one group (kg, vg: its first dim of key 0; rows ≥ n_keys
+// Stages keys [k0, k0 + KEYS) of one group (kg, vg: its first dim of key 0; rows ≥ n_keys
 // zero) into the K and V tiles at shared addresses kt, vt. Thread `tid` of the `nth` that copy
 // the stage (nth a multiple of 32) takes piece tid % (D / 8) of rows tid / (D / 8) + i · nth / (D / 8).
-template <int D>
+template <int D, int KEYS>
 __device__ __forceinline__ void ag_issue(u32 kt, u32 vt, const bf16* kg, const bf16* vg, size_t kvw, int k0,
                                          int n_keys, int tid, int nth) {
     constexpr int PIECES = D / 8;
     const int c = tid % PIECES, step = nth / PIECES;
-    const bool full = k0 + AG_KEYS <= n_keys;
+    const bool full = k0 + KEYS <= n_keys;
 #pragma unroll 4
-    for (int r = tid / PIECES; r < AG_KEYS; r += step) {
+    for (int r = tid / PIECES; r < KEYS; r += step) {
         const bool in = full || k0 + r < n_keys;
         const size_t off = in ? (size_t)(k0 + r) * kvw + 8 * c : 0;
         sp_cp_async16(kt + ag_k_off(r, c, D), kg + off, in ? 16 : 0);
@@ -317,7 +315,7 @@ __device__ __forceinline__ void ag_issue(u32 kt, u32 vt, const bf16* kg, const b
     }
 }
 
-// A stage of AG_KEYS keys in shared memory as ag_keys reads it: 8 dims of key r's K or V as
+// A stage of keys in shared memory as ag_keys reads it: 8 dims of key r's K or V as
 // the four bf16x2 words of 16 bytes of bf16 values, and r's K and V scales.
 struct StageBf16 {
     const unsigned char *kt, *vt;
@@ -329,10 +327,9 @@ struct StageBf16 {
 };
 
 // An FP8 stage: K codes, V codes (rows of d bytes, 16-byte pieces XOR-swizzled by the row's
-// low bits, so the 8-byte reads of a warp take the two wavefronts they must), then the AG_KEYS
+// low bits, so the 8-byte reads of a warp take the two wavefronts they must), then the stage's
 // K scales and V scales.
 __device__ __forceinline__ u32 ag8_off(int r, int c, int d) { return r * d + ((c ^ (r & (d / 16 - 1))) << 4); }
-__device__ __forceinline__ u32 ag8_tile(int d) { return AG_KEYS * d; }
 
 struct StageF8 {
     const unsigned char *kt, *vt;
@@ -348,46 +345,47 @@ struct StageF8 {
     __device__ __forceinline__ float v_scale(int r) const { return vs[r]; }
 };
 
-// Stages keys [k0, k0 + AG_KEYS) of an FP8 cache (kg, vg: the group's first code of key 0;
+// Stages keys [k0, k0 + KEYS) of an FP8 cache (kg, vg: the group's first code of key 0;
 // `scale_off`: bytes from there to the group's scale; rows `stride` bytes; rows ≥ n_keys
 // zero) at shared address `at` in StageF8's layout; threads as ag_issue's, the first 32 also
 // copy key tid's two scales.
-template <int D>
+template <int D, int KEYS>
 __device__ __forceinline__ void ag8_issue(u32 at, const unsigned char* kg, const unsigned char* vg, size_t stride,
                                           int scale_off, int k0, int n_keys, int tid, int nth) {
     constexpr int PIECES = D / 16;
     const int c = tid % PIECES, step = nth / PIECES;
-    const u32 kt = at, vt = at + ag8_tile(D), st = at + 2 * ag8_tile(D);
+    const u32 kt = at, vt = at + KEYS * D, st = at + 2 * KEYS * D;
 #pragma unroll 4
-    for (int r = tid / PIECES; r < AG_KEYS; r += step) {
+    for (int r = tid / PIECES; r < KEYS; r += step) {
         const bool in = k0 + r < n_keys;
         const size_t off = in ? (size_t)(k0 + r) * stride + 16 * c : 0;
         sp_cp_async16(kt + ag8_off(r, c, D), kg + off, in ? 16 : 0);
         sp_cp_async16(vt + ag8_off(r, c, D), vg + off, in ? 16 : 0);
     }
-    if (tid < AG_KEYS) {
+    if (tid < KEYS) {
         const bool in = k0 + tid < n_keys;
         const size_t off = in ? (size_t)(k0 + tid) * stride + scale_off : 0;
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * tid), "l"(kg + off),
                      "r"(in ? 4 : 0));
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * AG_KEYS + 4 * tid),
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(st + 4 * KEYS + 4 * tid),
                      "l"(vg + off), "r"(in ? 4 : 0));
     }
 }
 
-// A walk in stages of AG_KEYS keys over nb 64-key blocks, block(j) the j-th (ascending); the
-// second half of the last block is skipped when it lies past t_last. SHARED: all the block's
+// A walk in stages of KEYS keys over nb 64-key blocks, block(j) the j-th (ascending); the
+// stages of the last block past t_last are skipped. SHARED: all the block's
 // warps walk one ring together, each stage copied by all of them (a block barrier a stage), and
 // the `active` ones attend; else the warp walks its own ring alone (no block barriers). `ring`:
 // NS stages of `stage` bytes, as a shared address and a pointer; `issue(at, k0, tid, nth)`
 // stages keys from k0 at shared address `at`, `tile(p)` reads the stage at pointer p.
-template <int NS, bool SHARED, class Block, class Issue, class Tile>
+template <int KEYS, int NS, bool SHARED, class Block, class Issue, class Tile>
 __device__ __forceinline__ void ag_walk(AgState& st, const u32 (&qa)[8][4], bool active, const AgPair& p, int t_last,
                                         int nb, Block&& block, u32 ring, const unsigned char* ring_p, u32 stage,
                                         float sl2, int d, Issue&& issue_at, Tile&& tile) {
     const int tid = SHARED ? (int)threadIdx.x : (int)(threadIdx.x & 31), nth = SHARED ? (int)blockDim.x : 32;
-    const int n_st = nb == 0 ? 0 : 2 * nb - (64 * block(nb - 1) + AG_KEYS > t_last ? 1 : 0);
-    auto key0 = [&](int s) { return 64 * block(s >> 1) + AG_KEYS * (s & 1); };
+    constexpr int SPB = 64 / KEYS;  // stages a block
+    const int n_st = nb == 0 ? 0 : SPB * (nb - 1) + min(SPB, (t_last - 64 * block(nb - 1)) / KEYS + 1);
+    auto key0 = [&](int s) { return 64 * block(s / SPB) + KEYS * (s % SPB); };
     auto issue = [&](int s) {
         if (s < n_st) issue_at(ring + (s % NS) * stage, key0(s), tid, nth);
         sp_cp_commit();
@@ -401,7 +399,7 @@ __device__ __forceinline__ void ag_walk(AgState& st, const u32 (&qa)[8][4], bool
         else __syncwarp();
         issue(s + NS - 1);
         if (active)
-            ag_keys<AG_KEYS / 8>(st, qa, tile(ring_p + (s % NS) * stage), key0(s), p.t, AG_KEYS, p.row_ok, sl2, d);
+            ag_keys<KEYS / 8>(st, qa, tile(ring_p + (s % NS) * stage), key0(s), p.t, KEYS, p.row_ok, sl2, d);
     }
     sp_cp_wait0();
 }
@@ -412,9 +410,9 @@ __device__ __forceinline__ void ag_walk(AgState& st, const u32 (&qa)[8][4], bool
 // attends to, [0, n_init) ∪ [lo2, qb] (the forced ones of a list: init_blocks and the
 // local_blocks + 1 ending at qb; without a list every block up to qb), are read once for all W
 // through the whole shared memory as one ring; then each warp walks the rest of its list through
-// its own part of it, `stages` deep. local_blocks < 0: nothing shared. The output of a query
-// depends on its position only, never on the chunk around it.
-template <class Issue, class Tile>
+// its own part of it, `stages` deep, in stages of KEYS keys. local_blocks < 0: nothing shared.
+// The output of a query depends on its position only, never on the chunk around it.
+template <int KEYS, class Issue, class Tile>
 __device__ __forceinline__ void ag_gather(const bf16* q, bf16* out, int T, int first_pos, int heads, int kv_heads,
                                           int d, float scale, const int* blocks, int k_sel, int stages,
                                           int init_blocks, int local_blocks, u32 stage, Issue&& issue_at,
@@ -442,7 +440,7 @@ __device__ __forceinline__ void ag_gather(const bf16* q, bf16* out, int T, int f
     auto shared_block = [&](int j) { return j < n_init ? j : lo2 + j - n_init; };
     const int ring_stages = W * stages;
 #define AG_SHARED(N)                                                                                       \
-    ag_walk<N, true>(st, qa, active, p, t_max, n_sh, shared_block, base, ag_sm, stage, sl2, d, issue_at, tile)
+    ag_walk<KEYS, N, true>(st, qa, active, p, t_max, n_sh, shared_block, base, ag_sm, stage, sl2, d, issue_at, tile)
     if (ring_stages >= 12) AG_SHARED(12);
     else if (ring_stages >= 8) AG_SHARED(8);
     else if (ring_stages >= 6) AG_SHARED(6);
@@ -465,7 +463,7 @@ __device__ __forceinline__ void ag_gather(const bf16* q, bf16* out, int T, int f
     auto own_block = [&](int j) { return my ? my[a + j] : a + j; };
     const u32 own = (u32)(warp * stages) * stage;
 #define AG_OWN(N) \
-    ag_walk<N, false>(st, qa, true, p, p.t, nb, own_block, base + own, ag_sm + own, stage, sl2, d, issue_at, tile)
+    ag_walk<KEYS, N, false>(st, qa, true, p, p.t, nb, own_block, base + own, ag_sm + own, stage, sl2, d, issue_at, tile)
     if (stages >= 4) AG_OWN(4);
     else if (stages == 3) AG_OWN(3);
     else AG_OWN(2);
@@ -477,7 +475,7 @@ __device__ __forceinline__ void ag_gather(const bf16* q, bf16* out, int T, int f
 
 // ag_gather's stages for a cache of head size D: bf16 (ag_issue, StageBf16) or FP8 (ag8_issue,
 // StageF8). The walks take `d` as it comes, at run time.
-template <int D>
+template <int D, int KEYS>
 __device__ __forceinline__ void ag_gather_bf16(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out,
                                                int T, int first_pos, int heads, int kv_heads, int d, float scale,
                                                const int* blocks, int k_sel, int stages, int init_blocks,
@@ -487,59 +485,69 @@ __device__ __forceinline__ void ag_gather_bf16(const bf16* q, const bf16* kcache
     const bf16* vg = vcache + (size_t)g * d;
     const size_t kvw = (size_t)kv_heads * d;
     const int n_keys = first_pos + T;
-    constexpr u32 tile = AG_KEYS * 2 * D;
-    ag_gather(
+    constexpr u32 tile = KEYS * 2 * D;
+    ag_gather<KEYS>(
         q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks, 2 * tile,
-        [&](u32 at, int k0, int tid, int nth) { ag_issue<D>(at, at + tile, kg, vg, kvw, k0, n_keys, tid, nth); },
+        [&](u32 at, int k0, int tid, int nth) { ag_issue<D, KEYS>(at, at + tile, kg, vg, kvw, k0, n_keys, tid, nth); },
         [&](const unsigned char* at) { return StageBf16{at, at + tile, D}; });
 }
 
-template <int D>
+template <int D, int KEYS>
 __device__ __forceinline__ void ag_gather_f8(const bf16* q, const unsigned char* kcache, const unsigned char* vcache,
                                              bf16* out, int T, int first_pos, int heads, int kv_heads, int d,
                                              float scale, const int* blocks, int k_sel, int stages, int init_blocks,
                                              int local_blocks) {
     const KvF8 kv = kv_f8(kcache, vcache, blockIdx.x % kv_heads, kv_heads, d);
     const int n_keys = first_pos + T;
-    constexpr u32 tile = AG_KEYS * D;
-    ag_gather(
+    constexpr u32 tile = KEYS * D;
+    ag_gather<KEYS>(
         q, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks,
-        2 * tile + 8 * AG_KEYS,
+        2 * tile + 8 * KEYS,
         [&](u32 at, int k0, int tid, int nth) {
-            ag8_issue<D>(at, kv.k, kv.v, kv.stride, kv.scale_off, k0, n_keys, tid, nth);
+            ag8_issue<D, KEYS>(at, kv.k, kv.v, kv.stride, kv.scale_off, k0, n_keys, tid, nth);
         },
         [&](const unsigned char* at) {
-            return StageF8{at, at + tile, (const float*)(at + 2 * tile), (const float*)(at + 2 * tile) + AG_KEYS, D};
+            return StageF8{at, at + tile, (const float*)(at + 2 * tile), (const float*)(at + 2 * tile) + KEYS, D};
         });
 }
 
 // launch: grid = ((⌈T / W⌉ + 1)·kv_heads), block = 32·W (W a power of two), dynamic smem =
-// W · stages · 4·AG_KEYS·d bytes (stages 2, 3 or 4). Same arguments and result as
-// attention_prefill with blocks != NULL (64-key blocks; lists holding their forced blocks
-// unless local_blocks < 0); needs heads / kv_heads ≤ 16 and d ∈ {64, 128}.
+// W · stages · 4·keys·d bytes (stages 2, 3 or 4; keys 16 or 32 a stage). Same arguments and
+// result as attention_prefill with blocks != NULL (64-key blocks; lists holding their forced
+// blocks unless local_blocks < 0); needs heads / kv_heads ≤ 16 and d ∈ {64, 128}.
 extern "C" __global__ void __launch_bounds__(256)
 attention_gather(const bf16* q, const bf16* kcache, const bf16* vcache, bf16* out, int T, int first_pos,
                  int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel, int stages,
-                 int init_blocks, int local_blocks) {
+                 int init_blocks, int local_blocks, int keys) {
     pdl_start();
 #define AG_ARGS q, kcache, vcache, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks
-    if (d == 128) ag_gather_bf16<128>(AG_ARGS);
-    else ag_gather_bf16<64>(AG_ARGS);
+    if (keys == 16) {
+        if (d == 128) ag_gather_bf16<128, 16>(AG_ARGS);
+        else ag_gather_bf16<64, 16>(AG_ARGS);
+    } else {
+        if (d == 128) ag_gather_bf16<128, 32>(AG_ARGS);
+        else ag_gather_bf16<64, 32>(AG_ARGS);
+    }
 #undef AG_ARGS
 }
 
 // attention_gather over an FP8 cache (sparse/common.cuh), and dense when blocks == NULL.
 // launch: grid = ((⌈T / W⌉ + 1)·kv_heads), block = 32·W (W a power of two), dynamic smem =
-// W · stages · (2·AG_KEYS·d + 8·AG_KEYS) bytes (stages 2, 3 or 4); needs heads / kv_heads ≤ 16
-// and d ∈ {64, 128}.
+// W · stages · (2·keys·d + 8·keys) bytes (stages 2, 3 or 4; keys 16 or 32 a stage); needs
+// heads / kv_heads ≤ 16 and d ∈ {64, 128}.
 extern "C" __global__ void __launch_bounds__(256)
 attention_gather_f8(const bf16* q, const unsigned char* kcache, const unsigned char* vcache, bf16* out, int T,
                     int first_pos, int heads, int kv_heads, int d, float scale, const int* blocks, int k_sel,
-                    int stages, int init_blocks, int local_blocks) {
+                    int stages, int init_blocks, int local_blocks, int keys) {
     pdl_start();
 #define AG_ARGS q, kcache, vcache, out, T, first_pos, heads, kv_heads, d, scale, blocks, k_sel, stages, init_blocks, local_blocks
-    if (d == 128) ag_gather_f8<128>(AG_ARGS);
-    else ag_gather_f8<64>(AG_ARGS);
+    if (keys == 16) {
+        if (d == 128) ag_gather_f8<128, 16>(AG_ARGS);
+        else ag_gather_f8<64, 16>(AG_ARGS);
+    } else {
+        if (d == 128) ag_gather_f8<128, 32>(AG_ARGS);
+        else ag_gather_f8<64, 32>(AG_ARGS);
+    }
 #undef AG_ARGS
 }
 

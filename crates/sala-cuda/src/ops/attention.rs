@@ -347,6 +347,7 @@ impl CudaBackend {
                     true => p.attention_gather_fp8(t, shape.kv_heads, shape.head_dim),
                     false => p.attention_gather(t, shape.kv_heads, shape.head_dim),
                 };
+                let keys = p.gather_keys() as i32;
                 drop(p);
                 let kernel = match cache.fp8 {
                     true => Launcher::attention_gather_f8,
@@ -370,6 +371,7 @@ impl CudaBackend {
                     stages as i32,
                     cfg.init_blocks as i32,
                     shared_local_blocks(cfg),
+                    keys,
                 )
             }
             AttentionPlan::Prefill => {

@@ -77,24 +77,29 @@ pub const LIGHTNING_CHUNK: usize = 64;
 /// From this many rows on, lightning layers run on tensor cores (the split kernels).
 pub const LIGHTNING_MMA_ROWS: usize = 64;
 /// From this many rows on, lightning prefill runs in two passes.
-/// Keys of K and V an `attention_gather` stage holds (`AG_KEYS` in sparse/attention.cu).
-pub const GATHER_KEYS: usize = 32;
-/// `attention_gather`'s (warps a block, stages a warp), best first: four warps (four queries
-/// sharing their forced blocks) with two stages in flight each while they compute a third where
-/// the shared memory allows (192 KiB at d = 128; on the H200 (3, 2), (6, 2) and (4, 2) ran 2-6%
-/// slower at 128K before the forced blocks were shared), fewer warps on 99 KiB cards. Warps a
-/// block are a power of two: a block's queries share one 64-key block.
-pub const GATHER_SHAPES: [(usize, usize); 4] = [(4, 3), (2, 3), (2, 2), (1, 2)];
-
-/// Bytes of one `attention_gather` stage: K and V of [`GATHER_KEYS`] keys of head size `d`.
-pub fn gather_stage_bytes(d: usize) -> usize {
-    2 * GATHER_KEYS * d * 2
+/// `attention_gather`'s (warps a block, stages a warp) for stages of `keys` keys (16 or 32:
+/// `KEYS` in sparse/attention_walk.cu), best first. 32 keys: four warps (four queries sharing
+/// their forced blocks) with two stages in flight each while they compute a third where the
+/// shared memory allows (192 KiB at d = 128; on the H200 (3, 2), (6, 2) and (4, 2) ran 2-6%
+/// slower at 128K before the forced blocks were shared), fewer warps on 99 KiB cards. 16 keys:
+/// twice the warps in the same memory. Warps a block are a power of two: a block's queries
+/// share one 64-key block.
+pub fn gather_shapes(keys: usize) -> &'static [(usize, usize)] {
+    match keys {
+        16 => &[(8, 3), (8, 2), (4, 3), (4, 2), (2, 2), (1, 2)],
+        _ => &[(4, 3), (2, 3), (2, 2), (1, 2)],
+    }
 }
 
-/// Bytes of one `attention_gather_f8` stage: K and V codes of [`GATHER_KEYS`] keys of head
-/// size `d`, then their K and V scales.
-pub fn gather_stage_bytes_fp8(d: usize) -> usize {
-    2 * GATHER_KEYS * d + 2 * GATHER_KEYS * 4
+/// Bytes of one `attention_gather` stage: K and V of `keys` keys of head size `d`.
+pub fn gather_stage_bytes(d: usize, keys: usize) -> usize {
+    2 * keys * d * 2
+}
+
+/// Bytes of one `attention_gather_f8` stage: K and V codes of `keys` keys of head size `d`,
+/// then their K and V scales.
+pub fn gather_stage_bytes_fp8(d: usize, keys: usize) -> usize {
+    2 * keys * d + 2 * keys * 4
 }
 
 /// Tokens a range of `lightning_ranges` aims for (16 chunks: an 8K-token call runs 8 ranges a
@@ -321,7 +326,7 @@ impl Planner {
             K::SelectLse => (256 + 3) * 4,
             // The block bitmap of attention_prefill (at most 9 KiB, see prefill_attention_fits).
             K::AttentionPrefill => 9 << 10,
-            // Its rings: the first of GATHER_SHAPES that fits, up to all the device allows.
+            // Its rings: the first of gather_shapes that fits, up to all the device allows.
             K::AttentionGather | K::AttentionGatherF8 => usize::MAX,
             _ => 0,
         };
@@ -722,22 +727,30 @@ impl Planner {
         Launch::new((pairs, split.div_ceil(4), 1), 128, 0)
     }
 
+    /// Keys of K and V an `attention_gather` stage holds (`CudaOptions::gather_keys`).
+    pub fn gather_keys(&self) -> usize {
+        self.options.gather_keys
+    }
+
     /// `attention_gather` and its ring depth: `warps` warps a block (neighbouring queries of a
     /// KV group), each streaming the blocks of its own through `stages` shared-memory stages of
-    /// [`GATHER_KEYS`] keys of K and V. The first shape of [`GATHER_SHAPES`] that fits this
-    /// device's shared memory.
+    /// [`Planner::gather_keys`] keys of K and V. The first shape of [`gather_shapes`] that fits
+    /// this device's shared memory.
     pub fn attention_gather(&self, t: usize, kv_heads: usize, d: usize) -> (Launch, usize) {
-        self.gather_launch(K::AttentionGather, gather_stage_bytes(d), t, kv_heads)
+        let stage = gather_stage_bytes(d, self.gather_keys());
+        self.gather_launch(K::AttentionGather, stage, t, kv_heads)
     }
 
     /// `attention_gather_f8`: as [`Planner::attention_gather`], with FP8 stages.
     pub fn attention_gather_fp8(&self, t: usize, kv_heads: usize, d: usize) -> (Launch, usize) {
-        self.gather_launch(K::AttentionGatherF8, gather_stage_bytes_fp8(d), t, kv_heads)
+        let stage = gather_stage_bytes_fp8(d, self.gather_keys());
+        self.gather_launch(K::AttentionGatherF8, stage, t, kv_heads)
     }
 
     fn gather_launch(&self, k: K, stage: usize, t: usize, kv_heads: usize) -> (Launch, usize) {
-        let (warps, stages) = GATHER_SHAPES
-            .into_iter()
+        let (warps, stages) = gather_shapes(self.gather_keys())
+            .iter()
+            .copied()
             .find(|&(w, s)| self.fits(k, w * s * stage))
             .unwrap_or((1, 2));
         // Tiles of `warps` positions from a multiple of `warps`: one more than whole ones.

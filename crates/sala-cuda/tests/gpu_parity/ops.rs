@@ -738,13 +738,19 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 .unwrap();
             g.to_host(&out).unwrap()
         };
-        for (mode, attention) in [
-            (SparseMode::Dense, Attention::WarpWalk),
-            (SparseMode::Sparse, Attention::WarpWalk),
-            (SparseMode::Dense, Attention::Staged),
-            (SparseMode::Sparse, Attention::Staged),
+        // The gather in stages of 32 keys and of 16 (twice the warps).
+        for (mode, attention, keys) in [
+            (SparseMode::Dense, Attention::WarpWalk, 32),
+            (SparseMode::Sparse, Attention::WarpWalk, 32),
+            (SparseMode::Dense, Attention::WarpWalk, 16),
+            (SparseMode::Sparse, Attention::WarpWalk, 16),
+            (SparseMode::Dense, Attention::Staged, 32),
+            (SparseMode::Sparse, Attention::Staged, 32),
         ] {
-            set(&g, |o| o.attention = attention);
+            set(&g, |o| {
+                o.attention = attention;
+                o.gather_keys = keys;
+            });
             let mut cc = SparseCache::new(shape, &cfg);
             let mut gc = g.new_sparse_cache(shape, &cfg).unwrap();
             let mut at = 0;
@@ -759,7 +765,7 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                     .collect();
                 let got = attend(&mut gc, at, c, mode);
                 close(
-                    &format!("{mode:?} {attention:?} {shape:?} chunk at {at} len {c}"),
+                    &format!("{mode:?} {attention:?} {keys} keys {shape:?} chunk at {at} len {c}"),
                     &got,
                     &want,
                     1e-2,
@@ -789,10 +795,11 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 assert_eq!(
                     differs,
                     None,
-                    "{mode:?} {shape:?}: the query at this position differs in one pass and in chunks {chunks:?}"
+                    "{mode:?} {shape:?} {keys} keys: the query at this position differs in one pass and in chunks {chunks:?}"
                 );
             }
         }
+        set(&g, |o| o.gather_keys = 32);
     }
 }
 

@@ -154,7 +154,13 @@ fn fp8_kv_cache_attention_matches_cpu() {
             x
         };
         let (k, v) = (scaled(&mut rng, 0.4), scaled(&mut rng, 1.0));
-        for mode in [SparseMode::Dense, SparseMode::Sparse] {
+        // The prompt chunks' gather in stages of 32 keys and of 16.
+        for (mode, keys) in [
+            (SparseMode::Dense, 32),
+            (SparseMode::Sparse, 32),
+            (SparseMode::Sparse, 16),
+        ] {
+            set(&g, |o| o.gather_keys = keys);
             // Sequence 0 is the one under test; 1 and 2 copy it and ride along in the
             // decode steps, as a batch of three.
             let mut cc = SparseCache::new(shape, &cfg);
@@ -168,7 +174,7 @@ fn fp8_kv_cache_attention_matches_cpu() {
                     .into_iter()
                     .map(sala_model::numerics::bf16_round)
                     .collect();
-                let what = format!("fp8 {mode:?} {shape:?} at {at} len {c}");
+                let what = format!("fp8 {mode:?} {keys} keys {shape:?} at {at} len {c}");
                 let batched = c == 1 && at > 0;
                 let (rows, spans, caches): (usize, Vec<Span>, Vec<usize>) = if batched {
                     // The row for every sequence: 0 and copies of 0 made just before.
