@@ -116,9 +116,9 @@ pub fn check_options() -> Vec<(&'static str, CudaOptions)> {
         out.push((name, o));
     }
     out.push((
-        "gather-keys-16",
+        "gather-keys-32",
         CudaOptions {
-            gather_keys: 16,
+            gather_keys: 32,
             ..CudaOptions::default()
         },
     ));

@@ -799,7 +799,7 @@ fn sparse_and_dense_attention_match_cpu_in_chunks() {
                 );
             }
         }
-        set(&g, |o| o.gather_keys = 32);
+        set(&g, |o| o.gather_keys = base_options().gather_keys);
     }
 }
 
