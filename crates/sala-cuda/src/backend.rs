@@ -356,6 +356,26 @@ impl CudaBackend {
     }
 
     /// Waits for all queued work.
+    /// Starts (`on`) or stops the range an external profiler records when it is told to
+    /// record only such ranges (`ncu --profile-from-start off`); without one attached it does
+    /// nothing. The queued work is waited for first, so the range holds exactly the work
+    /// queued inside it.
+    pub fn profiler_range(&self, on: bool) -> BResult<()> {
+        self.synchronize()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| be_err("profiler range", e))?;
+        // SAFETY: plain driver calls with the context current; they take no arguments.
+        let r = unsafe {
+            if on {
+                cudarc::driver::sys::cuProfilerStart()
+            } else {
+                cudarc::driver::sys::cuProfilerStop()
+            }
+        };
+        r.result().map_err(|e| be_err("profiler range", e))
+    }
+
     pub fn synchronize(&self) -> BResult<()> {
         self.stream
             .synchronize()

@@ -557,6 +557,8 @@ fn measure<B: Backend + DeviceStats>(
         }
         let mut next = argmax(&logits);
         print_profile(be, &format!("prefill of {len}"));
+        // The decode steps alone are what `ncu --profile-from-start off` records.
+        be.profiler_range(true)?;
         let waited_before = be.host_wait();
         let start = Instant::now();
         // Greedy, as the engine decodes a greedy request: the pick made on the device, each
@@ -586,6 +588,7 @@ fn measure<B: Backend + DeviceStats>(
             }
         }
         let decode = start.elapsed().as_secs_f64();
+        be.profiler_range(false)?;
         if let (Some(a), Some(b)) = (waited_before, be.host_wait()) {
             let steps = args.decode_tokens.max(1) as f64;
             eprintln!(

@@ -251,6 +251,12 @@ pub trait DeviceStats {
     fn synchronize(&self) -> anyhow::Result<()> {
         Ok(())
     }
+    /// Starts or stops the range an external profiler attached with its recording off at
+    /// start records (`ncu --profile-from-start off`); a no-op elsewhere.
+    fn profiler_range(&self, on: bool) -> anyhow::Result<()> {
+        let _ = on;
+        Ok(())
+    }
     /// Per-kernel (name, device ms, launches) since the last call, when profiling is on.
     fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
         None
@@ -436,6 +442,9 @@ impl DeviceStats for CudaBackend {
     }
     fn profile(&self) -> Option<Vec<(String, f64, usize)>> {
         self.profile_report()
+    }
+    fn profiler_range(&self, on: bool) -> anyhow::Result<()> {
+        Ok(CudaBackend::profiler_range(self, on)?)
     }
     fn page_pool(&self) -> Option<(usize, usize)> {
         let pool = CudaBackend::page_pool(self)?.borrow();
