@@ -609,8 +609,9 @@ gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb,
 // ---- 4-bit weights (W4A16) ----
 // A [n, k] matrix of 4-bit values q, eight to a word along k (word j of a row: inputs 8j..8j + 7,
 // input 8j + 2p at bits 4p and 8j + 2p + 1 at bits 16 + 4p: memory.rs's interleave_w4), each
-// row's k / g groups with a bf16 scale s and the bf16 value −(128 + z) of its zero z (a whole
-// number, 0 to 16): the weight is bf16((q − z)·s), the value the CPU holds for it. k is a
+// row's k / g groups with a word `sb`: the bf16 scale s in its low half and the bf16 value
+// −(128 + z) of its zero z (a whole number, 0 to 16) in its high half: the weight is
+// bf16((q − z)·s), the value the CPU holds for it. k is a
 // multiple of 128 and g of 32 (the host packs no other shape: sala_model::memory::packs_w4).
 
 // Weights 2p and 2p + 1 of a word as a bf16 pair: a shift and one lop3 ((w >> 4p) & 0x000F000F
@@ -630,17 +631,17 @@ __device__ __forceinline__ uint4 w4_pack(u32 w, u32 s2, u32 b2) {
 }
 
 // A warp's 4-bit weights for one slab (128 k) of rows row[0], row[1]: lane t's 32 consecutive k
-// of each (one 16-byte load of words), with their group's scale and bias. With PAIRED they are
-// made bf16x2 pairs as loaded; else they stay one bf16 each until their slab makes the pairs,
-// so the warp does not wait for the loads of its next slab before it multiplies the current
-// one (a third of gemv_w4_8's stall samples; gemv_w4_16 pairs them at once, as its 64 registers
-// cannot hold both).
+// of each (one 16-byte load of words), with their group's word of scale and bias. With PAIRED
+// they are made bf16x2 pairs as loaded; else the word stays as loaded until its slab makes the
+// pairs, so the warp does not wait for the loads of its next slab before it multiplies the
+// current one (a third of gemv_w4_8's stall samples; gemv_w4_16 pairs them at once, as it
+// spills more the other way).
 template <bool PAIRED>
 struct W4Slab {
     uint4 raw[2];
-    u32 sc[2], bi[2];
-    __device__ __forceinline__ u32 scale2(int h) const { return PAIRED ? sc[h] : __byte_perm(sc[h], 0, 0x1010); }
-    __device__ __forceinline__ u32 bias2(int h) const { return PAIRED ? bi[h] : __byte_perm(bi[h], 0, 0x1010); }
+    u32 sb[2], bi[2];  // PAIRED: the scale and bias pairs; else sb holds the loaded word
+    __device__ __forceinline__ u32 scale2(int h) const { return PAIRED ? sb[h] : __byte_perm(sb[h], 0, 0x1010); }
+    __device__ __forceinline__ u32 bias2(int h) const { return PAIRED ? bi[h] : __byte_perm(sb[h], 0, 0x3232); }
 };
 
 // i / g for multiples of 32, i below 2^25 (an integer division is tens of instructions): with
@@ -665,16 +666,16 @@ __device__ __forceinline__ int w4_group(int i, float inv_g32) {
 }
 
 template <bool PAIRED>
-__device__ __forceinline__ void w4_load(const uint4* qw, const u16* scales, const u16* bias, const W4Rows& r,
-                                        float inv_g32, int s, W4Slab<PAIRED>& a) {
+__device__ __forceinline__ void w4_load(const uint4* qw, const u32* sb, const W4Rows& r, float inv_g32, int s,
+                                        W4Slab<PAIRED>& a) {
     const int t = threadIdx.x & 3, kk = s * 128 + t * 32;
     const u32 group = w4_group(kk, inv_g32);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         a.raw[h] = __ldg(qw + r.pack[h] + (kk >> 5));
-        const u32 sc = __ldg(scales + r.group[h] + group), bi = __ldg(bias + r.group[h] + group);
-        a.sc[h] = PAIRED ? sc | (sc << 16) : sc;
-        a.bi[h] = PAIRED ? bi | (bi << 16) : bi;
+        const u32 w = __ldg(sb + r.group[h] + group);
+        a.sb[h] = PAIRED ? __byte_perm(w, 0, 0x1010) : w;
+        if (PAIRED) a.bi[h] = __byte_perm(w, 0, 0x3232);
     }
 }
 
@@ -686,9 +687,9 @@ __device__ __forceinline__ void w4_load(const uint4* qw, const u16* scales, cons
 // next slab's words (this tile's, else the next tile's first) before it multiplies the current;
 // the warps' sums are added in warp order, so a row's result does not depend on nb.
 template <int NT>
-__device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n,
-                                             int k, int g, int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2,
-                                             int n2, bf16* y3) {
+__device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g,
+                                             int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
+                                             bf16* y3) {
     __shared__ float red[GM_WARPS][NT * 128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
     const int tiles = (n + 15) / 16, slabs = (k + 127) / 128;
@@ -711,7 +712,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
     Slab a, an;
     W4Rows rows;
     rows_of(blockIdx.x, rows);
-    if ((int)blockIdx.x < tiles) w4_load(qw4, scales, bias, rows, inv_g32, warp, a);
+    if ((int)blockIdx.x < tiles) w4_load(qw4, sb, rows, inv_g32, warp, a);
     pdl_start();
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float c[NT][4];
@@ -728,7 +729,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
             if (ntile < tiles) {
                 W4Rows next;
                 rows_of(ntile, next);
-                w4_load(qw4, scales, bias, next, inv_g32, ns, nxt);
+                w4_load(qw4, sb, next, inv_g32, ns, nxt);
             }
             const int kk = s * 128 + t * 32;
             const u32 lo_w[4] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w};
@@ -757,27 +758,27 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
 
 // launch: grid = min(ceil(n / 16), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
-gemv_w4_8(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
-          int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+gemv_w4_8(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g, int nb, bf16* y0, int n0, bf16* y1,
+          int n1, bf16* y2, int n2, bf16* y3) {
     // (the PDL wait: in gemv_w4_body, after its first weights are asked for)
-    gemv_w4_body<1>(x, qw, scales, bias, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_w4_body<1>(x, qw, sb, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// gemv_w4_8 for nb ≤ 16, held to 64 registers for two blocks an SM (free it needs 68-70: one
-// block an SM, 10% slower at 16 rows on an H100; held, it spills a word that the slab loop
-// reloads from L1).
+// gemv_w4_8 for nb ≤ 16, held to 64 registers for two blocks an SM (free it needs more: one
+// block an SM, 10% slower at 16 rows on an H100; held, it spills a word once a tile, outside
+// the slab loop).
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
-gemv_w4_16(const bf16* x, const u32* qw, const u16* scales, const u16* bias, int n, int k, int g, int nb, bf16* y0,
-           int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+gemv_w4_16(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g, int nb, bf16* y0, int n0, bf16* y1,
+           int n1, bf16* y2, int n2, bf16* y3) {
     // (the PDL wait: in gemv_w4_body, after its first weights are asked for)
-    gemv_w4_body<2>(x, qw, scales, bias, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_w4_body<2>(x, qw, sb, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
-// The bf16 weights of a 4-bit matrix's rows (qw, scales and bias start at the first row):
+// The bf16 weights of a 4-bit matrix's rows (qw and sb start at the first row):
 // out[r][i] for `words` words (rows · k / 8), for a cuBLAS product of a prefill chunk.
 // launch: grid = ceil(words / 256), block = 256, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(256)
-dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 words, bf16* out) {
+dequant_w4(const u32* qw, const u32* sb, int k, int g, u64 words, bf16* out) {
     pdl_start();
     const u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
     if (i >= words) return;
@@ -785,8 +786,7 @@ dequant_w4(const u32* qw, const u16* scales, const u16* bias, int k, int g, u64 
     const u64 row = i / per_row;
     const int j = (int)(i % per_row);
     const u64 at = row * (k / g) + (j * 8) / g;
-    const u32 s = scales[at], b = bias[at];
-    const u32 s2 = s | (s << 16), b2 = b | (b << 16);
+    const u32 s2 = __byte_perm(sb[at], 0, 0x1010), b2 = __byte_perm(sb[at], 0, 0x3232);
     const u32 w = qw[i];
     u32* o = (u32*)(out + i * 8);
 #pragma unroll

@@ -5,8 +5,8 @@ use crate::device::DeviceLimits;
 use crate::graphs::{Mode, StepGraphs, StepKey, GRAPH_MAX_ROWS};
 use crate::kernels::Launcher;
 use crate::memory::{
-    be_err, grow, interleave_w4, DevAct, DevAddr, DevLightningState, DevMatrix, DevSparseCache,
-    Fp8Weights, Scratch, W4Weights,
+    be_err, grow, interleave_w4, w4_group_word, DevAct, DevAddr, DevLightningState, DevMatrix,
+    DevSparseCache, Fp8Weights, Scratch, W4Weights,
 };
 use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
@@ -487,9 +487,9 @@ impl Backend for CudaBackend {
             return self.upload_matrix(name, t);
         }
         let up = |what: &str, e| be_err(&format!("uploading {name} ({what})"), e);
-        let bf16 = |v: f32| half::bf16::from_f32(v).to_bits();
-        let scales: Vec<u16> = q.scales.iter().map(|&s| bf16(s)).collect();
-        let bias: Vec<u16> = q.zeros.iter().map(|&z| bf16(-(128.0 + z))).collect();
+        let groups: Vec<u32> = (q.scales.iter().zip(q.zeros))
+            .map(|(&s, &z)| w4_group_word(s, z))
+            .collect();
         let words: Vec<u32> = q.words.iter().map(|&w| interleave_w4(w)).collect();
         Ok(DevMatrix {
             buf: self.alloc_u16(0)?,
@@ -497,11 +497,10 @@ impl Backend for CudaBackend {
             cols: q.cols,
             w4: Some(W4Weights {
                 words: self.stream.clone_htod(&words).map_err(|e| up("words", e))?,
-                scales: self
+                groups: self
                     .stream
-                    .clone_htod(&scales)
-                    .map_err(|e| up("scales", e))?,
-                bias: self.stream.clone_htod(&bias).map_err(|e| up("zeros", e))?,
+                    .clone_htod(&groups)
+                    .map_err(|e| up("scales and zeros", e))?,
                 group: q.group,
             }),
             fp8: None,

@@ -107,12 +107,19 @@ pub struct Fp8Weights {
 
 /// A 4-bit matrix on the device: `[rows, cols / 8]` words, each the eight values of
 /// `sala_model::QuantMatrix`'s word with its nibbles interleaved ([`interleave_w4`]), and per
-/// `[rows, cols / group]` group its scale and −(128 + zero) as bf16 bits.
+/// `[rows, cols / group]` group one word ([`w4_group_word`]): its scale and −(128 + zero) as
+/// bf16 bits, so a product loads both at once.
 pub struct W4Weights {
     pub words: CudaSlice<u32>,
-    pub scales: CudaSlice<u16>,
-    pub bias: CudaSlice<u16>,
+    pub groups: CudaSlice<u32>,
     pub group: usize,
+}
+
+/// A 4-bit group's word: the bf16 bits of its scale in the low half, of −(128 + zero) in the
+/// high half.
+pub fn w4_group_word(scale: f32, zero: f32) -> u32 {
+    let bits = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+    bits(scale) | (bits(-(128.0 + zero)) << 16)
 }
 
 /// A word of eight 4-bit values, the lowest nibble first (input 8j + i at bits 4i, as

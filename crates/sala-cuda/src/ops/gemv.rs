@@ -164,7 +164,7 @@ impl CudaBackend {
         rows: usize,
     ) -> BResult<()> {
         let (n, k, g) = (w.rows as i32, w.cols as i32, q.group as i32);
-        let (wp, sp, bp) = (self.ptr(&q.words), self.ptr(&q.scales), self.ptr(&q.bias));
+        let (wp, gp) = (self.ptr(&q.words), self.ptr(&q.groups));
         let at = Launch::new(
             (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
             GEMV_MMA_THREADS,
@@ -182,7 +182,7 @@ impl CudaBackend {
                 Launcher::gemv_w4_16
             };
             launch(
-                &self.k, at, xp, wp, sp, bp, n, k, g, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+                &self.k, at, xp, wp, gp, n, k, g, nb as i32, y0, n0, y1, n1, y2, n2, y3,
             )?;
             r += nb;
         }
@@ -404,8 +404,7 @@ impl CudaBackend {
         self.k.dequant_w4(
             Launch::linear(words, 256),
             self.ptr(&q.words) + (r0 * per_row * 4) as u64,
-            self.ptr(&q.scales) + (r0 * groups * 2) as u64,
-            self.ptr(&q.bias) + (r0 * groups * 2) as u64,
+            self.ptr(&q.groups) + (r0 * groups * 4) as u64,
             w.cols as i32,
             q.group as i32,
             words as u64,
@@ -427,14 +426,12 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<u32>(rows * per_row)
             .map_err(err)?;
-        let scales = self.stream.alloc_zeros::<u16>(rows * groups).map_err(err)?;
-        let bias = self.stream.alloc_zeros::<u16>(rows * groups).map_err(err)?;
+        let group_words = self.stream.alloc_zeros::<u32>(rows * groups).map_err(err)?;
         let mut at = 0;
         for p in &parts {
             let q = p.w4.as_ref().expect("all 4-bit");
             self.copy(&words, at * per_row, &q.words, 0, p.rows * per_row)?;
-            self.copy(&scales, at * groups, &q.scales, 0, p.rows * groups)?;
-            self.copy(&bias, at * groups, &q.bias, 0, p.rows * groups)?;
+            self.copy(&group_words, at * groups, &q.groups, 0, p.rows * groups)?;
             at += p.rows;
         }
         Ok(DevMatrix {
@@ -443,8 +440,7 @@ impl CudaBackend {
             cols,
             w4: Some(W4Weights {
                 words,
-                scales,
-                bias,
+                groups: group_words,
                 group,
             }),
             fp8: None,
