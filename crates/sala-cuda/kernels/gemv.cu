@@ -222,7 +222,11 @@ __device__ __forceinline__ float gm_block_sum(float (*red)[NT * 128], const floa
 template <int NT, bool SILU>
 __device__ __forceinline__ void gemv_mma_tiles_body(const bf16* x, const bf16* w, int n, int k, int nb, int groups,
                                                     bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
-    __shared__ float red[GM_WARPS][NT * 128];
+    // Two buffers of the warps' sums, tiles taking turns: a warp writes a buffer only after the
+    // barrier of the tile between, which every thread passes after reading it, so one barrier a
+    // tile (gm_block_sum's) suffices.
+    __shared__ float red[2][GM_WARPS][NT * 128];
+    int turn = 0;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int tile_rows = SILU ? 8 : 16, inter = n / 2;
     const int tiles = ((SILU ? inter : n) + tile_rows - 1) / tile_rows;
@@ -286,18 +290,18 @@ __device__ __forceinline__ void gemv_mma_tiles_body(const bf16* x, const bf16* w
         const int v = threadIdx.x, m0 = tile * tile_rows;
         if (SILU) {
             const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
-            const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128, groups);
-            const float us = v < NT * 64 ? gm_grouped_sum(&red[0][vg + 64], NT * 128, groups) : 0.0f;
+            const float gs = gm_block_sum<NT>(red[turn], c, v < NT * 64 ? vg : NT * 128, groups);
+            const float us = v < NT * 64 ? gm_grouped_sum(&red[turn][0][vg + 64], NT * 128, groups) : 0.0f;
             const int jo = m0 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
             if (v < NT * 64 && jo < inter && b < nb)
                 y0[(size_t)b * inter + jo] = f2bf(silu_times(round_bf(gs), round_bf(us)));
         } else {
-            const float sum = gm_block_sum<NT>(red, c, v, groups);
+            const float sum = gm_block_sum<NT>(red[turn], c, v, groups);
             const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
             const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
             if (v < NT * 128 && o < n && b < nb) gemv_store(sum, o, b, y0, n0, y1, n1, y2, n2, y3, n);
         }
-        __syncthreads();  // red is free for the next tile
+        turn ^= 1;
     }
 }
 
@@ -690,7 +694,11 @@ template <int NT>
 __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g,
                                              int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
                                              bf16* y3) {
-    __shared__ float red[GM_WARPS][NT * 128];
+    // The warps' sums in two buffers, tiles taking turns, as gemv_mma_tiles_body; gemv_w4_16
+    // keeps one and a second barrier a tile (the turn's register would make it spill).
+    constexpr int BUFS = NT == 1 ? 2 : 1;
+    __shared__ float red[BUFS][GM_WARPS][NT * 128];
+    int turn = 0;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
     const int tiles = (n + 15) / 16, slabs = (k + 127) / 128;
     const u32 packs_per_row = k / 32, groups = w4_div(k, g);
@@ -748,11 +756,14 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
         };
         gm_slab_turns(slabs, a, an, slab, [](Slab& to, const Slab& from) { to = from; });
         const int v = threadIdx.x;
-        const float sum = gm_block_sum<NT>(red, c, v, 1);
+        const float sum = gm_block_sum<NT>(red[turn], c, v, 1);
         const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
         const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
         if (v < NT * 128 && o < n && b < nb) gemv_store(sum, o, b, y0, n0, y1, n1, y2, n2, y3, n);
-        __syncthreads();  // red is free for the next tile
+        if (BUFS == 2)
+            turn ^= 1;
+        else
+            __syncthreads();  // red is free for the next tile
     }
 }
 
@@ -920,7 +931,11 @@ template <int NT, bool SILU>
 __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const float* xs, const unsigned char* w,
                                              const float* ws, int n, int k, int nb, bf16* y0, int n0, bf16* y1,
                                              int n1, bf16* y2, int n2, bf16* y3) {
-    __shared__ float red[GM_WARPS][NT * 128];
+    // Two buffers of the warps' sums, tiles taking turns: a warp writes a buffer only after the
+    // barrier of the tile between, which every thread passes after reading it, so one barrier a
+    // tile (gm_block_sum's) suffices.
+    __shared__ float red[2][GM_WARPS][NT * 128];
+    int turn = 0;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tile_rows = SILU ? 8 : 16, g = lane >> 2, inter = n / 2;
     const int tiles = ((SILU ? inter : n) + tile_rows - 1) / tile_rows;
@@ -984,22 +999,22 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
         if (SILU) {
             // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane (as gemv_silu_mma).
             const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
-            const float gs = gm_block_sum<NT>(red, c, v < NT * 64 ? vg : NT * 128, 1);
+            const float gs = gm_block_sum<NT>(red[turn], c, v < NT * 64 ? vg : NT * 128, 1);
             float us = 0.0f;
             if (v < NT * 64)
-                for (int wp = 0; wp < GM_WARPS; wp++) us += red[wp][vg + 64];
+                for (int wp = 0; wp < GM_WARPS; wp++) us += red[turn][wp][vg + 64];
             const int j = m0 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
             if (v < NT * 64 && j < inter && b < nb)
                 y0[(u64)b * inter + j] = f2bf(
                     silu_times(round_bf(gs * unit * xs[b] * ws[j]), round_bf(us * unit * xs[b] * ws[inter + j])));
         } else {
-            const float s = gm_block_sum<NT>(red, c, v, 1);
+            const float s = gm_block_sum<NT>(red[turn], c, v, 1);
             const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
             const int o = m0 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
             if (v < NT * 128 && o < n && b < nb)
                 gemv_store(s * unit * xs[b] * ws[o], o, b, y0, n0, y1, n1, y2, n2, y3, n);
         }
-        __syncthreads();  // red is free for the next tile
+        turn ^= 1;
     }
 }
 
