@@ -22,8 +22,9 @@ def main():
         k = kernels.setdefault(row["ID"], {"name": row["Kernel Name"].split("(")[0]})
         value = row["Metric Value"].replace(",", "")
         unit = row["Metric Unit"]
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "byte": 1.0, "Kbyte": 1e3,
-                 "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1.0)
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+                 "B": 1.0, "byte": 1.0, "KB": 1e3, "Kbyte": 1e3, "MB": 1e6, "Mbyte": 1e6, "GB": 1e9,
+                 "Gbyte": 1e9}.get(unit, 1.0)
         try:
             k[row["Metric Name"]] = float(value) * scale
         except ValueError:
