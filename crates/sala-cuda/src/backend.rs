@@ -5,7 +5,7 @@ use crate::device::DeviceLimits;
 use crate::graphs::{Mode, StepGraphs, StepKey, GRAPH_MAX_ROWS};
 use crate::kernels::Launcher;
 use crate::memory::{
-    be_err, grow, interleave_w4, w4_group_word, DevAct, DevAddr, DevLightningState, DevMatrix,
+    be_err, grow, interleave_w4, w4_group_word, DevAct, DevLightningState, DevMatrix,
     DevSparseCache, Fp8Weights, Scratch, W4Weights,
 };
 use crate::ops::elementwise::{ElementOp, RopeAt};
@@ -51,9 +51,9 @@ pub struct CudaBackend {
     /// the norm that wrote them: the product reading them next need not make them again.
     pub(crate) fresh_f8: Cell<Option<(u64, usize, usize)>>,
     /// The step under way leaves its picks for later ([`StepInfo::picks_later`]).
-    picks_later: Cell<bool>,
+    pub(crate) picks_later: Cell<bool>,
     /// Rows of the last greedy picks made (the next step's tokens when it takes them).
-    picked_rows: Cell<usize>,
+    pub(crate) picked_rows: Cell<usize>,
     /// Picks left for later ([`crate::ahead`]).
     pub(crate) picks_ahead: crate::ahead::PicksAhead,
     /// With `profile_steps`: the step spans' events, and the step under way's first.
@@ -1087,98 +1087,7 @@ impl Backend for CudaBackend {
         lm_head: &DevMatrix,
         divisor: f32,
     ) -> BResult<LogitsOut> {
-        let (n, cols, vocab) = (rows.len(), h.cols, lm_head.rows);
-        if let Some(&bad) = rows.iter().find(|&&r| r >= h.rows) {
-            return Err(BackendError(format!(
-                "logits of row {bad} of {} rows",
-                h.rows
-            )));
-        }
-        if keep.len() != n || n == 0 {
-            return Err(BackendError(format!(
-                "logits: {} keep flags for {n} rows",
-                keep.len()
-            )));
-        }
-        let (x, y, picks) = {
-            let mut s = self.scratch.borrow_mut();
-            grow(&self.stream, &mut s.logits_in, n * cols)?;
-            grow(&self.stream, &mut s.logits_out, n * vocab)?;
-            grow(&self.stream, &mut s.picks, 2 * n)?;
-            (
-                self.ptr(s.logits_in.as_ref().expect("grown")),
-                self.ptr(s.logits_out.as_ref().expect("grown")),
-                self.ptr(s.picks.as_ref().expect("grown")),
-            )
-        };
-        // Each run of adjacent rows scaled in one launch, packed in order.
-        let mut i = 0;
-        while i < n {
-            let mut j = i + 1;
-            while j < n && rows[j] == rows[j - 1] + 1 {
-                j += 1;
-            }
-            self.scale_round(
-                self.row_ptr(h, rows[i]),
-                x + (i * cols * 2) as u64,
-                divisor,
-                (j - i) * cols,
-            )?;
-            i = j;
-        }
-        // The product may take scratch of its own (a split GEMV's chain sums): no borrow held.
-        self.product(&DevAddr(x), 0, lm_head, y, n)?;
-        let s = self.scratch.borrow();
-        let (ys, ps) = (
-            s.logits_out.as_ref().expect("grown"),
-            s.picks.as_ref().expect("grown"),
-        );
-        // Every row's pick, whichever rows the host keeps: a step's launches depend on its
-        // rows only (a CUDA graph replays them).
-        self.k.greedy_rows(
-            Launch::new((n, 1, 1), 1024, 0),
-            y,
-            vocab as i32,
-            picks,
-            picks + 4 * n as u64,
-        )?;
-        self.picked_rows.set(n);
-        self.graph_pause()?;
-        if self.picks_later.get() {
-            // Copied to the host as the step ends; read by `take_picks`.
-            if keep.iter().any(|&k| k) {
-                return Err(BackendError(
-                    "a step that leaves its picks for later keeps no logits".into(),
-                ));
-            }
-            self.queue_picks(ps, n)?;
-            return Ok(LogitsOut::default());
-        }
-        let start = std::time::Instant::now();
-        self.synchronize()?;
-        self.waited.set(self.waited.get() + start.elapsed());
-        let mut raw = vec![0u32; 2 * n];
-        self.stream
-            .memcpy_dtoh(&ps.slice(..2 * n), &mut raw)
-            .map_err(|e| be_err("download", e))?;
-        let picks = crate::ahead::picks_of(&raw, n);
-        // The kept rows, a run of adjacent ones per copy.
-        let kept = keep.iter().filter(|&&k| k).count();
-        let mut out = Vec::with_capacity(kept * vocab);
-        let mut i = 0;
-        while i < n {
-            if !keep[i] {
-                i += 1;
-                continue;
-            }
-            let mut j = i + 1;
-            while j < n && keep[j] {
-                j += 1;
-            }
-            out.extend(self.download_bf16(ys, i * vocab, (j - i) * vocab)?);
-            i = j;
-        }
-        Ok(LogitsOut { rows: out, picks })
+        self.head_logits(h, rows, keep, lm_head, divisor)
     }
 
     fn to_host(&self, a: &DevAct) -> BResult<Vec<f32>> {

@@ -4,4 +4,5 @@ pub(crate) mod attention;
 pub(crate) mod elementwise;
 pub(crate) mod gemv;
 pub(crate) mod lightning;
+pub(crate) mod logits;
 pub(crate) mod select;
