@@ -355,7 +355,6 @@ impl CudaBackend {
         &self.driver_limits.name
     }
 
-    /// Waits for all queued work.
     /// Starts (`on`) or stops the range an external profiler records when it is told to
     /// record only such ranges (`ncu --profile-from-start off`); without one attached it does
     /// nothing. The queued work is waited for first, so the range holds exactly the work
@@ -376,6 +375,7 @@ impl CudaBackend {
         r.result().map_err(|e| be_err("profiler range", e))
     }
 
+    /// Waits for all queued work.
     pub fn synchronize(&self) -> BResult<()> {
         self.stream
             .synchronize()
