@@ -483,39 +483,73 @@ extern "C" __global__ void __launch_bounds__(256) picked_ids(const int* picks, u
 }
 
 // Each row's greedy token: the first index of its maximum, and that token's log-probability
-// -log sum exp(x - max); id -1 where no logit is a number. As the host sampler picks it.
-// launch: grid = rows, block = 1024
-extern "C" __global__ void __launch_bounds__(1024) greedy_rows(const bf16* logits, int vocab, int* ids,
-                                                               float* logprobs) {
+// -log sum exp(x - max); id -1 where no logit is a number. As the host sampler picks it. Two
+// launches: greedy_parts, GREEDY_SLICES blocks a row, each a slice's maximum, its first index
+// and Σ exp(x - its maximum); then greedy_rows, a warp a row, adds the slices in order.
+#define GREEDY_SLICES 32
+
+// part[(row · GREEDY_SLICES + slice) · 3 ..]: the slice's maximum (-inf where it has no
+// number), its first index (as an int's bits; INT_MAX where none) and Σ exp(x - maximum).
+// launch: grid = (rows, GREEDY_SLICES), block = 256
+extern "C" __global__ void __launch_bounds__(256) greedy_parts(const bf16* logits, int vocab, float* part) {
     pdl_start();
-    __shared__ float best_of[32];
-    __shared__ int at_of[32];
+    __shared__ float best_of[8];
+    __shared__ int at_of[8];
     __shared__ float scratch[32];
     const bf16* row = logits + (u64)blockIdx.x * vocab;
+    const int len = (vocab + GREEDY_SLICES - 1) / GREEDY_SLICES;
+    const int lo = blockIdx.y * len, hi = min(lo + len, vocab);
     float best = NEG_INF;
     int at = 0x7fffffff;
     // Each thread walks its indices upward, so a strict > keeps its first maximum.
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float x = sampled_logit(row[i]);
+    for (int i = lo + (int)threadIdx.x; i < hi; i += 256) {
+        const float x = sampled_logit(row[i]);
         if (x > best) best = x, at = i;
     }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int o = 16; o > 0; o >>= 1) {
-        float b = __shfl_xor_sync(0xffffffffu, best, o);
-        int a = __shfl_xor_sync(0xffffffffu, at, o);
+        const float b = __shfl_xor_sync(0xffffffffu, best, o);
+        const int a = __shfl_xor_sync(0xffffffffu, at, o);
         if (b > best || (b == best && a < at)) best = b, at = a;
     }
     if (lane == 0) best_of[warp] = best, at_of[warp] = at;
     __syncthreads();
     best = best_of[0], at = at_of[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+    for (int w = 1; w < 8; w++)
         if (best_of[w] > best || (best_of[w] == best && at_of[w] < at)) best = best_of[w], at = at_of[w];
     float sum = 0.0f;
     if (best > NEG_INF)
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(sampled_logit(row[i]) - best);
+        for (int i = lo + (int)threadIdx.x; i < hi; i += 256) sum += expf(sampled_logit(row[i]) - best);
     sum = block_sum(sum, scratch);
     if (threadIdx.x == 0) {
-        bool any = best > NEG_INF;
+        float* out = part + ((u64)blockIdx.x * GREEDY_SLICES + blockIdx.y) * 3;
+        out[0] = best;
+        out[1] = __int_as_float(at);
+        out[2] = sum;
+    }
+}
+
+// The row's pick from its slices' parts (greedy_parts): the largest maximum, the first index
+// among slices that share it, and Σ over slices of sum · exp(maximum − the row's maximum).
+// launch: grid = rows, block = 32
+extern "C" __global__ void __launch_bounds__(32) greedy_rows(const float* part, int* ids, float* logprobs) {
+    pdl_start();
+    const int lane = threadIdx.x;
+    const float* mine = part + ((u64)blockIdx.x * GREEDY_SLICES + lane) * 3;
+    const bool in = lane < GREEDY_SLICES;
+    const float b0 = in ? mine[0] : NEG_INF, s0 = in ? mine[2] : 0.0f;
+    const int a0 = in ? __float_as_int(mine[1]) : 0x7fffffff;
+    float best = b0;
+    int at = a0;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float b = __shfl_xor_sync(0xffffffffu, best, o);
+        const int a = __shfl_xor_sync(0xffffffffu, at, o);
+        if (b > best || (b == best && a < at)) best = b, at = a;
+    }
+    float sum = b0 > NEG_INF ? s0 * expf(b0 - best) : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) {
+        const bool any = best > NEG_INF;
         ids[blockIdx.x] = any ? at : -1;
         logprobs[blockIdx.x] = any ? -logf(sum) : 0.0f;
     }

@@ -173,7 +173,8 @@ kernel_table! {
     RopeTable = rope_table in "elementwise.cu" (inv_freq: Ptr, first_pos: I32, rows: I32, half: I32, table: Ptr);
     RopeTableRows = rope_table_rows in "elementwise.cu" (inv_freq: Ptr, pos: Ptr, n_rows: I32, half: I32, table: Ptr);
     ScaleRound = scale_round in "elementwise.cu" (x: Ptr, out: Ptr, divisor: F32, n: U64);
-    GreedyRows = greedy_rows in "elementwise.cu" (logits: Ptr, vocab: I32, ids: Ptr, logprobs: Ptr);
+    GreedyParts = greedy_parts in "elementwise.cu" (logits: Ptr, vocab: I32, part: Ptr);
+    GreedyRows = greedy_rows in "elementwise.cu" (part: Ptr, ids: Ptr, logprobs: Ptr);
     PickedIds = picked_ids in "elementwise.cu" (picks: Ptr, ids: Ptr, positions: Ptr, n: I32);
     FillRandom = fill_random in "elementwise.cu" (out: Ptr, n: U64, first: U64, seed: U64, mean: F32, std: F32);
     // Decode-sized products and the MLP's SiLU.

@@ -4,7 +4,7 @@
 
 use crate::backend::CudaBackend;
 use crate::memory::{be_err, grow, DevAct, DevAddr, DevMatrix};
-use crate::plan::Launch;
+use crate::plan::{Launch, GREEDY_SLICES};
 use sala_model::{BResult, BackendError, LogitsOut};
 
 impl CudaBackend {
@@ -35,7 +35,8 @@ impl CudaBackend {
             let mut s = self.scratch.borrow_mut();
             grow(&self.stream, &mut s.logits_in, n * cols)?;
             grow(&self.stream, &mut s.logits_out, n * vocab)?;
-            grow(&self.stream, &mut s.picks, 2 * n)?;
+            // n ids, n logprobs, then greedy_parts' slices (3 words each).
+            grow(&self.stream, &mut s.picks, (2 + 3 * GREEDY_SLICES) * n)?;
             (
                 self.ptr(s.logits_in.as_ref().expect("grown")),
                 self.ptr(s.logits_out.as_ref().expect("grown")),
@@ -66,10 +67,16 @@ impl CudaBackend {
         );
         // Every row's pick, whichever rows the host keeps: a step's launches depend on its
         // rows only (a CUDA graph replays them).
-        self.k.greedy_rows(
-            Launch::new((n, 1, 1), 1024, 0),
+        let parts = picks + (4 * 2 * n) as u64;
+        self.k.greedy_parts(
+            Launch::new((n, GREEDY_SLICES, 1), 256, 0),
             y,
             vocab as i32,
+            parts,
+        )?;
+        self.k.greedy_rows(
+            Launch::new((n, 1, 1), 32, 0),
+            parts,
             picks,
             picks + 4 * n as u64,
         )?;

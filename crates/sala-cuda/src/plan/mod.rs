@@ -143,6 +143,8 @@ pub const ATTENTION_MERGE_GROUPS: usize = 4;
 pub const MAX_ATTENTION_SPLIT: usize = 32;
 /// `attention_decode`: at most this many warps (64-key walks) per (query, group).
 pub const DECODE_SPLIT_MAX: usize = 128;
+/// Blocks of `greedy_parts` a row of logits is split over (GREEDY_SLICES in elementwise.cu).
+pub const GREEDY_SLICES: usize = 32;
 /// From this many query rows on, staged attention runs as `attention_prefill`.
 pub const PREFILL_ATTENTION_ROWS: usize = 64;
 /// Elements a warp of `head_norm_rope_lanes` norms and rotates: 512 / d heads.
