@@ -690,7 +690,10 @@ __device__ __forceinline__ void w4_load(const uint4* qw, const u32* sb, const W4
 // with the MMAs of gemv_mma_tiles_body (the same pairing of weights and activations), and asks for its
 // next slab's words (this tile's, else the next tile's first) before it multiplies the current;
 // the warps' sums are added in warp order, so a row's result does not depend on nb.
-template <int NT>
+// SILU: w is [gate; up] (n = 2·inter), each M-tile 8 gate rows j..j + 7 and their up rows, and
+// y0 gets round(round(silu(round(g))) · round(u)), what silu_mul_halves makes of the product's
+// rows (a row's sum does not depend on the tile it is in).
+template <int NT, bool SILU>
 __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g,
                                              int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
                                              bf16* y3) {
@@ -700,14 +703,14 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
     __shared__ float red[BUFS][GM_WARPS][NT * 128];
     int turn = 0;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
-    const int tiles = (n + 15) / 16, slabs = (k + 127) / 128;
+    const int inter = n / 2, tiles = SILU ? (inter + 7) / 8 : (n + 15) / 16, slabs = (k + 127) / 128;
     const u32 packs_per_row = k / 32, groups = w4_div(k, g);
     const float inv_g32 = 1.0f / (float)(g >> 5);
     const uint4* qw4 = (const uint4*)qw;
     auto rows_of = [&](int tile, W4Rows& r) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const u32 row = min(tile * 16 + gl + 8 * h, n - 1);
+            const u32 row = SILU ? min(tile * 8 + gl, inter - 1) + h * inter : min(tile * 16 + gl + 8 * h, n - 1);
             r.pack[h] = row * packs_per_row;
             r.group[h] = row * groups;
         }
@@ -756,10 +759,22 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
         };
         gm_slab_turns(slabs, a, an, slab, [](Slab& to, const Slab& from) { to = from; });
         const int v = threadIdx.x;
-        const float sum = gm_block_sum<NT>(red[turn], c, v, 1);
-        const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
-        const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
-        if (v < NT * 128 && o < n && b < nb) gemv_store(sum, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+        if (SILU) {
+            // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane (as gemv_silu_mma).
+            const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
+            const float gs = gm_block_sum<NT>(red[turn], c, v < NT * 64 ? vg : NT * 128, 1);
+            float us = 0.0f;
+            if (v < NT * 64)
+                for (int wp = 0; wp < GM_WARPS; wp++) us += red[turn][wp][vg + 64];
+            const int j = tile * 8 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
+            if (v < NT * 64 && j < inter && b < nb)
+                y0[(u64)b * inter + j] = f2bf(silu_times(round_bf(gs), round_bf(us)));
+        } else {
+            const float sum = gm_block_sum<NT>(red[turn], c, v, 1);
+            const int nt = v >> 7, i = (v >> 5) & 3, l = v & 31;
+            const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = nt * 8 + 2 * (l & 3) + (i & 1);
+            if (v < NT * 128 && o < n && b < nb) gemv_store(sum, o, b, y0, n0, y1, n1, y2, n2, y3, n);
+        }
         if (BUFS == 2)
             turn ^= 1;
         else
@@ -772,7 +787,7 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
 gemv_w4_8(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g, int nb, bf16* y0, int n0, bf16* y1,
           int n1, bf16* y2, int n2, bf16* y3) {
     // (the PDL wait: in gemv_w4_body, after its first weights are asked for)
-    gemv_w4_body<1>(x, qw, sb, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_w4_body<1, false>(x, qw, sb, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // gemv_w4_8 for nb ≤ 16, held to 64 registers for two blocks an SM (free it needs more: one
@@ -782,7 +797,20 @@ extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
 gemv_w4_16(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g, int nb, bf16* y0, int n0, bf16* y1,
            int n1, bf16* y2, int n2, bf16* y3) {
     // (the PDL wait: in gemv_w4_body, after its first weights are asked for)
-    gemv_w4_body<2>(x, qw, sb, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_w4_body<2, false>(x, qw, sb, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// The SiLU product of a 4-bit [gate; up] ([2·inter, k]): y[b·inter + j] for nb ≤ 8 rows.
+// launch: grid = min(ceil(inter / 8), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_silu_w4_8(const bf16* x, const u32* qw, const u32* sb, bf16* y, int inter, int k, int g, int nb) {
+    gemv_w4_body<1, true>(x, qw, sb, 2 * inter, k, g, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+}
+
+// gemv_silu_w4_8 for nb ≤ 16 (held as gemv_w4_16).
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_silu_w4_16(const bf16* x, const u32* qw, const u32* sb, bf16* y, int inter, int k, int g, int nb) {
+    gemv_w4_body<2, true>(x, qw, sb, 2 * inter, k, g, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
 // The bf16 weights of a 4-bit matrix's rows (qw and sb start at the first row):

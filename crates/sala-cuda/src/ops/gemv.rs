@@ -189,6 +189,36 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `product_silu` of a 4-bit [gate; up] on tensor cores: `gemv_silu_w4_8` /
+    /// `gemv_silu_w4_16`, up to 16 rows a launch.
+    fn gemv_silu_w4(&self, x: &DevAct, w: &DevMatrix, q: &W4Weights, out: &DevAct) -> BResult<()> {
+        let inter = out.cols;
+        let (i, k, g) = (inter as i32, w.cols as i32, q.group as i32);
+        let (wp, gp) = (self.ptr(&q.words), self.ptr(&q.groups));
+        let at = Launch::new(
+            (self.tile_blocks(inter.div_ceil(8)), 1, 1),
+            GEMV_MMA_THREADS,
+            0,
+        )
+        .shaped(w.rows, w.cols);
+        let mut r = 0;
+        while r < x.rows {
+            let nb = 16.min(x.rows - r);
+            let (xp, yp) = (
+                self.row_ptr(x, r),
+                self.act_ptr(out) + (r * inter * 2) as u64,
+            );
+            let launch = if nb <= 8 {
+                Launcher::gemv_silu_w4_8
+            } else {
+                Launcher::gemv_silu_w4_16
+            };
+            launch(&self.k, at, xp, wp, gp, yp, i, k, g, nb as i32)?;
+            r += nb;
+        }
+        Ok(())
+    }
+
     /// `rows` product inputs (`k` wide, at `xp`) as FP8 rows in scratch: their codes when
     /// `codes`, else their bf16 values; returns (inputs, scales).
     fn quantize_inputs(&self, xp: u64, rows: usize, k: usize, codes: bool) -> BResult<(u64, u64)> {
@@ -490,10 +520,13 @@ impl CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         let inter = out.cols;
-        let fused = w.w4.is_none() && self.gemv_fits(x.rows, w);
+        let fused = self.gemv_fits(x.rows, w);
         if !fused || w.rows != 2 * inter || x.cols != w.cols {
             self.matmul_into(x, w, gu)?;
             return self.silu_halves(gu, out);
+        }
+        if let Some(q) = &w.w4 {
+            return self.gemv_silu_w4(x, w, q, out);
         }
         if let Some(f) = &w.fp8 {
             return self.gemv_silu_fp8(x, w, f, out);

@@ -363,6 +363,8 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::GemvSilu, 128),
     (K::GemvW4x8, GEMV_MMA_THREADS),
     (K::GemvW4x16, GEMV_MMA_THREADS),
+    (K::GemvSiluW4x8, GEMV_MMA_THREADS),
+    (K::GemvSiluW4x16, GEMV_MMA_THREADS),
     (K::DequantW4, 256),
     (K::QuantRowsF8, 256),
     (K::GemvF8x8, GEMV_MMA_THREADS),

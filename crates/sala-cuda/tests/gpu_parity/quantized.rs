@@ -10,7 +10,8 @@ use super::*;
 /// values (the CPU holds the bf16 values the 4-bit weights stand for); groups of 32 to 1024,
 /// 96 and a whole row of 768 (the kernels' group index by a fast division); a group of 8 (no
 /// 4-bit kernel takes it) goes up as bf16. A step of rows gives
-/// each row the bits it gets alone (batch-invariant).
+/// each row the bits it gets alone (batch-invariant), and the fused SiLU product of decode rows
+/// (`gemv_silu_w4`) the bits of the product's rows through the SiLU halves.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn four_bit_products_match_cpu() {
@@ -57,7 +58,10 @@ fn four_bit_products_match_cpu() {
         let gw = g.upload_quantized("w", q).unwrap();
         let x = rng.bf16_vec(rows * inner, -1.0, 1.0);
         let what = format!("w4 matmul {rows}x{inner} by {out}, groups of {group}");
-        check_products(&g, (&cw, &gw), &x, rows, &what, 5e-3);
+        let (_, got) = check_products(&g, (&cw, &gw), &x, rows, &what, 5e-3);
+        if rows <= 64 && out % 2 == 0 && gw.w4.is_some() {
+            check_silu_bits(&g, &gw, &x, rows, &got, &what);
+        }
         // Stacked: two 4-bit halves, then 4-bit beside bf16.
         let (w2, s2, z2) = random_w4(&mut rng, 64, inner, group);
         let q2 = QuantMatrix {
@@ -556,4 +560,43 @@ fn check_products(
         );
     }
     (co, got)
+}
+
+/// The fused decode SiLU product of `gw` ([gate; up]) on `rows` rows of `x` (at most 64) gives
+/// the bits of the product's rows `got` through the SiLU halves, and each row those it gets
+/// alone.
+fn check_silu_bits(
+    g: &CudaBackend,
+    gw: &sala_cuda::DevMatrix,
+    x: &[f32],
+    rows: usize,
+    got: &[f32],
+    what: &str,
+) {
+    let (out, inner) = (gw.rows, gw.cols);
+    let half = out / 2;
+    let xa = g.act_from_host(x, inner).unwrap();
+    let mut gu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+    let mut fused = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
+    g.matmul_silu(&xa, gw, &mut gu, &mut fused).unwrap();
+    let fused = g.to_host(&fused).unwrap();
+    let products = g.act_from_host(got, out).unwrap();
+    let mut halves = g.act_from_host(&vec![0.0; rows * half], half).unwrap();
+    g.silu_mul_halves(&products, &mut halves).unwrap();
+    assert!(
+        g.to_host(&halves).unwrap() == fused,
+        "{what}: matmul_silu differs from the product's SiLU halves"
+    );
+    for r in [0, rows - 1] {
+        let xr = g
+            .act_from_host(&x[r * inner..(r + 1) * inner], inner)
+            .unwrap();
+        let mut gu = g.act_from_host(&vec![0.0; out], out).unwrap();
+        let mut one = g.act_from_host(&vec![0.0; half], half).unwrap();
+        g.matmul_silu(&xr, gw, &mut gu, &mut one).unwrap();
+        assert!(
+            g.to_host(&one).unwrap() == fused[r * half..(r + 1) * half],
+            "{what}: matmul_silu of row {r} alone differs"
+        );
+    }
 }
