@@ -77,12 +77,7 @@ impl CudaBackend {
                 } else {
                     Launcher::gemv_mma16
                 };
-                let at = Launch::new(
-                    (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
-                    GEMV_MMA_THREADS,
-                    0,
-                )
-                .shaped(w.rows, w.cols);
+                let at = self.tiles_launch(w, w.rows.div_ceil(16));
                 let groups = self.k.planner().gemv_groups(false, w.rows) as i32;
                 launch(
                     &self.k, at, xp, wp, n, kk, nb as i32, groups, y0, n0, y1, n1, y2, n2, y3,
@@ -165,12 +160,7 @@ impl CudaBackend {
     ) -> BResult<()> {
         let (n, k, g) = (w.rows as i32, w.cols as i32, q.group as i32);
         let (wp, gp) = (self.ptr(&q.words), self.ptr(&q.groups));
-        let at = Launch::new(
-            (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
-            GEMV_MMA_THREADS,
-            0,
-        )
-        .shaped(w.rows, w.cols);
+        let at = self.tiles_launch(w, w.rows.div_ceil(16));
         let mut r = 0;
         while r < rows {
             let nb = 16.min(rows - r);
@@ -195,12 +185,7 @@ impl CudaBackend {
         let inter = out.cols;
         let (i, k, g) = (inter as i32, w.cols as i32, q.group as i32);
         let (wp, gp) = (self.ptr(&q.words), self.ptr(&q.groups));
-        let at = Launch::new(
-            (self.tile_blocks(inter.div_ceil(8)), 1, 1),
-            GEMV_MMA_THREADS,
-            0,
-        )
-        .shaped(w.rows, w.cols);
+        let at = self.tiles_launch(w, inter.div_ceil(8));
         let mut r = 0;
         while r < x.rows {
             let nb = 16.min(x.rows - r);
@@ -259,10 +244,12 @@ impl CudaBackend {
         Ok((inputs, scales))
     }
 
-    /// Blocks of a decode product of `tiles` M-tiles (up to 16 rows): two an SM at most, each
-    /// running its tiles in turn (`gemv_mma_tiles_body`, `gemv_f8_body`, `gemv_w4_body`).
-    fn tile_blocks(&self, tiles: usize) -> usize {
-        tiles.min(2 * self.k.planner().limits.sms as usize).max(1)
+    /// The launch of a decode product of `w` in `tiles` M-tiles (up to 16 rows): two blocks an
+    /// SM at most, each running its tiles in turn (`gemv_mma_tiles_body`, `gemv_f8_body`,
+    /// `gemv_w4_body`).
+    fn tiles_launch(&self, w: &DevMatrix, tiles: usize) -> Launch {
+        let blocks = tiles.min(2 * self.k.planner().limits.sms as usize).max(1);
+        Launch::new((blocks, 1, 1), GEMV_MMA_THREADS, 0).shaped(w.rows, w.cols)
     }
 
     /// `gemv` of an FP8 matrix: the rows made E4M3 (`quant_rows_f8`), then `gemv_f8_8` /
@@ -278,12 +265,7 @@ impl CudaBackend {
         let (n, k) = (w.rows as i32, w.cols as i32);
         let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
         let (xc, xs) = self.quantize_inputs(xp, rows, w.cols, true)?;
-        let at = Launch::new(
-            (self.tile_blocks(w.rows.div_ceil(16)), 1, 1),
-            GEMV_MMA_THREADS,
-            0,
-        )
-        .shaped(w.rows, w.cols);
+        let at = self.tiles_launch(w, w.rows.div_ceil(16));
         let mut r = 0;
         while r < rows {
             let nb = 16.min(rows - r);
@@ -314,12 +296,7 @@ impl CudaBackend {
         let inter = out.cols;
         let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
         let (xc, xs) = self.quantize_inputs(self.act_ptr(x), x.rows, w.cols, true)?;
-        let at = Launch::new(
-            (self.tile_blocks(inter.div_ceil(8)), 1, 1),
-            GEMV_MMA_THREADS,
-            0,
-        )
-        .shaped(w.rows, w.cols);
+        let at = self.tiles_launch(w, inter.div_ceil(8));
         let mut r = 0;
         while r < x.rows {
             let nb = 16.min(x.rows - r);
@@ -554,12 +531,7 @@ impl CudaBackend {
                 } else {
                     Launcher::gemv_silu_mma16
                 };
-                let at = Launch::new(
-                    (self.tile_blocks(inter.div_ceil(8)), 1, 1),
-                    GEMV_MMA_THREADS,
-                    0,
-                )
-                .shaped(w.rows, w.cols);
+                let at = self.tiles_launch(w, inter.div_ceil(8));
                 let groups = self.k.planner().gemv_groups(true, w.rows) as i32;
                 launch(&self.k, at, xp, wp, yp, i, k, nb as i32, groups)?;
             }
