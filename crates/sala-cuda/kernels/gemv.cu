@@ -763,9 +763,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
             // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane (as gemv_silu_mma).
             const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
             const float gs = gm_block_sum<NT>(red[turn], c, v < NT * 64 ? vg : NT * 128, 1);
-            float us = 0.0f;
-            if (v < NT * 64)
-                for (int wp = 0; wp < GM_WARPS; wp++) us += red[turn][wp][vg + 64];
+            const float us = v < NT * 64 ? gm_grouped_sum(&red[turn][0][vg + 64], NT * 128, 1) : 0.0f;
             const int j = tile * 8 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
             if (v < NT * 64 && j < inter && b < nb)
                 y0[(u64)b * inter + j] = f2bf(silu_times(round_bf(gs), round_bf(us)));
@@ -1028,9 +1026,7 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
             // Gate sums are fragments 0, 1 and up sums 2, 3 of the same lane (as gemv_silu_mma).
             const int nt = v >> 6, i = (v >> 5) & 1, l = v & 31, vg = nt * 128 + i * 32 + l;
             const float gs = gm_block_sum<NT>(red[turn], c, v < NT * 64 ? vg : NT * 128, 1);
-            float us = 0.0f;
-            if (v < NT * 64)
-                for (int wp = 0; wp < GM_WARPS; wp++) us += red[turn][wp][vg + 64];
+            const float us = v < NT * 64 ? gm_grouped_sum(&red[turn][0][vg + 64], NT * 128, 1) : 0.0f;
             const int j = m0 + (l >> 2), b = nt * 8 + 2 * (l & 3) + i;
             if (v < NT * 64 && j < inter && b < nb)
                 y0[(u64)b * inter + j] = f2bf(
