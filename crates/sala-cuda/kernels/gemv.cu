@@ -613,10 +613,27 @@ gemv_silu_mma16(const bf16* x, const bf16* w, bf16* y, int inter, int k, int nb,
 // ---- 4-bit weights (W4A16) ----
 // A [n, k] matrix of 4-bit values q, eight to a word along k (word j of a row: inputs 8j..8j + 7,
 // input 8j + 2p at bits 4p and 8j + 2p + 1 at bits 16 + 4p: memory.rs's interleave_w4), each
-// row's k / g groups with a word `sb`: the bf16 scale s in its low half and the bf16 value
+// row's k / g groups with a word: the bf16 scale s in its low half and the bf16 value
 // −(128 + z) of its zero z (a whole number, 0 to 16) in its high half: the weight is
-// bf16((q − z)·s), the value the CPU holds for it. k is a
-// multiple of 128 and g of 32 (the host packs no other shape: sala_model::memory::packs_w4).
+// bf16((q − z)·s), the value the CPU holds for it. k is a multiple of 128 and g of 32 (the host
+// packs no other shape: sala_model::memory::packs_w4).
+// Held slab-major (memory.rs's w4_records): M-tile T (rows 16T..16T + 15, past n zero) and slab
+// S (inputs 128S..128S + 127) are one record of rec = 256 + 16·slots words at (T·slabs + S)·rec,
+// slots = 1 when 128 divides g, else 4. Row r's word j of the slab lies at
+// (r >> 3)·128 + ((r & 7)·4 + (j >> 2))·4 + (j & 3) (r within the tile), so lane (g, t) of a
+// warp reads rows g and g + 8's inputs 32t..32t + 31 as the uint4s at h·512 + lane·16 bytes, a
+// slab's 1 KB in two loads of consecutive 16 bytes; then the group words, row r's at
+// 256 + r·slots + (t mod slots) (the group of the slab's inputs 32t.. of that row).
+
+// Where row r's words for lane quarter t (inputs 32t..32t + 31 of a slab) and its group word for
+// them lie in its record.
+__device__ __forceinline__ u32 w4_rec_words(int r, int t) {
+    return ((r & 15) >> 3) * 128 + (((r & 7) << 2) + t) * 4;
+}
+__device__ __forceinline__ u32 w4_rec_group(int r, int t, int slots) {
+    return 256 + (r & 15) * slots + (t & (slots - 1));
+}
+__device__ __forceinline__ int w4_slots(int g) { return (g & 127) ? 4 : 1; }
 
 // Weights 2p and 2p + 1 of a word as a bf16 pair: a shift and one lop3 ((w >> 4p) & 0x000F000F
 // | 0x43004300; written as C, the mask and the OR become two) put 128 + q in each half, one
@@ -648,41 +665,6 @@ struct W4Slab {
     __device__ __forceinline__ u32 bias2(int h) const { return PAIRED ? bi[h] : __byte_perm(sb[h], 0, 0x3232); }
 };
 
-// i / g for multiples of 32, i below 2^25 (an integer division is tens of instructions): with
-// a = i / 32 and b = g / 32, (a + 0.5) / b lies at least 0.5 / b from every integer, farther
-// than the fast division errs (2 ulp, under 2^-21 of the quotient: (a + 0.5) · 2^-21 / b) while
-// a < 2^20, so truncating it is exact.
-__device__ __forceinline__ int w4_div(int i, int g) {
-    return __float2int_rz(__fdividef((float)(i >> 5) + 0.5f, (float)(g >> 5)));
-}
-
-// Where a lane's two weight rows start: their first 16-byte pack of words and first group
-// (32-bit offsets: a 4-bit matrix has fewer than 2^37 weights).
-struct W4Rows {
-    u32 pack[2], group[2];
-};
-
-// i / g as w4_div gives it, with inv_g32 = 1 / (g / 32) made once: (a + 0.5) · inv_g32 errs
-// by under 2^-23 of the quotient, under 2^-8 / b for a < 2^15 (k ≤ 2^20), and the quotient
-// lies at least 0.5 / b from every integer, so truncating it is exact.
-__device__ __forceinline__ int w4_group(int i, float inv_g32) {
-    return __float2int_rz(((float)(i >> 5) + 0.5f) * inv_g32);
-}
-
-template <bool PAIRED>
-__device__ __forceinline__ void w4_load(const uint4* qw, const u32* sb, const W4Rows& r, float inv_g32, int s,
-                                        W4Slab<PAIRED>& a) {
-    const int t = threadIdx.x & 3, kk = s * 128 + t * 32;
-    const u32 group = w4_group(kk, inv_g32);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        a.raw[h] = __ldg(qw + r.pack[h] + (kk >> 5));
-        const u32 w = __ldg(sb + r.group[h] + group);
-        a.sb[h] = PAIRED ? __byte_perm(w, 0, 0x1010) : w;
-        if (PAIRED) a.bi[h] = __byte_perm(w, 0, 0x3232);
-    }
-}
-
 // y = round(x · w[o]) over a 4-bit matrix (k a multiple of 128: a slab's MMAs take the whole
 // warp; the host holds other shapes as bf16) for nb ≤ 8·NT rows, outputs as gemv: M-tiles of 16
 // weight rows, a block running tiles blockIdx.x, + gridDim.x, ... in turn. Warp w takes slabs w,
@@ -690,13 +672,12 @@ __device__ __forceinline__ void w4_load(const uint4* qw, const u32* sb, const W4
 // with the MMAs of gemv_mma_tiles_body (the same pairing of weights and activations), and asks for its
 // next slab's words (this tile's, else the next tile's first) before it multiplies the current;
 // the warps' sums are added in warp order, so a row's result does not depend on nb.
-// SILU: w is [gate; up] (n = 2·inter), each M-tile 8 gate rows j..j + 7 and their up rows, and
-// y0 gets round(round(silu(round(g))) · round(u)), what silu_mul_halves makes of the product's
-// rows (a row's sum does not depend on the tile it is in).
+// SILU: w is [gate; up] (n = 2·inter, inter a multiple of 8), each M-tile 8 gate rows j..j + 7
+// and their up rows, and y0 gets round(round(silu(round(g))) · round(u)), what silu_mul_halves
+// makes of the product's rows (a row's sum does not depend on the tile it is in).
 template <int NT, bool SILU>
-__device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g,
-                                             int nb, bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2,
-                                             bf16* y3) {
+__device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* rec, int n, int k, int g, int nb, bf16* y0,
+                                             int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     // The warps' sums in two buffers, tiles taking turns, as gemv_mma_tiles_body; gemv_w4_16
     // keeps one and a second barrier a tile (the turn's register would make it spill).
     constexpr int BUFS = NT == 1 ? 2 : 1;
@@ -704,26 +685,30 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
     int turn = 0;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
     const int inter = n / 2, tiles = SILU ? (inter + 7) / 8 : (n + 15) / 16, slabs = (k + 127) / 128;
-    const u32 packs_per_row = k / 32, groups = w4_div(k, g);
-    const float inv_g32 = 1.0f / (float)(g >> 5);
-    const uint4* qw4 = (const uint4*)qw;
-    auto rows_of = [&](int tile, W4Rows& r) {
+    const int slots = w4_slots(g);
+    const u32 rec_words = 256 + 16 * slots, tile_words = slabs * rec_words;
+    using Slab = W4Slab<(NT > 1)>;
+    // Slab s of the lane's rows of a tile into a, by blocks of 8 rows (block b: rows 8b..8b + 7,
+    // the lane's 8b + gl): SILU's gate rows 8·tile.. and up rows inter + 8·tile.. (inter a
+    // multiple of 8), else rows 16·tile.. (past n, a record's zero rows). Offsets from the
+    // parameters each time: fewer registers held through the slabs.
+    auto load = [&](int tile, int s, Slab& a) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const u32 row = SILU ? min(tile * 8 + gl, inter - 1) + h * inter : min(tile * 16 + gl + 8 * h, n - 1);
-            r.pack[h] = row * packs_per_row;
-            r.group[h] = row * groups;
+            const u32 b = SILU ? (u32)(h * inter >> 3) + tile : 2 * tile + h;
+            const u32 base = (b >> 1) * tile_words + s * rec_words, half = b & 1;
+            a.raw[h] = __ldg((const uint4*)(rec + (base + half * 128 + lane * 4)));
+            const u32 w = __ldg(rec + (base + 256 + (half * 8 + gl) * slots + (t & (slots - 1))));
+            a.sb[h] = NT > 1 ? __byte_perm(w, 0, 0x1010) : w;
+            if (NT > 1) a.bi[h] = __byte_perm(w, 0, 0x3232);
         }
     };
     // Lane columns past nb read row nb − 1 (their sums are not stored), so no load is predicated.
     const bf16* xr[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) xr[nt] = x + (size_t)min(nt * 8 + gl, nb - 1) * k;
-    using Slab = W4Slab<(NT > 1)>;
     Slab a, an;
-    W4Rows rows;
-    rows_of(blockIdx.x, rows);
-    if ((int)blockIdx.x < tiles) w4_load(qw4, sb, rows, inv_g32, warp, a);
+    if ((int)blockIdx.x < tiles && warp < slabs) load(blockIdx.x, warp, a);
     pdl_start();
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float c[NT][4];
@@ -735,13 +720,10 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
         // tile's first) into nxt; the loop takes two a turn, so the two buffers swap roles
         // without copies.
         auto slab = [&](const Slab& cur, Slab& nxt, int s) {
-            const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
-            const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
-            if (ntile < tiles) {
-                W4Rows next;
-                rows_of(ntile, next);
-                w4_load(qw4, sb, next, inv_g32, ns, nxt);
-            }
+            if (s + GM_WARPS < slabs)
+                load(tile, s + GM_WARPS, nxt);
+            else if (tile + (int)gridDim.x < tiles)
+                load(tile + gridDim.x, warp, nxt);
             const int kk = s * 128 + t * 32;
             const u32 lo_w[4] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w};
             const u32 hi_w[4] = {cur.raw[1].x, cur.raw[1].y, cur.raw[1].z, cur.raw[1].w};
@@ -782,49 +764,49 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* qw, const
 
 // launch: grid = min(ceil(n / 16), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
-gemv_w4_8(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g, int nb, bf16* y0, int n0, bf16* y1,
-          int n1, bf16* y2, int n2, bf16* y3) {
+gemv_w4_8(const bf16* x, const u32* rec, int n, int k, int g, int nb, bf16* y0, int n0, bf16* y1, int n1,
+          bf16* y2, int n2, bf16* y3) {
     // (the PDL wait: in gemv_w4_body, after its first weights are asked for)
-    gemv_w4_body<1, false>(x, qw, sb, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_w4_body<1, false>(x, rec, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // gemv_w4_8 for nb ≤ 16, held to 64 registers for two blocks an SM (free it needs more: one
 // block an SM, 10% slower at 16 rows on an H100; held, it spills a word once a tile, outside
 // the slab loop).
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
-gemv_w4_16(const bf16* x, const u32* qw, const u32* sb, int n, int k, int g, int nb, bf16* y0, int n0, bf16* y1,
-           int n1, bf16* y2, int n2, bf16* y3) {
+gemv_w4_16(const bf16* x, const u32* rec, int n, int k, int g, int nb, bf16* y0, int n0, bf16* y1, int n1,
+           bf16* y2, int n2, bf16* y3) {
     // (the PDL wait: in gemv_w4_body, after its first weights are asked for)
-    gemv_w4_body<2, false>(x, qw, sb, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
+    gemv_w4_body<2, false>(x, rec, n, k, g, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // The SiLU product of a 4-bit [gate; up] ([2·inter, k]): y[b·inter + j] for nb ≤ 8 rows.
 // launch: grid = min(ceil(inter / 8), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
-gemv_silu_w4_8(const bf16* x, const u32* qw, const u32* sb, bf16* y, int inter, int k, int g, int nb) {
-    gemv_w4_body<1, true>(x, qw, sb, 2 * inter, k, g, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+gemv_silu_w4_8(const bf16* x, const u32* rec, bf16* y, int inter, int k, int g, int nb) {
+    gemv_w4_body<1, true>(x, rec, 2 * inter, k, g, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
 // gemv_silu_w4_8 for nb ≤ 16 (held as gemv_w4_16).
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
-gemv_silu_w4_16(const bf16* x, const u32* qw, const u32* sb, bf16* y, int inter, int k, int g, int nb) {
-    gemv_w4_body<2, true>(x, qw, sb, 2 * inter, k, g, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+gemv_silu_w4_16(const bf16* x, const u32* rec, bf16* y, int inter, int k, int g, int nb) {
+    gemv_w4_body<2, true>(x, rec, 2 * inter, k, g, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
 }
 
-// The bf16 weights of a 4-bit matrix's rows (qw and sb start at the first row):
-// out[r][i] for `words` words (rows · k / 8), for a cuBLAS product of a prefill chunk.
+// The bf16 weights of rows r0.. of a 4-bit matrix: out[r][i] for `words` words (rows · k / 8),
+// for a cuBLAS product of a prefill chunk.
 // launch: grid = ceil(words / 256), block = 256, dynamic smem = 0
 extern "C" __global__ void __launch_bounds__(256)
-dequant_w4(const u32* qw, const u32* sb, int k, int g, u64 words, bf16* out) {
+dequant_w4(const u32* rec, int r0, int k, int g, u64 words, bf16* out) {
     pdl_start();
     const u64 i = (u64)blockIdx.x * 256 + threadIdx.x;
     if (i >= words) return;
-    const int per_row = k / 8;
-    const u64 row = i / per_row;
-    const int j = (int)(i % per_row);
-    const u64 at = row * (k / g) + (j * 8) / g;
-    const u32 s2 = __byte_perm(sb[at], 0, 0x1010), b2 = __byte_perm(sb[at], 0, 0x3232);
-    const u32 w = qw[i];
+    const int per_row = k / 8, slots = w4_slots(g), rec_words = 256 + 16 * slots;
+    const int row = r0 + (int)(i / per_row), j = (int)(i % per_row), t = (j >> 2) & 3;
+    const u64 base = ((u64)(row >> 4) * (k / 128) + (j >> 4)) * rec_words;
+    const u32 gw = rec[base + w4_rec_group(row, t, slots)];
+    const u32 s2 = __byte_perm(gw, 0, 0x1010), b2 = __byte_perm(gw, 0, 0x3232);
+    const u32 w = rec[base + w4_rec_words(row, t) + (j & 3)];
     u32* o = (u32*)(out + i * 8);
 #pragma unroll
     for (int e = 0; e < 4; e++) o[e] = w4_pair(w, e, s2, b2);
@@ -951,7 +933,8 @@ __device__ __forceinline__ void f8_load_w(const unsigned char* const (&row)[2], 
 // blockIdx.x, + gridDim.x, ... in turn, each warp asking for its next slab's weights (this tile's,
 // or the next tile's first) before it multiplies the current one, so the weights stream while a
 // tile's sums are added and stored; the first ones are asked for before the PDL wait.
-// SILU: w is [gate; up] (n = 2·inter), each M-tile 8 gate rows j..j + 7 and their up rows, and
+// SILU: w is [gate; up] (n = 2·inter, inter a multiple of 8), each M-tile 8 gate rows j..j + 7
+// and their up rows, and
 // y0 gets round(round(silu(round(g))) · round(u)) (the product, then silu_mul_halves).
 template <int NT, bool SILU>
 __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const float* xs, const unsigned char* w,

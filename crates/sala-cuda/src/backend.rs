@@ -11,6 +11,7 @@ use crate::memory::{
 use crate::ops::elementwise::{ElementOp, RopeAt};
 use crate::options::CudaOptions;
 use crate::plan::{Launch, Planner};
+use crate::w4_records::w4_records;
 use crate::{gemm, libs, pool, profile, registry};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use sala_checkpoint::{KvCacheDtype, ModelConfig, SparseConfig};
@@ -491,16 +492,16 @@ impl Backend for CudaBackend {
             .map(|(&s, &z)| w4_group_word(s, z))
             .collect();
         let words: Vec<u32> = q.words.iter().map(|&w| interleave_w4(w)).collect();
+        let records = w4_records(&words, &groups, q.rows, q.cols, q.group);
         Ok(DevMatrix {
             buf: self.alloc_u16(0)?,
             rows: q.rows,
             cols: q.cols,
             w4: Some(W4Weights {
-                words: self.stream.clone_htod(&words).map_err(|e| up("words", e))?,
-                groups: self
+                records: self
                     .stream
-                    .clone_htod(&groups)
-                    .map_err(|e| up("scales and zeros", e))?,
+                    .clone_htod(&records)
+                    .map_err(|e| up("words and scales", e))?,
                 group: q.group,
             }),
             fp8: None,

@@ -31,6 +31,7 @@ pub mod profile;
 pub mod registry;
 pub mod sources;
 pub mod tensor_parallel;
+pub mod w4_records;
 
 pub use backend::CudaBackend;
 pub use device::{Card, DeviceLimits, CARDS};

@@ -105,13 +105,12 @@ pub struct Fp8Weights {
     pub scales: CudaSlice<f32>,
 }
 
-/// A 4-bit matrix on the device: `[rows, cols / 8]` words, each the eight values of
-/// `sala_model::QuantMatrix`'s word with its nibbles interleaved ([`interleave_w4`]), and per
-/// `[rows, cols / group]` group one word ([`w4_group_word`]): its scale and −(128 + zero) as
-/// bf16 bits, so a product loads both at once.
+/// A 4-bit matrix on the device: its records ([`crate::w4_records`]), the eight values of each
+/// of `sala_model::QuantMatrix`'s words with their nibbles interleaved ([`interleave_w4`]) and
+/// per group of a row one word ([`w4_group_word`]): its scale and −(128 + zero) as bf16 bits,
+/// so a product loads both at once.
 pub struct W4Weights {
-    pub words: CudaSlice<u32>,
-    pub groups: CudaSlice<u32>,
+    pub records: CudaSlice<u32>,
     pub group: usize,
 }
 

@@ -171,14 +171,36 @@ pub fn packs_w4(cols: usize, group: usize) -> bool {
     cols.is_multiple_of(128) && group.is_multiple_of(32)
 }
 
+/// Group words a row of a packed 4-bit matrix holds in each slab of 128 inputs: one when 128
+/// divides the group, else one for each 32-input quarter of the slab.
+pub fn w4_group_slots(group: usize) -> usize {
+    if group.is_multiple_of(128) {
+        1
+    } else {
+        4
+    }
+}
+
+/// Words of one record of a packed 4-bit matrix: an M-tile of 16 rows times a slab of 128
+/// inputs (256 words of values), with its rows' group words.
+pub fn w4_record_words(group: usize) -> usize {
+    256 + 16 * w4_group_slots(group)
+}
+
+/// Bytes of a packed 4-bit `[rows, cols]` matrix: a record for each tile of 16 rows (the last
+/// padded) and slab of 128 inputs.
+pub fn w4_packed_bytes(rows: usize, cols: usize, group: usize) -> usize {
+    rows.div_ceil(16) * (cols / 128) * w4_record_words(group) * 4
+}
+
 /// Bytes of the weights in bf16.
 pub fn weight_bytes(c: &ModelConfig) -> usize {
     weights_held(c, BF16, false)
 }
 
 /// Bytes of the weights held as values of `value_bytes`, quantized linears packed when
-/// `packs_quantized`: 4-bit ones at half a byte a weight and a bf16 scale and zero a group of a
-/// row where the 4-bit products take their shape ([`packs_w4`]), FP8 ones at a byte a weight
+/// `packs_quantized`: 4-bit ones in records ([`w4_packed_bytes`]) where the 4-bit products take
+/// their shape ([`packs_w4`]), FP8 ones at a byte a weight
 /// and an f32 scale a row.
 pub fn weights_held(c: &ModelConfig, value_bytes: usize, packs_quantized: bool) -> usize {
     tensors_held(
@@ -218,7 +240,7 @@ fn tensors_held(
                         .and_then(|tp| tp.shard_of(c, &t.name, 0))
                         .map_or(whole, |s| s.quant_group(whole));
                     if packs_w4(cols, g) {
-                        n / 2 + rows * (cols / g) * 4
+                        w4_packed_bytes(rows, cols, g)
                     } else {
                         n * value_bytes
                     }

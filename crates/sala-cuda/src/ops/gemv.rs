@@ -8,6 +8,7 @@ use crate::plan::{
     Launch, Planner, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS64_THREADS,
     GEMV_ROWS_PER_BLOCK,
 };
+use crate::w4_records::{w4_records, w4_records_len, w4_unrecord};
 use crate::{CudaBackend, DevMatrix};
 use sala_model::{BResult, BackendError};
 
@@ -159,7 +160,7 @@ impl CudaBackend {
         rows: usize,
     ) -> BResult<()> {
         let (n, k, g) = (w.rows as i32, w.cols as i32, q.group as i32);
-        let (wp, gp) = (self.ptr(&q.words), self.ptr(&q.groups));
+        let rp = self.ptr(&q.records);
         let at = self.tiles_launch(w, w.rows.div_ceil(16));
         let mut r = 0;
         while r < rows {
@@ -172,7 +173,7 @@ impl CudaBackend {
                 Launcher::gemv_w4_16
             };
             launch(
-                &self.k, at, xp, wp, gp, n, k, g, nb as i32, y0, n0, y1, n1, y2, n2, y3,
+                &self.k, at, xp, rp, n, k, g, nb as i32, y0, n0, y1, n1, y2, n2, y3,
             )?;
             r += nb;
         }
@@ -184,7 +185,7 @@ impl CudaBackend {
     fn gemv_silu_w4(&self, x: &DevAct, w: &DevMatrix, q: &W4Weights, out: &DevAct) -> BResult<()> {
         let inter = out.cols;
         let (i, k, g) = (inter as i32, w.cols as i32, q.group as i32);
-        let (wp, gp) = (self.ptr(&q.words), self.ptr(&q.groups));
+        let rp = self.ptr(&q.records);
         let at = self.tiles_launch(w, inter.div_ceil(8));
         let mut r = 0;
         while r < x.rows {
@@ -198,7 +199,7 @@ impl CudaBackend {
             } else {
                 Launcher::gemv_silu_w4_16
             };
-            launch(&self.k, at, xp, wp, gp, yp, i, k, g, nb as i32)?;
+            launch(&self.k, at, xp, rp, yp, i, k, g, nb as i32)?;
             r += nb;
         }
         Ok(())
@@ -406,12 +407,11 @@ impl CudaBackend {
         let Some(q) = &w.w4 else {
             return Err(BackendError("dequantize_rows: not a 4-bit matrix".into()));
         };
-        let (per_row, groups) = (w.cols / 8, w.cols / q.group);
-        let words = n * per_row;
+        let words = n * (w.cols / 8);
         self.k.dequant_w4(
             Launch::linear(words, 256),
-            self.ptr(&q.words) + (r0 * per_row * 4) as u64,
-            self.ptr(&q.groups) + (r0 * groups * 4) as u64,
+            self.ptr(&q.records),
+            r0 as i32,
             w.cols as i32,
             q.group as i32,
             words as u64,
@@ -419,7 +419,9 @@ impl CudaBackend {
         )
     }
 
-    /// 4-bit matrices stacked by rows, as `concat_rows` stacks bf16 ones.
+    /// 4-bit matrices stacked by rows, as `concat_rows` stacks bf16 ones: their records one
+    /// after another where each part fills whole M-tiles (the released model's parts all do),
+    /// else unpacked and packed again on the host.
     pub(crate) fn concat_w4(
         &self,
         parts: Vec<DevMatrix>,
@@ -427,29 +429,40 @@ impl CudaBackend {
         cols: usize,
     ) -> BResult<DevMatrix> {
         let group = parts[0].w4.as_ref().map_or(1, |q| q.group);
-        let (per_row, groups) = (cols / 8, cols / group);
         let err = |e| be_err("stacking 4-bit weights", e);
-        let words = self
-            .stream
-            .alloc_zeros::<u32>(rows * per_row)
-            .map_err(err)?;
-        let group_words = self.stream.alloc_zeros::<u32>(rows * groups).map_err(err)?;
-        let mut at = 0;
-        for p in &parts {
-            let q = p.w4.as_ref().expect("all 4-bit");
-            self.copy(&words, at * per_row, &q.words, 0, p.rows * per_row)?;
-            self.copy(&group_words, at * groups, &q.groups, 0, p.rows * groups)?;
-            at += p.rows;
-        }
+        let whole_tiles = parts[..parts.len() - 1]
+            .iter()
+            .all(|p| p.rows.is_multiple_of(16));
+        let records = if whole_tiles {
+            let records = self
+                .stream
+                .alloc_zeros::<u32>(w4_records_len(rows, cols, group))
+                .map_err(err)?;
+            let mut at = 0;
+            for p in &parts {
+                let q = p.w4.as_ref().expect("all 4-bit");
+                let len = w4_records_len(p.rows, cols, group);
+                self.copy(&records, at, &q.records, 0, len)?;
+                at += len;
+            }
+            records
+        } else {
+            let (mut words, mut group_words) = (Vec::new(), Vec::new());
+            for p in &parts {
+                let q = p.w4.as_ref().expect("all 4-bit");
+                let host = self.stream.clone_dtoh(&q.records).map_err(err)?;
+                let (w, g) = w4_unrecord(&host, p.rows, cols, group);
+                words.extend(w);
+                group_words.extend(g);
+            }
+            let packed = w4_records(&words, &group_words, rows, cols, group);
+            self.stream.clone_htod(&packed).map_err(err)?
+        };
         Ok(DevMatrix {
             buf: self.alloc_u16(0)?,
             rows,
             cols,
-            w4: Some(W4Weights {
-                words,
-                groups: group_words,
-                group,
-            }),
+            w4: Some(W4Weights { records, group }),
             fp8: None,
         })
     }
@@ -497,7 +510,8 @@ impl CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         let inter = out.cols;
-        let fused = self.gemv_fits(x.rows, w);
+        // The 4-bit kernel takes the gate rows 8 at a time (gemv_w4_body).
+        let fused = self.gemv_fits(x.rows, w) && (w.w4.is_none() || inter.is_multiple_of(8));
         if !fused || w.rows != 2 * inter || x.cols != w.cols {
             self.matmul_into(x, w, gu)?;
             return self.silu_halves(gu, out);

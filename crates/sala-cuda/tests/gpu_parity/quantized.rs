@@ -8,8 +8,9 @@ use super::*;
 /// 100 (dequantized into scratch, then cuBLAS), the stacked MLP half and a split product, and
 /// 4-bit matrices stacked (4-bit beside 4-bit, and beside bf16), against the CPU on the same
 /// values (the CPU holds the bf16 values the 4-bit weights stand for); groups of 32 to 1024,
-/// 96 and a whole row of 768 (the kernels' group index by a fast division); a group of 8 (no
-/// 4-bit kernel takes it) goes up as bf16. A step of rows gives
+/// 96 and a whole row of 768 (a record's group words: one a row when 128 divides the group,
+/// else one a 32-input quarter), row counts that leave a tile part-filled (stacked on the host
+/// then); a group of 8 (no 4-bit kernel takes it) goes up as bf16. A step of rows gives
 /// each row the bits it gets alone (batch-invariant), and the fused SiLU product of decode rows
 /// (`gemv_silu_w4`) the bits of the product's rows through the SiLU halves.
 #[test]

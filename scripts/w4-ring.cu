@@ -1,0 +1,261 @@
+// The 4-bit decode product (W4A16, batch 1) at the released shapes: gemv_w4_8 (one 1 KB slab
+// a warp in flight, in registers) against a warp that copies its slabs ahead into its own
+// shared-memory ring (one bulk copy of a record a slab, an mbarrier a stage), STAGES - 1 slabs
+// in flight while it multiplies one. Both read the records of gemv.cu's layout (slots = 1) and
+// run the same MMAs in the same order, so every variant must give gemv_w4_8's bits (checked).
+// Each matrix has copies enough to pass 256 MB, launched in turn, so the weights come from DRAM
+// as in a step. Build and run on the GPU machine:
+//   nvcc -arch=sm_90a -O3 -std=c++17 -Icrates/sala-cuda/kernels -o /tmp/w4-ring scripts/w4-ring.cu
+//   /tmp/w4-ring
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "../crates/sala-cuda/kernels/gemv.cu"
+
+#define CHECK(x)                                                                     \
+    do {                                                                             \
+        cudaError_t e = (x);                                                         \
+        if (e != cudaSuccess) {                                                      \
+            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+            exit(1);                                                                 \
+        }                                                                            \
+    } while (0)
+
+// gemv.cu's records (groups of 128 or more: 272 words) of a row-major matrix; with rec = 256,
+// the words alone (the ring variants that load group words from sb).
+__global__ void to_slab_major(const u32* qw, const u32* sb, int n, int k, int g, int rec, u32* qs) {
+    const int slabs = k / 128, tiles = (n + 15) / 16;
+    const long long total = (long long)tiles * slabs * rec;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long ts = i / rec;
+        const int w = (int)(i % rec), tile = (int)(ts / slabs), s = (int)(ts % slabs);
+        if (w < 256) {
+            const int h = w / 128, lane = (w / 4) % 32, j = w % 4;
+            const int row = tile * 16 + (lane >> 2) + 8 * h;
+            qs[i] = row < n ? qw[(size_t)row * (k / 8) + s * 16 + (lane & 3) * 4 + j] : 0u;
+        } else {
+            const int r = tile * 16 + w - 256;
+            qs[i] = r < n ? sb[(size_t)r * (k / g) + (s * 128) / g] : 0u;
+        }
+    }
+}
+
+__device__ __forceinline__ void ring_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void ring_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "RING_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra RING_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// One lane: bytes from src into dst, completing on bar (which expects exactly them).
+__device__ __forceinline__ void ring_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+// gemv_w4_8's product over the records rec (groups of 128 or more), each warp's records
+// copied ahead into its ring of STAGES.
+template <int STAGES>
+__global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_w4_ring(const bf16* x, const u32* rec, int n, int k, bf16* y) {
+    constexpr int REC = 1088;
+    __shared__ float red[2][GM_WARPS][128];
+    __shared__ __align__(8) u64 bars[GM_WARPS][STAGES];
+    extern __shared__ __align__(128) unsigned char ring_mem[];
+    int turn = 0;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
+    const int tiles = (n + 15) / 16, slabs = k / 128;
+    unsigned char* ring = ring_mem + warp * STAGES * REC;
+    const u32 ring_at = sp_smem_addr(ring), bar_at = sp_smem_addr(&bars[warp][0]);
+    // The producer (lane 0): this warp's slabs w, w + 16, ... of tiles blockIdx.x, + gridDim.x,
+    // ...: `per` a tile, `left` in all; the next record at src, `run` of this tile's still ahead.
+    const int per = warp < slabs ? (slabs - warp + GM_WARPS - 1) / GM_WARPS : 0;
+    const int my_tiles = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    int left = per * my_tiles, run = per;
+    const unsigned char* src = (const unsigned char*)rec + ((size_t)blockIdx.x * slabs + warp) * REC;
+    const size_t jump = ((size_t)gridDim.x * slabs - (size_t)GM_WARPS * (per - 1)) * REC;
+    auto issue = [&](int stage) {
+        if (left > 0) {
+            ring_copy(ring_at + stage * REC, src, REC, bar_at + stage * 8);
+            left--;
+            if (--run == 0) {
+                run = per;
+                src += jump;
+            } else {
+                src += GM_WARPS * REC;
+            }
+        }
+    };
+    if (lane == 0) {
+#pragma unroll
+        for (int st = 0; st < STAGES; st++) ring_init(bar_at + st * 8);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#pragma unroll
+        for (int st = 0; st < STAGES; st++) issue(st);
+    }
+    __syncwarp();
+    pdl_start();
+    int stage = 0;
+    u32 phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float c[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        const bf16* xs = x + warp * 128 + t * 32;
+        for (int s = warp; s < slabs; s += GM_WARPS, xs += GM_WARPS * 128) {
+            ring_wait(bar_at + stage * 8, phase);
+            const unsigned char* r = ring + stage * REC;
+            const uint4 r0 = ((const uint4*)r)[lane], r1 = ((const uint4*)r)[32 + lane];
+            const u32 g0 = ((const u32*)(r + 1024))[gl], g1 = ((const u32*)(r + 1024))[gl + 8];
+            const u32 s0 = __byte_perm(g0, 0, 0x1010), b0 = __byte_perm(g0, 0, 0x3232);
+            const u32 s1 = __byte_perm(g1, 0, 0x1010), b1 = __byte_perm(g1, 0, 0x3232);
+            const u32 lo_w[4] = {r0.x, r0.y, r0.z, r0.w};
+            const u32 hi_w[4] = {r1.x, r1.y, r1.z, r1.w};
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const uint4 lo = w4_pack(lo_w[p], s0, b0);
+                const uint4 hi = w4_pack(hi_w[p], s1, b1);
+                const uint4 x8 = __ldg((const uint4*)(xs + 8 * p));
+                sp_mma(c[0], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                sp_mma(c[0], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+            }
+            // Every lane has its words (the MMAs used them): the stage may be refilled.
+            __syncwarp();
+            if (lane == 0) {
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                issue(stage);
+            }
+            if (++stage == STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        const int v = threadIdx.x;
+        const float sum = gm_block_sum<1>(red[turn], c, v, 1);
+        const int i = (v >> 5) & 3, l = v & 31;
+        const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = 2 * (l & 3) + (i & 1);
+        if (v < 128 && o < n && b < 1) y[o] = f2bf(sum);
+        turn ^= 1;
+    }
+}
+
+static u32 lcg(u64& s) {
+    s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (u32)(s >> 33);
+}
+static u16 to_bf16(float f) {
+    u32 b;
+    memcpy(&b, &f, 4);
+    return (u16)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+struct Shape {
+    const char* name;
+    int n, k;
+};
+
+int main() {
+    int sms;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    printf("%s, %d SMs\n", prop.name, sms);
+    const Shape shapes[] = {{"qkvz", 16384, 4096}, {"qkvg", 8704, 4096}, {"o", 4096, 4096},
+                            {"gate_up", 32768, 4096}, {"down", 4096, 16384}};
+    const int group_sizes[] = {128, 1024};
+    for (int g : group_sizes) {
+        for (const Shape& sh : shapes) {
+            const int n = sh.n, k = sh.k, tiles = (n + 15) / 16, slabs = k / 128;
+            const size_t words = (size_t)n * k / 8, gwords = (size_t)n * (k / g);
+            const size_t recs = (size_t)tiles * slabs;
+            const size_t bytes = words * 4 + gwords * 4;
+            const int copies = (int)((256ull << 20) / bytes) + 1;
+            std::vector<u32> hq(words), hs(gwords);
+            std::vector<u16> hx(k);
+            u64 seed = 12345 + n + k + g;
+            for (auto& w : hq) w = lcg(seed);
+            for (auto& w : hs) {
+                const float scale = 0.002f * (1.0f + (lcg(seed) % 1000) / 1000.0f);
+                const int z = lcg(seed) % 17;
+                w = (u32)to_bf16(scale) | ((u32)to_bf16(-(128.0f + z)) << 16);
+            }
+            for (auto& v : hx) v = to_bf16(((int)(lcg(seed) % 2001) - 1000) / 1000.0f);
+            std::vector<u32*> qw(copies), sb(copies), qg(copies);
+            bf16 *x, *y_ref, *y;
+            CHECK(cudaMalloc(&x, k * 2));
+            CHECK(cudaMalloc(&y_ref, n * 2));
+            CHECK(cudaMalloc(&y, n * 2));
+            CHECK(cudaMemcpy(x, hx.data(), k * 2, cudaMemcpyHostToDevice));
+            for (int c = 0; c < copies; c++) {
+                CHECK(cudaMalloc(&qw[c], words * 4));
+                CHECK(cudaMalloc(&sb[c], gwords * 4));
+                CHECK(cudaMalloc(&qg[c], recs * 1088));
+                CHECK(cudaMemcpy(qw[c], hq.data(), words * 4, cudaMemcpyHostToDevice));
+                CHECK(cudaMemcpy(sb[c], hs.data(), gwords * 4, cudaMemcpyHostToDevice));
+                to_slab_major<<<1024, 256>>>(qw[c], sb[c], n, k, g, 272, qg[c]);
+            }
+            CHECK(cudaDeviceSynchronize());
+            const int grid = tiles < 2 * sms ? tiles : 2 * sms;
+            cudaEvent_t e0, e1;
+            CHECK(cudaEventCreate(&e0));
+            CHECK(cudaEventCreate(&e1));
+            std::vector<u16> want(n), got(n);
+            auto run = [&](const char* what, auto launch) {
+                launch(0, y);
+                CHECK(cudaGetLastError());
+                CHECK(cudaDeviceSynchronize());
+                CHECK(cudaMemcpy(got.data(), y, n * 2, cudaMemcpyDeviceToHost));
+                int bad = 0;
+                for (int i = 0; i < n; i++) bad += got[i] != want[i];
+                const int iters = 200;
+                for (int i = 0; i < 20; i++) launch(i % copies, y);
+                CHECK(cudaEventRecord(e0));
+                for (int i = 0; i < iters; i++) launch(i % copies, y);
+                CHECK(cudaEventRecord(e1));
+                CHECK(cudaEventSynchronize(e1));
+                float ms;
+                CHECK(cudaEventElapsedTime(&ms, e0, e1));
+                const double us = ms * 1000.0 / iters;
+                printf("g %4d %-8s %-12s %8.2f us %6.3f TB/s %s\n", g, sh.name, what, us, bytes / us / 1e6,
+                       bad ? "BITS DIFFER" : "same bits");
+                if (bad) printf("  %d of %d outputs differ\n", bad, n);
+            };
+            auto base = [&](int c, bf16* out) {
+                gemv_w4_8<<<grid, 32 * GM_WARPS>>>(x, qg[c], n, k, g, 1, out, n, out, 0, out, 0, out);
+            };
+            base(0, y_ref);
+            CHECK(cudaDeviceSynchronize());
+            CHECK(cudaMemcpy(want.data(), y_ref, n * 2, cudaMemcpyDeviceToHost));
+            run("gemv_w4_8", base);
+#define RING(ST)                                                                                          \
+    {                                                                                                     \
+        const int smem = GM_WARPS * ST * 1088;                                                            \
+        CHECK(cudaFuncSetAttribute(gemv_w4_ring<ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+        run("ring" #ST, [&](int c, bf16* out) {                                                           \
+            gemv_w4_ring<ST><<<grid, 32 * GM_WARPS, smem>>>(x, qg[c], n, k, out);                         \
+        });                                                                                               \
+    }
+            RING(3)
+            RING(4)
+            RING(5)
+            for (int c = 0; c < copies; c++) {
+                CHECK(cudaFree(qw[c]));
+                CHECK(cudaFree(sb[c]));
+                CHECK(cudaFree(qg[c]));
+            }
+            CHECK(cudaFree(x));
+            CHECK(cudaFree(y));
+            CHECK(cudaFree(y_ref));
+        }
+    }
+    return 0;
+}
