@@ -148,6 +148,158 @@ gemv_w4_ring(const bf16* x, const u32* rec, int n, int k, bf16* y) {
     }
 }
 
+// gemv_w4_8's product with each lane's own words copied ahead by cp.async into its own slots of
+// a per-warp ring of STAGES stages (1,280 bytes a warp-stage: the slab's two uint4s and two
+// group words of every lane), STAGES - 1 slabs in flight while it multiplies one; no barrier and
+// no mbarrier (a lane reads only what it copied, after its cp.async.wait_group). Same MMAs in the
+// same order as gemv_w4_8, so the same bits.
+#define W4_STAGE_BYTES 1280
+template <int STAGES>
+__global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_w4_staged(const bf16* x, const u32* rec, int n, int k, int g, bf16* y) {
+    extern __shared__ __align__(16) unsigned char w4_stages[];
+    __shared__ float red[2][GM_WARPS][128];
+    int turn = 0;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
+    const int tiles = (n + 15) / 16, slabs = (k + 127) / 128;
+    const int slots = w4_slots(g);
+    const u32 rec_words = 256 + 16 * slots, tile_words = slabs * rec_words;
+    unsigned char* const mine = w4_stages + warp * STAGES * W4_STAGE_BYTES;
+    const u32 ring = sp_smem_addr(mine);
+    // The copy cursor: the warp's next slab to ask for (tile ct, slab cs), into stage cstage.
+    int ct = blockIdx.x, cs = warp, cstage = 0;
+    auto issue = [&]() {
+        if (ct < tiles && cs < slabs) {
+            const u32 dst = ring + cstage * W4_STAGE_BYTES;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u32 b = 2 * ct + h;
+                const u32 base = (b >> 1) * tile_words + cs * rec_words, half = b & 1;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + h * 512 + lane * 16),
+                             "l"(rec + (base + half * 128 + lane * 4))
+                             : "memory");
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst + 1024 + h * 128 + lane * 4),
+                             "l"(rec + (base + 256 + (half * 8 + gl) * slots + (t & (slots - 1))))
+                             : "memory");
+            }
+            cs += GM_WARPS;
+            if (cs >= slabs) {
+                cs = warp;
+                ct += gridDim.x;
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; i++) issue();
+    pdl_start();
+    const bf16* xr = x;
+    int stage = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float c[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        for (int s = warp; s < slabs; s += GM_WARPS) {
+            issue();
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1) : "memory");
+            const unsigned char* at = mine + stage * W4_STAGE_BYTES;
+            const uint4 r0 = *(const uint4*)(at + lane * 16), r1 = *(const uint4*)(at + 512 + lane * 16);
+            const u32 g0 = *(const u32*)(at + 1024 + lane * 4), g1 = *(const u32*)(at + 1152 + lane * 4);
+            const u32 s0 = __byte_perm(g0, 0, 0x1010), b0 = __byte_perm(g0, 0, 0x3232);
+            const u32 s1 = __byte_perm(g1, 0, 0x1010), b1 = __byte_perm(g1, 0, 0x3232);
+            const u32 lo_w[4] = {r0.x, r0.y, r0.z, r0.w};
+            const u32 hi_w[4] = {r1.x, r1.y, r1.z, r1.w};
+            const int kk = s * 128 + t * 32;
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const uint4 lo = w4_pack(lo_w[p], s0, b0);
+                const uint4 hi = w4_pack(hi_w[p], s1, b1);
+                const uint4 x8 = __ldg((const uint4*)(xr + kk + 8 * p));
+                sp_mma(c[0], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                sp_mma(c[0], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+            }
+            stage = stage + 1 == STAGES ? 0 : stage + 1;
+        }
+        const int v = threadIdx.x;
+        const float sum = gm_block_sum<1>(red[turn], c, v, 1);
+        const int i = (v >> 5) & 3, l = v & 31;
+        const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = 2 * (l & 3) + (i & 1);
+        if (v < 128 && o < n && b < 1) y[o] = f2bf(sum);
+        turn ^= 1;
+    }
+}
+
+// The same with each warp's records copied verbatim (68 chunks of 16 bytes, lane l copies chunks
+// l, l + 32, l + 64) into a ring of STAGES records; a lane reads its words where gemv_w4_8 would
+// (at h·512 + lane·16) and its group words from the chunks of other lanes, so a __syncwarp
+// after each wait, before the stage it freed is asked for again.
+template <int STAGES>
+__global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_w4_recstaged(const bf16* x, const u32* rec, int n, int k, int g, bf16* y) {
+    extern __shared__ __align__(16) unsigned char w4_recs[];
+    __shared__ float red[2][GM_WARPS][128];
+    int turn = 0;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
+    const int tiles = (n + 15) / 16, slabs = (k + 127) / 128;
+    const int slots = w4_slots(g);
+    const u32 rec_words = 256 + 16 * slots, tile_words = slabs * rec_words, rec_bytes = rec_words * 4;
+    unsigned char* const mine = w4_recs + warp * STAGES * rec_bytes;
+    const u32 ring = sp_smem_addr(mine);
+    int ct = blockIdx.x, cs = warp, cstage = 0;
+    auto issue = [&]() {
+        if (ct < tiles && cs < slabs) {
+            const u32 dst = ring + cstage * rec_bytes;
+            const unsigned char* src = (const unsigned char*)(rec + ((size_t)ct * tile_words + cs * rec_words));
+            for (u32 c = lane; c * 16 < rec_bytes; c += 32)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + c * 16), "l"(src + c * 16)
+                             : "memory");
+            cs += GM_WARPS;
+            if (cs >= slabs) {
+                cs = warp;
+                ct += gridDim.x;
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; i++) issue();
+    pdl_start();
+    const bf16* xr = x;
+    int stage = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float c[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        for (int s = warp; s < slabs; s += GM_WARPS) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
+            __syncwarp();
+            issue();
+            const unsigned char* at = mine + stage * rec_bytes;
+            const uint4 r0 = *(const uint4*)(at + lane * 16), r1 = *(const uint4*)(at + 512 + lane * 16);
+            const u32* gw = (const u32*)(at + 1024);
+            const u32 g0 = gw[gl * slots + (t & (slots - 1))], g1 = gw[(8 + gl) * slots + (t & (slots - 1))];
+            const u32 s0 = __byte_perm(g0, 0, 0x1010), b0 = __byte_perm(g0, 0, 0x3232);
+            const u32 s1 = __byte_perm(g1, 0, 0x1010), b1 = __byte_perm(g1, 0, 0x3232);
+            const u32 lo_w[4] = {r0.x, r0.y, r0.z, r0.w};
+            const u32 hi_w[4] = {r1.x, r1.y, r1.z, r1.w};
+            const int kk = s * 128 + t * 32;
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const uint4 lo = w4_pack(lo_w[p], s0, b0);
+                const uint4 hi = w4_pack(hi_w[p], s1, b1);
+                const uint4 x8 = __ldg((const uint4*)(xr + kk + 8 * p));
+                sp_mma(c[0], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                sp_mma(c[0], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+            }
+            stage = stage + 1 == STAGES ? 0 : stage + 1;
+        }
+        const int v = threadIdx.x;
+        const float sum = gm_block_sum<1>(red[turn], c, v, 1);
+        const int i = (v >> 5) & 3, l = v & 31;
+        const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = 2 * (l & 3) + (i & 1);
+        if (v < 128 && o < n && b < 1) y[o] = f2bf(sum);
+        turn ^= 1;
+    }
+}
+
 static u32 lcg(u64& s) {
     s = s * 6364136223846793005ULL + 1442695040888963407ULL;
     return (u32)(s >> 33);
@@ -246,7 +398,28 @@ int main() {
     }
             RING(3)
             RING(4)
-            RING(5)
+#define STAGED(ST)                                                                                          \
+    {                                                                                                       \
+        const int smem = GM_WARPS * ST * W4_STAGE_BYTES;                                                    \
+        CHECK(cudaFuncSetAttribute(gemv_w4_staged<ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+        run("staged" #ST, [&](int c, bf16* out) {                                                           \
+            gemv_w4_staged<ST><<<grid, 32 * GM_WARPS, smem>>>(x, qg[c], n, k, g, out);                      \
+        });                                                                                                 \
+    }
+            STAGED(2)
+            STAGED(3)
+            STAGED(4)
+#define RECSTAGED(ST)                                                                                          \
+    {                                                                                                          \
+        const int smem = GM_WARPS * ST * 1088;                                                                 \
+        CHECK(cudaFuncSetAttribute(gemv_w4_recstaged<ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
+        run("recstaged" #ST, [&](int c, bf16* out) {                                                           \
+            gemv_w4_recstaged<ST><<<grid, 32 * GM_WARPS, smem>>>(x, qg[c], n, k, g, out);                      \
+        });                                                                                                    \
+    }
+            RECSTAGED(3)
+            RECSTAGED(4)
+            RECSTAGED(5)
             for (int c = 0; c < copies; c++) {
                 CHECK(cudaFree(qw[c]));
                 CHECK(cudaFree(sb[c]));

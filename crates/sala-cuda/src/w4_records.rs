@@ -46,7 +46,10 @@ pub fn w4_records(
     let mut out = vec![0u32; w4_records_len(rows, cols, group)];
     for r in 0..rows {
         // A 32-input quarter's 4 words stay together (w4_word_index of its first word on).
-        for (j, quarter) in words[r * per_row..(r + 1) * per_row].chunks_exact(4).enumerate() {
+        for (j, quarter) in words[r * per_row..(r + 1) * per_row]
+            .chunks_exact(4)
+            .enumerate()
+        {
             let at = w4_word_index(r, 4 * j, cols, group);
             out[at..at + 4].copy_from_slice(quarter);
         }
