@@ -1,8 +1,10 @@
 // The 4-bit decode product (W4A16, batch 1) at the released shapes: gemv_w4_8 (one 1 KB slab
-// a warp in flight, in registers) against a warp that copies its slabs ahead into its own
-// shared-memory ring (one bulk copy of a record a slab, an mbarrier a stage), STAGES - 1 slabs
-// in flight while it multiplies one. Both read the records of gemv.cu's layout (slots = 1) and
-// run the same MMAs in the same order, so every variant must give gemv_w4_8's bits (checked).
+// a warp in flight, in registers) against warps that copy their slabs ahead into their own
+// shared-memory rings, STAGES - 1 slabs in flight while they multiply one: by bulk copies (one
+// a record, an mbarrier a stage: ringN), by cp.async into each lane's own slots (stagedN) or of
+// whole records (recstagedN). All read the records of gemv.cu's layout (slots = 1) and run the
+// same MMAs in the same order, so every variant must give gemv_w4_8's bits (checked). Every
+// ring was slower than the registers on an H100 (BENCHMARKS.md, 33rd and 34th sessions).
 // Each matrix has copies enough to pass 256 MB, launched in turn, so the weights come from DRAM
 // as in a step. Build and run on the GPU machine:
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icrates/sala-cuda/kernels -o /tmp/w4-ring scripts/w4-ring.cu
