@@ -66,6 +66,32 @@ __device__ __forceinline__ void ring_copy(u32 dst, const void* src, u32 bytes, u
         : "memory");
 }
 
+// One slab of a lane: its words r0 (rows g), r1 (rows g + 8) with their group words g0, g1
+// times the activations at xs (its 32 inputs), as gemv_w4_body multiplies them.
+__device__ __forceinline__ void slab_mma(float (&c)[1][4], uint4 r0, uint4 r1, u32 g0, u32 g1, const bf16* xs) {
+    const u32 s0 = __byte_perm(g0, 0, 0x1010), b0 = __byte_perm(g0, 0, 0x3232);
+    const u32 s1 = __byte_perm(g1, 0, 0x1010), b1 = __byte_perm(g1, 0, 0x3232);
+    const u32 lo_w[4] = {r0.x, r0.y, r0.z, r0.w};
+    const u32 hi_w[4] = {r1.x, r1.y, r1.z, r1.w};
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        const uint4 lo = w4_pack(lo_w[p], s0, b0);
+        const uint4 hi = w4_pack(hi_w[p], s1, b1);
+        const uint4 x8 = __ldg((const uint4*)(xs + 8 * p));
+        sp_mma(c[0], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+        sp_mma(c[0], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+    }
+}
+
+// The block's sums of a tile (batch 1) into y, as gemv_w4_body stores them.
+__device__ __forceinline__ void tile_store(float (*red)[128], const float (&c)[1][4], int tile, int n, bf16* y) {
+    const int v = threadIdx.x;
+    const float sum = gm_block_sum<1>(red, c, v, 1);
+    const int i = (v >> 5) & 3, l = v & 31;
+    const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = 2 * (l & 3) + (i & 1);
+    if (v < 128 && o < n && b < 1) y[o] = f2bf(sum);
+}
+
 // gemv_w4_8's product over the records rec (groups of 128 or more), each warp's records
 // copied ahead into its ring of STAGES.
 template <int STAGES>
@@ -118,18 +144,7 @@ gemv_w4_ring(const bf16* x, const u32* rec, int n, int k, bf16* y) {
             const unsigned char* r = ring + stage * REC;
             const uint4 r0 = ((const uint4*)r)[lane], r1 = ((const uint4*)r)[32 + lane];
             const u32 g0 = ((const u32*)(r + 1024))[gl], g1 = ((const u32*)(r + 1024))[gl + 8];
-            const u32 s0 = __byte_perm(g0, 0, 0x1010), b0 = __byte_perm(g0, 0, 0x3232);
-            const u32 s1 = __byte_perm(g1, 0, 0x1010), b1 = __byte_perm(g1, 0, 0x3232);
-            const u32 lo_w[4] = {r0.x, r0.y, r0.z, r0.w};
-            const u32 hi_w[4] = {r1.x, r1.y, r1.z, r1.w};
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const uint4 lo = w4_pack(lo_w[p], s0, b0);
-                const uint4 hi = w4_pack(hi_w[p], s1, b1);
-                const uint4 x8 = __ldg((const uint4*)(xs + 8 * p));
-                sp_mma(c[0], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                sp_mma(c[0], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-            }
+            slab_mma(c, r0, r1, g0, g1, xs);
             // Every lane has its words (the MMAs used them): the stage may be refilled.
             __syncwarp();
             if (lane == 0) {
@@ -141,11 +156,7 @@ gemv_w4_ring(const bf16* x, const u32* rec, int n, int k, bf16* y) {
                 phase ^= 1;
             }
         }
-        const int v = threadIdx.x;
-        const float sum = gm_block_sum<1>(red[turn], c, v, 1);
-        const int i = (v >> 5) & 3, l = v & 31;
-        const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = 2 * (l & 3) + (i & 1);
-        if (v < 128 && o < n && b < 1) y[o] = f2bf(sum);
+        tile_store(red[turn], c, tile, n, y);
         turn ^= 1;
     }
 }
@@ -206,26 +217,10 @@ gemv_w4_staged(const bf16* x, const u32* rec, int n, int k, int g, bf16* y) {
             const unsigned char* at = mine + stage * W4_STAGE_BYTES;
             const uint4 r0 = *(const uint4*)(at + lane * 16), r1 = *(const uint4*)(at + 512 + lane * 16);
             const u32 g0 = *(const u32*)(at + 1024 + lane * 4), g1 = *(const u32*)(at + 1152 + lane * 4);
-            const u32 s0 = __byte_perm(g0, 0, 0x1010), b0 = __byte_perm(g0, 0, 0x3232);
-            const u32 s1 = __byte_perm(g1, 0, 0x1010), b1 = __byte_perm(g1, 0, 0x3232);
-            const u32 lo_w[4] = {r0.x, r0.y, r0.z, r0.w};
-            const u32 hi_w[4] = {r1.x, r1.y, r1.z, r1.w};
-            const int kk = s * 128 + t * 32;
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const uint4 lo = w4_pack(lo_w[p], s0, b0);
-                const uint4 hi = w4_pack(hi_w[p], s1, b1);
-                const uint4 x8 = __ldg((const uint4*)(xr + kk + 8 * p));
-                sp_mma(c[0], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                sp_mma(c[0], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-            }
+            slab_mma(c, r0, r1, g0, g1, xr + s * 128 + t * 32);
             stage = stage + 1 == STAGES ? 0 : stage + 1;
         }
-        const int v = threadIdx.x;
-        const float sum = gm_block_sum<1>(red[turn], c, v, 1);
-        const int i = (v >> 5) & 3, l = v & 31;
-        const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = 2 * (l & 3) + (i & 1);
-        if (v < 128 && o < n && b < 1) y[o] = f2bf(sum);
+        tile_store(red[turn], c, tile, n, y);
         turn ^= 1;
     }
 }
@@ -278,26 +273,10 @@ gemv_w4_recstaged(const bf16* x, const u32* rec, int n, int k, int g, bf16* y) {
             const uint4 r0 = *(const uint4*)(at + lane * 16), r1 = *(const uint4*)(at + 512 + lane * 16);
             const u32* gw = (const u32*)(at + 1024);
             const u32 g0 = gw[gl * slots + (t & (slots - 1))], g1 = gw[(8 + gl) * slots + (t & (slots - 1))];
-            const u32 s0 = __byte_perm(g0, 0, 0x1010), b0 = __byte_perm(g0, 0, 0x3232);
-            const u32 s1 = __byte_perm(g1, 0, 0x1010), b1 = __byte_perm(g1, 0, 0x3232);
-            const u32 lo_w[4] = {r0.x, r0.y, r0.z, r0.w};
-            const u32 hi_w[4] = {r1.x, r1.y, r1.z, r1.w};
-            const int kk = s * 128 + t * 32;
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const uint4 lo = w4_pack(lo_w[p], s0, b0);
-                const uint4 hi = w4_pack(hi_w[p], s1, b1);
-                const uint4 x8 = __ldg((const uint4*)(xr + kk + 8 * p));
-                sp_mma(c[0], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
-                sp_mma(c[0], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
-            }
+            slab_mma(c, r0, r1, g0, g1, xr + s * 128 + t * 32);
             stage = stage + 1 == STAGES ? 0 : stage + 1;
         }
-        const int v = threadIdx.x;
-        const float sum = gm_block_sum<1>(red[turn], c, v, 1);
-        const int i = (v >> 5) & 3, l = v & 31;
-        const int o = tile * 16 + (l >> 2) + (i >= 2 ? 8 : 0), b = 2 * (l & 3) + (i & 1);
-        if (v < 128 && o < n && b < 1) y[o] = f2bf(sum);
+        tile_store(red[turn], c, tile, n, y);
         turn ^= 1;
     }
 }
