@@ -1,10 +1,11 @@
 // The 4-bit decode product (W4A16, batch 1) at the released shapes: gemv_w4_8 (one 1 KB slab
 // a warp in flight, in registers) against warps that copy their slabs ahead into their own
 // shared-memory rings, STAGES - 1 slabs in flight while they multiply one: by bulk copies (one
-// a record, an mbarrier a stage: ringN), by cp.async into each lane's own slots (stagedN) or of
-// whole records (recstagedN). All read the records of gemv.cu's layout (slots = 1) and run the
-// same MMAs in the same order, so every variant must give gemv_w4_8's bits (checked). Every
-// ring was slower than the registers on an H100 (BENCHMARKS.md, 33rd and 34th sessions).
+// a record, an mbarrier a stage: ringN) or by cp.async into each lane's own slots (stagedN;
+// whole records copied so, slower still, are in faac736). All read the records of gemv.cu's
+// layout (slots = 1) and run the same MMAs in the same order, so every variant must give
+// gemv_w4_8's bits (checked). Every ring was slower than the registers on an H100
+// (BENCHMARKS.md, 33rd and 34th sessions).
 // Each matrix has copies enough to pass 256 MB, launched in turn, so the weights come from DRAM
 // as in a step. Build and run on the GPU machine:
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icrates/sala-cuda/kernels -o /tmp/w4-ring scripts/w4-ring.cu
@@ -225,62 +226,6 @@ gemv_w4_staged(const bf16* x, const u32* rec, int n, int k, int g, bf16* y) {
     }
 }
 
-// The same with each warp's records copied verbatim (68 chunks of 16 bytes, lane l copies chunks
-// l, l + 32, l + 64) into a ring of STAGES records; a lane reads its words where gemv_w4_8 would
-// (at h·512 + lane·16) and its group words from the chunks of other lanes, so a __syncwarp
-// after each wait, before the stage it freed is asked for again.
-template <int STAGES>
-__global__ void __launch_bounds__(32 * GM_WARPS, 2)
-gemv_w4_recstaged(const bf16* x, const u32* rec, int n, int k, int g, bf16* y) {
-    extern __shared__ __align__(16) unsigned char w4_recs[];
-    __shared__ float red[2][GM_WARPS][128];
-    int turn = 0;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
-    const int tiles = (n + 15) / 16, slabs = (k + 127) / 128;
-    const int slots = w4_slots(g);
-    const u32 rec_words = 256 + 16 * slots, tile_words = slabs * rec_words, rec_bytes = rec_words * 4;
-    unsigned char* const mine = w4_recs + warp * STAGES * rec_bytes;
-    const u32 ring = sp_smem_addr(mine);
-    int ct = blockIdx.x, cs = warp, cstage = 0;
-    auto issue = [&]() {
-        if (ct < tiles && cs < slabs) {
-            const u32 dst = ring + cstage * rec_bytes;
-            const unsigned char* src = (const unsigned char*)(rec + ((size_t)ct * tile_words + cs * rec_words));
-            for (u32 c = lane; c * 16 < rec_bytes; c += 32)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + c * 16), "l"(src + c * 16)
-                             : "memory");
-            cs += GM_WARPS;
-            if (cs >= slabs) {
-                cs = warp;
-                ct += gridDim.x;
-            }
-        }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
-        cstage = cstage + 1 == STAGES ? 0 : cstage + 1;
-    };
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; i++) issue();
-    pdl_start();
-    const bf16* xr = x;
-    int stage = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        float c[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-        for (int s = warp; s < slabs; s += GM_WARPS) {
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
-            __syncwarp();
-            issue();
-            const unsigned char* at = mine + stage * rec_bytes;
-            const uint4 r0 = *(const uint4*)(at + lane * 16), r1 = *(const uint4*)(at + 512 + lane * 16);
-            const u32* gw = (const u32*)(at + 1024);
-            const u32 g0 = gw[gl * slots + (t & (slots - 1))], g1 = gw[(8 + gl) * slots + (t & (slots - 1))];
-            slab_mma(c, r0, r1, g0, g1, xr + s * 128 + t * 32);
-            stage = stage + 1 == STAGES ? 0 : stage + 1;
-        }
-        tile_store(red[turn], c, tile, n, y);
-        turn ^= 1;
-    }
-}
-
 static u32 lcg(u64& s) {
     s = s * 6364136223846793005ULL + 1442695040888963407ULL;
     return (u32)(s >> 33);
@@ -390,17 +335,6 @@ int main() {
             STAGED(2)
             STAGED(3)
             STAGED(4)
-#define RECSTAGED(ST)                                                                                          \
-    {                                                                                                          \
-        const int smem = GM_WARPS * ST * 1088;                                                                 \
-        CHECK(cudaFuncSetAttribute(gemv_w4_recstaged<ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
-        run("recstaged" #ST, [&](int c, bf16* out) {                                                           \
-            gemv_w4_recstaged<ST><<<grid, 32 * GM_WARPS, smem>>>(x, qg[c], n, k, g, out);                      \
-        });                                                                                                    \
-    }
-            RECSTAGED(3)
-            RECSTAGED(4)
-            RECSTAGED(5)
             for (int c = 0; c < copies; c++) {
                 CHECK(cudaFree(qw[c]));
                 CHECK(cudaFree(sb[c]));
