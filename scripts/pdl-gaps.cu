@@ -11,14 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK(x)                                                                   \
-    do {                                                                           \
-        cudaError_t e = (x);                                                       \
-        if (e != cudaSuccess) {                                                    \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                               \
-        }                                                                          \
-    } while (0)
+#include "cuda-check.cuh"
 
 __device__ __forceinline__ void pdl_start() {
     asm volatile("griddepcontrol.wait;" ::: "memory");

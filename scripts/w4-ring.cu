@@ -17,14 +17,7 @@
 
 #include "../crates/sala-cuda/kernels/gemv.cu"
 
-#define CHECK(x)                                                                     \
-    do {                                                                             \
-        cudaError_t e = (x);                                                         \
-        if (e != cudaSuccess) {                                                      \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                 \
-        }                                                                            \
-    } while (0)
+#include "cuda-check.cuh"
 
 // gemv.cu's records (groups of 128 or more: 272 words) of a row-major matrix; with rec = 256,
 // the words alone (the ring variants that load group words from sb).
