@@ -86,6 +86,93 @@ __device__ __forceinline__ void tile_store(float (*red)[128], const float (&c)[1
     if (v < 128 && o < n && b < 1) y[o] = f2bf(sum);
 }
 
+// A probe, not a product: weights 2p, 2p + 1 as (128 + q)·s + b in one packed FMA (not the
+// bits of w4_pair: b is rounded), to measure what one fewer instruction a pair would give.
+__device__ __forceinline__ u32 w4_pair_probe(u32 w, int p, u32 s2, u32 b2) {
+    u32 q, d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(q) : "r"(w >> (4 * p)), "n"(0x000F000F), "n"(0x43004300));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(q), "r"(s2), "r"(b2));
+    return d;
+}
+
+// gemv_w4_8 (batch 1, groups of 128 or more) with its addresses kept as running offsets: a
+// lane's record pointer is fixed, a slab's record is 16 records after the last one of its tile
+// (or the warp's first of its next tile), so a slab costs two 64-bit address adds instead of
+// the body's re-derivation from the tile and slab (~22 instructions of ~190). Same loads, MMAs
+// and order: gemv_w4_8's bits.
+// XS: the activations copied once into shared memory (dynamic, 2·k bytes) after the PDL wait,
+// 16-byte chunk c at c ^ (2·((c >> 3) & 1)) so a slab's four lane quarters hit distinct banks,
+// instead of read from L1/L2 at every slab (their waits: 12% of gemv_w4_8's stall samples).
+template <bool PROBE, bool XS = false>
+__global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_w4_lean(const bf16* x, const u32* rec, int n, int k, bf16* y) {
+    extern __shared__ uint4 xsh[];
+    constexpr u32 REC = 272;
+    __shared__ float red[2][GM_WARPS][128];
+    int turn = 0;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane >> 2, t = lane & 3;
+    const int tiles = (n + 15) / 16, slabs = k / 128;
+    const u32* wp = rec + lane * 4;  // the lane's words of a record
+    const u32* gp = rec + 256 + gl;  // its rows' group words
+    const bf16* xp = x + t * 32;
+    using Slab = W4Slab<false>;
+    auto load = [&](u32 off, Slab& a) {
+        a.raw[0] = __ldg((const uint4*)(wp + off));
+        a.raw[1] = __ldg((const uint4*)(wp + off + 128));
+        a.sb[0] = __ldg(gp + off);
+        a.sb[1] = __ldg(gp + off + 8);
+    };
+    Slab a, an;
+    u32 off = ((u32)blockIdx.x * slabs + warp) * REC;  // the record of the slab in a
+    if ((int)blockIdx.x < tiles && warp < slabs) load(off, a);
+    pdl_start();
+    if (XS) {
+        for (int c = threadIdx.x; c < k / 8; c += blockDim.x) xsh[c ^ (((c >> 3) & 1) << 1)] = ((const uint4*)x)[c];
+        __syncthreads();
+    }
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float c[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+        auto slab = [&](const Slab& cur, Slab& nxt, int s) {
+            if (s + GM_WARPS < slabs) {
+                off += GM_WARPS * REC;
+                load(off, nxt);
+            } else if (tile + (int)gridDim.x < tiles) {
+                off = ((u32)(tile + gridDim.x) * slabs + warp) * REC;
+                load(off, nxt);
+            }
+            const bf16* xs = xp + s * 128;
+            const u32 lo_w[4] = {cur.raw[0].x, cur.raw[0].y, cur.raw[0].z, cur.raw[0].w};
+            const u32 hi_w[4] = {cur.raw[1].x, cur.raw[1].y, cur.raw[1].z, cur.raw[1].w};
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                uint4 lo, hi;
+                if (PROBE) {
+                    const u32 s0 = cur.scale2(0), b0 = cur.bias2(0), s1 = cur.scale2(1), b1 = cur.bias2(1);
+                    lo = make_uint4(w4_pair_probe(lo_w[p], 0, s0, b0), w4_pair_probe(lo_w[p], 1, s0, b0),
+                                    w4_pair_probe(lo_w[p], 2, s0, b0), w4_pair_probe(lo_w[p], 3, s0, b0));
+                    hi = make_uint4(w4_pair_probe(hi_w[p], 0, s1, b1), w4_pair_probe(hi_w[p], 1, s1, b1),
+                                    w4_pair_probe(hi_w[p], 2, s1, b1), w4_pair_probe(hi_w[p], 3, s1, b1));
+                } else {
+                    lo = w4_pack(lo_w[p], cur.scale2(0), cur.bias2(0));
+                    hi = w4_pack(hi_w[p], cur.scale2(1), cur.bias2(1));
+                }
+                uint4 x8;
+                if (XS) {
+                    const int ch = s * 16 + t * 4 + p;
+                    x8 = xsh[ch ^ (((ch >> 3) & 1) << 1)];
+                } else {
+                    x8 = __ldg((const uint4*)(xs + 8 * p));
+                }
+                sp_mma(c[0], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
+                sp_mma(c[0], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
+            }
+        };
+        gm_slab_turns(slabs, a, an, slab, [](Slab& to, const Slab& from) { to = from; });
+        tile_store(red[turn], c, tile, n, y);
+        turn ^= 1;
+    }
+}
+
 // gemv_w4_8's product over the records rec (groups of 128 or more), each warp's records
 // copied ahead into its ring of STAGES.
 template <int STAGES>
@@ -234,14 +321,38 @@ struct Shape {
     int n, k;
 };
 
+// Launches on one stream, with programmatic dependent launch when PDL=1 (as the engine's
+// steps launch): the next product's blocks start as this one's end and wait at pdl_start.
+static cudaStream_t g_stream;
+static bool g_pdl;
+template <class... P, class... A>
+static void go(void (*kernel)(P...), int grid, int smem, A... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(32 * GM_WARPS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = g_stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = g_pdl ? 1 : 0;
+    CHECK(cudaLaunchKernelEx(&cfg, kernel, ((P)args)...));
+}
+
 int main() {
+    g_pdl = getenv("PDL") && atoi(getenv("PDL")) == 1;
+    const bool rings = getenv("RINGS") && atoi(getenv("RINGS")) == 1;
+    CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
     int sms;
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
     printf("%s, %d SMs\n", prop.name, sms);
     const Shape shapes[] = {{"qkvz", 16384, 4096}, {"qkvg", 8704, 4096}, {"o", 4096, 4096},
-                            {"gate_up", 32768, 4096}, {"down", 4096, 16384}};
+                            {"gate_up", 32768, 4096}, {"down", 4096, 16384},
+                            // 4x the bytes: how much of a launch's time is fixed (ramp-up, tail)
+                            {"qkvz4", 65536, 4096}, {"down4", 16384, 16384}};
     const int group_sizes[] = {128, 1024};
     for (int g : group_sizes) {
         for (const Shape& sh : shapes) {
@@ -283,15 +394,15 @@ int main() {
             auto run = [&](const char* what, auto launch) {
                 launch(0, y);
                 CHECK(cudaGetLastError());
-                CHECK(cudaDeviceSynchronize());
+                CHECK(cudaStreamSynchronize(g_stream));
                 CHECK(cudaMemcpy(got.data(), y, n * 2, cudaMemcpyDeviceToHost));
                 int bad = 0;
                 for (int i = 0; i < n; i++) bad += got[i] != want[i];
                 const int iters = 200;
                 for (int i = 0; i < 20; i++) launch(i % copies, y);
-                CHECK(cudaEventRecord(e0));
+                CHECK(cudaEventRecord(e0, g_stream));
                 for (int i = 0; i < iters; i++) launch(i % copies, y);
-                CHECK(cudaEventRecord(e1));
+                CHECK(cudaEventRecord(e1, g_stream));
                 CHECK(cudaEventSynchronize(e1));
                 float ms;
                 CHECK(cudaEventElapsedTime(&ms, e0, e1));
@@ -301,33 +412,43 @@ int main() {
                 if (bad) printf("  %d of %d outputs differ\n", bad, n);
             };
             auto base = [&](int c, bf16* out) {
-                gemv_w4_8<<<grid, 32 * GM_WARPS>>>(x, qg[c], n, k, g, 1, out, n, out, 0, out, 0, out);
+                go(gemv_w4_8, grid, 0, x, qg[c], n, k, g, 1, out, n, out, 0, out, 0, out);
             };
             base(0, y_ref);
             CHECK(cudaDeviceSynchronize());
             CHECK(cudaMemcpy(want.data(), y_ref, n * 2, cudaMemcpyDeviceToHost));
             run("gemv_w4_8", base);
+            if (g % 128 == 0) {
+                run("lean", [&](int c, bf16* out) { go(gemv_w4_lean<false>, grid, 0, x, qg[c], n, k, out); });
+                run("probe-1fma", [&](int c, bf16* out) { go(gemv_w4_lean<true>, grid, 0, x, qg[c], n, k, out); });
+                CHECK(cudaFuncSetAttribute(gemv_w4_lean<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * k));
+                run("lean-xs", [&](int c, bf16* out) { go(gemv_w4_lean<false, true>, grid, 2 * k, x, qg[c], n, k, out); });
+                CHECK(cudaFuncSetAttribute(gemv_w4_lean<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * k));
+                run("probe-xs", [&](int c, bf16* out) { go(gemv_w4_lean<true, true>, grid, 2 * k, x, qg[c], n, k, out); });
+            }
 #define RING(ST)                                                                                          \
     {                                                                                                     \
         const int smem = GM_WARPS * ST * 1088;                                                            \
         CHECK(cudaFuncSetAttribute(gemv_w4_ring<ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
         run("ring" #ST, [&](int c, bf16* out) {                                                           \
-            gemv_w4_ring<ST><<<grid, 32 * GM_WARPS, smem>>>(x, qg[c], n, k, out);                         \
+            go(gemv_w4_ring<ST>, grid, smem, x, qg[c], n, k, out);                                     \
         });                                                                                               \
     }
-            RING(3)
-            RING(4)
+            if (rings) {
+                RING(3)
+                RING(4)
 #define STAGED(ST)                                                                                          \
     {                                                                                                       \
         const int smem = GM_WARPS * ST * W4_STAGE_BYTES;                                                    \
         CHECK(cudaFuncSetAttribute(gemv_w4_staged<ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)); \
         run("staged" #ST, [&](int c, bf16* out) {                                                           \
-            gemv_w4_staged<ST><<<grid, 32 * GM_WARPS, smem>>>(x, qg[c], n, k, g, out);                      \
+            go(gemv_w4_staged<ST>, grid, smem, x, qg[c], n, k, g, out);                                   \
         });                                                                                                 \
     }
-            STAGED(2)
-            STAGED(3)
-            STAGED(4)
+                STAGED(2)
+                STAGED(3)
+                STAGED(4)
+            }
             for (int c = 0; c < copies; c++) {
                 CHECK(cudaFree(qw[c]));
                 CHECK(cudaFree(sb[c]));
