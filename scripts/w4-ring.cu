@@ -418,6 +418,19 @@ int main() {
             CHECK(cudaDeviceSynchronize());
             CHECK(cudaMemcpy(want.data(), y_ref, n * 2, cudaMemcpyDeviceToHost));
             run("gemv_w4_8", base);
+            if (sh.n % 16 == 0) {  // the SiLU product over the same records (n/2 outputs: the bits not compared)
+                const int inter = n / 2;
+                auto silu = [&](int c, bf16* out) { go(gemv_silu_w4_8, grid, 0, x, qg[c], out, inter, k, g, 1); };
+                silu(0, y_ref);
+                CHECK(cudaDeviceSynchronize());
+                CHECK(cudaMemcpy(want.data(), y_ref, inter * 2, cudaMemcpyDeviceToHost));
+                for (int i = inter; i < n; i++) want[i] = 0;
+                CHECK(cudaMemset(y, 0, n * 2));
+                run("silu_w4_8", silu);
+                base(0, y_ref);
+                CHECK(cudaDeviceSynchronize());
+                CHECK(cudaMemcpy(want.data(), y_ref, n * 2, cudaMemcpyDeviceToHost));
+            }
             if (g % 128 == 0) {
                 run("lean", [&](int c, bf16* out) { go(gemv_w4_lean<false>, grid, 0, x, qg[c], n, k, out); });
                 run("probe-1fma", [&](int c, bf16* out) { go(gemv_w4_lean<true>, grid, 0, x, qg[c], n, k, out); });
