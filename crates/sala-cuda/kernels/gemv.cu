@@ -665,6 +665,98 @@ struct W4Slab {
     __device__ __forceinline__ u32 bias2(int h) const { return PAIRED ? bi[h] : __byte_perm(sb[h], 0, 0x3232); }
 };
 
+// The residual add and the norm before a 1-row product, made in every block of it (512 threads)
+// instead of by add_rms_norm before it: h' = round(h + round(branch·scale)), a = RMSNorm(h')·w,
+// with add_rms_norm's packs, arithmetic and block sum for one row, so the same bits. The row
+// (k ≤ 8192, a multiple of 8) comes in as it is after the PDL wait; a's 16-byte chunks go to
+// shared memory (chunk c at gm_x_slot(c)); block 0 stores a (the norm's output, for whoever
+// else reads it); the block that ends last stores h' (every block reads h).
+// A norm before a product costs ~3 us of a step as its own launch, 0.1-0.9 us so (H100).
+struct GmNorm {
+    bf16* h;
+    const bf16* branch;
+    float scale;
+    const bf16* w;
+    float eps;
+    bf16* a;
+    u32* ticket;  // blocks done (0 between launches)
+};
+
+// Shared-memory slot of the normed row's 16-byte chunk c: a slab's four lane quarters (chunks
+// 4t + p of its 16) fall in distinct banks.
+__device__ __forceinline__ int gm_x_slot(int c) { return c ^ (((c >> 3) & 1) << 1); }
+
+// h' of the 16-byte chunk c of the row: its 8 residual values plus their branch values, rounded
+// as add_rms_norm rounds them.
+__device__ __forceinline__ uint4 gm_residual8(const GmNorm& nm, int c, float& ss) {
+    const uint4 hr = ((const uint4*)nm.h)[c], br = ((const uint4*)nm.branch)[c];
+    const u32 hw[4] = {hr.x, hr.y, hr.z, hr.w}, bw[4] = {br.x, br.y, br.z, br.w};
+    u32 o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float lo = round_bf(__uint_as_float(hw[i] << 16) + round_bf(__uint_as_float(bw[i] << 16) * nm.scale));
+        const float hi = round_bf(__uint_as_float(hw[i] & 0xffff0000u) +
+                                  round_bf(__uint_as_float(bw[i] & 0xffff0000u) * nm.scale));
+        o[i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+        ss += lo * lo + hi * hi;
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+__device__ __forceinline__ void gm_add_norm_row(const GmNorm& nm, int k, uint4* xs) {
+    __shared__ float scratch[32];
+    u32 o[2][4] = {};
+    uint4 wraw[2];
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const int pk = threadIdx.x + p * blockDim.x;
+        if (pk * 8 < k) {
+            wraw[p] = ((const uint4*)nm.w)[pk];
+            const uint4 v = gm_residual8(nm, pk, ss);
+            o[p][0] = v.x, o[p][1] = v.y, o[p][2] = v.z, o[p][3] = v.w;
+        }
+    }
+    const float r = rsqrtf(block_sum(ss, scratch) / k + nm.eps);
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const int pk = threadIdx.x + p * blockDim.x;
+        if (pk * 8 < k) {
+            const u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float lo = round_bf(__uint_as_float(o[p][i] << 16) * r) * __uint_as_float(ww[i] << 16);
+                const float hi =
+                    round_bf(__uint_as_float(o[p][i] & 0xffff0000u) * r) * __uint_as_float(ww[i] & 0xffff0000u);
+                o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+            }
+            const uint4 v = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);
+            xs[gm_x_slot(pk)] = v;
+            if (blockIdx.x == 0) ((uint4*)nm.a)[pk] = v;
+        }
+    }
+    __syncthreads();
+}
+
+// After a normed product's last tile: the block that ends last (every other has read h) makes
+// h' again and stores it, and sets the ticket back to 0.
+__device__ __forceinline__ void gm_store_residual(const GmNorm& nm, int k) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(nm.ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < k / 8; c += blockDim.x) {
+        const uint4 v = gm_residual8(nm, c, ss);
+        ((uint4*)nm.h)[c] = v;
+    }
+    if (threadIdx.x == 0) *nm.ticket = 0;
+}
+
 // y = round(x · w[o]) over a 4-bit matrix (k a multiple of 128: a slab's MMAs take the whole
 // warp; the host holds other shapes as bf16) for nb ≤ 8·NT rows, outputs as gemv: M-tiles of 16
 // weight rows, a block running tiles blockIdx.x, + gridDim.x, ... in turn. Warp w takes slabs w,
@@ -675,9 +767,14 @@ struct W4Slab {
 // SILU: w is [gate; up] (n = 2·inter, inter a multiple of 8), each M-tile 8 gate rows j..j + 7
 // and their up rows, and y0 gets round(round(silu(round(g))) · round(u)), what silu_mul_halves
 // makes of the product's rows (a row's sum does not depend on the tile it is in).
-template <int NT, bool SILU>
+// NORM (NT = 1, nb = 1): x is made in the block from nm (gm_add_norm_row), in dynamic shared
+// memory (2·k bytes).
+template <int NT, bool SILU, bool NORM = false>
 __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* rec, int n, int k, int g, int nb, bf16* y0,
-                                             int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+                                             int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3,
+                                             const GmNorm& nm = GmNorm{}) {
+    static_assert(!NORM || NT == 1, "a normed product takes one row");
+    extern __shared__ uint4 gm_norm_rows[];
     // The warps' sums in two buffers, tiles taking turns, as gemv_mma_tiles_body; gemv_w4_16
     // keeps one and a second barrier a tile (the turn's register would make it spill).
     constexpr int BUFS = NT == 1 ? 2 : 1;
@@ -752,6 +849,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* rec, int 
             load_at(blockIdx.x, warp, a);
     }
     pdl_start();
+    if (NORM) gm_add_norm_row(nm, k, gm_norm_rows);
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float c[NT][4];
 #pragma unroll
@@ -784,7 +882,8 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* rec, int 
                 const uint4 hi = w4_pack(hi_w[p], cur.scale2(1), cur.bias2(1));
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const uint4 x8 = __ldg((const uint4*)(xr[nt] + kk + 8 * p));
+                    const uint4 x8 = NORM ? gm_norm_rows[gm_x_slot(s * 16 + t * 4 + p)]
+                                          : __ldg((const uint4*)(xr[nt] + kk + 8 * p));
                     sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, x8.x, x8.y);
                     sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, x8.z, x8.w);
                 }
@@ -811,6 +910,7 @@ __device__ __forceinline__ void gemv_w4_body(const bf16* x, const u32* rec, int 
         else
             __syncthreads();  // red is free for the next tile
     }
+    if (NORM) gm_store_residual(nm, k);
 }
 
 // launch: grid = min(ceil(n / 16), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = 0
@@ -836,6 +936,17 @@ gemv_w4_16(const bf16* x, const u32* rec, int n, int k, int g, int nb, bf16* y0,
 extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
 gemv_silu_w4_8(const bf16* x, const u32* rec, bf16* y, int inter, int k, int g, int nb) {
     gemv_w4_body<1, true>(x, rec, 2 * inter, k, g, nb, y, 0, nullptr, 0, nullptr, 0, nullptr);
+}
+
+// gemv_silu_w4_8 of one row made from the residual h and branch as add_rms_norm makes it
+// (GmNorm): h += round(branch·scale) (stored by the block that ends last), a = RMSNorm(h)·w, y
+// the SiLU product of a. k ≤ 8192, a multiple of 128.
+// launch: as gemv_silu_w4_8, dynamic smem = 2·k bytes; ticket 0 (and left 0)
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_silu_w4_8_norm(const u32* rec, bf16* y, int inter, int k, int g, bf16* h, const bf16* branch, float scale,
+                    const bf16* w, float eps, bf16* a, u32* ticket) {
+    const GmNorm nm{h, branch, scale, w, eps, a, ticket};
+    gemv_w4_body<1, true, true>(a, rec, 2 * inter, k, g, 1, y, 0, nullptr, 0, nullptr, 0, nullptr, nm);
 }
 
 // gemv_silu_w4_8 for nb ≤ 16 (held as gemv_w4_16).

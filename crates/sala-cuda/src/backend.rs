@@ -39,6 +39,9 @@ pub struct CudaBackend {
     pub(crate) waited: Cell<std::time::Duration>,
     /// Sparse-layer decode steps run batched (`sparse_rows_batched`), for tests.
     pub(crate) sparse_rows_batched: Cell<usize>,
+    /// Residual adds and norms made inside the product after them (`add_norm_silu_w4`), for
+    /// tests.
+    pub(crate) norms_in_products: Cell<usize>,
     /// Where per-sequence caches and states live: the page pool, or one allocation each.
     pub(crate) pool: Option<pool::SharedPool>,
     /// CUDA graphs of repeated decode steps.
@@ -161,6 +164,7 @@ impl CudaBackend {
             fresh_f8: Cell::new(None),
             waited: Default::default(),
             sparse_rows_batched: Default::default(),
+            norms_in_products: Default::default(),
             pool,
             picks_later: Cell::new(false),
             picked_rows: Cell::new(0),
@@ -231,6 +235,11 @@ impl CudaBackend {
     /// for all rows (the others ran row by row).
     pub fn sparse_rows_batched_calls(&self) -> usize {
         self.sparse_rows_batched.get()
+    }
+
+    /// How many residual adds and norms ran inside the product after them (one launch).
+    pub fn norms_in_products(&self) -> usize {
+        self.norms_in_products.get()
     }
 
     /// The block lists of the last sparse selection: `rows · kv_heads · k_sel` ids (tests).
@@ -892,6 +901,25 @@ impl Backend for CudaBackend {
         out: &mut DevAct,
     ) -> BResult<()> {
         self.add_scaled_norm_rows(h, branch, scale, w, eps, out)
+    }
+
+    fn add_scaled_norm_matmul_silu(
+        &self,
+        h: &mut DevAct,
+        branch: &DevAct,
+        scale: f32,
+        norm: &CudaSlice<u16>,
+        eps: f32,
+        a: &mut DevAct,
+        w: &DevMatrix,
+        gu: &mut DevAct,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        if self.add_norm_silu_fits(h, branch, a, w, out) {
+            return self.add_norm_silu_w4(h, branch, scale, norm, eps, a, w, out);
+        }
+        self.add_scaled_norm_rows(h, branch, scale, norm, eps, a)?;
+        self.product_silu(a, w, gu, out)
     }
 
     fn sigmoid_gate(&self, x: &mut DevAct, gate: &DevAct) -> BResult<()> {

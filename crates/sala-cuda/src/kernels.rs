@@ -194,6 +194,7 @@ kernel_table! {
     GemvW4x16 = gemv_w4_16 in "gemv.cu" (x: Ptr, rec: Ptr, n: I32, k: I32, g: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvSiluW4x8 = gemv_silu_w4_8 in "gemv.cu" (x: Ptr, rec: Ptr, y: Ptr, inter: I32, k: I32, g: I32, nb: I32);
     GemvSiluW4x16 = gemv_silu_w4_16 in "gemv.cu" (x: Ptr, rec: Ptr, y: Ptr, inter: I32, k: I32, g: I32, nb: I32);
+    GemvSiluW4x8Norm = gemv_silu_w4_8_norm in "gemv.cu" (rec: Ptr, y: Ptr, inter: I32, k: I32, g: I32, h: Ptr, branch: Ptr, scale: F32, w: Ptr, eps: F32, a: Ptr, ticket: Ptr);
     DequantW4 = dequant_w4 in "gemv.cu" (rec: Ptr, r0: I32, k: I32, g: I32, words: U64, out: Ptr);
     QuantRowsF8 = quant_rows_f8 in "gemv.cu" (x: Ptr, k: I32, codes: Ptr, values: Ptr, scales: Ptr);
     GemvF8x8 = gemv_f8_8 in "gemv.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);

@@ -324,6 +324,8 @@ pub(crate) struct Scratch {
     pub f8_scales: Option<CudaSlice<f32>>,
     /// The chain sums of a split 17-64-row product (`gemv_rows64_parts`).
     pub chain_sums: Option<CudaSlice<f32>>,
+    /// The blocks of a normed product done so far (`gemv_silu_w4_8_norm`; 0 between launches).
+    pub norm_ticket: Option<CudaSlice<u32>>,
 }
 
 impl Scratch {
@@ -353,6 +355,7 @@ impl Scratch {
         h = mix(h, &self.f8_in, stream);
         h = mix(h, &self.f8_scales, stream);
         h = mix(h, &self.chain_sums, stream);
+        h = mix(h, &self.norm_ticket, stream);
         mix(h, &self.rope, stream)
     }
 }

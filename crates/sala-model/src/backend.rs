@@ -574,6 +574,25 @@ pub trait Backend {
         self.add_scaled(h, branch, scale)?;
         self.rms_norm(h, w, eps, out)
     }
+    /// [`Backend::add_scaled_norm`] into `a`, then [`Backend::matmul_silu`] of `a`: the
+    /// residual add and norm before the MLP with its first half (one pass where the backend
+    /// fuses them; `a` holds the norm's output either way).
+    #[allow(clippy::too_many_arguments)]
+    fn add_scaled_norm_matmul_silu(
+        &self,
+        h: &mut Self::Act,
+        branch: &Self::Act,
+        scale: f32,
+        norm: &Self::Vector,
+        eps: f32,
+        a: &mut Self::Act,
+        w: &Self::Matrix,
+        gu: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> BResult<()> {
+        self.add_scaled_norm(h, branch, scale, norm, eps, a)?;
+        self.matmul_silu(a, w, gu, out)
+    }
     /// `x = round(x · round(sigmoid(gate)))`.
     fn sigmoid_gate(&self, x: &mut Self::Act, gate: &Self::Act) -> BResult<()>;
     /// `out = rms_norm(x, w)`, then, with a gate, `out = round(out · round(sigmoid(gate)))`.

@@ -287,9 +287,18 @@ impl<B: Backend> Layer<B> {
         };
         m.record(be, self.index, LinearInput::Output, normed, hd)?;
         be.matmul(normed, o_proj, &mut ws.branch)?;
-        be.add_scaled_norm(&mut ws.h, &ws.branch, res, &self.post_norm, eps, &mut ws.a)?;
+        be.add_scaled_norm_matmul_silu(
+            &mut ws.h,
+            &ws.branch,
+            res,
+            &self.post_norm,
+            eps,
+            &mut ws.a,
+            &self.gate_up,
+            &mut ws.gate_up,
+            &mut ws.act,
+        )?;
         m.record(be, self.index, LinearInput::Mlp, &ws.a, c.hidden_size)?;
-        be.matmul_silu(&ws.a, &self.gate_up, &mut ws.gate_up, &mut ws.act)?;
         m.record(
             be,
             self.index,

@@ -6,10 +6,11 @@ use crate::memory::{be_err, DevAct, DevMem, Fp8Weights, W4Weights};
 use crate::options::DecodeGemv;
 use crate::plan::{
     Launch, Planner, GEMV_MMA_ROWS, GEMV_MMA_THREADS, GEMV_NARROW_MAX_ROWS, GEMV_ROWS64_THREADS,
-    GEMV_ROWS_PER_BLOCK,
+    GEMV_ROWS_PER_BLOCK, NORM_PRODUCT_MAX_K,
 };
 use crate::w4_records::{w4_records, w4_records_len, w4_unrecord};
 use crate::{CudaBackend, DevMatrix};
+use cudarc::driver::CudaSlice;
 use sala_model::{BResult, BackendError};
 
 /// `gemv` and `gemv_narrow`: x, w, n, k, then up to four (output, count) parts.
@@ -203,6 +204,75 @@ impl CudaBackend {
             r += nb;
         }
         Ok(())
+    }
+
+    /// Whether [`CudaBackend::add_norm_silu_w4`] takes this residual add, norm and SiLU
+    /// product: one row, a 4-bit [gate; up] that the 1-row kernel runs, a row its blocks can
+    /// norm, and no FP8 codes owed to a later product (a model with FP8 products has its norms
+    /// make them).
+    pub(crate) fn add_norm_silu_fits(
+        &self,
+        h: &DevAct,
+        branch: &DevAct,
+        a: &DevAct,
+        w: &DevMatrix,
+        out: &DevAct,
+    ) -> bool {
+        let (k, inter) = (h.cols, out.cols);
+        [h.rows, branch.rows, a.rows, out.rows] == [1; 4]
+            && [branch.cols, a.cols, w.cols] == [k; 3]
+            && k.is_multiple_of(8)
+            && k <= NORM_PRODUCT_MAX_K
+            && w.rows == 2 * inter
+            && inter.is_multiple_of(8)
+            && w.w4.is_some()
+            && !self.fp8_products.get()
+            && self.gemv_fits(1, w)
+    }
+
+    /// `h = round(h + round(branch · scale))`, `a = rms_norm(h, norm)` and `out` the SiLU
+    /// product of `a` with the 4-bit [gate; up] `w`, in one launch (`gemv_silu_w4_8_norm`:
+    /// each block makes the norm itself, the same bits as `add_rms_norm`), where
+    /// [`CudaBackend::add_norm_silu_fits`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn add_norm_silu_w4(
+        &self,
+        h: &mut DevAct,
+        branch: &DevAct,
+        scale: f32,
+        norm: &CudaSlice<u16>,
+        eps: f32,
+        a: &mut DevAct,
+        w: &DevMatrix,
+        out: &mut DevAct,
+    ) -> BResult<()> {
+        let q =
+            w.w4.as_ref()
+                .ok_or_else(|| BackendError("add_norm_silu_w4: the matrix is not 4-bit".into()))?;
+        let (k, inter) = (w.cols, out.cols);
+        let blocks = self.tiles_launch(w, inter.div_ceil(8)).grid.0 as usize;
+        let at = self
+            .k
+            .planner()
+            .gemv_w4_norm(blocks, k)
+            .shaped(w.rows, w.cols);
+        let ticket = self.scratch_ptr(|s| &mut s.norm_ticket, 1)?;
+        self.norms_in_products.set(self.norms_in_products.get() + 1);
+        self.k.gemv_silu_w4_8_norm(
+            at,
+            self.ptr(&q.records),
+            self.act_ptr(out),
+            inter as i32,
+            k as i32,
+            q.group as i32,
+            self.act_ptr(h),
+            self.act_ptr(branch),
+            scale,
+            self.ptr(norm),
+            eps,
+            self.act_ptr(a),
+            ticket,
+        )
     }
 
     /// `rows` product inputs (`k` wide, at `xp`) as FP8 rows in scratch: their codes when

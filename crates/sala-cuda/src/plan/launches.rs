@@ -195,6 +195,12 @@ impl Planner {
             self.lightning_chunk_out(128, lh),
             "split lightning",
         );
+        // The widest row a normed product takes (its normed row in shared memory).
+        add(
+            K::GemvSiluW4x8Norm,
+            self.gemv_w4_norm(2 * self.limits.sms as usize, NORM_PRODUCT_MAX_K),
+            "norm + 4-bit SiLU product",
+        );
         for k in [K::SelectScoresMma, K::SelectScoresT] {
             add(
                 k,

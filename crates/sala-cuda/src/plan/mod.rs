@@ -129,6 +129,9 @@ pub const GEMV_BATCH_ROWS: usize = 64;
 /// (`32 * GM_WARPS`).
 pub const GEMV_MMA_ROWS: usize = 64;
 pub const GEMV_MMA_THREADS: u32 = 512;
+/// The widest row a product with its norm made in its blocks takes (`gemv_silu_w4_8_norm`:
+/// add_rms_norm's two packs of 8 a thread).
+pub const NORM_PRODUCT_MAX_K: usize = 2 * 8 * GEMV_MMA_THREADS as usize;
 
 /// M-tiles (16 weight rows; 8 outputs of the SiLU product) a block of `gemv_rows64` owns, a
 /// warp each (`R64_W` of gemv.cu): the products of 17 to 64 rows.
@@ -290,6 +293,12 @@ impl Planner {
             .limits
             .blocks_per_sm(threads, a.regs, a.static_smem + smem);
         per_sm.max(1) as usize * self.limits.sms as usize
+    }
+
+    /// A 4-bit SiLU product of one row with the residual add and norm before it made in each of
+    /// its `blocks` blocks (`gemv_silu_w4_8_norm`): the normed row, `k` wide, in shared memory.
+    pub fn gemv_w4_norm(&self, blocks: usize, k: usize) -> Launch {
+        Launch::new((blocks.max(1), 1, 1), GEMV_MMA_THREADS, 2 * k)
     }
 
     /// `add_rms_norm` over `rows` rows: a block takes rows in turn, as many blocks as the GPU

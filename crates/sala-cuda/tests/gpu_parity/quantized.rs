@@ -106,6 +106,94 @@ fn four_bit_products_match_cpu() {
     }
 }
 
+/// The residual add and norm made inside the 4-bit SiLU product after them
+/// (`add_scaled_norm_matmul_silu` of one row: `gemv_silu_w4_8_norm`) give the bits of the two
+/// ops run apart (`add_scaled_norm`, then `matmul_silu`): the new residual, the norm's output
+/// and the product, for widths of 512 to 8,192 and groups of 64 to a whole row, twice in a row
+/// (the blocks' ticket starts at 0 again); two rows take the ops apart. Under every plan and
+/// profile the suite runs with (the rows' blocks count with the card's SMs).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn four_bit_norm_in_product_is_the_ops_apart() {
+    use sala_model::QuantMatrix;
+    let g = gpu();
+    let mut rng = TestRng::new(53);
+    for (inner, inter, group) in [
+        (4096usize, 1024usize, 128usize),
+        (1024, 264, 1024),
+        (512, 40, 64),
+        (8192, 64, 128),
+        (1280, 96, 1280),
+    ] {
+        let out = 2 * inter;
+        let words: Vec<u32> = (0..out * inner / 8)
+            .map(|_| (rng.next_u64() & 0xffff_ffff) as u32)
+            .collect();
+        let scales: Vec<f32> = (0..out * inner / group)
+            .map(|_| 0.002 + 0.02 * rng.uniform() as f32)
+            .collect();
+        let zeros: Vec<f32> = (0..out * inner / group)
+            .map(|_| rng.below(16) as f32)
+            .collect();
+        let q = QuantMatrix {
+            rows: out,
+            cols: inner,
+            group,
+            words: &words,
+            scales: &scales,
+            zeros: &zeros,
+        };
+        let gw = g.upload_quantized("gate_up", q).unwrap();
+        assert!(gw.w4.is_some(), "{inner}: held as 4-bit");
+        let nv = gpu_vector(&g, &rng.bf16_vec(inner, 0.5, 1.5));
+        for rows in [1usize, 1, 2] {
+            let what = format!("{rows} row(s) of {inner} by [gate; up] {out}, groups of {group}");
+            let h0 = rng.bf16_vec(rows * inner, -3.0, 3.0);
+            let branch = g
+                .act_from_host(&rng.bf16_vec(rows * inner, -3.0, 3.0), inner)
+                .unwrap();
+            let run = |fused: bool| {
+                let mut h = g.act_from_host(&h0, inner).unwrap();
+                let mut a = g.act_from_host(&vec![0.0; rows * inner], inner).unwrap();
+                let mut gu = g.act_from_host(&vec![0.0; rows * out], out).unwrap();
+                let mut y = g.act_from_host(&vec![0.0; rows * inter], inter).unwrap();
+                if fused {
+                    g.add_scaled_norm_matmul_silu(
+                        &mut h, &branch, 0.25, &nv, 1e-6, &mut a, &gw, &mut gu, &mut y,
+                    )
+                    .unwrap();
+                } else {
+                    g.add_scaled_norm(&mut h, &branch, 0.25, &nv, 1e-6, &mut a)
+                        .unwrap();
+                    g.matmul_silu(&a, &gw, &mut gu, &mut y).unwrap();
+                }
+                [h, a, y].map(|t| g.to_host(&t).unwrap())
+            };
+            let before = g.norms_in_products();
+            let fused = run(true);
+            let made = g.norms_in_products() - before;
+            assert_eq!(made, usize::from(rows == 1), "{what}: fused launches");
+            let apart = run(false);
+            for (name, (f, p)) in ["h", "norm", "product"]
+                .iter()
+                .zip(fused.iter().zip(&apart))
+            {
+                let differ = f
+                    .iter()
+                    .zip(p)
+                    .filter(|(u, v)| u.to_bits() != v.to_bits())
+                    .count();
+                assert_eq!(
+                    differ,
+                    0,
+                    "{what}: {name} differs in {differ} of {}",
+                    f.len()
+                );
+            }
+        }
+    }
+}
+
 /// An FP8 K/V cache (`--kv-cache-dtype fp8`) against the CPU's FP8 cache: prompt chunks (one
 /// split, written directly), lone decode rows (split and merged), a step of decode rows of
 /// several sequences (the batched kernel), a short span as decode rows, a copied and a
