@@ -104,14 +104,14 @@ __device__ __forceinline__ u32 w4_pair_probe(u32 w, int p, u32 s2, u32 b2) {
 // XS: the activations copied once into shared memory (dynamic, 2·k bytes) after the PDL wait,
 // 16-byte chunk c at c ^ (2·((c >> 3) & 1)) so a slab's four lane quarters hit distinct banks,
 // instead of read from L1/L2 at every slab (their waits: 12% of gemv_w4_8's stall samples).
-// NORM (with XS): the activations are made here, in every block, as add_rms_norm makes them
-// from the residual h and the branch (k ≤ 8192: the same 512 threads, two packs each, and block
-// sum, so the same bits), instead of read from x; block 0 stores the new residual in h_out (not
-// h: the other blocks still read it). What a norm fused into the product that follows it saves.
+// NORM (with XS): the activations are made here, in every block, from the residual h and the
+// branch as gemv_silu_w4_8_norm makes them (gemv.cu's gm_add_norm_row: add_rms_norm's bits;
+// block 0 stores them at x, the last block to end the new h). What a norm fused into the
+// product that follows it saves.
 template <bool PROBE, bool XS = false, bool NORM = false>
 __global__ void __launch_bounds__(32 * GM_WARPS, 2)
 gemv_w4_lean(const bf16* x, const u32* rec, int n, int k, bf16* y, const bf16* h, const bf16* branch, float scale,
-             const bf16* nw, float eps, bf16* h_out) {
+             const bf16* nw, float eps, u32* ticket) {
     extern __shared__ uint4 xsh[];
     constexpr u32 REC = 272;
     __shared__ float red[2][GM_WARPS][128];
@@ -132,45 +132,9 @@ gemv_w4_lean(const bf16* x, const u32* rec, int n, int k, bf16* y, const bf16* h
     u32 off = ((u32)blockIdx.x * slabs + warp) * REC;  // the record of the slab in a
     if ((int)blockIdx.x < tiles && warp < slabs) load(off, a);
     pdl_start();
+    const GmNorm nm{(bf16*)h, branch, scale, nw, eps, (bf16*)x, ticket};
     if (NORM) {
-        __shared__ float scratch[32];
-        u32 o[2][4] = {};
-        uint4 wraw[2];
-        float ss = 0.0f;
-#pragma unroll
-        for (int p = 0; p < 2; p++) {
-            const int pk = threadIdx.x + p * blockDim.x;
-            if (pk * 8 < k) {
-                const uint4 hr = ((const uint4*)h)[pk], br = ((const uint4*)branch)[pk];
-                wraw[p] = ((const uint4*)nw)[pk];
-                const u32 hw[4] = {hr.x, hr.y, hr.z, hr.w}, bw[4] = {br.x, br.y, br.z, br.w};
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float lo = round_bf(__uint_as_float(hw[i] << 16) + round_bf(__uint_as_float(bw[i] << 16) * scale));
-                    float hi = round_bf(__uint_as_float(hw[i] & 0xffff0000u) +
-                                        round_bf(__uint_as_float(bw[i] & 0xffff0000u) * scale));
-                    o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
-                    ss += lo * lo + hi * hi;
-                }
-                if (blockIdx.x == 0) ((uint4*)h_out)[pk] = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);
-            }
-        }
-        const float r = rsqrtf(block_sum(ss, scratch) / k + eps);
-#pragma unroll
-        for (int p = 0; p < 2; p++) {
-            const int pk = threadIdx.x + p * blockDim.x;
-            if (pk * 8 < k) {
-                const u32 ww[4] = {wraw[p].x, wraw[p].y, wraw[p].z, wraw[p].w};
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float lo = round_bf(__uint_as_float(o[p][i] << 16) * r) * __uint_as_float(ww[i] << 16);
-                    float hi = round_bf(__uint_as_float(o[p][i] & 0xffff0000u) * r) * __uint_as_float(ww[i] & 0xffff0000u);
-                    o[p][i] = (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
-                }
-                xsh[pk ^ (((pk >> 3) & 1) << 1)] = make_uint4(o[p][0], o[p][1], o[p][2], o[p][3]);
-            }
-        }
-        __syncthreads();
+        gm_add_norm_row(nm, k, xsh);
     } else if (XS) {
         for (int c = threadIdx.x; c < k / 8; c += blockDim.x) xsh[c ^ (((c >> 3) & 1) << 1)] = ((const uint4*)x)[c];
         __syncthreads();
@@ -216,6 +180,7 @@ gemv_w4_lean(const bf16* x, const u32* rec, int n, int k, bf16* y, const bf16* h
         tile_store(red[turn], c, tile, n, y);
         turn ^= 1;
     }
+    if (NORM) gm_store_residual(nm, k);
 }
 
 // gemv_w4_8's product over the records rec (groups of 128 or more), each warp's records
@@ -477,12 +442,12 @@ int main() {
                 CHECK(cudaMemcpy(want.data(), y_ref, n * 2, cudaMemcpyDeviceToHost));
             }
             if (g % 128 == 0) {
-                run("lean", [&](int c, bf16* out) { go(gemv_w4_lean<false>, grid, 0, x, qg[c], n, k, out, nullptr, nullptr, 1.0f, nullptr, 0.0f, nullptr); });
-                run("probe-1fma", [&](int c, bf16* out) { go(gemv_w4_lean<true>, grid, 0, x, qg[c], n, k, out, nullptr, nullptr, 1.0f, nullptr, 0.0f, nullptr); });
+                run("lean", [&](int c, bf16* out) { go(gemv_w4_lean<false>, grid, 0, x, qg[c], n, k, out, nullptr, nullptr, 1.0f, nullptr, 0.0f, (u32*)nullptr); });
+                run("probe-1fma", [&](int c, bf16* out) { go(gemv_w4_lean<true>, grid, 0, x, qg[c], n, k, out, nullptr, nullptr, 1.0f, nullptr, 0.0f, (u32*)nullptr); });
                 CHECK(cudaFuncSetAttribute(gemv_w4_lean<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * k));
-                run("lean-xs", [&](int c, bf16* out) { go(gemv_w4_lean<false, true>, grid, 2 * k, x, qg[c], n, k, out, nullptr, nullptr, 1.0f, nullptr, 0.0f, nullptr); });
+                run("lean-xs", [&](int c, bf16* out) { go(gemv_w4_lean<false, true>, grid, 2 * k, x, qg[c], n, k, out, nullptr, nullptr, 1.0f, nullptr, 0.0f, (u32*)nullptr); });
                 CHECK(cudaFuncSetAttribute(gemv_w4_lean<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * k));
-                run("probe-xs", [&](int c, bf16* out) { go(gemv_w4_lean<true, true>, grid, 2 * k, x, qg[c], n, k, out, nullptr, nullptr, 1.0f, nullptr, 0.0f, nullptr); });
+                run("probe-xs", [&](int c, bf16* out) { go(gemv_w4_lean<true, true>, grid, 2 * k, x, qg[c], n, k, out, nullptr, nullptr, 1.0f, nullptr, 0.0f, (u32*)nullptr); });
             }
             if (getenv("CHAIN") && atoi(getenv("CHAIN")) == 1 && g % 128 == 0 && k <= 8192) {
                 // The residual add and norm before the product: add_rms_norm (one block) then
@@ -491,12 +456,14 @@ int main() {
                 for (auto& v : hh) v = to_bf16(((int)(lcg(seed) % 2001) - 1000) / 100.0f);
                 for (auto& v : hb) v = to_bf16(((int)(lcg(seed) % 2001) - 1000) / 100.0f);
                 for (auto& v : hw) v = to_bf16(0.5f + (lcg(seed) % 1000) / 1000.0f);
-                bf16 *dh, *db, *dw, *dh2, *xn;
+                bf16 *dh, *db, *dw, *xn;
+                u32* ticket;
                 CHECK(cudaMalloc(&dh, k * 2));
                 CHECK(cudaMalloc(&db, k * 2));
                 CHECK(cudaMalloc(&dw, k * 2));
-                CHECK(cudaMalloc(&dh2, k * 2));
                 CHECK(cudaMalloc(&xn, k * 2));
+                CHECK(cudaMalloc(&ticket, 4));
+                CHECK(cudaMemset(ticket, 0, 4));
                 CHECK(cudaMemcpy(db, hb.data(), k * 2, cudaMemcpyHostToDevice));
                 CHECK(cudaMemcpy(dw, hw.data(), k * 2, cudaMemcpyHostToDevice));
                 const float scale = 0.25f, eps = 1e-6f;
@@ -507,7 +474,7 @@ int main() {
                 };
                 auto fused = [&](int c, bf16* out) {
                     go(gemv_w4_lean<false, true, true>, grid, 2 * k, (const bf16*)xn, (const u32*)qg[c], n, k, out,
-                       (const bf16*)dh, (const bf16*)db, scale, (const bf16*)dw, eps, dh2);
+                       (const bf16*)dh, (const bf16*)db, scale, (const bf16*)dw, eps, ticket);
                 };
                 CHECK(cudaFuncSetAttribute(gemv_w4_lean<false, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * k));
                 CHECK(cudaMemcpy(dh, hh.data(), k * 2, cudaMemcpyHostToDevice));
@@ -516,12 +483,14 @@ int main() {
                 CHECK(cudaMemcpy(want.data(), y_ref, n * 2, cudaMemcpyDeviceToHost));
                 CHECK(cudaMemcpy(dh, hh.data(), k * 2, cudaMemcpyHostToDevice));
                 run("fused-norm", fused);  // compared with the pair's bits, from the same h
-                run("norm+gemv", pair);    // h grows as the pair repeats: its timing only
+                CHECK(cudaMemcpy(dh, hh.data(), k * 2, cudaMemcpyHostToDevice));
+                run("norm+gemv", pair);  // h grows as either repeats: their timing only
                 base(0, y_ref);
                 CHECK(cudaDeviceSynchronize());
                 CHECK(cudaMemcpy(want.data(), y_ref, n * 2, cudaMemcpyDeviceToHost));
                 run("gemv alone", base);
-                for (bf16* b : {dh, db, dw, dh2, xn}) CHECK(cudaFree(b));
+                for (bf16* b : {dh, db, dw, xn}) CHECK(cudaFree(b));
+                CHECK(cudaFree(ticket));
             }
 #define RING(ST)                                                                                          \
     {                                                                                                     \

@@ -4,6 +4,24 @@
 use super::ops::{small_sparse, whole};
 use super::*;
 
+/// A random `[out, inner]` 4-bit matrix in groups of `group`: its words, scales and zeros.
+fn random_w4(
+    rng: &mut TestRng,
+    out: usize,
+    inner: usize,
+    group: usize,
+) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+    let words: Vec<u32> = (0..out * inner / 8)
+        .map(|_| (rng.next_u64() & 0xffff_ffff) as u32)
+        .collect();
+    let groups = inner / group;
+    let scales: Vec<f32> = (0..out * groups)
+        .map(|_| 0.002 + 0.02 * rng.uniform() as f32)
+        .collect();
+    let zeros: Vec<f32> = (0..out * groups).map(|_| rng.below(16) as f32).collect();
+    (words, scales, zeros)
+}
+
 /// 4-bit weights on the GPU: products of 1 to 16 rows (`gemv_w4`), 17 and 40 (two launches),
 /// 100 (dequantized into scratch, then cuBLAS), the stacked MLP half and a split product, and
 /// 4-bit matrices stacked (4-bit beside 4-bit, and beside bf16), against the CPU on the same
@@ -19,17 +37,6 @@ fn four_bit_products_match_cpu() {
     use sala_model::QuantMatrix;
     let g = gpu();
     let mut rng = TestRng::new(41);
-    let random_w4 = |rng: &mut TestRng, out: usize, inner: usize, group: usize| {
-        let words: Vec<u32> = (0..out * inner / 8)
-            .map(|_| (rng.next_u64() & 0xffff_ffff) as u32)
-            .collect();
-        let groups = inner / group;
-        let scales: Vec<f32> = (0..out * groups)
-            .map(|_| 0.002 + 0.02 * rng.uniform() as f32)
-            .collect();
-        let zeros: Vec<f32> = (0..out * groups).map(|_| rng.below(16) as f32).collect();
-        (words, scales, zeros)
-    };
     for (rows, inner, out, group) in [
         (1usize, 256usize, 384usize, 32usize),
         (1, 4096, 1000, 128),
@@ -126,15 +133,7 @@ fn four_bit_norm_in_product_is_the_ops_apart() {
         (1280, 96, 1280),
     ] {
         let out = 2 * inter;
-        let words: Vec<u32> = (0..out * inner / 8)
-            .map(|_| (rng.next_u64() & 0xffff_ffff) as u32)
-            .collect();
-        let scales: Vec<f32> = (0..out * inner / group)
-            .map(|_| 0.002 + 0.02 * rng.uniform() as f32)
-            .collect();
-        let zeros: Vec<f32> = (0..out * inner / group)
-            .map(|_| rng.below(16) as f32)
-            .collect();
+        let (words, scales, zeros) = random_w4(&mut rng, out, inner, group);
         let q = QuantMatrix {
             rows: out,
             cols: inner,
