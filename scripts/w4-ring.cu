@@ -1,15 +1,19 @@
-// The 4-bit decode product (W4A16, batch 1) at the released shapes: gemv_w4_8 (one 1 KB slab
-// a warp in flight, in registers) against warps that copy their slabs ahead into their own
-// shared-memory rings, STAGES - 1 slabs in flight while they multiply one: by bulk copies (one
-// a record, an mbarrier a stage: ringN) or by cp.async into each lane's own slots (stagedN;
-// whole records copied so, slower still, are in faac736). All read the records of gemv.cu's
-// layout (slots = 1) and run the same MMAs in the same order, so every variant must give
-// gemv_w4_8's bits (checked). Every ring was slower than the registers on an H100
-// (BENCHMARKS.md, 33rd and 34th sessions).
+// The 4-bit decode product (W4A16, batch 1) at the released shapes, and at 4x their rows (a
+// launch's fixed cost): gemv_w4_8 and gemv_silu_w4_8 as the engine has them; `lean` (running
+// record offsets, batch 1 only), `lean-xs` (x staged in shared memory), `probe-1fma` (one FMA a
+// weight pair: wrong bits, a probe of the dequantisation's cost). RINGS=1: warps that copy their
+// slabs ahead into their own shared-memory rings, STAGES - 1 slabs in flight while they multiply
+// one, by bulk copies (one a record, an mbarrier a stage: ringN) or by cp.async into each lane's
+// own slots (stagedN; whole records copied so, slower still, are in faac736). CHAIN=1: the
+// residual add and norm before the product as add_rms_norm then the product, against both in
+// one kernel (gemv.cu's gm_add_norm_row). PDL=1 launches all with programmatic dependent launch,
+// as the engine does. All read the records of gemv.cu's layout (slots = 1) and run the same MMAs
+// in the same order, so every variant but the probe must give gemv_w4_8's bits (checked).
+// Results: BENCHMARKS.md, 33rd to 35th sessions.
 // Each matrix has copies enough to pass 256 MB, launched in turn, so the weights come from DRAM
 // as in a step. Build and run on the GPU machine:
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icrates/sala-cuda/kernels -o /tmp/w4-ring scripts/w4-ring.cu
-//   /tmp/w4-ring
+//   PDL=1 CHAIN=1 /tmp/w4-ring
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
