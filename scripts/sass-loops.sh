@@ -6,7 +6,7 @@
 # the GPU's schedulers (an SM's 4, one warp-instruction a cycle each) bound a kernel from below:
 # compare that with its DRAM floor. The disassembler comes from the CUDA 13.2 wheels (13.0 has
 # none on PyPI); it reads 13.0's cubins.
-# Usage: scripts/sass-loops.sh FILE KERNEL [ARCH]   (e.g. gemv.cu gemv_rows64)
+# Usage: scripts/sass-loops.sh FILE KERNEL [ARCH]   (e.g. gemv/rows64.cu gemv_rows64)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 2 ] || { echo "usage: $0 FILE KERNEL [ARCH]" >&2; exit 2; }

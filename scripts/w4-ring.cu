@@ -6,9 +6,10 @@
 // one, by bulk copies (one a record, an mbarrier a stage: ringN) or by cp.async into each lane's
 // own slots (stagedN; whole records copied so, slower still, are in faac736). CHAIN=1: the
 // residual add and norm before the product as add_rms_norm then the product, against both in
-// one kernel (gemv.cu's gm_add_norm_row). PDL=1 launches all with programmatic dependent launch,
-// as the engine does. All read the records of gemv.cu's layout (slots = 1) and run the same MMAs
-// in the same order, so every variant but the probe must give gemv_w4_8's bits (checked).
+// one kernel (gemv/common.cuh's gm_add_norm_row). PDL=1 launches all with programmatic
+// dependent launch, as the engine does. All read the records of gemv/w4.cu's layout (slots = 1)
+// and run the same MMAs in the same order, so every variant but the probe must give
+// gemv_w4_8's bits (checked).
 // Results: BENCHMARKS.md, 33rd to 35th sessions.
 // Each matrix has copies enough to pass 256 MB, launched in turn, so the weights come from DRAM
 // as in a step. Build and run on the GPU machine:
@@ -19,12 +20,12 @@
 #include <cstring>
 #include <vector>
 
-#include "../crates/sala-cuda/kernels/gemv.cu"
+#include "../crates/sala-cuda/kernels/gemv/w4.cu"
 #include "../crates/sala-cuda/kernels/elementwise.cu"
 
 #include "cuda-check.cuh"
 
-// gemv.cu's records (groups of 128 or more: 272 words) of a row-major matrix; with rec = 256,
+// gemv/w4.cu's records (groups of 128 or more: 272 words) of a row-major matrix; with rec = 256,
 // the words alone (the ring variants that load group words from sb).
 __global__ void to_slab_major(const u32* qw, const u32* sb, int n, int k, int g, int rec, u32* qs) {
     const int slabs = k / 128, tiles = (n + 15) / 16;
@@ -109,7 +110,7 @@ __device__ __forceinline__ u32 w4_pair_probe(u32 w, int p, u32 s2, u32 b2) {
 // 16-byte chunk c at c ^ (2·((c >> 3) & 1)) so a slab's four lane quarters hit distinct banks,
 // instead of read from L1/L2 at every slab (their waits: 12% of gemv_w4_8's stall samples).
 // NORM (with XS): the activations are made here, in every block, from the residual h and the
-// branch as gemv_silu_w4_8_norm makes them (gemv.cu's gm_add_norm_row: add_rms_norm's bits;
+// branch as gemv_silu_w4_8_norm makes them (gemv/common.cuh's gm_add_norm_row: add_rms_norm's bits;
 // block 0 stores them at x, the last block to end the new h). What a norm fused into the
 // product that follows it saves.
 template <bool PROBE, bool XS = false, bool NORM = false>

@@ -21,12 +21,16 @@ pub const HEADERS: &[(&str, &str)] = kernel_sources![
     "common/head_norm.cuh",
     "lightning/common.cuh",
     "sparse/common.cuh",
+    "gemv/common.cuh",
 ];
 
 /// The kernel files (path under `kernels/`, text); each is compiled on its own.
 pub const FILES: &[(&str, &str)] = kernel_sources![
     "elementwise.cu",
-    "gemv.cu",
+    "gemv/bf16.cu",
+    "gemv/rows64.cu",
+    "gemv/w4.cu",
+    "gemv/fp8.cu",
     "lightning/decode.cu",
     "lightning/chunked.cu",
     "lightning/split.cu",

@@ -1,4 +1,4 @@
-//! The device layout of a 4-bit matrix (`gemv.cu`, "Held slab-major"): one record for each
+//! The device layout of a 4-bit matrix (`gemv/w4.cu`, "Held slab-major"): one record for each
 //! M-tile of 16 rows and slab of 128 inputs, the tile's words for the slab in the order a warp's
 //! lanes load them and then its rows' group words, so a warp's slab is one contiguous kilobyte
 //! and two loads of consecutive 16 bytes a lane.

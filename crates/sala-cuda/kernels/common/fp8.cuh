@@ -1,5 +1,5 @@
 // FP8 E4M3 codes: rounding to them and reading them back, shared by the FP8 K/V cache
-// (sparse/) and the FP8 weights (gemv.cu). Same numbers as sala_model::numerics.
+// (sparse/) and the FP8 weights (gemv/fp8.cu). Same numbers as sala_model::numerics.
 #pragma once
 #include "common/types.cuh"
 

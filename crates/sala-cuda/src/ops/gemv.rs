@@ -1,4 +1,4 @@
-//! Matrix products: GEMVs for decode-sized batches (`kernels/gemv.cu`, each row's result
+//! Matrix products: GEMVs for decode-sized batches (`kernels/gemv/`, each row's result
 //! independent of the others), cuBLASLt for the rest.
 
 use crate::kernels::Launcher;

@@ -134,7 +134,7 @@ pub const GEMV_MMA_THREADS: u32 = 512;
 pub const NORM_PRODUCT_MAX_K: usize = 2 * 8 * GEMV_MMA_THREADS as usize;
 
 /// M-tiles (16 weight rows; 8 outputs of the SiLU product) a block of `gemv_rows64` owns, a
-/// warp each (`R64_W` of gemv.cu): the products of 17 to 64 rows.
+/// warp each (`R64_W` of gemv/rows64.cu): the products of 17 to 64 rows.
 pub const GEMV_ROWS64_TILES: usize = 4;
 pub const GEMV_ROWS64_THREADS: u32 = 32 * GEMV_ROWS64_TILES as u32;
 /// Most bytes of group sums a split 17-64-row product writes (`gemv_groups`).
