@@ -13,7 +13,10 @@ if ! ls "$venv"/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 > /dev
 fi
 if [ "${CUDA_VENV_PTXAS:-0}" = 1 ]; then
   if ! ls "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/ptxas > /dev/null 2>&1; then
-    "$venv/bin/pip" install --quiet nvidia-cuda-nvcc==13.0.88
+    # The compiler's front end, headers and runtime of the same line too (unpinned, pip takes
+    # the newest, whose PTX this ptxas refuses): nvcc works here for kernels built by hand.
+    "$venv/bin/pip" install --quiet nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 \
+      nvidia-cuda-crt==13.0.88 nvidia-cuda-runtime==13.0.96
   fi
   SALA_PTXAS=$(ls "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/ptxas | head -1)
   export SALA_PTXAS
