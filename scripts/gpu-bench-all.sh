@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
-# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: parity (own plans, then each profile of
-# $PROFILES) lightning 4k hopper rtx5090-1m profile sweep 1m
+# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: figures (the open issues' eight
+# figures, their commands as BENCHMARKS.md quotes them; ~5 minutes) parity (own plans, then each
+# profile of $PROFILES) lightning 4k hopper rtx5090-1m profile sweep 1m
 # dense concurrent concurrent55k concurrent-profile pool random random-profile profile1m ncu-select follow-up (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
@@ -35,6 +36,26 @@ for step in $steps; do
         export SALA_FALLBACK=$(IFS=,; echo "${fallback[*]}")
         echo "parity failures: benchmarks run with SALA_FALLBACK=$SALA_FALLBACK"
       fi ;;
+    figures)
+      # Issues 15, 17 and 19: batch-1 decode (bf16, 4-bit, FP8), 1M decode, 64 x 1K, TTFTs.
+      i=0
+      while IFS= read -r args; do
+        i=$((i + 1))
+        echo "-- sala bench --device cuda $args"
+        # shellcheck disable=SC2086
+        timeout 150 $S bench --device cuda $args < /dev/null > "$L/figure$i.txt" 2>&1
+        grep -E '^ +[0-9]+ |^decode steps|batched|error' "$L/figure$i.txt" | head -4
+      done <<'FIGURES'
+--context 4K --decode-tokens 256
+--weights w4 --context 4K --decode-tokens 256
+--weights fp8 --context 4K --decode-tokens 256
+--context 1M --random-context --decode-tokens 64 --max-memory 70G
+--concurrent 64 --context 1K --decode-tokens 1024 --batched-only
+--context 128K --decode-tokens 4
+--context 1M --decode-tokens 4 --max-memory 30G
+--weights fp8 --context 1M --decode-tokens 4 --max-memory 30G
+FIGURES
+      ;;
     lightning)
       $S bench --device cuda --kernel lightning --context 8K,64K --json "$L/lightning.json" 2>&1 | tee "$L/lightning.txt" | tail -3 ;;
     4k)
