@@ -529,6 +529,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn move_rows(&self, a: &mut CpuAct, src_row: usize, dst_row: usize, n: usize) -> BResult<()> {
+        sala_model::backend::check_move_rows(a.rows, src_row, dst_row, n)?;
+        let w = a.cols;
+        a.data
+            .copy_within(src_row * w..(src_row + n) * w, dst_row * w);
+        Ok(())
+    }
+
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Vec<f32>> {
         zeros(heads * head_dim * head_dim, "a lightning state")
     }
@@ -963,17 +971,18 @@ impl Backend for CpuBackend {
         _cfg: &SparseConfig,
         k: &CpuAct,
         v: &CpuAct,
-        rows: usize,
+        rows: std::ops::Range<usize>,
     ) -> BResult<()> {
         let kw = cache.shape.kv_width();
-        if k.cols != kw || v.cols != kw || rows > k.rows.min(v.rows) {
+        if k.cols != kw || v.cols != kw || rows.end > k.rows.min(v.rows) {
             return Err(BackendError(format!(
-                "a cache's earlier tokens: {rows} rows of k [{}, {}] and v [{}, {}] for rows of \
+                "appending rows {rows:?} of k [{}, {}] and v [{}, {}] to a cache of rows of \
                  {kw}",
                 k.rows, k.cols, v.rows, v.cols
             )));
         }
-        cache.append(&k.data[..rows * kw], &v.data[..rows * kw]);
+        let at = rows.start * kw..rows.end.max(rows.start) * kw;
+        cache.append(&k.data[at.clone()], &v.data[at]);
         Ok(())
     }
 

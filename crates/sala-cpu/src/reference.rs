@@ -7,7 +7,7 @@ use sala_checkpoint::{KvCacheDtype, ModelConfig, SparseConfig};
 use sala_model::memory::BackendMemory;
 use sala_model::numerics::{bf16_round, fp8_round_kv};
 use sala_model::oracle::{self, AttnShape, SparseMode};
-use sala_model::{AttnIo, BResult, Backend, GreedyPick, HostTensor, LogitsOut, Span};
+use sala_model::{AttnIo, BResult, Backend, BackendError, GreedyPick, HostTensor, LogitsOut, Span};
 
 pub struct ReferenceBackend;
 
@@ -17,6 +17,7 @@ pub struct ReferenceKv {
     k: Vec<f32>,
     v: Vec<f32>,
     kv_width: usize,
+    head_dim: usize,
 }
 
 fn naive_matmul(x: &[f32], rows: usize, w: &CpuMatrix) -> Vec<f32> {
@@ -96,12 +97,16 @@ impl Backend for ReferenceBackend {
     ) -> BResult<()> {
         CpuBackend::default().copy_rows(src, src_row, dst, dst_row, n)
     }
+    fn move_rows(&self, a: &mut CpuAct, src_row: usize, dst_row: usize, n: usize) -> BResult<()> {
+        CpuBackend::default().move_rows(a, src_row, dst_row, n)
+    }
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Vec<f32>> {
         CpuBackend::default().new_lightning_state(heads, head_dim)
     }
     fn new_sparse_cache(&self, shape: AttnShape, _cfg: &SparseConfig) -> BResult<ReferenceKv> {
         Ok(ReferenceKv {
             kv_width: shape.kv_width(),
+            head_dim: shape.head_dim,
             ..Default::default()
         })
     }
@@ -256,6 +261,32 @@ impl Backend for ReferenceBackend {
             }
             Ok(())
         })
+    }
+    fn append_sparse_kv(
+        &self,
+        cache: &mut ReferenceKv,
+        cfg: &SparseConfig,
+        k: &CpuAct,
+        v: &CpuAct,
+        rows: std::ops::Range<usize>,
+    ) -> BResult<()> {
+        let kw = cache.kv_width;
+        if k.cols != kw || v.cols != kw || rows.end > k.rows.min(v.rows) {
+            return Err(BackendError(format!(
+                "appending rows {rows:?} of k [{}, {}] and v [{}, {}] to a cache of rows of \
+                 {kw}",
+                k.rows, k.cols, v.rows, v.cols
+            )));
+        }
+        let first = cache.k.len();
+        let at = rows.start * kw..rows.end.max(rows.start) * kw;
+        cache.k.extend_from_slice(&k.data[at.clone()]);
+        cache.v.extend_from_slice(&v.data[at]);
+        if cfg.kv_cache == KvCacheDtype::Fp8 {
+            fp8_round_kv(&mut cache.k[first..], cache.head_dim);
+            fp8_round_kv(&mut cache.v[first..], cache.head_dim);
+        }
+        Ok(())
     }
     fn logits(
         &self,

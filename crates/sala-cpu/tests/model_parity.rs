@@ -8,8 +8,8 @@ use sala_cpu::{CpuBackend, HostRanks};
 use sala_model::numerics::{rel_l2, TestRng};
 use sala_model::ranks::Ranks;
 use sala_model::testing::{
-    check_fork, check_greedy_picks, check_mixed_step, check_resume, check_rewind,
-    check_stepwise_spans, decode_step,
+    check_fork, check_greedy_picks, check_last_layer_rows, check_mixed_step, check_resume,
+    check_rewind, check_stepwise_spans, decode_step,
 };
 use sala_model::{Backend, HostDType, HostTensor, LogitRows, Model, SparseMode, WeightSource};
 use std::collections::HashMap;
@@ -510,6 +510,21 @@ fn mixed_step_equals_running_apart() {
     )
     .unwrap();
     check_mixed_step(&ReferenceBackend, &load(&ReferenceBackend, &config, 23)).unwrap();
+}
+
+/// A step that reads only the last row of a prompt chunk (or none) gives it the logits of
+/// reading every row and leaves the same caches, bit for bit
+/// ([`sala_model::testing::check_last_layer_rows`]): below `dense_len` and past it, in chunks
+/// of 16 and (the CPU's rows never depend on each other) of 64.
+#[test]
+fn reading_only_the_last_row_equals_reading_every_row() {
+    let config = tiny_config(150);
+    let cpu = load(&CpuBackend::default(), &config, 29);
+    let reference = load(&ReferenceBackend, &config, 29);
+    for (len, chunk) in [(45, 16), (200, 16), (200, 64)] {
+        check_last_layer_rows(&CpuBackend::default(), &cpu, len, chunk).unwrap();
+    }
+    check_last_layer_rows(&ReferenceBackend, &reference, 170, 64).unwrap();
 }
 
 /// A sequence rewound to a snapshot reads on as a cold one, bit for bit, at a chunk

@@ -598,6 +598,27 @@ impl Backend for CudaBackend {
         self.copy(dst, dst_row * w, src, src_row * w, n * w)
     }
 
+    fn move_rows(&self, a: &mut DevAct, src_row: usize, dst_row: usize, n: usize) -> BResult<()> {
+        sala_model::backend::check_move_rows(a.rows, src_row, dst_row, n)?;
+        let (w, shift) = (a.cols, src_row - dst_row);
+        if shift == 0 {
+            return Ok(());
+        }
+        // Pieces of `shift` rows, first to last: no piece overlaps itself, and each lands on
+        // rows already moved.
+        for start in (0..n).step_by(shift) {
+            let rows = shift.min(n - start);
+            self.copy(
+                &*a,
+                (dst_row + start) * w,
+                &*a,
+                (src_row + start) * w,
+                rows * w,
+            )?;
+        }
+        Ok(())
+    }
+
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<DevLightningState> {
         self.new_store(heads * head_dim * head_dim, true)
     }
@@ -1091,19 +1112,22 @@ impl Backend for CudaBackend {
         cfg: &SparseConfig,
         k: &DevAct,
         v: &DevAct,
-        rows: usize,
+        rows: std::ops::Range<usize>,
     ) -> BResult<()> {
         let kw = cache.kv_width;
-        if k.cols != kw || v.cols != kw || rows > k.rows.min(v.rows) {
+        if k.cols != kw || v.cols != kw || rows.end > k.rows.min(v.rows) {
             return Err(BackendError(format!(
-                "a cache's earlier tokens: {rows} rows of k [{}, {}] and v [{}, {}] for rows of \
+                "appending rows {rows:?} of k [{}, {}] and v [{}, {}] to a cache of rows of \
                  {kw}",
                 k.rows, k.cols, v.rows, v.cols
             )));
         }
+        if rows.is_empty() {
+            return Ok(());
+        }
         // The cache's length moves: outside any graph, as sparse attention runs.
         self.graph_pause()?;
-        let appended = self.append_kv(cache, cfg, (k, v), 0, rows);
+        let appended = self.append_kv(cache, cfg, (k, v), rows.start, rows.len());
         self.graph_resume()?;
         appended.map(|_| ())
     }

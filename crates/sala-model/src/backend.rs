@@ -26,6 +26,16 @@ pub const STEPWISE_SPAN_ROWS: usize = 17;
 /// Spread of the random lightning states of [`Backend::fill_lightning_state_random`].
 pub const RANDOM_STATE_STD: f32 = 0.05;
 
+/// Checks [`Backend::move_rows`]'s arguments for a buffer of `rows` rows.
+pub fn check_move_rows(rows: usize, src_row: usize, dst_row: usize, n: usize) -> BResult<()> {
+    if dst_row > src_row || src_row + n > rows {
+        return Err(BackendError(format!(
+            "move_rows: rows {src_row}..+{n} of {rows} to rows {dst_row}.. (moves go forward)"
+        )));
+    }
+    Ok(())
+}
+
 /// The check every [`Backend::copy_rows`] makes: same widths, and both row ranges inside
 /// their buffers (`[rows, cols]` of source and destination).
 pub fn check_copy_rows(
@@ -360,6 +370,10 @@ pub trait Backend {
         dst_row: usize,
         n: usize,
     ) -> BResult<()>;
+    /// Moves rows `src_row..src_row + n` of `a` to rows `dst_row..` (`dst_row <= src_row`;
+    /// the two ranges may overlap): a step's rows packed to the front.
+    fn move_rows(&self, a: &mut Self::Act, src_row: usize, dst_row: usize, n: usize)
+        -> BResult<()>;
 
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Self::LightningState>;
     fn new_sparse_cache(&self, shape: AttnShape, cfg: &SparseConfig) -> BResult<Self::SparseCache>;
@@ -734,16 +748,16 @@ pub trait Backend {
             self.name()
         )))
     }
-    /// Context parallelism: appends the first `rows` rows of `k` and `v` (another rank's
-    /// tokens, before this rank's) to `cache`, with the compressed windows they complete,
-    /// attending nothing.
+    /// Appends rows `rows` of `k` and `v` to `cache`, with the compressed windows they
+    /// complete, attending nothing: another rank's tokens before this rank's (context
+    /// parallelism), or the rows of a step whose last-layer outputs nothing reads.
     fn append_sparse_kv(
         &self,
         _cache: &mut Self::SparseCache,
         _cfg: &SparseConfig,
         _k: &Self::Act,
         _v: &Self::Act,
-        _rows: usize,
+        _rows: std::ops::Range<usize>,
     ) -> BResult<()> {
         Err(BackendError(format!(
             "{}: no context parallelism (a cache's earlier tokens)",

@@ -797,7 +797,7 @@ fn sparse_second<B: Backend>(
                     be.set_rows(v, rows);
                     exchange.copy_act(earlier.be, &from.k, be, k, rows)?;
                     exchange.copy_act(earlier.be, &from.v, be, v, rows)?;
-                    be.append_sparse_kv(cache, &m.config.sparse, k, v, rows)?;
+                    be.append_sparse_kv(cache, &m.config.sparse, k, v, 0..rows)?;
                 }
             }
             take(be, &part.q, &mut ws.q, &ch)?;

@@ -154,6 +154,10 @@ impl<B: Backend> Layer<B> {
     /// The layer on every row of the step: `ws.a` holds its input norm (made by the previous
     /// layer's last add) and, on return, `next_norm` of its output, which is added into
     /// `ws.h`. `captures[i]`: where sequence `i`'s lightning k and v rows are kept, if they are.
+    /// With `keep` (the last layer of a step that reads only some rows' outputs), every row
+    /// still joins the sequences' caches and states, but only the last `keep[i]` rows of span
+    /// `i` are attended and go on through the rest of the layer, packed to the front of the
+    /// buffers in span order ([`PackedRows`]).
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -164,6 +168,7 @@ impl<B: Backend> Layer<B> {
         states: &mut [&mut LayerState<B>],
         captures: &mut [Option<&mut (B::Act, B::Act)>],
         next_norm: &B::Vector,
+        keep: Option<&PackedRows>,
     ) -> BResult<()> {
         let c = &m.config;
         let eps = step.eps;
@@ -212,14 +217,59 @@ impl<B: Backend> Layer<B> {
                         LayerState::Lightning(_) => Err(state_mismatch()),
                     })
                     .collect::<BResult<Vec<_>>>()?;
-                be.sparse_attention(
-                    m.sparse_shape(),
-                    &c.sparse,
-                    io,
-                    step.spans,
-                    step.modes,
-                    &mut caches,
-                )?;
+                match keep {
+                    None => be.sparse_attention(
+                        m.sparse_shape(),
+                        &c.sparse,
+                        io,
+                        step.spans,
+                        step.modes,
+                        &mut caches,
+                    )?,
+                    Some(keep) => {
+                        // Rows whose outputs nothing reads join the caches unattended.
+                        for ((s, &n), cache) in step.spans.iter().zip(&keep.keep).zip(&mut caches) {
+                            let unread = s.first_row..s.first_row + s.len - n;
+                            be.append_sparse_kv(cache, &c.sparse, &*io.k, &*io.v, unread)?;
+                        }
+                        let mut read = (Vec::new(), Vec::new(), Vec::new());
+                        for ((s, &n), (&mode, cache)) in step
+                            .spans
+                            .iter()
+                            .zip(&keep.keep)
+                            .zip(step.modes.iter().zip(caches))
+                        {
+                            if n > 0 {
+                                read.0.push(Span {
+                                    first_row: s.first_row + s.len - n,
+                                    len: n,
+                                    pos: s.pos + s.len - n,
+                                });
+                                read.1.push(mode);
+                                read.2.push(cache);
+                            }
+                        }
+                        if !read.0.is_empty() {
+                            be.sparse_attention(
+                                m.sparse_shape(),
+                                &c.sparse,
+                                io,
+                                &read.0,
+                                &read.1,
+                                &mut read.2,
+                            )?;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(keep) = keep {
+            let gated = match &self.mixer {
+                Mixer::Lightning { gated, .. } | Mixer::Sparse { gated, .. } => *gated,
+            };
+            keep.pack(be, ws, step.spans, gated)?;
+            if keep.rows == 0 {
+                return Ok(());
             }
         }
         self.finish(m, be, ws, step.res, eps, next_norm)
@@ -308,6 +358,65 @@ impl<B: Backend> Layer<B> {
         )?;
         be.matmul(&ws.act, &self.down_proj, &mut ws.branch)?;
         be.add_scaled_norm(&mut ws.h, &ws.branch, res, next_norm, eps, &mut ws.a)
+    }
+}
+
+/// The rows of a step's last layer that go on past its attention, when the step reads only
+/// some rows' outputs (logits, a draft's hidden states): the last `keep[i]` rows of span `i`,
+/// packed to the front of the buffers in span order. The other rows' attention outputs, output
+/// products and MLP would only feed rows nothing reads.
+struct PackedRows {
+    keep: Vec<usize>,
+    /// Where span `i`'s kept rows start once packed.
+    first: Vec<usize>,
+    /// Rows kept in all.
+    rows: usize,
+}
+
+impl PackedRows {
+    /// `None` when every row is kept.
+    fn new(spans: &[Span], keep: Vec<usize>) -> Option<Self> {
+        let mut first = Vec::with_capacity(keep.len());
+        let mut rows = 0;
+        for &n in &keep {
+            first.push(rows);
+            rows += n;
+        }
+        (rows < spans.iter().map(|s| s.len).sum()).then_some(Self { keep, first, rows })
+    }
+
+    /// Where step row `row` (of span `i`, among its kept rows) lies once packed.
+    fn packed(&self, spans: &[Span], row: usize) -> Option<usize> {
+        let i = spans.iter().position(|s| s.rows().contains(&row))?;
+        let from = spans[i].first_row + spans[i].len - self.keep[i];
+        (row >= from).then(|| self.first[i] + row - from)
+    }
+
+    /// Moves the kept rows of what the rest of the layer reads (the attention output, the
+    /// output gate when `gated`, the residual stream) to the front; every buffer then holds
+    /// the kept rows.
+    fn pack<B: Backend>(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        spans: &[Span],
+        gated: bool,
+    ) -> BResult<()> {
+        for ((s, &n), &to) in spans.iter().zip(&self.keep).zip(&self.first) {
+            let from = s.first_row + s.len - n;
+            if n == 0 || from == to {
+                continue;
+            }
+            be.move_rows(&mut ws.o, from, to, n)?;
+            be.move_rows(&mut ws.h, from, to, n)?;
+            if gated {
+                be.move_rows(&mut ws.z, from, to, n)?;
+            }
+        }
+        for buf in ws.buffers_mut() {
+            be.set_rows(buf, self.rows);
+        }
+        Ok(())
     }
 }
 
@@ -932,6 +1041,36 @@ impl<B: Backend> Model<B> {
         Ok(logits)
     }
 
+    /// The last layer's rows a step reads, when not all ([`PackedRows`]): per input, its last
+    /// row for its logits or pick, every row for all its logits or a draft's reads of the last
+    /// layer, none otherwise. A recorder of the products' inputs reads every row.
+    fn last_layer_rows(
+        &self,
+        batch: &[StepInput<'_, B>],
+        step: &StepCtx<'_>,
+    ) -> Option<PackedRows> {
+        let last = self.layers.len().checked_sub(1)?;
+        if self.recorder.borrow().is_some() {
+            return None;
+        }
+        let keep = batch
+            .iter()
+            .zip(step.spans)
+            .enumerate()
+            .map(|(i, (x, s))| {
+                let drafted = step.aux_rows.iter().any(|r| r[0] == i)
+                    && x.seq.aux.as_ref().is_some_and(|a| a.layers.contains(&last));
+                match x.logits {
+                    _ if drafted => s.len,
+                    LogitRows::None => 0,
+                    LogitRows::Last | LogitRows::Greedy => 1,
+                    LogitRows::All | LogitRows::GreedyAll => s.len,
+                }
+            })
+            .collect();
+        PackedRows::new(step.spans, keep)
+    }
+
     /// The layers and the logits of a step [`Model::forward`] laid out.
     fn run_step(
         &self,
@@ -947,6 +1086,8 @@ impl<B: Backend> Model<B> {
         if let Some(first) = self.layers.first() {
             be.rms_norm(&ws.h, &first.input_norm, step.eps, &mut ws.a)?;
         }
+        let packed = self.last_layer_rows(batch, step);
+        let last = self.layers.len().saturating_sub(1);
         let mut lightning_index = 0;
         for (i, layer) in self.layers.iter().enumerate() {
             let lightning = matches!(layer.mixer, Mixer::Lightning { .. });
@@ -969,10 +1110,28 @@ impl<B: Backend> Model<B> {
                 .layers
                 .get(i + 1)
                 .map_or(&self.final_norm, |l| &l.input_norm);
-            layer.forward(self, be, step, ws, &mut states, &mut captures, next_norm)?;
+            let keep = packed.as_ref().filter(|_| i == last);
+            layer.forward(
+                self,
+                be,
+                step,
+                ws,
+                &mut states,
+                &mut captures,
+                next_norm,
+                keep,
+            )?;
             lightning_index += usize::from(lightning);
             for &[x, src, dst, n] in step.aux_rows {
                 let aux = batch[x].seq.aux.as_mut().expect("placed above");
+                let src = match keep {
+                    Some(p) if aux.layers.contains(&i) => {
+                        p.packed(step.spans, src).ok_or_else(|| {
+                            BackendError("a draft reads a last-layer row not kept".into())
+                        })?
+                    }
+                    _ => src,
+                };
                 for k in (0..3).filter(|&k| aux.layers[k] == i) {
                     be.set_rows(&mut aux.bufs[k], aux.capacity);
                     be.copy_rows(&ws.h, src, &mut aux.bufs[k], dst, n)?;
@@ -982,6 +1141,18 @@ impl<B: Backend> Model<B> {
         if logit_rows.is_empty() {
             return Ok(vec![StepLogits::Rows(Vec::new()); batch.len()]);
         }
+        let packed_rows;
+        let logit_rows = match &packed {
+            Some(p) => {
+                packed_rows = logit_rows
+                    .iter()
+                    .map(|&r| p.packed(step.spans, r))
+                    .collect::<Option<Vec<usize>>>()
+                    .ok_or_else(|| BackendError("a logit row of the last layer not kept".into()))?;
+                &packed_rows[..]
+            }
+            None => logit_rows,
+        };
         // Rows whose logits the host gets; the others only their greedy pick.
         let keep: Vec<bool> = batch
             .iter()

@@ -548,6 +548,17 @@ impl<B: Backend> Backend for Ranks<B> {
         Ok(())
     }
 
+    fn move_rows(
+        &self,
+        a: &mut Self::Act,
+        src_row: usize,
+        dst_row: usize,
+        n: usize,
+    ) -> BResult<()> {
+        self.each(|r, be| be.move_rows(&mut a.parts[r], src_row, dst_row, n))?;
+        Ok(())
+    }
+
     fn new_lightning_state(&self, heads: usize, head_dim: usize) -> BResult<Self::LightningState> {
         let n = self.ranks.len();
         if !heads.is_multiple_of(n) {
@@ -1047,12 +1058,16 @@ impl<B: Backend> Backend for Ranks<B> {
         cfg: &SparseConfig,
         k: &Self::Act,
         v: &Self::Act,
-        rows: usize,
+        rows: std::ops::Range<usize>,
     ) -> BResult<()> {
         if k.split != Split::Columns || v.split != Split::Columns {
-            return Err(err("a cache's earlier tokens come as each rank's KV heads"));
+            return Err(err(
+                "keys and values appended to a cache come as each rank's KV heads",
+            ));
         }
-        self.each(|r, be| be.append_sparse_kv(&mut cache[r], cfg, &k.parts[r], &v.parts[r], rows))?;
+        self.each(|r, be| {
+            be.append_sparse_kv(&mut cache[r], cfg, &k.parts[r], &v.parts[r], rows.clone())
+        })?;
         Ok(())
     }
 

@@ -191,6 +191,115 @@ fn check_mixed_step_rows<B: Backend>(
     Ok(())
 }
 
+/// A step that reads only some rows of its last layer (a prompt chunk asking for its last
+/// row's logits, or for none) gives those rows the logits a step reading every row gives them
+/// and leaves the sequence as that step does, bit for bit: a `len`-token prompt read in chunks
+/// of `chunk` rows, once asking for every row's logits and once for the last chunk's last row
+/// only, each chunk of the second beside a decode row of another sequence (after the chunk, so
+/// its row moves); then three decode steps of each. With chunks of at most
+/// [`crate::STEPWISE_SPAN_ROWS`] rows, on every backend a row's products and attention do not
+/// depend on the other rows of its step.
+pub fn check_last_layer_rows<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    len: usize,
+    chunk: usize,
+) -> Result<(), String> {
+    let err = |e: crate::BackendError| format!("{}: {}", be.name(), e.0);
+    let vocab = model.config.vocab_size;
+    let (prompt, other, feed) = (
+        tokens(len, vocab, 400),
+        tokens(40, vocab, 401),
+        tokens(len.div_ceil(chunk) + 3, vocab, 402),
+    );
+    let mode = model.sparse_mode(len);
+    let mut ws = model.workspace(be, chunk + 1).map_err(err)?;
+    let same = |a: &[f32], b: &[f32]| {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    };
+    // Every row read: the prompt alone, then the other sequence decoding alone.
+    let mut whole = model.new_sequence(be).map_err(err)?;
+    let mut want_last = Vec::new();
+    for part in prompt.chunks(chunk) {
+        want_last = model
+            .forward_one(be, &mut ws, &mut whole, part, mode, LogitRows::All)
+            .map_err(err)?;
+    }
+    let want_last = want_last.split_off(want_last.len() - vocab);
+    let mut alone = prefilled(be, model, &mut ws, &other)?;
+    let want_other = feed
+        .iter()
+        .map(|&t| model.decode(be, &mut ws, &mut alone, t))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(err)?;
+    // The last row only, beside the other sequence's decode rows.
+    let mut seq = model.new_sequence(be).map_err(err)?;
+    let mut beside = prefilled(be, model, &mut ws, &other)?;
+    let parts: Vec<&[u32]> = prompt.chunks(chunk).collect();
+    let mut got_last = Vec::new();
+    for (i, part) in parts.iter().enumerate() {
+        let last = i + 1 == parts.len();
+        let mut inputs = [
+            StepInput {
+                seq: &mut seq,
+                tokens: part,
+                mode,
+                logits: if last {
+                    LogitRows::Last
+                } else {
+                    LogitRows::None
+                },
+            },
+            StepInput {
+                mode: model.sparse_mode(beside.pos + 1),
+                seq: &mut beside,
+                tokens: &feed[i..=i],
+                logits: LogitRows::Last,
+            },
+        ];
+        let out = model.forward(be, &mut ws, &mut inputs).map_err(err)?;
+        let mut out = out.into_iter().map(StepLogits::into_rows);
+        let (mine, theirs) = (
+            out.next().unwrap_or_default(),
+            out.next().unwrap_or_default(),
+        );
+        if !same(&theirs, &want_other[i]) {
+            return Err(format!(
+                "{}: step {i}: a decode row beside a chunk whose rows are not read differs \
+                 from decoding alone",
+                be.name()
+            ));
+        }
+        if last {
+            got_last = mine;
+        } else if !mine.is_empty() {
+            return Err(format!(
+                "{}: logits of a chunk that asked for none",
+                be.name()
+            ));
+        }
+    }
+    if !same(&got_last, &want_last) {
+        return Err(format!(
+            "{}: a {len}-token prompt in chunks of {chunk}: the last row's logits read alone \
+             differ from reading every row",
+            be.name()
+        ));
+    }
+    // Both sequences hold the same caches and states: they decode on alike.
+    for &t in &feed[parts.len()..] {
+        let a = model.decode(be, &mut ws, &mut whole, t).map_err(err)?;
+        let b = model.decode(be, &mut ws, &mut seq, t).map_err(err)?;
+        if !same(&a, &b) {
+            return Err(format!(
+                "{}: decoding after a prompt whose rows were not read differs",
+                be.name()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Greedy picks made where the logits are ([`LogitRows::Greedy`]) equal the host's pick from
 /// the logits themselves: the same token, bit for bit, and its log-probability within float
 /// rounding. Three sequences decode side by side twice, once returning logits and once with a

@@ -465,6 +465,24 @@ fn mixed_step_equals_running_apart_on_the_gpu() {
     }
 }
 
+/// A step that reads only the last row of a prompt chunk (or none) gives it the logits of
+/// reading every row and leaves the same caches, bit for bit, on the GPU
+/// ([`sala_model::testing::check_last_layer_rows`]): the tiny and the small model, prompts
+/// below and past dense_len in chunks of 16 rows (each row's bits its own).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn reading_only_the_last_row_equals_reading_every_row_on_the_gpu() {
+    let g = gpu();
+    for name in ["tiny", "small"] {
+        let mut config = preset(name).unwrap();
+        config.sparse.dense_len = 150;
+        let model = Model::random(&g, config, 9, &mut |_, _| {}).unwrap();
+        for len in [45, 200] {
+            sala_model::testing::check_last_layer_rows(&g, &model, len, 16).unwrap();
+        }
+    }
+}
+
 /// A batched decode step on the GPU gives every sequence the logits it gets decoded alone, bit
 /// for bit: the tiny model (sparse layers row by row: head size 32), sequences on both sides of
 /// dense_len in one batch; batches of 19 (a 32-row GEMV: 4 MMA tiles) and 45 (the 64-row GEMV,
