@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (after scripts/gpu-build.sh here): the parity suite, then every benchmark
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
-# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: figures (the open issues' eight
-# figures, their commands as BENCHMARKS.md quotes them; ~5 minutes) parity (own plans, then each
+# Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: figures (the open issues' ten
+# figures, their commands as BENCHMARKS.md quotes them; ~6 minutes) parity (own plans, then each
 # profile of $PROFILES) lightning 4k hopper rtx5090-1m profile sweep 1m
 # dense concurrent concurrent55k concurrent-profile pool random random-profile profile1m ncu-select follow-up (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
@@ -37,7 +37,8 @@ for step in $steps; do
         echo "parity failures: benchmarks run with SALA_FALLBACK=$SALA_FALLBACK"
       fi ;;
     figures)
-      # Issues 15, 17 and 19: batch-1 decode (bf16, 4-bit, FP8), 1M decode, 64 x 1K, TTFTs.
+      # Issues 15, 17 and 19: batch-1 decode (bf16, 4-bit, FP8), 1M decode, 64 x 1K, TTFTs (and
+      # issue 17's under the RTX 5090's profile).
       i=0
       while IFS= read -r args; do
         i=$((i + 1))
@@ -54,6 +55,8 @@ for step in $steps; do
 --context 128K --decode-tokens 4
 --context 1M --decode-tokens 4 --max-memory 30G
 --weights fp8 --context 1M --decode-tokens 4 --max-memory 30G
+--device-profile rtx5090 --context 128K --decode-tokens 4
+--device-profile rtx5090 --context 1M --decode-tokens 4
 FIGURES
       ;;
     lightning)
