@@ -525,6 +525,13 @@ fn reading_only_the_last_row_equals_reading_every_row() {
         check_last_layer_rows(&CpuBackend::default(), &cpu, len, chunk).unwrap();
     }
     check_last_layer_rows(&ReferenceBackend, &reference, 170, 64).unwrap();
+    // A lightning last layer: its state still reads every row.
+    let mut lightning_last = config;
+    lightning_last.mixer_types.swap(2, 3);
+    let cpu = load(&CpuBackend::default(), &lightning_last, 29);
+    for (len, chunk) in [(45, 16), (200, 64)] {
+        check_last_layer_rows(&CpuBackend::default(), &cpu, len, chunk).unwrap();
+    }
 }
 
 /// A sequence rewound to a snapshot reads on as a cold one, bit for bit, at a chunk
