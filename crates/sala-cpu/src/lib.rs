@@ -974,13 +974,7 @@ impl Backend for CpuBackend {
         rows: std::ops::Range<usize>,
     ) -> BResult<()> {
         let kw = cache.shape.kv_width();
-        if k.cols != kw || v.cols != kw || rows.end > k.rows.min(v.rows) {
-            return Err(BackendError(format!(
-                "appending rows {rows:?} of k [{}, {}] and v [{}, {}] to a cache of rows of \
-                 {kw}",
-                k.rows, k.cols, v.rows, v.cols
-            )));
-        }
+        sala_model::backend::check_append_kv(kw, (k.rows, k.cols), (v.rows, v.cols), &rows)?;
         let at = rows.start * kw..rows.end.max(rows.start) * kw;
         cache.append(&k.data[at.clone()], &v.data[at]);
         Ok(())

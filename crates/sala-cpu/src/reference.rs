@@ -7,7 +7,7 @@ use sala_checkpoint::{KvCacheDtype, ModelConfig, SparseConfig};
 use sala_model::memory::BackendMemory;
 use sala_model::numerics::{bf16_round, fp8_round_kv};
 use sala_model::oracle::{self, AttnShape, SparseMode};
-use sala_model::{AttnIo, BResult, Backend, BackendError, GreedyPick, HostTensor, LogitsOut, Span};
+use sala_model::{AttnIo, BResult, Backend, GreedyPick, HostTensor, LogitsOut, Span};
 
 pub struct ReferenceBackend;
 
@@ -271,13 +271,7 @@ impl Backend for ReferenceBackend {
         rows: std::ops::Range<usize>,
     ) -> BResult<()> {
         let kw = cache.kv_width;
-        if k.cols != kw || v.cols != kw || rows.end > k.rows.min(v.rows) {
-            return Err(BackendError(format!(
-                "appending rows {rows:?} of k [{}, {}] and v [{}, {}] to a cache of rows of \
-                 {kw}",
-                k.rows, k.cols, v.rows, v.cols
-            )));
-        }
+        sala_model::backend::check_append_kv(kw, (k.rows, k.cols), (v.rows, v.cols), &rows)?;
         let first = cache.k.len();
         let at = rows.start * kw..rows.end.max(rows.start) * kw;
         cache.k.extend_from_slice(&k.data[at.clone()]);

@@ -1115,13 +1115,7 @@ impl Backend for CudaBackend {
         rows: std::ops::Range<usize>,
     ) -> BResult<()> {
         let kw = cache.kv_width;
-        if k.cols != kw || v.cols != kw || rows.end > k.rows.min(v.rows) {
-            return Err(BackendError(format!(
-                "appending rows {rows:?} of k [{}, {}] and v [{}, {}] to a cache of rows of \
-                 {kw}",
-                k.rows, k.cols, v.rows, v.cols
-            )));
-        }
+        sala_model::backend::check_append_kv(kw, (k.rows, k.cols), (v.rows, v.cols), &rows)?;
         if rows.is_empty() {
             return Ok(());
         }
