@@ -975,7 +975,7 @@ impl Backend for CpuBackend {
     ) -> BResult<()> {
         let kw = cache.shape.kv_width();
         sala_model::backend::check_append_kv(kw, (k.rows, k.cols), (v.rows, v.cols), &rows)?;
-        let at = rows.start * kw..rows.end.max(rows.start) * kw;
+        let at = rows.start * kw..rows.end * kw;
         cache.append(&k.data[at.clone()], &v.data[at]);
         Ok(())
     }

@@ -273,7 +273,7 @@ impl Backend for ReferenceBackend {
         let kw = cache.kv_width;
         sala_model::backend::check_append_kv(kw, (k.rows, k.cols), (v.rows, v.cols), &rows)?;
         let first = cache.k.len();
-        let at = rows.start * kw..rows.end.max(rows.start) * kw;
+        let at = rows.start * kw..rows.end * kw;
         cache.k.extend_from_slice(&k.data[at.clone()]);
         cache.v.extend_from_slice(&v.data[at]);
         if cfg.kv_cache == KvCacheDtype::Fp8 {

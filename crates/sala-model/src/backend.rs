@@ -37,14 +37,14 @@ pub fn check_move_rows(rows: usize, src_row: usize, dst_row: usize, n: usize) ->
 }
 
 /// The check every [`Backend::append_sparse_kv`] makes: k and v (`[rows, cols]`) as wide as
-/// the cache's rows (`kv_width`), and the rows appended inside both.
+/// the cache's rows (`kv_width`), and the rows appended (in order) inside both.
 pub fn check_append_kv(
     kv_width: usize,
     k: (usize, usize),
     v: (usize, usize),
     rows: &std::ops::Range<usize>,
 ) -> BResult<()> {
-    if k.1 != kv_width || v.1 != kv_width || rows.end > k.0.min(v.0) {
+    if k.1 != kv_width || v.1 != kv_width || rows.start > rows.end || rows.end > k.0.min(v.0) {
         return Err(BackendError(format!(
             "appending rows {rows:?} of k [{}, {}] and v [{}, {}] to a cache of rows of \
              {kv_width}",
