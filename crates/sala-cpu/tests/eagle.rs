@@ -266,3 +266,73 @@ fn the_draft_reads_the_prompt_and_drafts_as_its_plain_layer_does() {
         assert!(again.is_empty(), "nothing new read, yet drafts {again:?}");
     }
 }
+
+/// A draft reading the target's last layer keeps every row of its sequence's prompt, even in a
+/// step where another prompt's chunk asks for no logits (so the last layer packs the rows it
+/// reads to the front): the hidden states it captures and the prompt's last logits are those of
+/// reading the prompt alone, bit for bit.
+#[test]
+fn a_draft_reads_every_last_layer_row_beside_a_chunk_that_reads_none() {
+    use sala_model::{LogitRows, StepInput, StepLogits};
+    let be = CpuBackend::default();
+    let mut config = preset("tiny").unwrap();
+    config.sparse.dense_len = 4096;
+    let target = Model::random(&be, config.clone(), 3, &mut |_, _| {}).unwrap();
+    let c = DraftConfig {
+        intermediate_size: 96,
+        aux_layers: [0, 2, config.num_hidden_layers - 1],
+        ..DraftConfig::small(&config)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write_random_draft(dir.path(), &c, true, None, 17).unwrap();
+    let ckpt = DraftCheckpoint::open(dir.path(), &config).unwrap();
+    let draft = DraftModel::load(&be, &target, &ckpt).unwrap();
+    let mut rng = TestRng::new(9);
+    let mut tokens = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| rng.below(config.vocab_size) as u32)
+            .collect()
+    };
+    let (other, prompt) = (tokens(20), tokens(37));
+    let mut ws = target.workspace(&be, 64).unwrap();
+    let captured = |seq: &sala_model::SeqState<CpuBackend>| -> Vec<Vec<f32>> {
+        let aux = seq.aux.as_ref().unwrap();
+        aux.bufs
+            .iter()
+            .map(|b| be.to_host(b).unwrap()[..prompt.len() * config.hidden_size].to_vec())
+            .collect()
+    };
+    let mut alone = target.new_sequence(&be).unwrap();
+    alone.aux = Some(draft.capture(&be, &target, 0).unwrap());
+    let want = target
+        .prefill(&be, &mut ws, &mut alone, &prompt, &mut |_| {})
+        .unwrap();
+    let mut beside = target.new_sequence(&be).unwrap();
+    beside.aux = Some(draft.capture(&be, &target, 0).unwrap());
+    let mut plain = target.new_sequence(&be).unwrap();
+    let mode = target.sparse_mode(prompt.len());
+    let mut inputs = [
+        StepInput {
+            mode: target.sparse_mode(other.len()),
+            seq: &mut plain,
+            tokens: &other,
+            logits: LogitRows::None,
+        },
+        StepInput {
+            seq: &mut beside,
+            tokens: &prompt,
+            mode,
+            logits: LogitRows::Last,
+        },
+    ];
+    let got = target.forward(&be, &mut ws, &mut inputs).unwrap();
+    let got = got.into_iter().nth(1).map(StepLogits::into_rows).unwrap();
+    assert!(
+        got == want,
+        "the prompt's last logits beside the chunk differ"
+    );
+    assert!(
+        captured(&beside) == captured(&alone),
+        "the draft's hidden states beside the chunk differ"
+    );
+}
