@@ -15,11 +15,11 @@
 #include <algorithm>
 
 #include "cuda-check.cuh"
+#include "gather-block.cuh"
 
-constexpr int QUERIES = 8192, GROUPS = 2, PICKS = 62, BLOCKS = 16384, KEYS = 64, D = 128;
+constexpr int QUERIES = 8192, GROUPS = GB_GROUPS, PICKS = 62, BLOCKS = 16384, KEYS = GB_KEYS, D = GB_D;
 constexpr int WARPS = 4, BUCKETS = 64;
-// Bytes of one block's K of one group: 64 rows of D bf16, rows GROUPS·D·2 bytes apart.
-constexpr size_t ROW = (size_t)GROUPS * D * 2;
+constexpr size_t ROW = GB_ROW;
 
 struct Pace {
     unsigned* ticket;  // blocks started
@@ -28,23 +28,6 @@ struct Pace {
     int lag;           // 0: no pacing
     unsigned total_blocks;
 };
-
-// Reads the 32 KB (K and V) of block b of group g, 16 bytes a lane a load, 4 loads in flight.
-__device__ __forceinline__ unsigned read_block(const char* k, const char* v, int b, int g) {
-    unsigned acc = 0;
-    const char* kb = k + (size_t)b * KEYS * ROW + g * D * 2;
-    const char* vb = v + (size_t)b * KEYS * ROW + g * D * 2;
-    const int lane = threadIdx.x & 31;
-    // 64 rows x 256 bytes = 1,024 uint4 for each of K and V: 32 a lane of each.
-#pragma unroll 4
-    for (int i = 0; i < 32; i++) {
-        const int u = i * 32 + lane, row = u >> 4, col = u & 15;
-        uint4 a = __ldg((const uint4*)(kb + row * ROW) + col);
-        uint4 c = __ldg((const uint4*)(vb + row * ROW) + col);
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ c.x ^ c.y ^ c.z ^ c.w;
-    }
-    return acc;
-}
 
 __global__ void __launch_bounds__(WARPS * 32) gather(const char* k, const char* v, const int* lists, unsigned* sink,
                                                      int lo, int hi, Pace pace) {

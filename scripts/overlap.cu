@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cuda-check.cuh"
+#include "gather-block.cuh"
 
 #define CKB(x)                                                                    \
     do {                                                                          \
@@ -56,22 +57,11 @@ __global__ void silu_stream(const uint4* gu, uint4* act, size_t rows, size_t hal
 // `picks` ascending block ids.
 __global__ void __launch_bounds__(128) gather(const char* k, const char* v, const int* lists, int picks,
                                               unsigned* sink) {
-    constexpr size_t ROW = 2 * 128 * 2;  // two groups of 128 bf16
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     const int g = blockIdx.x & 1, list = (blockIdx.x >> 1) * 4 + warp;
     const int* my = lists + (size_t)list * picks;
     unsigned acc = 0;
-    for (int j = 0; j < picks; j++) {
-        const char* kb = k + (size_t)my[j] * 64 * ROW + g * 256;
-        const char* vb = v + (size_t)my[j] * 64 * ROW + g * 256;
-#pragma unroll 4
-        for (int i = 0; i < 32; i++) {
-            const int u = i * 32 + lane, row = u >> 4, col = u & 15;
-            uint4 a = __ldg((const uint4*)(kb + row * ROW) + col);
-            uint4 c = __ldg((const uint4*)(vb + row * ROW) + col);
-            acc ^= a.x ^ a.y ^ a.z ^ a.w ^ c.x ^ c.y ^ c.z ^ c.w;
-        }
-    }
+    for (int j = 0; j < picks; j++) acc ^= read_block(k, v, my[j], g);
     if (acc == 0x12345678u) sink[0] = acc;
 }
 

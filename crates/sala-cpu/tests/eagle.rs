@@ -195,21 +195,51 @@ impl Reference {
     }
 }
 
-#[test]
-fn the_draft_reads_the_prompt_and_drafts_as_its_plain_layer_does() {
-    let be = CpuBackend::default();
+/// The tiny target (dense attention throughout) and a random draft reading its layers 0, 2 and
+/// the last, from a checkpoint written in a temporary folder.
+struct Tiny {
+    config: sala_checkpoint::ModelConfig,
+    draft_config: DraftConfig,
+    target: Model<CpuBackend>,
+    ckpt: DraftCheckpoint,
+    draft: DraftModel<CpuBackend>,
+    _dir: tempfile::TempDir,
+}
+
+fn tiny(be: &CpuBackend) -> Tiny {
     let mut config = preset("tiny").unwrap();
     config.sparse.dense_len = 4096;
-    let target = Model::random(&be, config.clone(), 3, &mut |_, _| {}).unwrap();
-    let c = DraftConfig {
+    let target = Model::random(be, config.clone(), 3, &mut |_, _| {}).unwrap();
+    let draft_config = DraftConfig {
         intermediate_size: 96,
         aux_layers: [0, 2, config.num_hidden_layers - 1],
         ..DraftConfig::small(&config)
     };
     let dir = tempfile::tempdir().unwrap();
-    write_random_draft(dir.path(), &c, true, None, 17).unwrap();
+    write_random_draft(dir.path(), &draft_config, true, None, 17).unwrap();
     let ckpt = DraftCheckpoint::open(dir.path(), &config).unwrap();
-    let draft = DraftModel::load(&be, &target, &ckpt).unwrap();
+    let draft = DraftModel::load(be, &target, &ckpt).unwrap();
+    Tiny {
+        config,
+        draft_config,
+        target,
+        ckpt,
+        draft,
+        _dir: dir,
+    }
+}
+
+#[test]
+fn the_draft_reads_the_prompt_and_drafts_as_its_plain_layer_does() {
+    let be = CpuBackend::default();
+    let Tiny {
+        config,
+        draft_config: c,
+        target,
+        ckpt,
+        draft,
+        _dir,
+    } = tiny(&be);
     let mut rng = TestRng::new(8);
     for (len, drafts) in [(1usize, 1usize), (37, 1), (37, 4), (90, 3)] {
         let prompt: Vec<u32> = (0..len)
@@ -275,18 +305,13 @@ fn the_draft_reads_the_prompt_and_drafts_as_its_plain_layer_does() {
 fn a_draft_reads_every_last_layer_row_beside_a_chunk_that_reads_none() {
     use sala_model::{LogitRows, StepInput, StepLogits};
     let be = CpuBackend::default();
-    let mut config = preset("tiny").unwrap();
-    config.sparse.dense_len = 4096;
-    let target = Model::random(&be, config.clone(), 3, &mut |_, _| {}).unwrap();
-    let c = DraftConfig {
-        intermediate_size: 96,
-        aux_layers: [0, 2, config.num_hidden_layers - 1],
-        ..DraftConfig::small(&config)
-    };
-    let dir = tempfile::tempdir().unwrap();
-    write_random_draft(dir.path(), &c, true, None, 17).unwrap();
-    let ckpt = DraftCheckpoint::open(dir.path(), &config).unwrap();
-    let draft = DraftModel::load(&be, &target, &ckpt).unwrap();
+    let Tiny {
+        config,
+        target,
+        draft,
+        _dir,
+        ..
+    } = tiny(&be);
     let mut rng = TestRng::new(9);
     let mut tokens = |n: usize| -> Vec<u32> {
         (0..n)
