@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod context;
 pub mod draft;
+mod layer;
 pub mod load;
 pub mod memory;
 pub mod model;
@@ -12,6 +13,7 @@ pub mod oracle;
 pub mod parallel;
 pub mod ranks;
 pub mod sequence;
+mod step;
 pub mod testing;
 
 pub use backend::{
