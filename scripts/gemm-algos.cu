@@ -5,21 +5,13 @@
 // times up to 16 heuristic candidates (median of 15 runs after 3) on random data and prints
 // their TFLOP/s in the heuristic's order.
 // Build and run on the GPU: nvcc -O2 -o /tmp/gemm-algos scripts/gemm-algos.cu -lcublasLt && /tmp/gemm-algos
-#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                  \
-    do {                                                                       \
-        auto r_ = (x);                                                         \
-        if ((int)r_ != 0) {                                                    \
-            printf("%s failed: %d (line %d)\n", #x, (int)r_, __LINE__);        \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
+#include "lt-bf16.cuh"
 
 __global__ void fill(__nv_bfloat16* p, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -52,18 +44,10 @@ int main(int argc, char** argv) {
     cudaEventCreate(&e1);
     for (auto& s : shapes) {
         const int out = s[0], inner = s[1];
-        cublasLtMatmulDesc_t desc;
-        CK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-        cublasOperation_t t = CUBLAS_OP_T;
-        CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
-        cublasLtMatrixLayout_t a, b, c;
-        CK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, inner, out, inner));
-        CK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, inner, rows, inner));
-        CK(cublasLtMatrixLayoutCreate(&c, CUDA_R_16BF, out, rows, out));
-        cublasLtMatmulPreference_t pref;
-        CK(cublasLtMatmulPreferenceCreate(&pref));
-        CK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                                sizeof ws_bytes));
+        LtBf16 p = lt_bf16(rows, out, inner, ws_bytes);
+        const auto desc = p.desc;
+        const auto a = p.a, b = p.b, c = p.c;
+        const auto pref = p.pref;
         cublasLtMatmulHeuristicResult_t res[16];
         int n = 0;
         CK(cublasLtMatmulAlgoGetHeuristic(lt, desc, a, b, c, c, pref, 16, res, &n));
@@ -106,11 +90,7 @@ int main(int argc, char** argv) {
         }
         printf("\n  first %.0f, best %.0f at [%d]: %+.1f%%\n", first, best, best_i, 100.0 * (best / first - 1.0));
         CK(cudaGetLastError());
-        cublasLtMatmulPreferenceDestroy(pref);
-        cublasLtMatrixLayoutDestroy(a);
-        cublasLtMatrixLayoutDestroy(b);
-        cublasLtMatrixLayoutDestroy(c);
-        cublasLtMatmulDescDestroy(desc);
+        lt_bf16_destroy(p);
     }
     return 0;
 }

@@ -11,7 +11,6 @@
 // (The SiLU reads the product's output while it is written: the values do not matter here.)
 // Prints ms alone, together, and the share of the shorter one hidden. Build and run on the GPU:
 //   nvcc -arch=sm_90a -O2 -o /tmp/overlap scripts/overlap.cu -lcublasLt && /tmp/overlap
-#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <algorithm>
 #include <cstdio>
@@ -20,15 +19,7 @@
 
 #include "cuda-check.cuh"
 #include "gather-block.cuh"
-
-#define CKB(x)                                                                    \
-    do {                                                                          \
-        auto r_ = (x);                                                            \
-        if ((int)r_ != 0) {                                                       \
-            printf("%s failed: %d (line %d)\n", #x, (int)r_, __LINE__);           \
-            exit(1);                                                              \
-        }                                                                         \
-    } while (0)
+#include "lt-bf16.cuh"
 
 constexpr int ROWS = 8192, INNER = 4096, OUT = 32768;
 
@@ -85,24 +76,16 @@ int main() {
     const size_t ws_bytes = 32 << 20;
     CHECK(cudaMalloc(&ws, ws_bytes));
     cublasLtHandle_t lt;
-    CKB(cublasLtCreate(&lt));
-    cublasLtMatmulDesc_t desc;
-    CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t t = CUBLAS_OP_T;
-    CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
-    cublasLtMatrixLayout_t a, b, c;
-    CKB(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, INNER, OUT, INNER));
-    CKB(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, INNER, ROWS, INNER));
-    CKB(cublasLtMatrixLayoutCreate(&c, CUDA_R_16BF, OUT, ROWS, OUT));
-    cublasLtMatmulPreference_t pref;
-    CKB(cublasLtMatmulPreferenceCreate(&pref));
-    CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
-                                             sizeof ws_bytes));
+    CK(cublasLtCreate(&lt));
+    const LtBf16 plan = lt_bf16(ROWS, OUT, INNER, ws_bytes);
+    const auto desc = plan.desc;
+    const auto a = plan.a, b = plan.b, c = plan.c;
+    const auto pref = plan.pref;
     cublasLtMatmulHeuristicResult_t res;
     int n = 0;
-    CKB(cublasLtMatmulAlgoGetHeuristic(lt, desc, a, b, c, c, pref, 1, &res, &n));
+    CK(cublasLtMatmulAlgoGetHeuristic(lt, desc, a, b, c, c, pref, 1, &res, &n));
     // The memory-bound kernels' buffers: the SiLU's (the product's output is its input) and the
-    // gather's cache and lists (8,192 lists of 62 blocks: 1/8 of a 1M chunk's).
+    // gather's cache and lists (2,048 lists of 62 blocks, each read for both groups).
     __nv_bfloat16* act;
     CHECK(cudaMalloc(&act, (size_t)ROWS * 16384 * 2));
     const size_t cache = (size_t)16384 * 64 * 512;
@@ -132,7 +115,7 @@ int main() {
     CHECK(cudaStreamCreateWithPriority(&s_mem_hi, cudaStreamNonBlocking, hi));
     auto gemm = [&](cudaStream_t s) {
         const float alpha = 1.0f, beta = 0.0f;
-        CKB(cublasLtMatmul(lt, desc, &alpha, w, a, x, b, &beta, y, c, y, c, &res.algo, ws, ws_bytes, s));
+        CK(cublasLtMatmul(lt, desc, &alpha, w, a, x, b, &beta, y, c, y, c, &res.algo, ws, ws_bytes, s));
     };
     auto stream = [&](cudaStream_t s) {
         silu_stream<<<132 * 8, 256, 0, s>>>((const uint4*)y, (uint4*)act, ROWS, 16384 / 8);

@@ -246,11 +246,8 @@ fn check_batched_decode(
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn cuda_graph_decode_equals_eager_on_the_gpu() {
     let g = gpu();
-    for name in ["tiny", "small"] {
-        let mut config = preset(name).unwrap();
-        config.sparse.dense_len = 100;
-        let v = config.vocab_size;
-        let model = Model::random(&g, config, 11, &mut |_, _| {}).unwrap();
+    for (name, model) in tiny_and_small(&g, 100, 11) {
+        let v = model.config.vocab_size;
         let mut rng = TestRng::new(5);
         let lens = [150usize, 40, 333, 7];
         let prompts: Vec<Vec<u32>> = lens
@@ -309,11 +306,8 @@ fn cuda_graph_decode_equals_eager_on_the_gpu() {
 fn greedy_steps_run_ahead_pick_what_steps_one_at_a_time_pick_on_the_gpu() {
     let g = gpu();
     set(&g, |o| o.run_ahead = true);
-    for name in ["tiny", "small"] {
-        let mut config = preset(name).unwrap();
-        config.sparse.dense_len = 100;
-        let v = config.vocab_size;
-        let model = Model::random(&g, config, 12, &mut |_, _| {}).unwrap();
+    for (name, model) in tiny_and_small(&g, 100, 12) {
+        let v = model.config.vocab_size;
         let mut rng = TestRng::new(8);
         let prompts: Vec<Vec<u32>> = [130usize, 41, 260, 9]
             .iter()
@@ -457,10 +451,7 @@ fn cuda_graphs_tell_steps_apart_by_the_logits_they_ask_for() {
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn mixed_step_equals_running_apart_on_the_gpu() {
     let g = gpu();
-    for name in ["tiny", "small"] {
-        let mut config = preset(name).unwrap();
-        config.sparse.dense_len = 150;
-        let model = Model::random(&g, config, 9, &mut |_, _| {}).unwrap();
+    for (_, model) in tiny_and_small(&g, 150, 9) {
         sala_model::testing::check_mixed_step(&g, &model).unwrap();
     }
 }
@@ -473,10 +464,7 @@ fn mixed_step_equals_running_apart_on_the_gpu() {
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn reading_only_the_last_row_equals_reading_every_row_on_the_gpu() {
     let g = gpu();
-    for name in ["tiny", "small"] {
-        let mut config = preset(name).unwrap();
-        config.sparse.dense_len = 150;
-        let model = Model::random(&g, config, 9, &mut |_, _| {}).unwrap();
+    for (_, model) in tiny_and_small(&g, 150, 9) {
         for len in [45, 200] {
             sala_model::testing::check_last_layer_rows(&g, &model, len, 16).unwrap();
         }
@@ -726,10 +714,7 @@ fn greedy_picks_match_the_host() {
     let picks = check(&nan, &[true, false, true, false, false, false], "all NaN");
     assert!(picks.iter().all(|p| p.id.is_none()));
 
-    for name in ["tiny", "small"] {
-        let mut config = preset(name).unwrap();
-        config.sparse.dense_len = 100;
-        let model = Model::random(&g, config, 13, &mut |_, _| {}).unwrap();
+    for (_, model) in tiny_and_small(&g, 100, 13) {
         sala_model::testing::check_greedy_picks(&g, &model).unwrap();
     }
 }
@@ -791,6 +776,25 @@ fn a_panic_inside_a_captured_step_leaves_the_backend_working() {
 
 /// Preset `name` past a `dense_len` of 100 with few blocks selected (2 top-k, a 64-token
 /// window), so the compressed tiers and the selection matter within a few hundred tokens.
+/// The tiny model (head size 32: sparse rows one by one) and the small one (head size 128:
+/// batched), by name, random weights of `seed`, sparse attention from `dense_len` tokens.
+fn tiny_and_small(
+    g: &CudaBackend,
+    dense_len: usize,
+    seed: u64,
+) -> Vec<(&'static str, Model<CudaBackend>)> {
+    ["tiny", "small"]
+        .map(|name| {
+            let mut config = preset(name).unwrap();
+            config.sparse.dense_len = dense_len;
+            (
+                name,
+                Model::random(g, config, seed, &mut |_, _| {}).unwrap(),
+            )
+        })
+        .into()
+}
+
 fn few_blocks(name: &str) -> ModelConfig {
     let mut config = preset(name).unwrap();
     config.sparse.dense_len = 100;
