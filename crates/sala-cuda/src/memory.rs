@@ -368,13 +368,16 @@ pub(crate) enum RopeKey {
     Rows(u64, usize, Vec<usize>),
 }
 
-/// Makes `slot` hold at least `n` elements (grow-only).
+/// Makes `slot` hold at least `n` elements (grow-only; what it held is not kept).
 pub(crate) fn grow<T: DeviceRepr + ValidAsZeroBits>(
     stream: &Arc<CudaStream>,
     slot: &mut Option<CudaSlice<T>>,
     n: usize,
 ) -> BResult<()> {
     if slot.as_ref().is_none_or(|b| b.len() < n) {
+        // The old buffer goes first, freed in stream order after the work queued on it, so the
+        // allocator may reuse its memory for the new one.
+        *slot = None;
         *slot = Some(
             stream
                 .alloc_zeros::<T>(n.max(1))
