@@ -456,7 +456,7 @@ impl<B: Backend> Model<B> {
         let mut logits = Vec::new();
         let chunks = tokens.chunks(ws.chunk);
         let last = chunks.len() - 1;
-        for (i, chunk) in tokens.chunks(ws.chunk).enumerate() {
+        for (i, chunk) in chunks.enumerate() {
             let rows = if i == last {
                 LogitRows::Last
             } else {
