@@ -271,9 +271,11 @@ pub const MAX_TOOLS: usize = 128;
 /// What a field that takes several shapes must be, in our words (serde's name the Rust type).
 fn expected_shape(path: &str) -> Option<&'static str> {
     Some(match path {
-        "prompt" => "a string, a list of token ids, or a list holding one of those",
+        "prompt" => {
+            "a string, a list of token ids (integers from 0), or a list holding one of those"
+        }
         "stop" => "a string or a list of strings",
-        "seed" => "an integer",
+        "seed" => "an integer that fits in 64 bits (-2^63 to 2^64 - 1)",
         "response_format" => {
             "an object whose `type` is `text`, `json_object` or `json_schema` (with \
              `json_schema.schema`)"

@@ -84,6 +84,13 @@ fn parameters_out_of_range_are_named() {
             "prompt",
             "outside the vocabulary",
         ),
+        (json!({"prompt": [5, -1]}), "prompt", "integers from 0"),
+        (
+            serde_json::from_str::<serde_json::Value>(r#"{"seed": 1180591620717411303424}"#)
+                .unwrap(),
+            "seed",
+            "fits in 64 bits",
+        ),
     ] {
         let (status, v) = post("/v1/completions", &base(extra.clone()));
         let text = v.to_string();
