@@ -4,9 +4,10 @@
 # $PROFILES (default rtx5090), then each `sala bench` argument string given, run by A and B
 # in turn, twice (A B A B: machines drift), their result lines together. Logs in $OUT/ab/.
 # PARITY=0 skips the parity suite (~6 minutes with one profile: a device call lasts at most 10,
-# so parity and a long A/B may need two calls); TESTS="name ..." runs only the tests whose names
-# contain one of those strings. SIDES="A B C" adds .gpu-c/ (built with DEST=.gpu-c) to the
-# benches; PARITY_OF=C tests that build instead of B.
+# so parity and a long A/B may need two calls; PARALLEL=1 runs the plans at once); TESTS="name
+# ..." runs only the tests whose names contain one of those strings (scripts/gpu-parity.sh).
+# SIDES="A B C" adds .gpu-c/ (built with DEST=.gpu-c) to the benches; PARITY_OF=C tests that
+# build instead of B.
 # Usage: bash scripts/gpu-ab.sh "--context 4K --decode-tokens 256" ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,16 +18,7 @@ mkdir -p "$L"
 dir_of() { case $1 in A) echo .gpu ;; *) echo ".gpu-$(echo "$1" | tr 'A-Z' 'a-z')" ;; esac; }
 P=${PARITY_OF:-B}
 if [ "${PARITY:-1}" != 0 ]; then
-  echo "== parity of $P, own plans"
-  # shellcheck disable=SC2086
-  timeout 300 "$(dir_of "$P")/gpu_parity" --include-ignored --test-threads=1 ${TESTS:-} > "$L/parity.log" 2>&1
-  grep -E 'test result|panicked|FAILED' "$L/parity.log" | head -12
-  for p in ${PROFILES-rtx5090}; do
-    echo "== parity of $P under $p"
-    # shellcheck disable=SC2086
-    SALA_DEVICE_PROFILE=$p timeout 300 "$(dir_of "$P")/gpu_parity" --include-ignored --test-threads=1 ${TESTS:-} > "$L/parity_$p.log" 2>&1
-    grep -E 'test result|panicked|FAILED' "$L/parity_$p.log" | head -12
-  done
+  DIR=$(dir_of "$P") LOGS=$L PROFILES=${PROFILES-rtx5090} bash scripts/gpu-parity.sh
 fi
 i=0
 for args in "$@"; do

@@ -3,7 +3,7 @@
 # the issues quote, logs in one archive ($OUT/logs.tgz, at most 8 files come back).
 # Usage: bash scripts/gpu-bench-all.sh [steps...], steps from: figures (the open issues' ten
 # figures, their commands as BENCHMARKS.md quotes them; ~6 minutes) parity (own plans, then each
-# profile of $PROFILES) lightning 4k hopper rtx5090-1m profile sweep 1m
+# profile of $PROFILES: scripts/gpu-parity.sh, PARALLEL=1 for all at once) lightning 4k hopper rtx5090-1m profile sweep 1m
 # dense concurrent concurrent55k concurrent-profile pool random random-profile profile1m ncu-select follow-up (default: parity lightning 4k
 # profile 1m dense concurrent, in that order). A kernel whose parity test fails is replaced
 # by its previous version (SALA_FALLBACK) for the benchmarks, and the log says so.
@@ -22,13 +22,7 @@ for step in $steps; do
   echo "== $step $(date +%T)"
   case $step in
     parity)
-      timeout 300 .gpu/gpu_parity --include-ignored --test-threads=1 > "$L/parity.log" 2>&1
-      grep -E '^test |test result|panicked' "$L/parity.log" | head -20
-      for p in ${PROFILES-rtx5090 rtx4090 a6000 a100}; do
-        echo "-- parity under the $p profile"
-        SALA_DEVICE_PROFILE=$p timeout 300 .gpu/gpu_parity --include-ignored --test-threads=1 > "$L/parity_$p.log" 2>&1
-        grep -E 'test result|panicked|FAILED' "$L/parity_$p.log" | head -8
-      done
+      LOGS=$L bash scripts/gpu-parity.sh
       grep -q "fast_block_selection_matches_oracle_scores ... ok" "$L/parity.log" || fallback+=(wgmma)
       grep -q 'lightning_matches_oracle ... ok' "$L/parity.log" || fallback+=(lightning-split)
       grep -q 'batched_sparse_layers_equal_decoding_alone_on_the_gpu ... ok' "$L/parity.log" || fallback+=(sparse-rows)

@@ -13,12 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv >
 status=0
 
 # The parity suite with the GPU's own plans, then as each profiled card would run it.
-for profile in "" ${PROFILES-rtx5090 rtx4090 a6000 a100}; do
-  log="$OUT/parity${profile:+_$profile}.log"
-  echo "== parity tests${profile:+ under the $profile profile}"
-  if ! SALA_DEVICE_PROFILE=$profile .gpu/gpu_parity --include-ignored --test-threads=1 > "$log" 2>&1; then status=1; fi
-  grep -E '^test |test result|panicked|error' "$log" | head -40
-done
+bash scripts/gpu-parity.sh || status=1
 
 echo "== CLI: greedy tokens on the CPU and the GPU"
 rm -rf /tmp/sala-tiny && .gpu/sala init --preset tiny /tmp/sala-tiny > /dev/null 2>&1
