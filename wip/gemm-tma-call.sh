@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The first call for gemm-tma and gemm-tma-qk (written in the fortieth session, no device then): our Hopper GEMM against cuBLASLt
-# (standalone, then in the engine: C = wip/gemm-tma.patch, D = C + wip/gemm-tma-qk.patch, built
-# by DEST=.gpu-c / .gpu-d scripts/gpu-build-patch.sh); then f8-codes-in-product's A/B (B) if
-# time is left. Carry .gpuz/b40.tgz (tar czf .gpuz/b40.tgz .gpu .gpu-b .gpu-c .gpu-d: the four
-# builds would pass the 64 MiB a call carries) (this script is in the tree).
+# The first GPU call for gemm-tma and gemm-tma-qk (written in the fortieth session, which had
+# no device): our Hopper GEMM against cuBLASLt, standalone, then in the engine (C =
+# wip/gemm-tma.patch, D = C + wip/gemm-tma-qk.patch, built by DEST=.gpu-c / .gpu-d
+# scripts/gpu-build-patch.sh); then f8-codes-in-product's A/B (B) if time is left. Carry
+# .gpuz/b40.tgz (tar czf .gpuz/b40.tgz .gpu .gpu-b .gpu-c .gpu-d: the four builds unpacked
+# pass the 64 MiB a call carries).
 set -u
 G=$(nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader)
 echo "GPU: $G"
