@@ -6,7 +6,8 @@
 # runs the plans at once, a process each, after the own plans' run has compiled its kernels
 # (the suite's models are small: the runs share the GPU and take about the longest one's
 # time instead of the sum; a machine short of memory should keep the default, one at a time).
-# Exits 1 when a run fails.
+# PARITY_TIMEOUT: seconds a run may take (default 300, as before; 0: no limit). Exits 1 when a
+# run fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -19,7 +20,7 @@ profiles=("" ${PROFILES-rtx5090 rtx4090 a6000 a100})
 log_of() { echo "$logs/parity${1:+_$1}.log"; }
 run() {
   # shellcheck disable=SC2086
-  SALA_DEVICE_PROFILE=$1 timeout "${PARITY_TIMEOUT:-400}" "$dir/gpu_parity" --include-ignored \
+  SALA_DEVICE_PROFILE=$1 timeout "${PARITY_TIMEOUT:-300}" "$dir/gpu_parity" --include-ignored \
     --test-threads=1 ${TESTS:-} > "$(log_of "$1")" 2>&1
 }
 status=0
