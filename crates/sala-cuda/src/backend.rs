@@ -42,6 +42,9 @@ pub struct CudaBackend {
     /// Residual adds and norms made inside the product after them (`add_norm_silu_w4`), for
     /// tests.
     pub(crate) norms_in_products: Cell<usize>,
+    /// FP8 products that made their inputs' codes in their own blocks (`gemv_f8_bf16_8`), for
+    /// tests.
+    pub(crate) codes_in_products: Cell<usize>,
     /// Where per-sequence caches and states live: the page pool, or one allocation each.
     pub(crate) pool: Option<pool::SharedPool>,
     /// CUDA graphs of repeated decode steps.
@@ -165,6 +168,7 @@ impl CudaBackend {
             waited: Default::default(),
             sparse_rows_batched: Default::default(),
             norms_in_products: Default::default(),
+            codes_in_products: Default::default(),
             pool,
             picks_later: Cell::new(false),
             picked_rows: Cell::new(0),
@@ -240,6 +244,11 @@ impl CudaBackend {
     /// How many residual adds and norms ran inside the product after them (one launch).
     pub fn norms_in_products(&self) -> usize {
         self.norms_in_products.get()
+    }
+
+    /// How many FP8 products made their inputs' codes in their own blocks (no launch before).
+    pub fn codes_in_products(&self) -> usize {
+        self.codes_in_products.get()
     }
 
     /// The block lists of the last sparse selection: `rows · kv_heads · k_sel` ids (tests).

@@ -199,6 +199,7 @@ kernel_table! {
     QuantRowsF8 = quant_rows_f8 in "gemv/fp8.cu" (x: Ptr, k: I32, codes: Ptr, values: Ptr, scales: Ptr);
     GemvF8x8 = gemv_f8_8 in "gemv/fp8.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvF8x16 = gemv_f8_16 in "gemv/fp8.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
+    GemvF8Bf16x8 = gemv_f8_bf16_8 in "gemv/fp8.cu" (x: Ptr, w: Ptr, ws: Ptr, n: I32, k: I32, nb: I32, y0: Ptr, n0: I32, y1: Ptr, n1: I32, y2: Ptr, n2: I32, y3: Ptr);
     GemvSiluF8x8 = gemv_silu_f8_8 in "gemv/fp8.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     GemvSiluF8x16 = gemv_silu_f8_16 in "gemv/fp8.cu" (xc: Ptr, xs: Ptr, w: Ptr, ws: Ptr, y: Ptr, inter: I32, k: I32, nb: I32);
     ScaleRowsCols = scale_rows_cols in "gemv/fp8.cu" (y: Ptr, xs: Ptr, ws: Ptr, n: I32);

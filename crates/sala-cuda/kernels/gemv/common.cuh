@@ -31,6 +31,13 @@ __device__ __forceinline__ void gemv_store(float s, int o, int b, bf16* y0, int 
 
 // Measured at batch 1 (H200, 4K decode, kernel time of 64 steps): 8 warps, one pack a lane:
 // 439 ms; 8 warps, two packs: 401; 16 warps, two packs (this): 391; the CUDA-core GEMVs: 395.
+// 16 bytes of shared memory at byte address `at`.
+__device__ __forceinline__ uint4 gm_lds(u32 at) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(at));
+    return v;
+}
+
 #define GM_WARPS 16
 
 // Runs slab(cur, nxt, s) for this warp's slabs s = w, w + GM_WARPS, ... below `slabs`, two a

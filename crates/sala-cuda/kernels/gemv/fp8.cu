@@ -12,43 +12,45 @@
 // E4M3 tensor cores from 8.9 on, on f16 ones before (E4M3 values are exact in f16, times
 // F8_F16_UNIT each).
 
-// Each of `rows` rows of x (k apart, k a multiple of 8) as FP8 at its own scale: its codes
-// (`codes`, when not NULL), their bf16 values (`values`, when not NULL), its scale.
-// launch: grid = rows, block = 256, dynamic smem = 0 bytes
-extern "C" __global__ void __launch_bounds__(256)
-quant_rows_f8(const bf16* x, int k, unsigned char* codes, bf16* values, float* scales) {
-    pdl_start();
-    __shared__ float red[8];
-    const size_t row = blockIdx.x;
-    const bf16* xr = x + row * k;
+// Row xr (k values, k a multiple of 8) as FP8 at its own scale, by the whole block (a multiple
+// of 32 threads): its codes (`codes`, when not NULL), their bf16 values (`values`, when not
+// NULL), its scale (`*scale`, written by thread 0). `scratch` holds 32 floats.
+__device__ __forceinline__ void quant_row_f8(const bf16* xr, int k, unsigned char* codes, bf16* values, float* scale,
+                                             float* scratch) {
     float amax = 0.0f;
-    for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
-        amax = fmaxf(amax, amax8(*(const uint4*)(xr + i)));
-    }
-    amax = warp_max(amax);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
-    __syncthreads();
-    // Every warp reduces the eight warps' maxima, so each has the row's.
-    amax = warp_max((threadIdx.x & 31) < 8 ? red[threadIdx.x & 31] : 0.0f);
-    const float scale = f8_scale(amax), inv = __fdiv_rn(1.0f, scale);
-    for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
+    for (int i = threadIdx.x * 8; i < k; i += blockDim.x * 8) amax = fmaxf(amax, amax8(*(const uint4*)(xr + i)));
+    amax = block_max(amax, scratch);
+    const float s = f8_scale(amax), inv = __fdiv_rn(1.0f, s);
+    for (int i = threadIdx.x * 8; i < k; i += blockDim.x * 8) {
         const uint4 v = *(const uint4*)(xr + i);
         const u32 w[4] = {v.x, v.y, v.z, v.w};
         u32 c[4];
 #pragma unroll
         for (int j = 0; j < 4; j++)
             c[j] = e4m3x2_code(bf2f((bf16)(w[j] & 0xffffu)) * inv, bf2f((bf16)(w[j] >> 16)) * inv);
-        if (codes) *(uint2*)(codes + row * k + i) = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+        if (codes) *(uint2*)(codes + i) = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
         if (values) {
             u32 o[4];
 #pragma unroll
             for (int j = 0; j < 4; j++)
                 o[j] = (__float_as_uint(e4m3_value(c[j] & 0xffu)) >> 16) |
                        (__float_as_uint(e4m3_value(c[j] >> 8)) & 0xffff0000u);
-            *(uint4*)(values + row * k + i) = make_uint4(o[0], o[1], o[2], o[3]);
+            *(uint4*)(values + i) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }
-    if (threadIdx.x == 0) scales[row] = scale;
+    if (threadIdx.x == 0) *scale = s;
+}
+
+// Each of `rows` rows of x (k apart, k a multiple of 8) as FP8 at its own scale: its codes
+// (`codes`, when not NULL), their bf16 values (`values`, when not NULL), its scale.
+// launch: grid = rows, block = 256, dynamic smem = 0 bytes
+extern "C" __global__ void __launch_bounds__(256)
+quant_rows_f8(const bf16* x, int k, unsigned char* codes, bf16* values, float* scales) {
+    pdl_start();
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    quant_row_f8(x + row * k, k, codes ? codes + row * k : nullptr, values ? values + row * k : nullptr, scales + row,
+                 scratch);
 }
 
 // sm_90 and sm_100 have no mma.sync for E4M3 (ptxas makes it F2FP conversions, two f16 MMAs
@@ -130,7 +132,9 @@ __device__ __forceinline__ void f8_load_w(const unsigned char* const (&row)[2], 
 // SILU: w is [gate; up] (n = 2·inter, inter a multiple of 8), each M-tile 8 gate rows j..j + 7
 // and their up rows, and
 // y0 gets round(round(silu(round(g))) · round(u)) (the product, then silu_mul_halves).
-template <int NT, bool SILU>
+// XB: xc is the rows' bf16 values: each block makes their codes and scales itself, as
+// quant_rows_f8 does (quant_row_f8), into shared memory (nb · k bytes, dynamic).
+template <int NT, bool SILU, bool XB = false>
 __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const float* xs, const unsigned char* w,
                                              const float* ws, int n, int k, int nb, bf16* y0, int n0, bf16* y1,
                                              int n1, bf16* y2, int n2, bf16* y3) {
@@ -150,10 +154,6 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
         rows[0] = w + (u64)r0 * k;
         rows[1] = w + (u64)r1 * k;
     };
-    // Lane columns past nb read row nb − 1 (their sums are not stored).
-    const unsigned char* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) xr[nt] = xc + (u64)min(nt * 8 + g, nb - 1) * k;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     const int t = lane & 3;
     uint4 a[2][2], an[2][2];
@@ -161,6 +161,24 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
     rows_of(blockIdx.x, rows);
     if ((int)blockIdx.x < tiles) f8_load_w(rows, k, warp, a);
     pdl_start();
+    // XB: the codes in shared memory (read by shared-window address), the scales too.
+    extern __shared__ __align__(16) unsigned char f8_x_codes[];
+    if constexpr (XB) {
+        __shared__ float x_scales[8], scratch[32];
+        for (int b = 0; b < nb; b++)
+            quant_row_f8((const bf16*)xc + (u64)b * k, k, f8_x_codes + (u64)b * k, nullptr, &x_scales[b], scratch);
+        __syncthreads();
+        xs = x_scales;
+    }
+    // Lane columns past nb read row nb − 1 (their sums are not stored).
+    const unsigned char* xr[NT];
+    u32 xr_shared[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const u32 row = min(nt * 8 + g, nb - 1) * k;
+        xr[nt] = xc + row;
+        xr_shared[nt] = XB ? sp_smem_addr(f8_x_codes) + row : 0;
+    }
     const float unit = 1.0f / (F8_F16_UNIT * F8_F16_UNIT);  // the MMAs summed values times F8_F16_UNIT²
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float c[NT][4];
@@ -176,7 +194,8 @@ __device__ __forceinline__ void gemv_f8_body(const unsigned char* xc, const floa
             for (int p = 0; p < 2; p++) {
                 const int kk = s * 128 + (t * 2 + p) * 16;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) b[p][nt] = kk < k ? __ldg((const uint4*)(xr[nt] + kk)) : zero;
+                for (int nt = 0; nt < NT; nt++)
+                    b[p][nt] = kk >= k ? zero : XB ? gm_lds(xr_shared[nt] + kk) : __ldg((const uint4*)(xr[nt] + kk));
             }
             const int ns = s + GM_WARPS < slabs ? s + GM_WARPS : warp;
             const int ntile = s + GM_WARPS < slabs ? tile : tile + (int)gridDim.x;
@@ -226,6 +245,17 @@ gemv_f8_8(const unsigned char* xc, const float* xs, const unsigned char* w, cons
           bf16* y0, int n0, bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
     // (the PDL wait: in gemv_f8_body, after its first weights are asked for)
     gemv_f8_body<1, false>(xc, xs, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
+}
+
+// gemv_f8_8 of nb ≤ 8 rows given as bf16 values (k a multiple of 16): each block makes their
+// codes and scales (quant_rows_f8's), so no launch before it does. Two blocks an SM, as
+// gemv_f8_8 on Hopper.
+// launch: grid = min(ceil(n / 16), 2 · SMs), block = 32 * GM_WARPS, dynamic smem = nb · k bytes
+extern "C" __global__ void __launch_bounds__(32 * GM_WARPS, 2)
+gemv_f8_bf16_8(const bf16* x, const unsigned char* w, const float* ws, int n, int k, int nb, bf16* y0, int n0,
+               bf16* y1, int n1, bf16* y2, int n2, bf16* y3) {
+    // (the PDL wait: in gemv_f8_body, after its first weights are asked for)
+    gemv_f8_body<1, false, true>((const unsigned char*)x, nullptr, w, ws, n, k, nb, y0, n0, y1, n1, y2, n2, y3);
 }
 
 // gemv_f8_8 for nb ≤ 16.

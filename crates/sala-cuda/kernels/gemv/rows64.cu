@@ -66,13 +66,6 @@ __device__ __forceinline__ void r64_stage(u32 stage, const R64Stage& st, const b
     }
 }
 
-// 16 bytes of shared memory at byte address `at`.
-__device__ __forceinline__ uint4 r64_lds(u32 at) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(at));
-    return v;
-}
-
 template <bool SILU, bool SPLIT>
 __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, int n, int k, int nb, bf16* y0, int n0,
                                                  bf16* y1, int n1, bf16* y2, int n2, bf16* y3, float* sums) {
@@ -161,8 +154,8 @@ __device__ __forceinline__ void gemv_rows64_body(const bf16* x, const bf16* w, i
 #pragma unroll
             for (int nt = 0; nt < 8; nt += 2) {
                 if (nt >= ntiles) break;
-                const uint4 xa = r64_lds(stage + xoff[p] + nt * 1024);
-                const uint4 xb = r64_lds(stage + xoff[p] + (nt + 1) * 1024);
+                const uint4 xa = gm_lds(stage + xoff[p] + nt * 1024);
+                const uint4 xb = gm_lds(stage + xoff[p] + (nt + 1) * 1024);
                 sp_mma(c[nt], lo.x, hi.x, lo.y, hi.y, xa.x, xa.y);
                 sp_mma(c[nt + 1], lo.x, hi.x, lo.y, hi.y, xb.x, xb.y);
                 sp_mma(c[nt], lo.z, hi.z, lo.w, hi.w, xa.z, xa.w);

@@ -1,7 +1,7 @@
 //! Matrix products: GEMVs for decode-sized batches (`kernels/gemv/`, each row's result
 //! independent of the others), cuBLASLt for the rest.
 
-use crate::kernels::Launcher;
+use crate::kernels::{Launcher, K};
 use crate::memory::{be_err, DevAct, DevMem, Fp8Weights, W4Weights};
 use crate::options::DecodeGemv;
 use crate::plan::{
@@ -297,6 +297,23 @@ impl CudaBackend {
         Ok((inputs, scales))
     }
 
+    /// The shared memory `gemv_f8_bf16_8` needs for `rows` rows of width `k` at `xp`, where it
+    /// takes them: rows whose codes no norm made (those are read as they are), at most 8, their
+    /// codes within what the kernel is opted into (`GEMV_F8_BF16_SMEM` where the device allows).
+    /// Either way the norm's codes are this product's.
+    fn f8_bf16_inputs_fit(&self, xp: u64, rows: usize, k: usize) -> Option<u32> {
+        let made = self.fresh_f8.get() == Some((xp, rows, k));
+        let smem = rows * k;
+        let fits = !made
+            && rows <= 8
+            && k.is_multiple_of(16)
+            && smem <= self.k.planner().max_dynamic_smem(K::GemvF8Bf16x8);
+        if fits {
+            self.fresh_f8.set(None);
+        }
+        fits.then_some(smem as u32)
+    }
+
     /// The FP8 input scratch for `rows` rows of width `k`: their codes (bytes) or bf16 values,
     /// and their scales.
     pub(crate) fn f8_input_scratch(
@@ -324,7 +341,8 @@ impl CudaBackend {
     }
 
     /// `gemv` of an FP8 matrix: the rows made E4M3 (`quant_rows_f8`), then `gemv_f8_8` /
-    /// `gemv_f8_16`, up to 16 rows a launch.
+    /// `gemv_f8_16`, up to 16 rows a launch; or, for a few narrow rows whose codes no norm
+    /// made, `gemv_f8_bf16_8`, each block making their codes itself (no launch before it).
     fn gemv_fp8(
         &self,
         xp: u64,
@@ -335,8 +353,29 @@ impl CudaBackend {
     ) -> BResult<()> {
         let (n, k) = (w.rows as i32, w.cols as i32);
         let (wp, wsp) = (self.ptr(&f.codes), self.ptr(&f.scales));
-        let (xc, xs) = self.quantize_inputs(xp, rows, w.cols, true)?;
         let at = self.tiles_launch(w, w.rows.div_ceil(16));
+        if let Some(smem) = self.f8_bf16_inputs_fit(xp, rows, w.cols) {
+            let [(y0, n0), (y1, n1), (y2, n2), (y3, _)] = parts_at_row(outs, 0);
+            let at = Launch { smem, ..at };
+            self.codes_in_products.set(self.codes_in_products.get() + 1);
+            return self.k.gemv_f8_bf16_8(
+                at,
+                xp,
+                wp,
+                wsp,
+                n,
+                k,
+                rows as i32,
+                y0,
+                n0,
+                y1,
+                n1,
+                y2,
+                n2,
+                y3,
+            );
+        }
+        let (xc, xs) = self.quantize_inputs(xp, rows, w.cols, true)?;
         let mut r = 0;
         while r < rows {
             let nb = 16.min(rows - r);

@@ -375,6 +375,7 @@ const FIXED_BLOCKS: &[(K, u32)] = &[
     (K::QuantRowsF8, 256),
     (K::GemvF8x8, GEMV_MMA_THREADS),
     (K::GemvF8x16, GEMV_MMA_THREADS),
+    (K::GemvF8Bf16x8, GEMV_MMA_THREADS),
     (K::GemvSiluF8x8, GEMV_MMA_THREADS),
     (K::GemvSiluF8x16, GEMV_MMA_THREADS),
     (K::ScaleRowsCols, 256),

@@ -122,6 +122,9 @@ pub const GEMV_ROWS_PER_BLOCK: usize = 16;
 pub const GEMV_MAX_K: usize = 1 << 20;
 /// Products with at most this many output rows run as `gemv_narrow` (a row a warp).
 pub const GEMV_NARROW_MAX_ROWS: usize = 12288;
+/// Most dynamic shared memory `gemv_f8_bf16_8` takes for its rows' codes (rows · inner bytes):
+/// two decode rows of the released shape's down product, eight of its output product.
+pub const GEMV_F8_BF16_SMEM: usize = 32 << 10;
 /// Up to this many rows (a batched decode step), products run as GEMVs whose result for a
 /// row does not depend on the other rows.
 pub const GEMV_BATCH_ROWS: usize = 64;
@@ -332,6 +335,7 @@ impl Planner {
             K::SdTopkRowsCl if self.limits.hopper_instructions => usize::MAX,
             K::SdTopkScores => topk_keys_bytes(SD_TOPK_MAX_CANDIDATES),
             K::SelectScoresWg if self.limits.hopper_instructions => SELECT_WG_SMEM,
+            K::GemvF8Bf16x8 => GEMV_F8_BF16_SMEM,
             // The exact selection's per-group query rows: 16 heads of d ≤ 256.
             K::SparseSelect | K::SelectScores => 16 * (256 + 3) * 4,
             K::SelectLse => (256 + 3) * 4,

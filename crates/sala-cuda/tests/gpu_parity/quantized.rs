@@ -539,9 +539,10 @@ fn fp8_products_match_cpu() {
 
 /// A norm feeding an FP8 product makes the product's E4M3 codes as it writes its output; the
 /// product takes them instead of making them again. The same product run again on the same
-/// output (making the codes itself, `quant_rows_f8`) gives the same bits: plain, gated and
-/// residual norms, decode rows and prefill rows, with this GPU's plans and as an A100 or A6000
-/// (whose prefill products read bf16 values, so only its decode rows take the norm's codes).
+/// output (making the codes itself: by `quant_rows_f8`, or, for up to 8 narrow decode rows, in
+/// each block of `gemv_f8_bf16_8`) gives the same bits: plain, gated and residual norms, decode
+/// rows and prefill rows, with this GPU's plans and as an A100 or A6000 (whose prefill products
+/// read bf16 values, so only its decode rows take the norm's codes).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
 fn fp8_codes_made_by_norms_are_those_the_products_make() {
@@ -585,8 +586,20 @@ fn fp8_codes_made_by_norms_are_those_the_products_make() {
                             .unwrap()
                     }
                 }
+                let before = g.codes_in_products();
                 g.matmul(&normed, &gw, &mut first).unwrap();
+                assert_eq!(
+                    g.codes_in_products(),
+                    before,
+                    "{name}, {norm}, {rows} rows: the norm's codes were not taken"
+                );
                 g.matmul(&normed, &gw, &mut again).unwrap();
+                // 1,024 inputs: up to 8 rows make their codes in the product's blocks.
+                assert_eq!(
+                    g.codes_in_products() - before,
+                    usize::from(rows <= 8),
+                    "{name}, {norm}, {rows} rows: where the codes were made"
+                );
                 let (a, b) = (g.to_host(&first).unwrap(), g.to_host(&again).unwrap());
                 let differ = a
                     .iter()
