@@ -874,6 +874,94 @@ fn a_rewound_sequence_goes_on_as_if_never_ahead_on_the_gpu() {
     }
 }
 
+/// The hidden states a target keeps for a draft (three layers' outputs), and its logits, agree
+/// with the CPU's in the prefill and in each decode step after it: the tiny and small targets
+/// with few blocks selected, prompts on both sides of `dense_len` (where an EAGLE-3 draft's
+/// inputs come from).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-build.sh, then scripts/gpu-run.sh on the GPU machine"]
+fn the_hidden_states_kept_for_a_draft_agree_with_the_cpus() {
+    use sala_model::AuxCapture;
+    let g = gpu();
+    for name in ["tiny", "small"] {
+        let config = few_blocks(name);
+        let dir = std::env::temp_dir().join(format!("sala-gpu-aux-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = WriteOptions {
+            seed: 6,
+            ..Default::default()
+        };
+        write_random_checkpoint(&dir, &config, &options).unwrap();
+        let ck = Ckpt(Checkpoint::open(&dir).unwrap());
+        let cpu = CpuBackend::default();
+        let gm = Model::load(&g, config.clone(), &ck, &mut |_, _| {}).unwrap();
+        let cm = Model::load(&cpu, config.clone(), &ck, &mut |_, _| {}).unwrap();
+        let n = config.num_hidden_layers;
+        let layers = [1, n / 2, n - 1];
+        let mut rng = TestRng::new(12);
+        for len in [40usize, 150, 333] {
+            let prompt: Vec<u32> = (0..len)
+                .map(|_| rng.below(config.vocab_size) as u32)
+                .collect();
+            let feeds: Vec<u32> = (0..4)
+                .map(|_| rng.below(config.vocab_size) as u32)
+                .collect();
+            // Each step's kept rows (three layers) and logits: the prefill's, then each decode's.
+            fn run<B: Backend>(
+                be: &B,
+                m: &Model<B>,
+                layers: [usize; 3],
+                prompt: &[u32],
+                feeds: &[u32],
+            ) -> Vec<([Vec<f32>; 3], Vec<f32>)> {
+                let width = m.config.hidden_size;
+                let mut seq = m.new_sequence(be).unwrap();
+                seq.aux = Some(AuxCapture::new(be, layers, width, 512, 0).unwrap());
+                let mut ws = m.workspace(be, 128).unwrap();
+                let logits = m
+                    .prefill(be, &mut ws, &mut seq, prompt, &mut |_| {})
+                    .unwrap();
+                let mut steps = Vec::new();
+                let kept = |seq: &mut sala_model::SeqState<B>| {
+                    let end = seq.pos;
+                    let aux = seq.aux.as_mut().unwrap();
+                    let rows = aux.take(end).len();
+                    aux.bufs.each_ref().map(|b| {
+                        let mut v = be.to_host(b).unwrap();
+                        v.truncate(rows * width);
+                        v
+                    })
+                };
+                steps.push((kept(&mut seq), logits));
+                for &f in feeds {
+                    let l = m.decode(be, &mut ws, &mut seq, f).unwrap();
+                    steps.push((kept(&mut seq), l));
+                }
+                steps
+            }
+            let on_gpu = run(&g, &gm, layers, &prompt, &feeds);
+            let on_cpu = run(&cpu, &cm, layers, &prompt, &feeds);
+            for (step, ((gk, gl), (ck, cl))) in on_gpu.iter().zip(&on_cpu).enumerate() {
+                for (i, (a, b)) in gk.iter().zip(ck).enumerate() {
+                    assert_eq!(a.len(), b.len(), "{name}, prompt {len}, step {step}");
+                    let err = rel_l2(a, b);
+                    assert!(
+                        err < 2e-2,
+                        "{name}, prompt {len}, step {step}: layer {}'s kept rows off by {err}",
+                        layers[i]
+                    );
+                }
+                let err = rel_l2(gl, cl);
+                assert!(
+                    err < 2e-2,
+                    "{name}, prompt {len}, step {step}: logits off by {err}"
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 /// An EAGLE-3 draft on the GPU reads the target's hidden states and drafts as on the CPU:
 /// the tiny and small targets (draft heads of 32 and 128), prompts on both sides of a
 /// `dense_len` of 100 with few blocks selected (the draft's cache goes sparse too), the draft
