@@ -27,9 +27,7 @@ fn context_parallel_prefill_on_the_gpu_gives_one_gpus_logits() {
     // inside the stepping kernels (40 tokens over 3 ranks: ranges of 16, 16 and 8 rows;
     // chunks of 12 rows): the start-state term must prepare its queries itself.
     for (n, chunk) in [(40usize, 40usize), (150, 150), (150, 37), (150, 12)] {
-        let toks: Vec<u32> = (0..n + 4)
-            .map(|_| rng.below(config.vocab_size) as u32)
-            .collect();
+        let toks = random_tokens(&mut rng, n + 4, config.vocab_size);
         let (prompt, rest) = toks.split_at(n);
         let mut ws = one.workspace(&g, chunk).unwrap();
         let mut seq = one.new_sequence(&g).unwrap();

@@ -34,6 +34,11 @@ fn gpu() -> CudaBackend {
     g
 }
 
+/// `n` token ids below `vocab`, drawn from `rng`.
+fn random_tokens(rng: &mut TestRng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(vocab) as u32).collect()
+}
+
 /// Runs `g` from now on with its options changed by `f`.
 fn set(g: &CudaBackend, f: impl FnOnce(&mut CudaOptions)) {
     let mut o = g.options();

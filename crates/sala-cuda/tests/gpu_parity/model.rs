@@ -57,9 +57,7 @@ fn four_bit_model_matches_cpu() {
     let gm = Model::random(&g, config.clone(), 8, &mut |_, _| {}).unwrap();
     let cm = Model::random(&CpuBackend::default(), config.clone(), 8, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(4);
-    let toks: Vec<u32> = (0..160)
-        .map(|_| rng.below(config.vocab_size) as u32)
-        .collect();
+    let toks = random_tokens(&mut rng, 160, config.vocab_size);
     let want = prefill_decode(&CpuBackend::default(), &cm, &toks, 130, 64);
     let got = prefill_decode(&g, &gm, &toks, 130, 64);
     for (i, (gl, cl)) in got.iter().zip(&want).enumerate() {
@@ -76,29 +74,13 @@ fn check_model(config: ModelConfig, n: usize, prompt: usize, chunk: usize) {
         true => (0.2, 0.75),
         false => (5e-2, 0.9),
     };
-    let dir = std::env::temp_dir().join(format!(
-        "sala-gpu-{}-{}-{n}-{prompt}",
-        std::process::id(),
-        config.hidden_size
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    write_random_checkpoint(
-        &dir,
-        &config,
-        &WriteOptions {
-            seed: 5,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let ck = Ckpt(Checkpoint::open(&dir).unwrap());
+    let tag = format!("{}-{n}-{prompt}", config.hidden_size);
+    let (dir, ck) = random_checkpoint(&config, 5, &tag);
     let g = gpu();
     let gm = Model::load(&g, config.clone(), &ck, &mut |_, _| {}).unwrap();
     let cm = Model::load(&CpuBackend::default(), config.clone(), &ck, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(9);
-    let toks: Vec<u32> = (0..n)
-        .map(|_| rng.below(config.vocab_size) as u32)
-        .collect();
+    let toks = random_tokens(&mut rng, n, config.vocab_size);
     let want = prefill_decode(&CpuBackend::default(), &cm, &toks, prompt, chunk);
     let got = prefill_decode(&g, &gm, &toks, prompt, chunk);
     let argmax = |l: &[f32]| {
@@ -874,6 +856,23 @@ fn a_rewound_sequence_goes_on_as_if_never_ahead_on_the_gpu() {
     }
 }
 
+/// A random checkpoint of `config` (weights drawn from `seed`) in a fresh folder named by `tag`
+/// (and this process), opened: (folder, checkpoint).
+pub(crate) fn random_checkpoint(
+    config: &ModelConfig,
+    seed: u64,
+    tag: &str,
+) -> (std::path::PathBuf, Ckpt) {
+    let dir = std::env::temp_dir().join(format!("sala-gpu-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let options = WriteOptions {
+        seed,
+        ..Default::default()
+    };
+    write_random_checkpoint(&dir, config, &options).unwrap();
+    (dir.clone(), Ckpt(Checkpoint::open(&dir).unwrap()))
+}
+
 /// `name`'s preset with few blocks selected as a random checkpoint (seed 6) in a folder named by
 /// `tag`, loaded on the GPU and on the CPU: (folder, config, GPU model, CPU model).
 fn few_blocks_on_both(
@@ -887,14 +886,7 @@ fn few_blocks_on_both(
     Model<CpuBackend>,
 ) {
     let config = few_blocks(name);
-    let dir = std::env::temp_dir().join(format!("sala-gpu-{tag}-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let options = WriteOptions {
-        seed: 6,
-        ..Default::default()
-    };
-    write_random_checkpoint(&dir, &config, &options).unwrap();
-    let ck = Ckpt(Checkpoint::open(&dir).unwrap());
+    let (dir, ck) = random_checkpoint(&config, 6, &format!("{tag}-{name}"));
     let gm = Model::load(g, config.clone(), &ck, &mut |_, _| {}).unwrap();
     let cm = Model::load(&CpuBackend::default(), config.clone(), &ck, &mut |_, _| {}).unwrap();
     (dir, config, gm, cm)
@@ -916,12 +908,8 @@ fn the_hidden_states_kept_for_a_draft_agree_with_the_cpus() {
         let layers = [1, n / 2, n - 1];
         let mut rng = TestRng::new(12);
         for len in [40usize, 150, 333] {
-            let prompt: Vec<u32> = (0..len)
-                .map(|_| rng.below(config.vocab_size) as u32)
-                .collect();
-            let feeds: Vec<u32> = (0..4)
-                .map(|_| rng.below(config.vocab_size) as u32)
-                .collect();
+            let prompt = random_tokens(&mut rng, len, config.vocab_size);
+            let feeds = random_tokens(&mut rng, 4, config.vocab_size);
             // Each step's kept rows (three layers) and logits: the prefill's, then each decode's.
             fn run<B: Backend>(
                 be: &B,
@@ -1003,12 +991,8 @@ fn draft_rounds_agree(max: usize) {
         let cd = DraftModel::load(&cpu, &cm, &dck).unwrap();
         let mut rng = TestRng::new(12);
         for len in [40usize, 150, 333] {
-            let prompt: Vec<u32> = (0..len)
-                .map(|_| rng.below(config.vocab_size) as u32)
-                .collect();
-            let feeds: Vec<u32> = (0..5)
-                .map(|_| rng.below(config.vocab_size) as u32)
-                .collect();
+            let prompt = random_tokens(&mut rng, len, config.vocab_size);
+            let feeds = random_tokens(&mut rng, 5, config.vocab_size);
             // Each backend: prefill with the draft's rows kept, then rounds of drafting, the
             // target decoding the next feed between them; the drafts and last hidden states.
             fn rounds<B: Backend>(

@@ -144,20 +144,11 @@ fn tensor_parallel_ranks_on_gpus_give_one_gpus_logits() {
     config.sparse.dense_len = 100;
     // One checkpoint's weights for both (random weights made on a GPU and on the host, as
     // the ranks make theirs, may differ in a last bit).
-    let dir = std::env::temp_dir().join(format!("sala-gpu-tp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let opts = WriteOptions {
-        seed: 12,
-        ..Default::default()
-    };
-    write_random_checkpoint(&dir, &config, &opts).unwrap();
-    let ck = super::model::Ckpt(Checkpoint::open(&dir).unwrap());
+    let (dir, ck) = super::model::random_checkpoint(&config, 12, "tp");
     let g = gpu();
     let one = Model::load(&g, config.clone(), &ck, &mut |_, _| {}).unwrap();
     let mut rng = TestRng::new(13);
-    let toks: Vec<u32> = (0..160)
-        .map(|_| rng.below(config.vocab_size) as u32)
-        .collect();
+    let toks = random_tokens(&mut rng, 160, config.vocab_size);
     let want = prefill_decode_logits(&g, &one, &toks);
     eprintln!("tensor parallel over 1 GPU, and 2 and 4 where there are: {gpus} here");
     let mut counts = vec![1, gpus.min(2), gpus.min(4)];
@@ -188,6 +179,7 @@ fn tensor_parallel_ranks_on_gpus_give_one_gpus_logits() {
         }
         check_mixed_step(&ranks, &model).unwrap();
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Prefill 120 tokens in chunks of 48, then decode the rest: each call's last logits.
