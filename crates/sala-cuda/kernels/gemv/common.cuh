@@ -29,8 +29,6 @@ __device__ __forceinline__ void gemv_store(float s, int o, int b, bf16* y0, int 
     y[(size_t)b * w + o] = f2bf(s);
 }
 
-// Measured at batch 1 (H200, 4K decode, kernel time of 64 steps): 8 warps, one pack a lane:
-// 439 ms; 8 warps, two packs: 401; 16 warps, two packs (this): 391; the CUDA-core GEMVs: 395.
 // 16 bytes of shared memory at byte address `at`.
 __device__ __forceinline__ uint4 gm_lds(u32 at) {
     uint4 v;
@@ -38,6 +36,8 @@ __device__ __forceinline__ uint4 gm_lds(u32 at) {
     return v;
 }
 
+// Measured at batch 1 (H200, 4K decode, kernel time of 64 steps): 8 warps, one pack a lane:
+// 439 ms; 8 warps, two packs: 401; 16 warps, two packs (this): 391; the CUDA-core GEMVs: 395.
 #define GM_WARPS 16
 
 // Runs slab(cur, nxt, s) for this warp's slabs s = w, w + GM_WARPS, ... below `slabs`, two a
