@@ -970,14 +970,16 @@ fn the_hidden_states_kept_for_a_draft_agree_with_the_cpus() {
 /// with few blocks selected (the draft's cache goes sparse too), the draft with the target's
 /// embedding table, rounds of drafting (up to `max` tokens; 0: the draft only reads the
 /// target's new rows) with the target decoding in between (decode steps and draft steps repeat:
-/// captured into CUDA graphs, then replayed). The hidden states agree within bf16 roundings in
-/// every round; with drafts, the first of each round is the same token (random weights: later
-/// ones may part at a near-tie).
+/// captured into CUDA graphs, then replayed). With drafts, the first of each round is the same
+/// token; later ones may part at a near-tie of the random weights (in at most a fifth of the
+/// rounds), and where the drafts the steps read agree, so do the hidden states, within bf16
+/// roundings (always, with no drafts).
 fn draft_rounds_agree(max: usize) {
     use sala_checkpoint::{write_random_draft, DraftCheckpoint, DraftConfig};
     use sala_model::draft::DraftModel;
     let g = gpu();
     let cpu = CpuBackend::default();
+    let (mut rounds_seen, mut parted) = (0usize, Vec::new());
     for (name, head_dim) in [("tiny", 32usize), ("small", 128)] {
         let (dir, config, gm, cm) = few_blocks_on_both(&g, name, "draft");
         let c = DraftConfig {
@@ -1023,25 +1025,35 @@ fn draft_rounds_agree(max: usize) {
             let on_gpu = rounds(&g, &gm, &gd, (&prompt, &feeds, max));
             let on_cpu = rounds(&cpu, &cm, &cd, (&prompt, &feeds, max));
             for (r, ((gdr, gh), (cdr, ch))) in on_gpu.iter().zip(&on_cpu).enumerate() {
-                let err = rel_l2(gh, ch);
-                assert!(
-                    err < 2e-2,
-                    "{name}, prompt {len}, round {r}, up to {max} drafts: hidden states off by {err}"
-                );
-                assert_eq!(
-                    gdr.len(),
-                    max,
-                    "{name}, prompt {len}, round {r}: drafts {gdr:?}"
-                );
+                let ctx = format!("{name}, prompt {len}, round {r}, up to {max} drafts");
+                assert_eq!(gdr.len(), max, "{ctx}: drafts {gdr:?}");
                 if max > 0 {
-                    assert_eq!(
-                        gdr[0], cdr[0],
-                        "{name}, prompt {len}, round {r}: {gdr:?} vs {cdr:?}"
-                    );
+                    assert_eq!(gdr[0], cdr[0], "{ctx}: {gdr:?} vs {cdr:?}");
                 }
+                // The last hidden states are those of the step over draft max − 2 (after the
+                // steps over drafts 0 .. max − 3): drafts past the first may part at a near-tie
+                // of random weights, and then the steps read other tokens.
+                let fed = max.saturating_sub(1);
+                rounds_seen += 1;
+                if gdr[..fed] != cdr[..fed] {
+                    parted.push(format!("{ctx}: {gdr:?} vs {cdr:?}"));
+                    continue;
+                }
+                let err = rel_l2(gh, ch);
+                assert!(err < 2e-2, "{ctx}: hidden states off by {err}");
             }
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+    // Near-ties are rare: most rounds must draft the same tokens on both (so their hidden
+    // states were compared), or a fault that changes every later draft would pass unseen.
+    assert!(
+        parted.len() * 5 <= rounds_seen,
+        "{} of {rounds_seen} rounds drafted other tokens after the first: {parted:#?}",
+        parted.len()
+    );
+    if !parted.is_empty() {
+        eprintln!("rounds whose later drafts parted at a near-tie: {parted:#?}");
     }
 }
 
