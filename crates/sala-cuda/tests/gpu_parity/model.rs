@@ -1027,6 +1027,7 @@ fn draft_rounds_agree(max: usize) {
             for (r, ((gdr, gh), (cdr, ch))) in on_gpu.iter().zip(&on_cpu).enumerate() {
                 let ctx = format!("{name}, prompt {len}, round {r}, up to {max} drafts");
                 assert_eq!(gdr.len(), max, "{ctx}: drafts {gdr:?}");
+                assert_eq!(cdr.len(), max, "{ctx}: the CPU's drafts {cdr:?}");
                 if max > 0 {
                     assert_eq!(gdr[0], cdr[0], "{ctx}: {gdr:?} vs {cdr:?}");
                 }
