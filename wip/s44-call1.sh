@@ -15,9 +15,9 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} XDG_CACHE_HOME
 [ -d .gpu-c ] || tar xzf .gpuz/b43.tgz
 # X: the whole suite with the GPU's own plans, and the lightning and stepping tests under the
 # rtx5090 (single-buffered ranges) and a6000 profiles at once.
-DIR=.gpu-x PROFILES="" PARITY_TIMEOUT=420 LOGS=$OUT/x bash scripts/gpu-parity.sh
-DIR=.gpu-x PROFILES="rtx5090 a6000" PARALLEL=1 PARALLEL_HEAD_START=0 PARITY_TIMEOUT=150 LOGS=$OUT/x \
+DIR=.gpu-x PROFILES="" PARITY_TIMEOUT=330 LOGS=$OUT/x bash scripts/gpu-parity.sh
+DIR=.gpu-x PROFILES="rtx5090 a6000" PARALLEL=1 PARALLEL_HEAD_START=0 PARITY_TIMEOUT=120 LOGS=$OUT/x \
   TESTS="lightning short_spans rewound batched mixed_step copied snapshot forks many_rows" bash scripts/gpu-parity.sh
 # C: its products' tests on the GPU's plans.
-DIR=.gpu-c PROFILES="" PARITY_TIMEOUT=150 LOGS=$OUT/c TESTS="many_rows batched_decode cuda_graph mixed_step" \
+DIR=.gpu-c PROFILES="" PARITY_TIMEOUT=100 LOGS=$OUT/c TESTS="many_rows batched_decode cuda_graph mixed_step" \
   bash scripts/gpu-parity.sh

@@ -19,6 +19,6 @@ b() { # build, tag, args...
 for s in A P C X A P C X; do b $s steps --concurrent 64 --context 1K --decode-tokens 256 --batched-only; done
 for s in A X; do b $s run --concurrent 64 --context 1K --decode-tokens 1024 --batched-only; done
 for s in A X A X; do b $s short --concurrent 64 --context 1K --decode-tokens 8 --batched-only; done
-for s in A P A P; do b $s b1 --context 4K --decode-tokens 256; done
-for s in A P A P; do b $s w4 --weights w4 --context 4K --decode-tokens 256; done
+for s in A P; do b $s b1 --context 4K --decode-tokens 256; done
+for s in A P; do b $s w4 --weights w4 --context 4K --decode-tokens 256; done
 SALA_PROFILE=1 timeout 90 .gpu-x/sala bench --device cuda --concurrent 64 --context 1K --decode-tokens 16 --batched-only > "$L/prof_X.txt" 2>&1
